@@ -1,0 +1,182 @@
+"""Combine: reduce each token's expert rows where they are, send one partial row home, sum there.
+
+Equivalent PyTorch::
+
+    # on expert rank d, for every slot j that source s filled:
+    partial_d[s, j] = sum(w[r] * y[r] for r in slot_rows[j] if r >= 0)   # fp32, then y.dtype
+    # on home rank s, in fixed rank order:
+    out[t] = sum(partial_d[s, slot_of[t, d]] for d in range(R) if slot_of[t, d] >= 0)  # fp32
+
+**Send** (``combine_send_kernel``, on the expert rank): program ``(s, tile)`` reads the rows of
+``BLOCK_T`` slots of source ``s`` (up to K rows per slot), reduces them in fp32 (fp64 for fp64
+data) and stores one partial row into rank ``s``'s ``combine_rows[p, me, slot]``; optionally
+one float per (slot, choice) goes along into ``combine_meta`` (the gradient of the router
+weights). The last program publishes the epoch to every rank. Bytes stored into rank ``s``:
+``n_s * (H * elem [+ 4K]) + 8``: the mirror image of dispatch.
+
+**Reduce** (``combine_reduce_kernel``, on the home rank, after every epoch arrived): one program
+per token tile sums the partials of ranks ``0..R-1`` in that order (bit-reproducible).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .comm import draw_last_ticket, peer_ptr, publish_epoch
+from .numerics import cast_rne
+
+
+@triton.jit
+def combine_send_kernel(
+    y,  # [rows, H] expert outputs
+    weights,  # [rows] float32 (HAS_WEIGHTS)
+    pair_values,  # [rows] float32 (HAS_PAIR): one value per row, sent back per (token, choice)
+    slot_rows,  # [S, K] int32: rows of each received slot, -1 where unused
+    slot_counts,  # [R] int32: slots received from each source
+    slot_offsets,  # [R + 1] int64: first row of each source in slot_rows
+    peer_ptrs,  # [R] int64
+    stats,  # [4] int64 local: bytes stored (to peers, to itself) at [2], [3]
+    tickets,  # [1] int64 local ticket counter of this channel
+    rows_off, meta_off, signal_off,  # byte offsets of this rank's regions in every segment
+    last_ticket, epoch,
+    H, K, R, me,
+    KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr,
+    ACC_FP64: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    s = tl.program_id(0)
+    j = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    jm = j < tl.load(slot_counts + s)
+    first_row = tl.load(slot_offsets + s) + j.to(tl.int64)
+    j64 = j.to(tl.int64)
+    dst = peer_ptr(peer_ptrs, s, rows_off, y.dtype.element_ty)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        hm = h < H
+        if ACC_FP64:
+            acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float64)
+        else:
+            acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
+        for k in range(K):
+            row = tl.load(slot_rows + first_row * K + k, mask=jm, other=-1).to(tl.int64)
+            rm = row >= 0
+            v = tl.load(y + row[:, None] * H + h[None, :], mask=rm[:, None] & hm[None, :],
+                        other=0.0).to(acc.dtype)
+            if HAS_WEIGHTS:
+                v = v * tl.load(weights + row, mask=rm, other=0.0).to(acc.dtype)[:, None]
+            acc += v
+        tl.store(dst + j64[:, None] * H + h[None, :], cast_rne(acc, y.dtype.element_ty),
+                 mask=jm[:, None] & hm[None, :])
+    row_bytes = H * y.dtype.element_ty.primitive_bitwidth // 8
+    if HAS_PAIR:
+        kk = tl.arange(0, BLOCK_K)
+        m2 = jm[:, None] & (kk < K)[None, :]
+        rows = tl.load(slot_rows + first_row[:, None] * K + kk[None, :], mask=m2, other=-1)
+        vals = tl.load(pair_values + rows, mask=rows >= 0, other=0.0)
+        dst_meta = peer_ptr(peer_ptrs, s, meta_off, tl.float32)
+        tl.store(dst_meta + j64[:, None] * KMAX + kk[None, :], vals, mask=m2)
+        row_bytes += 4 * K
+    nbytes = tl.sum(jm.to(tl.int64), axis=0) * row_bytes + tl.zeros([1], tl.int64)
+    tl.atomic_add(stats + 2 + tl.arange(0, 1), tl.where(s != me, nbytes, 0))
+    tl.atomic_add(stats + 3 + tl.arange(0, 1), tl.where(s == me, nbytes, 0))
+    if draw_last_ticket(tickets, last_ticket):
+        for d in range(R):
+            publish_epoch(peer_ptrs, d, signal_off, epoch)
+        tl.atomic_add(stats + 2 + tl.arange(0, 1), 8 * (R - 1) + tl.zeros([1], tl.int64))
+        tl.atomic_add(stats + 3 + tl.arange(0, 1), 8 + tl.zeros([1], tl.int64))
+
+
+@triton.jit
+def combine_reduce_kernel(
+    staging,  # [R, TMAX, H] local combine_rows of this parity
+    meta,  # [R, TMAX, KMAX] float32 local combine_meta of this parity (HAS_PAIR)
+    slot_of,  # [T, R] int32: slot of token t on rank d, -1 if not sent there
+    out,  # [T, H]
+    pair_out,  # [T, K] float32 (HAS_PAIR)
+    T, H, K, R, TMAX,
+    KMAX: tl.constexpr, HAS_PAIR: tl.constexpr, ACC_FP64: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tm = t < T
+    t64 = t.to(tl.int64)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        hm = h < H
+        if ACC_FP64:
+            acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float64)
+        else:
+            acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
+        for d in range(R):
+            slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
+            staged = d * TMAX + slot
+            v = tl.load(staging + staged[:, None] * H + h[None, :],
+                        mask=(slot >= 0)[:, None] & hm[None, :], other=0.0)
+            acc += v.to(acc.dtype)
+        tl.store(out + t64[:, None] * H + h[None, :], cast_rne(acc, out.dtype.element_ty),
+                 mask=tm[:, None] & hm[None, :])
+    if HAS_PAIR:
+        kk = tl.arange(0, BLOCK_K)
+        m2 = tm[:, None] & (kk < K)[None, :]
+        pacc = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+        for d in range(R):
+            slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
+            staged = d * TMAX + slot
+            pacc += tl.load(meta + staged[:, None] * KMAX + kk[None, :],
+                            mask=m2 & (slot >= 0)[:, None], other=0.0)
+        tl.store(pair_out + t64[:, None] * K + kk[None, :], pacc, mask=m2)
+
+
+def combine_send(y, weights, pair_values, slot_rows, slot_counts, slot_offsets, peer_ptrs, stats,
+                 tickets, *, offsets: dict, last_ticket: int, epoch: int, rank: int,
+                 topk: int, max_topk: int, block_t: int, block_h: int,
+                 grid_tiles: int) -> bool:
+    """Launches ``R x grid_tiles`` send programs (``grid_tiles >= 1``, so every rank is signalled)."""
+    H = y.shape[1]
+    R = peer_ptrs.numel()
+    dummy = slot_counts
+    combine_send_kernel[(R, grid_tiles)](
+        y, weights if weights is not None else dummy,
+        pair_values if pair_values is not None else dummy, slot_rows, slot_counts, slot_offsets,
+        peer_ptrs, stats, tickets, offsets["rows"], offsets["meta"], offsets["signal"],
+        last_ticket, epoch, H, topk, R, rank,
+        KMAX=max_topk, HAS_WEIGHTS=weights is not None, HAS_PAIR=pair_values is not None,
+        ACC_FP64=y.dtype == torch.float64,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)))
+    return True
+
+
+def combine_reduce(staging, meta, slot_of, out, pair_out, *, topk: int, max_topk: int,
+                   block_t: int, block_h: int) -> bool:
+    """Launches ``cdiv(T, block_t)`` reduce programs (none for ``T == 0``)."""
+    T, H = out.shape
+    R, TMAX = staging.shape[:2]
+    if T == 0:
+        return False
+    has_pair = pair_out is not None
+    combine_reduce_kernel[(triton.cdiv(T, block_t),)](
+        staging, meta, slot_of, out, pair_out if has_pair else out, T, H, topk, R, TMAX,
+        KMAX=max_topk, HAS_PAIR=has_pair, ACC_FP64=out.dtype == torch.float64,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)))
+    return True
+
+
+# Specializations compiled for GPU targets by ``moe_comm.kernels.aot`` (CI proves they build).
+COMPILE_VARIANTS = [
+    (combine_send_kernel,
+     {"y": f"*{dtype}", "weights": "*fp32", "pair_values": "*fp32", "slot_rows": "*i32",
+      "slot_counts": "*i32", "slot_offsets": "*i64", "peer_ptrs": "*i64", "stats": "*i64",
+      "tickets": "*i64", "rows_off": "i64", "meta_off": "i64", "signal_off": "i64",
+      "last_ticket": "i64", "epoch": "i64", "H": "i32", "K": "i32", "R": "i32", "me": "i32"},
+     dict(KMAX=8, HAS_WEIGHTS=weights, HAS_PAIR=pair, ACC_FP64=dtype == "fp64", BLOCK_T=16,
+          BLOCK_H=1024, BLOCK_K=8))
+    for dtype in ("bf16", "fp32", "fp64") for weights, pair in ((True, False), (False, True))
+] + [
+    (combine_reduce_kernel,
+     {"staging": f"*{dtype}", "meta": "*fp32", "slot_of": "*i32", "out": f"*{dtype}",
+      "pair_out": "*fp32", "T": "i32", "H": "i32", "K": "i32", "R": "i32", "TMAX": "i32"},
+     dict(KMAX=8, HAS_PAIR=pair, ACC_FP64=dtype == "fp64", BLOCK_T=16, BLOCK_H=1024,
+          BLOCK_K=8))
+    for dtype in ("bf16", "fp32", "fp64") for pair in (False, True)
+]

@@ -1,0 +1,229 @@
+"""Dispatch: send each token once to every rank that holds one of its experts, then expand.
+
+Equivalent PyTorch, for one (source ``s``, destination ``d``) pair::
+
+    sent = slot_of[:, d] >= 0                                        # tokens of s for d
+    staging_d[p, s, slot_of[sent, d]] = x[sent]                       # one row per token
+    rows_d = expand(staging_d[p, s])    # one row per (token, local expert), expert-major
+
+**Send** (``dispatch_send_kernel``, on the source): one program per tile of ``BLOCK_T`` tokens
+loads each ``[BLOCK_T, BLOCK_H]`` tile of ``x`` once and stores it through the peer-pointer table
+into the staging of every destination that token goes to, with its metadata (token index, per
+top-k choice the local expert, the pair's position and the weight). The last program to finish
+publishes, for every rank ``d`` (also those that receive nothing): the per-expert counts, then
+the epoch. Bytes stored into rank ``d``: ``n_d * (H * elem + 4 * (1 + 3K))``
+``+ 4 * (L + 1) + 8``, where ``n_d`` is the number of tokens sent to ``d``.
+
+**Expand** (``dispatch_expand_kernel``, on the destination, after every source's epoch
+arrived): program ``(s, tile)`` copies staging rows of source ``s`` to output row
+``row_base[s, e] + position`` for each local expert ``e`` the token chose, and records that row
+in ``slot_rows`` so that combine can find it. In the *cached* form (the backward of combine) the
+rows come from an earlier ``slot_rows`` and only the data moves.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .comm import draw_last_ticket, peer_ptr, publish_epoch
+
+
+@triton.jit
+def dispatch_send_kernel(
+    x,  # [T, H] rows to send
+    topk_idx,  # [T, K] int64 (SEND_META)
+    topk_weights,  # [T, K] float32 (SEND_META and HAS_WEIGHTS)
+    slot_of,  # [T, R] int32: slot on rank d, -1 if not sent there
+    pair_pos,  # [T, K] int32 (SEND_META): position among this rank's tokens for that expert
+    counts,  # [R, L + 1] int32 (SEND_META): published to each rank d as dispatch_counts[p, me]
+    peer_ptrs,  # [R] int64
+    stats,  # [4] int64 local: bytes stored (to peers, to itself) at [0], [1]
+    tickets,  # [1] int64 local ticket counter of this channel
+    rows_off, meta_off, counts_off, signal_off,  # byte offsets of this source's regions
+    last_ticket, epoch,
+    T, H, K, R, L, me,
+    META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
+    SEND_META: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tm = t < T
+    t64 = t.to(tl.int64)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        hm = h < H
+        tile = tl.load(x + t64[:, None] * H + h[None, :], mask=tm[:, None] & hm[None, :])
+        for d in range(R):
+            slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
+            dst = peer_ptr(peer_ptrs, d, rows_off, x.dtype.element_ty)
+            tl.store(dst + slot[:, None] * H + h[None, :], tile,
+                     mask=(slot >= 0)[:, None] & hm[None, :])
+    row_bytes = H * x.dtype.element_ty.primitive_bitwidth // 8
+    if SEND_META:
+        kk = tl.arange(0, BLOCK_K)
+        m2 = tm[:, None] & (kk < K)[None, :]
+        e = tl.load(topk_idx + t64[:, None] * K + kk[None, :], mask=m2, other=-1)
+        pos = tl.load(pair_pos + t64[:, None] * K + kk[None, :], mask=m2, other=-1)
+        row_bytes += 4 * (1 + 3 * K)
+        for d in range(R):
+            slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
+            sm = slot >= 0
+            meta = peer_ptr(peer_ptrs, d, meta_off, tl.int32) + slot * META_STRIDE
+            tl.store(meta, t, mask=sm)
+            mine = (e >= d * L) & (e < d * L + L)
+            sm2 = sm[:, None] & m2
+            tl.store(meta[:, None] + 1 + kk[None, :], tl.where(mine, e - d * L, -1), mask=sm2)
+            tl.store(meta[:, None] + 1 + KMAX + kk[None, :], tl.where(mine, pos, -1), mask=sm2)
+            if HAS_WEIGHTS:
+                w = tl.load(topk_weights + t64[:, None] * K + kk[None, :], mask=m2, other=0.0)
+            else:  # zeros travel too, so no receiver ever reads a stale weight
+                w = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+            tl.store(meta[:, None] + 1 + 2 * KMAX + kk[None, :], w.to(tl.int32, bitcast=True),
+                     mask=sm2)
+    to_peers = tl.zeros([1], tl.int64)
+    to_self = tl.zeros([1], tl.int64)
+    for d in range(R):
+        slot = tl.load(slot_of + t * R + d, mask=tm, other=-1)
+        nbytes = tl.sum((slot >= 0).to(tl.int64), axis=0) * row_bytes
+        to_peers += tl.where(d != me, nbytes, 0)
+        to_self += tl.where(d == me, nbytes, 0)
+    tl.atomic_add(stats + tl.arange(0, 1), to_peers)
+    tl.atomic_add(stats + 1 + tl.arange(0, 1), to_self)
+    if draw_last_ticket(tickets, last_ticket):
+        lane = tl.arange(0, BLOCK_L)
+        for d in range(R):
+            if SEND_META:
+                c = tl.load(counts + d * (L + 1) + lane, mask=lane < L + 1)
+                dst_counts = peer_ptr(peer_ptrs, d, counts_off, tl.int32)
+                tl.store(dst_counts + lane, c, mask=lane < L + 1)
+            publish_epoch(peer_ptrs, d, signal_off, epoch)
+        signal_bytes = 8 + SEND_META * 4 * (L + 1)
+        tl.atomic_add(stats + tl.arange(0, 1), (R - 1) * signal_bytes + tl.zeros([1], tl.int64))
+        tl.atomic_add(stats + 1 + tl.arange(0, 1), signal_bytes + tl.zeros([1], tl.int64))
+
+
+@triton.jit
+def dispatch_expand_kernel(
+    staging,  # [R, TMAX, H] local dispatch_rows of this parity
+    meta,  # [R, TMAX, META_STRIDE] int32 local dispatch_meta of this parity (not CACHED)
+    slot_counts,  # [R] int32: slots filled by each source
+    slot_offsets,  # [R + 1] int64: first row of each source in slot_rows
+    row_base,  # [R, L] int64: first output row of (source, local expert) (not CACHED)
+    slot_rows,  # [S, K] int32: output row of (slot, choice) or -1; written, or read if CACHED
+    out,  # [rows, H]
+    out_weights,  # [rows] float32 (not CACHED, HAS_WEIGHTS)
+    out_src_rank, out_src_token,  # [rows] int64 (not CACHED)
+    TMAX, H, K, L,
+    META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
+    CACHED: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    s = tl.program_id(0)
+    j = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    jm = j < tl.load(slot_counts + s)
+    first_row = tl.load(slot_offsets + s) + j.to(tl.int64)  # rows of slot_rows
+    staged = s.to(tl.int64) * TMAX + j
+    if not CACHED:
+        kk = tl.arange(0, BLOCK_K)
+        m2 = jm[:, None] & (kk < K)[None, :]
+        mrow = meta + staged * META_STRIDE
+        e = tl.load(mrow[:, None] + 1 + kk[None, :], mask=m2, other=-1)
+        pos = tl.load(mrow[:, None] + 1 + KMAX + kk[None, :], mask=m2, other=-1)
+        valid = m2 & (e >= 0)
+        base = tl.load(row_base + s * L + e, mask=valid, other=0)
+        row = tl.where(valid, base + pos, -1)
+        tl.store(slot_rows + first_row[:, None] * K + kk[None, :], row.to(tl.int32), mask=m2)
+        token = tl.load(mrow, mask=jm, other=0).to(tl.int64)
+        tl.store(out_src_rank + row, s.to(tl.int64) + tl.zeros_like(row), mask=valid)
+        tl.store(out_src_token + row, token[:, None] + tl.zeros_like(row), mask=valid)
+        if HAS_WEIGHTS:
+            w = tl.load(mrow[:, None] + 1 + 2 * KMAX + kk[None, :], mask=valid, other=0)
+            tl.store(out_weights + row, w.to(tl.float32, bitcast=True), mask=valid)
+        tl.debug_barrier()
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        hm = h < H
+        tile = tl.load(staging + staged[:, None] * H + h[None, :], mask=jm[:, None] & hm[None, :])
+        for k in range(K):
+            dst_row = tl.load(slot_rows + first_row * K + k, mask=jm, other=-1).to(tl.int64)
+            tl.store(out + dst_row[:, None] * H + h[None, :], tile,
+                     mask=(dst_row >= 0)[:, None] & hm[None, :])
+
+
+def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptrs, stats,
+                  tickets, *, offsets: dict, last_ticket: int, epoch: int, rank: int,
+                  num_local_experts: int, meta_stride: int, max_topk: int, block_t: int,
+                  block_h: int, grid: int, topk: int) -> bool:
+    """Launches ``grid`` send programs; ``offsets`` has the byte offsets rows/meta/counts/signal.
+
+    With ``topk_idx=None`` (the cached form) only rows and the epoch are sent.
+    """
+    T, H = x.shape
+    R = peer_ptrs.numel()
+    send_meta = topk_idx is not None
+    has_weights = topk_weights is not None
+    dummy = slot_of
+    dispatch_send_kernel[(grid,)](
+        x, topk_idx if send_meta else dummy, topk_weights if has_weights else dummy, slot_of,
+        pair_pos if send_meta else dummy, counts if send_meta else dummy, peer_ptrs, stats,
+        tickets, offsets["rows"], offsets["meta"], offsets["counts"], offsets["signal"],
+        last_ticket, epoch, T, H, topk, R, num_local_experts, rank,
+        META_STRIDE=meta_stride, KMAX=max_topk, SEND_META=send_meta, HAS_WEIGHTS=has_weights,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),
+        BLOCK_L=triton.next_power_of_2(num_local_experts + 1))
+    return True
+
+
+def dispatch_expand(staging, meta, slot_counts, slot_offsets, row_base, slot_rows, out,
+                    out_weights, out_src_rank, out_src_token, *, max_slots: int, topk: int,
+                    num_local_experts: int, meta_stride: int, max_topk: int, block_t: int,
+                    block_h: int) -> bool:
+    """Launches ``R x cdiv(max_slots, block_t)`` expand programs (none when nothing arrived).
+
+    With ``meta=None`` (the cached form) rows are placed by the given ``slot_rows`` alone.
+    """
+    R, TMAX, H = staging.shape
+    if max_slots == 0:
+        return False
+    cached = meta is None
+    has_weights = out_weights is not None
+    dummy = slot_counts
+    grid = (R, triton.cdiv(max_slots, block_t))
+    dispatch_expand_kernel[grid](
+        staging, dummy if cached else meta, slot_counts, slot_offsets,
+        dummy if cached else row_base, slot_rows, out,
+        out_weights if has_weights else dummy, dummy if cached else out_src_rank,
+        dummy if cached else out_src_token, TMAX, H, topk, num_local_experts,
+        META_STRIDE=meta_stride, KMAX=max_topk, CACHED=cached, HAS_WEIGHTS=has_weights,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)))
+    return True
+
+
+def _send_signature(dtype: str) -> dict:
+    return {"x": f"*{dtype}", "topk_idx": "*i64", "topk_weights": "*fp32", "slot_of": "*i32",
+            "pair_pos": "*i32", "counts": "*i32", "peer_ptrs": "*i64", "stats": "*i64",
+            "tickets": "*i64", "rows_off": "i64", "meta_off": "i64", "counts_off": "i64",
+            "signal_off": "i64", "last_ticket": "i64", "epoch": "i64", "T": "i32", "H": "i32",
+            "K": "i32", "R": "i32", "L": "i32", "me": "i32"}
+
+
+def _expand_signature(dtype: str) -> dict:
+    return {"staging": f"*{dtype}", "meta": "*i32", "slot_counts": "*i32",
+            "slot_offsets": "*i64", "row_base": "*i64", "slot_rows": "*i32", "out": f"*{dtype}",
+            "out_weights": "*fp32", "out_src_rank": "*i64", "out_src_token": "*i64",
+            "TMAX": "i32", "H": "i32", "K": "i32", "L": "i32"}
+
+
+# Specializations compiled for GPU targets by ``moe_comm.kernels.aot`` (CI proves they build).
+COMPILE_VARIANTS = [
+    (dispatch_send_kernel, _send_signature(dtype),
+     dict(META_STRIDE=25, KMAX=8, SEND_META=meta, HAS_WEIGHTS=weights, BLOCK_T=16,
+          BLOCK_H=1024, BLOCK_K=8, BLOCK_L=64))
+    for dtype in ("bf16", "fp32") for meta, weights in ((True, True), (True, False), (False, False))
+] + [
+    (dispatch_expand_kernel, _expand_signature(dtype),
+     dict(META_STRIDE=25, KMAX=8, CACHED=cached, HAS_WEIGHTS=weights, BLOCK_T=16, BLOCK_H=1024,
+          BLOCK_K=8))
+    for dtype in ("bf16", "fp32") for cached, weights in ((False, True), (False, False), (True, False))
+]

@@ -1,0 +1,20 @@
+"""Rounding that is the same bit for bit in the interpreter, on the GPU and in PyTorch.
+
+The interpreter narrows fp32 to bf16 by truncation, the GPU and PyTorch round to nearest even.
+``cast_rne`` rounds bf16 by hand (add half an ulp, ties to even, keep the top 16 bits), so
+results agree everywhere; other types use ``.to``, which already rounds to nearest even.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def cast_rne(x, dtype: tl.constexpr):
+    """``x.to(dtype)`` with round-to-nearest-even, also under the interpreter."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits += 0x7FFF + ((bits >> 16) & 1)
+        out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = x.to(dtype)
+    return out

@@ -1,0 +1,154 @@
+"""torch.library custom ops (with fake implementations) and the autograd Functions over them.
+
+Ops (each one collective over the Buffer's ranks; ``buffer_id`` names the Buffer):
+
+* ``moe_comm::dispatch(buffer_id, x, topk_idx, topk_weights?, expert_alignment)`` -> received
+  rows, weights, src_rank, src_token, tokens_per_expert, expert_offsets and the handle tensors
+  (slot_of, slot_rows, recv_slot_offsets).
+* ``moe_comm::dispatch_cached(buffer_id, x, slot_of, slot_rows, recv_slot_offsets, num_rows)``
+  -> rows: the same movement as an earlier dispatch, data only (backward of combine).
+* ``moe_comm::combine(buffer_id, y, weights?, pair_values?, slot_of, slot_rows,
+  recv_slot_offsets)`` -> (out [T, H], pair_out [T, K] or [0]).
+
+Backward: dispatch's is ``combine(grad_rows)`` with the row-weight gradients riding along as
+``pair_values`` (each (token, choice) lives on exactly one rank, so summing over ranks returns
+it exactly); combine's is ``dispatch_cached(grad_out)``, then ``grad_y = w * grad_rows`` and
+``grad_w = <grad_rows, y>`` on the expert's rank. Backward calls are collective too: every rank
+must run the backward of every op (as they do when all ranks train the same model).
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from ._registry import lookup
+from .types import DispatchHandle, DispatchResult
+
+
+@torch.library.custom_op("moe_comm::dispatch", mutates_args=())
+def dispatch_op(buffer_id: int, x: Tensor, topk_idx: Tensor, topk_weights: Optional[Tensor],
+                expert_alignment: int
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    buf = lookup(buffer_id)
+    pending = buf.dispatch_send(x, topk_idx, topk_weights)
+    return buf.dispatch_recv(pending, expert_alignment)
+
+
+@dispatch_op.register_fake
+def _(buffer_id, x, topk_idx, topk_weights, expert_alignment):
+    buf = lookup(buffer_id)
+    ctx = torch.library.get_ctx()
+    rows, slots = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    T, K = topk_idx.shape
+    R, L = buf.world_size, buf.num_local_experts
+    i64, i32 = torch.int64, torch.int32
+    return (x.new_empty((rows, x.shape[1])),
+            x.new_empty((rows if topk_weights is not None else 0,), dtype=torch.float32),
+            x.new_empty((rows,), dtype=i64), x.new_empty((rows,), dtype=i64),
+            x.new_empty((L,), dtype=i64), x.new_empty((L + 1,), dtype=i64),
+            x.new_empty((T, R), dtype=i32), x.new_empty((slots, K), dtype=i32),
+            x.new_empty((R + 1,), dtype=i64))
+
+
+@torch.library.custom_op("moe_comm::dispatch_cached", mutates_args=())
+def dispatch_cached_op(buffer_id: int, x: Tensor, slot_of: Tensor, slot_rows: Tensor,
+                       recv_slot_offsets: Tensor, num_rows: int) -> Tensor:
+    buf = lookup(buffer_id)
+    pending = buf.dispatch_cached_send(x, slot_of)
+    return buf.dispatch_cached_recv(pending, slot_rows, recv_slot_offsets, num_rows)
+
+
+@dispatch_cached_op.register_fake
+def _(buffer_id, x, slot_of, slot_rows, recv_slot_offsets, num_rows):
+    return x.new_empty((num_rows, x.shape[1]))
+
+
+@torch.library.custom_op("moe_comm::combine", mutates_args=())
+def combine_op(buffer_id: int, y: Tensor, weights: Optional[Tensor],
+               pair_values: Optional[Tensor], slot_of: Tensor, slot_rows: Tensor,
+               recv_slot_offsets: Tensor) -> tuple[Tensor, Tensor]:
+    buf = lookup(buffer_id)
+    pending = buf.combine_send(y, weights, pair_values, slot_rows, recv_slot_offsets)
+    return buf.combine_recv(pending, slot_of, want_pair=pair_values is not None)
+
+
+@combine_op.register_fake
+def _(buffer_id, y, weights, pair_values, slot_of, slot_rows, recv_slot_offsets):
+    T, K = slot_of.shape[0], slot_rows.shape[1]
+    pair_shape = (T, K) if pair_values is not None else (0,)
+    return y.new_empty((T, y.shape[1])), y.new_empty(pair_shape, dtype=torch.float32)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, buffer_id, x, topk_idx, topk_weights, expert_alignment):
+        outs = torch.ops.moe_comm.dispatch(buffer_id, x, topk_idx, topk_weights,
+                                           expert_alignment)
+        recv_x, recv_w, src_rank, src_token, tpe, offsets, slot_of, slot_rows, slot_off = outs
+        ctx.buffer_id, ctx.num_rows, ctx.hidden = buffer_id, recv_x.shape[0], x.shape[1]
+        ctx.save_for_backward(slot_of, slot_rows, slot_off)
+        ctx.mark_non_differentiable(src_rank, src_token, tpe, offsets, slot_of, slot_rows,
+                                    slot_off)
+        return outs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_x, grad_w, *_):
+        slot_of, slot_rows, slot_off = ctx.saved_tensors
+        if grad_x is None:
+            grad_x = slot_of.new_zeros((ctx.num_rows, ctx.hidden), dtype=lookup(ctx.buffer_id).dtype)
+        # Router-weight gradients always travel (zeros when unused) so that every rank runs the
+        # same protocol whatever its own requires_grad flags.
+        if grad_w is None or grad_w.numel() != ctx.num_rows:
+            grad_w = slot_of.new_zeros((ctx.num_rows,), dtype=torch.float32)
+        dx, dtopk_w = torch.ops.moe_comm.combine(ctx.buffer_id, grad_x.contiguous(), None,
+                                                 grad_w.contiguous(), slot_of, slot_rows,
+                                                 slot_off)
+        return None, dx, None, dtopk_w if ctx.needs_input_grad[3] else None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, buffer_id, y, weights, slot_of, slot_rows, slot_off):
+        out, _ = torch.ops.moe_comm.combine(buffer_id, y, weights, None, slot_of, slot_rows,
+                                            slot_off)
+        ctx.buffer_id = buffer_id
+        ctx.save_for_backward(y, weights, slot_of, slot_rows, slot_off)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        y, weights, slot_of, slot_rows, slot_off = ctx.saved_tensors
+        grad_rows = torch.ops.moe_comm.dispatch_cached(ctx.buffer_id, grad_out.contiguous(),
+                                                       slot_of, slot_rows, slot_off, y.shape[0])
+        acc = _acc_dtype(y.dtype)
+        if weights is None:
+            grad_y, grad_w = grad_rows, None
+        else:
+            grad_y = (grad_rows.to(acc) * weights.to(acc)[:, None]).to(y.dtype)
+            grad_w = None
+            if ctx.needs_input_grad[2]:
+                grad_w = (grad_rows.to(acc) * y.to(acc)).sum(-1).to(torch.float32)
+        return None, grad_y, grad_w, None, None, None
+
+
+def dispatch_autograd(buf, x, topk_idx, topk_weights, expert_alignment) -> DispatchResult:
+    """Runs ``moe_comm::dispatch`` under autograd and wraps the outputs."""
+    outs = _Dispatch.apply(buf.id, x, topk_idx, topk_weights, expert_alignment)
+    recv_x, recv_w, src_rank, src_token, tpe, offsets, slot_of, slot_rows, slot_off = outs
+    handle = DispatchHandle(buf.id, buf.dispatch_serial, slot_of, slot_rows, slot_off,
+                            recv_x.shape[0], topk_idx.shape[1])
+    return DispatchResult(recv_x, recv_w if topk_weights is not None else None, src_rank,
+                          src_token, tpe, offsets, handle)
+
+
+def combine_autograd(buf, y, handle: DispatchHandle, weights) -> Tensor:
+    """Runs ``moe_comm::combine`` under autograd with the tensors of ``handle``."""
+    return _Combine.apply(buf.id, y, weights, handle.slot_of, handle.slot_rows,
+                          handle.recv_slot_offsets)

@@ -1,0 +1,201 @@
+"""Plain-PyTorch dispatch and combine: the oracle of the tests and the benchmark's baseline.
+
+Same semantics as ``Buffer.dispatch`` / ``Buffer.combine`` (see their docstrings), built from
+indexing and ``all_to_all_single``, differentiable with ordinary torch autograd:
+
+* ``dispatch(x, topk_idx, topk_weights, num_experts, group)`` / ``combine(y, handle, weights)``:
+  one call per rank over a torch.distributed group;
+* ``dispatch_all(xs, topk_idxs, ...)`` / ``combine_all(ys, handles, ...)``: every rank's inputs
+  in one process (the exchange is a transpose of per-destination lists), for virtual ranks and
+  for self-checking tests where each rank builds all ranks' inputs from one seed.
+
+Both forms run the same four steps: route (which tokens go to which rank, token order), exchange,
+expand (rows grouped by local expert, then source rank, then source token; groups padded to
+``expert_alignment``), and on the way back reduce per (token, expert rank) in fp32 (fp64 for
+fp64 data), round to the data type, exchange, and sum on the home rank in rank order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class RefHandle:
+    """``send_tokens[d]``: this rank's tokens sent to rank d, in order; ``recv_rows[s]``
+    [n_s, K]: output row of each received (token of s, choice), -1 where not on this rank."""
+
+    send_tokens: list[torch.Tensor]
+    recv_rows: list[torch.Tensor]
+    num_tokens: int
+    num_rows: int
+
+
+@dataclass
+class RefDispatch:
+    x: torch.Tensor
+    weights: torch.Tensor | None
+    src_rank: torch.Tensor
+    src_token: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    expert_offsets: torch.Tensor
+    handle: RefHandle
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def route(topk_idx: torch.Tensor, world_size: int, num_experts: int):
+    """Per destination d: the tokens sent there (once each, in order) and, per choice, the
+    local expert on d (-1 if the choice is elsewhere or unused): ``([n_d], [n_d, K])`` lists."""
+    L = num_experts // world_size
+    dest = torch.where(topk_idx >= 0, topk_idx.div(L, rounding_mode="floor"), -1)
+    tokens, local = [], []
+    for d in range(world_size):
+        sel = (dest == d).any(dim=1).nonzero().flatten()
+        tokens.append(sel)
+        local.append(torch.where(dest[sel] == d, topk_idx[sel] - d * L, -1))
+    return tokens, local
+
+
+def expand(recv_x: list[torch.Tensor], recv_tok: list[torch.Tensor], recv_local: list[torch.Tensor],
+           recv_w: list[torch.Tensor] | None, num_local_experts: int, expert_alignment: int
+           ) -> RefDispatch:
+    """Rows received from each source -> expert-major rows with padding (one rank's output)."""
+    L = num_local_experts
+    H, dev = recv_x[0].shape[1], recv_x[0].device
+    K = recv_local[0].shape[1]
+    n = [t.numel() for t in recv_tok]
+    slot = torch.cat(recv_x)  # [N, H], ordered by source then token
+    local = torch.cat(recv_local)  # [N, K]
+    src = torch.repeat_interleave(torch.arange(len(n), device=dev), torch.tensor(n, device=dev))
+    tok = torch.cat(recv_tok)
+    pair_slot = torch.arange(slot.shape[0], device=dev)[:, None].expand(-1, K)
+    valid = local >= 0
+    e, i = local[valid], pair_slot[valid]  # pairs in (slot, k) order
+    order = torch.sort(e, stable=True).indices  # by expert, then source, then token
+    e, i = e[order], i[order]
+    tokens_per_expert = torch.bincount(e, minlength=L)
+    padded = (tokens_per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
+    offsets = torch.cat([padded.new_zeros(1), padded.cumsum(0)])
+    start = torch.cat([tokens_per_expert.new_zeros(1), tokens_per_expert.cumsum(0)])[:-1]
+    row = offsets[e] + torch.arange(e.numel(), device=dev) - start[e]
+    rows = int(offsets[-1])
+    x_out = slot.new_zeros((rows, H)).index_put((row,), slot[i])
+    src_rank = torch.full((rows,), -1, dtype=torch.int64, device=dev).index_put((row,), src[i])
+    src_token = torch.full((rows,), -1, dtype=torch.int64, device=dev).index_put((row,), tok[i])
+    w_out = None
+    if recv_w is not None:
+        w = torch.cat(recv_w)[valid][order]
+        w_out = w.new_zeros(rows).index_put((row,), w)
+    recv_rows = torch.full_like(local, -1)
+    recv_rows[pair_slot[valid][order], torch.nonzero(valid)[:, 1][order]] = row
+    handle = RefHandle([], list(recv_rows.split(n)), 0, rows)
+    return RefDispatch(x_out, w_out, src_rank, src_token, tokens_per_expert, offsets, handle)
+
+
+def partials(y: torch.Tensor, weights: torch.Tensor | None, recv_rows: list[torch.Tensor]
+             ) -> list[torch.Tensor]:
+    """Per source s: for each of its tokens here, sum over choices of ``w * y[row]`` in choice
+    order, accumulated in fp32 (fp64 for fp64) and rounded to ``y.dtype``."""
+    acc = _acc_dtype(y.dtype)
+    out = []
+    for rows in recv_rows:
+        total = y.new_zeros((rows.shape[0], y.shape[1]), dtype=acc)
+        for k in range(rows.shape[1]):
+            r = rows[:, k]
+            v = y[r.clamp(min=0)].to(acc)
+            if weights is not None:
+                v = v * weights[r.clamp(min=0)].to(acc)[:, None]
+            total = total + torch.where((r >= 0)[:, None], v, 0)
+        out.append(total.to(y.dtype))
+    return out
+
+
+def sum_home(back: list[torch.Tensor], send_tokens: list[torch.Tensor], num_tokens: int
+             ) -> torch.Tensor:
+    """``out[t] = sum over d in order of back[d][position of t]``, in fp32 (fp64 for fp64)."""
+    dtype = back[0].dtype
+    out = back[0].new_zeros((num_tokens, back[0].shape[1]), dtype=_acc_dtype(dtype))
+    for d, toks in enumerate(send_tokens):
+        out = out.index_add(0, toks, back[d].to(out.dtype))
+    return out.to(dtype)
+
+
+# --------------------------------------------------------------------------- one process per rank
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` along dim 0 with given splits; backward swaps the splits."""
+
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, group):
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        return _AllToAll.apply(grad.contiguous(), recv_splits, send_splits, ctx.group), None, \
+            None, None
+
+
+def _exchange(chunks: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """``chunks[d]`` goes to rank d; returns what each rank sent here, as a list by source."""
+    send = [c.shape[0] for c in chunks]
+    recv_t = torch.empty(len(chunks), dtype=torch.int64)
+    dist.all_to_all_single(recv_t, torch.tensor(send, dtype=torch.int64), group=group)
+    recv = recv_t.tolist()
+    out = _AllToAll.apply(torch.cat(chunks), send, recv, group)
+    return list(out.split(recv))
+
+
+def dispatch(x, topk_idx, topk_weights, num_experts: int, group=None,
+             expert_alignment: int = 1) -> RefDispatch:
+    """Reference ``Buffer.dispatch`` for this rank of ``group``."""
+    R = dist.get_world_size(group)
+    tokens, local = route(topk_idx, R, num_experts)
+    recv_x = _exchange([x[t] for t in tokens], group)
+    recv_tok = _exchange(tokens, group)
+    recv_local = _exchange(local, group)
+    recv_w = None if topk_weights is None else _exchange([topk_weights[t] for t in tokens], group)
+    res = expand(recv_x, recv_tok, recv_local, recv_w, num_experts // R, expert_alignment)
+    res.handle.send_tokens, res.handle.num_tokens = tokens, x.shape[0]
+    return res
+
+
+def combine(y, handle: RefHandle, weights=None, group=None) -> torch.Tensor:
+    """Reference ``Buffer.combine`` for this rank of ``group``."""
+    back = _exchange(partials(y, weights, handle.recv_rows), group)
+    return sum_home(back, handle.send_tokens, handle.num_tokens)
+
+
+# --------------------------------------------------------------------------- all ranks in one process
+def dispatch_all(xs, topk_idxs, topk_weights=None, *, num_experts: int,
+                 expert_alignment: int = 1) -> list[RefDispatch]:
+    """Reference dispatch of every rank at once: ``xs[r]``, ``topk_idxs[r]`` are rank r's inputs."""
+    R = len(xs)
+    routes = [route(idx, R, num_experts) for idx in topk_idxs]
+    results = []
+    for d in range(R):
+        recv_x = [xs[s][routes[s][0][d]] for s in range(R)]
+        recv_tok = [routes[s][0][d] for s in range(R)]
+        recv_local = [routes[s][1][d] for s in range(R)]
+        recv_w = None if topk_weights is None else \
+            [topk_weights[s][routes[s][0][d]] for s in range(R)]
+        res = expand(recv_x, recv_tok, recv_local, recv_w, num_experts // R, expert_alignment)
+        res.handle.send_tokens, res.handle.num_tokens = routes[d][0], xs[d].shape[0]
+        results.append(res)
+    return results
+
+
+def combine_all(ys, handles: list[RefHandle], weights=None) -> list[torch.Tensor]:
+    """Reference combine of every rank at once."""
+    R = len(ys)
+    weights = weights if weights is not None else [None] * R
+    parts = [partials(ys[d], weights[d], handles[d].recv_rows) for d in range(R)]
+    return [sum_home([parts[d][s] for d in range(R)], handles[s].send_tokens,
+                     handles[s].num_tokens) for s in range(R)]

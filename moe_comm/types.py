@@ -1,0 +1,49 @@
+"""What dispatch returns: the received rows and the handle that combine needs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class DispatchHandle:
+    """Where every token went and where every received row came from; owned by the caller.
+
+    Home side (the rank that sent the tokens):
+      ``slot_of`` [T, R] int32: slot of token t in rank d's staging, -1 if t did not go to d.
+    Expert side (the rank that received the rows):
+      ``slot_rows`` [S, K] int32: output row of each received (slot, top-k choice), -1 if the
+      choice is not on this rank; ``recv_slot_offsets`` [R + 1] int64: first slot of each source.
+    ``buffer_id`` and ``serial`` tie the handle to the Buffer call that made it.
+    """
+
+    buffer_id: int
+    serial: int
+    slot_of: torch.Tensor
+    slot_rows: torch.Tensor
+    recv_slot_offsets: torch.Tensor
+    num_rows: int
+    topk: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_of.shape[0]
+
+
+@dataclass(frozen=True, eq=False)
+class DispatchResult:
+    """Rows received by this rank, grouped by local expert (see ``Buffer.dispatch``).
+
+    ``x`` [rows, H]; ``weights`` [rows] float32 or None; ``src_rank``, ``src_token`` [rows] int64
+    (-1 in padding); ``tokens_per_expert`` [L] int64 without padding; ``expert_offsets``
+    [L + 1] int64, start of each padded group, last = rows.
+    """
+
+    x: torch.Tensor
+    weights: torch.Tensor | None
+    src_rank: torch.Tensor
+    src_token: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    expert_offsets: torch.Tensor
+    handle: DispatchHandle

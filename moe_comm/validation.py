@@ -1,0 +1,87 @@
+"""Input checks run on the host before any kernel launch; each error says how to fix the call.
+
+A failed check raises ``TypeError`` or ``ValueError`` and leaves the Buffer untouched (no epoch
+advanced, nothing sent), so the caller may fix the input and call again. Peers that did make the
+call time out naming this rank, as with any missing call.
+"""
+from __future__ import annotations
+
+import torch
+
+from .types import DispatchHandle
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def check_tensor(name: str, t, *, dtype: torch.dtype, ndim: int, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}; this Buffer's workspace is on {device}")
+
+
+def check_dispatch_inputs(x, topk_idx, topk_weights, expert_alignment, *, hidden: int,
+                          num_experts: int, max_tokens: int, max_topk: int, dtype: torch.dtype,
+                          device: torch.device, values: bool = True) -> None:
+    """Shapes and dtypes of ``Buffer.dispatch``; with ``values``, also the expert ids."""
+    check_tensor("x", x, dtype=dtype, ndim=2, device=device)
+    T, H = x.shape
+    if H != hidden:
+        raise ValueError(f"x has hidden size {H}; this Buffer was built for hidden={hidden}")
+    if T > max_tokens:
+        raise ValueError(f"x has {T} tokens, more than max_tokens_per_rank={max_tokens}; "
+                         "split the batch or build the Buffer with a larger max_tokens_per_rank")
+    check_tensor("topk_idx", topk_idx, dtype=torch.int64, ndim=2, device=device)
+    if topk_idx.shape[0] != T:
+        raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows but x has {T} tokens")
+    K = topk_idx.shape[1]
+    if not 1 <= K <= max_topk:
+        raise ValueError(f"top-k is {K}; this Buffer supports 1..{max_topk} (max_topk)")
+    if topk_weights is not None:
+        check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2, device=device)
+        if topk_weights.shape != topk_idx.shape:
+            raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}, "
+                             f"topk_idx has {tuple(topk_idx.shape)}")
+    if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) \
+            or expert_alignment < 1:
+        raise ValueError(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
+    if T == 0 or not values:
+        return
+    lo, hi = int(topk_idx.min()), int(topk_idx.max())
+    if lo < -1 or hi >= num_experts:
+        bad = topk_idx[(topk_idx < -1) | (topk_idx >= num_experts)][0].item()
+        raise ValueError(f"topk_idx holds expert id {bad}; ids must be in [0, {num_experts}) "
+                         "or -1 for an unused choice")
+    ordered = topk_idx.sort(dim=1).values
+    dup = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    if dup.any():
+        row = int(dup.any(dim=1).nonzero()[0])
+        raise ValueError(f"token {row} picks the same expert twice: {topk_idx[row].tolist()}; "
+                         "each row of topk_idx must name distinct experts (or -1)")
+
+
+def check_combine_inputs(y, handle, weights, *, buffer_id: int, latest_serial: int,
+                         hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+    """``y`` rows and ``weights`` must match the handle of this Buffer's latest dispatch."""
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(f"handle must be the DispatchResult.handle of a dispatch, "
+                        f"got {type(handle).__name__}")
+    if handle.buffer_id != buffer_id:
+        raise ValueError("handle comes from another Buffer; combine with the Buffer that "
+                         "dispatched")
+    if handle.serial != latest_serial:
+        raise ValueError(f"handle comes from an older dispatch (call {handle.serial}; the latest "
+                         f"is call {latest_serial}); combine the rows of the latest dispatch")
+    check_tensor("y", y, dtype=dtype, ndim=2, device=device)
+    if y.shape != (handle.num_rows, hidden):
+        raise ValueError(f"y has shape {tuple(y.shape)}; the dispatch produced "
+                         f"[{handle.num_rows}, {hidden}] (rows must match res.x)")
+    if weights is not None:
+        check_tensor("weights", weights, dtype=torch.float32, ndim=1, device=device)
+        if weights.shape[0] != handle.num_rows:
+            raise ValueError(f"weights has {weights.shape[0]} entries; y has {handle.num_rows} "
+                             "rows")

@@ -1,0 +1,118 @@
+"""The workspace layout: every byte offset of a Buffer's symmetric segment, in one place.
+
+Each rank's segment holds the same regions at the same offsets. ``R`` ranks, ``T`` =
+``max_tokens_per_rank``, ``H`` = hidden, ``L`` = local experts, ``K`` = ``max_topk``, ``b`` = bytes
+per element of the Buffer's dtype. ``P = 2`` parities: call ``n`` of a channel uses parity
+``n % 2`` (see ``moe_comm.buffer`` for why two are enough).
+
+======================  ===========================  ============================================
+region                  shape, dtype                 contents, on rank ``d``
+======================  ===========================  ============================================
+``signals``             [2 channels, R] int64        ``[c, s]``: latest epoch of channel ``c``
+                                                     (0 dispatch, 1 combine) at which rank ``s``
+                                                     finished its puts into ``d``. Never reset.
+``tickets``             [2 channels] int64           local: send programs finished so far
+``stats``               [4] int64                    local: bytes ``d`` stored, cumulative:
+                                                     dispatch to peers, dispatch to itself,
+                                                     combine to peers, combine to itself
+``dispatch_counts``     [P, R, L + 1] int32          from source ``s``: tokens per local expert,
+                                                     then the number of slots ``s`` filled
+``dispatch_meta``       [P, R, T, 1 + 3K] int32      per slot: source token index; per top-k
+                                                     choice: local expert or -1, position among
+                                                     ``s``'s tokens for that expert, weight bits
+``dispatch_rows``       [P, R, T, H] dtype           the token rows, one per (token, ``d``)
+``combine_meta``        [P, R, T, K] float32         per slot and choice: a value sent back
+                                                     (the gradient of a router weight)
+``combine_rows``        [P, R, T, H] dtype           one partial sum per (token, expert rank)
+======================  ===========================  ============================================
+
+Total (each region rounded up to 128 bytes)::
+
+    2*R*T*(2*H*b + 4*(1 + 3K) + 4*K) + 2*R*(L + 1)*4 + 16*R + 16 + 32
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ALIGN_BYTES = 128
+PARITIES = 2
+DISPATCH, COMBINE = 0, 1  # channels
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclass(frozen=True)
+class Region:
+    name: str
+    offset: int  # bytes from the segment start
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.empty((), dtype=self.dtype).element_size()
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class WorkspaceLayout:
+    """Offsets of every region; ``nbytes`` is the size of one rank's segment."""
+
+    def __init__(self, world_size: int, max_tokens: int, hidden: int, num_local_experts: int,
+                 max_topk: int, dtype: torch.dtype):
+        R, T, H, L, K = world_size, max_tokens, hidden, num_local_experts, max_topk
+        self.world_size, self.max_tokens, self.hidden = R, T, H
+        self.num_local_experts, self.max_topk, self.dtype = L, K, dtype
+        self.meta_stride = 1 + 3 * K  # int32 words per dispatch slot
+        specs = [
+            ("signals", (2, R), torch.int64),
+            ("tickets", (2,), torch.int64),
+            ("stats", (4,), torch.int64),
+            ("dispatch_counts", (PARITIES, R, L + 1), torch.int32),
+            ("dispatch_meta", (PARITIES, R, T, self.meta_stride), torch.int32),
+            ("dispatch_rows", (PARITIES, R, T, H), dtype),
+            ("combine_meta", (PARITIES, R, T, K), torch.float32),
+            ("combine_rows", (PARITIES, R, T, H), dtype),
+        ]
+        self.regions: dict[str, Region] = {}
+        offset = 0
+        for name, shape, dt in specs:
+            region = Region(name, offset, shape, dt)
+            self.regions[name] = region
+            offset += _round_up(region.nbytes, ALIGN_BYTES)
+        self.nbytes = offset
+
+    def __getitem__(self, name: str) -> Region:
+        return self.regions[name]
+
+    def offset(self, name: str, *index: int) -> int:
+        """Byte offset of ``region[index]`` (leading indices only), e.g. ``offset("dispatch_rows", p, s)``."""
+        region = self.regions[name]
+        if len(index) > len(region.shape):
+            raise IndexError(f"{name} has {len(region.shape)} dims, got index {index}")
+        itemsize = torch.empty((), dtype=region.dtype).element_size()
+        stride = region.nbytes // itemsize
+        elems = 0
+        for i, dim in zip(index, region.shape):
+            if not 0 <= i < dim:
+                raise IndexError(f"{name} index {index} out of range for shape {region.shape}")
+            stride //= dim
+            elems += i * stride
+        return region.offset + elems * itemsize
+
+    def view(self, heap, name: str) -> torch.Tensor:
+        """The region as a typed tensor over this rank's segment of ``heap``."""
+        region = self.regions[name]
+        return heap.view(region.offset, region.shape, region.dtype)
+
+    def describe(self) -> str:
+        """One line per region: name, shape, dtype, bytes; then the total."""
+        lines = [f"{r.name:<16} {str(list(r.shape)):<24} {str(r.dtype):<16} {r.nbytes:>14,d} B"
+                 for r in self.regions.values()]
+        lines.append(f"{'total':<16} {'':<24} {'':<16} {self.nbytes:>14,d} B")
+        return "\n".join(lines)

@@ -1,0 +1,92 @@
+"""Virtual ranks in one process (``Buffer.loopback`` + ``moe_comm.lockstep``) against the reference."""
+import pytest
+import torch
+
+import moe_comm
+from moe_comm import lockstep, reference
+
+from cases import Case, expert_fn, make_inputs
+
+FIELDS = ("x", "weights", "src_rank", "src_token", "tokens_per_expert", "expert_offsets")
+
+
+def check_case(case: Case, iterations: int = 1, buffers=None):
+    R = case.world_size
+    buffers = buffers or moe_comm.Buffer.loopback(R, case.hidden, case.num_experts,
+                                                 case.max_tokens, case.dtype)
+    for it in range(iterations):
+        xs, idxs, ws = make_inputs(case, it)
+        got = lockstep.dispatch(buffers, xs, idxs, ws, expert_alignment=case.alignment)
+        want = reference.dispatch_all(xs, idxs, ws, num_experts=case.num_experts,
+                                      expert_alignment=case.alignment)
+        for r in range(R):
+            for field in FIELDS:
+                a, b = getattr(got[r], field), getattr(want[r], field)
+                if b is None:
+                    assert a is None, (r, field)
+                else:
+                    assert torch.equal(a, b), f"rank {r} {field} differs in iteration {it}"
+        ys = [expert_fn(g.x, g.expert_offsets) for g in got]
+        outs = lockstep.combine(buffers, ys, [g.handle for g in got], [g.weights for g in got])
+        ref_outs = reference.combine_all(ys, [w.handle for w in want], [w.weights for w in want])
+        for r in range(R):
+            assert torch.equal(outs[r], ref_outs[r]), f"rank {r} combine differs in iteration {it}"
+    return buffers
+
+
+MATRIX = [
+    Case(R, R * f, H, K, tokens, dtype, routing, align, weights=w, seed=i)
+    for i, (R, f, H, K, tokens, dtype, routing, align, w) in enumerate([
+        (1, 1, 64, 1, (5,), torch.bfloat16, "uniform", 1, True),
+        (1, 32, 128, 8, (40,), torch.float32, "zipf", 16, True),
+        (2, 1, 64, 1, (7, 0), torch.float16, "uniform", 1, False),
+        (2, 4, 96, 2, (33, 12), torch.bfloat16, "one_expert", 16, True),
+        (2, 32, 128, 8, (20, 25), torch.float32, "zipf", 1, True),
+        (4, 1, 64, 2, (9, 3, 0, 11), torch.bfloat16, "uniform", 1, True),
+        (4, 4, 64, 8, (12, 12, 12, 12), torch.float16, "empty_rank", 16, True),
+        (4, 4, 64, 2, (10, 6, 8, 1), torch.float32, "all_invalid", 1, True),
+        (4, 32, 128, 8, (30, 0, 17, 22), torch.bfloat16, "zipf", 16, False),
+        (4, 32, 256, 1, (16, 16, 2, 5), torch.float16, "one_expert", 1, True),
+        (8, 4, 64, 8, (6, 0, 3, 9, 1, 4, 7, 2), torch.bfloat16, "uniform", 16, True),
+    ])
+]
+
+
+@pytest.mark.parametrize("case", MATRIX, ids=str)
+def test_matches_reference(case):
+    check_case(case, iterations=2)
+
+
+def test_hidden_not_a_power_of_two_and_wide():
+    check_case(Case(2, 8, 7168, 8, (3, 5), torch.bfloat16, "uniform", seed=3))
+
+
+def test_results_are_fresh_tensors():
+    case = Case(2, 8, 64, 2, (6, 4))
+    buffers = moe_comm.Buffer.loopback(2, 64, 8, 6, torch.bfloat16)
+    xs, idxs, ws = make_inputs(case)
+    first = lockstep.dispatch(buffers, xs, idxs, ws)
+    kept = [r.x.clone() for r in first]
+    xs2, idxs2, ws2 = make_inputs(case, iteration=1)
+    lockstep.dispatch(buffers, xs2, idxs2, ws2)
+    for r in range(2):
+        assert torch.equal(first[r].x, kept[r]), "a later call overwrote an earlier result"
+        assert first[r].x.untyped_storage().data_ptr() != buffers[r].heap.local.data_ptr()
+
+
+def test_launch_counts():
+    case = Case(4, 16, 64, 2, (8, 8, 8, 8))
+    buffers = moe_comm.Buffer.loopback(4, 64, 16, 8, torch.bfloat16)
+    check_case(case, buffers=buffers)
+    assert dict(buffers[0].launches) == {"layout": 1, "dispatch_send": 1, "dispatch_expand": 1,
+                                         "combine_send": 1, "combine_reduce": 1}
+
+
+def test_workspace_formula():
+    R, T, H, E, K, b = 4, 64, 256, 32, 8, 2
+    L = E // R
+    formula = 2 * R * T * (2 * H * b + 4 * (1 + 3 * K) + 4 * K) + 2 * R * (L + 1) * 4 + 16 * R + 48
+    got = moe_comm.Buffer.required_workspace_bytes(R, H, E, T, torch.bfloat16, max_topk=K)
+    assert formula <= got <= formula + 8 * 128  # each of 8 regions rounded up to 128 bytes
+    assert moe_comm.Buffer.loopback(R, H, E, T, torch.bfloat16, max_topk=K)[0].workspace_bytes \
+        == got

@@ -35,18 +35,18 @@ class Case:
 
 def _route(g: torch.Generator, case: Case, rank: int, T: int) -> torch.Tensor:
     E, K = case.num_experts, case.topk
+    if T == 0:
+        return torch.empty((0, K), dtype=torch.int64)
     if case.routing == "one_expert":  # every token picks expert 0 (and K-1 others at random)
-        rest = torch.stack([torch.randperm(E - 1, generator=g)[:K - 1] + 1 for _ in range(T)]) \
-            if K > 1 else torch.empty((T, 0), dtype=torch.int64)
-        return torch.cat([torch.zeros((T, 1), dtype=torch.int64), rest], 1) if T else \
-            torch.empty((0, K), dtype=torch.int64)
-    if case.routing == "zipf":  # heavy skew towards low expert ids, without repeats in a row
+        idx = torch.stack([torch.cat([torch.zeros(1, dtype=torch.int64),
+                                      torch.randperm(E - 1, generator=g)[:K - 1] + 1])
+                           for _ in range(T)])
+    elif case.routing == "zipf":  # heavy skew towards low expert ids, without repeats in a row
         p = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.2
         idx = torch.stack([torch.multinomial(p, K, replacement=False, generator=g)
-                           for _ in range(T)]) if T else torch.empty((0, K), dtype=torch.int64)
+                           for _ in range(T)])
     else:
-        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else \
-            torch.empty((0, K), dtype=torch.int64)
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     if case.routing == "empty_rank":  # nobody routes to the last rank's experts
         L = E // case.world_size
         idx = torch.where(idx >= E - L, -1, idx)

@@ -1,0 +1,129 @@
+"""CPU ranks in processes over the ``shm`` heap, against the reference."""
+import pytest
+import torch
+
+from cases import Case
+from rank_jobs import (bad_inputs, construct, count_traffic, gradients, run_case,
+                       skip_one_call)
+
+CASES = [
+    Case(R, E, H, K, tokens, dtype, routing, align, weights=w, seed=i)
+    for i, (R, E, H, K, tokens, dtype, routing, align, w) in enumerate([
+        (1, 1, 64, 1, (6,), torch.bfloat16, "uniform", 1, True),
+        (1, 32, 128, 8, (24,), torch.float32, "zipf", 16, True),
+        (2, 2, 64, 1, (9, 0), torch.float16, "uniform", 1, True),
+        (2, 8, 128, 2, (17, 30), torch.bfloat16, "one_expert", 16, False),
+        (2, 64, 128, 8, (25, 11), torch.float32, "zipf", 1, True),
+        (4, 4, 64, 1, (7, 0, 12, 3), torch.bfloat16, "uniform", 16, True),
+        (4, 16, 128, 2, (20, 20, 20, 20), torch.float16, "empty_rank", 1, True),
+        (4, 16, 64, 8, (9, 14, 0, 5), torch.float32, "all_invalid", 16, True),
+        (4, 128, 128, 8, (16, 3, 28, 10), torch.bfloat16, "zipf", 16, True),
+        (4, 128, 256, 2, (12, 12, 1, 0), torch.float16, "one_expert", 1, True),
+    ])
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matches_reference(ranks, case):
+    ranks(case.world_size).run(run_case, case, iterations=2)
+
+
+def test_eight_ranks(ranks):
+    case = Case(8, 64, 128, 8, (10, 0, 7, 16, 3, 12, 1, 9), torch.bfloat16, "uniform", 16, seed=21)
+    ranks(8).run(run_case, case, iterations=2)
+
+
+def test_distributed_reference_agrees_with_oracle(ranks):
+    case = Case(4, 16, 64, 4, (11, 0, 6, 13), torch.bfloat16, "zipf", 16, seed=31)
+    ranks(4).run(run_case, case, distributed_reference=True)
+
+
+@pytest.mark.slow
+def test_stragglers_back_to_back_bit_identical(ranks):
+    """20 calls, new routing each time, random per-rank delays; same seed -> same bits."""
+    case = Case(4, 16, 128, 4, (24, 5, 17, 30), torch.bfloat16, "zipf", 1, seed=41)
+    first = ranks(4).run(run_case, case, iterations=20, straggle_s=0.05)
+    second = ranks(4).run(run_case, case, iterations=20, straggle_s=0.05)
+    assert first == second
+    assert len(set(first[0])) == 20, "each iteration should produce different data"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gradients_match_reference_autograd(ranks, world_size):
+    case = Case(world_size, 4 * world_size, 32, 2, tuple(5 + 3 * r for r in range(world_size)),
+                torch.float64, "uniform", 4, seed=51)
+    ranks(world_size).run(gradients, case)
+
+
+def test_peer_that_skips_a_call_is_named_within_the_timeout(ranks):
+    case = Case(4, 8, 64, 2, (6, 6, 6, 6), seed=61)
+    timeout_s = 2.0
+    reports = ranks(4).run(skip_one_call, case, skipper=2, wait_timeout_s=timeout_s)
+    for rank, report in enumerate(reports):
+        if rank == 2:
+            assert report["raised"] is None
+            continue
+        assert report["peer"] == 2, report
+        assert f"moe_comm rank {rank}" in report["raised"] and "rank 2" in report["raised"]
+        assert "expected epoch >= 1, observed 0" in report["raised"]
+        assert timeout_s <= report["elapsed_s"] < timeout_s + 5, report
+        assert "unusable" in report["later"]
+
+
+def test_bad_inputs_raise_before_any_kernel(ranks):
+    case = Case(2, 8, 64, 2, (7, 5), seed=71)
+    for rank, errors in enumerate(ranks(2).run(bad_inputs, case)):
+        missing = [name for name, text in errors.items() if text is None]
+        assert not missing, f"rank {rank}: no error for {missing}"
+        assert "ValueError" in errors["too_many_tokens"] and "max_tokens_per_rank" in \
+            errors["too_many_tokens"]
+        assert "same expert twice" in errors["duplicate_expert"]
+        assert "TypeError" in errors["dtype"] and "TypeError" in errors["idx_dtype"]
+        assert "another Buffer" in errors["other_buffer_handle"]
+        assert "older dispatch" in errors["older_handle"]
+
+
+def test_constructor_names_the_rank_that_differs(ranks):
+    errors = ranks(4).run(construct, {2: dict(hidden=128)})
+    for text in errors:
+        assert text is not None and "rank 2 passed hidden=128" in text, text
+
+
+@pytest.mark.parametrize("kwargs, expect", [
+    (dict(num_experts=6), "not divisible by the world size"),
+    (dict(hidden=0), "hidden must be a positive int"),
+    (dict(dtype=torch.int32), "dtype must be one of"),
+])
+def test_constructor_rejects_bad_config(ranks, kwargs, expect):
+    for text in ranks(4).run(construct, {"all": kwargs}):
+        assert text is not None and expect in text, text
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: after.get(k, 0) - before.get(k, 0) for k in after}
+
+
+def test_bytes_on_the_link_are_the_minimum_and_launches_as_documented(ranks):
+    R, E, H, K = 4, 16, 128, 4
+    case = Case(R, E, H, K, (20, 0, 13, 31), torch.bfloat16, "zipf", 1, seed=81)
+    L, row_bytes, meta_bytes = E // R, H * 2, 4 * (1 + 3 * K)
+    for rank, rep in enumerate(ranks(R).run(count_traffic, case)):
+        # a token crosses to a rank once: the receiver's staging holds exactly one row per token
+        assert rep["written_rows_from"] == rep["received_from"], rank
+        d_stats = _delta(rep["stats"][1], rep["stats"][0])
+        peers = [d for d in range(R) if d != rank]
+        to_peers = sum(rep["sent_to"][d] * (row_bytes + meta_bytes) for d in peers) \
+            + len(peers) * (4 * (L + 1) + 8)
+        assert d_stats["dispatch_bytes_to_peers"] == to_peers, rank
+        assert d_stats["dispatch_bytes_to_self"] == \
+            rep["sent_to"][rank] * (row_bytes + meta_bytes) + 4 * (L + 1) + 8
+        c_stats = _delta(rep["stats"][2], rep["stats"][1])
+        assert c_stats["combine_bytes_to_peers"] == \
+            sum(rep["received_from"][s] * row_bytes for s in peers) + 8 * len(peers)
+        got_any = sum(rep["received_from"]) > 0
+        assert _delta(rep["launches"][1], rep["launches"][0]) == \
+            {"layout": 1, "dispatch_send": 1, "dispatch_expand": int(got_any)}
+        has_tokens = case.tokens[rank] > 0
+        assert _delta(rep["launches"][2], rep["launches"][1]) == \
+            {"layout": 0, "dispatch_send": 0, "dispatch_expand": 0, "combine_send": 1,
+             "combine_reduce": int(has_tokens)}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -52,7 +53,9 @@ def main(argv=None) -> int:
             try:
                 compiled = compile_variant(kernel, signature, constexprs, arch)
                 cubin = len(compiled.asm["cubin"])
-                status = f"ok  cubin {cubin:>7d} B  shared memory {compiled.metadata.shared} B"
+                signals = len(re.findall(r"atom\.global\.sys\.release\.", compiled.asm["ptx"]))
+                status = (f"ok  cubin {cubin:>7d} B  shared memory {compiled.metadata.shared} B"
+                          f"  sys-release atomics {signals}")
             except Exception as error:  # report every failure, then fail
                 failures += 1
                 status = f"FAILED {type(error).__name__}: {str(error).splitlines()[0][:200]}"

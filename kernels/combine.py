@@ -78,13 +78,14 @@ def combine_send_kernel(
         tl.store(dst_meta + j64[:, None] * KMAX + kk[None, :], vals, mask=m2)
         row_bytes += 4 * K
     nbytes = tl.sum(jm.to(tl.int64), axis=0) * row_bytes + tl.zeros([1], tl.int64)
-    tl.atomic_add(stats + 2 + tl.arange(0, 1), tl.where(s != me, nbytes, 0))
-    tl.atomic_add(stats + 3 + tl.arange(0, 1), tl.where(s == me, nbytes, 0))
+    tl.atomic_add(stats + 2 + tl.arange(0, 1), tl.where(s != me, nbytes, 0), sem="relaxed")
+    tl.atomic_add(stats + 3 + tl.arange(0, 1), tl.where(s == me, nbytes, 0), sem="relaxed")
     if draw_last_ticket(tickets, last_ticket):
         for d in range(R):
             publish_epoch(peer_ptrs, d, signal_off, epoch)
-        tl.atomic_add(stats + 2 + tl.arange(0, 1), 8 * (R - 1) + tl.zeros([1], tl.int64))
-        tl.atomic_add(stats + 3 + tl.arange(0, 1), 8 + tl.zeros([1], tl.int64))
+        signal_bytes = 8 + tl.zeros([1], tl.int64)
+        tl.atomic_add(stats + 2 + tl.arange(0, 1), (R - 1) * signal_bytes, sem="relaxed")
+        tl.atomic_add(stats + 3 + tl.arange(0, 1), signal_bytes, sem="relaxed")
 
 
 @triton.jit
@@ -132,7 +133,7 @@ def combine_send(y, weights, pair_values, slot_rows, slot_counts, slot_offsets, 
                  tickets, *, offsets: dict, last_ticket: int, epoch: int, rank: int,
                  topk: int, max_topk: int, block_t: int, block_h: int,
                  grid_tiles: int) -> bool:
-    """Launches ``R x grid_tiles`` send programs (``grid_tiles >= 1``, so every rank is signalled)."""
+    """Launches ``R x grid_tiles`` send programs; ``grid_tiles >= 1`` so every rank is signalled."""
     H = y.shape[1]
     R = peer_ptrs.numel()
     dummy = slot_counts

@@ -29,7 +29,7 @@ import triton.language as tl
 
 @triton.jit
 def peer_ptr(peer_ptrs, peer, byte_offset, dtype: tl.constexpr):
-    """Typed pointer to ``byte_offset`` inside rank ``peer``'s segment (``peer_ptrs``: [R] int64)."""
+    """Typed pointer to ``byte_offset`` in rank ``peer``'s segment; ``peer_ptrs``: [R] int64."""
     addr = tl.load(peer_ptrs + peer) + byte_offset
     return addr.to(tl.pointer_type(dtype))
 
@@ -64,7 +64,7 @@ class PeerTimeoutError(RuntimeError):
 
 def wait_epochs(signals: torch.Tensor, expected: int, *, timeout_s: float, rank: int,
                 channel: str) -> None:
-    """Blocks until ``signals[s] >= expected`` for every source ``s``; ``signals``: [R] int64, local.
+    """Blocks until ``signals[s] >= expected`` for every source ``s`` (``signals``: [R] int64).
 
     Raises :class:`PeerTimeoutError` naming the first source still behind after ``timeout_s``.
     """

@@ -62,7 +62,7 @@ def routing_layout_kernel(
 
 def routing_layout(topk_idx: torch.Tensor, world_size: int, num_local_experts: int,
                    block_t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launches the layout kernel; returns ``(slot_of [T, R], pair_pos [T, K], counts [R, L+1])``."""
+    """Launches the layout kernel: ``(slot_of [T, R], pair_pos [T, K], counts [R, L+1])``."""
     T, K = topk_idx.shape
     R, L = world_size, num_local_experts
     dev = topk_idx.device

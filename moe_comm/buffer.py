@@ -107,7 +107,7 @@ class Buffer:
     @classmethod
     def loopback(cls, world_size: int, hidden: int, num_experts: int, max_tokens_per_rank: int,
                  dtype: torch.dtype = torch.bfloat16, *, max_topk: int | None = None,
-                 timeout_s: float | None = None, device="cpu") -> list["Buffer"]:
+                 timeout_s: float | None = None, device="cpu") -> list[Buffer]:
         """``world_size`` virtual ranks in this process; drive them with ``moe_comm.lockstep``."""
         if max_topk is None and isinstance(num_experts, int):
             max_topk = min(16, num_experts)
@@ -220,7 +220,7 @@ class Buffer:
         _registry.unregister(self)
         self.heap.close()
 
-    def __enter__(self) -> "Buffer":
+    def __enter__(self) -> Buffer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -7,7 +7,7 @@ DEFAULT_TIMEOUT_S = 120.0
 
 
 def timeout_s() -> float:
-    """``MOE_COMM_TIMEOUT_S``: seconds a rank waits for a peer before the call fails (default 120)."""
+    """``MOE_COMM_TIMEOUT_S``: seconds a rank waits for a peer before failing (default 120)."""
     raw = os.environ.get("MOE_COMM_TIMEOUT_S", "")
     if not raw:
         return DEFAULT_TIMEOUT_S

@@ -19,7 +19,8 @@ import shutil
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _WORKER_ENV = {"TRITON_INTERPRET": "1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 
@@ -138,7 +139,7 @@ class RankPool:
             conn.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def __enter__(self) -> "RankPool":
+    def __enter__(self) -> RankPool:
         return self
 
     def __exit__(self, *exc) -> None:

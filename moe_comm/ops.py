@@ -101,7 +101,8 @@ class _Dispatch(torch.autograd.Function):
     def backward(ctx, grad_x, grad_w, *_):
         slot_of, slot_rows, slot_off = ctx.saved_tensors
         if grad_x is None:
-            grad_x = slot_of.new_zeros((ctx.num_rows, ctx.hidden), dtype=lookup(ctx.buffer_id).dtype)
+            dtype = lookup(ctx.buffer_id).dtype
+            grad_x = slot_of.new_zeros((ctx.num_rows, ctx.hidden), dtype=dtype)
         # Router-weight gradients always travel (zeros when unused) so that every rank runs the
         # same protocol whatever its own requires_grad flags.
         if grad_w is None or grad_w.numel() != ctx.num_rows:

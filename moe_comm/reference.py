@@ -125,7 +125,7 @@ def sum_home(back: list[torch.Tensor], send_tokens: list[torch.Tensor], num_toke
     return out.to(dtype)
 
 
-# --------------------------------------------------------------------------- one process per rank
+# ------------------------------------------------------------------ one process per rank
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` along dim 0 with given splits; backward swaps the splits."""
 
@@ -173,7 +173,7 @@ def combine(y, handle: RefHandle, weights=None, group=None) -> torch.Tensor:
     return sum_home(back, handle.send_tokens, handle.num_tokens)
 
 
-# --------------------------------------------------------------------------- all ranks in one process
+# ------------------------------------------------------------------ all ranks in one process
 def dispatch_all(xs, topk_idxs, topk_weights=None, *, num_experts: int,
                  expert_alignment: int = 1) -> list[RefDispatch]:
     """Reference dispatch of every rank at once: ``xs[r]``, ``topk_idxs[r]`` are rank r's inputs."""

@@ -91,7 +91,7 @@ class WorkspaceLayout:
         return self.regions[name]
 
     def offset(self, name: str, *index: int) -> int:
-        """Byte offset of ``region[index]`` (leading indices only), e.g. ``offset("dispatch_rows", p, s)``."""
+        """Byte offset of ``region[index]`` (leading indices): ``offset("dispatch_rows", p, s)``."""
         region = self.regions[name]
         if len(index) > len(region.shape):
             raise IndexError(f"{name} has {len(region.shape)} dims, got index {index}")

@@ -9,9 +9,8 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
-from moe_comm import reference
-
 from cases import Case, expert_fn, make_inputs
+from moe_comm import reference
 
 FIELDS = ("x", "weights", "src_rank", "src_token", "tokens_per_expert", "expert_offsets")
 

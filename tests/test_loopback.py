@@ -1,11 +1,10 @@
-"""Virtual ranks in one process (``Buffer.loopback`` + ``moe_comm.lockstep``) against the reference."""
+"""Virtual ranks in one process (``Buffer.loopback``, ``moe_comm.lockstep``) vs the reference."""
 import pytest
 import torch
 
 import moe_comm
-from moe_comm import lockstep, reference
-
 from cases import Case, expert_fn, make_inputs
+from moe_comm import lockstep, reference
 
 FIELDS = ("x", "weights", "src_rank", "src_token", "tokens_per_expert", "expert_offsets")
 

@@ -3,8 +3,7 @@ import pytest
 import torch
 
 from cases import Case
-from rank_jobs import (bad_inputs, construct, count_traffic, gradients, run_case,
-                       skip_one_call)
+from rank_jobs import bad_inputs, construct, count_traffic, gradients, run_case, skip_one_call
 
 CASES = [
     Case(R, E, H, K, tokens, dtype, routing, align, weights=w, seed=i)

@@ -34,7 +34,7 @@ class SymmetricHeap(abc.ABC):
         return self.local.device
 
     def view(self, byte_offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A typed view of this rank's segment: ``local[byte_offset:].view(dtype)[:numel].view(shape)``."""
+        """Typed view of this segment: ``local[byte_offset:].view(dtype)[:numel].view(shape)``."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         if byte_offset % itemsize:
             raise ValueError(f"offset {byte_offset} is not aligned to {dtype} ({itemsize} bytes)")

@@ -34,7 +34,7 @@ class LoopbackHeap(SymmetricHeap):
 
 def create_loopback_heaps(world_size: int, nbytes: int,
                           device: torch.device | str = "cpu") -> list[LoopbackHeap]:
-    """Allocates ``world_size`` zeroed segments of ``nbytes`` on ``device``; one heap per virtual rank."""
+    """``world_size`` zeroed segments of ``nbytes`` on ``device``; one heap per virtual rank."""
     if world_size < 1 or nbytes <= 0:
         raise ValueError(f"need world_size >= 1 and nbytes > 0, got {world_size}, {nbytes}")
     segments = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world_size)]

@@ -2,7 +2,7 @@
 
 Bootstrap (collective over the torch.distributed group):
 
-1. every rank creates ``/moe_comm_<pid>_<token>_r<rank>`` (zero-filled by ``ftruncate``) and maps it;
+1. every rank creates ``/moe_comm_<pid>_<token>_r<rank>`` (zeroed by ``ftruncate``) and maps it;
 2. the names go round with ``all_gather_object``; every rank maps every peer's segment;
 3. after a barrier every rank unlinks its own name. From then on the mappings live as long as
    the processes and nothing is left in /dev/shm, whatever happens to the processes later.
@@ -16,11 +16,11 @@ rank ``p``'s memory exactly as an NVLink P2P store does.
 """
 from __future__ import annotations
 
+import _posixshmem
 import mmap
 import os
 import secrets
 
-import _posixshmem
 import torch
 import torch.distributed as dist
 

@@ -1,0 +1,68 @@
+"""The torch.library custom ops: schemas, fake implementations, autograd, torch.compile."""
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+import moe_comm
+from cases import Case, expert_fn, make_inputs
+from moe_comm import reference
+
+
+def _one_rank(H=32, E=4, T=8, dtype=torch.float32):
+    buf = moe_comm.Buffer.loopback(1, H, E, T, dtype)[0]
+    xs, idxs, ws = make_inputs(Case(1, E, H, 2, (T,), dtype, seed=5))
+    return buf, xs[0], idxs[0], ws[0]
+
+
+def test_opcheck_dispatch_and_combine():
+    buf, x, idx, w = _one_rank()
+    torch.library.opcheck(torch.ops.moe_comm.dispatch.default, (buf.id, x, idx, w, 1))
+    outs = torch.ops.moe_comm.dispatch(buf.id, x, idx, w, 1)
+    y, slot_of, slot_rows, slot_off = outs[0], outs[6], outs[7], outs[8]
+    torch.library.opcheck(torch.ops.moe_comm.combine.default,
+                          (buf.id, y, outs[1], None, slot_of, slot_rows, slot_off))
+    torch.library.opcheck(torch.ops.moe_comm.dispatch_cached.default,
+                          (buf.id, x, slot_of, slot_rows, slot_off, y.shape[0]))
+
+
+def test_fake_implementations_give_shapes():
+    buf, x, idx, w = _one_rank(H=32, E=4)
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        fx, fidx, fw = mode.from_tensor(x), mode.from_tensor(idx), mode.from_tensor(w)
+        outs = torch.ops.moe_comm.dispatch(buf.id, fx, fidx, fw, 16)
+        assert outs[0].shape[1] == 32 and outs[0].dtype == torch.float32
+        assert outs[4].shape == (4,) and outs[5].shape == (5,)  # L, L + 1
+        assert outs[6].shape == (8, 1) and outs[6].dtype == torch.int32  # slot_of [T, R]
+        out, pair = torch.ops.moe_comm.combine(buf.id, outs[0], outs[1], None, outs[6],
+                                               outs[7], outs[8])
+        assert out.shape == (8, 32) and pair.shape == (0,)
+
+
+def test_autograd_one_rank_against_reference():
+    buf, x, idx, w = _one_rank(dtype=torch.float64)
+    x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    res = buf.dispatch(x1, idx, w1)
+    out = buf.combine(expert_fn(res.x, res.expert_offsets), res.handle, res.weights)
+    out.square().sum().backward()
+    x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = reference.dispatch_all([x2], [idx], [w2], num_experts=4)[0]
+    ref_out = reference.combine_all([expert_fn(ref.x, ref.expert_offsets)], [ref.handle],
+                                    [ref.weights])[0]
+    ref_out.square().sum().backward()
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_torch_compile_aot_eager():
+    buf, x, idx, w = _one_rank()
+
+    def moe(x, idx, w):
+        res = buf.dispatch(x, idx, w)
+        return buf.combine(res.x * 2, res.handle, res.weights)
+
+    eager = moe(x, idx, w)
+    compiled = torch.compile(moe, backend="aot_eager")(x, idx, w)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)

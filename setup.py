@@ -1,4 +1,4 @@
-"""Install moe_comm: the torch API in moe_comm/, the Triton kernels in kernels/ as moe_comm.kernels."""
+"""Install moe_comm; kernels/ is installed as the package moe_comm.kernels."""
 from setuptools import find_packages, setup
 
 setup(

@@ -1,0 +1,37 @@
+# Everything sets itself up on a fresh machine with Python 3 and make.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# The CPU build of torch; any torch >= 2.6 works (setup.py), this one is what CI runs.
+TORCH_SPEC ?= torch==2.13.0
+TRITON_SPEC ?= triton==3.9.0
+export TRITON_CACHE_DIR ?= $(CURDIR)/.triton_cache
+export TRITON_DEFAULT_FP_FUSION ?= 1
+
+.PHONY: bench test test-quick compile-check lint clean
+
+$(STAMP): setup.py pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q "$(TORCH_SPEC)" "$(TRITON_SPEC)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+bench: $(STAMP)  ## the dispatch/combine benchmark on 4 CPU ranks, one table
+	$(BIN)/python bench/dispatch_bench.py --ranks 4
+
+test: $(STAMP)  ## the whole suite (CI)
+	$(BIN)/python -m pytest -q
+
+test-quick: $(STAMP)  ## the suite without the cases marked slow
+	$(BIN)/python -m pytest -q -m "not slow"
+
+compile-check: $(STAMP)  ## every kernel compiled for sm_90 and sm_100, no GPU needed
+	TRITON_INTERPRET=0 $(BIN)/python -m moe_comm.kernels.aot --arch 90 100
+
+lint: $(STAMP)
+	$(BIN)/pip install -q ruff
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) .triton_cache .pytest_cache bench/results *.egg-info

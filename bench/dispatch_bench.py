@@ -1,0 +1,240 @@
+"""Standalone dispatch/combine benchmark on CPU ranks (one process per rank, shm heap).
+
+    python bench/dispatch_bench.py --ranks 4 --tokens 128 --system h800
+
+Prints one table, one row per model config (real hidden sizes, expert counts and top-k):
+
+* rows: (token, expert) rows received, summed over ranks;
+* link MB: bytes the kernels stored into other ranks during one dispatch (rows, metadata,
+  counts, signals; measured by the kernels' counters, summed over ranks), next to the minimum:
+  each token's row once per distinct other destination rank; overhead = link / min - 1;
+* launches: kernel launches of one dispatch / one combine on rank 0;
+* ref: whether every rank's dispatch rows and combine output equal the reference
+  (``moe_comm.reference`` over ``all_to_all_single``) bit for bit;
+* cpu ms: wall time of the slowest rank, median [min-max] over the timed iterations, for
+  moe_comm and for the reference. These are Triton *interpreter* times on CPU: they measure
+  the interpreter, not the design, and are never GPU performance;
+* pred us: what the same workload costs on ``--system`` according to ``moe_comm.perfmodel``
+  (normal mode, routing taken from the benchmark's own ``topk_idx``), next to that model's
+  minimum bytes per rank.
+
+The same rows go to ``--json`` (default ``bench/results/dispatch_bench.json``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    hidden: int
+    experts: int
+    topk: int
+
+
+CONFIGS = [
+    ModelConfig("DeepSeek-V3", 7168, 256, 8),
+    ModelConfig("Qwen3-235B-A22B", 4096, 128, 8),
+    ModelConfig("GPT-OSS-120B", 2880, 128, 4),
+    ModelConfig("Mixtral-8x7B", 4096, 8, 2),
+]
+
+
+def make_routing(cfg: ModelConfig, world_size: int, tokens: int, routing: str, seed: int):
+    """Every rank's inputs from one seed: ``(xs, topk_idxs, topk_weights)`` lists over ranks."""
+    g = torch.Generator().manual_seed(seed)
+    xs, idxs, ws = [], [], []
+    for _ in range(world_size):
+        xs.append(torch.randn((tokens, cfg.hidden), generator=g))
+        if routing == "zipf":
+            p = 1.0 / torch.arange(1, cfg.experts + 1, dtype=torch.float64) ** 1.2
+            scores = torch.rand((tokens, cfg.experts), generator=g, dtype=torch.float64) * p
+        else:
+            scores = torch.rand((tokens, cfg.experts), generator=g)
+        idxs.append(scores.topk(cfg.topk, dim=1).indices)
+        ws.append(torch.softmax(torch.randn((tokens, cfg.topk), generator=g), dim=1))
+    return xs, idxs, ws
+
+
+def bench_job(rank, world_size, cfg: ModelConfig, tokens: int, dtype_name: str, iters: int,
+              warmup: int, routing: str, seed: int) -> dict:
+    """Runs on every rank: timed moe_comm and reference calls, counters and agreement."""
+    import torch.distributed as dist
+
+    import moe_comm
+    from moe_comm import reference
+
+    dtype = DTYPES[dtype_name]
+    xs, idxs, ws = make_routing(cfg, world_size, tokens, routing, seed)
+    x, idx, w = xs[rank].to(dtype), idxs[rank], ws[rank]
+    L = cfg.experts // world_size
+    dests = [{int(e) // L for e in row if e >= 0} for row in idx.tolist()]
+    min_link_bytes = sum(len(d - {rank}) for d in dests) * cfg.hidden * x.element_size()
+
+    buf = moe_comm.Buffer(dist.group.WORLD, hidden=cfg.hidden, num_experts=cfg.experts,
+                          max_tokens_per_rank=tokens, dtype=dtype)
+    ours_d, ours_c, ref_d, ref_c = [], [], [], []
+    for it in range(warmup + iters):
+        dist.barrier()
+        stats0, launches0 = buf.stats(), dict(buf.launches)
+        t0 = time.perf_counter()
+        res = buf.dispatch(x, idx, w)
+        t1 = time.perf_counter()
+        out = buf.combine(res.x, res.handle, weights=res.weights)
+        t2 = time.perf_counter()
+        stats1, launches1 = buf.stats(), dict(buf.launches)
+        dist.barrier()
+        t3 = time.perf_counter()
+        ref = reference.dispatch(x, idx, w, cfg.experts)
+        t4 = time.perf_counter()
+        ref_out = reference.combine(ref.x, ref.handle, ref.weights)
+        t5 = time.perf_counter()
+        if it >= warmup:
+            ours_d.append(t1 - t0)
+            ours_c.append(t2 - t1)
+            ref_d.append(t4 - t3)
+            ref_c.append(t5 - t4)
+    buf.close()
+    launches = {k: launches1.get(k, 0) - launches0.get(k, 0) for k in launches1}
+    return {
+        "rows": res.x.shape[0],
+        "link_bytes": stats1["dispatch_bytes_to_peers"] - stats0["dispatch_bytes_to_peers"],
+        "combine_link_bytes": stats1["combine_bytes_to_peers"]
+        - stats0["combine_bytes_to_peers"],
+        "min_link_bytes": min_link_bytes,
+        "dispatch_launches": launches.get("layout", 0) + launches.get("dispatch_send", 0)
+        + launches.get("dispatch_expand", 0),
+        "combine_launches": launches.get("combine_send", 0) + launches.get("combine_reduce", 0),
+        "matches_reference": bool(torch.equal(res.x, ref.x) and torch.equal(out, ref_out)),
+        "times_s": {"dispatch": ours_d, "combine": ours_c, "ref_dispatch": ref_d,
+                    "ref_combine": ref_c},
+    }
+
+
+def _slowest(per_rank: list[dict], key: str) -> list[float]:
+    """Per iteration, the time of the slowest rank (it sets the op's time)."""
+    return [max(r["times_s"][key][i] for r in per_rank)
+            for i in range(len(per_rank[0]["times_s"][key]))]
+
+
+def _ms(values: list[float]) -> str:
+    return (f"{statistics.median(values) * 1e3:.0f} "
+            f"[{min(values) * 1e3:.0f}-{max(values) * 1e3:.0f}]")
+
+
+def summarize(cfg: ModelConfig, args, per_rank: list[dict]) -> dict:
+    row = {"config": cfg.name, **asdict(cfg), "ranks": args.ranks, "tokens_per_rank": args.tokens,
+           "dtype": args.dtype, "routing": args.routing,
+           "rows": sum(r["rows"] for r in per_rank),
+           "link_bytes": sum(r["link_bytes"] for r in per_rank),
+           "combine_link_bytes": sum(r["combine_link_bytes"] for r in per_rank),
+           "min_link_bytes": sum(r["min_link_bytes"] for r in per_rank),
+           "dispatch_launches": per_rank[0]["dispatch_launches"],
+           "combine_launches": per_rank[0]["combine_launches"],
+           "matches_reference": all(r["matches_reference"] for r in per_rank)}
+    for key in ("dispatch", "combine", "ref_dispatch", "ref_combine"):
+        row[f"cpu_{key}_s"] = _slowest(per_rank, key)
+    if args.system:
+        from moe_comm.perfmodel import predict
+
+        _, idxs, _ = make_routing(cfg, args.ranks, args.tokens, args.routing, args.seed)
+        p = predict(args.system, "normal", ep=args.ranks, tokens_per_rank=args.tokens,
+                    hidden=cfg.hidden, topk=cfg.topk, num_experts=cfg.experts,
+                    dispatch_dtype=args.dtype, combine_dtype=args.dtype,
+                    routing=torch.cat(idxs))
+        row.update(system=args.system, pred_dispatch_us=p.dispatch_us,
+                   pred_combine_us=p.combine_us, pred_bottleneck=p.bottleneck,
+                   pred_min_link_bytes_per_rank=p.bytes["dispatch"].min_link_bytes)
+    return row
+
+
+def format_table(rows: list[dict], system: str | None) -> str:
+    header = ["config", "H", "E", "K", "tok/rank", "rows", "link MB", "min MB", "overhead",
+              "launches d/c", "ref", "cpu ms dispatch", "cpu ms combine", "ref cpu ms d/c"]
+    if system:
+        header += [f"pred us d/c ({system})", "bound", "model min MB/rank"]
+    cells = [header]
+    for r in rows:
+        line = [r["config"], str(r["hidden"]), str(r["experts"]), str(r["topk"]),
+                str(r["tokens_per_rank"]), str(r["rows"]), f"{r['link_bytes'] / 1e6:.3f}",
+                f"{r['min_link_bytes'] / 1e6:.3f}",
+                f"{r['link_bytes'] / max(r['min_link_bytes'], 1) - 1:+.1%}",
+                f"{r['dispatch_launches']}/{r['combine_launches']}",
+                "exact" if r["matches_reference"] else "DIFFERS",
+                _ms(r["cpu_dispatch_s"]), _ms(r["cpu_combine_s"]),
+                f"{statistics.median(r['cpu_ref_dispatch_s']) * 1e3:.0f}/"
+                f"{statistics.median(r['cpu_ref_combine_s']) * 1e3:.0f}"]
+        if system:
+            line += [f"{r['pred_dispatch_us']:.1f}/{r['pred_combine_us']:.1f}",
+                     r["pred_bottleneck"], f"{r['pred_min_link_bytes_per_rank'] / 1e6:.3f}"]
+        cells.append(line)
+    widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
+    lines = ["  ".join(c[i].ljust(widths[i]) if i == 0 else c[i].rjust(widths[i])
+                       for i in range(len(header))) for c in cells]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=128, help="tokens per rank")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--routing", choices=["uniform", "zipf"], default="uniform")
+    parser.add_argument("--iters", type=int, default=3, help="timed iterations")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--configs", nargs="+", default=[c.name for c in CONFIGS],
+                        choices=[c.name for c in CONFIGS])
+    parser.add_argument("--system", default="h800",
+                        help="perfmodel system for the prediction columns ('' to skip)")
+    parser.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results",
+                                                       "dispatch_bench.json"))
+    args = parser.parse_args(argv)
+    if args.system:
+        from moe_comm.perfmodel import SYSTEMS
+
+        if args.system not in SYSTEMS:
+            parser.error(f"--system must be one of {sorted(SYSTEMS)}")
+
+    from moe_comm.launch import RankPool
+
+    configs = [c for c in CONFIGS if c.name in args.configs]
+    for cfg in configs:
+        if cfg.experts % args.ranks:
+            parser.error(f"{cfg.name}: {cfg.experts} experts do not split over {args.ranks} ranks")
+    rows = []
+    start = time.perf_counter()
+    print(f"starting {args.ranks} CPU ranks (Triton interpreter) ...", file=sys.stderr, flush=True)
+    with RankPool(args.ranks) as pool:
+        for i, cfg in enumerate(configs, 1):
+            per_rank = pool.run(bench_job, cfg, args.tokens, args.dtype, args.iters, args.warmup,
+                                args.routing, args.seed)
+            rows.append(summarize(cfg, args, per_rank))
+            print(f"[{i}/{len(configs)}] {cfg.name} done, {time.perf_counter() - start:.0f} s "
+                  "elapsed", file=sys.stderr, flush=True)
+    print(f"\nmoe_comm dispatch/combine, {args.ranks} CPU ranks, {args.tokens} tokens per rank, "
+          f"{args.dtype}, {args.routing} routing; MB = 1e6 bytes, summed over ranks\n")
+    print(format_table(rows, args.system))
+    print("\ncpu ms: Triton interpreter on CPU, slowest rank, median [min-max] of "
+          f"{args.iters}; not GPU performance. pred: moe_comm.perfmodel on {args.system}.")
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"rows written to {args.json}")
+    return 0 if all(r["matches_reference"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""moe_comm.perfmodel: analytical model and routing simulator of EP dispatch and combine.
+
+Predicts the time, bandwidth and bottleneck of one dispatch and one combine call of this
+package's two algorithms on real systems, from 8 GPUs to hundreds of thousands:
+
+    from moe_comm.perfmodel import predict, System, SYSTEMS
+    p = predict(system="h800", mode="low_latency", ep=64, tokens_per_rank=128, hidden=7168,
+                topk=8, num_experts=256, dispatch_dtype="fp8", combine_dtype="bf16",
+                routing="uniform", gpus_per_node=8)
+    p.dispatch_us, p.combine_us        # one call, microseconds (slowest rank)
+    p.dispatch_GBps, p.combine_GBps    # logical bandwidth in the mode's convention, GB = 1e9
+    p.bottleneck                       # of the slower phase; see BOTTLENECKS
+    p.bytes["dispatch"]                # PhaseBytes: logical, minimum, per-link, local fraction
+    p.dispatch.terms_us                # time each resource alone needs (which term bounds)
+
+Only numpy and the standard library are imported; torch tensors are accepted as routing
+input without importing torch, matplotlib is imported by the CLI's --plot only.
+
+Benchmark integration. For a measured row with world size R, T tokens per rank, hidden H,
+top-k K, E experts and payload dtype `dtype` (a torch dtype or "bf16"/"fp16"/"fp32"/"fp8"):
+
+    from moe_comm.perfmodel import predict
+    p = predict(args.system, "normal", ep=R, tokens_per_rank=T, hidden=H, topk=K,
+                num_experts=E, dispatch_dtype=dtype, combine_dtype=dtype,
+                routing=topk_idx)          # or "uniform"; topk_idx: [R*T, K] global, or any
+                                           # [N, K] sample of expert ids (-1 = none)
+    p.dispatch_us, p.combine_us            # predicted time of that workload on that system
+    p.bytes["dispatch"].min_link_bytes     # minimum bytes per rank (each token once per
+    p.bytes["combine"].min_link_bytes      # other destination rank), mean over ranks
+
+Use mode="low_latency" for the low-latency ops. The combine dtype must be bf16, fp16 or fp32.
+"""
+from .model import (
+    BOTTLENECKS,
+    FITTED,
+    MODES,
+    ModelConstants,
+    PhaseBytes,
+    PhasePrediction,
+    Prediction,
+    predict,
+)
+from .routing import expected_fanout
+from .systems import GB, SYSTEMS, System, get_system
+
+__all__ = [
+    "BOTTLENECKS",
+    "FITTED",
+    "GB",
+    "MODES",
+    "SYSTEMS",
+    "ModelConstants",
+    "PhaseBytes",
+    "PhasePrediction",
+    "Prediction",
+    "System",
+    "expected_fanout",
+    "get_system",
+    "predict",
+]

@@ -1,0 +1,468 @@
+"""The cost model: time of one dispatch call and one combine call on a `System`.
+
+A phase (dispatch or combine) of one rank is modelled as
+
+    time_us = latency_us + max(terms_us.values())
+
+where every entry of `terms_us` is the time one resource alone needs for the most loaded rank
+(the resources work concurrently, so only the largest counts) and `latency_us` is the fixed
+per-call cost (fitted, see calibration.py) plus the path latency of the last message. The
+`bottleneck` is the largest term, or "latency" when latency_us exceeds every term.
+
+| term             | resource and formula                                                    |
+|------------------|-------------------------------------------------------------------------|
+| nvlink           | max(sent, received) NVLink bytes / (nvlink_GBps x copy efficiency)      |
+| rdma             | max(sent, received) wire bytes (IB headers) / NIC line rate; leaf-uplink |
+|                  | share x oversubscription when the fabric is oversubscribed              |
+| pcie             | GPU<->NIC bytes incl. TLP headers and one WQE fetch per message         |
+| nic_message_rate | RDMA messages (writes + count signals) / NIC message rate               |
+| sm_issue         | bytes the SMs copy / (num_sms x per-SM copy rate) + RDMA posts / (num_sms|
+|                  | x per-SM post rate)                                                     |
+| hbm              | device-memory reads + writes / HBM bandwidth                            |
+
+Bandwidth conventions (`GBps`, GB = 1e9 bytes, per rank, mean over ranks), chosen so that
+published numbers compare:
+* low_latency: bytes once per (token, selected expert) pair, local pairs included; an FP8
+  message is hidden + hidden/128*4 (scales) + 16 (header) bytes, other dtypes hidden*size.
+* normal, one node: NVLink rows received (tokens x distinct destination ranks, own rank
+  included) x hidden x bytes per element.
+* normal, several nodes: (token, destination node) pairs, own node included, x hidden x bytes
+  per element.
+In both normal conventions an FP8 element counts (1 + 4/128) bytes, i.e. (1 + 4/128)/2 of BF16.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .loads import (
+    INTERNODE_CLASSES,
+    INTRANODE_CLASSES,
+    LL_CLASSES,
+    Layout,
+    Loads,
+    LoadStat,
+    compute_loads,
+)
+from .routing import parse_routing
+from .systems import System, get_system
+
+MODES = ("normal", "low_latency")
+BOTTLENECKS = ("nvlink", "rdma", "pcie", "nic_message_rate", "sm_issue", "hbm", "latency")
+DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
+COMBINE_DTYPES = ("bf16", "fp16", "fp32")
+_DTYPE_ALIASES = {"float8_e4m3fn": "fp8", "float8_e4m3fnuz": "fp8", "float8_e5m2": "fp8",
+                  "e4m3": "fp8", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
+                  "float32": "fp32", "float": "fp32"}
+FP8_SCALE_BLOCK = 128         # elements sharing one FP8 scale
+FP8_SCALE_BYTES = 4           # one fp32 scale
+LL_HEADER_BYTES = 16          # per low-latency message: source token index and padding
+ROW_META_BYTES = 8            # per normal-mode row: int64 source token index
+ROW_META_BYTES_PER_TOPK = 8   # per normal-mode row and top-k slot: int32 expert + fp32 weight
+NORMAL_DEFAULT_SMS = 24       # SMs the normal kernels run on unless num_sms= says otherwise
+
+
+@dataclass(frozen=True)
+class ModelConstants:
+    """The only fitted numbers (two DeepEP H800 calibration points per mode; calibration.py)."""
+
+    nvlink_copy_efficiency: float  # share of System.nvlink_GBps the copy kernels sustain
+    normal_fixed_us: float         # per-call cost of a normal-mode phase beyond path latency
+    low_latency_fixed_us: float    # per-call cost of a low-latency phase beyond path latency
+
+
+# Fitted by calibration.fit_constants() to the four DeepEP H800 numbers in calibration.py
+# (least squares in log time; residuals -1.4% .. +3.2%); rounded to three digits.
+FITTED = ModelConstants(nvlink_copy_efficiency=0.959, normal_fixed_us=133.0,
+                        low_latency_fixed_us=29.3)
+
+
+@dataclass(frozen=True)
+class PhaseBytes:
+    """Bytes of one phase. Per rank; "busiest" fields are for the most loaded rank."""
+
+    logical_bytes: float       # mean rank, in the bandwidth convention of the mode
+    min_link_bytes: float      # mean rank: payload of each token once per other destination rank
+    nvlink_bytes: float        # busiest rank, max(sent, received), incl. metadata and headers
+    rdma_bytes: float          # busiest rank, max(sent, received), on the wire
+    pcie_bytes: float          # busiest rank, GPU<->NIC incl. TLP headers and WQE fetches
+    hbm_bytes: float           # busiest rank, device-memory reads + writes
+    local_fraction: float      # share of deliveries (pairs or rows) that stay on the rank
+    nvlink_domain_fraction: float  # share that stays inside the NVLink domain (own rank too)
+
+
+@dataclass(frozen=True)
+class PhasePrediction:
+    """One dispatch or one combine call."""
+
+    time_us: float
+    GBps: float                # logical_bytes / time, GB = 1e9 bytes
+    bottleneck: str            # one of BOTTLENECKS
+    terms_us: dict             # resource -> time it alone needs (they overlap)
+    latency_us: float          # fixed per-call cost + path latency (adds to the largest term)
+    bytes: PhaseBytes
+    imbalance: float           # busiest rank / mean rank for the bottleneck's traffic
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Result of `predict`: one dispatch and one combine call of the slowest rank."""
+
+    system: str
+    mode: str
+    ep: int
+    tokens_per_rank: int
+    hidden: int
+    topk: int
+    num_experts: int
+    gpus_per_node: int
+    nodes: int
+    routing: str
+    dispatch_dtype: str
+    combine_dtype: str
+    dispatch: PhasePrediction
+    combine: PhasePrediction
+    pairs_per_token: float     # valid (token, expert) pairs per token
+    ranks_per_token: float     # distinct destination ranks per token, own rank included
+    nodes_per_token: float     # distinct destination nodes per token, own node included
+    method: str                # how rank loads were obtained
+    notes: tuple = field(default_factory=tuple)
+
+    @property
+    def dispatch_us(self) -> float:
+        return self.dispatch.time_us
+
+    @property
+    def combine_us(self) -> float:
+        return self.combine.time_us
+
+    @property
+    def dispatch_GBps(self) -> float:
+        return self.dispatch.GBps
+
+    @property
+    def combine_GBps(self) -> float:
+        return self.combine.GBps
+
+    @property
+    def bottleneck(self) -> str:
+        """Bottleneck of the slower phase (see dispatch.bottleneck / combine.bottleneck)."""
+        slow = self.combine if self.combine.time_us >= self.dispatch.time_us else self.dispatch
+        return slow.bottleneck
+
+    @property
+    def bytes(self) -> dict:
+        """{"dispatch": PhaseBytes, "combine": PhaseBytes}."""
+        return {"dispatch": self.dispatch.bytes, "combine": self.combine.bytes}
+
+
+def normalize_dtype(dtype, allowed) -> str:
+    """"fp8"/"bf16"/"fp16"/"fp32", their long names, or a torch dtype -> short name."""
+    name = str(dtype).lower().removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in allowed:
+        raise ValueError(f"dtype {dtype!r} not supported here; use one of {tuple(allowed)}")
+    return name
+
+
+def payload_bytes(dtype: str, hidden: int) -> int:
+    """Bytes of one token row as sent: FP8 adds one fp32 scale per 128 elements."""
+    if dtype == "fp8":
+        return hidden + math.ceil(hidden / FP8_SCALE_BLOCK) * FP8_SCALE_BYTES
+    return hidden * DTYPE_BYTES[dtype]
+
+
+def _check_int(name: str, value, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def _nodes_layout(system: System, ep: int, gpus_per_node) -> int:
+    """GPUs per node (NVLink domain) the algorithm uses; see predict's docstring."""
+    domain = system.nvlink_domain_size
+    if gpus_per_node is None:
+        return max(d for d in range(1, min(ep, domain) + 1) if ep % d == 0)
+    gpn = _check_int("gpus_per_node", gpus_per_node)
+    if gpn > domain:
+        raise ValueError(f"gpus_per_node={gpn} exceeds the NVLink domain of {system.name} "
+                         f"({domain} GPUs)")
+    if ep <= gpn:
+        return ep
+    if ep % gpn:
+        raise ValueError(f"ep={ep} spans several nodes, so it must be a multiple of "
+                         f"gpus_per_node={gpn}")
+    return gpn
+
+
+def _fabric(system: System, layout: Layout, any_to_any: bool):
+    """(switch hops of the longest RDMA path, share of RDMA bytes that leave the source leaf,
+    switch tiers needed). any_to_any: low-latency traffic; else rail-aligned normal traffic.
+
+    A leaf switch gives half its ports to NICs. Rail-optimized: GPU i of up to radix/2 nodes
+    share a leaf (rail i), so traffic between rails climbs to the spine. Fat-tree: a leaf holds
+    radix/2 consecutive GPUs. Tiers: the fewest t with radix * (radix/2)**(t-1) >= NICs per
+    plane (one switch when they fit on it).
+    """
+    ep, gpn, nodes, radix = layout.ep, layout.gpn, layout.nodes, system.switch_radix
+    if nodes == 1:
+        return 0, 0.0, 0
+    endpoints = math.ceil(ep / system.planes)
+    rail = system.topology == "rail-optimized"
+    if endpoints <= radix and not (rail and any_to_any and gpn > 1):
+        return 1, 0.0, 1
+    tiers = 2
+    while radix * (radix // 2) ** (tiers - 1) < endpoints:
+        tiers += 1
+    per_leaf = radix // 2
+    if rail:
+        same = min(per_leaf, nodes) - 1              # same-rail GPUs of other nodes, my leaf
+        share = same / (ep - gpn) if any_to_any else same / (nodes - 1)
+    else:
+        same = min(max(1, per_leaf // gpn), nodes) - 1   # other nodes under my leaf
+        share = same * gpn / (ep - gpn) if any_to_any else same / (nodes - 1)
+    cross = 1.0 - share
+    return (2 * tiers - 1 if cross > 1e-12 else 1), cross, tiers
+
+
+class _Costs:
+    """Shared unit conversions of one prediction (all rates in bytes or messages per us)."""
+
+    def __init__(self, system: System, consts: ModelConstants, num_sms: int, layout: Layout,
+                 any_to_any: bool):
+        s = system
+        self.s = s
+        self.nvl_Bpus = s.nvlink_GBps * consts.nvlink_copy_efficiency * 1e3
+        self.nic_Bpus = s.nic_GBps * 1e3
+        self.pcie_Bpus = s.pcie_GBps * 1e3
+        self.hbm_Bpus = s.hbm_GBps * 1e3
+        self.sm_Bpus = num_sms * s.sm_copy_GBps * 1e3
+        self.sm_msgs_per_us = num_sms * s.sm_messages_per_us
+        self.hops, self.cross_leaf, self.tiers = _fabric(s, layout, any_to_any)
+        self.leaf_factor = max(1.0, self.cross_leaf * s.oversubscription)
+        self.relay = (1.0 - 1.0 / s.planes) if (any_to_any and layout.nodes > 1) else 0.0
+
+    def wire(self, msg: float) -> float:
+        """Bytes on the IB wire for one RDMA write of msg payload bytes."""
+        s = self.s
+        return msg + math.ceil(msg / s.rdma_mtu_bytes) * s.rdma_header_bytes_per_packet \
+            + s.rdma_header_bytes_per_message
+
+    def pcie(self, msg: float, wqe: bool) -> float:
+        """PCIe bytes for one message crossing GPU<->NIC (plus its WQE fetch when sending)."""
+        s = self.s
+
+        def tlp(n: float) -> float:
+            return n + math.ceil(n / s.pcie_max_payload_bytes) * s.pcie_tlp_overhead_bytes
+        return tlp(msg) + (tlp(s.rdma_wqe_bytes) if wqe else 0.0)
+
+    def rdma_path_us(self) -> float:
+        return self.s.rdma_latency_us + max(self.hops - 1, 0) * self.s.switch_latency_us
+
+    def rdma_terms(self, msg: float, sent: float, recv: float, extra_msgs: float) -> dict:
+        """Terms of RDMA traffic: sent/recv messages of `msg` bytes for the busiest rank."""
+        busiest = max(sent, recv)
+        return {"rdma": busiest * self.wire(msg) * self.leaf_factor / self.nic_Bpus,
+                "pcie": max(sent * self.pcie(msg, True), recv * self.pcie(msg, False))
+                / self.pcie_Bpus,
+                "nic_message_rate": (busiest + extra_msgs) / self.s.nic_message_rate_Mpps}
+
+
+def _finish(terms: dict, ratios: dict, latency_us: float, logical: float,
+            nbytes: PhaseBytes) -> PhasePrediction:
+    name, worst = max(terms.items(), key=lambda kv: kv[1])
+    time_us = latency_us + worst
+    bottleneck = "latency" if latency_us > worst else name
+    return PhasePrediction(time_us=time_us, GBps=logical / time_us / 1e3 if time_us else 0.0,
+                           bottleneck=bottleneck, terms_us=dict(terms), latency_us=latency_us,
+                           bytes=nbytes, imbalance=ratios.get(bottleneck, 1.0))
+
+
+def _busier(a, b):
+    """The LoadStat (send or receive side) whose busiest rank carries more."""
+    return a if a.max >= b.max else b
+
+
+def _ratio(*stats) -> float:
+    mean = sum(s.mean for s in stats)
+    return sum(s.max for s in stats) / mean if mean > 0 else 1.0
+
+
+def _low_latency(c: _Costs, L: Layout, loads: Loads, T: int, H: int, k: int, d_dtype: str,
+                 c_dtype: str, consts: ModelConstants):
+    s_self, s_nvl, s_rdma = loads["ll_send_self"], loads["ll_send_nvl"], loads["ll_send_rdma"]
+    r_nvl, r_rdma = loads["ll_recv_nvl"], loads["ll_recv_rdma"]
+    pairs = T * loads.pairs_per_token
+    signals = (L.ep - L.gpn) * L.m      # one count per (remote expert) and call
+    rdma_used = L.nodes > 1 and s_rdma.mean > 0
+    if rdma_used:     # the last message crosses the fabric (after an NVLink relay hop if any)
+        path = c.rdma_path_us() + (c.s.nvlink_latency_us if c.relay else 0.0)
+    else:
+        path = c.s.nvlink_latency_us if L.ep > 1 else 0.0
+    latency = consts.low_latency_fixed_us + path
+    rdma_msgs = signals if rdma_used else 0
+    in_bytes = 2 if d_dtype == "fp8" else DTYPE_BYTES[d_dtype]
+    out = []
+    for phase, msg, logical_msg in (
+            ("dispatch", payload_bytes(d_dtype, H) + LL_HEADER_BYTES,
+             payload_bytes(d_dtype, H) + (LL_HEADER_BYTES if d_dtype == "fp8" else 0)),
+            ("combine", payload_bytes(c_dtype, H), payload_bytes(c_dtype, H))):
+        # combine sends back what dispatch delivered: the send and receive roles swap
+        snd_nvl, rcv_nvl = (s_nvl, r_nvl) if phase == "dispatch" else (r_nvl, s_nvl)
+        snd_rdma, rcv_rdma = (s_rdma, r_rdma) if phase == "dispatch" else (r_rdma, s_rdma)
+        nvl_rows = max(snd_nvl.max + c.relay * snd_rdma.max, rcv_nvl.max + c.relay * rcv_rdma.mean)
+        terms = {"nvlink": nvl_rows * msg / c.nvl_Bpus}
+        terms.update(c.rdma_terms(msg, snd_rdma.max, rcv_rdma.max, signals) if rdma_used else {})
+        sent = s_self.max + snd_nvl.max + snd_rdma.max
+        recv = s_self.max + rcv_nvl.max + rcv_rdma.max
+        if phase == "dispatch":   # read x, write messages, receivers land them
+            sm_bytes = sent * msg
+            hbm = T * H * in_bytes + sent * msg + (snd_rdma.max + recv) * msg
+        else:                     # send expert outputs, then reduce k rows per token
+            sm_bytes = (sent + recv) * msg + T * msg
+            hbm = sent * msg + (snd_rdma.max + 2 * recv) * msg + T * msg
+        terms["sm_issue"] = sm_bytes / c.sm_Bpus + (snd_rdma.max + rdma_msgs) / c.sm_msgs_per_us
+        terms["hbm"] = hbm / c.hbm_Bpus
+        net = _ratio(_busier(snd_rdma, rcv_rdma))
+        ratios = {"nvlink": _ratio(_busier(snd_nvl, rcv_nvl)), "rdma": net, "pcie": net,
+                  "nic_message_rate": net}
+        nbytes = PhaseBytes(
+            logical_bytes=pairs * logical_msg,
+            min_link_bytes=T * loads.ranks_per_token * (1 - 1 / L.ep) * payload_bytes(
+                d_dtype if phase == "dispatch" else c_dtype, H),
+            nvlink_bytes=nvl_rows * msg,
+            rdma_bytes=max(snd_rdma.max, rcv_rdma.max) * c.wire(msg) if rdma_used else 0.0,
+            pcie_bytes=max(snd_rdma.max * c.pcie(msg, True), rcv_rdma.max * c.pcie(msg, False))
+            if rdma_used else 0.0,
+            hbm_bytes=hbm,
+            local_fraction=s_self.mean / pairs if pairs else 0.0,
+            nvlink_domain_fraction=(s_self.mean + s_nvl.mean) / pairs if pairs else 0.0)
+        out.append(_finish(terms, ratios, latency, nbytes.logical_bytes, nbytes))
+    return out
+
+
+def _normal(c: _Costs, L: Layout, loads: Loads, T: int, H: int, k: int, d_dtype: str,
+            c_dtype: str, consts: ModelConstants):
+    internode = L.nodes > 1
+    own = loads["rank_send_self"]
+    rows_total = T * loads.ranks_per_token
+    pairs = T * loads.pairs_per_token
+    latency = consts.normal_fixed_us + (c.s.nvlink_latency_us if L.ep > 1 else 0.0) \
+        + (c.rdma_path_us() if internode else 0.0)
+    in_bytes = 2 if d_dtype == "fp8" else DTYPE_BYTES[d_dtype]
+    if internode:
+        in_domain = own.mean + loads["rank_send_nvl"].mean
+        logical_rows = T * loads.nodes_per_token
+        nvl_snd, nvl_rcv = loads["fwd_send_nvl"], loads["fwd_recv_nvl"]
+        net_snd, net_rcv = loads["node_send_rdma"], loads["node_recv_rdma"]
+    else:
+        in_domain = rows_total
+        logical_rows = rows_total
+        nvl_snd, nvl_rcv = loads["rank_send_nvl"], loads["rank_recv_nvl"]
+        net_snd = net_rcv = LoadStat(0.0, 0.0)
+    out = []
+    for phase in ("dispatch", "combine"):
+        dtype = d_dtype if phase == "dispatch" else c_dtype
+        elem = (1 + FP8_SCALE_BYTES / FP8_SCALE_BLOCK) if dtype == "fp8" else DTYPE_BYTES[dtype]
+        row = payload_bytes(dtype, H) + (ROW_META_BYTES + ROW_META_BYTES_PER_TOPK * k
+                                          if phase == "dispatch" else 0)
+        snd, rcv = (nvl_snd, nvl_rcv) if phase == "dispatch" else (nvl_rcv, nvl_snd)
+        nvl_rows = max(snd.max, rcv.max)
+        terms = {"nvlink": nvl_rows * row / c.nvl_Bpus}
+        ratios = {"nvlink": _ratio(_busier(snd, rcv))}
+        nsnd, nrcv = (net_snd, net_rcv) if phase == "dispatch" else (net_rcv, net_snd)
+        net_rows = max(nsnd.max, nrcv.max)
+        if internode:
+            terms.update(c.rdma_terms(row, nsnd.max, nrcv.max, L.nodes))
+            r = _ratio(_busier(nsnd, nrcv))
+            ratios.update(rdma=r, pcie=r, nic_message_rate=r)
+        # every row is copied by SMs once per hop (staging, forwarding, expert-major output)
+        moved = (net_rows + own.max + nvl_snd.max + nvl_rcv.max) * row
+        out_rows = pairs * _ratio(own, nvl_rcv)          # expert-major rows written
+        terms["sm_issue"] = (moved + out_rows * payload_bytes(dtype, H)) / c.sm_Bpus \
+            + net_rows / c.sm_msgs_per_us
+        terms["hbm"] = (T * H * in_bytes + 2 * moved + 2 * net_rows * row
+                        + out_rows * payload_bytes(dtype, H)) / c.hbm_Bpus
+        nbytes = PhaseBytes(
+            logical_bytes=logical_rows * H * elem,
+            min_link_bytes=rows_total * (1 - 1 / L.ep) * payload_bytes(dtype, H),
+            nvlink_bytes=nvl_rows * row,
+            rdma_bytes=net_rows * c.wire(row) if internode else 0.0,
+            pcie_bytes=max(nsnd.max * c.pcie(row, True), nrcv.max * c.pcie(row, False))
+            if internode else 0.0,
+            hbm_bytes=terms["hbm"] * c.hbm_Bpus,
+            local_fraction=own.mean / rows_total if rows_total else 0.0,
+            nvlink_domain_fraction=in_domain / rows_total if rows_total else 0.0)
+        out.append(_finish(terms, ratios, latency, nbytes.logical_bytes, nbytes))
+    return out
+
+
+def predict(system: str | System = "h800", mode: str = "normal", *, ep: int,
+            tokens_per_rank: int, hidden: int, topk: int, num_experts: int,
+            dispatch_dtype="fp8", combine_dtype="bf16", routing="uniform",
+            gpus_per_node: int | None = None, num_sms: int | None = None, seed: int = 0,
+            sim_tokens: int = 65536, constants: ModelConstants | None = None) -> Prediction:
+    """Predict one dispatch and one combine call of `mode` on `system` for the slowest rank.
+
+    system: preset name (SYSTEMS) or a System. mode: "normal" (dedup per destination rank,
+    per node across nodes, NVLink forwarding) or "low_latency" (every (token, expert) pair
+    put directly). ep: ranks; tokens_per_rank: T; hidden: H; topk: k; num_experts: E
+    (E % ep == 0). dispatch_dtype: "fp8" | "bf16" | "fp16" | "fp32" or a torch dtype; FP8
+    means the kernel casts bf16 input and sends one fp32 scale per 128 elements.
+    combine_dtype: "bf16" | "fp16" | "fp32". routing: see routing.py. gpus_per_node: GPUs of
+    one NVLink domain the algorithm uses; None picks the largest divisor of ep that fits the
+    system's NVLink domain. num_sms: SMs the kernels use (default 24 for normal, all for
+    low_latency). seed / sim_tokens: Monte Carlo seed and sample size for simulated routing.
+    constants: override the fitted ModelConstants (recalibration).
+    """
+    sysm = get_system(system)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    ep = _check_int("ep", ep)
+    T = _check_int("tokens_per_rank", tokens_per_rank)
+    H = _check_int("hidden", hidden)
+    k = _check_int("topk", topk)
+    E = _check_int("num_experts", num_experts)
+    if k > E:
+        raise ValueError(f"topk={k} exceeds num_experts={E}")
+    if E % ep:
+        raise ValueError(f"num_experts={E} must be divisible by ep={ep} (experts are split "
+                         "evenly over ranks)")
+    d_dtype = normalize_dtype(dispatch_dtype, DTYPE_BYTES)
+    c_dtype = normalize_dtype(combine_dtype, COMBINE_DTYPES)
+    gpn = _nodes_layout(sysm, ep, gpus_per_node)
+    sms = (min(NORMAL_DEFAULT_SMS, sysm.num_sms) if mode == "normal" else sysm.num_sms) \
+        if num_sms is None else _check_int("num_sms", num_sms)
+    if sms > sysm.num_sms:
+        raise ValueError(f"num_sms={sms} exceeds the {sysm.num_sms} SMs of {sysm.name}")
+    _check_int("sim_tokens", sim_tokens, 64)
+    spec = parse_routing(routing, E, k)
+    if spec.kind == "group_limited":
+        gs, m, node_e = E // spec.groups, E // ep, E // ep * gpn
+        for size, what in ((m, "experts per rank"), (node_e, "experts per node")):
+            if gs % size and size % gs:
+                raise ValueError(f"group_limited: group size {gs} and {what} ({size}) must "
+                                 "divide one another")
+    layout = Layout(ep=ep, gpn=gpn, m=E // ep)
+    consts = constants or FITTED
+    classes = LL_CLASSES if mode == "low_latency" else (
+        INTERNODE_CLASSES + ("rank_send_nvl",) if layout.nodes > 1 else INTRANODE_CLASSES)
+    loads = compute_loads(layout, T, k, spec, classes, np.random.default_rng(seed), sim_tokens)
+    costs = _Costs(sysm, consts, sms, layout, any_to_any=(mode == "low_latency"))
+    run = _low_latency if mode == "low_latency" else _normal
+    dispatch, combine = run(costs, layout, loads, T, H, k, d_dtype, c_dtype, consts)
+    notes = []
+    if costs.tiers > sysm.tiers:
+        notes.append(f"{math.ceil(ep / sysm.planes)} NICs per plane need {costs.tiers} switch "
+                     f"tiers of radix {sysm.switch_radix}; {sysm.name} lists {sysm.tiers}, the "
+                     f"model assumes {costs.tiers}")
+    return Prediction(system=sysm.name, mode=mode, ep=ep, tokens_per_rank=T, hidden=H, topk=k,
+                      num_experts=E, gpus_per_node=gpn, nodes=layout.nodes,
+                      routing=spec.label(), dispatch_dtype=d_dtype, combine_dtype=c_dtype,
+                      dispatch=dispatch, combine=combine,
+                      pairs_per_token=loads.pairs_per_token,
+                      ranks_per_token=loads.ranks_per_token,
+                      nodes_per_token=loads.nodes_per_token, method=loads.method,
+                      notes=tuple(notes))

@@ -1,0 +1,36 @@
+"""The examples and the benchmark run end to end (small sizes)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args, timeout=600):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_moe_layer_example_matches_dense():
+    proc = _run("examples/moe_layer.py", "--ranks", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("output and gradients match the dense layer") == 2
+
+
+@pytest.mark.slow
+def test_benchmark_prints_one_table_and_agrees(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = _run("bench/dispatch_bench.py", "--ranks", "2", "--tokens", "16", "--iters", "1",
+                "--configs", "GPT-OSS-120B", "Mixtral-8x7B", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "GPT-OSS-120B" in proc.stdout and "exact" in proc.stdout
+    rows = json.loads(out.read_text())
+    assert [r["config"] for r in rows] == ["GPT-OSS-120B", "Mixtral-8x7B"]
+    for r in rows:
+        assert r["matches_reference"]
+        assert r["min_link_bytes"] <= r["link_bytes"] <= 1.2 * r["min_link_bytes"] + 4096
+        assert (r["dispatch_launches"], r["combine_launches"]) == (3, 2)
+        assert r["pred_dispatch_us"] > 0 and r["pred_combine_us"] > 0

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .comm import draw_last_ticket, peer_ptr, publish_epoch
-from .numerics import cast_rne
+from .numerics import acc_zeros, cast_rne
 
 
 @triton.jit
@@ -54,10 +54,7 @@ def combine_send_kernel(
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         hm = h < H
-        if ACC_FP64:
-            acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float64)
-        else:
-            acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
+        acc = acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64)
         for k in range(K):
             row = tl.load(slot_rows + first_row * K + k, mask=jm, other=-1).to(tl.int64)
             rm = row >= 0
@@ -105,10 +102,7 @@ def combine_reduce_kernel(
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         hm = h < H
-        if ACC_FP64:
-            acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float64)
-        else:
-            acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
+        acc = acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64)
         for d in range(R):
             slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
             staged = d * TMAX + slot

@@ -18,3 +18,13 @@ def cast_rne(x, dtype: tl.constexpr):
     else:
         out = x.to(dtype)
     return out
+
+
+@triton.jit
+def acc_zeros(BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, FP64: tl.constexpr):
+    """Accumulator tile: fp64 for fp64 data, fp32 for everything else."""
+    if FP64:
+        acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float64)
+    else:
+        acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
+    return acc

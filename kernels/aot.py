@@ -19,9 +19,10 @@ import time
 
 def variants():
     """(kernel, signature, constexprs) for every specialization of every kernel module."""
-    from . import combine, dispatch, layout
+    from . import combine, dispatch, layout, quant
 
-    return layout.COMPILE_VARIANTS + dispatch.COMPILE_VARIANTS + combine.COMPILE_VARIANTS
+    return (layout.COMPILE_VARIANTS + quant.COMPILE_VARIANTS + dispatch.COMPILE_VARIANTS
+            + combine.COMPILE_VARIANTS)
 
 
 def compile_variant(kernel, signature: dict, constexprs: dict, arch: int):

@@ -22,15 +22,18 @@ rows come from an earlier ``slot_rows`` and only the data moves.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from .comm import draw_last_ticket, peer_ptr, publish_epoch
+from .quant import quantize_tile
 
 
 @triton.jit
 def dispatch_send_kernel(
-    x,  # [T, H] rows to send
+    x,  # [T, H] rows to send (FP8 == 2: uint8 view of float8_e4m3fn rows)
+    x_scales,  # [T, H // 128] float32 (FP8 == 2)
     topk_idx,  # [T, K] int64 (SEND_META)
     topk_weights,  # [T, K] float32 (SEND_META and HAS_WEIGHTS)
     slot_of,  # [T, R] int32: slot on rank d, -1 if not sent there
@@ -42,23 +45,50 @@ def dispatch_send_kernel(
     rows_off, meta_off, counts_off, signal_off,  # byte offsets of this source's regions
     last_ticket, epoch,
     T, H, K, R, L, me,
+    ROW_BYTES,  # bytes between staging rows
     META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
     SEND_META: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    FP8: tl.constexpr,  # 0: copy rows as they are; 1: quantize here; 2: rows come quantized
+    UE8M0: tl.constexpr,  # with FP8 == 1: power-of-two scales, sent as exponent bytes
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     t64 = t.to(tl.int64)
+    G = H // 128
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         hm = h < H
-        tile = tl.load(x + t64[:, None] * H + h[None, :], mask=tm[:, None] & hm[None, :])
+        m = tm[:, None] & hm[None, :]
+        g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+        gm = tm[:, None] & (g < G)[None, :]
+        if FP8 == 0:
+            tile = tl.load(x + t64[:, None] * H + h[None, :], mask=m)
+        elif FP8 == 1:
+            v = tl.load(x + t64[:, None] * H + h[None, :], mask=m, other=0.0).to(tl.float32)
+            codes, scales, exps = quantize_tile(v, BLOCK_T, BLOCK_H, UE8M0)
+        else:
+            codes = tl.load(x + t64[:, None] * H + h[None, :], mask=m)
+            scales = tl.load(x_scales + t64[:, None] * G + g[None, :], mask=gm, other=0.0)
         for d in range(R):
             slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
-            dst = peer_ptr(peer_ptrs, d, rows_off, x.dtype.element_ty)
-            tl.store(dst + slot[:, None] * H + h[None, :], tile,
-                     mask=(slot >= 0)[:, None] & hm[None, :])
-    row_bytes = H * x.dtype.element_ty.primitive_bitwidth // 8
+            sm = (slot >= 0)[:, None]
+            if FP8 == 0:
+                dst = peer_ptr(peer_ptrs, d, rows_off, x.dtype.element_ty)
+                tl.store(dst + slot[:, None] * H + h[None, :], tile, mask=sm & hm[None, :])
+            else:
+                row8 = peer_ptr(peer_ptrs, d, rows_off, tl.uint8) + slot * ROW_BYTES
+                tl.store(row8[:, None] + h[None, :], codes, mask=sm & hm[None, :])
+                if UE8M0:
+                    tl.store(row8[:, None] + H + g[None, :], exps, mask=sm & gm)
+                else:
+                    rowf = peer_ptr(peer_ptrs, d, rows_off, tl.float32) \
+                        + (slot * ROW_BYTES + H) // 4
+                    tl.store(rowf[:, None] + g[None, :], scales, mask=sm & gm)
+    if FP8 == 0:
+        row_bytes = H * x.dtype.element_ty.primitive_bitwidth // 8
+    else:
+        row_bytes = H + G * (4 - 3 * UE8M0)
     if SEND_META:
         kk = tl.arange(0, BLOCK_K)
         m2 = tm[:, None] & (kk < K)[None, :]
@@ -104,19 +134,23 @@ def dispatch_send_kernel(
 
 @triton.jit
 def dispatch_expand_kernel(
-    staging,  # [R, TMAX, H] local dispatch_rows of this parity
+    staging,  # [R, TMAX, ROW_BYTES / elem] local dispatch_rows of this parity (FP8: uint8)
+    staging_f32,  # the same memory as float32 (FP8 scales)
     meta,  # [R, TMAX, META_STRIDE] int32 local dispatch_meta of this parity (not CACHED)
     slot_counts,  # [R] int32: slots filled by each source
     slot_offsets,  # [R + 1] int64: first row of each source in slot_rows
     row_base,  # [R, L] int64: first output row of (source, local expert) (not CACHED)
     slot_rows,  # [S, K] int32: output row of (slot, choice) or -1; written, or read if CACHED
-    out,  # [rows, H]
+    out,  # [rows, H] (FP8: uint8 view of float8_e4m3fn)
+    out_scales,  # FP8: [rows, G] float32, or UE8M0: uint8 view of packed int32 [rows, G/4]
     out_weights,  # [rows] float32 (not CACHED, HAS_WEIGHTS)
     out_src_rank, out_src_token,  # [rows] int64 (not CACHED)
     TMAX, H, K, L,
+    ROW_ELEMS,  # staging row stride in elements of `staging`
+    SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE,  # out_scales strides (elements; int32 words for UE8M0)
     META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
-    CACHED: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    CACHED: tl.constexpr, HAS_WEIGHTS: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
     s = tl.program_id(0)
     j = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -143,33 +177,58 @@ def dispatch_expand_kernel(
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         hm = h < H
-        tile = tl.load(staging + staged[:, None] * H + h[None, :], mask=jm[:, None] & hm[None, :])
+        tile = tl.load(staging + staged[:, None] * ROW_ELEMS + h[None, :],
+                       mask=jm[:, None] & hm[None, :])
         for k in range(K):
             dst_row = tl.load(slot_rows + first_row * K + k, mask=jm, other=-1).to(tl.int64)
             tl.store(out + dst_row[:, None] * H + h[None, :], tile,
                      mask=(dst_row >= 0)[:, None] & hm[None, :])
+    if FP8:  # the scales follow the H code bytes of each staging row
+        g = tl.arange(0, BLOCK_G)
+        gm = jm[:, None] & (g < H // 128)[None, :]
+        if UE8M0:
+            sc = tl.load(staging + staged[:, None] * ROW_ELEMS + H + g[None, :], mask=gm)
+        else:
+            sc = tl.load(staging_f32 + (staged[:, None] * ROW_ELEMS + H) // 4 + g[None, :],
+                         mask=gm)
+        for k in range(K):
+            dst_row = tl.load(slot_rows + first_row * K + k, mask=jm, other=-1).to(tl.int64)
+            dm = gm & (dst_row >= 0)[:, None]
+            if UE8M0:  # byte g % 4 of int32 word g // 4
+                word = (g // 4)[None, :] * SCALE_GROUP_STRIDE + dst_row[:, None] * SCALE_ROW_STRIDE
+                tl.store(out_scales + word * 4 + (g % 4)[None, :], sc, mask=dm)
+            else:
+                tl.store(out_scales + g[None, :] * SCALE_GROUP_STRIDE
+                         + dst_row[:, None] * SCALE_ROW_STRIDE, sc, mask=dm)
 
 
 def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptrs, stats,
                   tickets, *, offsets: dict, last_ticket: int, epoch: int, rank: int,
                   num_local_experts: int, meta_stride: int, max_topk: int, block_t: int,
-                  block_h: int, grid: int, topk: int) -> bool:
+                  block_h: int, grid: int, topk: int, row_bytes: int, fp8: int = 0,
+                  x_scales=None, ue8m0: bool = False) -> bool:
     """Launches ``grid`` send programs; ``offsets`` has the byte offsets rows/meta/counts/signal.
 
-    With ``topk_idx=None`` (the cached form) only rows and the epoch are sent.
+    With ``topk_idx=None`` (the cached form) only rows and the epoch are sent. ``fp8``: 0 sends
+    rows as they are, 1 quantizes them (``ue8m0``: power-of-two scales), 2 sends the given
+    float8 rows (``x``) and float32 ``x_scales``. ``row_bytes``: staging row stride.
     """
     T, H = x.shape
     R = peer_ptrs.numel()
     send_meta = topk_idx is not None
     has_weights = topk_weights is not None
     dummy = slot_of
+    if fp8 == 2:
+        x = x.view(torch.uint8)
     dispatch_send_kernel[(grid,)](
-        x, topk_idx if send_meta else dummy, topk_weights if has_weights else dummy, slot_of,
-        pair_pos if send_meta else dummy, counts if send_meta else dummy, peer_ptrs, stats,
-        tickets, offsets["rows"], offsets["meta"], offsets["counts"], offsets["signal"],
-        last_ticket, epoch, T, H, topk, R, num_local_experts, rank,
+        x, x_scales if fp8 == 2 else dummy, topk_idx if send_meta else dummy,
+        topk_weights if has_weights else dummy, slot_of, pair_pos if send_meta else dummy,
+        counts if send_meta else dummy, peer_ptrs, stats, tickets, offsets["rows"],
+        offsets["meta"], offsets["counts"], offsets["signal"], last_ticket, epoch, T, H, topk,
+        R, num_local_experts, rank, row_bytes,
         META_STRIDE=meta_stride, KMAX=max_topk, SEND_META=send_meta, HAS_WEIGHTS=has_weights,
-        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),
+        FP8=fp8, UE8M0=ue8m0, BLOCK_T=block_t, BLOCK_H=block_h,
+        BLOCK_K=triton.next_power_of_2(max(topk, 1)),
         BLOCK_L=triton.next_power_of_2(num_local_experts + 1))
     return True
 
@@ -177,53 +236,78 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
 def dispatch_expand(staging, meta, slot_counts, slot_offsets, row_base, slot_rows, out,
                     out_weights, out_src_rank, out_src_token, *, max_slots: int, topk: int,
                     num_local_experts: int, meta_stride: int, max_topk: int, block_t: int,
-                    block_h: int) -> bool:
+                    block_h: int, out_scales=None, scale_strides=(0, 0), ue8m0: bool = False
+                    ) -> bool:
     """Launches ``R x cdiv(max_slots, block_t)`` expand programs (none when nothing arrived).
 
     With ``meta=None`` (the cached form) rows are placed by the given ``slot_rows`` alone.
+    FP8 rows (``out`` float8): ``staging`` is the uint8 view, ``out_scales`` the contiguous
+    memory of the scales (float32, or int32 words of packed exponents with ``ue8m0``) and
+    ``scale_strides`` its (row, group) strides in elements.
     """
-    R, TMAX, H = staging.shape
+    R, TMAX = staging.shape[:2]
+    H = out.shape[1]
     if max_slots == 0:
         return False
     cached = meta is None
     has_weights = out_weights is not None
+    fp8 = out.dtype == torch.float8_e4m3fn
     dummy = slot_counts
+    if fp8:
+        out = out.view(torch.uint8)
+        out_scales = out_scales.view(torch.uint8) if ue8m0 else out_scales
     grid = (R, triton.cdiv(max_slots, block_t))
     dispatch_expand_kernel[grid](
-        staging, dummy if cached else meta, slot_counts, slot_offsets,
-        dummy if cached else row_base, slot_rows, out,
-        out_weights if has_weights else dummy, dummy if cached else out_src_rank,
-        dummy if cached else out_src_token, TMAX, H, topk, num_local_experts,
+        staging, staging.view(torch.float32) if fp8 else dummy, dummy if cached else meta,
+        slot_counts, slot_offsets, dummy if cached else row_base, slot_rows, out,
+        out_scales if fp8 else dummy, out_weights if has_weights else dummy,
+        dummy if cached else out_src_rank, dummy if cached else out_src_token,
+        TMAX, H, topk, num_local_experts, staging.shape[2], scale_strides[0], scale_strides[1],
         META_STRIDE=meta_stride, KMAX=max_topk, CACHED=cached, HAS_WEIGHTS=has_weights,
-        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)))
+        FP8=fp8, UE8M0=fp8 and ue8m0, BLOCK_T=block_t, BLOCK_H=block_h,
+        BLOCK_K=triton.next_power_of_2(max(topk, 1)),
+        BLOCK_G=triton.next_power_of_2(max(H // 128, 1)))
     return True
 
 
 def _send_signature(dtype: str) -> dict:
-    return {"x": f"*{dtype}", "topk_idx": "*i64", "topk_weights": "*fp32", "slot_of": "*i32",
-            "pair_pos": "*i32", "counts": "*i32", "peer_ptrs": "*i64", "stats": "*i64",
-            "tickets": "*i64", "rows_off": "i64", "meta_off": "i64", "counts_off": "i64",
-            "signal_off": "i64", "last_ticket": "i64", "epoch": "i64", "T": "i32", "H": "i32",
-            "K": "i32", "R": "i32", "L": "i32", "me": "i32"}
+    return {"x": f"*{dtype}", "x_scales": "*fp32", "topk_idx": "*i64", "topk_weights": "*fp32",
+            "slot_of": "*i32", "pair_pos": "*i32", "counts": "*i32", "peer_ptrs": "*i64",
+            "stats": "*i64", "tickets": "*i64", "rows_off": "i64", "meta_off": "i64",
+            "counts_off": "i64", "signal_off": "i64", "last_ticket": "i64", "epoch": "i64",
+            "T": "i32", "H": "i32", "K": "i32", "R": "i32", "L": "i32", "me": "i32",
+            "ROW_BYTES": "i64"}
 
 
-def _expand_signature(dtype: str) -> dict:
-    return {"staging": f"*{dtype}", "meta": "*i32", "slot_counts": "*i32",
-            "slot_offsets": "*i64", "row_base": "*i64", "slot_rows": "*i32", "out": f"*{dtype}",
+def _expand_signature(dtype: str, scales: str) -> dict:
+    return {"staging": f"*{dtype}", "staging_f32": "*fp32", "meta": "*i32",
+            "slot_counts": "*i32", "slot_offsets": "*i64", "row_base": "*i64",
+            "slot_rows": "*i32", "out": f"*{dtype}", "out_scales": f"*{scales}",
             "out_weights": "*fp32", "out_src_rank": "*i64", "out_src_token": "*i64",
-            "TMAX": "i32", "H": "i32", "K": "i32", "L": "i32"}
+            "TMAX": "i32", "H": "i32", "K": "i32", "L": "i32", "ROW_ELEMS": "i64",
+            "SCALE_ROW_STRIDE": "i64", "SCALE_GROUP_STRIDE": "i64"}
 
+
+_SEND_MODES = [  # (x dtype, SEND_META, HAS_WEIGHTS, FP8, UE8M0)
+    ("bf16", True, True, 0, False), ("bf16", True, False, 0, False),
+    ("bf16", False, False, 0, False), ("fp32", True, True, 0, False),
+    ("bf16", True, True, 1, False), ("bf16", True, True, 1, True), ("u8", True, True, 2, False),
+]
+_EXPAND_MODES = [  # (staging/out dtype, scales dtype, CACHED, HAS_WEIGHTS, FP8, UE8M0)
+    ("bf16", "fp32", False, True, False, False), ("bf16", "fp32", False, False, False, False),
+    ("bf16", "fp32", True, False, False, False), ("fp32", "fp32", False, True, False, False),
+    ("u8", "fp32", False, True, True, False), ("u8", "u8", False, True, True, True),
+]
 
 # Specializations compiled for GPU targets by ``moe_comm.kernels.aot`` (CI proves they build).
 COMPILE_VARIANTS = [
     (dispatch_send_kernel, _send_signature(dtype),
-     dict(META_STRIDE=25, KMAX=8, SEND_META=meta, HAS_WEIGHTS=weights, BLOCK_T=16,
-          BLOCK_H=1024, BLOCK_K=8, BLOCK_L=64))
-    for dtype in ("bf16", "fp32") for meta, weights in ((True, True), (True, False), (False, False))
+     dict(META_STRIDE=25, KMAX=8, SEND_META=meta, HAS_WEIGHTS=weights, FP8=fp8, UE8M0=ue8m0,
+          BLOCK_T=16, BLOCK_H=1024, BLOCK_K=8, BLOCK_L=64))
+    for dtype, meta, weights, fp8, ue8m0 in _SEND_MODES
 ] + [
-    (dispatch_expand_kernel, _expand_signature(dtype),
-     dict(META_STRIDE=25, KMAX=8, CACHED=cached, HAS_WEIGHTS=weights, BLOCK_T=16, BLOCK_H=1024,
-          BLOCK_K=8))
-    for dtype in ("bf16", "fp32")
-    for cached, weights in ((False, True), (False, False), (True, False))
+    (dispatch_expand_kernel, _expand_signature(dtype, scales),
+     dict(META_STRIDE=25, KMAX=8, CACHED=cached, HAS_WEIGHTS=weights, FP8=fp8, UE8M0=ue8m0,
+          BLOCK_T=16, BLOCK_H=1024, BLOCK_K=8, BLOCK_G=64))
+    for dtype, scales, cached, weights, fp8, ue8m0 in _EXPAND_MODES
 ]

@@ -14,40 +14,28 @@ from __future__ import annotations
 
 import collections
 import itertools
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import triton
 
 from . import _registry, env
-from .kernels.combine import combine_reduce, combine_send
 from .kernels.comm import wait_epochs
-from .kernels.dispatch import dispatch_expand, dispatch_send
-from .kernels.layout import routing_layout
+from .kernels.quant import block_h_for
+from .normal_mode import NormalMode, PendingSend
 from .ops import combine_autograd, dispatch_autograd
 from .symm import ShmHeap, SymmetricHeap, create_loopback_heaps
 from .types import DispatchHandle, DispatchResult
-from .validation import FLOAT_DTYPES, check_combine_inputs, check_dispatch_inputs
+from .validation import FLOAT_DTYPES, check_combine_inputs, check_dispatch_inputs, resolve_fp8
 from .workspace import COMBINE, DISPATCH, WorkspaceLayout
 
 _ids = itertools.count(1)
 _CHANNEL_NAMES = {DISPATCH: "dispatch", COMBINE: "combine"}
-_CONFIG_FIELDS = ("hidden", "num_experts", "max_tokens_per_rank", "dtype", "max_topk")
+_CONFIG_FIELDS = ("hidden", "num_experts", "max_tokens_per_rank", "dtype", "max_topk",
+                  "dispatch_dtype")
 
 
-@dataclass
-class PendingSend:
-    """What a send phase leaves for its receive phase."""
-
-    channel: int
-    epoch: int
-    slot_of: torch.Tensor | None = None  # [T, R] int32 (dispatch)
-    topk: int = 0
-    has_weights: bool = False
-
-
-def _check_config(world_size: int, hidden, num_experts, max_tokens_per_rank, dtype, max_topk):
+def _check_config(world_size: int, hidden, num_experts, max_tokens_per_rank, dtype, max_topk,
+                  dispatch_dtype=None):
     for name, v in (("hidden", hidden), ("num_experts", num_experts),
                     ("max_tokens_per_rank", max_tokens_per_rank), ("max_topk", max_topk)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -59,6 +47,12 @@ def _check_config(world_size: int, hidden, num_experts, max_tokens_per_rank, dty
                          f"{world_size}; expert e lives on rank e // (num_experts // world_size)")
     if max_topk > num_experts:
         raise ValueError(f"max_topk={max_topk} exceeds num_experts={num_experts}")
+    if dispatch_dtype not in (None, dtype, torch.float8_e4m3fn):
+        raise TypeError(f"dispatch_dtype must be None, {dtype} or torch.float8_e4m3fn, "
+                        f"got {dispatch_dtype}")
+    if dispatch_dtype == torch.float8_e4m3fn and (hidden % 128 or dtype == torch.float64):
+        raise ValueError("FP8 dispatch needs hidden % 128 == 0 and a 16- or 32-bit dtype, got "
+                         f"hidden={hidden}, dtype={dtype}")
 
 
 def _check_same_config(configs: list[dict]) -> None:
@@ -70,12 +64,7 @@ def _check_same_config(configs: list[dict]) -> None:
                                  f"{configs[0][field]}; every rank must pass the same values")
 
 
-def _block_sizes(hidden: int) -> tuple[int, int]:
-    """(tokens, channels) per tile: wide tiles keep the interpreter's per-program cost low."""
-    return 64, min(triton.next_power_of_2(hidden), 2048)
-
-
-class Buffer:
+class Buffer(NormalMode):
     """Expert-parallel dispatch/combine for one rank of ``group``.
 
     Collective constructor: every rank passes the same ``hidden``, ``num_experts``,
@@ -86,15 +75,16 @@ class Buffer:
 
     def __init__(self, group: dist.ProcessGroup, hidden: int, num_experts: int,
                  max_tokens_per_rank: int, dtype: torch.dtype = torch.bfloat16, *,
-                 max_topk: int | None = None, timeout_s: float | None = None,
-                 backend: str = "auto"):
+                 max_topk: int | None = None, dispatch_dtype: torch.dtype | None = None,
+                 timeout_s: float | None = None, backend: str = "auto"):
         if backend not in ("auto", "shm"):
             raise ValueError(f"backend={backend!r}: a process group runs on 'shm' (CPU ranks); "
                              "use Buffer.loopback(...) for virtual ranks")
         if max_topk is None and isinstance(num_experts, int):
             max_topk = min(16, num_experts)
         config = dict(hidden=hidden, num_experts=num_experts,
-                      max_tokens_per_rank=max_tokens_per_rank, dtype=dtype, max_topk=max_topk)
+                      max_tokens_per_rank=max_tokens_per_rank, dtype=dtype, max_topk=max_topk,
+                      dispatch_dtype=dispatch_dtype)
         world_size = dist.get_world_size(group)
         configs: list = [None] * world_size
         dist.all_gather_object(configs, config, group=group)
@@ -102,31 +92,37 @@ class Buffer:
         _check_config(world_size, **config)
         layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                  num_experts // world_size, max_topk, dtype)
-        self._setup(ShmHeap(group, layout.nbytes), layout, num_experts, timeout_s)
+        self._setup(ShmHeap(group, layout.nbytes), layout, num_experts, timeout_s,
+                    dispatch_dtype)
 
     @classmethod
     def loopback(cls, world_size: int, hidden: int, num_experts: int, max_tokens_per_rank: int,
                  dtype: torch.dtype = torch.bfloat16, *, max_topk: int | None = None,
-                 timeout_s: float | None = None, device="cpu") -> list[Buffer]:
+                 dispatch_dtype: torch.dtype | None = None, timeout_s: float | None = None,
+                 device="cpu") -> list[Buffer]:
         """``world_size`` virtual ranks in this process; drive them with ``moe_comm.lockstep``."""
         if max_topk is None and isinstance(num_experts, int):
             max_topk = min(16, num_experts)
-        _check_config(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk)
+        _check_config(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk,
+                      dispatch_dtype)
         layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                  num_experts // world_size, max_topk, dtype)
         heaps = create_loopback_heaps(world_size, layout.nbytes, device)
         buffers = []
         for heap in heaps:
             buf = cls.__new__(cls)
-            buf._setup(heap, layout, num_experts, timeout_s)
+            buf._setup(heap, layout, num_experts, timeout_s, dispatch_dtype)
             buffers.append(buf)
         return buffers
 
     def _setup(self, heap: SymmetricHeap, layout: WorkspaceLayout, num_experts: int,
-               timeout_s: float | None) -> None:
+               timeout_s: float | None, dispatch_dtype: torch.dtype | None) -> None:
         self.heap, self.layout = heap, layout
         self.rank, self.world_size = heap.rank, heap.world_size
         self.hidden, self.dtype = layout.hidden, layout.dtype
+        self.dispatch_dtype = dispatch_dtype or layout.dtype
+        self._row_bytes = layout.hidden * torch.empty((), dtype=layout.dtype).element_size()
+        self._block_h = block_h_for(layout.hidden)
         self.num_experts, self.num_local_experts = num_experts, layout.num_local_experts
         self.max_tokens_per_rank, self.max_topk = layout.max_tokens, layout.max_topk
         self.timeout_s = env.timeout_s() if timeout_s is None else float(timeout_s)
@@ -168,9 +164,10 @@ class Buffer:
         return WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                num_experts // world_size, max_topk, dtype).nbytes
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
-                 topk_weights: torch.Tensor | None = None, expert_alignment: int = 1
-                 ) -> DispatchResult:
+    def dispatch(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                 topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None,
+                 expert_alignment: int = 1, *, fp8: bool | None = None, ue8m0: bool = False,
+                 col_major_scales: bool = False) -> DispatchResult:
         """Sends each token to the ranks of its top-k experts; returns the rows this rank got.
 
         ``x`` [T, H] of ``dtype`` (T <= max_tokens_per_rank, may be 0); ``topk_idx`` [T, K]
@@ -182,13 +179,25 @@ class Buffer:
             # each expert's group padded with zero rows to a multiple of expert_alignment
 
         Differentiable in ``x`` and ``topk_weights`` (backward = combine of the row gradients).
+
+        FP8 (``fp8=True``; the default when the Buffer has ``dispatch_dtype=float8_e4m3fn``):
+        the send kernel quantizes each token per 128 channels (``reference.quantize_fp8``) and
+        ``res.x`` is float8_e4m3fn with ``res.x_scales`` float32 [rows, H/128]; ``ue8m0``:
+        power-of-two scales as biased exponents packed 4 per int32 [rows, ceil(H/512)];
+        ``col_major_scales``: ``x_scales`` is a [rows, G] view of [G, rows] memory. ``x`` may
+        also be a quantized pair ``(x_fp8, scales)``. FP8 rows carry no gradient to ``x``.
         """
         self._check_usable()
-        check_dispatch_inputs(x, topk_idx, topk_weights, expert_alignment,
+        rows, scales, mode = resolve_fp8(
+            x, fp8, ue8m0, col_major_scales, default_fp8=self.dispatch_dtype != self.dtype,
+            hidden=self.hidden, device=self.device)
+        check_dispatch_inputs(rows, topk_idx, topk_weights, expert_alignment,
                               hidden=self.hidden, num_experts=self.num_experts,
                               max_tokens=self.max_tokens_per_rank, max_topk=self.max_topk,
-                              dtype=self.dtype, device=self.device, values=env.check_inputs())
-        return dispatch_autograd(self, x, topk_idx, topk_weights, expert_alignment)
+                              dtype=torch.float8_e4m3fn if mode == 2 else self.dtype,
+                              device=self.device, values=env.check_inputs())
+        return dispatch_autograd(self, rows, scales, topk_idx, topk_weights, expert_alignment,
+                                 mode, ue8m0, col_major_scales)
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle,
                 weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -237,9 +246,6 @@ class Buffer:
             raise RuntimeError(f"moe_comm Buffer on rank {self.rank} is unusable: "
                                f"{self._failure}. Build a new Buffer on every rank.")
 
-    def _fail(self, what: str, error: BaseException) -> None:
-        self._failure = f"an earlier {what} failed ({error})"
-
     def _start(self, channel: int) -> int:
         self._check_usable()
         self._epochs[channel] += 1
@@ -269,143 +275,3 @@ class Buffer:
         rows = self.layout.view(self.heap, f"{name}_rows")[parity]
         meta = self.layout.view(self.heap, f"{name}_meta")[parity]
         return rows, meta
-
-    def _guarded(self, what: str, fn, *args):
-        try:
-            return fn(*args)
-        except BaseException as error:
-            self._fail(what, error)
-            raise
-
-    def dispatch_send(self, x, topk_idx, topk_weights) -> PendingSend:
-        """Send phase of dispatch (inputs already validated): layout + put rows and metadata."""
-        return self._guarded("dispatch", self._dispatch_send, x, topk_idx, topk_weights)
-
-    def _dispatch_send(self, x, topk_idx, topk_weights) -> PendingSend:
-        epoch = self._start(DISPATCH)
-        block_t, block_h = _block_sizes(self.hidden)
-        x = x.contiguous()
-        topk_idx = topk_idx.contiguous()
-        topk_weights = None if topk_weights is None else topk_weights.contiguous()
-        slot_of, pair_pos, counts = routing_layout(topk_idx, self.world_size,
-                                                   self.num_local_experts, block_t)
-        self.launches["layout"] += 1
-        grid = max(1, triton.cdiv(x.shape[0], block_t))
-        tickets, last = self._draw_tickets(DISPATCH, grid)
-        self.launches["dispatch_send"] += dispatch_send(
-            x, topk_idx, topk_weights, slot_of, pair_pos, counts, self.heap.peer_ptrs,
-            self._stats, tickets, offsets=self._send_offsets(DISPATCH, epoch % 2),
-            last_ticket=last, epoch=epoch, rank=self.rank,
-            num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
-            max_topk=self.max_topk, block_t=block_t, block_h=block_h, grid=grid,
-            topk=topk_idx.shape[1])
-        return PendingSend(DISPATCH, epoch, slot_of, topk_idx.shape[1], topk_weights is not None)
-
-    def dispatch_recv(self, pending: PendingSend, expert_alignment: int) -> tuple:
-        """Receive phase of dispatch; returns the tensors of ``moe_comm::dispatch``."""
-        return self._guarded("dispatch", self._dispatch_recv, pending, expert_alignment)
-
-    def _dispatch_recv(self, pending: PendingSend, expert_alignment: int) -> tuple:
-        self._wait(pending)
-        parity, L, dev = pending.epoch % 2, self.num_local_experts, self.device
-        counts = self.layout.view(self.heap, "dispatch_counts")[parity].to(torch.int64)
-        per_source = counts[:, :L]  # [R, L] tokens from source s for expert e
-        slot_counts = counts[:, L]  # [R]
-        tokens_per_expert = per_source.sum(0)
-        padded = (tokens_per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
-        zero = torch.zeros(1, dtype=torch.int64, device=dev)
-        expert_offsets = torch.cat([zero, padded.cumsum(0)])
-        row_base = expert_offsets[:-1][None, :] + per_source.cumsum(0) - per_source
-        slot_offsets = torch.cat([zero, slot_counts.cumsum(0)])
-        rows, slots = int(expert_offsets[-1]), int(slot_offsets[-1])
-        out = torch.zeros((rows, self.hidden), dtype=self.dtype, device=dev)
-        out_weights = (torch.zeros(rows, dtype=torch.float32, device=dev) if pending.has_weights
-                       else torch.empty(0, dtype=torch.float32, device=dev))
-        src_rank = torch.full((rows,), -1, dtype=torch.int64, device=dev)
-        src_token = torch.full((rows,), -1, dtype=torch.int64, device=dev)
-        slot_rows = torch.empty((slots, pending.topk), dtype=torch.int32, device=dev)
-        staging, meta = self._staging(DISPATCH, parity)
-        block_t, block_h = _block_sizes(self.hidden)
-        self.launches["dispatch_expand"] += dispatch_expand(
-            staging, meta, slot_counts.to(torch.int32), slot_offsets, row_base, slot_rows, out,
-            out_weights if pending.has_weights else None, src_rank, src_token,
-            max_slots=int(slot_counts.max()), topk=pending.topk,
-            num_local_experts=L, meta_stride=self.layout.meta_stride, max_topk=self.max_topk,
-            block_t=block_t, block_h=block_h)
-        self._dispatch_serial += 1
-        return (out, out_weights, src_rank, src_token, tokens_per_expert, expert_offsets,
-                pending.slot_of, slot_rows, slot_offsets)
-
-    def dispatch_cached_send(self, x, slot_of) -> PendingSend:
-        """Send phase of a dispatch that reuses an earlier layout (the backward of combine)."""
-        return self._guarded("dispatch", self._dispatch_cached_send, x, slot_of)
-
-    def _dispatch_cached_send(self, x, slot_of) -> PendingSend:
-        epoch = self._start(DISPATCH)
-        block_t, block_h = _block_sizes(self.hidden)
-        x = x.contiguous()
-        grid = max(1, triton.cdiv(x.shape[0], block_t))
-        tickets, last = self._draw_tickets(DISPATCH, grid)
-        self.launches["dispatch_send"] += dispatch_send(
-            x, None, None, slot_of, None, None, self.heap.peer_ptrs, self._stats, tickets,
-            offsets=self._send_offsets(DISPATCH, epoch % 2), last_ticket=last, epoch=epoch,
-            rank=self.rank, num_local_experts=self.num_local_experts,
-            meta_stride=self.layout.meta_stride, max_topk=self.max_topk, block_t=block_t,
-            block_h=block_h, grid=grid, topk=1)
-        return PendingSend(DISPATCH, epoch)
-
-    def dispatch_cached_recv(self, pending: PendingSend, slot_rows, slot_offsets,
-                             num_rows: int) -> torch.Tensor:
-        """Receive phase of a cached dispatch: rows [num_rows, H], zero in padding."""
-        return self._guarded("dispatch", self._dispatch_cached_recv, pending, slot_rows,
-                             slot_offsets, num_rows)
-
-    def _dispatch_cached_recv(self, pending, slot_rows, slot_offsets, num_rows) -> torch.Tensor:
-        self._wait(pending)
-        out = torch.zeros((num_rows, self.hidden), dtype=self.dtype, device=self.device)
-        slot_counts = slot_offsets.diff()
-        staging, _ = self._staging(DISPATCH, pending.epoch % 2)
-        block_t, block_h = _block_sizes(self.hidden)
-        self.launches["dispatch_expand"] += dispatch_expand(
-            staging, None, slot_counts.to(torch.int32), slot_offsets, None, slot_rows, out,
-            None, None, None, max_slots=int(slot_counts.max()), topk=slot_rows.shape[1],
-            num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
-            max_topk=self.max_topk, block_t=block_t, block_h=block_h)
-        return out
-
-    def combine_send(self, y, weights, pair_values, slot_rows, slot_offsets) -> PendingSend:
-        """Send phase of combine: reduce each received token's rows, put the partial home."""
-        return self._guarded("combine", self._combine_send, y, weights, pair_values, slot_rows,
-                             slot_offsets)
-
-    def _combine_send(self, y, weights, pair_values, slot_rows, slot_offsets) -> PendingSend:
-        epoch = self._start(COMBINE)
-        block_t, block_h = _block_sizes(self.hidden)
-        slot_counts = slot_offsets.diff()
-        tiles = max(1, triton.cdiv(int(slot_counts.max()), block_t))
-        tickets, last = self._draw_tickets(COMBINE, self.world_size * tiles)
-        self.launches["combine_send"] += combine_send(
-            y.contiguous(), weights, pair_values, slot_rows, slot_counts.to(torch.int32),
-            slot_offsets, self.heap.peer_ptrs, self._stats, tickets,
-            offsets=self._send_offsets(COMBINE, epoch % 2), last_ticket=last, epoch=epoch,
-            rank=self.rank, topk=slot_rows.shape[1], max_topk=self.max_topk, block_t=block_t,
-            block_h=block_h, grid_tiles=tiles)
-        return PendingSend(COMBINE, epoch, topk=slot_rows.shape[1])
-
-    def combine_recv(self, pending: PendingSend, slot_of, want_pair: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Receive phase of combine: ``(out [T, H], pair_out [T, K] float32 or empty)``."""
-        return self._guarded("combine", self._combine_recv, pending, slot_of, want_pair)
-
-    def _combine_recv(self, pending, slot_of, want_pair):
-        self._wait(pending)
-        T, dev = slot_of.shape[0], self.device
-        out = torch.empty((T, self.hidden), dtype=self.dtype, device=dev)
-        pair_out = torch.empty((T, pending.topk) if want_pair else (0,), dtype=torch.float32,
-                               device=dev)
-        staging, meta = self._staging(COMBINE, pending.epoch % 2)
-        block_t, block_h = _block_sizes(self.hidden)
-        self.launches["combine_reduce"] += combine_reduce(
-            staging, meta, slot_of, out, pair_out if want_pair else None, topk=pending.topk,
-            max_topk=self.max_topk, block_t=block_t, block_h=block_h)
-        return out, pair_out

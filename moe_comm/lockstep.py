@@ -8,30 +8,34 @@ from __future__ import annotations
 
 import torch
 
-from .types import DispatchHandle, DispatchResult
-from .validation import check_combine_inputs, check_dispatch_inputs
+from .ops import wrap_dispatch_outputs
+from .types import DispatchResult
+from .validation import check_combine_inputs, check_dispatch_inputs, resolve_fp8
 
 
-def dispatch(buffers, xs, topk_idxs, topk_weights=None, expert_alignment: int = 1
+def dispatch(buffers, xs, topk_idxs, topk_weights=None, expert_alignment: int = 1, *,
+             fp8: bool | None = None, ue8m0: bool = False, col_major_scales: bool = False
              ) -> list[DispatchResult]:
-    """``[buf.dispatch(x, idx, w, expert_alignment) for each virtual rank]``, run in lockstep."""
+    """``[buf.dispatch(x, idx, w, expert_alignment, ...) for each virtual rank]``, in lockstep."""
     topk_weights = topk_weights if topk_weights is not None else [None] * len(buffers)
+    prepared = []
     for buf, x, idx, w in zip(buffers, xs, topk_idxs, topk_weights, strict=True):
         buf._check_usable()
-        check_dispatch_inputs(x, idx, w, expert_alignment, hidden=buf.hidden,
+        rows, scales, mode = resolve_fp8(
+            x, fp8, ue8m0, col_major_scales, default_fp8=buf.dispatch_dtype != buf.dtype,
+            hidden=buf.hidden, device=buf.device)
+        check_dispatch_inputs(rows, idx, w, expert_alignment, hidden=buf.hidden,
                               num_experts=buf.num_experts, max_tokens=buf.max_tokens_per_rank,
-                              max_topk=buf.max_topk, dtype=buf.dtype, device=buf.device)
-    pending = [buf.dispatch_send(x, idx, w)
-               for buf, x, idx, w in zip(buffers, xs, topk_idxs, topk_weights)]
-    results = []
-    for buf, p, idx, w in zip(buffers, pending, topk_idxs, topk_weights):
-        x_out, w_out, src_rank, src_token, tpe, offsets, slot_of, slot_rows, slot_off = \
-            buf.dispatch_recv(p, expert_alignment)
-        handle = DispatchHandle(buf.id, buf.dispatch_serial, slot_of, slot_rows, slot_off,
-                                x_out.shape[0], idx.shape[1])
-        results.append(DispatchResult(x_out, w_out if w is not None else None, src_rank,
-                                      src_token, tpe, offsets, handle))
-    return results
+                              max_topk=buf.max_topk, device=buf.device,
+                              dtype=torch.float8_e4m3fn if mode == 2 else buf.dtype)
+        prepared.append((rows, scales, mode))
+    pending = [buf.dispatch_send(rows, idx, w, scales, mode, ue8m0)
+               for buf, (rows, scales, mode), idx, w
+               in zip(buffers, prepared, topk_idxs, topk_weights)]
+    return [wrap_dispatch_outputs(buf, buf.dispatch_recv(p, expert_alignment, col_major_scales),
+                                  idx.shape[1], w is not None, mode)
+            for buf, p, idx, w, (_, _, mode)
+            in zip(buffers, pending, topk_idxs, topk_weights, prepared)]
 
 
 def combine(buffers, ys, handles, weights=None) -> list[torch.Tensor]:

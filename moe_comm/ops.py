@@ -2,9 +2,10 @@
 
 Ops (each one collective over the Buffer's ranks; ``buffer_id`` names the Buffer):
 
-* ``moe_comm::dispatch(buffer_id, x, topk_idx, topk_weights?, expert_alignment)`` -> received
-  rows, weights, src_rank, src_token, tokens_per_expert, expert_offsets and the handle tensors
-  (slot_of, slot_rows, recv_slot_offsets).
+* ``moe_comm::dispatch(buffer_id, x, x_scales?, topk_idx, topk_weights?, expert_alignment, fp8,
+  ue8m0, col_major_scales)`` -> received rows, their FP8 scales (empty unless fp8), weights,
+  src_rank, src_token, tokens_per_expert, expert_offsets and the handle tensors (slot_of,
+  slot_rows, recv_slot_offsets).
 * ``moe_comm::dispatch_cached(buffer_id, x, slot_of, slot_rows, recv_slot_offsets, num_rows)``
   -> rows: the same movement as an earlier dispatch, data only (backward of combine).
 * ``moe_comm::combine(buffer_id, y, weights?, pair_values?, slot_of, slot_rows,
@@ -27,23 +28,33 @@ from .types import DispatchHandle, DispatchResult
 
 
 @torch.library.custom_op("moe_comm::dispatch", mutates_args=())
-def dispatch_op(buffer_id: int, x: Tensor, topk_idx: Tensor, topk_weights: Optional[Tensor],
-                expert_alignment: int
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def dispatch_op(buffer_id: int, x: Tensor, x_scales: Optional[Tensor], topk_idx: Tensor,
+                topk_weights: Optional[Tensor], expert_alignment: int, fp8: int, ue8m0: bool,
+                col_major_scales: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                 Tensor, Tensor, Tensor, Tensor]:
     buf = lookup(buffer_id)
-    pending = buf.dispatch_send(x, topk_idx, topk_weights)
-    return buf.dispatch_recv(pending, expert_alignment)
+    pending = buf.dispatch_send(x, topk_idx, topk_weights, x_scales, fp8, ue8m0)
+    return buf.dispatch_recv(pending, expert_alignment, col_major_scales)
 
 
 @dispatch_op.register_fake
-def _(buffer_id, x, topk_idx, topk_weights, expert_alignment):
+def _(buffer_id, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8, ue8m0,
+      col_major_scales):
     buf = lookup(buffer_id)
     ctx = torch.library.get_ctx()
     rows, slots = ctx.new_dynamic_size(), ctx.new_dynamic_size()
     T, K = topk_idx.shape
-    R, L = buf.world_size, buf.num_local_experts
+    R, L, H = buf.world_size, buf.num_local_experts, x.shape[1]
     i64, i32 = torch.int64, torch.int32
-    return (x.new_empty((rows, x.shape[1])),
+    if fp8:
+        groups = H // 128
+        width = (groups + 3) // 4 if ue8m0 else groups
+        sdt = i32 if ue8m0 else torch.float32
+        scales = (x.new_empty((width, rows), dtype=sdt).t() if col_major_scales
+                  else x.new_empty((rows, width), dtype=sdt))
+    else:
+        scales = x.new_empty((0,), dtype=torch.float32)
+    return (x.new_empty((rows, H), dtype=torch.float8_e4m3fn if fp8 else buf.dtype), scales,
             x.new_empty((rows if topk_weights is not None else 0,), dtype=torch.float32),
             x.new_empty((rows,), dtype=i64), x.new_empty((rows,), dtype=i64),
             x.new_empty((L,), dtype=i64), x.new_empty((L + 1,), dtype=i64),
@@ -86,21 +97,25 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, buffer_id, x, topk_idx, topk_weights, expert_alignment):
-        outs = torch.ops.moe_comm.dispatch(buffer_id, x, topk_idx, topk_weights,
-                                           expert_alignment)
-        recv_x, recv_w, src_rank, src_token, tpe, offsets, slot_of, slot_rows, slot_off = outs
+    def forward(ctx, buffer_id, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8,
+                ue8m0, col_major_scales):
+        outs = torch.ops.moe_comm.dispatch(buffer_id, x, x_scales, topk_idx, topk_weights,
+                                           expert_alignment, fp8, ue8m0, col_major_scales)
+        recv_x, scales, recv_w, src_rank, src_token, tpe, offsets, slot_of, slot_rows, slot_off \
+            = outs
         ctx.buffer_id, ctx.num_rows, ctx.hidden = buffer_id, recv_x.shape[0], x.shape[1]
         ctx.save_for_backward(slot_of, slot_rows, slot_off)
-        ctx.mark_non_differentiable(src_rank, src_token, tpe, offsets, slot_of, slot_rows,
-                                    slot_off)
+        ctx.mark_non_differentiable(scales, src_rank, src_token, tpe, offsets, slot_of,
+                                    slot_rows, slot_off)
+        if fp8:  # quantized rows carry no gradient to x
+            ctx.mark_non_differentiable(recv_x)
         return outs
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_x, grad_w, *_):
+    def backward(ctx, grad_x, _grad_scales, grad_w, *_):
         slot_of, slot_rows, slot_off = ctx.saved_tensors
-        if grad_x is None:
+        if grad_x is None or grad_x.dtype == torch.float8_e4m3fn:
             dtype = lookup(ctx.buffer_id).dtype
             grad_x = slot_of.new_zeros((ctx.num_rows, ctx.hidden), dtype=dtype)
         # Router-weight gradients always travel (zeros when unused) so that every rank runs the
@@ -110,7 +125,8 @@ class _Dispatch(torch.autograd.Function):
         dx, dtopk_w = torch.ops.moe_comm.combine(ctx.buffer_id, grad_x.contiguous(), None,
                                                  grad_w.contiguous(), slot_of, slot_rows,
                                                  slot_off)
-        return None, dx, None, dtopk_w if ctx.needs_input_grad[3] else None, None
+        return (None, dx if ctx.needs_input_grad[1] else None, None, None,
+                dtopk_w if ctx.needs_input_grad[4] else None, None, None, None, None)
 
 
 class _Combine(torch.autograd.Function):
@@ -139,14 +155,21 @@ class _Combine(torch.autograd.Function):
         return None, grad_y, grad_w, None, None, None
 
 
-def dispatch_autograd(buf, x, topk_idx, topk_weights, expert_alignment) -> DispatchResult:
+def dispatch_autograd(buf, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8=0,
+                      ue8m0=False, col_major_scales=False) -> DispatchResult:
     """Runs ``moe_comm::dispatch`` under autograd and wraps the outputs."""
-    outs = _Dispatch.apply(buf.id, x, topk_idx, topk_weights, expert_alignment)
-    recv_x, recv_w, src_rank, src_token, tpe, offsets, slot_of, slot_rows, slot_off = outs
+    outs = _Dispatch.apply(buf.id, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8,
+                           ue8m0, col_major_scales)
+    return wrap_dispatch_outputs(buf, outs, topk_idx.shape[1], topk_weights is not None, fp8)
+
+
+def wrap_dispatch_outputs(buf, outs, topk: int, has_weights: bool, fp8: int) -> DispatchResult:
+    """The ten tensors of ``moe_comm::dispatch`` as a DispatchResult with its handle."""
+    recv_x, scales, recv_w, src_rank, src_token, tpe, offsets, slot_of, slot_rows, slot_off = outs
     handle = DispatchHandle(buf.id, buf.dispatch_serial, slot_of, slot_rows, slot_off,
-                            recv_x.shape[0], topk_idx.shape[1])
-    return DispatchResult(recv_x, recv_w if topk_weights is not None else None, src_rank,
-                          src_token, tpe, offsets, handle)
+                            recv_x.shape[0], topk)
+    return DispatchResult(recv_x, scales if fp8 else None, recv_w if has_weights else None,
+                          src_rank, src_token, tpe, offsets, handle)
 
 
 def combine_autograd(buf, y, handle: DispatchHandle, weights) -> Tensor:

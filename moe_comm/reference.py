@@ -42,10 +42,71 @@ class RefDispatch:
     tokens_per_expert: torch.Tensor
     expert_offsets: torch.Tensor
     handle: RefHandle
+    x_scales: torch.Tensor | None = None
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ------------------------------------------------------------------ FP8 (e4m3fn), per 128 channels
+FP8_GROUP = 128
+
+
+def quantize_fp8(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [T, H] float8_e4m3fn, scales [T, H/128] float32)`` with ``x ~ q * scale`` per group.
+
+    ``scale = max(amax, 1e-4) / 448``; with ``ue8m0`` the scale is rounded up to a power of two.
+    """
+    T, H = x.shape
+    g = x.float().reshape(T, H // FP8_GROUP, FP8_GROUP)
+    scale = g.abs().amax(-1).clamp(min=1e-4) / 448.0
+    if ue8m0:
+        bits = scale.view(torch.int32)
+        exponent = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+        scale = (exponent << 23).view(torch.float32)
+    q = (g / scale[..., None]).reshape(T, H).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``q.float() * scale`` per group of 128 channels: [T, H] float32."""
+    T, H = q.shape
+    return (q.float().reshape(T, H // FP8_GROUP, FP8_GROUP) * scales[..., None]).reshape(T, H)
+
+
+def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
+    """Power-of-two fp32 scales [N, G] -> biased exponents packed 4 per int32 [N, ceil(G/4)]
+    (group 4i + j in byte j of word i, little-endian; padding bytes 0)."""
+    N, G = scales.shape
+    exps = (scales.contiguous().view(torch.int32) >> 23).to(torch.uint8)
+    padded = torch.zeros((N, (G + 3) // 4 * 4), dtype=torch.uint8, device=scales.device)
+    padded[:, :G] = exps
+    return padded.view(torch.int32)
+
+
+def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
+    """Inverse of :func:`pack_ue8m0`: fp32 scales [N, groups]."""
+    exps = packed.clone(memory_format=torch.contiguous_format).view(torch.uint8)[:, :groups]
+    exps = exps.to(torch.int32)
+    return (exps << 23).view(torch.float32)
+
+
+def _fp8_payload(x, ue8m0: bool) -> torch.Tensor:
+    """Rows to send in an FP8 dispatch, as bytes: [T, H] codes then [T, H/128] fp32 scales.
+    ``x`` is a tensor (quantized here) or an already quantized ``(q, scales)`` pair."""
+    q, scales = x if isinstance(x, (tuple, list)) else quantize_fp8(x, ue8m0)
+    return torch.cat([q.view(torch.uint8), scales.contiguous().view(torch.uint8)], dim=1)
+
+
+def _split_fp8(res: RefDispatch, hidden: int, ue8m0: bool, col_major: bool) -> RefDispatch:
+    payload = res.x
+    res.x = payload[:, :hidden].contiguous().view(torch.float8_e4m3fn)
+    scales = payload[:, hidden:].contiguous().view(torch.float32)
+    if ue8m0:
+        scales = pack_ue8m0(scales)
+    res.x_scales = scales.t().contiguous().t() if col_major else scales
+    return res
 
 
 def route(topk_idx: torch.Tensor, world_size: int, num_experts: int):
@@ -154,16 +215,21 @@ def _exchange(chunks: list[torch.Tensor], group) -> list[torch.Tensor]:
 
 
 def dispatch(x, topk_idx, topk_weights, num_experts: int, group=None,
-             expert_alignment: int = 1) -> RefDispatch:
-    """Reference ``Buffer.dispatch`` for this rank of ``group``."""
+             expert_alignment: int = 1, *, fp8: bool = False, ue8m0: bool = False,
+             col_major_scales: bool = False) -> RefDispatch:
+    """Reference ``Buffer.dispatch`` for this rank of ``group`` (``x`` may be a (q, scales)
+    pair with ``fp8``)."""
     R = dist.get_world_size(group)
+    rows = _fp8_payload(x, ue8m0) if fp8 else x
     tokens, local = route(topk_idx, R, num_experts)
-    recv_x = _exchange([x[t] for t in tokens], group)
+    recv_x = _exchange([rows[t] for t in tokens], group)
     recv_tok = _exchange(tokens, group)
     recv_local = _exchange(local, group)
     recv_w = None if topk_weights is None else _exchange([topk_weights[t] for t in tokens], group)
     res = expand(recv_x, recv_tok, recv_local, recv_w, num_experts // R, expert_alignment)
-    res.handle.send_tokens, res.handle.num_tokens = tokens, x.shape[0]
+    res.handle.send_tokens, res.handle.num_tokens = tokens, topk_idx.shape[0]
+    if fp8:
+        _split_fp8(res, _hidden(x), ue8m0, col_major_scales)
     return res
 
 
@@ -175,21 +241,29 @@ def combine(y, handle: RefHandle, weights=None, group=None) -> torch.Tensor:
 
 # ------------------------------------------------------------------ all ranks in one process
 def dispatch_all(xs, topk_idxs, topk_weights=None, *, num_experts: int,
-                 expert_alignment: int = 1) -> list[RefDispatch]:
+                 expert_alignment: int = 1, fp8: bool = False, ue8m0: bool = False,
+                 col_major_scales: bool = False) -> list[RefDispatch]:
     """Reference dispatch of every rank at once: ``xs[r]``, ``topk_idxs[r]`` are rank r's inputs."""
     R = len(xs)
+    rows = [_fp8_payload(x, ue8m0) if fp8 else x for x in xs]
     routes = [route(idx, R, num_experts) for idx in topk_idxs]
     results = []
     for d in range(R):
-        recv_x = [xs[s][routes[s][0][d]] for s in range(R)]
+        recv_x = [rows[s][routes[s][0][d]] for s in range(R)]
         recv_tok = [routes[s][0][d] for s in range(R)]
         recv_local = [routes[s][1][d] for s in range(R)]
         recv_w = None if topk_weights is None else \
             [topk_weights[s][routes[s][0][d]] for s in range(R)]
         res = expand(recv_x, recv_tok, recv_local, recv_w, num_experts // R, expert_alignment)
-        res.handle.send_tokens, res.handle.num_tokens = routes[d][0], xs[d].shape[0]
+        res.handle.send_tokens, res.handle.num_tokens = routes[d][0], topk_idxs[d].shape[0]
+        if fp8:
+            _split_fp8(res, _hidden(xs[d]), ue8m0, col_major_scales)
         results.append(res)
     return results
+
+
+def _hidden(x) -> int:
+    return (x[0] if isinstance(x, (tuple, list)) else x).shape[1]
 
 
 def combine_all(ys, handles: list[RefHandle], weights=None) -> list[torch.Tensor]:

@@ -35,12 +35,14 @@ class DispatchHandle:
 class DispatchResult:
     """Rows received by this rank, grouped by local expert (see ``Buffer.dispatch``).
 
-    ``x`` [rows, H]; ``weights`` [rows] float32 or None; ``src_rank``, ``src_token`` [rows] int64
-    (-1 in padding); ``tokens_per_expert`` [L] int64 without padding; ``expert_offsets``
-    [L + 1] int64, start of each padded group, last = rows.
+    ``x`` [rows, H] (float8_e4m3fn after an FP8 dispatch); ``x_scales``: FP8 scales per 128
+    channels (see ``Buffer.dispatch``) or None; ``weights`` [rows] float32 or None;
+    ``src_rank``, ``src_token`` [rows] int64 (-1 in padding); ``tokens_per_expert`` [L] int64
+    without padding; ``expert_offsets`` [L + 1] int64, start of each padded group, last = rows.
     """
 
     x: torch.Tensor
+    x_scales: torch.Tensor | None
     weights: torch.Tensor | None
     src_rank: torch.Tensor
     src_token: torch.Tensor

@@ -85,3 +85,36 @@ def check_combine_inputs(y, handle, weights, *, buffer_id: int, latest_serial: i
         if weights.shape[0] != handle.num_rows:
             raise ValueError(f"weights has {weights.shape[0]} entries; y has {handle.num_rows} "
                              "rows")
+
+
+def resolve_fp8(x, fp8, ue8m0: bool, col_major_scales: bool, *, default_fp8: bool, hidden: int,
+                device: torch.device):
+    """Splits the FP8 options of ``dispatch``: returns ``(rows, scales or None, mode)`` with
+    mode 0 (rows as they are), 1 (the send kernel quantizes), 2 (``x`` is a quantized pair)."""
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise TypeError("a quantized x is a pair (x_fp8 [T, H] float8_e4m3fn, "
+                            "scales [T, H/128] float32)")
+        rows, scales = x
+        check_tensor("x[0]", rows, dtype=torch.float8_e4m3fn, ndim=2, device=device)
+        check_tensor("x[1] (scales)", scales, dtype=torch.float32, ndim=2, device=device)
+        if scales.shape != (rows.shape[0], hidden // 128):
+            raise ValueError(f"scales have shape {tuple(scales.shape)}; expected "
+                             f"[{rows.shape[0]}, {hidden // 128}] (one per 128 channels)")
+        if fp8 is False:
+            raise ValueError("a quantized (x_fp8, scales) pair was passed with fp8=False")
+        if ue8m0:
+            raise ValueError("ue8m0 rounds scales when the kernel quantizes; a quantized pair "
+                             "travels with its own float32 scales")
+        mode = 2
+    else:
+        rows, scales = x, None
+        mode = int(default_fp8 if fp8 is None else bool(fp8))
+        if mode == 0 and (ue8m0 or col_major_scales):
+            raise ValueError("ue8m0 and col_major_scales shape FP8 scales; pass fp8=True")
+        if mode == 1 and isinstance(rows, torch.Tensor) and rows.requires_grad:
+            raise ValueError("FP8 dispatch carries no gradient to x (the rows are quantized); "
+                             "dispatch in the Buffer's dtype for training, or pass x.detach()")
+    if mode and hidden % 128:
+        raise ValueError(f"FP8 dispatch needs hidden % 128 == 0, got hidden={hidden}")
+    return rows, scales, mode

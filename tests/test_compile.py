@@ -21,5 +21,5 @@ def test_all_kernels_compile_for_hopper_and_blackwell():
         if "_send_kernel" in line:
             assert int(line.rsplit(" ", 1)[1]) >= 1, line
     kernels = {line.split()[1] for line in lines}
-    assert kernels == {"routing_layout_kernel", "dispatch_send_kernel", "dispatch_expand_kernel",
-                       "combine_send_kernel", "combine_reduce_kernel"}
+    assert kernels == {"routing_layout_kernel", "quantize_kernel", "dispatch_send_kernel",
+                       "dispatch_expand_kernel", "combine_send_kernel", "combine_reduce_kernel"}

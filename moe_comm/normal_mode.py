@@ -1,0 +1,175 @@
+"""Normal mode (training, prefill): the send and receive phases of dispatch and combine.
+
+A mixin of ``Buffer``: each phase is a method, called with validated inputs by the custom ops
+(``moe_comm.ops``) and by the loopback driver (``moe_comm.lockstep``). Launch counts go to
+``self.launches``: dispatch = layout + send + expand (expand skipped when nothing arrived),
+combine = send + reduce (reduce skipped for T = 0); the cached dispatch (combine's backward)
+is send + expand.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ._guard import poisons_buffer_on_error
+from .kernels.combine import combine_reduce, combine_send
+from .kernels.dispatch import dispatch_expand, dispatch_send
+from .kernels.layout import routing_layout
+from .kernels.quant import GROUP
+from .workspace import COMBINE, DISPATCH
+
+BLOCK_T = 64  # tokens per tile: wide tiles keep the interpreter's per-program cost low
+
+
+@dataclass
+class PendingSend:
+    """What a send phase leaves for its receive phase."""
+
+    channel: int
+    epoch: int
+    slot_of: torch.Tensor | None = None  # [T, R] int32 (dispatch)
+    topk: int = 0
+    has_weights: bool = False
+    fp8: int = 0  # 0 rows as they are, 1 quantized by the send, 2 sent quantized
+    ue8m0: bool = False
+
+
+def fp8_scales_out(rows: int, groups: int, ue8m0: bool, col_major: bool, device):
+    """Zeroed scales output: ``(public tensor [rows, G or ceil(G/4)], contiguous memory,
+    (row stride, group stride))``; column-major means the rows index is the fast one."""
+    width = (groups + 3) // 4 if ue8m0 else groups
+    dtype = torch.int32 if ue8m0 else torch.float32
+    if col_major:
+        memory = torch.zeros((width, rows), dtype=dtype, device=device)
+        return memory.t(), memory, (1, rows)
+    memory = torch.zeros((rows, width), dtype=dtype, device=device)
+    return memory, memory, (width, 1)
+
+
+class NormalMode:
+    @poisons_buffer_on_error("dispatch")
+    def dispatch_send(self, x, topk_idx, topk_weights, x_scales=None, fp8: int = 0,
+                      ue8m0: bool = False) -> PendingSend:
+        """Send phase of dispatch: layout + put rows and metadata (``fp8`` as in PendingSend)."""
+        epoch = self._start(DISPATCH)
+        x = x.contiguous()
+        topk_idx = topk_idx.contiguous()
+        topk_weights = None if topk_weights is None else topk_weights.contiguous()
+        slot_of, pair_pos, counts = routing_layout(topk_idx, self.world_size,
+                                                   self.num_local_experts, BLOCK_T)
+        self.launches["layout"] += 1
+        grid = max(1, triton.cdiv(x.shape[0], BLOCK_T))
+        tickets, last = self._draw_tickets(DISPATCH, grid)
+        self.launches["dispatch_send"] += dispatch_send(
+            x, topk_idx, topk_weights, slot_of, pair_pos, counts, self.heap.peer_ptrs,
+            self._stats, tickets, offsets=self._send_offsets(DISPATCH, epoch % 2),
+            last_ticket=last, epoch=epoch, rank=self.rank,
+            num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
+            max_topk=self.max_topk, block_t=BLOCK_T, block_h=self._block_h, grid=grid,
+            topk=topk_idx.shape[1], row_bytes=self._row_bytes, fp8=fp8,
+            x_scales=None if x_scales is None else x_scales.contiguous(), ue8m0=ue8m0)
+        return PendingSend(DISPATCH, epoch, slot_of, topk_idx.shape[1], topk_weights is not None,
+                           fp8, ue8m0)
+
+    @poisons_buffer_on_error("dispatch")
+    def dispatch_recv(self, pending: PendingSend, expert_alignment: int,
+                      col_major_scales: bool = False) -> tuple:
+        """Receive phase of dispatch; returns the tensors of ``moe_comm::dispatch``."""
+        self._wait(pending)
+        parity, L, dev = pending.epoch % 2, self.num_local_experts, self.device
+        counts = self.layout.view(self.heap, "dispatch_counts")[parity].to(torch.int64)
+        per_source = counts[:, :L]  # [R, L] tokens from source s for expert e
+        slot_counts = counts[:, L]  # [R]
+        tokens_per_expert = per_source.sum(0)
+        padded = (tokens_per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
+        zero = torch.zeros(1, dtype=torch.int64, device=dev)
+        expert_offsets = torch.cat([zero, padded.cumsum(0)])
+        row_base = expert_offsets[:-1][None, :] + per_source.cumsum(0) - per_source
+        slot_offsets = torch.cat([zero, slot_counts.cumsum(0)])
+        rows, slots = int(expert_offsets[-1]), int(slot_offsets[-1])
+        fp8 = pending.fp8 != 0
+        out = torch.zeros((rows, self.hidden), device=dev,
+                          dtype=torch.float8_e4m3fn if fp8 else self.dtype)
+        scales, scale_memory, scale_strides = (torch.empty(0, device=dev), None, (0, 0))
+        if fp8:
+            scales, scale_memory, scale_strides = fp8_scales_out(
+                rows, self.hidden // GROUP, pending.ue8m0, col_major_scales, dev)
+        out_weights = (torch.zeros(rows, dtype=torch.float32, device=dev) if pending.has_weights
+                       else torch.empty(0, dtype=torch.float32, device=dev))
+        src_rank = torch.full((rows,), -1, dtype=torch.int64, device=dev)
+        src_token = torch.full((rows,), -1, dtype=torch.int64, device=dev)
+        slot_rows = torch.empty((slots, pending.topk), dtype=torch.int32, device=dev)
+        staging, meta = self._staging(DISPATCH, parity)
+        self.launches["dispatch_expand"] += dispatch_expand(
+            staging.view(torch.uint8) if fp8 else staging, meta, slot_counts.to(torch.int32),
+            slot_offsets, row_base, slot_rows, out,
+            out_weights if pending.has_weights else None, src_rank, src_token,
+            max_slots=int(slot_counts.max()), topk=pending.topk,
+            num_local_experts=L, meta_stride=self.layout.meta_stride, max_topk=self.max_topk,
+            block_t=BLOCK_T, block_h=self._block_h, out_scales=scale_memory,
+            scale_strides=scale_strides, ue8m0=pending.ue8m0)
+        self._dispatch_serial += 1
+        return (out, scales, out_weights, src_rank, src_token, tokens_per_expert,
+                expert_offsets, pending.slot_of, slot_rows, slot_offsets)
+
+    @poisons_buffer_on_error("dispatch")
+    def dispatch_cached_send(self, x, slot_of) -> PendingSend:
+        """Send phase of a dispatch that reuses an earlier layout (the backward of combine)."""
+        epoch = self._start(DISPATCH)
+        x = x.contiguous()
+        grid = max(1, triton.cdiv(x.shape[0], BLOCK_T))
+        tickets, last = self._draw_tickets(DISPATCH, grid)
+        self.launches["dispatch_send"] += dispatch_send(
+            x, None, None, slot_of, None, None, self.heap.peer_ptrs, self._stats, tickets,
+            offsets=self._send_offsets(DISPATCH, epoch % 2), last_ticket=last, epoch=epoch,
+            rank=self.rank, num_local_experts=self.num_local_experts,
+            meta_stride=self.layout.meta_stride, max_topk=self.max_topk, block_t=BLOCK_T,
+            block_h=self._block_h, grid=grid, topk=1, row_bytes=self._row_bytes)
+        return PendingSend(DISPATCH, epoch)
+
+    @poisons_buffer_on_error("dispatch")
+    def dispatch_cached_recv(self, pending: PendingSend, slot_rows, slot_offsets,
+                             num_rows: int) -> torch.Tensor:
+        """Receive phase of a cached dispatch: rows [num_rows, H], zero in padding."""
+        self._wait(pending)
+        out = torch.zeros((num_rows, self.hidden), dtype=self.dtype, device=self.device)
+        slot_counts = slot_offsets.diff()
+        staging, _ = self._staging(DISPATCH, pending.epoch % 2)
+        self.launches["dispatch_expand"] += dispatch_expand(
+            staging, None, slot_counts.to(torch.int32), slot_offsets, None, slot_rows, out,
+            None, None, None, max_slots=int(slot_counts.max()), topk=slot_rows.shape[1],
+            num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
+            max_topk=self.max_topk, block_t=BLOCK_T, block_h=self._block_h)
+        return out
+
+    @poisons_buffer_on_error("combine")
+    def combine_send(self, y, weights, pair_values, slot_rows, slot_offsets) -> PendingSend:
+        """Send phase of combine: reduce each received token's rows, put the partial home."""
+        epoch = self._start(COMBINE)
+        slot_counts = slot_offsets.diff()
+        tiles = max(1, triton.cdiv(int(slot_counts.max()), BLOCK_T))
+        tickets, last = self._draw_tickets(COMBINE, self.world_size * tiles)
+        self.launches["combine_send"] += combine_send(
+            y.contiguous(), weights, pair_values, slot_rows, slot_counts.to(torch.int32),
+            slot_offsets, self.heap.peer_ptrs, self._stats, tickets,
+            offsets=self._send_offsets(COMBINE, epoch % 2), last_ticket=last, epoch=epoch,
+            rank=self.rank, topk=slot_rows.shape[1], max_topk=self.max_topk, block_t=BLOCK_T,
+            block_h=self._block_h, grid_tiles=tiles)
+        return PendingSend(COMBINE, epoch, topk=slot_rows.shape[1])
+
+    @poisons_buffer_on_error("combine")
+    def combine_recv(self, pending: PendingSend, slot_of, want_pair: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Receive phase of combine: ``(out [T, H], pair_out [T, K] float32 or empty)``."""
+        self._wait(pending)
+        T, dev = slot_of.shape[0], self.device
+        out = torch.empty((T, self.hidden), dtype=self.dtype, device=dev)
+        pair_out = torch.empty((T, pending.topk) if want_pair else (0,), dtype=torch.float32,
+                               device=dev)
+        staging, meta = self._staging(COMBINE, pending.epoch % 2)
+        self.launches["combine_reduce"] += combine_reduce(
+            staging, meta, slot_of, out, pair_out if want_pair else None, topk=pending.topk,
+            max_topk=self.max_topk, block_t=BLOCK_T, block_h=self._block_h)
+        return out, pair_out

@@ -19,10 +19,10 @@ import time
 
 def variants():
     """(kernel, signature, constexprs) for every specialization of every kernel module."""
-    from . import combine, dispatch, layout, quant
+    from . import combine, dispatch, layout, low_latency, quant
 
     return (layout.COMPILE_VARIANTS + quant.COMPILE_VARIANTS + dispatch.COMPILE_VARIANTS
-            + combine.COMPILE_VARIANTS)
+            + combine.COMPILE_VARIANTS + low_latency.COMPILE_VARIANTS)
 
 
 def compile_variant(kernel, signature: dict, constexprs: dict, arch: int):

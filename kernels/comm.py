@@ -62,23 +62,37 @@ class PeerTimeoutError(RuntimeError):
             f"(did rank {peer} skip a call, fail, or call a different op?)")
 
 
-def wait_epochs(signals: torch.Tensor, expected: int, *, timeout_s: float, rank: int,
-                channel: str) -> None:
-    """Blocks until ``signals[s] >= expected`` for every source ``s`` (``signals``: [R] int64).
+def wait_for_epochs(observe, expected: int, *, timeout_s: float, rank: int,
+                    channel: str) -> list[float]:
+    """Blocks until ``observe()[s] >= expected`` for every source ``s``; returns, per source,
+    the seconds it took to arrive (0 for those already there).
 
-    Raises :class:`PeerTimeoutError` naming the first source still behind after ``timeout_s``.
+    ``observe`` returns the epochs the peers have published (host memory on CPU ranks). Raises
+    :class:`PeerTimeoutError` naming the first source still behind after ``timeout_s``.
     """
-    if signals.device.type != "cpu":
-        raise TypeError(f"wait_epochs polls host memory; got signal words on {signals.device}")
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline = start + timeout_s
     sleep_s = 2e-5
+    arrived: dict[int, float] = {}
     while True:
-        observed = signals.tolist()
-        behind = [s for s, v in enumerate(observed) if v < expected]
-        if not behind:
-            return
-        if time.monotonic() > deadline:
-            s = behind[0]
+        observed = observe()
+        now = time.monotonic()
+        for s, v in enumerate(observed):
+            if v >= expected and s not in arrived:
+                arrived[s] = now - start
+        if len(arrived) == len(observed):
+            return [arrived[s] for s in range(len(observed))]
+        if now > deadline:
+            s = next(s for s, v in enumerate(observed) if v < expected)
             raise PeerTimeoutError(rank, s, channel, expected, observed[s], timeout_s)
         time.sleep(sleep_s)
         sleep_s = min(sleep_s * 2, 2e-3)
+
+
+def wait_epochs(signals: torch.Tensor, expected: int, *, timeout_s: float, rank: int,
+                channel: str) -> list[float]:
+    """:func:`wait_for_epochs` on local signal words ``signals`` [R] int64."""
+    if signals.device.type != "cpu":
+        raise TypeError(f"wait_epochs polls host memory; got signal words on {signals.device}")
+    return wait_for_epochs(signals.tolist, expected, timeout_s=timeout_s, rank=rank,
+                           channel=channel)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from . import _registry, env
 from .kernels.comm import wait_epochs
 from .kernels.quant import block_h_for
+from .low_latency import LowLatencyMode
 from .normal_mode import NormalMode, PendingSend
 from .ops import combine_autograd, dispatch_autograd
 from .symm import ShmHeap, SymmetricHeap, create_loopback_heaps
@@ -31,7 +32,7 @@ from .workspace import COMBINE, DISPATCH, WorkspaceLayout
 _ids = itertools.count(1)
 _CHANNEL_NAMES = {DISPATCH: "dispatch", COMBINE: "combine"}
 _CONFIG_FIELDS = ("hidden", "num_experts", "max_tokens_per_rank", "dtype", "max_topk",
-                  "dispatch_dtype")
+                  "dispatch_dtype", "low_latency")
 
 
 def _check_config(world_size: int, hidden, num_experts, max_tokens_per_rank, dtype, max_topk,
@@ -64,7 +65,7 @@ def _check_same_config(configs: list[dict]) -> None:
                                  f"{configs[0][field]}; every rank must pass the same values")
 
 
-class Buffer(NormalMode):
+class Buffer(NormalMode, LowLatencyMode):
     """Expert-parallel dispatch/combine for one rank of ``group``.
 
     Collective constructor: every rank passes the same ``hidden``, ``num_experts``,
@@ -76,7 +77,8 @@ class Buffer(NormalMode):
     def __init__(self, group: dist.ProcessGroup, hidden: int, num_experts: int,
                  max_tokens_per_rank: int, dtype: torch.dtype = torch.bfloat16, *,
                  max_topk: int | None = None, dispatch_dtype: torch.dtype | None = None,
-                 timeout_s: float | None = None, backend: str = "auto"):
+                 low_latency: bool = False, timeout_s: float | None = None,
+                 backend: str = "auto"):
         if backend not in ("auto", "shm"):
             raise ValueError(f"backend={backend!r}: a process group runs on 'shm' (CPU ranks); "
                              "use Buffer.loopback(...) for virtual ranks")
@@ -84,29 +86,29 @@ class Buffer(NormalMode):
             max_topk = min(16, num_experts)
         config = dict(hidden=hidden, num_experts=num_experts,
                       max_tokens_per_rank=max_tokens_per_rank, dtype=dtype, max_topk=max_topk,
-                      dispatch_dtype=dispatch_dtype)
+                      dispatch_dtype=dispatch_dtype, low_latency=bool(low_latency))
         world_size = dist.get_world_size(group)
         configs: list = [None] * world_size
         dist.all_gather_object(configs, config, group=group)
         _check_same_config(configs)
-        _check_config(world_size, **config)
+        _check_config(world_size, **{k: v for k, v in config.items() if k != "low_latency"})
         layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
-                                 num_experts // world_size, max_topk, dtype)
+                                 num_experts // world_size, max_topk, dtype, low_latency)
         self._setup(ShmHeap(group, layout.nbytes), layout, num_experts, timeout_s,
                     dispatch_dtype)
 
     @classmethod
     def loopback(cls, world_size: int, hidden: int, num_experts: int, max_tokens_per_rank: int,
                  dtype: torch.dtype = torch.bfloat16, *, max_topk: int | None = None,
-                 dispatch_dtype: torch.dtype | None = None, timeout_s: float | None = None,
-                 device="cpu") -> list[Buffer]:
+                 dispatch_dtype: torch.dtype | None = None, low_latency: bool = False,
+                 timeout_s: float | None = None, device="cpu") -> list[Buffer]:
         """``world_size`` virtual ranks in this process; drive them with ``moe_comm.lockstep``."""
         if max_topk is None and isinstance(num_experts, int):
             max_topk = min(16, num_experts)
         _check_config(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk,
                       dispatch_dtype)
         layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
-                                 num_experts // world_size, max_topk, dtype)
+                                 num_experts // world_size, max_topk, dtype, low_latency)
         heaps = create_loopback_heaps(world_size, layout.nbytes, device)
         buffers = []
         for heap in heaps:
@@ -137,6 +139,9 @@ class Buffer(NormalMode):
         self._signals = layout.view(heap, "signals")
         self._ticket_words = layout.view(heap, "tickets")
         self._stats = layout.view(heap, "stats")
+        self._ll_epochs = [0, 0]  # host mirrors of the device epochs (CPU waits need them)
+        self._ll_pending = [0, 0]  # sends of each channel whose hook has not run
+        self._ll_state = layout.view(heap, "ll_state") if layout.low_latency else None
         _registry.register(self)
 
     # ----------------------------------------------------------------- public API

@@ -49,3 +49,23 @@ def combine(buffers, ys, handles, weights=None) -> list[torch.Tensor]:
                for buf, y, h, w in zip(buffers, ys, handles, weights)]
     return [buf.combine_recv(p, h.slot_of, want_pair=False)[0]
             for buf, p, h in zip(buffers, pending, handles)]
+
+
+def low_latency_dispatch(buffers, xs, topk_idxs, **kwargs) -> list:
+    """Every virtual rank's ``low_latency_dispatch`` (sends first, then the hooks)."""
+    sent = [buf.low_latency_dispatch(x, idx, return_hook=True, **kwargs)
+            for buf, x, idx in zip(buffers, xs, topk_idxs, strict=True)]
+    for _, hook in sent:
+        hook()
+    return [recv for recv, _ in sent]
+
+
+def low_latency_combine(buffers, ys, topk_idxs, topk_weights, handles) -> list[torch.Tensor]:
+    """Every virtual rank's ``low_latency_combine`` (sends first, then the hooks)."""
+    topk_weights = topk_weights if topk_weights is not None else [None] * len(buffers)
+    sent = [buf.low_latency_combine(y, idx, w, h, return_hook=True)
+            for buf, y, idx, w, h in zip(buffers, ys, topk_idxs, topk_weights, handles,
+                                         strict=True)]
+    for _, hook in sent:
+        hook()
+    return [out for out, _ in sent]

@@ -273,3 +273,80 @@ def combine_all(ys, handles: list[RefHandle], weights=None) -> list[torch.Tensor
     parts = [partials(ys[d], weights[d], handles[d].recv_rows) for d in range(R)]
     return [sum_home([parts[d][s] for d in range(R)], handles[s].send_tokens,
                      handles[s].num_tokens) for s in range(R)]
+
+
+# ------------------------------------------------------------------ low-latency mode
+@dataclass
+class RefLowLatency:
+    """One rank's low-latency receive: ``x`` [L, R*T_max, H] (valid rows [0, count[e])),
+    ``x_scales`` or None, ``count`` [L], ``src_info`` / ``src_k`` [L, R*T_max] (-1 past count)."""
+
+    x: torch.Tensor
+    x_scales: torch.Tensor | None
+    count: torch.Tensor
+    src_info: torch.Tensor
+    src_k: torch.Tensor
+
+
+def low_latency_dispatch_all(xs, topk_idxs, *, num_experts: int, max_tokens: int,
+                             fp8: bool = False, ue8m0: bool = False,
+                             col_major_scales: bool = False) -> list[RefLowLatency]:
+    """Reference ``low_latency_dispatch`` of every rank at once: each (token, expert) pair
+    becomes a row of its expert, ordered by source rank, then token."""
+    R = len(xs)
+    L, H, T = num_experts // R, xs[0].shape[1], max_tokens
+    rows = [_fp8_payload(x, ue8m0) if fp8 else x for x in xs]
+    out = []
+    for d in range(R):
+        x_out = rows[0].new_zeros((L, R * T, rows[0].shape[1]))
+        src_info = torch.full((L, R * T), -1, dtype=torch.int32)
+        src_k = torch.full((L, R * T), -1, dtype=torch.int32)
+        count = torch.zeros(L, dtype=torch.int32)
+        for s in range(R):
+            idx = topk_idxs[s]
+            t, k = ((idx >= d * L) & (idx < (d + 1) * L)).nonzero(as_tuple=True)  # token order
+            e = idx[t, k] - d * L
+            for le in range(L):
+                sel = e == le
+                n, first = int(sel.sum()), int(count[le])
+                x_out[le, first:first + n] = rows[s][t[sel]]
+                src_info[le, first:first + n] = (s * T + t[sel]).to(torch.int32)
+                src_k[le, first:first + n] = k[sel].to(torch.int32)
+                count[le] += n
+        scales = None
+        if fp8:
+            payload = x_out.reshape(L * R * T, -1)
+            x_out = payload[:, :H].contiguous().view(torch.float8_e4m3fn).reshape(L, R * T, H)
+            scales = payload[:, H:].contiguous().view(torch.float32)
+            scales = (pack_ue8m0(scales) if ue8m0 else scales).reshape(L, R * T, -1)
+            if col_major_scales:
+                scales = scales.transpose(1, 2).contiguous().transpose(1, 2)
+        out.append(RefLowLatency(x_out, scales, count, src_info, src_k))
+    return out
+
+
+def low_latency_combine_all(ys, topk_idxs, topk_weights, received: list[RefLowLatency],
+                            max_tokens: int) -> list[torch.Tensor]:
+    """Reference ``low_latency_combine`` of every rank: ``out[t] = sum_k w[t, k] * row(t, k)``
+    accumulated in fp32 in choice order, rounded to the rows' dtype."""
+    R = len(ys)
+    L = ys[0].shape[0]
+    outs = []
+    for s in range(R):
+        idx = topk_idxs[s]
+        T, K = idx.shape
+        acc = torch.zeros((T, ys[0].shape[2]), dtype=torch.float32)
+        for k in range(K):
+            for t in range(T):
+                g = int(idx[t, k])
+                if g < 0:
+                    continue
+                d, le = g // L, g % L
+                hit = ((received[d].src_info[le] == s * max_tokens + t)
+                       & (received[d].src_k[le] == k)).nonzero()
+                v = ys[d][le, int(hit[0])].float()
+                if topk_weights is not None:
+                    v = v * topk_weights[s][t, k]
+                acc[t] += v
+        outs.append(acc.to(ys[0].dtype))
+    return outs

@@ -29,6 +29,24 @@ region                  shape, dtype                 contents, on rank ``d``
 Total (each region rounded up to 128 bytes)::
 
     2*R*T*(2*H*b + 4*(1 + 3K) + 4*K) + 2*R*(L + 1)*4 + 16*R + 16 + 32
+
+With ``low_latency=True`` (``S`` = bytes of one low-latency slot = ``H*b`` rounded up to 16,
+or ``H + 4*H/128`` if that is larger, so that FP8 rows with their scales fit too):
+
+======================  ===========================  ============================================
+``ll_state``            [8] int64                    local: device epochs (dispatch sent/received,
+                                                     combine sent/received) and kernel tickets
+``ll_dispatch_signals`` [P, L, R] int64              ``[p, e, s]``: ``epoch << 32 | pairs`` that
+                                                     source ``s`` put for local expert ``e``
+``ll_combine_signals``  [P, R] int64                 ``[p, s]``: epoch of expert rank ``s``'s puts
+``ll_acks``             [2 channels, P, R] int64     on a sender: ``[c, p, d]``, the latest epoch
+                                                     of parity ``p`` that rank ``d`` consumed
+``ll_dispatch_meta``    [P, L, R, T] int32           per slot: source token * 32 + top-k choice
+``ll_dispatch_rows``    [P, L, R, T, S] uint8        one slot per (local expert, source, pair)
+``ll_combine_rows``     [P, T, K, H] dtype           on the home rank: one row per (token, choice)
+======================  ===========================  ============================================
+
+Low-latency total: ``2*L*R*T*(S + 4) + 2*T*K*H*b + 8*(2*L*R + 6*R + 8)`` (+ rounding).
 """
 from __future__ import annotations
 
@@ -43,6 +61,13 @@ DISPATCH, COMBINE = 0, 1  # channels
 
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+def low_latency_slot_bytes(hidden: int, dtype: torch.dtype) -> int:
+    """Bytes of one low-latency staging slot: a row of ``dtype`` or an FP8 row with scales."""
+    row = hidden * torch.empty((), dtype=dtype).element_size()
+    fp8 = hidden + 4 * ((hidden + 127) // 128)
+    return _round_up(max(row, fp8), 16)
 
 
 @dataclass(frozen=True)
@@ -64,7 +89,7 @@ class WorkspaceLayout:
     """Offsets of every region; ``nbytes`` is the size of one rank's segment."""
 
     def __init__(self, world_size: int, max_tokens: int, hidden: int, num_local_experts: int,
-                 max_topk: int, dtype: torch.dtype):
+                 max_topk: int, dtype: torch.dtype, low_latency: bool = False):
         R, T, H, L, K = world_size, max_tokens, hidden, num_local_experts, max_topk
         self.world_size, self.max_tokens, self.hidden = R, T, H
         self.num_local_experts, self.max_topk, self.dtype = L, K, dtype
@@ -79,6 +104,18 @@ class WorkspaceLayout:
             ("combine_meta", (PARITIES, R, T, K), torch.float32),
             ("combine_rows", (PARITIES, R, T, H), dtype),
         ]
+        self.low_latency = low_latency
+        self.ll_slot_bytes = low_latency_slot_bytes(H, dtype)
+        if low_latency:
+            specs += [
+                ("ll_state", (8,), torch.int64),
+                ("ll_dispatch_signals", (PARITIES, L, R), torch.int64),
+                ("ll_combine_signals", (PARITIES, R), torch.int64),
+                ("ll_acks", (2, PARITIES, R), torch.int64),
+                ("ll_dispatch_meta", (PARITIES, L, R, T), torch.int32),
+                ("ll_dispatch_rows", (PARITIES, L, R, T, self.ll_slot_bytes), torch.uint8),
+                ("ll_combine_rows", (PARITIES, T, K, H), dtype),
+            ]
         self.regions: dict[str, Region] = {}
         offset = 0
         for name, shape, dt in specs:
@@ -104,6 +141,11 @@ class WorkspaceLayout:
             stride //= dim
             elems += i * stride
         return region.offset + elems * itemsize
+
+    def parity_stride(self, name: str) -> int:
+        """Bytes between ``region[0]`` and ``region[1]`` (regions whose first dim is a parity)."""
+        region = self.regions[name]
+        return region.nbytes // region.shape[0]
 
     def view(self, heap, name: str) -> torch.Tensor:
         """The region as a typed tensor over this rank's segment of ``heap``."""

@@ -1,0 +1,305 @@
+"""Low-latency mode (decode): fixed per-expert slots, one put per (token, expert) pair.
+
+A mixin of ``Buffer`` (built with ``low_latency=True``)::
+
+    recv, hook = buf.low_latency_dispatch(x, topk_idx, fp8=True, return_hook=True)
+    hook()                                  # waits for arrival; until then no kernel runs
+    y = experts(recv.x, recv.count)         # [L, R * T_max, H], rows [0, count[e]) valid
+    out, hook = buf.low_latency_combine(y, topk_idx, topk_weights, recv.handle,
+                                        return_hook=True)
+    hook()
+
+The send launches only put and return; the hook waits (bounded) and runs the receive launch.
+Shapes depend only on the Buffer, nothing is read back to the host between the launches, and
+the kernels keep their epochs in device memory (``moe_comm.kernels.low_latency``). Two calls of
+a channel may be in flight (double-buffered staging); a third send before the first hook raises.
+On load/store transports the combine reads ``y`` where it lies and stores each row straight into
+its home rank's slot: no copy of ``y`` is made.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ._guard import poisons_buffer_on_error
+from .kernels.comm import wait_for_epochs
+from .kernels.low_latency import (
+    ll_combine_recv,
+    ll_combine_send,
+    ll_dispatch_recv,
+    ll_dispatch_send,
+)
+from .kernels.quant import GROUP
+from .validation import check_dispatch_inputs, check_tensor
+from .workspace import COMBINE, DISPATCH
+
+BLOCK_T = 64
+IN_FLIGHT = 2  # staging parities per channel
+
+
+@dataclass(eq=False)
+class LowLatencyHandle:
+    """What ``low_latency_combine`` needs from a ``low_latency_dispatch`` (caller-owned).
+
+    ``layout`` [L, R, 2] int32: (first row, rows) of each source's block in the output;
+    ``src_k`` [L, R * T_max] int32: the top-k choice of each row at its home rank."""
+
+    buffer_id: int
+    serial: int
+    layout: torch.Tensor
+    src_info: torch.Tensor
+    src_k: torch.Tensor
+    num_tokens: int
+    topk: int
+    received: bool = False
+
+
+@dataclass(eq=False)
+class LowLatencyRecv:
+    """Rows this rank's experts received; valid once the dispatch's hook has returned.
+
+    ``x`` [L, R * T_max, H] (float8_e4m3fn with FP8) with rows ``[0, count[e])`` of expert
+    ``e`` valid, ordered by source rank then source token; ``x_scales`` [L, R * T_max, H/128]
+    float32 (or packed UE8M0 int32 [L, R * T_max, ceil(H/512)]) or None; ``count`` [L] int32;
+    ``src_info`` [L, R * T_max] int32 = source rank * T_max + source token;
+    ``source_wait_s``: seconds the hook waited for each source (measured on CPU ranks)."""
+
+    x: torch.Tensor
+    x_scales: torch.Tensor | None
+    count: torch.Tensor
+    src_info: torch.Tensor
+    handle: LowLatencyHandle
+    source_wait_s: list[float] | None = field(default=None)
+
+
+class _Hook:
+    """Callable once; runs the receive phase of one low-latency call."""
+
+    def __init__(self, buffer, channel: int, receive):
+        self._buffer, self._channel, self._receive = buffer, channel, receive
+        self.done = False
+
+    def __call__(self):
+        if self.done:
+            raise RuntimeError("this low-latency hook was already called")
+        self.done = True
+        self._buffer._ll_pending[self._channel] -= 1
+        return self._receive()
+
+
+def _ll_scales_out(L: int, rows: int, groups: int, ue8m0: bool, col_major: bool, device):
+    """Scales of a low-latency receive: (public [L, rows, width], memory, (expert, row, group)
+    strides in elements)."""
+    width = (groups + 3) // 4 if ue8m0 else groups
+    dtype = torch.int32 if ue8m0 else torch.float32
+    if col_major:
+        memory = torch.empty((L, width, rows), dtype=dtype, device=device)
+        return memory.transpose(1, 2), memory, (width * rows, 1, rows)
+    memory = torch.empty((L, rows, width), dtype=dtype, device=device)
+    return memory, memory, (rows * width, width, 1)
+
+
+class LowLatencyMode:
+    @staticmethod
+    def low_latency_workspace_bytes(world_size: int, hidden: int, num_experts: int,
+                                    max_tokens_per_rank: int, dtype: torch.dtype = torch.bfloat16,
+                                    max_topk: int | None = None) -> int:
+        """Bytes the low-latency regions add to a Buffer with these arguments."""
+        from .workspace import WorkspaceLayout
+
+        max_topk = min(16, num_experts) if max_topk is None else max_topk
+        args = (world_size, max_tokens_per_rank, hidden, num_experts // world_size, max_topk,
+                dtype)
+        return WorkspaceLayout(*args, low_latency=True).nbytes - WorkspaceLayout(*args).nbytes
+
+    def _ll_require(self) -> None:
+        if not self.layout.low_latency:
+            raise RuntimeError("this Buffer has no low-latency workspace; build it with "
+                               "Buffer(..., low_latency=True)")
+
+    def _ll_offsets(self, name: str) -> tuple[int, int]:
+        return self.layout[name].offset, self.layout.parity_stride(name)
+
+    def _ll_acks(self, channel: int) -> tuple[int, int]:
+        lay = self.layout
+        first = lay.offset("ll_acks", channel, 0)
+        return first, lay.offset("ll_acks", channel, 1) - first
+
+    def _ll_begin(self, channel: int, what: str) -> int:
+        """Epoch of a new send; waits until every destination consumed this parity's last call."""
+        if self._ll_pending[channel] >= IN_FLIGHT:
+            raise RuntimeError(f"{IN_FLIGHT} low-latency {what} calls are already waiting for "
+                               "their hooks; call the oldest hook before sending again")
+        self._ll_epochs[channel] += 1
+        epoch = self._ll_epochs[channel]
+        acks = self.layout.view(self.heap, "ll_acks")[channel, epoch % 2]
+        wait_for_epochs(acks.tolist, epoch - IN_FLIGHT, timeout_s=self.timeout_s,
+                        rank=self.rank, channel=f"low-latency {what} (staging reuse)")
+        return epoch
+
+    # ----------------------------------------------------------------- dispatch
+    def low_latency_dispatch(self, x, topk_idx: torch.Tensor, *, fp8: bool = True,
+                             ue8m0: bool = False, col_major_scales: bool = False,
+                             cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                             return_hook: bool = False):
+        """Puts every (token, expert) pair into the expert's slot; returns ``(recv, hook)``.
+
+        ``x`` [T, H] of the Buffer's dtype (T <= max_tokens_per_rank); ``topk_idx`` [T, K]
+        int64 in ``[0, E)`` or -1. ``fp8`` quantizes in the send kernel (H % 128 == 0), with
+        ``ue8m0`` / ``col_major_scales`` as in ``Buffer.dispatch``.
+        ``cumulative_local_expert_recv_stats`` [L] int32/int64: the receive adds each local
+        expert's rows to it. With ``return_hook`` the call returns after the send launch and
+        ``hook()`` receives; otherwise the call receives and ``hook`` is None.
+        """
+        self._check_usable()
+        self._ll_require()
+        check_dispatch_inputs(x, topk_idx, None, 1, hidden=self.hidden,
+                              num_experts=self.num_experts, max_tokens=self.max_tokens_per_rank,
+                              max_topk=self.max_topk, dtype=self.dtype, device=self.device)
+        if fp8 and (self.hidden % GROUP or self.dtype == torch.float64):
+            raise ValueError(f"FP8 dispatch needs hidden % 128 == 0 and a 16/32-bit dtype, "
+                             f"got hidden={self.hidden}, dtype={self.dtype}")
+        if not fp8 and (ue8m0 or col_major_scales):
+            raise ValueError("ue8m0 and col_major_scales shape FP8 scales; pass fp8=True")
+        stats = cumulative_local_expert_recv_stats
+        if stats is not None:
+            if not isinstance(stats, torch.Tensor) or stats.dtype not in (torch.int32,
+                                                                         torch.int64):
+                raise TypeError("cumulative_local_expert_recv_stats must be an int32 or int64 "
+                                "tensor")
+            if stats.shape != (self.num_local_experts,) or stats.device != self.device:
+                raise ValueError(f"cumulative_local_expert_recv_stats must have shape "
+                                 f"[{self.num_local_experts}] on {self.device}")
+        recv, hook = self._ll_dispatch_send(x.contiguous(), topk_idx.contiguous(), fp8, ue8m0,
+                                            col_major_scales, stats)
+        if return_hook:
+            return recv, hook
+        hook()
+        return recv, None
+
+    @poisons_buffer_on_error("low-latency dispatch")
+    def _ll_dispatch_send(self, x, topk_idx, fp8, ue8m0, col_major, stats):
+        epoch = self._ll_begin(DISPATCH, "dispatch")
+        L, R, T, H, dev = (self.num_local_experts, self.world_size, self.max_tokens_per_rank,
+                           self.hidden, self.device)
+        rows = R * T
+        recv_x = torch.empty((L, rows, H), device=dev,
+                             dtype=torch.float8_e4m3fn if fp8 else self.dtype)
+        scales, scale_memory, scale_strides = None, None, (0, 0, 0)
+        if fp8:
+            scales, scale_memory, scale_strides = _ll_scales_out(L, rows, H // GROUP, ue8m0,
+                                                                 col_major, dev)
+            if ue8m0:
+                scale_memory.zero_()  # padding bytes of the packed words
+        count = torch.empty(L, dtype=torch.int32, device=dev)
+        src_info = torch.empty((L, rows), dtype=torch.int32, device=dev)
+        handle = LowLatencyHandle(self.id, epoch, torch.empty((L, R, 2), dtype=torch.int32,
+                                                              device=dev),
+                                  src_info, torch.empty((L, rows), dtype=torch.int32, device=dev),
+                                  x.shape[0], topk_idx.shape[1])
+        self.launches["ll_dispatch_send"] += ll_dispatch_send(
+            x, topk_idx, self.heap.peer_ptrs, self._ll_state, self._stats,
+            offsets={n: self._ll_offsets(f"ll_dispatch_{n}") for n in ("rows", "meta",
+                                                                       "signals")},
+            rank=self.rank, num_local_experts=L, num_experts=self.num_experts, max_tokens=T,
+            slot_bytes=self.layout.ll_slot_bytes, fp8=fp8, ue8m0=ue8m0, block_t=BLOCK_T,
+            block_h=self._block_h)
+        recv = LowLatencyRecv(recv_x, scales, count, src_info, handle)
+        self._ll_pending[DISPATCH] += 1
+
+        def receive():
+            self._ll_dispatch_recv(epoch, recv, scale_memory, scale_strides, ue8m0, stats)
+
+        return recv, _Hook(self, DISPATCH, receive)
+
+    @poisons_buffer_on_error("low-latency dispatch")
+    def _ll_dispatch_recv(self, epoch, recv, scale_memory, scale_strides, ue8m0, stats):
+        words = self.layout.view(self.heap, "ll_dispatch_signals")[epoch % 2]  # [L, R]
+
+        def observed():
+            return (words >> 32).min(dim=0).values.tolist()
+
+        recv.source_wait_s = wait_for_epochs(observed, epoch, timeout_s=self.timeout_s,
+                                             rank=self.rank, channel="low-latency dispatch")
+        staging = self.layout.view(self.heap, "ll_dispatch_rows")
+        if recv.x.dtype != torch.float8_e4m3fn:
+            staging = staging.view(self.dtype)
+        self.launches["ll_dispatch_recv"] += ll_dispatch_recv(
+            staging, self.layout.view(self.heap, "ll_dispatch_meta"),
+            self.layout.view(self.heap, "ll_dispatch_signals"), self.heap.peer_ptrs,
+            self._ll_state, recv.x, scale_memory, recv.count, recv.src_info, recv.handle.src_k,
+            recv.handle.layout, stats, acks=self._ll_acks(DISPATCH), rank=self.rank,
+            scale_strides=scale_strides, ue8m0=ue8m0, block_t=BLOCK_T, block_h=self._block_h)
+        recv.handle.received = True
+
+    # ----------------------------------------------------------------- combine
+    def low_latency_combine(self, y: torch.Tensor, topk_idx: torch.Tensor,
+                            topk_weights: torch.Tensor | None, handle: LowLatencyHandle, *,
+                            return_hook: bool = False):
+        """Sends each expert row home and sums ``w[t, k] * row`` there; returns ``(out, hook)``.
+
+        ``y`` [L, R * T_max, H] of the Buffer's dtype, rows as in the dispatch's ``recv.x``;
+        ``topk_idx``, ``topk_weights`` [T, K]: the dispatch's routing on this rank. Equivalent
+        to ``out[t] = sum_k topk_weights[t, k] * y_row(t, k)`` in fp32, rounded to the dtype.
+        """
+        self._check_usable()
+        self._ll_require()
+        if not isinstance(handle, LowLatencyHandle):
+            raise TypeError(f"handle must be recv.handle of a low_latency_dispatch, got "
+                            f"{type(handle).__name__}")
+        if handle.buffer_id != self.id:
+            raise ValueError("handle comes from another Buffer")
+        if not handle.received:
+            raise RuntimeError("the dispatch of this handle has not been received; call its "
+                               "hook first")
+        L, rows = self.num_local_experts, self.world_size * self.max_tokens_per_rank
+        check_tensor("y", y, dtype=self.dtype, ndim=3, device=self.device)
+        if y.shape != (L, rows, self.hidden):
+            raise ValueError(f"y has shape {tuple(y.shape)}; expected [{L}, {rows}, "
+                             f"{self.hidden}] like recv.x")
+        check_tensor("topk_idx", topk_idx, dtype=torch.int64, ndim=2, device=self.device)
+        if topk_idx.shape != (handle.num_tokens, handle.topk):
+            raise ValueError(f"topk_idx has shape {tuple(topk_idx.shape)}; the dispatch had "
+                             f"[{handle.num_tokens}, {handle.topk}]")
+        if topk_weights is not None:
+            check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2,
+                         device=self.device)
+            if topk_weights.shape != topk_idx.shape:
+                raise ValueError("topk_weights and topk_idx shapes differ")
+            topk_weights = topk_weights.contiguous()
+        out, hook = self._ll_combine_send(y.contiguous(), topk_idx.contiguous(), topk_weights,
+                                          handle)
+        if return_hook:
+            return out, hook
+        hook()
+        return out, None
+
+    @poisons_buffer_on_error("low-latency combine")
+    def _ll_combine_send(self, y, topk_idx, topk_weights, handle):
+        epoch = self._ll_begin(COMBINE, "combine")
+        out = torch.empty((topk_idx.shape[0], self.hidden), dtype=self.dtype, device=self.device)
+        self.launches["ll_combine_send"] += ll_combine_send(
+            y, handle.layout, handle.src_info, handle.src_k, self.heap.peer_ptrs,
+            self._ll_state, self._stats,
+            offsets={"rows": self._ll_offsets("ll_combine_rows"),
+                     "signals": self._ll_offsets("ll_combine_signals")},
+            rank=self.rank, max_tokens=self.max_tokens_per_rank, max_topk=self.max_topk,
+            block_t=BLOCK_T, block_h=self._block_h)
+        self._ll_pending[COMBINE] += 1
+
+        def receive():
+            self._ll_combine_recv(epoch, topk_idx, topk_weights, out)
+            return out
+
+        return out, _Hook(self, COMBINE, receive)
+
+    @poisons_buffer_on_error("low-latency combine")
+    def _ll_combine_recv(self, epoch, topk_idx, topk_weights, out):
+        words = self.layout.view(self.heap, "ll_combine_signals")[epoch % 2]
+        wait_for_epochs(words.tolist, epoch, timeout_s=self.timeout_s, rank=self.rank,
+                        channel="low-latency combine")
+        self.launches["ll_combine_recv"] += ll_combine_recv(
+            self.layout.view(self.heap, "ll_combine_rows"), topk_idx, topk_weights, out,
+            self.heap.peer_ptrs, self._ll_state, acks=self._ll_acks(COMBINE), rank=self.rank,
+            block_t=BLOCK_T, block_h=self._block_h)

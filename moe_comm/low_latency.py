@@ -126,11 +126,13 @@ class LowLatencyMode:
         first = lay.offset("ll_acks", channel, 0)
         return first, lay.offset("ll_acks", channel, 1) - first
 
-    def _ll_begin(self, channel: int, what: str) -> int:
-        """Epoch of a new send; waits until every destination consumed this parity's last call."""
+    def _ll_check_in_flight(self, channel: int, what: str) -> None:
         if self._ll_pending[channel] >= IN_FLIGHT:
             raise RuntimeError(f"{IN_FLIGHT} low-latency {what} calls are already waiting for "
                                "their hooks; call the oldest hook before sending again")
+
+    def _ll_begin(self, channel: int, what: str) -> int:
+        """Epoch of a new send; waits until every destination consumed this parity's last call."""
         self._ll_epochs[channel] += 1
         epoch = self._ll_epochs[channel]
         acks = self.layout.view(self.heap, "ll_acks")[channel, epoch % 2]
@@ -154,6 +156,7 @@ class LowLatencyMode:
         """
         self._check_usable()
         self._ll_require()
+        self._ll_check_in_flight(DISPATCH, "dispatch")
         check_dispatch_inputs(x, topk_idx, None, 1, hidden=self.hidden,
                               num_experts=self.num_experts, max_tokens=self.max_tokens_per_rank,
                               max_topk=self.max_topk, dtype=self.dtype, device=self.device)
@@ -253,6 +256,7 @@ class LowLatencyMode:
         if not handle.received:
             raise RuntimeError("the dispatch of this handle has not been received; call its "
                                "hook first")
+        self._ll_check_in_flight(COMBINE, "combine")
         L, rows = self.num_local_experts, self.world_size * self.max_tokens_per_rank
         check_tensor("y", y, dtype=self.dtype, ndim=3, device=self.device)
         if y.shape != (L, rows, self.hidden):

@@ -53,6 +53,11 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 FP8_GROUP = 128
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """A copy with canonical row-major strides (``.view(dtype)`` needs them, also when empty)."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def quantize_fp8(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q [T, H] float8_e4m3fn, scales [T, H/128] float32)`` with ``x ~ q * scale`` per group.
 
@@ -79,7 +84,7 @@ def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
     """Power-of-two fp32 scales [N, G] -> biased exponents packed 4 per int32 [N, ceil(G/4)]
     (group 4i + j in byte j of word i, little-endian; padding bytes 0)."""
     N, G = scales.shape
-    exps = (scales.contiguous().view(torch.int32) >> 23).to(torch.uint8)
+    exps = (_dense(scales).view(torch.int32) >> 23).to(torch.uint8)
     padded = torch.zeros((N, (G + 3) // 4 * 4), dtype=torch.uint8, device=scales.device)
     padded[:, :G] = exps
     return padded.view(torch.int32)
@@ -87,7 +92,7 @@ def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
 
 def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
     """Inverse of :func:`pack_ue8m0`: fp32 scales [N, groups]."""
-    exps = packed.clone(memory_format=torch.contiguous_format).view(torch.uint8)[:, :groups]
+    exps = _dense(packed).view(torch.uint8)[:, :groups]
     exps = exps.to(torch.int32)
     return (exps << 23).view(torch.float32)
 
@@ -96,13 +101,13 @@ def _fp8_payload(x, ue8m0: bool) -> torch.Tensor:
     """Rows to send in an FP8 dispatch, as bytes: [T, H] codes then [T, H/128] fp32 scales.
     ``x`` is a tensor (quantized here) or an already quantized ``(q, scales)`` pair."""
     q, scales = x if isinstance(x, (tuple, list)) else quantize_fp8(x, ue8m0)
-    return torch.cat([q.view(torch.uint8), scales.contiguous().view(torch.uint8)], dim=1)
+    return torch.cat([_dense(q).view(torch.uint8), _dense(scales).view(torch.uint8)], dim=1)
 
 
 def _split_fp8(res: RefDispatch, hidden: int, ue8m0: bool, col_major: bool) -> RefDispatch:
     payload = res.x
-    res.x = payload[:, :hidden].contiguous().view(torch.float8_e4m3fn)
-    scales = payload[:, hidden:].contiguous().view(torch.float32)
+    res.x = _dense(payload[:, :hidden]).view(torch.float8_e4m3fn)
+    scales = _dense(payload[:, hidden:]).view(torch.float32)
     if ue8m0:
         scales = pack_ue8m0(scales)
     res.x_scales = scales.t().contiguous().t() if col_major else scales
@@ -316,8 +321,8 @@ def low_latency_dispatch_all(xs, topk_idxs, *, num_experts: int, max_tokens: int
         scales = None
         if fp8:
             payload = x_out.reshape(L * R * T, -1)
-            x_out = payload[:, :H].contiguous().view(torch.float8_e4m3fn).reshape(L, R * T, H)
-            scales = payload[:, H:].contiguous().view(torch.float32)
+            x_out = _dense(payload[:, :H]).view(torch.float8_e4m3fn).reshape(L, R * T, H)
+            scales = _dense(payload[:, H:]).view(torch.float32)
             scales = (pack_ue8m0(scales) if ue8m0 else scales).reshape(L, R * T, -1)
             if col_major_scales:
                 scales = scales.transpose(1, 2).contiguous().transpose(1, 2)

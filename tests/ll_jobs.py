@@ -1,0 +1,178 @@
+"""Low-latency jobs for CPU ranks: ``job(rank, world_size, ...)``, module level."""
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+import torch.distributed as dist
+
+import moe_comm
+from moe_comm import reference
+
+from cases import Case, make_inputs
+
+
+def new_ll_buffer(case: Case, **kwargs) -> moe_comm.Buffer:
+    return moe_comm.Buffer(dist.group.WORLD, hidden=case.hidden, num_experts=case.num_experts,
+                           max_tokens_per_rank=case.max_tokens, dtype=case.dtype,
+                           low_latency=True, **kwargs)
+
+
+def expert_outputs(recv, seed: int) -> torch.Tensor:
+    """Deterministic y [L, R*T, H] (the rows past count are never read)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(recv.x.shape, generator=g).to(torch.bfloat16)
+
+
+def check_recv(rank, case, it, recv, xs, idxs, fp8, ue8m0=False, col_major=False):
+    want = reference.low_latency_dispatch_all(
+        xs, idxs, num_experts=case.num_experts, max_tokens=case.max_tokens, fp8=fp8,
+        ue8m0=ue8m0, col_major_scales=col_major)[rank]
+    assert torch.equal(recv.count, want.count), f"rank {rank} iteration {it}: counts"
+    for e, n in enumerate(want.count.tolist()):
+        a, b = recv.x[e, :n], want.x[e, :n]
+        if fp8:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+            assert torch.equal(recv.x_scales[e, :n], want.x_scales[e, :n]), (rank, it, e)
+        assert torch.equal(a, b), f"rank {rank} iteration {it}: rows of expert {e}"
+        assert torch.equal(recv.src_info[e, :n], want.src_info[e, :n]), (rank, it, e)
+    return want
+
+
+def check_out(rank, case, it, out, recvs_all_ranks_ys, idxs, ws):
+    ys, refs = recvs_all_ranks_ys
+    want = reference.low_latency_combine_all(ys, idxs, ws, refs, case.max_tokens)[rank]
+    assert torch.equal(out, want), f"rank {rank} iteration {it}: combine"
+
+
+def _all_ys(case, xs, idxs, fp8, seed):
+    refs = reference.low_latency_dispatch_all(xs, idxs, num_experts=case.num_experts,
+                                              max_tokens=case.max_tokens, fp8=fp8)
+    ys = []
+    for r, ref in enumerate(refs):
+        g = torch.Generator().manual_seed(seed * 100 + r)
+        ys.append(torch.randn(ref.x.shape, generator=g).to(torch.bfloat16))
+    return ys, refs
+
+
+def ll_round_trip(rank, world_size, case: Case, fp8: bool, ue8m0: bool = False,
+                  col_major: bool = False, iterations: int = 1) -> list[int]:
+    """Dispatch + combine, checked against the reference; returns cumulative recv stats."""
+    stats = torch.zeros(case.num_experts // world_size, dtype=torch.int64)
+    with new_ll_buffer(case) as buf:
+        for it in range(iterations):
+            xs, idxs, ws = make_inputs(case, it)
+            recv, _ = buf.low_latency_dispatch(xs[rank], idxs[rank], fp8=fp8, ue8m0=ue8m0,
+                                               col_major_scales=col_major,
+                                               cumulative_local_expert_recv_stats=stats)
+            check_recv(rank, case, it, recv, xs, idxs, fp8, ue8m0, col_major)
+            ys, refs = _all_ys(case, xs, idxs, fp8, it)
+            out, _ = buf.low_latency_combine(ys[rank], idxs[rank], ws[rank], recv.handle)
+            check_out(rank, case, it, out, (ys, refs), idxs, ws)
+            assert recv.source_wait_s is not None and len(recv.source_wait_s) == world_size
+    return stats.tolist()
+
+
+def ll_two_in_flight(rank, world_size, case: Case, rounds: int, straggle_s: float) -> None:
+    """Two micro-batches overlapped, as decode does: send A, send B, receive A, combine A while
+    B is in flight, ... with random per-rank delays; every result checked."""
+    delay = random.Random(77 + rank)
+    with new_ll_buffer(case) as buf:
+        for rnd in range(rounds):
+            batches = [make_inputs(case, 2 * rnd + mb) for mb in range(2)]
+            sent = []
+            for mb, (xs, idxs, ws) in enumerate(batches):
+                time.sleep(delay.uniform(0, straggle_s))
+                sent.append(buf.low_latency_dispatch(xs[rank], idxs[rank], fp8=mb == 0,
+                                                     return_hook=True))
+            combines = []
+            for mb, ((recv, hook), (xs, idxs, ws)) in enumerate(zip(sent, batches)):
+                time.sleep(delay.uniform(0, straggle_s))
+                hook()
+                it = 2 * rnd + mb
+                check_recv(rank, case, it, recv, xs, idxs, fp8=mb == 0)
+                ys, refs = _all_ys(case, xs, idxs, mb == 0, it)
+                out, chook = buf.low_latency_combine(ys[rank], idxs[rank], ws[rank],
+                                                     recv.handle, return_hook=True)
+                combines.append((out, chook, ys, refs, idxs, ws, it))
+            for out, chook, ys, refs, idxs, ws, it in combines:
+                time.sleep(delay.uniform(0, straggle_s))
+                chook()
+                check_out(rank, case, it, out, (ys, refs), idxs, ws)
+
+
+def ll_pipelined_dispatches(rank, world_size, case: Case, calls: int, straggle_s: float):
+    """Dispatches only, always two in flight: staging parity p is written again while a slow
+    peer may still be reading it unless the acknowledgements hold the sender back."""
+    delay = random.Random(500 + rank)
+    with new_ll_buffer(case) as buf:
+        inflight = []
+        for n in range(calls):
+            xs, idxs, _ = make_inputs(case, n)
+            recv, hook = buf.low_latency_dispatch(xs[rank], idxs[rank], fp8=False,
+                                                  return_hook=True)
+            inflight.append((recv, hook, xs, idxs, n))
+            if len(inflight) == 2:
+                old_recv, old_hook, oxs, oidxs, on = inflight.pop(0)
+                time.sleep(delay.uniform(0, straggle_s) * (rank == n % world_size))
+                old_hook()
+                check_recv(rank, case, on, old_recv, oxs, oidxs, fp8=False)
+        for recv, hook, xs, idxs, n in inflight:
+            hook()
+            check_recv(rank, case, n, recv, xs, idxs, fp8=False)
+
+
+def ll_misuse(rank, world_size, case: Case) -> dict:
+    """Errors every rank makes together (so nobody waits): a third send, a hook called twice,
+    combine before receive, bad shapes; then a correct call still works."""
+    errors = {}
+    xs, idxs, ws = make_inputs(case)
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
+
+    def expect(name, fn, kinds=(RuntimeError, ValueError, TypeError)):
+        try:
+            fn()
+            errors[name] = None
+        except kinds as error:
+            errors[name] = f"{type(error).__name__}: {error}"
+
+    with new_ll_buffer(case) as buf:
+        r1, h1 = buf.low_latency_dispatch(x, idx, fp8=False, return_hook=True)
+        r2, h2 = buf.low_latency_dispatch(x, idx, fp8=False, return_hook=True)
+        expect("third_send", lambda: buf.low_latency_dispatch(x, idx, return_hook=True))
+        expect("combine_before_receive", lambda: buf.low_latency_combine(
+            torch.zeros_like(r1.x), idx, w, r1.handle))
+        h1()
+        expect("hook_twice", h1)
+        h2()
+        expect("y_shape", lambda: buf.low_latency_combine(r1.x[:, :1], idx, w, r1.handle))
+        expect("topk_shape", lambda: buf.low_latency_combine(r1.x, idx[:, :1], w, r1.handle))
+        expect("stats_shape", lambda: buf.low_latency_dispatch(
+            x, idx, cumulative_local_expert_recv_stats=torch.zeros(99, dtype=torch.int32)))
+        expect("too_many_tokens", lambda: buf.low_latency_dispatch(
+            torch.zeros((case.max_tokens + 1, case.hidden), dtype=case.dtype),
+            torch.zeros((case.max_tokens + 1, 1), dtype=torch.int64)))
+        recv, _ = buf.low_latency_dispatch(x, idx, fp8=True)  # still works
+        check_recv(rank, case, 0, recv, xs, idxs, fp8=True)
+        plain = moe_comm.Buffer.loopback(1, case.hidden, case.num_experts, case.max_tokens,
+                                         case.dtype)[0]
+        expect("no_ll_workspace", lambda: plain.low_latency_dispatch(x, idx))
+    return errors
+
+
+def ll_skip(rank, world_size, case: Case, skipper: int, wait_timeout_s: float) -> dict:
+    xs, idxs, _ = make_inputs(case)
+    buf = new_ll_buffer(case, timeout_s=wait_timeout_s)
+    report = {"raised": None}
+    if rank != skipper:
+        _, hook = buf.low_latency_dispatch(xs[rank], idxs[rank], return_hook=True)
+        start = time.monotonic()
+        try:
+            hook()
+        except RuntimeError as error:
+            report.update(raised=str(error), peer=getattr(error, "peer", None))
+        report["elapsed_s"] = time.monotonic() - start
+    dist.barrier()
+    buf.close()
+    return report

@@ -1,0 +1,134 @@
+"""Low-latency mode on virtual ranks and on CPU ranks, against the reference."""
+import pytest
+import torch
+
+import moe_comm
+from moe_comm import lockstep, reference
+
+from cases import Case, make_inputs
+from ll_jobs import ll_misuse, ll_pipelined_dispatches, ll_round_trip, ll_skip, ll_two_in_flight
+
+LOOPBACK = [  # (case, fp8, ue8m0, col_major)
+    (Case(1, 4, 128, 1, (6,), seed=1), True, False, False),
+    (Case(2, 8, 2048, 8, (5, 3), routing="one_expert", seed=2), True, True, False),
+    (Case(4, 16, 128, 16, (7, 0, 4, 9), seed=3), False, False, False),
+    (Case(4, 32, 256, 8, (8, 8, 2, 6), routing="empty_rank", seed=4), True, False, True),
+    (Case(8, 16, 128, 2, (3, 1, 0, 4, 2, 5, 1, 3), routing="zipf", seed=5), True, True, True),
+    (Case(2, 4, 7168, 2, (2, 1), seed=6), True, False, False),
+]
+
+
+@pytest.mark.parametrize("case, fp8, ue8m0, col_major", LOOPBACK,
+                         ids=[f"{c}-fp8{int(f)}-ue{int(u)}-cm{int(m)}" for c, f, u, m in LOOPBACK])
+def test_loopback_matches_reference(case, fp8, ue8m0, col_major):
+    R, T = case.world_size, case.max_tokens
+    bufs = moe_comm.Buffer.loopback(R, case.hidden, case.num_experts, T, case.dtype,
+                                    low_latency=True)
+    for it in range(2):
+        xs, idxs, ws = make_inputs(case, it)
+        got = lockstep.low_latency_dispatch(bufs, xs, idxs, fp8=fp8, ue8m0=ue8m0,
+                                            col_major_scales=col_major)
+        want = reference.low_latency_dispatch_all(xs, idxs, num_experts=case.num_experts,
+                                                  max_tokens=T, fp8=fp8, ue8m0=ue8m0,
+                                                  col_major_scales=col_major)
+        for r in range(R):
+            assert torch.equal(got[r].count, want[r].count)
+            for e, n in enumerate(want[r].count.tolist()):
+                a, b = got[r].x[e, :n], want[r].x[e, :n]
+                assert torch.equal(a.view(torch.uint8) if fp8 else a,
+                                   b.view(torch.uint8) if fp8 else b), (r, e)
+                assert torch.equal(got[r].src_info[e, :n], want[r].src_info[e, :n])
+                if fp8:
+                    assert torch.equal(got[r].x_scales[e, :n], want[r].x_scales[e, :n])
+        ys = [torch.randn(g.x.shape).to(torch.bfloat16) for g in got]
+        outs = lockstep.low_latency_combine(bufs, ys, idxs, ws, [g.handle for g in got])
+        ref_outs = reference.low_latency_combine_all(ys, idxs, ws, want, T)
+        for r in range(R):
+            assert torch.equal(outs[r], ref_outs[r]), r
+    assert dict(bufs[0].launches) == {"ll_dispatch_send": 2, "ll_dispatch_recv": 2,
+                                      "ll_combine_send": 2, "ll_combine_recv": 2}
+
+
+def test_workspace_bytes_formula():
+    R, T, H, E, K, b = 4, 128, 7168, 256, 8, 2
+    L = E // R
+    S = ((max(H * b, H + 4 * H // 128) + 15) // 16) * 16
+    formula = 2 * L * R * T * (S + 4) + 2 * T * K * H * b + 8 * (2 * L * R + 6 * R + 8)
+    got = moe_comm.Buffer.low_latency_workspace_bytes(R, H, E, T, torch.bfloat16, max_topk=K)
+    assert formula <= got <= formula + 7 * 128
+    bufs = moe_comm.Buffer.loopback(2, 256, 4, 8, torch.bfloat16, low_latency=True)
+    plain = moe_comm.Buffer.loopback(2, 256, 4, 8, torch.bfloat16)
+    assert bufs[0].workspace_bytes - plain[0].workspace_bytes == \
+        moe_comm.Buffer.low_latency_workspace_bytes(2, 256, 4, 8, torch.bfloat16)
+
+
+def test_bytes_on_the_link_one_put_per_pair():
+    case = Case(2, 8, 256, 4, (12, 5), seed=8)
+    bufs = moe_comm.Buffer.loopback(2, 256, 8, 12, torch.bfloat16, low_latency=True)
+    xs, idxs, _ = make_inputs(case)
+    remote_pairs = int(((idxs[0] >= 4) & (idxs[0] < 8)).sum())
+    for fp8, row in ((False, 512), (True, 256 + 8)):
+        before = bufs[0].stats()["dispatch_bytes_to_peers"]
+        lockstep.low_latency_dispatch(bufs, xs, idxs, fp8=fp8)
+        sent = bufs[0].stats()["dispatch_bytes_to_peers"] - before
+        assert sent == remote_pairs * (row + 4) + 8 * 4  # + one signal per remote expert
+
+
+WORLD = [
+    (Case(1, 4, 128, 2, (5,), seed=11), True),
+    (Case(2, 8, 2048, 8, (6, 2), seed=12), True),
+    (Case(4, 16, 128, 16, (9, 0, 5, 7), routing="one_expert", seed=13), False),
+    (Case(4, 16, 256, 1, (4, 4, 4, 4), routing="empty_rank", seed=14), True),
+]
+
+
+@pytest.mark.parametrize("case, fp8", WORLD, ids=[f"{c}-fp8{int(f)}" for c, f in WORLD])
+def test_ranks_match_reference(ranks, case, fp8):
+    stats = ranks(case.world_size).run(ll_round_trip, case, fp8, iterations=2)
+    for rank, got in enumerate(stats):  # received rows per local expert, both calls
+        L = case.num_experts // case.world_size
+        want = [0] * L
+        for it in range(2):
+            _, idxs, _ = make_inputs(case, it)
+            for idx in idxs:
+                for e in range(L):
+                    want[e] += int((idx == rank * L + e).sum())
+        assert got == want
+
+
+@pytest.mark.slow
+def test_eight_ranks_ue8m0_col_major(ranks):
+    case = Case(8, 16, 256, 8, (4, 0, 3, 5, 1, 2, 4, 3), routing="zipf", seed=15)
+    ranks(8).run(ll_round_trip, case, True, True, True)
+
+
+@pytest.mark.slow
+def test_two_in_flight_with_stragglers(ranks):
+    ranks(4).run(ll_two_in_flight, Case(4, 16, 256, 4, (6, 3, 8, 5), seed=16), rounds=10,
+                 straggle_s=0.03)
+
+
+@pytest.mark.slow
+def test_pipelined_dispatches_wait_for_acknowledgements(ranks):
+    ranks(4).run(ll_pipelined_dispatches, Case(4, 8, 128, 2, (5, 5, 5, 5), seed=17), calls=12,
+                 straggle_s=0.2)
+
+
+def test_misuse_raises_clear_errors(ranks):
+    for rank, errors in enumerate(ranks(2).run(ll_misuse, Case(2, 8, 128, 2, (5, 3), seed=18))):
+        missing = [name for name, text in errors.items() if text is None]
+        assert not missing, f"rank {rank}: no error for {missing}"
+        assert "already waiting for their hooks" in errors["third_send"]
+        assert "already called" in errors["hook_twice"]
+        assert "call its hook first" in errors["combine_before_receive"]
+        assert "low_latency=True" in errors["no_ll_workspace"]
+
+
+def test_skipped_call_times_out_naming_the_peer(ranks):
+    reports = ranks(4).run(ll_skip, Case(4, 8, 128, 2, (4, 4, 4, 4), seed=19), skipper=1,
+                           wait_timeout_s=2.0)
+    for rank, report in enumerate(reports):
+        if rank == 1:
+            continue
+        assert report["peer"] == 1 and "low-latency dispatch" in report["raised"], report
+        assert 2.0 <= report["elapsed_s"] < 7.0

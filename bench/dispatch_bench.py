@@ -1,13 +1,16 @@
 """Standalone dispatch/combine benchmark on CPU ranks (one process per rank, shm heap).
 
     python bench/dispatch_bench.py --ranks 4 --tokens 128 --system h800
+    python bench/dispatch_bench.py --mode low_latency --fp8      # decode: 128 tokens per rank
 
 Prints one table, one row per model config (real hidden sizes, expert counts and top-k):
 
 * rows: (token, expert) rows received, summed over ranks;
 * link MB: bytes the kernels stored into other ranks during one dispatch (rows, metadata,
-  counts, signals; measured by the kernels' counters, summed over ranks), next to the minimum:
-  each token's row once per distinct other destination rank; overhead = link / min - 1;
+  counts, signals; measured by the kernels' counters, summed over ranks), next to the minimum
+  payload: normal mode, each token's row once per distinct other destination rank;
+  low-latency mode, each (token, expert) pair on another rank; a row is H*b bytes, or
+  H + 4*H/128 with FP8; overhead = link / min - 1 (metadata and signals);
 * launches: kernel launches of one dispatch / one combine on rank 0;
 * ref: whether every rank's dispatch rows and combine output equal the reference
   (``moe_comm.reference`` over ``all_to_all_single``) bit for bit;
@@ -67,8 +70,79 @@ def make_routing(cfg: ModelConfig, world_size: int, tokens: int, routing: str, s
     return xs, idxs, ws
 
 
+def _payload_bytes(hidden: int, elem: int, fp8: bool) -> int:
+    """Bytes of one row on the link: FP8 codes plus one fp32 scale per 128 channels, or H*b."""
+    return hidden + 4 * (hidden // 128) if fp8 else hidden * elem
+
+
+def _normal_call(buf, x, idx, w, fp8: bool):
+    """One dispatch + combine; the expert is the identity (on dequantized rows with FP8)."""
+    from moe_comm import reference
+
+    t0 = time.perf_counter()
+    res = buf.dispatch(x, idx, w, fp8=fp8)
+    t1 = time.perf_counter()
+    y = reference.dequantize_fp8(res.x, res.x_scales).to(x.dtype) if fp8 else res.x
+    t2 = time.perf_counter()
+    out = buf.combine(y, res.handle, weights=res.weights)
+    t3 = time.perf_counter()
+    return t1 - t0, t3 - t2, (res, y, out)
+
+
+def _low_latency_call(buf, x, idx, w, fp8: bool):
+    from moe_comm import reference
+
+    t0 = time.perf_counter()
+    recv, _ = buf.low_latency_dispatch(x, idx, fp8=fp8)
+    t1 = time.perf_counter()
+    y = recv.x
+    if fp8:
+        L, rows, H = recv.x.shape
+        y = reference.dequantize_fp8(recv.x.reshape(L * rows, H),
+                                     recv.x_scales.reshape(L * rows, -1)).reshape(L, rows, H)
+        y = y.to(x.dtype)
+    t2 = time.perf_counter()
+    out, _ = buf.low_latency_combine(y, idx, w, recv.handle)
+    t3 = time.perf_counter()
+    return t1 - t0, t3 - t2, (recv, y, out)
+
+
+def _agrees(mode, rank, result, xs, idxs, ws, cfg, tokens, fp8) -> bool:
+    """Bit-for-bit agreement of this rank's dispatch and combine with the reference."""
+    from moe_comm import reference
+
+    if mode == "normal":
+        res, y, out = result
+        ref = reference.dispatch_all(xs, idxs, ws, num_experts=cfg.experts, fp8=fp8)
+        ys = [reference.dequantize_fp8(r.x, r.x_scales).to(xs[0].dtype) if fp8 else r.x
+              for r in ref]
+        ref_out = reference.combine_all(ys, [r.handle for r in ref], [r.weights for r in ref])
+        same_rows = torch.equal(res.x.view(torch.uint8), ref[rank].x.view(torch.uint8))
+        return bool(same_rows and torch.equal(out, ref_out[rank]))
+    recv, y, out = result
+    ref = reference.low_latency_dispatch_all(xs, idxs, num_experts=cfg.experts,
+                                             max_tokens=tokens, fp8=fp8)
+    ok = torch.equal(recv.count, ref[rank].count)
+    for e, n in enumerate(ref[rank].count.tolist()):
+        ok = ok and torch.equal(recv.x[e, :n].view(torch.uint8), ref[rank].x[e, :n].view(
+            torch.uint8))
+    ys = []
+    for r in ref:
+        yr = r.x
+        if fp8:
+            L, rows, H = r.x.shape
+            yr = reference.dequantize_fp8(r.x.reshape(L * rows, H),
+                                          r.x_scales.reshape(L * rows, -1)).reshape(L, rows, H)
+        ys.append(yr.to(xs[0].dtype))
+    for e, n in enumerate(ref[rank].count.tolist()):  # rows past count are never read
+        ys[rank][e, :n] = y[e, :n]
+    ref_out = reference.low_latency_combine_all(ys, idxs, ws, ref, tokens)
+    return bool(ok and torch.equal(out, ref_out[rank]))
+
+
 def bench_job(rank, world_size, cfg: ModelConfig, tokens: int, dtype_name: str, iters: int,
-              warmup: int, routing: str, seed: int) -> dict:
+              warmup: int, routing: str, seed: int, mode: str = "normal",
+              fp8: bool = False) -> dict:
     """Runs on every rank: timed moe_comm and reference calls, counters and agreement."""
     import torch.distributed as dist
 
@@ -77,46 +151,50 @@ def bench_job(rank, world_size, cfg: ModelConfig, tokens: int, dtype_name: str, 
 
     dtype = DTYPES[dtype_name]
     xs, idxs, ws = make_routing(cfg, world_size, tokens, routing, seed)
-    x, idx, w = xs[rank].to(dtype), idxs[rank], ws[rank]
+    xs = [x.to(dtype) for x in xs]
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
     L = cfg.experts // world_size
-    dests = [{int(e) // L for e in row if e >= 0} for row in idx.tolist()]
-    min_link_bytes = sum(len(d - {rank}) for d in dests) * cfg.hidden * x.element_size()
+    payload = _payload_bytes(cfg.hidden, x.element_size(), fp8)
+    if mode == "normal":  # each token once per distinct other destination rank
+        dests = [{int(e) // L for e in row if e >= 0} for row in idx.tolist()]
+        min_link_bytes = sum(len(d - {rank}) for d in dests) * payload
+    else:  # each (token, expert) pair whose expert is on another rank
+        min_link_bytes = int(((idx >= 0) & (idx // L != rank)).sum()) * payload
 
     buf = moe_comm.Buffer(dist.group.WORLD, hidden=cfg.hidden, num_experts=cfg.experts,
-                          max_tokens_per_rank=tokens, dtype=dtype)
+                          max_tokens_per_rank=tokens, dtype=dtype,
+                          low_latency=mode == "low_latency")
+    call = _normal_call if mode == "normal" else _low_latency_call
     ours_d, ours_c, ref_d, ref_c = [], [], [], []
     for it in range(warmup + iters):
         dist.barrier()
         stats0, launches0 = buf.stats(), dict(buf.launches)
-        t0 = time.perf_counter()
-        res = buf.dispatch(x, idx, w)
-        t1 = time.perf_counter()
-        out = buf.combine(res.x, res.handle, weights=res.weights)
-        t2 = time.perf_counter()
+        t_dispatch, t_combine, result = call(buf, x, idx, w, fp8)
         stats1, launches1 = buf.stats(), dict(buf.launches)
         dist.barrier()
         t3 = time.perf_counter()
         ref = reference.dispatch(x, idx, w, cfg.experts)
         t4 = time.perf_counter()
-        ref_out = reference.combine(ref.x, ref.handle, ref.weights)
+        reference.combine(ref.x, ref.handle, ref.weights)
         t5 = time.perf_counter()
         if it >= warmup:
-            ours_d.append(t1 - t0)
-            ours_c.append(t2 - t1)
+            ours_d.append(t_dispatch)
+            ours_c.append(t_combine)
             ref_d.append(t4 - t3)
             ref_c.append(t5 - t4)
+    rows = result[0].x.shape[0] if mode == "normal" else int(result[0].count.sum())
+    agrees = _agrees(mode, rank, result, xs, idxs, ws, cfg, tokens, fp8)
     buf.close()
     launches = {k: launches1.get(k, 0) - launches0.get(k, 0) for k in launches1}
     return {
-        "rows": res.x.shape[0],
+        "rows": rows,
         "link_bytes": stats1["dispatch_bytes_to_peers"] - stats0["dispatch_bytes_to_peers"],
         "combine_link_bytes": stats1["combine_bytes_to_peers"]
         - stats0["combine_bytes_to_peers"],
         "min_link_bytes": min_link_bytes,
-        "dispatch_launches": launches.get("layout", 0) + launches.get("dispatch_send", 0)
-        + launches.get("dispatch_expand", 0),
-        "combine_launches": launches.get("combine_send", 0) + launches.get("combine_reduce", 0),
-        "matches_reference": bool(torch.equal(res.x, ref.x) and torch.equal(out, ref_out)),
+        "dispatch_launches": sum(n for k, n in launches.items() if "combine" not in k),
+        "combine_launches": sum(n for k, n in launches.items() if "combine" in k),
+        "matches_reference": agrees,
         "times_s": {"dispatch": ours_d, "combine": ours_c, "ref_dispatch": ref_d,
                     "ref_combine": ref_c},
     }
@@ -135,7 +213,7 @@ def _ms(values: list[float]) -> str:
 
 def summarize(cfg: ModelConfig, args, per_rank: list[dict]) -> dict:
     row = {"config": cfg.name, **asdict(cfg), "ranks": args.ranks, "tokens_per_rank": args.tokens,
-           "dtype": args.dtype, "routing": args.routing,
+           "dtype": args.dtype, "routing": args.routing, "mode": args.mode, "fp8": args.fp8,
            "rows": sum(r["rows"] for r in per_rank),
            "link_bytes": sum(r["link_bytes"] for r in per_rank),
            "combine_link_bytes": sum(r["combine_link_bytes"] for r in per_rank),
@@ -149,9 +227,9 @@ def summarize(cfg: ModelConfig, args, per_rank: list[dict]) -> dict:
         from moe_comm.perfmodel import predict
 
         _, idxs, _ = make_routing(cfg, args.ranks, args.tokens, args.routing, args.seed)
-        p = predict(args.system, "normal", ep=args.ranks, tokens_per_rank=args.tokens,
+        p = predict(args.system, args.mode, ep=args.ranks, tokens_per_rank=args.tokens,
                     hidden=cfg.hidden, topk=cfg.topk, num_experts=cfg.experts,
-                    dispatch_dtype=args.dtype, combine_dtype=args.dtype,
+                    dispatch_dtype="fp8" if args.fp8 else args.dtype, combine_dtype=args.dtype,
                     routing=torch.cat(idxs))
         row.update(system=args.system, pred_dispatch_us=p.dispatch_us,
                    pred_combine_us=p.combine_us, pred_bottleneck=p.bottleneck,
@@ -189,7 +267,11 @@ def format_table(rows: list[dict], system: str | None) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=128, help="tokens per rank")
+    parser.add_argument("--mode", choices=["normal", "low_latency"], default="normal")
+    parser.add_argument("--fp8", action="store_true", help="FP8 dispatch (combine stays in "
+                        "--dtype)")
+    parser.add_argument("--tokens", type=int, default=128,
+                        help="tokens per rank (128: a decode batch)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--routing", choices=["uniform", "zipf"], default="uniform")
     parser.add_argument("--iters", type=int, default=3, help="timed iterations")
@@ -211,6 +293,11 @@ def main(argv=None) -> int:
     from moe_comm.launch import RankPool
 
     configs = [c for c in CONFIGS if c.name in args.configs]
+    if args.fp8:  # FP8 needs hidden % 128 == 0
+        skipped = [c.name for c in configs if c.hidden % 128]
+        configs = [c for c in configs if c.hidden % 128 == 0]
+        if skipped:
+            print(f"FP8 skips {skipped} (hidden not a multiple of 128)", file=sys.stderr)
     for cfg in configs:
         if cfg.experts % args.ranks:
             parser.error(f"{cfg.name}: {cfg.experts} experts do not split over {args.ranks} ranks")
@@ -220,12 +307,13 @@ def main(argv=None) -> int:
     with RankPool(args.ranks) as pool:
         for i, cfg in enumerate(configs, 1):
             per_rank = pool.run(bench_job, cfg, args.tokens, args.dtype, args.iters, args.warmup,
-                                args.routing, args.seed)
+                                args.routing, args.seed, args.mode, args.fp8)
             rows.append(summarize(cfg, args, per_rank))
             print(f"[{i}/{len(configs)}] {cfg.name} done, {time.perf_counter() - start:.0f} s "
                   "elapsed", file=sys.stderr, flush=True)
-    print(f"\nmoe_comm dispatch/combine, {args.ranks} CPU ranks, {args.tokens} tokens per rank, "
-          f"{args.dtype}, {args.routing} routing; MB = 1e6 bytes, summed over ranks\n")
+    print(f"\nmoe_comm {args.mode} dispatch/combine, {args.ranks} CPU ranks, {args.tokens} tokens "
+          f"per rank, {'FP8 dispatch, ' if args.fp8 else ''}{args.dtype}, {args.routing} "
+          "routing; MB = 1e6 bytes, summed over ranks\n")
     print(format_table(rows, args.system))
     print("\ncpu ms: Triton interpreter on CPU, slowest rank, median [min-max] of "
           f"{args.iters}; not GPU performance. pred: moe_comm.perfmodel on {args.system}.")

@@ -34,7 +34,8 @@ from .kernels.quant import GROUP
 from .validation import check_dispatch_inputs, check_tensor
 from .workspace import COMBINE, DISPATCH
 
-BLOCK_T = 64
+BLOCK_T = 64  # tokens per tile of the kernels that walk a rank's tokens
+BLOCK_ROWS = 16  # rows per tile of the kernels that walk one (expert, source) block
 IN_FLIGHT = 2  # staging parities per channel
 
 
@@ -233,7 +234,7 @@ class LowLatencyMode:
             self.layout.view(self.heap, "ll_dispatch_signals"), self.heap.peer_ptrs,
             self._ll_state, recv.x, scale_memory, recv.count, recv.src_info, recv.handle.src_k,
             recv.handle.layout, stats, acks=self._ll_acks(DISPATCH), rank=self.rank,
-            scale_strides=scale_strides, ue8m0=ue8m0, block_t=BLOCK_T, block_h=self._block_h)
+            scale_strides=scale_strides, ue8m0=ue8m0, block_t=BLOCK_ROWS, block_h=self._block_h)
         recv.handle.received = True
 
     # ----------------------------------------------------------------- combine
@@ -289,7 +290,7 @@ class LowLatencyMode:
             offsets={"rows": self._ll_offsets("ll_combine_rows"),
                      "signals": self._ll_offsets("ll_combine_signals")},
             rank=self.rank, max_tokens=self.max_tokens_per_rank, max_topk=self.max_topk,
-            block_t=BLOCK_T, block_h=self._block_h)
+            block_t=BLOCK_ROWS, block_h=self._block_h)
         self._ll_pending[COMBINE] += 1
 
         def receive():

@@ -221,3 +221,22 @@ def count_traffic(rank, world_size, case: Case) -> dict:
             "written_rows_from": written,
             "sent_to": [sent(rank, d) for d in range(world_size)],
             "received_from": [sent(s, rank) for s in range(world_size)]}
+
+
+def fp8_case(rank, world_size, case: Case, ue8m0: bool, col_major: bool) -> None:
+    """FP8 normal-mode dispatch on CPU ranks against the reference, then combine."""
+    xs, idxs, ws = make_inputs(case)
+    with new_buffer(case) as buf:
+        res = buf.dispatch(xs[rank], idxs[rank], ws[rank], case.alignment, fp8=True,
+                           ue8m0=ue8m0, col_major_scales=col_major)
+        want = reference.dispatch_all(xs, idxs, ws, num_experts=case.num_experts,
+                                      expert_alignment=case.alignment, fp8=True, ue8m0=ue8m0,
+                                      col_major_scales=col_major)
+        assert torch.equal(res.x.view(torch.uint8), want[rank].x.view(torch.uint8)), rank
+        assert torch.equal(res.x_scales, want[rank].x_scales), rank
+        scales = [reference.unpack_ue8m0(w.x_scales, case.hidden // 128) if ue8m0
+                  else w.x_scales for w in want]
+        ys = [reference.dequantize_fp8(w.x, s).to(case.dtype) for w, s in zip(want, scales)]
+        out = buf.combine(ys[rank], res.handle, weights=res.weights)
+        ref_out = reference.combine_all(ys, [w.handle for w in want], [w.weights for w in want])
+        assert torch.equal(out, ref_out[rank]), rank

@@ -182,3 +182,11 @@ def test_opcheck_fp8_variants():
         for col in (False, True):
             torch.library.opcheck(torch.ops.moe_comm.dispatch.default,
                                   (buf.id, xs[0], None, idxs[0], ws[0], 1, 1, ue8m0, col))
+
+
+@pytest.mark.parametrize("ue8m0, col_major", [(False, False), (True, True)])
+def test_fp8_on_cpu_ranks(ranks, ue8m0, col_major):
+    from rank_jobs import fp8_case
+
+    case = Case(4, 16, 256, 4, (6, 0, 9, 3), routing="zipf", alignment=16, seed=23)
+    ranks(4).run(fp8_case, case, ue8m0, col_major)

@@ -22,4 +22,6 @@ def test_all_kernels_compile_for_hopper_and_blackwell():
             assert int(line.rsplit(" ", 1)[1]) >= 1, line
     kernels = {line.split()[1] for line in lines}
     assert kernels == {"routing_layout_kernel", "quantize_kernel", "dispatch_send_kernel",
-                       "dispatch_expand_kernel", "combine_send_kernel", "combine_reduce_kernel"}
+                       "dispatch_expand_kernel", "combine_send_kernel", "combine_reduce_kernel",
+                       "ll_dispatch_send_kernel", "ll_dispatch_recv_kernel",
+                       "ll_combine_send_kernel", "ll_combine_recv_kernel"}

@@ -9,7 +9,8 @@ Equivalent PyTorch, for one (source ``s``, destination ``d``) pair::
 **Send** (``dispatch_send_kernel``, on the source): one program per tile of ``BLOCK_T`` tokens
 loads each ``[BLOCK_T, BLOCK_H]`` tile of ``x`` once and stores it through the peer-pointer table
 into the staging of every destination that token goes to, with its metadata (token index, per
-top-k choice the local expert, the pair's position and the weight). The last program to finish
+top-k choice the global expert id, the pair's position and the weight: the same for every
+destination). The last program to finish
 publishes, for every rank ``d`` (also those that receive nothing): the per-expert counts, then
 the epoch. Bytes stored into rank ``d``: ``n_d * (H * elem + 4 * (1 + 3K))``
 ``+ 4 * (L + 1) + 8``, where ``n_d`` is the number of tokens sent to ``d``.
@@ -100,10 +101,9 @@ def dispatch_send_kernel(
             sm = slot >= 0
             meta = peer_ptr(peer_ptrs, d, meta_off, tl.int32) + slot * META_STRIDE
             tl.store(meta, t, mask=sm)
-            mine = (e >= d * L) & (e < d * L + L)
-            sm2 = sm[:, None] & m2
-            tl.store(meta[:, None] + 1 + kk[None, :], tl.where(mine, e - d * L, -1), mask=sm2)
-            tl.store(meta[:, None] + 1 + KMAX + kk[None, :], tl.where(mine, pos, -1), mask=sm2)
+            sm2 = sm[:, None] & m2  # the same meta for every destination: global expert ids
+            tl.store(meta[:, None] + 1 + kk[None, :], e.to(tl.int32), mask=sm2)
+            tl.store(meta[:, None] + 1 + KMAX + kk[None, :], pos, mask=sm2)
             if HAS_WEIGHTS:
                 w = tl.load(topk_weights + t64[:, None] * K + kk[None, :], mask=m2, other=0.0)
             else:  # zeros travel too, so no receiver ever reads a stale weight
@@ -145,7 +145,7 @@ def dispatch_expand_kernel(
     out_scales,  # FP8: [rows, G] float32, or UE8M0: uint8 view of packed int32 [rows, G/4]
     out_weights,  # [rows] float32 (not CACHED, HAS_WEIGHTS)
     out_src_rank, out_src_token,  # [rows] int64 (not CACHED)
-    TMAX, H, K, L,
+    TMAX, H, K, L, me,
     ROW_ELEMS,  # staging row stride in elements of `staging`
     SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE,  # out_scales strides (elements; int32 words for UE8M0)
     META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
@@ -161,9 +161,9 @@ def dispatch_expand_kernel(
         kk = tl.arange(0, BLOCK_K)
         m2 = jm[:, None] & (kk < K)[None, :]
         mrow = meta + staged * META_STRIDE
-        e = tl.load(mrow[:, None] + 1 + kk[None, :], mask=m2, other=-1)
+        e = tl.load(mrow[:, None] + 1 + kk[None, :], mask=m2, other=-1) - me * L
         pos = tl.load(mrow[:, None] + 1 + KMAX + kk[None, :], mask=m2, other=-1)
-        valid = m2 & (e >= 0)
+        valid = m2 & (e >= 0) & (e < L)  # choices of this rank's experts
         base = tl.load(row_base + s * L + e, mask=valid, other=0)
         row = tl.where(valid, base + pos, -1)
         tl.store(slot_rows + first_row[:, None] * K + kk[None, :], row.to(tl.int32), mask=m2)
@@ -234,7 +234,8 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
 
 
 def dispatch_expand(staging, meta, slot_counts, slot_offsets, row_base, slot_rows, out,
-                    out_weights, out_src_rank, out_src_token, *, max_slots: int, topk: int,
+                    out_weights, out_src_rank, out_src_token, *, rank: int, max_slots: int,
+                    topk: int,
                     num_local_experts: int, meta_stride: int, max_topk: int, block_t: int,
                     block_h: int, out_scales=None, scale_strides=(0, 0), ue8m0: bool = False
                     ) -> bool:
@@ -262,7 +263,8 @@ def dispatch_expand(staging, meta, slot_counts, slot_offsets, row_base, slot_row
         slot_counts, slot_offsets, dummy if cached else row_base, slot_rows, out,
         out_scales if fp8 else dummy, out_weights if has_weights else dummy,
         dummy if cached else out_src_rank, dummy if cached else out_src_token,
-        TMAX, H, topk, num_local_experts, staging.shape[2], scale_strides[0], scale_strides[1],
+        TMAX, H, topk, num_local_experts, rank, staging.shape[2], scale_strides[0],
+        scale_strides[1],
         META_STRIDE=meta_stride, KMAX=max_topk, CACHED=cached, HAS_WEIGHTS=has_weights,
         FP8=fp8, UE8M0=fp8 and ue8m0, BLOCK_T=block_t, BLOCK_H=block_h,
         BLOCK_K=triton.next_power_of_2(max(topk, 1)),
@@ -284,7 +286,7 @@ def _expand_signature(dtype: str, scales: str) -> dict:
             "slot_counts": "*i32", "slot_offsets": "*i64", "row_base": "*i64",
             "slot_rows": "*i32", "out": f"*{dtype}", "out_scales": f"*{scales}",
             "out_weights": "*fp32", "out_src_rank": "*i64", "out_src_token": "*i64",
-            "TMAX": "i32", "H": "i32", "K": "i32", "L": "i32", "ROW_ELEMS": "i64",
+            "TMAX": "i32", "H": "i32", "K": "i32", "L": "i32", "me": "i32", "ROW_ELEMS": "i64",
             "SCALE_ROW_STRIDE": "i64", "SCALE_GROUP_STRIDE": "i64"}
 
 

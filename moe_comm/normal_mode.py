@@ -105,7 +105,7 @@ class NormalMode:
         self.launches["dispatch_expand"] += dispatch_expand(
             staging.view(torch.uint8) if fp8 else staging, meta, slot_counts.to(torch.int32),
             slot_offsets, row_base, slot_rows, out,
-            out_weights if pending.has_weights else None, src_rank, src_token,
+            out_weights if pending.has_weights else None, src_rank, src_token, rank=self.rank,
             max_slots=int(slot_counts.max()), topk=pending.topk,
             num_local_experts=L, meta_stride=self.layout.meta_stride, max_topk=self.max_topk,
             block_t=BLOCK_T, block_h=self._block_h, out_scales=scale_memory,
@@ -139,7 +139,8 @@ class NormalMode:
         staging, _ = self._staging(DISPATCH, pending.epoch % 2)
         self.launches["dispatch_expand"] += dispatch_expand(
             staging, None, slot_counts.to(torch.int32), slot_offsets, None, slot_rows, out,
-            None, None, None, max_slots=int(slot_counts.max()), topk=slot_rows.shape[1],
+            None, None, None, rank=self.rank, max_slots=int(slot_counts.max()),
+            topk=slot_rows.shape[1],
             num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
             max_topk=self.max_topk, block_t=BLOCK_T, block_h=self._block_h)
         return out

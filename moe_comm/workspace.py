@@ -18,8 +18,9 @@ region                  shape, dtype                 contents, on rank ``d``
 ``dispatch_counts``     [P, R, L + 1] int32          from source ``s``: tokens per local expert,
                                                      then the number of slots ``s`` filled
 ``dispatch_meta``       [P, R, T, 1 + 3K] int32      per slot: source token index; per top-k
-                                                     choice: local expert or -1, position among
-                                                     ``s``'s tokens for that expert, weight bits
+                                                     choice: global expert id or -1, position
+                                                     among ``s``'s tokens for that expert,
+                                                     weight bits
 ``dispatch_rows``       [P, R, T, H] dtype           the token rows, one per (token, ``d``)
 ``combine_meta``        [P, R, T, K] float32         per slot and choice: a value sent back
                                                      (the gradient of a router weight)

@@ -19,22 +19,31 @@ import time
 
 def variants():
     """(kernel, signature, constexprs) for every specialization of every kernel module."""
-    from . import combine, dispatch, layout, low_latency, quant
+    from . import combine, comm, dispatch, layout, low_latency, quant
 
-    return (layout.COMPILE_VARIANTS + quant.COMPILE_VARIANTS + dispatch.COMPILE_VARIANTS
-            + combine.COMPILE_VARIANTS + low_latency.COMPILE_VARIANTS)
+    return (layout.COMPILE_VARIANTS + quant.COMPILE_VARIANTS + comm.COMPILE_VARIANTS
+            + dispatch.COMPILE_VARIANTS + combine.COMPILE_VARIANTS
+            + low_latency.COMPILE_VARIANTS)
 
 
 def compile_variant(kernel, signature: dict, constexprs: dict, arch: int):
-    """Returns the compiled kernel (read ``.asm`` and ``.metadata`` only; never ``.run``)."""
+    """Returns the compiled kernel (read ``.asm`` and ``.metadata`` only; never ``.run``).
+
+    Variants with ``TRANSPORT=1`` call NVSHMEM and are linked against its device bitcode.
+    """
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from .nvshmem import device_bitcode
+
     full = dict(signature)
     full.update({name: "constexpr" for name in constexprs})
     src = ASTSource(fn=kernel, signature=full, constexprs=dict(constexprs))
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32))
+    options = {}
+    if constexprs.get("TRANSPORT") == 1:
+        options["extern_libs"] = (("libnvshmem_device", device_bitcode(arch)),)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def main(argv=None) -> int:
@@ -48,7 +57,8 @@ def main(argv=None) -> int:
     failures = 0
     for arch in args.arch:
         for kernel, signature, constexprs in variants():
-            flags = ",".join(f"{k}={v}" for k, v in constexprs.items() if isinstance(v, bool))
+            flags = ",".join(f"{k}={int(v)}" for k, v in constexprs.items()
+                             if isinstance(v, bool) or k == "TRANSPORT")
             dtype = next(iter(signature.values()))
             start = time.perf_counter()
             try:

@@ -21,10 +21,13 @@ instead of spinning an interpreted loop, which leaves the cores to the ranks it 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from .nvshmem import globaltimer_ns, signal_set
 
 
 @triton.jit
@@ -96,3 +99,99 @@ def wait_epochs(signals: torch.Tensor, expected: int, *, timeout_s: float, rank:
         raise TypeError(f"wait_epochs polls host memory; got signal words on {signals.device}")
     return wait_for_epochs(signals.tolist, expected, timeout_s=timeout_s, rank=rank,
                            channel=channel)
+
+
+# ------------------------------------------------------------------ GPU flavour: in-kernel waits
+@triton.jit
+def wait_at_least(word, expected, shift: tl.constexpr, deadline_ns, errors, peer):
+    """Spins on the local int64 ``word`` until ``word >> shift >= expected`` or the deadline.
+
+    GPU only (reads %globaltimer). Ends with an acquire load, so data published before the
+    word is visible. On timeout records ``(1, peer, expected, observed)`` into ``errors``
+    ([4] int64; the first timeout wins) and returns False; the host raises PeerTimeoutError.
+    """
+    observed = tl.load(word, volatile=True) >> shift
+    while (observed < expected) & (globaltimer_ns() < deadline_ns):
+        observed = tl.load(word, volatile=True) >> shift
+    observed = tl.atomic_add(word, 0, sem="acquire", scope="sys") >> shift
+    arrived = observed >= expected
+    if not arrived:
+        if tl.atomic_cas(errors, tl.cast(0, tl.int64), tl.cast(1, tl.int64), sem="relaxed",
+                         scope="sys") == 0:
+            tl.store(errors + 1, peer.to(tl.int64))
+            tl.store(errors + 2, expected.to(tl.int64))
+            tl.store(errors + 3, observed.to(tl.int64))
+    return arrived
+
+
+@triton.jit
+def wait_epochs_kernel(
+    signals,  # [R] int64 local signal words of one channel
+    errors_addr,  # int64 address of the [4] int64 error record (host-mapped memory)
+    expected, timeout_ns, R,
+):
+    """One program waits for ``signals[s] >= expected`` for every source (normal mode, GPU)."""
+    errors = errors_addr.to(tl.pointer_type(tl.int64))
+    deadline = globaltimer_ns() + timeout_ns
+    for s in range(R):
+        wait_at_least(signals + s, expected, 0, deadline, errors, s)
+
+
+def raise_device_timeout(errors: torch.Tensor, *, rank: int, channel: str,
+                         timeout_s: float) -> None:
+    """Raises PeerTimeoutError if a kernel recorded a timeout in ``errors`` ([4] int64)."""
+    flag, peer, expected, observed = errors.tolist()
+    if flag:
+        raise PeerTimeoutError(rank, peer, channel, expected, observed, timeout_s)
+
+
+COMPILE_VARIANTS = [
+    (wait_epochs_kernel, {"signals": "*i64", "errors_addr": "i64", "expected": "i64",
+                          "timeout_ns": "i64", "R": "i32"}, {}),
+]
+
+
+@triton.jit
+def by_stores(peer_ptrs, peer, mask, TRANSPORT: tl.constexpr):
+    """``mask`` restricted to the lanes whose ``peer`` is reached by stores: all of them unless
+    TRANSPORT == 1, where peers with a 0 pointer go through NVSHMEM instead."""
+    if TRANSPORT == 1:
+        mask = mask & (tl.load(peer_ptrs + peer, mask=mask, other=0) != 0)
+    return mask
+
+
+@triton.jit
+def publish_to_all(peer_ptrs, word_offset, me, value, R, local_base, BLOCK_R: tl.constexpr,
+                   TRANSPORT: tl.constexpr):
+    """Sets int64 word ``me`` of the array at ``word_offset`` on every rank to ``value``: a
+    release store through the peer pointer, or an NVSHMEM signal where the pointer is 0."""
+    ranks = tl.arange(0, BLOCK_R)
+    live = ranks < R
+    d = tl.where(live, ranks, 0)
+    word = peer_ptr(peer_ptrs, d, word_offset, tl.int64) + me
+    tl.atomic_xchg(word, value + tl.zeros([BLOCK_R], tl.int64),
+                   mask=by_stores(peer_ptrs, d, live, TRANSPORT), sem="release", scope="sys")
+    if TRANSPORT == 1:
+        for r in range(R):
+            if tl.load(peer_ptrs + r) == 0:
+                signal_set(local_base, word_offset + me * 8, value, r)
+
+
+@dataclass(frozen=True)
+class Flavour:
+    """How a launch reaches its peers and waits for them. The default is CPU ranks: stores
+    through the pointer table and waits on the host. GPUs wait in the kernels
+    (``device_wait``); across nodes, peers whose pointer is 0 get NVSHMEM puts
+    (``transport=1``) from this rank's symmetric segment at ``local_base``."""
+
+    transport: int = 0
+    device_wait: bool = False
+    local_base: int = 0  # address of this rank's segment (NVSHMEM symmetric addresses)
+    errors_addr: int = 0  # address of the [4] int64 error record (host-mapped on GPUs)
+    timeout_ns: int = 0
+
+    def args(self) -> tuple[int, int, int]:
+        return self.local_base, self.errors_addr, self.timeout_ns
+
+
+CPU_RANKS = Flavour()

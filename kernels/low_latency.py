@@ -36,8 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .comm import peer_ptr
+from .comm import CPU_RANKS, Flavour, by_stores, peer_ptr, publish_to_all, wait_at_least
 from .numerics import cast_rne
+from .nvshmem import globaltimer_ns, int_p, put_bytes, quiet, signal_set
 from .quant import quantize_tile
 
 META_K_BITS = 32  # meta word = token * 32 + choice
@@ -65,13 +66,24 @@ def ll_dispatch_send_kernel(
     rows_off, rows_parity_stride,  # byte offset of ll_dispatch_rows[0] and of one parity
     meta_off, meta_parity_stride,  # the same for ll_dispatch_meta
     signals_off, signals_parity_stride,  # the same for ll_dispatch_signals
+    acks_off, acks_parity_stride,  # ll_acks[DISPATCH]: who consumed each parity (local)
+    outbox_off, outbox_parity_stride,  # ll_outbox (TRANSPORT 1): rows to put from, per token
+    local_base, errors_addr, timeout_ns,  # GPU flavour: this segment, error record, wait bound
     T, H, K, R, L, E, me, TMAX, SLOT_BYTES,
     FP8: tl.constexpr, UE8M0: tl.constexpr,
+    TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; 1: NVSHMEM where pointer is 0
+    DEVICE_WAIT: tl.constexpr,  # GPU: wait for the acknowledgements here (CPU: the host waits)
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     pid = tl.program_id(0)
     epoch = tl.load(state) + 1
     parity = epoch % 2
+    if DEVICE_WAIT:  # parity p is free once every destination acknowledged call epoch - 2
+        errors = errors_addr.to(tl.pointer_type(tl.int64))
+        deadline = globaltimer_ns() + timeout_ns
+        acks = (local_base + acks_off + parity * acks_parity_stride).to(tl.pointer_type(tl.int64))
+        for dst in range(R):
+            wait_at_least(acks + dst, epoch - 2, 0, deadline, errors, dst)
     t0 = pid * BLOCK_T
     before = tl.zeros([BLOCK_E], tl.int32)
     for s0 in range(0, t0, BLOCK_T):
@@ -98,7 +110,7 @@ def ll_dispatch_send_kernel(
         j = tl.sum(tl.where(e[:, None] == lane[None, :], position, 0), axis=1)
         block = ((e - d * L) * R + me) * TMAX + j
         meta = peer_ptr(peer_ptrs, d, meta_base, tl.int32) + block
-        tl.store(meta, t * 32 + k, mask=valid)
+        tl.store(meta, t * 32 + k, mask=by_stores(peer_ptrs, d, valid, TRANSPORT))
         nbytes = tl.where(valid, payload + 4, 0).to(tl.int64)
         to_peers += tl.sum(tl.where(d != me, nbytes, 0), axis=0)
         to_self += tl.sum(tl.where(d == me, nbytes, 0), axis=0)
@@ -110,10 +122,26 @@ def ll_dispatch_send_kernel(
         if FP8:
             codes, scales, exps = quantize_tile(v.to(tl.float32), BLOCK_T, BLOCK_H, UE8M0)
             g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+        if TRANSPORT == 1:  # each token's row once into the outbox, for the NVSHMEM puts
+            box = (local_base + outbox_off + parity * outbox_parity_stride).to(
+                tl.pointer_type(tl.uint8)) + t64 * SLOT_BYTES
+            if FP8:
+                tl.store(box[:, None] + h[None, :], codes, mask=m)
+                if UE8M0:
+                    tl.store(box[:, None] + H + g[None, :], exps,
+                             mask=tm[:, None] & (g < G)[None, :])
+                else:
+                    boxf = box.to(tl.pointer_type(tl.float32), bitcast=True) + H // 4
+                    tl.store(boxf[:, None] + g[None, :], scales,
+                             mask=tm[:, None] & (g < G)[None, :])
+            else:
+                boxx = box.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
+                tl.store(boxx[:, None] + h[None, :], v, mask=m)
         for k in range(K):
             e = tl.load(topk_idx + t64 * K + k, mask=tm, other=-1)
             valid = tm & (e >= 0)
             d = tl.where(valid, e // L, 0)
+            valid = by_stores(peer_ptrs, d, valid, TRANSPORT)
             j = tl.sum(tl.where(e[:, None] == lane[None, :], position, 0), axis=1)
             block = (((e - d * L) * R + me) * TMAX + j).to(tl.int64)
             row8 = peer_ptr(peer_ptrs, d, rows_base, tl.uint8) + block * SLOT_BYTES
@@ -130,6 +158,23 @@ def ll_dispatch_send_kernel(
                 rowx = peer_ptr(peer_ptrs, d, rows_base, x.dtype.element_ty) \
                     + block * (SLOT_BYTES // (x.dtype.element_ty.primitive_bitwidth // 8))
                 tl.store(rowx[:, None] + h[None, :], v, mask=valid[:, None] & hm[None, :])
+    if TRANSPORT == 1:  # pairs whose expert's rank is reached only by NVSHMEM
+        tl.debug_barrier()
+        rows_in_tile = tl.arange(0, BLOCK_T)
+        for i in range(BLOCK_T):
+            ti = t0 + i
+            for k in range(K):
+                e = tl.load(topk_idx + ti * K + k, mask=ti < T, other=-1)
+                d = tl.maximum(e, 0) // L
+                if (e >= 0) & (tl.load(peer_ptrs + d) == 0):
+                    j = tl.sum(tl.sum(tl.where((rows_in_tile[:, None] == i)
+                                               & (lane[None, :] == e), position, 0), axis=1))
+                    block = (((e - d * L) * R + me) * TMAX + j).to(tl.int64)
+                    put_bytes(local_base, rows_base + block * SLOT_BYTES,
+                              outbox_off + parity * outbox_parity_stride
+                              + ti.to(tl.int64) * SLOT_BYTES, payload, d)
+                    int_p(local_base + meta_base + block * 4, ti * 32 + k, d.to(tl.int32))
+        quiet()
     tl.atomic_add(stats + tl.arange(0, 1), to_peers, sem="relaxed")
     tl.atomic_add(stats + 1 + tl.arange(0, 1), to_self, sem="relaxed")
     tl.debug_barrier()
@@ -142,8 +187,15 @@ def ll_dispatch_send_kernel(
         d = tl.where(em, lane // L, 0)
         word = peer_ptr(peer_ptrs, d, signals_off + parity * signals_parity_stride, tl.int64) \
             + (lane - d * L) * R + me
-        tl.atomic_xchg(word, (epoch << 32) | total.to(tl.int64), mask=em, sem="release",
-                       scope="sys")
+        tl.atomic_xchg(word, (epoch << 32) | total.to(tl.int64),
+                       mask=by_stores(peer_ptrs, d, em, TRANSPORT), sem="release", scope="sys")
+        if TRANSPORT == 1:
+            for g in range(E):
+                dg = g // L
+                if tl.load(peer_ptrs + dg) == 0:
+                    n = tl.sum(tl.where(lane == g, total, 0)).to(tl.int64)
+                    signal_set(local_base, signals_off + parity * signals_parity_stride
+                               + ((g - dg * L) * R + me) * 8, (epoch << 32) | n, dg)
         tl.store(state + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
         remote = tl.sum(tl.where(em & (d != me), 8, 0).to(tl.int64), axis=0)
         tl.atomic_add(stats + tl.arange(0, 1), remote + tl.zeros([1], tl.int64), sem="relaxed")
@@ -167,15 +219,22 @@ def ll_dispatch_recv_kernel(
     layout,  # [L, R, 2] int32 out: (first row, rows) of each source's block
     recv_stats,  # [L] int32/int64, added to (HAS_STATS)
     acks_off, acks_parity_stride,  # byte offset of ll_acks[DISPATCH, 0] and of one parity
+    local_base, errors_addr, timeout_ns,  # GPU flavour: this segment, error record, wait bound
     H, R, L, me, TMAX, SLOT_ELEMS,  # SLOT_ELEMS: staging slot stride in elements of `staging`
     SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE, SCALE_EXPERT_STRIDE,
     FP8: tl.constexpr, UE8M0: tl.constexpr, HAS_STATS: tl.constexpr,
+    TRANSPORT: tl.constexpr, DEVICE_WAIT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
     e = tl.program_id(0)
     s = tl.program_id(1)
     epoch = tl.load(state + 1) + 1
     parity = epoch % 2
+    if DEVICE_WAIT:  # this block's offset needs the counts of every source of expert e
+        errors = errors_addr.to(tl.pointer_type(tl.int64))
+        deadline = globaltimer_ns() + timeout_ns
+        for src in range(R):
+            wait_at_least(signals + (parity * L + e) * R + src, epoch, 32, deadline, errors, src)
     sources = tl.arange(0, BLOCK_R)
     words = tl.load(signals + (parity * L + e) * R + sources, mask=sources < R, other=0)
     counts = (words & 0xFFFFFFFF).to(tl.int32)
@@ -221,10 +280,8 @@ def ll_dispatch_recv_kernel(
     tl.debug_barrier()
     ticket = tl.atomic_add(state + 5, 1, sem="acq_rel", scope="sys")
     if ticket % (L * R) == L * R - 1:  # every block is out: acknowledge the parity
-        src = tl.where(sources < R, sources, 0)
-        ack = peer_ptr(peer_ptrs, src, acks_off + parity * acks_parity_stride, tl.int64) + me
-        tl.atomic_xchg(ack, epoch + tl.zeros([BLOCK_R], tl.int64), mask=sources < R,
-                       sem="release", scope="sys")
+        publish_to_all(peer_ptrs, acks_off + parity * acks_parity_stride, me, epoch, R,
+                       local_base, BLOCK_R, TRANSPORT)
         tl.store(state + 1 + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
 
 
@@ -239,16 +296,31 @@ def ll_combine_send_kernel(
     stats,  # [4] int64 local: bytes stored (to peers, to itself) at [2], [3]
     rows_off, rows_parity_stride,  # byte offset of ll_combine_rows[0] and of one parity
     signals_off, signals_parity_stride,  # ll_combine_signals
+    acks_off, acks_parity_stride,  # ll_acks[COMBINE]: who consumed each parity (local)
+    outbox_off, outbox_parity_stride,  # ll_combine_outbox (TRANSPORT 1): rows to put from
+    local_base, errors_addr, timeout_ns,  # GPU flavour: this segment, error record, wait bound
     H, R, L, me, TMAX, KMAX,
+    TRANSPORT: tl.constexpr, DEVICE_WAIT: tl.constexpr,
+    ZERO_COPY: tl.constexpr,  # y already is this parity's ll_combine_outbox
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     e = tl.program_id(0)
     s = tl.program_id(1)
     epoch = tl.load(state + 2) + 1
     parity = epoch % 2
+    if DEVICE_WAIT:  # parity p is free once every home rank acknowledged call epoch - 2
+        errors = errors_addr.to(tl.pointer_type(tl.int64))
+        deadline = globaltimer_ns() + timeout_ns
+        acks = (local_base + acks_off + parity * acks_parity_stride).to(tl.pointer_type(tl.int64))
+        for dst in range(R):
+            wait_at_least(acks + dst, epoch - 2, 0, deadline, errors, dst)
     first = tl.load(layout + (e * R + s) * 2)
     n = tl.load(layout + (e * R + s) * 2 + 1)
+    row_bytes = H * y.dtype.element_ty.primitive_bitwidth // 8
     dst_base = peer_ptr(peer_ptrs, s, rows_off + parity * rows_parity_stride, y.dtype.element_ty)
+    via_stores = (tl.load(peer_ptrs + s + tl.zeros([BLOCK_T], tl.int32)) != 0)[:, None]
+    box = (local_base + outbox_off + parity * outbox_parity_stride).to(
+        tl.pointer_type(y.dtype.element_ty))
     for j0 in range(0, n, BLOCK_T):
         j = j0 + tl.arange(0, BLOCK_T)
         jm = j < n
@@ -260,19 +332,32 @@ def ll_combine_send_kernel(
             h = h0 + tl.arange(0, BLOCK_H)
             m = jm[:, None] & (h < H)[None, :]
             tile = tl.load(y + row[:, None] * H + h[None, :], mask=m)
-            tl.store(dst_base + slot[:, None] * H + h[None, :], tile, mask=m)
-    nbytes = n.to(tl.int64) * (H * y.dtype.element_ty.primitive_bitwidth // 8) \
-        + tl.zeros([1], tl.int64)
+            tl.store(dst_base + slot[:, None] * H + h[None, :], tile, mask=m & via_stores)
+            if TRANSPORT == 1:
+                if not ZERO_COPY:
+                    tl.store(box + row[:, None] * H + h[None, :], tile, mask=m & ~via_stores)
+        if TRANSPORT == 1:
+            if tl.load(peer_ptrs + s) == 0:  # one NVSHMEM put per row, from the outbox
+                tl.debug_barrier()
+                for i in range(BLOCK_T):
+                    if j0 + i < n:
+                        r = (e * R * TMAX + first + j0 + i).to(tl.int64)
+                        tok = tl.load(src_info + r) - s * TMAX
+                        put_bytes(local_base,
+                                  rows_off + parity * rows_parity_stride
+                                  + (tok * KMAX + tl.load(src_k + r)).to(tl.int64) * row_bytes,
+                                  outbox_off + parity * outbox_parity_stride + r * row_bytes,
+                                  row_bytes, s)
+    if TRANSPORT == 1:
+        quiet()
+    nbytes = n.to(tl.int64) * row_bytes + tl.zeros([1], tl.int64)
     tl.atomic_add(stats + 2 + tl.arange(0, 1), tl.where(s != me, nbytes, 0), sem="relaxed")
     tl.atomic_add(stats + 3 + tl.arange(0, 1), tl.where(s == me, nbytes, 0), sem="relaxed")
     tl.debug_barrier()
     ticket = tl.atomic_add(state + 6, 1, sem="acq_rel", scope="sys")
     if ticket % (L * R) == L * R - 1:  # every row is out: tell every rank
-        ranks = tl.arange(0, BLOCK_R)
-        d = tl.where(ranks < R, ranks, 0)
-        word = peer_ptr(peer_ptrs, d, signals_off + parity * signals_parity_stride, tl.int64) + me
-        tl.atomic_xchg(word, epoch + tl.zeros([BLOCK_R], tl.int64), mask=ranks < R,
-                       sem="release", scope="sys")
+        publish_to_all(peer_ptrs, signals_off + parity * signals_parity_stride, me, epoch, R,
+                       local_base, BLOCK_R, TRANSPORT)
         tl.store(state + 2 + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
         signal_bytes = 8 + tl.zeros([1], tl.int64)
         tl.atomic_add(stats + 2 + tl.arange(0, 1), (R - 1) * signal_bytes, sem="relaxed")
@@ -288,12 +373,19 @@ def ll_combine_recv_kernel(
     peer_ptrs,  # [R] int64
     state,  # [8] int64 local
     acks_off, acks_parity_stride,  # byte offset of ll_acks[COMBINE, 0] and of one parity
+    signals,  # [P, R] int64 local ll_combine_signals (DEVICE_WAIT)
+    local_base, errors_addr, timeout_ns,  # GPU flavour: this segment, error record, wait bound
     T, H, K, R, me, TMAX, KMAX,
-    HAS_WEIGHTS: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr, TRANSPORT: tl.constexpr, DEVICE_WAIT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     epoch = tl.load(state + 3) + 1
     parity = epoch % 2
+    if DEVICE_WAIT:  # every expert rank has put its rows
+        errors = errors_addr.to(tl.pointer_type(tl.int64))
+        deadline = globaltimer_ns() + timeout_ns
+        for src in range(R):
+            wait_at_least(signals + parity * R + src, epoch, 0, deadline, errors, src)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     t64 = t.to(tl.int64)
@@ -315,33 +407,33 @@ def ll_combine_recv_kernel(
     tl.debug_barrier()
     ticket = tl.atomic_add(state + 7, 1, sem="acq_rel", scope="sys")
     if ticket % tl.num_programs(0) == tl.num_programs(0) - 1:  # slots read: acknowledge
-        ranks = tl.arange(0, BLOCK_R)
-        d = tl.where(ranks < R, ranks, 0)
-        ack = peer_ptr(peer_ptrs, d, acks_off + parity * acks_parity_stride, tl.int64) + me
-        tl.atomic_xchg(ack, epoch + tl.zeros([BLOCK_R], tl.int64), mask=ranks < R,
-                       sem="release", scope="sys")
+        publish_to_all(peer_ptrs, acks_off + parity * acks_parity_stride, me, epoch, R,
+                       local_base, BLOCK_R, TRANSPORT)
         tl.store(state + 3 + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
 
 
 def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, rank: int,
                      num_local_experts: int, num_experts: int, max_tokens: int,
-                     slot_bytes: int, fp8: bool, ue8m0: bool, block_t: int, block_h: int) -> bool:
+                     slot_bytes: int, fp8: bool, ue8m0: bool, block_t: int, block_h: int,
+                     flavour: Flavour = CPU_RANKS) -> bool:
     """Launches ``cdiv(max_tokens, block_t)`` send programs. ``offsets``: rows / meta /
-    signals -> (byte offset of parity 0, bytes per parity)."""
+    signals / acks / outbox -> (byte offset of parity 0, bytes per parity)."""
     T, H = x.shape
     K = topk_idx.shape[1]
     R = peer_ptrs.numel()
     ll_dispatch_send_kernel[(triton.cdiv(max_tokens, block_t),)](
         x, topk_idx, peer_ptrs, state, stats, *offsets["rows"], *offsets["meta"],
-        *offsets["signals"], T, H, K, R, num_local_experts, num_experts, rank, max_tokens,
-        slot_bytes, FP8=fp8, UE8M0=ue8m0, BLOCK_T=block_t, BLOCK_H=block_h,
-        BLOCK_E=triton.next_power_of_2(num_experts))
+        *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)), *flavour.args(),
+        T, H, K, R, num_local_experts, num_experts, rank, max_tokens, slot_bytes, FP8=fp8,
+        UE8M0=ue8m0, TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_E=triton.next_power_of_2(num_experts))
     return True
 
 
 def ll_dispatch_recv(staging, meta, signals, peer_ptrs, state, out, out_scales, count,
                      src_info, src_k, layout, recv_stats, *, acks: tuple, rank: int,
-                     scale_strides: tuple, ue8m0: bool, block_t: int, block_h: int) -> bool:
+                     scale_strides: tuple, ue8m0: bool, block_t: int, block_h: int,
+                     flavour: Flavour = CPU_RANKS) -> bool:
     """Launches ``L x R`` receive programs. ``staging``: the ll_dispatch_rows region viewed as
     uint8 (FP8) or as ``out``'s dtype, [P, L, R, TMAX, slot]; ``out_scales``: contiguous scale
     memory with (expert, row, group) strides ``scale_strides``; ``acks``: (offset, parity
@@ -356,72 +448,96 @@ def ll_dispatch_recv(staging, meta, signals, peer_ptrs, state, out, out_scales, 
     ll_dispatch_recv_kernel[(L, R)](
         staging, staging.view(torch.float32) if fp8 else dummy, meta, signals, peer_ptrs, state,
         out, out_scales if fp8 else dummy, count, src_info, src_k, layout,
-        recv_stats if recv_stats is not None else dummy, *acks, H, R, L, rank, TMAX, slot,
-        scale_strides[1], scale_strides[2], scale_strides[0],
-        FP8=fp8, UE8M0=fp8 and ue8m0, HAS_STATS=recv_stats is not None, BLOCK_T=block_t,
+        recv_stats if recv_stats is not None else dummy, *acks, *flavour.args(),
+        H, R, L, rank, TMAX, slot, scale_strides[1], scale_strides[2], scale_strides[0],
+        FP8=fp8, UE8M0=fp8 and ue8m0, HAS_STATS=recv_stats is not None,
+        TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait, BLOCK_T=block_t,
         BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(R),
         BLOCK_G=triton.next_power_of_2(max(H // 128, 1)))
     return True
 
 
 def ll_combine_send(y, layout, src_info, src_k, peer_ptrs, state, stats, *, offsets: dict,
-                    rank: int, max_tokens: int, max_topk: int, block_t: int, block_h: int) -> bool:
-    """Launches ``L x R`` send programs; ``offsets``: rows / signals -> (offset, parity stride)."""
+                    rank: int, max_tokens: int, max_topk: int, block_t: int, block_h: int,
+                    flavour: Flavour = CPU_RANKS, zero_copy: bool = False) -> bool:
+    """Launches ``L x R`` send programs; ``offsets``: rows / signals / acks / outbox ->
+    (offset, parity stride). ``zero_copy``: ``y`` is this call's ll_combine_outbox."""
     L, _, H = y.shape
     R = peer_ptrs.numel()
     ll_combine_send_kernel[(L, R)](
         y, layout, src_info, src_k, peer_ptrs, state, stats, *offsets["rows"],
-        *offsets["signals"], H, R, L, rank, max_tokens, max_topk, BLOCK_T=block_t,
+        *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)), *flavour.args(),
+        H, R, L, rank, max_tokens, max_topk, TRANSPORT=flavour.transport,
+        DEVICE_WAIT=flavour.device_wait, ZERO_COPY=zero_copy, BLOCK_T=block_t,
         BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(R))
     return True
 
 
-def ll_combine_recv(staging, topk_idx, topk_weights, out, peer_ptrs, state, *, acks: tuple,
-                    rank: int, block_t: int, block_h: int) -> bool:
-    """Launches ``cdiv(TMAX, block_t)`` receive programs; ``staging`` [P, TMAX, KMAX, H]."""
+def ll_combine_recv(staging, topk_idx, topk_weights, out, peer_ptrs, state, signals, *,
+                    acks: tuple, rank: int, block_t: int, block_h: int,
+                    flavour: Flavour = CPU_RANKS) -> bool:
+    """Launches ``cdiv(TMAX, block_t)`` receive programs; ``staging`` [P, TMAX, KMAX, H];
+    ``signals``: the local ll_combine_signals [P, R]."""
     P, TMAX, KMAX, H = staging.shape
     T, K = topk_idx.shape
     R = peer_ptrs.numel()
     ll_combine_recv_kernel[(triton.cdiv(TMAX, block_t),)](
         staging, topk_idx, topk_weights if topk_weights is not None else topk_idx, out,
-        peer_ptrs, state, *acks, T, H, K, R, rank, TMAX, KMAX,
-        HAS_WEIGHTS=topk_weights is not None, BLOCK_T=block_t, BLOCK_H=block_h,
+        peer_ptrs, state, *acks, signals, *flavour.args(), T, H, K, R, rank, TMAX, KMAX,
+        HAS_WEIGHTS=topk_weights is not None, TRANSPORT=flavour.transport,
+        DEVICE_WAIT=flavour.device_wait, BLOCK_T=block_t, BLOCK_H=block_h,
         BLOCK_R=triton.next_power_of_2(R))
     return True
 
 
-_OFFSETS = {"rows_off": "i64", "rows_parity_stride": "i64"}
+_GPU_ARGS = {"local_base": "i64", "errors_addr": "i64", "timeout_ns": "i64"}
+_FLAVOURS = [  # (TRANSPORT, DEVICE_WAIT): CPU ranks, one GPU node, GPUs across nodes (NVSHMEM)
+    dict(TRANSPORT=0, DEVICE_WAIT=False), dict(TRANSPORT=0, DEVICE_WAIT=True),
+    dict(TRANSPORT=1, DEVICE_WAIT=True),
+]
+
+
+def _offsets(*names: str) -> dict:
+    return {f"{n}{suffix}": "i64" for n in names for suffix in ("_off", "_parity_stride")}
+
+
+# Specializations compiled for GPU targets by ``moe_comm.kernels.aot`` (CI proves they build);
+# TRANSPORT 1 links NVSHMEM's device bitcode.
 COMPILE_VARIANTS = [
     (ll_dispatch_send_kernel,
      {"x": "*bf16", "topk_idx": "*i64", "peer_ptrs": "*i64", "state": "*i64", "stats": "*i64",
-      **_OFFSETS, "meta_off": "i64", "meta_parity_stride": "i64", "signals_off": "i64",
-      "signals_parity_stride": "i64", "T": "i32", "H": "i32", "K": "i32", "R": "i32",
-      "L": "i32", "E": "i32", "me": "i32", "TMAX": "i32", "SLOT_BYTES": "i64"},
-     dict(FP8=fp8, UE8M0=ue8m0, BLOCK_T=16, BLOCK_H=1024, BLOCK_E=256))
-    for fp8, ue8m0 in ((False, False), (True, False), (True, True))
+      **_offsets("rows", "meta", "signals", "acks", "outbox"), **_GPU_ARGS,
+      "T": "i32", "H": "i32", "K": "i32", "R": "i32", "L": "i32", "E": "i32", "me": "i32",
+      "TMAX": "i32", "SLOT_BYTES": "i64"},
+     dict(FP8=fp8, UE8M0=ue8m0, **flavour, BLOCK_T=16, BLOCK_H=1024, BLOCK_E=256))
+    for fp8, ue8m0 in ((False, False), (True, False), (True, True)) for flavour in _FLAVOURS
 ] + [
     (ll_dispatch_recv_kernel,
      {"staging": f"*{dtype}", "staging_f32": "*fp32", "meta": "*i32", "signals": "*i64",
       "peer_ptrs": "*i64", "state": "*i64", "out": f"*{dtype}", "out_scales": f"*{scales}",
       "count": "*i32", "src_info": "*i32", "src_k": "*i32", "layout": "*i32",
-      "recv_stats": "*i64", "acks_off": "i64", "acks_parity_stride": "i64", "H": "i32",
-      "R": "i32", "L": "i32", "me": "i32", "TMAX": "i32", "SLOT_ELEMS": "i64",
-      "SCALE_ROW_STRIDE": "i64", "SCALE_GROUP_STRIDE": "i64", "SCALE_EXPERT_STRIDE": "i64"},
-     dict(FP8=fp8, UE8M0=ue8m0, HAS_STATS=True, BLOCK_T=16, BLOCK_H=1024, BLOCK_R=8,
-          BLOCK_G=64))
+      "recv_stats": "*i64", **_offsets("acks"), **_GPU_ARGS, "H": "i32", "R": "i32",
+      "L": "i32", "me": "i32", "TMAX": "i32", "SLOT_ELEMS": "i64", "SCALE_ROW_STRIDE": "i64",
+      "SCALE_GROUP_STRIDE": "i64", "SCALE_EXPERT_STRIDE": "i64"},
+     dict(FP8=fp8, UE8M0=ue8m0, HAS_STATS=True, **flavour, BLOCK_T=16, BLOCK_H=1024,
+          BLOCK_R=8, BLOCK_G=64))
     for dtype, scales, fp8, ue8m0 in (("bf16", "fp32", False, False), ("u8", "fp32", True, False),
                                       ("u8", "u8", True, True))
+    for flavour in _FLAVOURS
 ] + [
     (ll_combine_send_kernel,
      {"y": "*bf16", "layout": "*i32", "src_info": "*i32", "src_k": "*i32", "peer_ptrs": "*i64",
-      "state": "*i64", "stats": "*i64", **_OFFSETS, "signals_off": "i64",
-      "signals_parity_stride": "i64", "H": "i32", "R": "i32", "L": "i32", "me": "i32",
-      "TMAX": "i32", "KMAX": "i32"},
-     dict(BLOCK_T=16, BLOCK_H=1024, BLOCK_R=8)),
+      "state": "*i64", "stats": "*i64", **_offsets("rows", "signals", "acks", "outbox"),
+      **_GPU_ARGS, "H": "i32", "R": "i32", "L": "i32", "me": "i32", "TMAX": "i32",
+      "KMAX": "i32"},
+     dict(**flavour, ZERO_COPY=False, BLOCK_T=16, BLOCK_H=1024, BLOCK_R=8))
+    for flavour in _FLAVOURS
+] + [
     (ll_combine_recv_kernel,
      {"staging": "*bf16", "topk_idx": "*i64", "topk_weights": "*fp32", "out": "*bf16",
-      "peer_ptrs": "*i64", "state": "*i64", "acks_off": "i64", "acks_parity_stride": "i64",
-      "T": "i32", "H": "i32", "K": "i32", "R": "i32", "me": "i32", "TMAX": "i32",
+      "peer_ptrs": "*i64", "state": "*i64", **_offsets("acks"), "signals": "*i64",
+      **_GPU_ARGS, "T": "i32", "H": "i32", "K": "i32", "R": "i32", "me": "i32", "TMAX": "i32",
       "KMAX": "i32"},
-     dict(HAS_WEIGHTS=True, BLOCK_T=16, BLOCK_H=1024, BLOCK_R=8)),
+     dict(HAS_WEIGHTS=True, **flavour, BLOCK_T=16, BLOCK_H=1024, BLOCK_R=8))
+    for flavour in _FLAVOURS
 ]

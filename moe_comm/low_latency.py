@@ -204,8 +204,9 @@ class LowLatencyMode:
                                   x.shape[0], topk_idx.shape[1])
         self.launches["ll_dispatch_send"] += ll_dispatch_send(
             x, topk_idx, self.heap.peer_ptrs, self._ll_state, self._stats,
-            offsets={n: self._ll_offsets(f"ll_dispatch_{n}") for n in ("rows", "meta",
-                                                                       "signals")},
+            offsets={**{n: self._ll_offsets(f"ll_dispatch_{n}") for n in ("rows", "meta",
+                                                                          "signals")},
+                     "acks": self._ll_acks(DISPATCH)},
             rank=self.rank, num_local_experts=L, num_experts=self.num_experts, max_tokens=T,
             slot_bytes=self.layout.ll_slot_bytes, fp8=fp8, ue8m0=ue8m0, block_t=BLOCK_T,
             block_h=self._block_h)
@@ -288,7 +289,8 @@ class LowLatencyMode:
             y, handle.layout, handle.src_info, handle.src_k, self.heap.peer_ptrs,
             self._ll_state, self._stats,
             offsets={"rows": self._ll_offsets("ll_combine_rows"),
-                     "signals": self._ll_offsets("ll_combine_signals")},
+                     "signals": self._ll_offsets("ll_combine_signals"),
+                     "acks": self._ll_acks(COMBINE)},
             rank=self.rank, max_tokens=self.max_tokens_per_rank, max_topk=self.max_topk,
             block_t=BLOCK_ROWS, block_h=self._block_h)
         self._ll_pending[COMBINE] += 1
@@ -306,5 +308,7 @@ class LowLatencyMode:
                         channel="low-latency combine")
         self.launches["ll_combine_recv"] += ll_combine_recv(
             self.layout.view(self.heap, "ll_combine_rows"), topk_idx, topk_weights, out,
-            self.heap.peer_ptrs, self._ll_state, acks=self._ll_acks(COMBINE), rank=self.rank,
+            self.heap.peer_ptrs, self._ll_state,
+            self.layout.view(self.heap, "ll_combine_signals"), acks=self._ll_acks(COMBINE),
+            rank=self.rank,
             block_t=BLOCK_T, block_h=self._block_h)

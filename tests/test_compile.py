@@ -1,4 +1,6 @@
-"""Every Triton kernel specialization compiles for sm_90 and sm_100 on this CPU-only machine."""
+"""Every Triton kernel specialization compiles for sm_90 and sm_100 on this CPU-only machine:
+the CPU-rank flavour, the GPU flavour with in-kernel waits, and the flavour that calls NVSHMEM
+(linked against the nvidia-nvshmem wheel's device bitcode)."""
 import os
 import subprocess
 import sys
@@ -24,4 +26,7 @@ def test_all_kernels_compile_for_hopper_and_blackwell():
     assert kernels == {"routing_layout_kernel", "quantize_kernel", "dispatch_send_kernel",
                        "dispatch_expand_kernel", "combine_send_kernel", "combine_reduce_kernel",
                        "ll_dispatch_send_kernel", "ll_dispatch_recv_kernel",
-                       "ll_combine_send_kernel", "ll_combine_recv_kernel"}
+                       "ll_combine_send_kernel", "ll_combine_recv_kernel", "wait_epochs_kernel"}
+    flavours = {line.split()[3] for line in lines if "TRANSPORT" in line}
+    assert any("TRANSPORT=1" in f for f in flavours), "no NVSHMEM-linked variant was built"
+    assert any("DEVICE_WAIT=1" in f for f in flavours), "no device-wait variant was built"

@@ -1,0 +1,119 @@
+"""NVSHMEM device calls for Triton kernels (GPU flavour), and where the device library lives.
+
+Each wrapper is an ``extern`` call into ``libnvshmem_device_sm_XX.bc`` (from the
+``nvidia-nvshmem-cu13`` or ``-cu12`` wheel), linked by ``triton.compile(..., options=
+{"extern_libs": ...})``. The signatures follow the C prototypes of NVSHMEM 3.x exactly
+(pointers as int64, ``size_t`` as int64, PEs and enums as int32; void functions declared as
+returning int32, which is never read). A module that calls them must be initialised for NVSHMEM
+after it is loaded (``nvshmemx_cumodule_init``; nvshmem4py's ``module_init``).
+
+None of this runs under the Triton interpreter: kernels reach these calls only through
+``tl.constexpr`` flags that are False on CPU ranks.
+
+Constants are the header values (``device_host_transport/nvshmem_common_transport.h``,
+``nvshmem_constants.h``), not the ones some docstrings quote.
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+import triton
+import triton.language as tl
+from triton.language import core
+
+NVSHMEM_SIGNAL_SET = tl.constexpr(9)
+NVSHMEM_SIGNAL_ADD = tl.constexpr(10)
+NVSHMEM_CMP_GE = tl.constexpr(5)
+
+_I32, _I64 = core.dtype("int32"), core.dtype("int64")
+
+
+@core.extern
+def putmem_nbi_block(dest, source, nbytes, pe, _semantic=None):
+    """``nvshmemx_putmem_nbi_block(void *dest, const void *src, size_t nbytes, int pe)``."""
+    return core.extern_elementwise(
+        "", "", [dest, source, nbytes, pe],
+        {(_I64, _I64, _I64, _I32): ("nvshmemx_putmem_nbi_block", _I32)},
+        is_pure=False, _semantic=_semantic)
+
+
+@core.extern
+def int_p(dest, value, pe, _semantic=None):
+    """``nvshmem_int_p(int *dest, int value, int pe)``: one 4-byte put."""
+    return core.extern_elementwise(
+        "", "", [dest, value, pe], {(_I64, _I32, _I32): ("nvshmem_int_p", _I32)},
+        is_pure=False, _semantic=_semantic)
+
+
+@core.extern
+def signal_op(sig_addr, signal, sig_op, pe, _semantic=None):
+    """``nvshmemx_signal_op(uint64_t *sig_addr, uint64_t signal, int sig_op, int pe)``."""
+    return core.extern_elementwise(
+        "", "", [sig_addr, signal, sig_op, pe],
+        {(_I64, _I64, _I32, _I32): ("nvshmemx_signal_op", _I32)},
+        is_pure=False, _semantic=_semantic)
+
+
+@core.extern
+def fence(_semantic=None):
+    """``nvshmem_fence()``: puts to one PE are delivered before later puts to it."""
+    return core.extern_elementwise("", "", [], {(): ("nvshmem_fence", _I32)}, is_pure=False,
+                                   _semantic=_semantic)
+
+
+@core.extern
+def quiet(_semantic=None):
+    """``nvshmem_quiet()``: every put this thread issued has completed."""
+    return core.extern_elementwise("", "", [], {(): ("nvshmem_quiet", _I32)}, is_pure=False,
+                                   _semantic=_semantic)
+
+
+@triton.jit
+def put_bytes(local_base, dst_offset, src_offset, nbytes, pe):
+    """Non-blocking put of ``nbytes`` from this PE's ``local_base + src_offset`` to
+    ``local_base + dst_offset`` on ``pe`` (symmetric addresses; the whole program calls it)."""
+    putmem_nbi_block((local_base + dst_offset).to(tl.int64), (local_base + src_offset).to(tl.int64),
+                     nbytes.to(tl.int64), pe.to(tl.int32))
+
+
+@triton.jit
+def signal_set(local_base, sig_offset, value, pe):
+    """Orders the earlier puts to ``pe``, then sets the int64 word at ``sig_offset`` there."""
+    fence()
+    signal_op((local_base + sig_offset).to(tl.int64), value.to(tl.int64), NVSHMEM_SIGNAL_SET,
+              pe.to(tl.int32))
+
+
+@triton.jit
+def globaltimer_ns():
+    """The GPU's global nanosecond timer (for bounded in-kernel waits)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+def device_bitcode(arch: int) -> str:
+    """Path of ``libnvshmem_device_sm_<arch>.bc`` (or a single ``libnvshmem_device.bc``).
+
+    Looked up in ``$NVSHMEM_LIB_DIR``, then ``$NVSHMEM_HOME/lib``, then the ``nvidia/nvshmem/lib``
+    folder of the installed ``nvidia-nvshmem`` wheel (where nvshmem4py finds it too).
+    """
+    folders = [os.environ.get("NVSHMEM_LIB_DIR", "")]
+    if os.environ.get("NVSHMEM_HOME"):
+        folders.append(os.path.join(os.environ["NVSHMEM_HOME"], "lib"))
+    try:
+        import nvidia.nvshmem as wheel
+
+        folders += [os.path.join(p, "lib") for p in wheel.__path__]
+    except ImportError:
+        pass
+    tried = []
+    for folder in filter(None, folders):
+        for name in (f"libnvshmem_device_sm_{arch}.bc", "libnvshmem_device.bc"):
+            path = os.path.join(folder, name)
+            tried.append(path)
+            if os.path.exists(path):
+                return path
+    found = sorted(glob.glob(os.path.join(folders[-1] if folders[-1] else ".", "*.bc")))
+    raise FileNotFoundError(f"no NVSHMEM device bitcode for sm_{arch}: tried {tried}; "
+                            f"install nvidia-nvshmem-cu13 or set NVSHMEM_LIB_DIR (seen: {found})")

@@ -84,16 +84,6 @@ def ll_dispatch_send_kernel(
         acks = (local_base + acks_off + parity * acks_parity_stride).to(tl.pointer_type(tl.int64))
         for dst in range(R):
             wait_at_least(acks + dst, epoch - 2, 0, deadline, errors, dst)
-    t0 = pid * BLOCK_T
-    before = tl.zeros([BLOCK_E], tl.int32)
-    for s0 in range(0, t0, BLOCK_T):
-        before += tl.sum(_pairs_per_expert(topk_idx, s0, T, K, BLOCK_T, BLOCK_E), axis=0)
-    onehot = _pairs_per_expert(topk_idx, t0, T, K, BLOCK_T, BLOCK_E)
-    position = tl.cumsum(onehot, axis=0) - onehot + before[None, :]  # [BLOCK_T, BLOCK_E]
-    lane = tl.arange(0, BLOCK_E)
-    t = t0 + tl.arange(0, BLOCK_T)
-    tm = t < T
-    t64 = t.to(tl.int64)
     rows_base = rows_off + parity * rows_parity_stride
     meta_base = meta_off + parity * meta_parity_stride
     G = H // 128
@@ -103,78 +93,88 @@ def ll_dispatch_send_kernel(
         payload = H + G * (4 - 3 * UE8M0)
     else:
         payload = H * x.dtype.element_ty.primitive_bitwidth // 8
-    for k in range(K):  # metadata, and the slot of every pair
-        e = tl.load(topk_idx + t64 * K + k, mask=tm, other=-1)
-        valid = tm & (e >= 0)
-        d = tl.where(valid, e // L, 0)
-        j = tl.sum(tl.where(e[:, None] == lane[None, :], position, 0), axis=1)
-        block = ((e - d * L) * R + me) * TMAX + j
-        meta = peer_ptr(peer_ptrs, d, meta_base, tl.int32) + block
-        tl.store(meta, t * 32 + k, mask=by_stores(peer_ptrs, d, valid, TRANSPORT))
-        nbytes = tl.where(valid, payload + 4, 0).to(tl.int64)
-        to_peers += tl.sum(tl.where(d != me, nbytes, 0), axis=0)
-        to_self += tl.sum(tl.where(d == me, nbytes, 0), axis=0)
-    for h0 in range(0, H, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        hm = h < H
-        m = tm[:, None] & hm[None, :]
-        v = tl.load(x + t64[:, None] * H + h[None, :], mask=m, other=0.0)
-        if FP8:
-            codes, scales, exps = quantize_tile(v.to(tl.float32), BLOCK_T, BLOCK_H, UE8M0)
-            g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-        if TRANSPORT == 1:  # each token's row once into the outbox, for the NVSHMEM puts
-            box = (local_base + outbox_off + parity * outbox_parity_stride).to(
-                tl.pointer_type(tl.uint8)) + t64 * SLOT_BYTES
-            if FP8:
-                tl.store(box[:, None] + h[None, :], codes, mask=m)
-                if UE8M0:
-                    tl.store(box[:, None] + H + g[None, :], exps,
-                             mask=tm[:, None] & (g < G)[None, :])
-                else:
-                    boxf = box.to(tl.pointer_type(tl.float32), bitcast=True) + H // 4
-                    tl.store(boxf[:, None] + g[None, :], scales,
-                             mask=tm[:, None] & (g < G)[None, :])
-            else:
-                boxx = box.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
-                tl.store(boxx[:, None] + h[None, :], v, mask=m)
-        for k in range(K):
+    lane = tl.arange(0, BLOCK_E)
+    for t0 in range(pid * BLOCK_T, T, tl.num_programs(0) * BLOCK_T):  # persistent grid
+        before = tl.zeros([BLOCK_E], tl.int32)
+        for s0 in range(0, t0, BLOCK_T):
+            before += tl.sum(_pairs_per_expert(topk_idx, s0, T, K, BLOCK_T, BLOCK_E), axis=0)
+        onehot = _pairs_per_expert(topk_idx, t0, T, K, BLOCK_T, BLOCK_E)
+        position = tl.cumsum(onehot, axis=0) - onehot + before[None, :]  # [BLOCK_T, BLOCK_E]
+        t = t0 + tl.arange(0, BLOCK_T)
+        tm = t < T
+        t64 = t.to(tl.int64)
+        for k in range(K):  # metadata, and the slot of every pair
             e = tl.load(topk_idx + t64 * K + k, mask=tm, other=-1)
             valid = tm & (e >= 0)
             d = tl.where(valid, e // L, 0)
-            valid = by_stores(peer_ptrs, d, valid, TRANSPORT)
             j = tl.sum(tl.where(e[:, None] == lane[None, :], position, 0), axis=1)
-            block = (((e - d * L) * R + me) * TMAX + j).to(tl.int64)
-            row8 = peer_ptr(peer_ptrs, d, rows_base, tl.uint8) + block * SLOT_BYTES
+            block = ((e - d * L) * R + me) * TMAX + j
+            meta = peer_ptr(peer_ptrs, d, meta_base, tl.int32) + block
+            tl.store(meta, t * 32 + k, mask=by_stores(peer_ptrs, d, valid, TRANSPORT))
+            nbytes = tl.where(valid, payload + 4, 0).to(tl.int64)
+            to_peers += tl.sum(tl.where(d != me, nbytes, 0), axis=0)
+            to_self += tl.sum(tl.where(d == me, nbytes, 0), axis=0)
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            hm = h < H
+            m = tm[:, None] & hm[None, :]
+            v = tl.load(x + t64[:, None] * H + h[None, :], mask=m, other=0.0)
             if FP8:
-                tl.store(row8[:, None] + h[None, :], codes, mask=valid[:, None] & hm[None, :])
-                gm = valid[:, None] & (g < G)[None, :]
-                if UE8M0:
-                    tl.store(row8[:, None] + H + g[None, :], exps, mask=gm)
+                codes, scales, exps = quantize_tile(v.to(tl.float32), BLOCK_T, BLOCK_H, UE8M0)
+                g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+            if TRANSPORT == 1:  # each token's row once into the outbox, for the NVSHMEM puts
+                box = (local_base + outbox_off + parity * outbox_parity_stride).to(
+                    tl.pointer_type(tl.uint8)) + t64 * SLOT_BYTES
+                if FP8:
+                    tl.store(box[:, None] + h[None, :], codes, mask=m)
+                    if UE8M0:
+                        tl.store(box[:, None] + H + g[None, :], exps,
+                                 mask=tm[:, None] & (g < G)[None, :])
+                    else:
+                        boxf = box.to(tl.pointer_type(tl.float32), bitcast=True) + H // 4
+                        tl.store(boxf[:, None] + g[None, :], scales,
+                                 mask=tm[:, None] & (g < G)[None, :])
                 else:
-                    rowf = peer_ptr(peer_ptrs, d, rows_base, tl.float32) \
-                        + (block * SLOT_BYTES + H) // 4
-                    tl.store(rowf[:, None] + g[None, :], scales, mask=gm)
-            else:
-                rowx = peer_ptr(peer_ptrs, d, rows_base, x.dtype.element_ty) \
-                    + block * (SLOT_BYTES // (x.dtype.element_ty.primitive_bitwidth // 8))
-                tl.store(rowx[:, None] + h[None, :], v, mask=valid[:, None] & hm[None, :])
-    if TRANSPORT == 1:  # pairs whose expert's rank is reached only by NVSHMEM
-        tl.debug_barrier()
-        rows_in_tile = tl.arange(0, BLOCK_T)
-        for i in range(BLOCK_T):
-            ti = t0 + i
+                    boxx = box.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
+                    tl.store(boxx[:, None] + h[None, :], v, mask=m)
             for k in range(K):
-                e = tl.load(topk_idx + ti * K + k, mask=ti < T, other=-1)
-                d = tl.maximum(e, 0) // L
-                if (e >= 0) & (tl.load(peer_ptrs + d) == 0):
-                    j = tl.sum(tl.sum(tl.where((rows_in_tile[:, None] == i)
-                                               & (lane[None, :] == e), position, 0), axis=1))
-                    block = (((e - d * L) * R + me) * TMAX + j).to(tl.int64)
-                    put_bytes(local_base, rows_base + block * SLOT_BYTES,
-                              outbox_off + parity * outbox_parity_stride
-                              + ti.to(tl.int64) * SLOT_BYTES, payload, d)
-                    int_p(local_base + meta_base + block * 4, ti * 32 + k, d.to(tl.int32))
-        quiet()
+                e = tl.load(topk_idx + t64 * K + k, mask=tm, other=-1)
+                valid = tm & (e >= 0)
+                d = tl.where(valid, e // L, 0)
+                valid = by_stores(peer_ptrs, d, valid, TRANSPORT)
+                j = tl.sum(tl.where(e[:, None] == lane[None, :], position, 0), axis=1)
+                block = (((e - d * L) * R + me) * TMAX + j).to(tl.int64)
+                row8 = peer_ptr(peer_ptrs, d, rows_base, tl.uint8) + block * SLOT_BYTES
+                if FP8:
+                    tl.store(row8[:, None] + h[None, :], codes, mask=valid[:, None] & hm[None, :])
+                    gm = valid[:, None] & (g < G)[None, :]
+                    if UE8M0:
+                        tl.store(row8[:, None] + H + g[None, :], exps, mask=gm)
+                    else:
+                        rowf = peer_ptr(peer_ptrs, d, rows_base, tl.float32) \
+                            + (block * SLOT_BYTES + H) // 4
+                        tl.store(rowf[:, None] + g[None, :], scales, mask=gm)
+                else:
+                    rowx = peer_ptr(peer_ptrs, d, rows_base, x.dtype.element_ty) \
+                        + block * (SLOT_BYTES // (x.dtype.element_ty.primitive_bitwidth // 8))
+                    tl.store(rowx[:, None] + h[None, :], v, mask=valid[:, None] & hm[None, :])
+        if TRANSPORT == 1:  # pairs whose expert's rank is reached only by NVSHMEM
+            tl.debug_barrier()
+            rows_in_tile = tl.arange(0, BLOCK_T)
+            for i in range(BLOCK_T):
+                ti = t0 + i
+                for k in range(K):
+                    e = tl.load(topk_idx + ti * K + k, mask=ti < T, other=-1)
+                    d = tl.maximum(e, 0) // L
+                    if (e >= 0) & (tl.load(peer_ptrs + d) == 0):
+                        j = tl.sum(tl.sum(tl.where((rows_in_tile[:, None] == i)
+                                                   & (lane[None, :] == e), position, 0), axis=1))
+                        block = (((e - d * L) * R + me) * TMAX + j).to(tl.int64)
+                        put_bytes(local_base, rows_base + block * SLOT_BYTES,
+                                  outbox_off + parity * outbox_parity_stride
+                                  + ti.to(tl.int64) * SLOT_BYTES, payload, d)
+                        int_p(local_base + meta_base + block * 4, ti * 32 + k, d.to(tl.int32))
+            quiet()
     tl.atomic_add(stats + tl.arange(0, 1), to_peers, sem="relaxed")
     tl.atomic_add(stats + 1 + tl.arange(0, 1), to_self, sem="relaxed")
     tl.debug_barrier()
@@ -415,13 +415,17 @@ def ll_combine_recv_kernel(
 def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, rank: int,
                      num_local_experts: int, num_experts: int, max_tokens: int,
                      slot_bytes: int, fp8: bool, ue8m0: bool, block_t: int, block_h: int,
-                     flavour: Flavour = CPU_RANKS) -> bool:
-    """Launches ``cdiv(max_tokens, block_t)`` send programs. ``offsets``: rows / meta /
-    signals / acks / outbox -> (byte offset of parity 0, bytes per parity)."""
+                     num_sms: int | None = None, flavour: Flavour = CPU_RANKS) -> bool:
+    """Launches ``min(cdiv(max_tokens, block_t), num_sms)`` persistent send programs (the
+    grid depends on the Buffer alone). ``offsets``: rows / meta / signals / acks / outbox ->
+    (byte offset of parity 0, bytes per parity)."""
     T, H = x.shape
     K = topk_idx.shape[1]
     R = peer_ptrs.numel()
-    ll_dispatch_send_kernel[(triton.cdiv(max_tokens, block_t),)](
+    programs = triton.cdiv(max_tokens, block_t)
+    if num_sms:
+        programs = min(programs, num_sms)
+    ll_dispatch_send_kernel[(programs,)](
         x, topk_idx, peer_ptrs, state, stats, *offsets["rows"], *offsets["meta"],
         *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)), *flavour.args(),
         T, H, K, R, num_local_experts, num_experts, rank, max_tokens, slot_bytes, FP8=fp8,

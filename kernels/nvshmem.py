@@ -92,6 +92,14 @@ def globaltimer_ns():
                                      is_pure=False, pack=1)
 
 
+def _wheel_lib_dirs() -> list[str]:
+    try:
+        import nvidia.nvshmem as wheel
+    except ImportError:
+        return []
+    return [os.path.join(p, "lib") for p in wheel.__path__]
+
+
 def device_bitcode(arch: int) -> str:
     """Path of ``libnvshmem_device_sm_<arch>.bc`` (or a single ``libnvshmem_device.bc``).
 
@@ -101,12 +109,7 @@ def device_bitcode(arch: int) -> str:
     folders = [os.environ.get("NVSHMEM_LIB_DIR", "")]
     if os.environ.get("NVSHMEM_HOME"):
         folders.append(os.path.join(os.environ["NVSHMEM_HOME"], "lib"))
-    try:
-        import nvidia.nvshmem as wheel
-
-        folders += [os.path.join(p, "lib") for p in wheel.__path__]
-    except ImportError:
-        pass
+    folders += _wheel_lib_dirs()
     tried = []
     for folder in filter(None, folders):
         for name in (f"libnvshmem_device_sm_{arch}.bc", "libnvshmem_device.bc"):
@@ -114,6 +117,7 @@ def device_bitcode(arch: int) -> str:
             tried.append(path)
             if os.path.exists(path):
                 return path
-    found = sorted(glob.glob(os.path.join(folders[-1] if folders[-1] else ".", "*.bc")))
+    seen = sorted(os.path.basename(p) for f in filter(None, folders)
+                  for p in glob.glob(os.path.join(f, "*.bc")))
     raise FileNotFoundError(f"no NVSHMEM device bitcode for sm_{arch}: tried {tried}; "
-                            f"install nvidia-nvshmem-cu13 or set NVSHMEM_LIB_DIR (seen: {found})")
+                            f"install nvidia-nvshmem-cu13 or set NVSHMEM_LIB_DIR (seen: {seen})")

@@ -14,17 +14,26 @@ from __future__ import annotations
 
 import collections
 import itertools
+import socket
 
 import torch
 import torch.distributed as dist
 
 from . import _registry, env
-from .kernels.comm import wait_epochs
+from .kernels.comm import (
+    CPU_RANKS,
+    Flavour,
+    PeerTimeoutError,
+    raise_device_timeout,
+    wait_epochs,
+    wait_epochs_kernel,
+)
 from .kernels.quant import block_h_for
 from .low_latency import LowLatencyMode
 from .normal_mode import NormalMode, PendingSend
 from .ops import combine_autograd, dispatch_autograd
-from .symm import ShmHeap, SymmetricHeap, create_loopback_heaps
+from .symm import SymmetricHeap, create_loopback_heaps
+from .symm.select import choose_backend, create_heap, default_device
 from .types import DispatchHandle, DispatchResult
 from .validation import FLOAT_DTYPES, check_combine_inputs, check_dispatch_inputs, resolve_fp8
 from .workspace import COMBINE, DISPATCH, WorkspaceLayout
@@ -32,7 +41,19 @@ from .workspace import COMBINE, DISPATCH, WorkspaceLayout
 _ids = itertools.count(1)
 _CHANNEL_NAMES = {DISPATCH: "dispatch", COMBINE: "combine"}
 _CONFIG_FIELDS = ("hidden", "num_experts", "max_tokens_per_rank", "dtype", "max_topk",
-                  "dispatch_dtype", "low_latency")
+                  "dispatch_dtype", "low_latency", "backend", "device_type", "kernel_impl")
+DEFAULT_GPU_SMS = 20  # persistent send grids on GPUs (DeepEP uses 20-24 SMs)
+KERNEL_IMPLS = ("triton", "cuda")
+
+
+def check_kernel_impl(kernel_impl: str, device: torch.device, low_latency: bool) -> str:
+    """``triton`` everywhere; ``cuda`` (csrc/) for the low-latency ops on GPUs."""
+    if kernel_impl not in KERNEL_IMPLS:
+        raise ValueError(f"kernel_impl must be one of {KERNEL_IMPLS}, got {kernel_impl!r}")
+    if kernel_impl == "cuda" and (device.type != "cuda" or not low_latency):
+        raise ValueError("kernel_impl='cuda' runs the low-latency kernels of csrc/ on GPUs: "
+                         "it needs a CUDA device and low_latency=True")
+    return kernel_impl
 
 
 def _check_config(world_size: int, hidden, num_experts, max_tokens_per_rank, dtype, max_topk,
@@ -78,30 +99,37 @@ class Buffer(NormalMode, LowLatencyMode):
                  max_tokens_per_rank: int, dtype: torch.dtype = torch.bfloat16, *,
                  max_topk: int | None = None, dispatch_dtype: torch.dtype | None = None,
                  low_latency: bool = False, timeout_s: float | None = None,
-                 backend: str = "auto"):
-        if backend not in ("auto", "shm"):
-            raise ValueError(f"backend={backend!r}: a process group runs on 'shm' (CPU ranks); "
-                             "use Buffer.loopback(...) for virtual ranks")
+                 backend: str = "auto", device: torch.device | str | None = None,
+                 num_sms: int | None = None, kernel_impl: str = "triton"):
         if max_topk is None and isinstance(num_experts, int):
             max_topk = min(16, num_experts)
+        device = torch.device(device) if device is not None else default_device()
         config = dict(hidden=hidden, num_experts=num_experts,
                       max_tokens_per_rank=max_tokens_per_rank, dtype=dtype, max_topk=max_topk,
-                      dispatch_dtype=dispatch_dtype, low_latency=bool(low_latency))
+                      dispatch_dtype=dispatch_dtype, low_latency=bool(low_latency),
+                      backend=backend, device_type=device.type, kernel_impl=kernel_impl,
+                      host=socket.gethostname())
         world_size = dist.get_world_size(group)
         configs: list = [None] * world_size
         dist.all_gather_object(configs, config, group=group)
         _check_same_config(configs)
-        _check_config(world_size, **{k: v for k, v in config.items() if k != "low_latency"})
+        _check_config(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk,
+                      dispatch_dtype)
+        num_nodes = len({c["host"] for c in configs})
+        chosen = choose_backend(backend, device, num_nodes)
         layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
-                                 num_experts // world_size, max_topk, dtype, low_latency)
-        self._setup(ShmHeap(group, layout.nbytes), layout, num_experts, timeout_s,
-                    dispatch_dtype)
+                                 num_experts // world_size, max_topk, dtype, low_latency,
+                                 rdma=chosen == "nvshmem" and num_nodes > 1)
+        self._setup(create_heap(chosen, group, layout.nbytes, device), layout, num_experts,
+                    timeout_s, dispatch_dtype, num_sms, kernel_impl)
+        self.backend = chosen
 
     @classmethod
     def loopback(cls, world_size: int, hidden: int, num_experts: int, max_tokens_per_rank: int,
                  dtype: torch.dtype = torch.bfloat16, *, max_topk: int | None = None,
                  dispatch_dtype: torch.dtype | None = None, low_latency: bool = False,
-                 timeout_s: float | None = None, device="cpu") -> list[Buffer]:
+                 timeout_s: float | None = None, device="cpu", num_sms: int | None = None,
+                 kernel_impl: str = "triton") -> list[Buffer]:
         """``world_size`` virtual ranks in this process; drive them with ``moe_comm.lockstep``."""
         if max_topk is None and isinstance(num_experts, int):
             max_topk = min(16, num_experts)
@@ -113,12 +141,15 @@ class Buffer(NormalMode, LowLatencyMode):
         buffers = []
         for heap in heaps:
             buf = cls.__new__(cls)
-            buf._setup(heap, layout, num_experts, timeout_s, dispatch_dtype)
+            buf._setup(heap, layout, num_experts, timeout_s, dispatch_dtype, num_sms,
+                       kernel_impl)
+            buf.backend = "loopback"
             buffers.append(buf)
         return buffers
 
     def _setup(self, heap: SymmetricHeap, layout: WorkspaceLayout, num_experts: int,
-               timeout_s: float | None, dispatch_dtype: torch.dtype | None) -> None:
+               timeout_s: float | None, dispatch_dtype: torch.dtype | None,
+               num_sms: int | None = None, kernel_impl: str = "triton") -> None:
         self.heap, self.layout = heap, layout
         self.rank, self.world_size = heap.rank, heap.world_size
         self.hidden, self.dtype = layout.hidden, layout.dtype
@@ -130,6 +161,20 @@ class Buffer(NormalMode, LowLatencyMode):
         self.timeout_s = env.timeout_s() if timeout_s is None else float(timeout_s)
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        on_gpu = heap.device.type == "cuda"
+        if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int)
+                                    or num_sms < 1):
+            raise ValueError(f"num_sms must be a positive int or None, got {num_sms!r}")
+        self.num_sms = num_sms if num_sms is not None else (DEFAULT_GPU_SMS if on_gpu else None)
+        self.kernel_impl = check_kernel_impl(kernel_impl, heap.device, layout.low_latency)
+        self._errors = None  # [4] int64 error record the GPU kernels' bounded waits write
+        self.flavour = CPU_RANKS
+        if on_gpu:
+            self._errors = torch.zeros(4, dtype=torch.int64, pin_memory=True)
+            self.flavour = Flavour(transport=int(bool((heap.peer_ptrs == 0).any())),
+                                   device_wait=True, local_base=heap.local.data_ptr(),
+                                   errors_addr=self._errors.data_ptr(),
+                                   timeout_ns=int(self.timeout_s * 1e9))
         self.id = next(_ids)
         self.launches: collections.Counter[str] = collections.Counter()
         self._epochs = [0, 0]  # last epoch issued per channel
@@ -247,6 +292,12 @@ class Buffer(NormalMode, LowLatencyMode):
 
     # ----------------------------------------------------------------- phases
     def _check_usable(self) -> None:
+        if self._failure is None and self._errors is not None:  # a GPU wait timed out
+            try:
+                raise_device_timeout(self._errors, rank=self.rank, channel="device",
+                                     timeout_s=self.timeout_s)
+            except PeerTimeoutError as error:
+                self._failure = f"a kernel's wait failed ({error})"
         if self._failure is not None:
             raise RuntimeError(f"moe_comm Buffer on rank {self.rank} is unusable: "
                                f"{self._failure}. Build a new Buffer on every rank.")
@@ -272,8 +323,19 @@ class Buffer(NormalMode, LowLatencyMode):
         return offsets
 
     def _wait(self, pending: PendingSend) -> None:
-        wait_epochs(self._signals[pending.channel], pending.epoch, timeout_s=self.timeout_s,
-                    rank=self.rank, channel=_CHANNEL_NAMES[pending.channel])
+        """Every source published ``pending.epoch`` on its channel (bounded; raises naming
+        the missing peer). CPU ranks poll from the host; GPUs run a one-program wait kernel."""
+        channel = _CHANNEL_NAMES[pending.channel]
+        if not self.flavour.device_wait:
+            wait_epochs(self._signals[pending.channel], pending.epoch,
+                        timeout_s=self.timeout_s, rank=self.rank, channel=channel)
+            return
+        wait_epochs_kernel[(1,)](self._signals[pending.channel], self.flavour.errors_addr,
+                                 pending.epoch, self.flavour.timeout_ns, self.world_size)
+        self.launches["wait"] += 1
+        torch.cuda.current_stream(self.device).synchronize()
+        raise_device_timeout(self._errors, rank=self.rank, channel=channel,
+                             timeout_s=self.timeout_s)
 
     def _staging(self, channel: int, parity: int) -> tuple[torch.Tensor, torch.Tensor]:
         name = _CHANNEL_NAMES[channel]

@@ -136,10 +136,32 @@ class LowLatencyMode:
         """Epoch of a new send; waits until every destination consumed this parity's last call."""
         self._ll_epochs[channel] += 1
         epoch = self._ll_epochs[channel]
-        acks = self.layout.view(self.heap, "ll_acks")[channel, epoch % 2]
-        wait_for_epochs(acks.tolist, epoch - IN_FLIGHT, timeout_s=self.timeout_s,
-                        rank=self.rank, channel=f"low-latency {what} (staging reuse)")
+        if not self.flavour.device_wait:  # GPUs wait in the send kernel itself
+            acks = self.layout.view(self.heap, "ll_acks")[channel, epoch % 2]
+            wait_for_epochs(acks.tolist, epoch - IN_FLIGHT, timeout_s=self.timeout_s,
+                            rank=self.rank, channel=f"low-latency {what} (staging reuse)")
         return epoch
+
+    def _ll_send_offsets(self, prefix: str, names: tuple, channel: int) -> dict:
+        offsets = {n: self._ll_offsets(f"{prefix}{n}") for n in names}
+        offsets["acks"] = self._ll_acks(channel)
+        outbox = "ll_outbox" if channel == DISPATCH else "ll_combine_outbox"
+        if self.layout.rdma:
+            offsets["outbox"] = self._ll_offsets(outbox)
+        return offsets
+
+    def low_latency_combine_buffer(self) -> torch.Tensor:
+        """Where the next ``low_latency_combine`` reads ``y`` from without a copy:
+        [L, R * T_max, H] of the Buffer's dtype. Across nodes this is symmetric memory that
+        NVSHMEM puts read directly; on load/store transports the combine reads any ``y`` in
+        place, so this is an ordinary tensor there."""
+        self._ll_require()
+        shape = (self.num_local_experts, self.world_size * self.max_tokens_per_rank,
+                 self.hidden)
+        if self.layout.rdma:
+            parity = (self._ll_epochs[COMBINE] + 1) % 2
+            return self.layout.view(self.heap, "ll_combine_outbox")[parity]
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     # ----------------------------------------------------------------- dispatch
     def low_latency_dispatch(self, x, topk_idx: torch.Tensor, *, fp8: bool = True,
@@ -204,12 +226,10 @@ class LowLatencyMode:
                                   x.shape[0], topk_idx.shape[1])
         self.launches["ll_dispatch_send"] += ll_dispatch_send(
             x, topk_idx, self.heap.peer_ptrs, self._ll_state, self._stats,
-            offsets={**{n: self._ll_offsets(f"ll_dispatch_{n}") for n in ("rows", "meta",
-                                                                          "signals")},
-                     "acks": self._ll_acks(DISPATCH)},
+            offsets=self._ll_send_offsets("ll_dispatch_", ("rows", "meta", "signals"), DISPATCH),
             rank=self.rank, num_local_experts=L, num_experts=self.num_experts, max_tokens=T,
             slot_bytes=self.layout.ll_slot_bytes, fp8=fp8, ue8m0=ue8m0, block_t=BLOCK_T,
-            block_h=self._block_h)
+            block_h=self._block_h, num_sms=self.num_sms, flavour=self.flavour)
         recv = LowLatencyRecv(recv_x, scales, count, src_info, handle)
         self._ll_pending[DISPATCH] += 1
 
@@ -220,13 +240,15 @@ class LowLatencyMode:
 
     @poisons_buffer_on_error("low-latency dispatch")
     def _ll_dispatch_recv(self, epoch, recv, scale_memory, scale_strides, ue8m0, stats):
-        words = self.layout.view(self.heap, "ll_dispatch_signals")[epoch % 2]  # [L, R]
+        if not self.flavour.device_wait:  # GPUs wait in the receive kernel itself
+            words = self.layout.view(self.heap, "ll_dispatch_signals")[epoch % 2]  # [L, R]
 
-        def observed():
-            return (words >> 32).min(dim=0).values.tolist()
+            def observed():
+                return (words >> 32).min(dim=0).values.tolist()
 
-        recv.source_wait_s = wait_for_epochs(observed, epoch, timeout_s=self.timeout_s,
-                                             rank=self.rank, channel="low-latency dispatch")
+            recv.source_wait_s = wait_for_epochs(observed, epoch, timeout_s=self.timeout_s,
+                                                 rank=self.rank,
+                                                 channel="low-latency dispatch")
         staging = self.layout.view(self.heap, "ll_dispatch_rows")
         if recv.x.dtype != torch.float8_e4m3fn:
             staging = staging.view(self.dtype)
@@ -235,7 +257,8 @@ class LowLatencyMode:
             self.layout.view(self.heap, "ll_dispatch_signals"), self.heap.peer_ptrs,
             self._ll_state, recv.x, scale_memory, recv.count, recv.src_info, recv.handle.src_k,
             recv.handle.layout, stats, acks=self._ll_acks(DISPATCH), rank=self.rank,
-            scale_strides=scale_strides, ue8m0=ue8m0, block_t=BLOCK_ROWS, block_h=self._block_h)
+            scale_strides=scale_strides, ue8m0=ue8m0, block_t=BLOCK_ROWS, block_h=self._block_h,
+            flavour=self.flavour)
         recv.handle.received = True
 
     # ----------------------------------------------------------------- combine
@@ -281,6 +304,12 @@ class LowLatencyMode:
         hook()
         return out, None
 
+    def _is_combine_outbox(self, y: torch.Tensor, epoch: int) -> bool:
+        if not self.layout.rdma:
+            return False
+        outbox = self.layout.view(self.heap, "ll_combine_outbox")[epoch % 2]
+        return y.data_ptr() == outbox.data_ptr()
+
     @poisons_buffer_on_error("low-latency combine")
     def _ll_combine_send(self, y, topk_idx, topk_weights, handle):
         epoch = self._ll_begin(COMBINE, "combine")
@@ -288,11 +317,10 @@ class LowLatencyMode:
         self.launches["ll_combine_send"] += ll_combine_send(
             y, handle.layout, handle.src_info, handle.src_k, self.heap.peer_ptrs,
             self._ll_state, self._stats,
-            offsets={"rows": self._ll_offsets("ll_combine_rows"),
-                     "signals": self._ll_offsets("ll_combine_signals"),
-                     "acks": self._ll_acks(COMBINE)},
+            offsets=self._ll_send_offsets("ll_combine_", ("rows", "signals"), COMBINE),
             rank=self.rank, max_tokens=self.max_tokens_per_rank, max_topk=self.max_topk,
-            block_t=BLOCK_ROWS, block_h=self._block_h)
+            block_t=BLOCK_ROWS, block_h=self._block_h, flavour=self.flavour,
+            zero_copy=self._is_combine_outbox(y, epoch))
         self._ll_pending[COMBINE] += 1
 
         def receive():
@@ -303,12 +331,12 @@ class LowLatencyMode:
 
     @poisons_buffer_on_error("low-latency combine")
     def _ll_combine_recv(self, epoch, topk_idx, topk_weights, out):
-        words = self.layout.view(self.heap, "ll_combine_signals")[epoch % 2]
-        wait_for_epochs(words.tolist, epoch, timeout_s=self.timeout_s, rank=self.rank,
-                        channel="low-latency combine")
+        if not self.flavour.device_wait:  # GPUs wait in the receive kernel itself
+            words = self.layout.view(self.heap, "ll_combine_signals")[epoch % 2]
+            wait_for_epochs(words.tolist, epoch, timeout_s=self.timeout_s, rank=self.rank,
+                            channel="low-latency combine")
         self.launches["ll_combine_recv"] += ll_combine_recv(
             self.layout.view(self.heap, "ll_combine_rows"), topk_idx, topk_weights, out,
             self.heap.peer_ptrs, self._ll_state,
             self.layout.view(self.heap, "ll_combine_signals"), acks=self._ll_acks(COMBINE),
-            rank=self.rank,
-            block_t=BLOCK_T, block_h=self._block_h)
+            rank=self.rank, block_t=BLOCK_T, block_h=self._block_h, flavour=self.flavour)

@@ -48,6 +48,11 @@ or ``H + 4*H/128`` if that is larger, so that FP8 rows with their scales fit too
 ======================  ===========================  ============================================
 
 Low-latency total: ``2*L*R*T*(S + 4) + 2*T*K*H*b + 8*(2*L*R + 6*R + 8)`` (+ rounding).
+
+Across nodes (``rdma=True``: NVSHMEM puts, whose source must be symmetric memory) the
+low-latency mode adds ``ll_outbox`` [P, T, S] uint8 (each token's row once, put from there)
+and ``ll_combine_outbox`` [P, L, R*T, H] dtype (expert outputs put from there; the caller may
+write them there directly: ``Buffer.low_latency_combine_buffer``).
 """
 from __future__ import annotations
 
@@ -90,7 +95,8 @@ class WorkspaceLayout:
     """Offsets of every region; ``nbytes`` is the size of one rank's segment."""
 
     def __init__(self, world_size: int, max_tokens: int, hidden: int, num_local_experts: int,
-                 max_topk: int, dtype: torch.dtype, low_latency: bool = False):
+                 max_topk: int, dtype: torch.dtype, low_latency: bool = False,
+                 rdma: bool = False):
         R, T, H, L, K = world_size, max_tokens, hidden, num_local_experts, max_topk
         self.world_size, self.max_tokens, self.hidden = R, T, H
         self.num_local_experts, self.max_topk, self.dtype = L, K, dtype
@@ -116,6 +122,12 @@ class WorkspaceLayout:
                 ("ll_dispatch_meta", (PARITIES, L, R, T), torch.int32),
                 ("ll_dispatch_rows", (PARITIES, L, R, T, self.ll_slot_bytes), torch.uint8),
                 ("ll_combine_rows", (PARITIES, T, K, H), dtype),
+            ]
+        self.rdma = rdma
+        if low_latency and rdma:  # NVSHMEM puts read from symmetric memory
+            specs += [
+                ("ll_outbox", (PARITIES, T, self.ll_slot_bytes), torch.uint8),
+                ("ll_combine_outbox", (PARITIES, L, R * T, H), dtype),
             ]
         self.regions: dict[str, Region] = {}
         offset = 0

@@ -1,0 +1,106 @@
+"""Host logic of the heaps and the GPU paths that can be checked without a GPU.
+
+What needs a GPU (and is only compile-checked here): CudaHeap and NvshmemHeap past their
+checks, the GPU flavours of the kernels (tests/test_compile.py builds them), and
+``pytest -m gpu`` in tests/test_gpu.py.
+"""
+import os
+
+import pytest
+import torch
+
+import moe_comm
+from moe_comm.kernels.comm import CPU_RANKS
+from moe_comm.kernels.nvshmem import device_bitcode
+from moe_comm.symm.select import choose_backend
+
+from cases import Case, make_inputs
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("requested, device, nodes, expected", [
+    ("auto", CPU, 1, "shm"), ("auto", GPU, 1, "cuda"), ("auto", GPU, 4, "nvshmem"),
+    ("nvshmem", GPU, 1, "nvshmem"), ("cuda", GPU, 1, "cuda"), ("shm", CPU, 1, "shm"),
+])
+def test_backend_choice(requested, device, nodes, expected):
+    assert choose_backend(requested, device, nodes) == expected
+
+
+@pytest.mark.parametrize("requested, device, nodes, message", [
+    ("shm", GPU, 1, "holds CPU tensors"), ("cuda", CPU, 1, "needs a CUDA device"),
+    ("cuda", GPU, 2, "spans 2 hosts"), ("shm", CPU, 3, "spans one host"),
+    ("loopback", CPU, 1, "backend must be one of"), ("ib", GPU, 2, "backend must be one of"),
+])
+def test_backend_choice_errors(requested, device, nodes, message):
+    with pytest.raises(ValueError, match=message):
+        choose_backend(requested, device, nodes)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors of a CPU-only torch")
+def test_gpu_heaps_say_what_is_missing():
+    from moe_comm.symm.cuda import CudaHeap
+    from moe_comm.symm.nvshmem import NvshmemHeap
+
+    for heap in (CudaHeap, NvshmemHeap):
+        with pytest.raises(RuntimeError, match="CUDA build of torch"):
+            heap(None, 1024, GPU)
+
+
+def test_nvshmem_unique_id_round_trip():
+    core = pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed")
+    from moe_comm.symm.nvshmem import decode_unique_id, encode_unique_id
+
+    uid = core.get_unique_id()
+    payload = encode_unique_id(uid)
+    assert len(payload) > 8 and any(payload)
+    assert encode_unique_id(decode_unique_id(core, payload)) == payload
+
+
+def test_device_bitcode_lookup(tmp_path, monkeypatch):
+    pytest.importorskip("nvidia.nvshmem", reason="the nvidia-nvshmem wheel is not installed")
+    for arch in (90, 100):
+        path = device_bitcode(arch)
+        assert path.endswith((f"libnvshmem_device_sm_{arch}.bc", "libnvshmem_device.bc"))
+        assert os.path.getsize(path) > 1_000_000
+    override = tmp_path / "libnvshmem_device_sm_90.bc"
+    override.write_bytes(b"BC")
+    monkeypatch.setenv("NVSHMEM_LIB_DIR", str(tmp_path))
+    assert device_bitcode(90) == str(override)
+
+
+def test_device_bitcode_missing_names_what_it_tried(tmp_path, monkeypatch):
+    monkeypatch.setenv("NVSHMEM_LIB_DIR", str(tmp_path))
+    monkeypatch.setattr("moe_comm.kernels.nvshmem._wheel_lib_dirs", lambda: [])
+    with pytest.raises(FileNotFoundError, match="libnvshmem_device_sm_77.bc"):
+        device_bitcode(77)
+
+
+def test_cpu_buffers_use_the_cpu_flavour_and_validate_knobs():
+    buf = moe_comm.Buffer.loopback(2, 128, 4, 8, low_latency=True)[0]
+    assert buf.flavour == CPU_RANKS and buf.num_sms is None and buf.kernel_impl == "triton"
+    with pytest.raises(ValueError, match="kernel_impl='cuda'"):
+        moe_comm.Buffer.loopback(2, 128, 4, 8, low_latency=True, kernel_impl="cuda")
+    with pytest.raises(ValueError, match="kernel_impl must be one of"):
+        moe_comm.Buffer.loopback(2, 128, 4, 8, kernel_impl="cutlass")
+    with pytest.raises(ValueError, match="num_sms"):
+        moe_comm.Buffer.loopback(2, 128, 4, 8, num_sms=0)
+
+
+def test_persistent_send_grid_covers_every_tile():
+    """num_sms=1: one program walks all token tiles (T=150 is three 64-token tiles)."""
+    case = Case(2, 8, 128, 4, (150, 70), seed=31)
+    xs, idxs, ws = make_inputs(case)
+    bufs = moe_comm.Buffer.loopback(2, 128, 8, 150, low_latency=True, num_sms=1)
+    got = moe_comm.lockstep.low_latency_dispatch(bufs, xs, idxs, fp8=False)
+    want = moe_comm.reference.low_latency_dispatch_all(xs, idxs, num_experts=8, max_tokens=150)
+    for r in range(2):
+        assert torch.equal(got[r].count, want[r].count)
+        for e, n in enumerate(want[r].count.tolist()):
+            assert torch.equal(got[r].x[e, :n], want[r].x[e, :n])
+
+
+def test_combine_buffer_is_a_plain_tensor_without_rdma():
+    buf = moe_comm.Buffer.loopback(2, 128, 4, 8, low_latency=True)[0]
+    y = buf.low_latency_combine_buffer()
+    assert y.shape == (2, 16, 128) and y.dtype == buf.dtype

@@ -1,5 +1,54 @@
-"""Install moe_comm; kernels/ is installed as the package moe_comm.kernels."""
+"""Install moe_comm; kernels/ is installed as the package moe_comm.kernels.
+
+Where torch with CUDA, nvcc and NVSHMEM are all present, the CUDA kernels of csrc/ are compiled
+too (``moe_comm/csrc_build.py``: sm_90 and sm_100 cubins, cached by source hash under
+``MOE_COMM_CACHE_DIR``; a non-editable install also ships them in ``moe_comm/_cubins``).
+``MOE_COMM_BUILD_CUDA=0`` skips that step, ``=1`` makes it mandatory; otherwise a missing piece
+only skips it, so ``pip install -e .`` works on CPU-only machines. The install-time build sees the
+environment's torch only without build isolation (``pip install --no-build-isolation``); either
+way the kernels are built on first use where nvcc and NVSHMEM are present.
+"""
+import importlib.util
+import logging
+import shutil
+import sys
+from pathlib import Path
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+HERE = Path(__file__).resolve().parent
+
+
+def _load_csrc_build():
+    """moe_comm/csrc_build.py by path: the package itself is not importable during the build."""
+    name = "_moe_comm_csrc_build"
+    spec = importlib.util.spec_from_file_location(name, HERE / "moe_comm" / "csrc_build.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+class BuildPyWithCsrc(build_py):
+    """build_py, then the csrc/ cubins where the toolchain allows (see the module docstring)."""
+
+    def run(self):
+        super().run()
+        csrc_build = _load_csrc_build()
+        decision = csrc_build.build_for_install()
+        if not decision.built:
+            self.announce(f"moe_comm: csrc/ CUDA kernels not built: {decision.reason}",
+                          level=logging.WARNING)
+            return
+        self.announce(f"moe_comm: csrc/ CUDA kernels {decision.reason} "
+                      f"({decision.result.seconds:.1f} s)", level=logging.WARNING)
+        if not getattr(self, "editable_mode", False):  # a wheel carries its cubins
+            target = Path(self.build_lib) / "moe_comm" / csrc_build.PACKAGED_DIR
+            target.mkdir(parents=True, exist_ok=True)
+            for path in decision.result.cubins.values():
+                shutil.copy2(path, target / path.name)
+
 
 setup(
     name="moe_comm",
@@ -12,4 +61,5 @@ setup(
     extras_require={
         "test": ["pytest>=7", "matplotlib"],
     },
+    cmdclass={"build_py": BuildPyWithCsrc},
 )

@@ -23,8 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .comm import draw_last_ticket, peer_ptr, publish_epoch
+from .comm import CPU_RANKS, Flavour, draw_last_ticket, peer_ptr, publish_epoch_to
 from .numerics import acc_zeros, cast_rne
+from .nvshmem import put_bytes, quiet
 
 
 @triton.jit
@@ -39,17 +40,27 @@ def combine_send_kernel(
     stats,  # [4] int64 local: bytes stored (to peers, to itself) at [2], [3]
     tickets,  # [1] int64 local ticket counter of this channel
     rows_off, meta_off, signal_off,  # byte offsets of this rank's regions in every segment
+    box_rows_off, box_meta_off,  # TRANSPORT 1: rdma_combine_rows[p] / _meta[p] (local)
+    local_base,  # TRANSPORT 1: address of this rank's segment (NVSHMEM symmetric addresses)
     last_ticket, epoch,
-    H, K, R, me,
+    H, K, R, me, TMAX,
     KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr,
     ACC_FP64: tl.constexpr,
+    TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; 1: NVSHMEM where pointer is 0
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     s = tl.program_id(0)
-    j = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    jm = j < tl.load(slot_counts + s)
+    j0 = tl.program_id(1) * BLOCK_T
+    j = j0 + tl.arange(0, BLOCK_T)
+    n = tl.load(slot_counts + s)
+    jm = j < n
     first_row = tl.load(slot_offsets + s) + j.to(tl.int64)
     j64 = j.to(tl.int64)
+    via_stores = jm
+    if TRANSPORT == 1:  # home rank s reached only by NVSHMEM: partials go to the outbox first
+        via_stores = jm & (tl.load(peer_ptrs + s + tl.zeros([BLOCK_T], tl.int32)) != 0)
+        staged = s.to(tl.int64) * TMAX + j64
+        box = (local_base + box_rows_off).to(tl.pointer_type(y.dtype.element_ty))
     dst = peer_ptr(peer_ptrs, s, rows_off, y.dtype.element_ty)
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
@@ -64,7 +75,10 @@ def combine_send_kernel(
                 v = v * tl.load(weights + row, mask=rm, other=0.0).to(acc.dtype)[:, None]
             acc += v
         tl.store(dst + j64[:, None] * H + h[None, :], cast_rne(acc, y.dtype.element_ty),
-                 mask=jm[:, None] & hm[None, :])
+                 mask=via_stores[:, None] & hm[None, :])
+        if TRANSPORT == 1:
+            tl.store(box + staged[:, None] * H + h[None, :], cast_rne(acc, y.dtype.element_ty),
+                     mask=(jm & ~via_stores)[:, None] & hm[None, :])
     row_bytes = H * y.dtype.element_ty.primitive_bitwidth // 8
     if HAS_PAIR:
         kk = tl.arange(0, BLOCK_K)
@@ -72,14 +86,33 @@ def combine_send_kernel(
         rows = tl.load(slot_rows + first_row[:, None] * K + kk[None, :], mask=m2, other=-1)
         vals = tl.load(pair_values + rows, mask=rows >= 0, other=0.0)
         dst_meta = peer_ptr(peer_ptrs, s, meta_off, tl.float32)
-        tl.store(dst_meta + j64[:, None] * KMAX + kk[None, :], vals, mask=m2)
+        tl.store(dst_meta + j64[:, None] * KMAX + kk[None, :], vals,
+                 mask=m2 & via_stores[:, None])
+        if TRANSPORT == 1:
+            box_meta = (local_base + box_meta_off).to(tl.pointer_type(tl.float32))
+            tl.store(box_meta + staged[:, None] * KMAX + kk[None, :], vals,
+                     mask=m2 & ~via_stores[:, None])
         row_bytes += 4 * K
+    if TRANSPORT == 1:
+        if tl.load(peer_ptrs + s) == 0:  # one put per partial row (and its pair values)
+            tl.debug_barrier()
+            payload = H * y.dtype.element_ty.primitive_bitwidth // 8
+            for i in range(BLOCK_T):
+                if j0 + i < n:
+                    jj = (j0 + i).to(tl.int64)
+                    put_bytes(local_base, rows_off + jj * payload,
+                              box_rows_off + (s.to(tl.int64) * TMAX + jj) * payload, payload, s)
+                    if HAS_PAIR:
+                        put_bytes(local_base, meta_off + jj * (4 * KMAX),
+                                  box_meta_off + (s.to(tl.int64) * TMAX + jj) * (4 * KMAX),
+                                  4 * KMAX, s)
+            quiet()
     nbytes = tl.sum(jm.to(tl.int64), axis=0) * row_bytes + tl.zeros([1], tl.int64)
     tl.atomic_add(stats + 2 + tl.arange(0, 1), tl.where(s != me, nbytes, 0), sem="relaxed")
     tl.atomic_add(stats + 3 + tl.arange(0, 1), tl.where(s == me, nbytes, 0), sem="relaxed")
     if draw_last_ticket(tickets, last_ticket):
         for d in range(R):
-            publish_epoch(peer_ptrs, d, signal_off, epoch)
+            publish_epoch_to(peer_ptrs, d, signal_off, epoch, local_base, TRANSPORT)
         signal_bytes = 8 + tl.zeros([1], tl.int64)
         tl.atomic_add(stats + 2 + tl.arange(0, 1), (R - 1) * signal_bytes, sem="relaxed")
         tl.atomic_add(stats + 3 + tl.arange(0, 1), signal_bytes, sem="relaxed")
@@ -126,8 +159,12 @@ def combine_reduce_kernel(
 def combine_send(y, weights, pair_values, slot_rows, slot_counts, slot_offsets, peer_ptrs, stats,
                  tickets, *, offsets: dict, last_ticket: int, epoch: int, rank: int,
                  topk: int, max_topk: int, block_t: int, block_h: int,
-                 grid_tiles: int) -> bool:
-    """Launches ``R x grid_tiles`` send programs; ``grid_tiles >= 1`` so every rank is signalled."""
+                 grid_tiles: int, max_tokens: int, flavour: Flavour = CPU_RANKS,
+                 box_offsets: tuple = (0, 0)) -> bool:
+    """Launches ``R x grid_tiles`` send programs; ``grid_tiles >= 1`` so every rank is signalled.
+
+    Across nodes (``flavour.transport == 1``) ``box_offsets`` are the byte offsets of this
+    parity's rdma_combine_rows / rdma_combine_meta outboxes."""
     H = y.shape[1]
     R = peer_ptrs.numel()
     dummy = slot_counts
@@ -135,9 +172,9 @@ def combine_send(y, weights, pair_values, slot_rows, slot_counts, slot_offsets, 
         y, weights if weights is not None else dummy,
         pair_values if pair_values is not None else dummy, slot_rows, slot_counts, slot_offsets,
         peer_ptrs, stats, tickets, offsets["rows"], offsets["meta"], offsets["signal"],
-        last_ticket, epoch, H, topk, R, rank,
+        *box_offsets, flavour.local_base, last_ticket, epoch, H, topk, R, rank, max_tokens,
         KMAX=max_topk, HAS_WEIGHTS=weights is not None, HAS_PAIR=pair_values is not None,
-        ACC_FP64=y.dtype == torch.float64,
+        ACC_FP64=y.dtype == torch.float64, TRANSPORT=flavour.transport,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)))
     return True
 
@@ -163,10 +200,13 @@ COMPILE_VARIANTS = [
      {"y": f"*{dtype}", "weights": "*fp32", "pair_values": "*fp32", "slot_rows": "*i32",
       "slot_counts": "*i32", "slot_offsets": "*i64", "peer_ptrs": "*i64", "stats": "*i64",
       "tickets": "*i64", "rows_off": "i64", "meta_off": "i64", "signal_off": "i64",
-      "last_ticket": "i64", "epoch": "i64", "H": "i32", "K": "i32", "R": "i32", "me": "i32"},
-     dict(KMAX=8, HAS_WEIGHTS=weights, HAS_PAIR=pair, ACC_FP64=dtype == "fp64", BLOCK_T=16,
-          BLOCK_H=1024, BLOCK_K=8))
-    for dtype in ("bf16", "fp32", "fp64") for weights, pair in ((True, False), (False, True))
+      "box_rows_off": "i64", "box_meta_off": "i64", "local_base": "i64",
+      "last_ticket": "i64", "epoch": "i64", "H": "i32", "K": "i32", "R": "i32", "me": "i32",
+      "TMAX": "i32"},
+     dict(KMAX=8, HAS_WEIGHTS=weights, HAS_PAIR=pair, ACC_FP64=dtype == "fp64",
+          TRANSPORT=transport, BLOCK_T=16, BLOCK_H=1024, BLOCK_K=8))
+    for dtype, transport in (("bf16", 0), ("fp32", 0), ("fp64", 0), ("bf16", 1))
+    for weights, pair in ((True, False), (False, True))
 ] + [
     (combine_reduce_kernel,
      {"staging": f"*{dtype}", "meta": "*fp32", "slot_of": "*i32", "out": f"*{dtype}",

@@ -195,3 +195,16 @@ class Flavour:
 
 
 CPU_RANKS = Flavour()
+
+
+@triton.jit
+def publish_epoch_to(peer_ptrs, peer, signal_byte_offset, epoch, local_base,
+                     TRANSPORT: tl.constexpr):
+    """:func:`publish_epoch`, or an NVSHMEM signal where ``peer`` has no pointer."""
+    if TRANSPORT == 1:
+        if tl.load(peer_ptrs + peer) == 0:
+            signal_set(local_base, signal_byte_offset, epoch, peer)
+        else:
+            publish_epoch(peer_ptrs, peer, signal_byte_offset, epoch)
+    else:
+        publish_epoch(peer_ptrs, peer, signal_byte_offset, epoch)

@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .comm import draw_last_ticket, peer_ptr, publish_epoch
+from .comm import CPU_RANKS, Flavour, by_stores, draw_last_ticket, peer_ptr, publish_epoch_to
+from .nvshmem import put_bytes, quiet
 from .quant import quantize_tile
 
 
@@ -44,6 +45,8 @@ def dispatch_send_kernel(
     stats,  # [4] int64 local: bytes stored (to peers, to itself) at [0], [1]
     tickets,  # [1] int64 local ticket counter of this channel
     rows_off, meta_off, counts_off, signal_off,  # byte offsets of this source's regions
+    box_rows_off, box_meta_off, box_counts_off,  # TRANSPORT 1: this parity's rdma outboxes
+    local_base,  # TRANSPORT 1: address of this rank's segment (NVSHMEM symmetric addresses)
     last_ticket, epoch,
     T, H, K, R, L, me,
     ROW_BYTES,  # bytes between staging rows
@@ -51,9 +54,11 @@ def dispatch_send_kernel(
     SEND_META: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     FP8: tl.constexpr,  # 0: copy rows as they are; 1: quantize here; 2: rows come quantized
     UE8M0: tl.constexpr,  # with FP8 == 1: power-of-two scales, sent as exponent bytes
+    TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; 1: NVSHMEM where pointer is 0
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t0 = tl.program_id(0) * BLOCK_T
+    t = t0 + tl.arange(0, BLOCK_T)
     tm = t < T
     t64 = t.to(tl.int64)
     G = H // 128
@@ -71,9 +76,22 @@ def dispatch_send_kernel(
         else:
             codes = tl.load(x + t64[:, None] * H + h[None, :], mask=m)
             scales = tl.load(x_scales + t64[:, None] * G + g[None, :], mask=gm, other=0.0)
+        if TRANSPORT == 1:  # each token's row once into the outbox, for the NVSHMEM puts
+            box8 = (local_base + box_rows_off).to(tl.pointer_type(tl.uint8)) + t64 * ROW_BYTES
+            if FP8 == 0:
+                boxx = box8.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
+                tl.store(boxx[:, None] + h[None, :], tile, mask=m)
+            else:
+                tl.store(box8[:, None] + h[None, :], codes, mask=m)
+                if UE8M0:
+                    tl.store(box8[:, None] + H + g[None, :], exps, mask=gm)
+                else:
+                    boxf = box8.to(tl.pointer_type(tl.float32), bitcast=True) + H // 4
+                    tl.store(boxf[:, None] + g[None, :], scales, mask=gm)
         for d in range(R):
             slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
-            sm = (slot >= 0)[:, None]
+            sm = by_stores(peer_ptrs, d + tl.zeros([BLOCK_T], tl.int32), slot >= 0,
+                           TRANSPORT)[:, None]
             if FP8 == 0:
                 dst = peer_ptr(peer_ptrs, d, rows_off, x.dtype.element_ty)
                 tl.store(dst + slot[:, None] * H + h[None, :], tile, mask=sm & hm[None, :])
@@ -96,9 +114,21 @@ def dispatch_send_kernel(
         e = tl.load(topk_idx + t64[:, None] * K + kk[None, :], mask=m2, other=-1)
         pos = tl.load(pair_pos + t64[:, None] * K + kk[None, :], mask=m2, other=-1)
         row_bytes += 4 * (1 + 3 * K)
+        if TRANSPORT == 1:
+            box_meta = (local_base + box_meta_off).to(tl.pointer_type(tl.int32)) \
+                + t64 * META_STRIDE
+            tl.store(box_meta, t, mask=tm)
+            tl.store(box_meta[:, None] + 1 + kk[None, :], e.to(tl.int32), mask=m2)
+            tl.store(box_meta[:, None] + 1 + KMAX + kk[None, :], pos, mask=m2)
+            if HAS_WEIGHTS:
+                wb = tl.load(topk_weights + t64[:, None] * K + kk[None, :], mask=m2, other=0.0)
+            else:
+                wb = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+            tl.store(box_meta[:, None] + 1 + 2 * KMAX + kk[None, :],
+                     wb.to(tl.int32, bitcast=True), mask=m2)
         for d in range(R):
             slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
-            sm = slot >= 0
+            sm = by_stores(peer_ptrs, d + tl.zeros([BLOCK_T], tl.int32), slot >= 0, TRANSPORT)
             meta = peer_ptr(peer_ptrs, d, meta_off, tl.int32) + slot * META_STRIDE
             tl.store(meta, t, mask=sm)
             sm2 = sm[:, None] & m2  # the same meta for every destination: global expert ids
@@ -110,6 +140,21 @@ def dispatch_send_kernel(
                 w = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
             tl.store(meta[:, None] + 1 + 2 * KMAX + kk[None, :], w.to(tl.int32, bitcast=True),
                      mask=sm2)
+    if TRANSPORT == 1:  # rows for ranks reached only by NVSHMEM: one put per (token, rank)
+        tl.debug_barrier()
+        for i in range(BLOCK_T):
+            ti = t0 + i
+            for d in range(R):
+                slot = tl.load(slot_of + ti * R + d, mask=ti < T, other=-1).to(tl.int64)
+                if (slot >= 0) & (tl.load(peer_ptrs + d) == 0):
+                    put_bytes(local_base, rows_off + slot * ROW_BYTES,
+                              box_rows_off + ti.to(tl.int64) * ROW_BYTES,
+                              row_bytes - SEND_META * 4 * (1 + 3 * K), d)
+                    if SEND_META:
+                        put_bytes(local_base, meta_off + slot * (4 * META_STRIDE),
+                                  box_meta_off + ti.to(tl.int64) * (4 * META_STRIDE),
+                                  4 * META_STRIDE, d)
+        quiet()
     to_peers = tl.zeros([1], tl.int64)
     to_self = tl.zeros([1], tl.int64)
     for d in range(R):
@@ -125,8 +170,16 @@ def dispatch_send_kernel(
             if SEND_META:
                 c = tl.load(counts + d * (L + 1) + lane, mask=lane < L + 1)
                 dst_counts = peer_ptr(peer_ptrs, d, counts_off, tl.int32)
-                tl.store(dst_counts + lane, c, mask=lane < L + 1)
-            publish_epoch(peer_ptrs, d, signal_off, epoch)
+                tl.store(dst_counts + lane, c,
+                         mask=by_stores(peer_ptrs, d + lane * 0, lane < L + 1, TRANSPORT))
+                if TRANSPORT == 1:
+                    if tl.load(peer_ptrs + d) == 0:  # counts travel from the outbox
+                        box_counts = (local_base + box_counts_off).to(tl.pointer_type(tl.int32))
+                        tl.store(box_counts + d * (L + 1) + lane, c, mask=lane < L + 1)
+                        tl.debug_barrier()
+                        put_bytes(local_base, counts_off,
+                                  box_counts_off + d * (L + 1) * 4, 4 * (L + 1), d)
+            publish_epoch_to(peer_ptrs, d, signal_off, epoch, local_base, TRANSPORT)
         signal_bytes = 8 + SEND_META * 4 * (L + 1) + tl.zeros([1], tl.int64)
         tl.atomic_add(stats + tl.arange(0, 1), (R - 1) * signal_bytes, sem="relaxed")
         tl.atomic_add(stats + 1 + tl.arange(0, 1), signal_bytes, sem="relaxed")
@@ -206,12 +259,15 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
                   tickets, *, offsets: dict, last_ticket: int, epoch: int, rank: int,
                   num_local_experts: int, meta_stride: int, max_topk: int, block_t: int,
                   block_h: int, grid: int, topk: int, row_bytes: int, fp8: int = 0,
-                  x_scales=None, ue8m0: bool = False) -> bool:
+                  x_scales=None, ue8m0: bool = False, flavour: Flavour = CPU_RANKS,
+                  box_offsets: tuple = (0, 0, 0)) -> bool:
     """Launches ``grid`` send programs; ``offsets`` has the byte offsets rows/meta/counts/signal.
 
     With ``topk_idx=None`` (the cached form) only rows and the epoch are sent. ``fp8``: 0 sends
     rows as they are, 1 quantizes them (``ue8m0``: power-of-two scales), 2 sends the given
     float8 rows (``x``) and float32 ``x_scales``. ``row_bytes``: staging row stride.
+    Across nodes (``flavour.transport == 1``) ``box_offsets`` are the byte offsets of this
+    parity's rdma_rows / rdma_meta / rdma_counts outboxes.
     """
     T, H = x.shape
     R = peer_ptrs.numel()
@@ -224,10 +280,10 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
         x, x_scales if fp8 == 2 else dummy, topk_idx if send_meta else dummy,
         topk_weights if has_weights else dummy, slot_of, pair_pos if send_meta else dummy,
         counts if send_meta else dummy, peer_ptrs, stats, tickets, offsets["rows"],
-        offsets["meta"], offsets["counts"], offsets["signal"], last_ticket, epoch, T, H, topk,
-        R, num_local_experts, rank, row_bytes,
+        offsets["meta"], offsets["counts"], offsets["signal"], *box_offsets, flavour.local_base,
+        last_ticket, epoch, T, H, topk, R, num_local_experts, rank, row_bytes,
         META_STRIDE=meta_stride, KMAX=max_topk, SEND_META=send_meta, HAS_WEIGHTS=has_weights,
-        FP8=fp8, UE8M0=ue8m0, BLOCK_T=block_t, BLOCK_H=block_h,
+        FP8=fp8, UE8M0=ue8m0, TRANSPORT=flavour.transport, BLOCK_T=block_t, BLOCK_H=block_h,
         BLOCK_K=triton.next_power_of_2(max(topk, 1)),
         BLOCK_L=triton.next_power_of_2(num_local_experts + 1))
     return True
@@ -276,7 +332,9 @@ def _send_signature(dtype: str) -> dict:
     return {"x": f"*{dtype}", "x_scales": "*fp32", "topk_idx": "*i64", "topk_weights": "*fp32",
             "slot_of": "*i32", "pair_pos": "*i32", "counts": "*i32", "peer_ptrs": "*i64",
             "stats": "*i64", "tickets": "*i64", "rows_off": "i64", "meta_off": "i64",
-            "counts_off": "i64", "signal_off": "i64", "last_ticket": "i64", "epoch": "i64",
+            "counts_off": "i64", "signal_off": "i64", "box_rows_off": "i64",
+            "box_meta_off": "i64", "box_counts_off": "i64", "local_base": "i64",
+            "last_ticket": "i64", "epoch": "i64",
             "T": "i32", "H": "i32", "K": "i32", "R": "i32", "L": "i32", "me": "i32",
             "ROW_BYTES": "i64"}
 
@@ -290,10 +348,13 @@ def _expand_signature(dtype: str, scales: str) -> dict:
             "SCALE_ROW_STRIDE": "i64", "SCALE_GROUP_STRIDE": "i64"}
 
 
-_SEND_MODES = [  # (x dtype, SEND_META, HAS_WEIGHTS, FP8, UE8M0)
-    ("bf16", True, True, 0, False), ("bf16", True, False, 0, False),
-    ("bf16", False, False, 0, False), ("fp32", True, True, 0, False),
-    ("bf16", True, True, 1, False), ("bf16", True, True, 1, True), ("u8", True, True, 2, False),
+_SEND_MODES = [  # (x dtype, SEND_META, HAS_WEIGHTS, FP8, UE8M0, TRANSPORT)
+    ("bf16", True, True, 0, False, 0), ("bf16", True, False, 0, False, 0),
+    ("bf16", False, False, 0, False, 0), ("fp32", True, True, 0, False, 0),
+    ("bf16", True, True, 1, False, 0), ("bf16", True, True, 1, True, 0),
+    ("u8", True, True, 2, False, 0),
+    ("bf16", True, True, 0, False, 1), ("bf16", False, False, 0, False, 1),
+    ("bf16", True, True, 1, True, 1),
 ]
 _EXPAND_MODES = [  # (staging/out dtype, scales dtype, CACHED, HAS_WEIGHTS, FP8, UE8M0)
     ("bf16", "fp32", False, True, False, False), ("bf16", "fp32", False, False, False, False),
@@ -305,8 +366,8 @@ _EXPAND_MODES = [  # (staging/out dtype, scales dtype, CACHED, HAS_WEIGHTS, FP8,
 COMPILE_VARIANTS = [
     (dispatch_send_kernel, _send_signature(dtype),
      dict(META_STRIDE=25, KMAX=8, SEND_META=meta, HAS_WEIGHTS=weights, FP8=fp8, UE8M0=ue8m0,
-          BLOCK_T=16, BLOCK_H=1024, BLOCK_K=8, BLOCK_L=64))
-    for dtype, meta, weights, fp8, ue8m0 in _SEND_MODES
+          TRANSPORT=transport, BLOCK_T=16, BLOCK_H=1024, BLOCK_K=8, BLOCK_L=64))
+    for dtype, meta, weights, fp8, ue8m0, transport in _SEND_MODES
 ] + [
     (dispatch_expand_kernel, _expand_signature(dtype, scales),
      dict(META_STRIDE=25, KMAX=8, CACHED=cached, HAS_WEIGHTS=weights, FP8=fp8, UE8M0=ue8m0,

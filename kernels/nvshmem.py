@@ -73,16 +73,17 @@ def quiet(_semantic=None):
 def put_bytes(local_base, dst_offset, src_offset, nbytes, pe):
     """Non-blocking put of ``nbytes`` from this PE's ``local_base + src_offset`` to
     ``local_base + dst_offset`` on ``pe`` (symmetric addresses; the whole program calls it)."""
-    putmem_nbi_block((local_base + dst_offset).to(tl.int64), (local_base + src_offset).to(tl.int64),
-                     nbytes.to(tl.int64), pe.to(tl.int32))
+    putmem_nbi_block(tl.cast(local_base + dst_offset, tl.int64),
+                     tl.cast(local_base + src_offset, tl.int64), tl.cast(nbytes, tl.int64),
+                     tl.cast(pe, tl.int32))
 
 
 @triton.jit
 def signal_set(local_base, sig_offset, value, pe):
     """Orders the earlier puts to ``pe``, then sets the int64 word at ``sig_offset`` there."""
     fence()
-    signal_op((local_base + sig_offset).to(tl.int64), value.to(tl.int64), NVSHMEM_SIGNAL_SET,
-              pe.to(tl.int32))
+    signal_op(tl.cast(local_base + sig_offset, tl.int64), tl.cast(value, tl.int64),
+              NVSHMEM_SIGNAL_SET, tl.cast(pe, tl.int32))
 
 
 @triton.jit

@@ -114,6 +114,19 @@ class LowLatencyMode:
                 dtype)
         return WorkspaceLayout(*args, low_latency=True).nbytes - WorkspaceLayout(*args).nbytes
 
+    def _csrc(self):
+        """The csrc/ kernels for this Buffer's device (``kernel_impl="cuda"``), loaded once."""
+        if getattr(self, "_csrc_kernels", None) is None:
+            from .csrc_kernels import CsrcLowLatencyKernels
+
+            self._csrc_kernels = CsrcLowLatencyKernels(
+                self.device, num_sms=self.num_sms or 20, timeout_s=self.timeout_s,
+                nvshmem=self.flavour.transport == 1)
+        return self._csrc_kernels
+
+    def _outbox_offset(self, name: str) -> int:
+        return self.layout[name].offset if self.layout.rdma else 0
+
     def _ll_require(self) -> None:
         if not self.layout.low_latency:
             raise RuntimeError("this Buffer has no low-latency workspace; build it with "
@@ -224,12 +237,19 @@ class LowLatencyMode:
                                                               device=dev),
                                   src_info, torch.empty((L, rows), dtype=torch.int32, device=dev),
                                   x.shape[0], topk_idx.shape[1])
-        self.launches["ll_dispatch_send"] += ll_dispatch_send(
-            x, topk_idx, self.heap.peer_ptrs, self._ll_state, self._stats,
-            offsets=self._ll_send_offsets("ll_dispatch_", ("rows", "meta", "signals"), DISPATCH),
-            rank=self.rank, num_local_experts=L, num_experts=self.num_experts, max_tokens=T,
-            slot_bytes=self.layout.ll_slot_bytes, fp8=fp8, ue8m0=ue8m0, block_t=BLOCK_T,
-            block_h=self._block_h, num_sms=self.num_sms, flavour=self.flavour)
+        offsets = self._ll_send_offsets("ll_dispatch_", ("rows", "meta", "signals"), DISPATCH)
+        common = dict(rank=self.rank, num_local_experts=L, num_experts=self.num_experts,
+                      max_tokens=T, slot_bytes=self.layout.ll_slot_bytes, fp8=fp8, ue8m0=ue8m0)
+        if self.kernel_impl == "cuda":
+            self.launches["ll_dispatch_send"] += self._csrc().ll_dispatch_send(
+                x, topk_idx, self.heap.peer_ptrs, self._ll_state, self._stats,
+                offsets=offsets, acks=offsets["acks"], error=self._errors,
+                outbox_offset=self._outbox_offset("ll_outbox"), **common)
+        else:
+            self.launches["ll_dispatch_send"] += ll_dispatch_send(
+                x, topk_idx, self.heap.peer_ptrs, self._ll_state, self._stats, offsets=offsets,
+                block_t=BLOCK_T, block_h=self._block_h, num_sms=self.num_sms,
+                flavour=self.flavour, **common)
         recv = LowLatencyRecv(recv_x, scales, count, src_info, handle)
         self._ll_pending[DISPATCH] += 1
 
@@ -252,13 +272,19 @@ class LowLatencyMode:
         staging = self.layout.view(self.heap, "ll_dispatch_rows")
         if recv.x.dtype != torch.float8_e4m3fn:
             staging = staging.view(self.dtype)
-        self.launches["ll_dispatch_recv"] += ll_dispatch_recv(
-            staging, self.layout.view(self.heap, "ll_dispatch_meta"),
-            self.layout.view(self.heap, "ll_dispatch_signals"), self.heap.peer_ptrs,
-            self._ll_state, recv.x, scale_memory, recv.count, recv.src_info, recv.handle.src_k,
-            recv.handle.layout, stats, acks=self._ll_acks(DISPATCH), rank=self.rank,
-            scale_strides=scale_strides, ue8m0=ue8m0, block_t=BLOCK_ROWS, block_h=self._block_h,
-            flavour=self.flavour)
+        args = (staging, self.layout.view(self.heap, "ll_dispatch_meta"),
+                self.layout.view(self.heap, "ll_dispatch_signals"), self.heap.peer_ptrs,
+                self._ll_state, recv.x, scale_memory, recv.count, recv.src_info,
+                recv.handle.src_k, recv.handle.layout, stats)
+        common = dict(acks=self._ll_acks(DISPATCH), rank=self.rank, scale_strides=scale_strides,
+                      ue8m0=ue8m0)
+        if self.kernel_impl == "cuda":
+            self.launches["ll_dispatch_recv"] += self._csrc().ll_dispatch_recv(
+                *args, error=self._errors, **common)
+        else:
+            self.launches["ll_dispatch_recv"] += ll_dispatch_recv(
+                *args, block_t=BLOCK_ROWS, block_h=self._block_h, flavour=self.flavour,
+                **common)
         recv.handle.received = True
 
     # ----------------------------------------------------------------- combine
@@ -314,13 +340,19 @@ class LowLatencyMode:
     def _ll_combine_send(self, y, topk_idx, topk_weights, handle):
         epoch = self._ll_begin(COMBINE, "combine")
         out = torch.empty((topk_idx.shape[0], self.hidden), dtype=self.dtype, device=self.device)
-        self.launches["ll_combine_send"] += ll_combine_send(
-            y, handle.layout, handle.src_info, handle.src_k, self.heap.peer_ptrs,
-            self._ll_state, self._stats,
-            offsets=self._ll_send_offsets("ll_combine_", ("rows", "signals"), COMBINE),
-            rank=self.rank, max_tokens=self.max_tokens_per_rank, max_topk=self.max_topk,
-            block_t=BLOCK_ROWS, block_h=self._block_h, flavour=self.flavour,
-            zero_copy=self._is_combine_outbox(y, epoch))
+        args = (y, handle.layout, handle.src_info, handle.src_k, self.heap.peer_ptrs,
+                self._ll_state, self._stats)
+        offsets = self._ll_send_offsets("ll_combine_", ("rows", "signals"), COMBINE)
+        common = dict(offsets=offsets, rank=self.rank, max_tokens=self.max_tokens_per_rank,
+                      max_topk=self.max_topk)
+        if self.kernel_impl == "cuda":
+            self.launches["ll_combine_send"] += self._csrc().ll_combine_send(
+                *args, acks=offsets["acks"], error=self._errors,
+                outbox_offset=self._outbox_offset("ll_combine_outbox"), **common)
+        else:
+            self.launches["ll_combine_send"] += ll_combine_send(
+                *args, block_t=BLOCK_ROWS, block_h=self._block_h, flavour=self.flavour,
+                zero_copy=self._is_combine_outbox(y, epoch), **common)
         self._ll_pending[COMBINE] += 1
 
         def receive():
@@ -335,8 +367,15 @@ class LowLatencyMode:
             words = self.layout.view(self.heap, "ll_combine_signals")[epoch % 2]
             wait_for_epochs(words.tolist, epoch, timeout_s=self.timeout_s, rank=self.rank,
                             channel="low-latency combine")
-        self.launches["ll_combine_recv"] += ll_combine_recv(
-            self.layout.view(self.heap, "ll_combine_rows"), topk_idx, topk_weights, out,
-            self.heap.peer_ptrs, self._ll_state,
-            self.layout.view(self.heap, "ll_combine_signals"), acks=self._ll_acks(COMBINE),
-            rank=self.rank, block_t=BLOCK_T, block_h=self._block_h, flavour=self.flavour)
+        staging = self.layout.view(self.heap, "ll_combine_rows")
+        signals = self.layout.view(self.heap, "ll_combine_signals")
+        common = dict(acks=self._ll_acks(COMBINE), rank=self.rank)
+        if self.kernel_impl == "cuda":
+            self.launches["ll_combine_recv"] += self._csrc().ll_combine_recv(
+                staging, topk_idx, topk_weights, out, self.heap.peer_ptrs, self._ll_state,
+                signals=signals, error=self._errors, **common)
+        else:
+            self.launches["ll_combine_recv"] += ll_combine_recv(
+                staging, topk_idx, topk_weights, out, self.heap.peer_ptrs, self._ll_state,
+                signals, block_t=BLOCK_T, block_h=self._block_h, flavour=self.flavour,
+                **common)

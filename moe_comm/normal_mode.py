@@ -49,6 +49,14 @@ def fp8_scales_out(rows: int, groups: int, ue8m0: bool, col_major: bool, device)
 
 
 class NormalMode:
+    def _rdma_offsets(self, channel: int, parity: int) -> tuple:
+        """Byte offsets of this parity's outboxes for NVSHMEM puts (zeros without RDMA)."""
+        if not self.layout.rdma:
+            return (0, 0, 0) if channel == DISPATCH else (0, 0)
+        names = (("rdma_rows", "rdma_meta", "rdma_counts") if channel == DISPATCH
+                 else ("rdma_combine_rows", "rdma_combine_meta"))
+        return tuple(self.layout.offset(n, parity) for n in names)
+
     @poisons_buffer_on_error("dispatch")
     def dispatch_send(self, x, topk_idx, topk_weights, x_scales=None, fp8: int = 0,
                       ue8m0: bool = False) -> PendingSend:
@@ -69,7 +77,8 @@ class NormalMode:
             num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
             max_topk=self.max_topk, block_t=BLOCK_T, block_h=self._block_h, grid=grid,
             topk=topk_idx.shape[1], row_bytes=self._row_bytes, fp8=fp8,
-            x_scales=None if x_scales is None else x_scales.contiguous(), ue8m0=ue8m0)
+            x_scales=None if x_scales is None else x_scales.contiguous(), ue8m0=ue8m0,
+            flavour=self.flavour, box_offsets=self._rdma_offsets(DISPATCH, epoch % 2))
         return PendingSend(DISPATCH, epoch, slot_of, topk_idx.shape[1], topk_weights is not None,
                            fp8, ue8m0)
 
@@ -126,7 +135,8 @@ class NormalMode:
             offsets=self._send_offsets(DISPATCH, epoch % 2), last_ticket=last, epoch=epoch,
             rank=self.rank, num_local_experts=self.num_local_experts,
             meta_stride=self.layout.meta_stride, max_topk=self.max_topk, block_t=BLOCK_T,
-            block_h=self._block_h, grid=grid, topk=1, row_bytes=self._row_bytes)
+            block_h=self._block_h, grid=grid, topk=1, row_bytes=self._row_bytes,
+            flavour=self.flavour, box_offsets=self._rdma_offsets(DISPATCH, epoch % 2))
         return PendingSend(DISPATCH, epoch)
 
     @poisons_buffer_on_error("dispatch")
@@ -157,7 +167,8 @@ class NormalMode:
             slot_offsets, self.heap.peer_ptrs, self._stats, tickets,
             offsets=self._send_offsets(COMBINE, epoch % 2), last_ticket=last, epoch=epoch,
             rank=self.rank, topk=slot_rows.shape[1], max_topk=self.max_topk, block_t=BLOCK_T,
-            block_h=self._block_h, grid_tiles=tiles)
+            block_h=self._block_h, grid_tiles=tiles, max_tokens=self.max_tokens_per_rank,
+            flavour=self.flavour, box_offsets=self._rdma_offsets(COMBINE, epoch % 2))
         return PendingSend(COMBINE, epoch, topk=slot_rows.shape[1])
 
     @poisons_buffer_on_error("combine")

@@ -49,7 +49,10 @@ or ``H + 4*H/128`` if that is larger, so that FP8 rows with their scales fit too
 
 Low-latency total: ``2*L*R*T*(S + 4) + 2*T*K*H*b + 8*(2*L*R + 6*R + 8)`` (+ rounding).
 
-Across nodes (``rdma=True``: NVSHMEM puts, whose source must be symmetric memory) the
+Across nodes (``rdma=True``: NVSHMEM puts, whose source must be symmetric memory) the normal
+mode adds outboxes for what it puts: ``rdma_rows`` [P, T, H*b] uint8 and ``rdma_meta``
+[P, T, 1 + 3K] int32 (each token's row and metadata once), ``rdma_counts`` [P, R, L + 1] int32,
+``rdma_combine_rows`` [P, R, T, H] and ``rdma_combine_meta`` [P, R, T, K] float32; the
 low-latency mode adds ``ll_outbox`` [P, T, S] uint8 (each token's row once, put from there)
 and ``ll_combine_outbox`` [P, L, R*T, H] dtype (expert outputs put from there; the caller may
 write them there directly: ``Buffer.low_latency_combine_buffer``).
@@ -124,7 +127,16 @@ class WorkspaceLayout:
                 ("ll_combine_rows", (PARITIES, T, K, H), dtype),
             ]
         self.rdma = rdma
-        if low_latency and rdma:  # NVSHMEM puts read from symmetric memory
+        if rdma:  # NVSHMEM puts read from symmetric memory: outboxes of the normal mode
+            specs += [
+                ("rdma_rows", (PARITIES, T, H * torch.empty((), dtype=dtype).element_size()),
+                 torch.uint8),
+                ("rdma_meta", (PARITIES, T, self.meta_stride), torch.int32),
+                ("rdma_counts", (PARITIES, R, L + 1), torch.int32),
+                ("rdma_combine_rows", (PARITIES, R, T, H), dtype),
+                ("rdma_combine_meta", (PARITIES, R, T, K), torch.float32),
+            ]
+        if low_latency and rdma:
             specs += [
                 ("ll_outbox", (PARITIES, T, self.ll_slot_bytes), torch.uint8),
                 ("ll_combine_outbox", (PARITIES, L, R * T, H), dtype),

@@ -6,7 +6,10 @@ STAMP := $(VENV)/.installed
 # The CPU build of torch; any torch >= 2.6 works (setup.py), this one is what CI runs.
 TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.9.0
-export TRITON_CACHE_DIR ?= $(CURDIR)/.triton_cache
+# Compiled kernels (Triton, csrc/) are cached by source hash outside the checkout, so a fresh
+# clone on the same machine does not compile them again.
+export TRITON_CACHE_DIR ?= $(HOME)/.cache/moe_comm/triton
+export MOE_COMM_CACHE_DIR ?= $(HOME)/.cache/moe_comm
 export TRITON_DEFAULT_FP_FUSION ?= 1
 
 .PHONY: bench test test-quick compile-check lint clean
@@ -34,4 +37,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .triton_cache .pytest_cache bench/results *.egg-info
+	rm -rf $(VENV) .pytest_cache bench/results *.egg-info

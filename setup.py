@@ -59,7 +59,11 @@ setup(
     package_dir={"moe_comm.kernels": "kernels"},
     install_requires=["torch>=2.6", "triton>=3.4", "numpy"],
     extras_require={
-        "test": ["pytest>=7", "matplotlib"],
+        # CPU CI: the NVSHMEM device bitcode and headers (compile gates) and nvshmem4py's host
+        # side (unique ids); nothing here needs a GPU
+        "test": ["pytest>=7", "matplotlib", "nvidia-nvshmem-cu13", "nvshmem4py-cu13"],
+        # GPU machines: NVSHMEM heaps and device library, cupy to load csrc/ cubins
+        "gpu": ["nvidia-nvshmem-cu13", "nvshmem4py-cu13", "cupy-cuda13x"],
     },
     cmdclass={"build_py": BuildPyWithCsrc},
 )

@@ -11,6 +11,8 @@ runs are fast.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import multiprocessing
 import os
 import re
 import sys
@@ -46,33 +48,45 @@ def compile_variant(kernel, signature: dict, constexprs: dict, arch: int):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
+def compile_report(index: int, arch: int) -> tuple[bool, str]:
+    """Compiles variant ``index`` for ``arch``; returns (ok, one line of report)."""
+    kernel, signature, constexprs = variants()[index]
+    flags = ",".join(f"{k}={int(v)}" for k, v in constexprs.items()
+                     if isinstance(v, bool) or k == "TRANSPORT")
+    dtype = next(iter(signature.values()))
+    start = time.perf_counter()
+    try:
+        compiled = compile_variant(kernel, signature, constexprs, arch)
+        cubin = len(compiled.asm["cubin"])
+        signals = len(re.findall(r"atom\.global\.sys\.release\.", compiled.asm["ptx"]))
+        ok, status = True, (f"ok  cubin {cubin:>7d} B  shared memory "
+                            f"{compiled.metadata.shared} B  sys-release atomics {signals}")
+    except Exception as error:  # report every failure, then fail
+        ok, status = False, f"FAILED {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    return ok, (f"sm_{arch} {kernel.__name__:<24} {dtype:<6} {flags:<40} "
+                f"{time.perf_counter() - start:5.1f} s  {status}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 100])
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="compiles in parallel (processes)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("TRITON_INTERPRET is on: run with TRITON_INTERPRET=0 to compile for GPU targets",
               file=sys.stderr)
         return 2
-    failures = 0
-    for arch in args.arch:
-        for kernel, signature, constexprs in variants():
-            flags = ",".join(f"{k}={int(v)}" for k, v in constexprs.items()
-                             if isinstance(v, bool) or k == "TRANSPORT")
-            dtype = next(iter(signature.values()))
-            start = time.perf_counter()
-            try:
-                compiled = compile_variant(kernel, signature, constexprs, arch)
-                cubin = len(compiled.asm["cubin"])
-                signals = len(re.findall(r"atom\.global\.sys\.release\.", compiled.asm["ptx"]))
-                status = (f"ok  cubin {cubin:>7d} B  shared memory {compiled.metadata.shared} B"
-                          f"  sys-release atomics {signals}")
-            except Exception as error:  # report every failure, then fail
-                failures += 1
-                status = f"FAILED {type(error).__name__}: {str(error).splitlines()[0][:200]}"
-            print(f"sm_{arch} {kernel.__name__:<24} {dtype:<6} {flags:<40} "
-                  f"{time.perf_counter() - start:5.1f} s  {status}", flush=True)
-    return 1 if failures else 0
+    work = [(i, arch) for arch in args.arch for i in range(len(variants()))]
+    if args.jobs > 1:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
+            results = list(pool.map(compile_report, *zip(*work)))
+    else:
+        results = [compile_report(i, arch) for i, arch in work]
+    for _, line in results:
+        print(line, flush=True)
+    return 0 if all(ok for ok, _ in results) else 1
 
 
 if __name__ == "__main__":

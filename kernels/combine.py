@@ -207,6 +207,7 @@ COMPILE_VARIANTS = [
           TRANSPORT=transport, BLOCK_T=16, BLOCK_H=1024, BLOCK_K=8))
     for dtype, transport in (("bf16", 0), ("fp32", 0), ("fp64", 0), ("bf16", 1))
     for weights, pair in ((True, False), (False, True))
+    if not transport or pair  # across nodes (NVSHMEM bitcode): one variant
 ] + [
     (combine_reduce_kernel,
      {"staging": f"*{dtype}", "meta": "*fp32", "slot_of": "*i32", "out": f"*{dtype}",

@@ -353,8 +353,7 @@ _SEND_MODES = [  # (x dtype, SEND_META, HAS_WEIGHTS, FP8, UE8M0, TRANSPORT)
     ("bf16", False, False, 0, False, 0), ("fp32", True, True, 0, False, 0),
     ("bf16", True, True, 1, False, 0), ("bf16", True, True, 1, True, 0),
     ("u8", True, True, 2, False, 0),
-    ("bf16", True, True, 0, False, 1), ("bf16", False, False, 0, False, 1),
-    ("bf16", True, True, 1, True, 1),
+    ("bf16", True, True, 1, False, 1),  # across nodes (links NVSHMEM's bitcode: once)
 ]
 _EXPAND_MODES = [  # (staging/out dtype, scales dtype, CACHED, HAS_WEIGHTS, FP8, UE8M0)
     ("bf16", "fp32", False, True, False, False), ("bf16", "fp32", False, False, False, False),

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import env
 from ._guard import poisons_buffer_on_error
 from .kernels.comm import wait_for_epochs
 from .kernels.low_latency import (
@@ -193,9 +194,11 @@ class LowLatencyMode:
         self._check_usable()
         self._ll_require()
         self._ll_check_in_flight(DISPATCH, "dispatch")
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         check_dispatch_inputs(x, topk_idx, None, 1, hidden=self.hidden,
                               num_experts=self.num_experts, max_tokens=self.max_tokens_per_rank,
-                              max_topk=self.max_topk, dtype=self.dtype, device=self.device)
+                              max_topk=self.max_topk, dtype=self.dtype, device=self.device,
+                              values=env.check_inputs() and not capturing)
         if fp8 and (self.hidden % GROUP or self.dtype == torch.float64):
             raise ValueError(f"FP8 dispatch needs hidden % 128 == 0 and a 16/32-bit dtype, "
                              f"got hidden={self.hidden}, dtype={self.dtype}")

@@ -17,7 +17,7 @@ export TRITON_DEFAULT_FP_FUSION ?= 1
 $(STAMP): setup.py pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH_SPEC)" "$(TRITON_SPEC)"
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,megatron,deepspeed]"
 	touch $(STAMP)
 
 bench: $(STAMP)  ## the dispatch/combine benchmark on 4 CPU ranks, one table

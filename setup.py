@@ -64,6 +64,9 @@ setup(
         "test": ["pytest>=7", "matplotlib", "nvidia-nvshmem-cu13", "nvshmem4py-cu13"],
         # GPU machines: NVSHMEM heaps and device library, cupy to load csrc/ cubins
         "gpu": ["nvidia-nvshmem-cu13", "nvshmem4py-cu13", "cupy-cuda13x"],
+        # framework plugins (moe_comm.integrations), tested on CPU ranks
+        "megatron": ["megatron-core==0.16.1"],
+        "deepspeed": ["deepspeed==0.19.8"],
     },
     cmdclass={"build_py": BuildPyWithCsrc},
 )

@@ -279,6 +279,13 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--configs", nargs="+", default=[c.name for c in CONFIGS],
                         choices=[c.name for c in CONFIGS])
+    parser.add_argument("--framework", nargs="+", default=[], choices=["megatron", "deepspeed"],
+                        help="also compare the framework's own MoE dispatcher with moe_comm "
+                             "(bytes and agreement; bench/framework_compare.py)")
+    parser.add_argument("--framework-config", type=int, nargs=3, default=[256, 16, 2],
+                        metavar=("HIDDEN", "EXPERTS", "TOPK"),
+                        help="the MoE layer of the framework comparison (its experts are real "
+                             "MLPs: small by default on CPU)")
     parser.add_argument("--system", default="h800",
                         help="perfmodel system for the prediction columns ('' to skip)")
     parser.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results",
@@ -311,12 +318,27 @@ def main(argv=None) -> int:
             rows.append(summarize(cfg, args, per_rank))
             print(f"[{i}/{len(configs)}] {cfg.name} done, {time.perf_counter() - start:.0f} s "
                   "elapsed", file=sys.stderr, flush=True)
+        framework_rows = []
+        for framework in args.framework:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import framework_compare
+
+            hidden, experts, topk = args.framework_config
+            framework_rows += pool.run(framework_compare.framework_job, framework, hidden,
+                                       experts, topk, args.tokens, args.dtype, args.seed)
+            print(f"{framework} comparison done, {time.perf_counter() - start:.0f} s elapsed",
+                  file=sys.stderr, flush=True)
     print(f"\nmoe_comm {args.mode} dispatch/combine, {args.ranks} CPU ranks, {args.tokens} tokens "
           f"per rank, {'FP8 dispatch, ' if args.fp8 else ''}{args.dtype}, {args.routing} "
           "routing; MB = 1e6 bytes, summed over ranks\n")
     print(format_table(rows, args.system))
     print("\ncpu ms: Triton interpreter on CPU, slowest rank, median [min-max] of "
           f"{args.iters}; not GPU performance. pred: moe_comm.perfmodel on {args.system}.")
+    if framework_rows:
+        print(f"\nThe frameworks' own dispatchers against moe_comm, same routing, {args.ranks} "
+              "CPU ranks (HIDDEN, EXPERTS, TOPK = "
+              f"{' '.join(map(str, args.framework_config))}):\n")
+        print(framework_compare.format_rows(framework_rows))
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)

@@ -8,9 +8,8 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
-from moe_comm import reference
-
 from cases import Case, make_inputs
+from moe_comm import reference
 
 
 def new_ll_buffer(case: Case, **kwargs) -> moe_comm.Buffer:
@@ -82,7 +81,7 @@ def ll_two_in_flight(rank, world_size, case: Case, rounds: int, straggle_s: floa
         for rnd in range(rounds):
             batches = [make_inputs(case, 2 * rnd + mb) for mb in range(2)]
             sent = []
-            for mb, (xs, idxs, ws) in enumerate(batches):
+            for mb, (xs, idxs, _) in enumerate(batches):
                 time.sleep(delay.uniform(0, straggle_s))
                 sent.append(buf.low_latency_dispatch(xs[rank], idxs[rank], fp8=mb == 0,
                                                      return_hook=True))

@@ -10,11 +10,10 @@ import pytest
 import torch
 
 import moe_comm
+from cases import Case, make_inputs
 from moe_comm.kernels.comm import CPU_RANKS
 from moe_comm.kernels.nvshmem import device_bitcode
 from moe_comm.symm.select import choose_backend
-
-from cases import Case, make_inputs
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
 

@@ -3,10 +3,9 @@ import pytest
 import torch
 
 import moe_comm
+from cases import Case, make_inputs
 from moe_comm import lockstep, reference
 from moe_comm.kernels.quant import quantize_fp8
-
-from cases import Case, make_inputs
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import moe_comm
-from moe_comm import lockstep, reference
-
 from cases import Case, expert_fn, make_inputs
+from moe_comm import lockstep, reference
 
 pytestmark = [
     pytest.mark.gpu,

@@ -3,10 +3,9 @@ import pytest
 import torch
 
 import moe_comm
-from moe_comm import lockstep, reference
-
 from cases import Case, make_inputs
 from ll_jobs import ll_misuse, ll_pipelined_dispatches, ll_round_trip, ll_skip, ll_two_in_flight
+from moe_comm import lockstep, reference
 
 LOOPBACK = [  # (case, fp8, ue8m0, col_major)
     (Case(1, 4, 128, 1, (6,), seed=1), True, False, False),

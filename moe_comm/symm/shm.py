@@ -20,6 +20,7 @@ import _posixshmem
 import mmap
 import os
 import secrets
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,14 @@ def reap_stale_segments() -> list[str]:
     return reaped
 
 
+def _weakrefable(obj) -> bool:
+    try:
+        weakref.ref(obj)
+    except TypeError:
+        return False
+    return True
+
+
 def _map(name: str, nbytes: int, create: bool) -> mmap.mmap:
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = _posixshmem.shm_open(name, flags, 0o600)
@@ -79,7 +88,7 @@ class ShmHeap(SymmetricHeap):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.nbytes = int(nbytes)
-        self._group = group
+        self._group = weakref.ref(group) if _weakrefable(group) else group
         reap_stale_segments()
         own = f"/{_PREFIX}{os.getpid()}_{secrets.token_hex(4)}_r{self.rank}"
         self._maps: list[mmap.mmap] = []
@@ -104,9 +113,13 @@ class ShmHeap(SymmetricHeap):
         self.peer_ptrs = torch.tensor([s.data_ptr() for s in self._segments], dtype=torch.int64)
 
     def barrier(self) -> None:
-        dist.barrier(group=self._group)
+        group = self._group() if isinstance(self._group, weakref.ref) else self._group
+        if group is None:
+            raise RuntimeError("the process group of this heap is gone")
+        dist.barrier(group=group)
 
     def close(self) -> None:
+        self._group = None  # a heap must not keep a destroyed process group alive
         self.peer_ptrs = torch.zeros(self.world_size, dtype=torch.int64)
         self.local = torch.empty(0, dtype=torch.uint8)
         self._segments = []

@@ -1,0 +1,257 @@
+"""moe_comm inside DeepSpeed's MoE layer (``deepspeed.moe.layer.MoE``).
+
+DeepSpeed's ``MOELayer`` moves fixed ``[E, capacity, H]`` blocks through an equal-split
+all-to-all: every expert slot travels, filled or not. ``MoeCommMOELayer`` is a drop-in
+subclass that moves only the routed (token, expert) pairs with ``moe_comm.Buffer``. One line,
+before the model is built::
+
+    from moe_comm.integrations.deepspeed import apply_deepspeed
+    apply_deepspeed()                      # every MoE(...) built afterwards; mode="dropless"
+
+or on a model that already exists (parameters are kept)::
+
+    from moe_comm.integrations.deepspeed import convert
+    convert(model, mode="capacity")
+
+Modes:
+
+* ``"dropless"`` (default): the gate runs as with ``drop_tokens=False`` (no token is dropped),
+  each local expert runs once over its received rows (no padding), and ``combine`` weights the
+  rows by the gate values. Equal to DeepSpeed with ``drop_tokens=False`` up to fp32 rounding:
+  the experts' GEMMs see different row counts (no padding rows), so weight gradients sum the
+  rows in another order; with k >= 3 (or bf16/fp16 rows of one token on two ranks) the sum
+  over a token's experts is grouped by rank.
+* ``"capacity"``: DeepSpeed's gating exactly as configured (capacity factor, ``min_capacity``,
+  ``drop_tokens``, random token selection); only the kept pairs travel, and each expert rank
+  rebuilds DeepSpeed's ``[EP, L, capacity, H]`` block from them and runs DeepSpeed's own
+  ``Experts`` module on it. Outputs and gradients equal DeepSpeed's bit for bit for k <= 2 in
+  fp32, and for k = 1 in any dtype (see docs/INTEGRATIONS.md for the rest).
+
+The forward returns what DeepSpeed's returns (``MoE`` then gives ``out, l_aux, exp_counts``).
+Expert ``e`` lives on rank ``e // num_local_experts`` of the expert-parallel group, as in
+DeepSpeed. Not supported: tensor parallelism of the non-expert part (``groups.mpu`` with TP >
+1) and Tutel's dispatcher (ignored). Expert modules must act row-wise on ``[..., H]``, which
+DeepSpeed's own padded blocks already assume.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+from torch import nn
+
+from . import BufferCache, buffers
+
+# MoeCommMOELayer subclasses DeepSpeed's MOELayer, so it is made on first access (module
+# __getattr__), when deepspeed is imported.
+__all__ = ["apply_deepspeed", "revert_deepspeed", "convert", "is_applied", "available",
+           "capacity_slots", "MODES"]
+
+MODES = ("dropless", "capacity")
+_originals: dict[str, type] = {}
+_settings: dict = {"mode": "dropless", "max_tokens_per_rank": None}
+_classes: dict[str, type] = {}
+
+
+def _import_deepspeed_moe():
+    if not torch.cuda.is_available():  # DeepSpeed's CPU accelerator, unless one was chosen
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.moe import layer, sharded_moe
+
+    return layer, sharded_moe
+
+
+def available() -> bool:
+    """Whether DeepSpeed's MoE layer can be imported."""
+    try:
+        _import_deepspeed_moe()
+    except ImportError:
+        return False
+    return True
+
+
+def is_applied() -> bool:
+    return bool(_originals)
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}; choose one of {MODES}")
+
+
+def apply_deepspeed(mode: str = "dropless", max_tokens_per_rank: int | None = None) -> bool:
+    """Makes every ``deepspeed.moe.layer.MoE`` built from now on use :class:`MoeCommMOELayer`
+    in ``mode``. Idempotent (a second call only updates ``mode`` and ``max_tokens_per_rank``
+    for layers built afterwards). Returns False, with a warning and no change, when DeepSpeed
+    is not installed."""
+    _check_mode(mode)
+    try:
+        layer, _ = _import_deepspeed_moe()
+    except ImportError as error:
+        warnings.warn(f"apply_deepspeed(): deepspeed is not importable ({error}); nothing was "
+                      "changed. pip install deepspeed to use the plugin.", stacklevel=2)
+        return False
+    _settings.update(mode=mode, max_tokens_per_rank=max_tokens_per_rank)
+    if not _originals:
+        _originals["MOELayer"] = layer.MOELayer
+        layer.MOELayer = _layer_class()
+    return True
+
+
+def revert_deepspeed() -> None:
+    """Undoes :func:`apply_deepspeed` for layers built afterwards (idempotent)."""
+    if not _originals:
+        return
+    layer, _ = _import_deepspeed_moe()
+    layer.MOELayer = _originals.pop("MOELayer")
+
+
+def convert(module: nn.Module, mode: str = "dropless", max_tokens_per_rank: int | None = None,
+            buffer_cache: BufferCache | None = None) -> int:
+    """Turns every DeepSpeed ``MOELayer`` inside ``module`` into a :class:`MoeCommMOELayer`
+    in place (same parameters, same process groups); returns how many were converted.
+    Layers converted before get the new ``mode``."""
+    _check_mode(mode)
+    _, sharded_moe = _import_deepspeed_moe()
+    cls = _layer_class()
+    count = 0
+    for sub in module.modules():
+        if isinstance(sub, sharded_moe.MOELayer):
+            sub.__class__ = cls
+            sub._moe_comm_setup(mode, max_tokens_per_rank, buffer_cache)
+            count += 1
+    return count
+
+
+def __getattr__(name: str):
+    if name == "MoeCommMOELayer":
+        return _layer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def capacity_slots(src_rank: torch.Tensor, local_expert: torch.Tensor, second_pass: torch.Tensor,
+                   world_size: int, num_local_experts: int, capacity: int) -> torch.Tensor:
+    """Flat index in DeepSpeed's received block ``[world_size, L, capacity]`` of each row.
+
+    Rows arrive grouped by local expert, then source rank, then source token. DeepSpeed
+    places a source's tokens for an expert in token order, except that top-2 gating puts every
+    first-choice token before the second-choice ones (``second_pass``); the position of a row
+    within its (expert, source) group in that order is its capacity slot.
+    """
+    n = src_rank.numel()
+    group = local_expert * world_size + src_rank
+    order = torch.argsort(group * 2 + second_pass.long(), stable=True)
+    counts = torch.bincount(group, minlength=num_local_experts * world_size)
+    starts = torch.cumsum(counts, 0) - counts
+    location = torch.empty_like(src_rank)
+    location[order] = torch.arange(n, device=src_rank.device) - starts[group[order]]
+    if n and int(location.max()) >= capacity:
+        raise RuntimeError("a received row does not fit DeepSpeed's capacity; the ranks "
+                           "disagree on the capacity (different token counts per rank?)")
+    return (src_rank * num_local_experts + local_expert) * capacity + location
+
+
+def _layer_class() -> type:
+    if "layer" in _classes:
+        return _classes["layer"]
+    _, sharded_moe = _import_deepspeed_moe()
+    from deepspeed.utils import groups
+    from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
+
+    class MoeCommMOELayer(sharded_moe.MOELayer):
+        """DeepSpeed ``MOELayer`` whose token movement is ``moe_comm`` dispatch/combine (see
+        the module doc). Same constructor as DeepSpeed's, plus keyword-only ``mode``,
+        ``max_tokens_per_rank`` and ``buffer_cache``."""
+
+        def __init__(self, *args, mode: str | None = None,
+                     max_tokens_per_rank: int | None = None,
+                     buffer_cache: BufferCache | None = None, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._moe_comm_setup(mode, max_tokens_per_rank, buffer_cache)
+
+        def _moe_comm_setup(self, mode, max_tokens_per_rank, buffer_cache) -> None:
+            mode = _settings["mode"] if mode is None else mode
+            _check_mode(mode)
+            self.mode = mode
+            self.max_tokens_per_rank = (max_tokens_per_rank if max_tokens_per_rank is not None
+                                        else _settings["max_tokens_per_rank"])
+            self.buffer_cache = buffer_cache if buffer_cache is not None else buffers
+            self.buffer = None
+
+        def _gate(self, reshaped_input, used_token):
+            if self.mode == "capacity":
+                return self.gate(reshaped_input, used_token, True, False)
+            drop = self.gate.drop_tokens
+            self.gate.drop_tokens = False
+            try:
+                return self.gate(reshaped_input, used_token, True, False)
+            finally:
+                self.gate.drop_tokens = drop
+
+        def forward(self, *input: torch.Tensor, **kwargs) -> torch.Tensor:
+            if bwc_tensor_model_parallel_world_size(groups.mpu) > 1:
+                raise NotImplementedError("MoeCommMOELayer does not support tensor "
+                                          "parallelism of the non-expert layers")
+            if self.ep_group is None:
+                raise RuntimeError("the MoE layer has no expert-parallel group yet: call "
+                                   "MoE.set_deepspeed_parallelism() or deepspeed.initialize()")
+            hidden = input[0].shape[-1]
+            x = input[0].reshape(-1, hidden)
+            used_token = input[1] if len(input) > 1 else None
+            self.l_aux, capacity, num_experts, indices, locations, gates, self.exp_counts = \
+                self._gate(x, used_token)
+            topk = indices.shape[0]
+            topk_idx = indices.t().long().contiguous()  # [S, k], -1 = dropped
+            weights = gates.t().float()  # [S, k]
+            # Top-2 gating places second choices after all first choices: the sign bit of the
+            # weight tells the expert rank which pass a row belongs to (x * -1 is exact).
+            second = self.mode == "capacity" and getattr(self.gate, "k", topk) == 2
+            if second:
+                weights = weights * torch.tensor([1.0, -1.0], dtype=weights.dtype,
+                                                 device=weights.device)
+            self.buffer = self.buffer_cache.get(
+                self.ep_group, hidden=hidden, num_experts=num_experts, dtype=x.dtype,
+                max_topk=topk, num_tokens=x.shape[0],
+                max_tokens_per_rank=self.max_tokens_per_rank, device=x.device)
+            res = self.buffer.dispatch(x.contiguous(), topk_idx, weights.contiguous())
+            if self.mode == "capacity":
+                y, row_weights = self._capacity_experts(res, int(capacity), second)
+            else:
+                y, row_weights = self._dropless_experts(res), res.weights
+            out = self.buffer.combine(y, res.handle, weights=row_weights)
+            return out.reshape(input[0].shape)
+
+        def _dropless_experts(self, res) -> torch.Tensor:
+            bounds = res.expert_offsets.tolist()
+            outs = []
+            for expert, a, b in zip(self.experts.deepspeed_experts, bounds[:-1], bounds[1:]):
+                out = expert(res.x[a:b])
+                outs.append(out[0] if isinstance(out, tuple) else out)
+            return torch.cat(outs) if outs else res.x[:0]
+
+        def _capacity_experts(self, res, capacity: int, second: bool):
+            L, R = self.num_local_experts, self.ep_size
+            hidden, dev = res.x.shape[1], res.x.device
+            local = torch.repeat_interleave(torch.arange(L, device=dev),
+                                            res.tokens_per_expert.to(dev))
+            if second:
+                second_pass = torch.signbit(res.weights)
+                sign = torch.where(second_pass, -1.0, 1.0).to(res.weights.dtype)
+                row_weights = res.weights * sign
+            else:
+                second_pass = torch.zeros_like(res.src_rank, dtype=torch.bool)
+                row_weights = res.weights
+            slots = capacity_slots(res.src_rank, local, second_pass, R, L, capacity)
+            # DeepSpeed's block as its all-to-all would have delivered it: zeros where no
+            # token is routed, read by one gather (backward: each row's gradient from its slot).
+            source = torch.full((R * L * capacity,), res.x.shape[0], dtype=torch.long,
+                                device=dev)
+            source[slots] = torch.arange(res.x.shape[0], device=dev)
+            padded = torch.cat([res.x, res.x.new_zeros((1, hidden))])
+            block = padded.index_select(0, source).view(R, L, capacity, hidden)
+            expert_out = self.experts(block).reshape(R * L * capacity, hidden)
+            return expert_out.index_select(0, slots), row_weights
+
+    _classes["layer"] = MoeCommMOELayer
+    return MoeCommMOELayer

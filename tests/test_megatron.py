@@ -1,0 +1,114 @@
+"""moe_comm's token dispatcher inside a real Megatron-Core ``MoELayer`` on CPU ranks, against
+Megatron's own alltoall dispatcher: same weights, same inputs, forward and backward.
+
+Exact (``torch.equal``) where both sum the same values in the same order: top-2 (a token's two
+expert outputs are added once, and a + b == b + a), any dtype. With top-4 Megatron adds a
+token's outputs one after another in expert order while moe_comm adds each rank's share first,
+so the output and the input gradient agree to fp32 rounding; the expert and router gradients
+stay exact (the experts see the same rows in the same order).
+"""
+import sys
+
+import pytest
+
+pytest.importorskip("megatron.core.transformer.moe.moe_layer",
+                    reason="megatron-core is not installed (pip install -e .[megatron])")
+
+from integration_jobs import megatron_parity, megatron_rejects
+from moe_comm.integrations import megatron as plugin
+
+INEXACT_WITH_TOPK_ABOVE_2 = {"out", "x.grad"}
+
+
+def check(reports, world_size, *, inexact=(), rtol=1e-6):
+    for rank, rep in enumerate(reports):
+        assert rep["their_dispatcher"] == "MoEAlltoAllTokenDispatcher", rep
+        assert rep["our_dispatcher"] == "MoeCommTokenDispatcher", rep
+        if world_size > 1:
+            assert rep["bytes_to_peers"] > 0, f"rank {rank}: moe_comm sent nothing"
+        assert rep["buffers"] == 1
+        for step, tensors in enumerate(rep["steps"]):
+            assert {"out", "x.grad", "router.weight.grad"} <= set(tensors)
+            for name in ("out", "x.grad", "router.weight.grad"):
+                assert tensors[name][2] > 0, f"rank {rank} step {step}: {name} is all zeros"
+            assert any(scale > 0 for name, (_, _, scale) in tensors.items()
+                       if ".local_experts." in name), f"rank {rank}: no expert got a token"
+            for name, (equal, diff, scale) in tensors.items():
+                if name in inexact:
+                    assert diff <= rtol * scale, \
+                        f"rank {rank} step {step}: {name} differs by {diff:.3e} (max {scale:.3e})"
+                else:
+                    assert equal, f"rank {rank} step {step}: {name} differs by {diff:.3e}"
+
+
+@pytest.mark.parametrize("world_size, dtype, experts, tokens", [
+    (2, "float32", 8, ((7, 2), (5, 3))),
+    (2, "bfloat16", 4, ((8, 2), (8, 2))),
+    (4, "float32", 16, ((6, 2), (3, 1), (5, 2), (4, 3))),
+    (4, "bfloat16", 8, ((4, 2), (6, 1), (2, 2), (5, 2))),
+], ids=["R2-fp32", "R2-bf16", "R4-fp32", "R4-bf16"])
+def test_top2_equals_megatron_alltoall_exactly(ranks, world_size, dtype, experts, tokens):
+    reports = ranks(world_size).run(megatron_parity, dtype, 16, experts, 2, tokens, seed=11)
+    check(reports, world_size)
+
+
+def test_top4_equals_megatron_within_fp32_rounding(ranks):
+    tokens = ((6, 2), (5, 2), (4, 2), (7, 1))
+    reports = ranks(4).run(megatron_parity, "float32", 16, 8, 4, tokens, seed=12)
+    check(reports, 4, inexact=INEXACT_WITH_TOPK_ABOVE_2)
+
+
+def test_router_token_drops_are_honoured(ranks):
+    """``moe_expert_capacity_factor`` without padding: the router drops choices, the plugin
+    sends only what is left (``-1`` choices) and still matches Megatron exactly."""
+    reports = ranks(2).run(megatron_parity, "float32", 16, 4, 2, ((12, 2), (10, 2)), seed=13,
+                           capacity_factor=0.5)
+    check(reports, 2)
+    assert sum(rep["dropped"] for rep in reports) > 0, "no choice was dropped: weak test"
+
+
+def test_shared_expert_without_overlap(ranks):
+    reports = ranks(2).run(megatron_parity, "float32", 16, 4, 2, ((6, 2), (6, 2)), seed=14,
+                           shared_expert=True)
+    check(reports, 2)
+    assert any("shared_experts" in name for name in reports[0]["steps"][0])
+
+
+@pytest.mark.parametrize("dispatcher_type", ["alltoall", "flex"])
+def test_apply_megatron_replaces_alltoall_and_flex(ranks, dispatcher_type):
+    """``apply_megatron()`` (called twice: idempotent) makes a plain spec with this dispatcher
+    type build moe_comm's dispatcher; ``revert_megatron()`` restores Megatron's."""
+    reports = ranks(2).run(megatron_parity, "float32", 16, 4, 2, ((5, 2), (6, 2)), seed=15,
+                           use="apply", dispatcher_type=dispatcher_type)
+    check(reports, 2)
+    for rep in reports:
+        assert rep["applied"] and rep["reverted"]
+
+
+def test_unsupported_configs_are_refused_with_a_reason(ranks):
+    for errors in ranks(2).run(megatron_rejects):
+        assert "moe_pad_expert_input_to_capacity" in errors["pad_to_capacity"]
+        assert "moe_shared_expert_overlap=False" in errors["shared_expert_overlap"]
+
+
+def test_apply_megatron_without_megatron_is_a_noop_with_a_message(monkeypatch):
+    monkeypatch.setitem(sys.modules, "megatron.core.transformer.moe", None)
+    with pytest.warns(UserWarning, match="megatron-core is not importable"):
+        assert plugin.apply_megatron() is False
+    assert not plugin.is_applied()
+
+
+def test_routing_map_to_topk_keeps_expert_order_and_gradients():
+    import torch
+
+    routing = torch.tensor([[False, True, False, True], [True, False, False, False],
+                            [False, False, False, False]])
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]],
+                         requires_grad=True)
+    idx, weights = plugin.routing_to_topk(routing, probs, 2)
+    assert idx.tolist() == [[1, 3], [0, -1], [-1, -1]]
+    assert weights.tolist() == [[0.30000001192092896, 0.699999988079071], [1.0, 0.0], [0.0, 0.0]]
+    weights.sum().backward()
+    assert probs.grad.tolist() == routing.float().tolist()
+    with pytest.raises(ValueError, match="more than moe_router_topk"):
+        plugin.routing_to_topk(torch.ones((1, 4), dtype=torch.bool), torch.ones((1, 4)), 2)

@@ -24,11 +24,11 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 # first: without a GPU, importing moe_comm selects the Triton interpreter, which must happen
 # before a framework imports triton
 import moe_comm  # noqa: F401
+from moe_comm.launch import run_ranks
 
 HIDDEN, EXPERTS, TOPK, TOKENS = 32, 8, 2, 24
 
@@ -82,17 +82,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2, help="ranks to start (without torchrun)")
     args = parser.parse_args()
-    if "RANK" in os.environ:  # started by torchrun
-        dist.init_process_group("gloo")
-        print(run(dist.get_rank(), dist.get_world_size()), flush=True)
-        dist.destroy_process_group()
-        return 0
-    from moe_comm.launch import parallel_launch
-
-    for line in parallel_launch(args.ranks, run):
-        print(line)
+    for line in run_ranks(args.ranks, run).values():
+        print(line, flush=True)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

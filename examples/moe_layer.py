@@ -11,7 +11,6 @@ and computes the dense layer on its own tokens; outputs and gradients must agree
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
@@ -19,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import moe_comm
+from moe_comm.launch import run_ranks
 
 HIDDEN, FFN, EXPERTS, TOPK, TOKENS = 64, 128, 8, 2, 48
 
@@ -89,20 +89,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4, help="ranks to start (without torchrun)")
     args = parser.parse_args()
-    if "RANK" in os.environ:  # started by torchrun
-        dist.init_process_group("gloo")
-        err = run(dist.get_rank(), dist.get_world_size())
-        print(f"rank {dist.get_rank()}: output and gradients match the dense layer "
-              f"(max |out - dense| = {err:.2e})")
-        dist.destroy_process_group()
-        return 0
-    from moe_comm.launch import parallel_launch
-
-    for rank, err in enumerate(parallel_launch(args.ranks, run)):
+    for rank, err in run_ranks(args.ranks, run).items():
         print(f"rank {rank}: output and gradients match the dense layer "
               f"(max |out - dense| = {err:.2e})")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -150,3 +150,19 @@ def parallel_launch(world_size: int, fn: Callable, *args, **kwargs) -> list[Any]
     """Starts ``world_size`` ranks, runs ``fn(rank, world_size, *args)`` on each, shuts down."""
     with RankPool(world_size) as pool:
         return pool.run(fn, *args, **kwargs)
+
+
+def run_ranks(world_size: int, fn: Callable, *args) -> dict[int, Any]:
+    """``{rank: fn(rank, world_size, *args)}`` for the ranks of this process: under torchrun
+    (``RANK`` set) this process's own rank over gloo; otherwise ``world_size`` ranks started
+    here. The entry point of the examples."""
+    if "RANK" not in os.environ:
+        return dict(enumerate(parallel_launch(world_size, fn, *args)))
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        rank = dist.get_rank()
+        return {rank: fn(rank, dist.get_world_size(), *args)}
+    finally:
+        dist.destroy_process_group()

@@ -175,7 +175,8 @@ def combine_send(y, weights, pair_values, slot_rows, slot_counts, slot_offsets, 
         *box_offsets, flavour.local_base, last_ticket, epoch, H, topk, R, rank, max_tokens,
         KMAX=max_topk, HAS_WEIGHTS=weights is not None, HAS_PAIR=pair_values is not None,
         ACC_FP64=y.dtype == torch.float64, TRANSPORT=flavour.transport,
-        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)))
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),
+        **flavour.launch_options())
     return True
 
 

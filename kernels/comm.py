@@ -189,9 +189,14 @@ class Flavour:
     local_base: int = 0  # address of this rank's segment (NVSHMEM symmetric addresses)
     errors_addr: int = 0  # address of the [4] int64 error record (host-mapped on GPUs)
     timeout_ns: int = 0
+    bitcode: str = ""  # transport 1: NVSHMEM's device bitcode for this GPU's architecture
 
     def args(self) -> tuple[int, int, int]:
         return self.local_base, self.errors_addr, self.timeout_ns
+
+    def launch_options(self) -> dict:
+        """Extra keywords of a launch: NVSHMEM's bitcode to link where kernels call it."""
+        return {"extern_libs": {"libnvshmem_device": self.bitcode}} if self.bitcode else {}
 
 
 CPU_RANKS = Flavour()

@@ -285,7 +285,7 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
         META_STRIDE=meta_stride, KMAX=max_topk, SEND_META=send_meta, HAS_WEIGHTS=has_weights,
         FP8=fp8, UE8M0=ue8m0, TRANSPORT=flavour.transport, BLOCK_T=block_t, BLOCK_H=block_h,
         BLOCK_K=triton.next_power_of_2(max(topk, 1)),
-        BLOCK_L=triton.next_power_of_2(num_local_experts + 1))
+        BLOCK_L=triton.next_power_of_2(num_local_experts + 1), **flavour.launch_options())
     return True
 
 

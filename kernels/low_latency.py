@@ -430,7 +430,8 @@ def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, ran
         *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)), *flavour.args(),
         T, H, K, R, num_local_experts, num_experts, rank, max_tokens, slot_bytes, FP8=fp8,
         UE8M0=ue8m0, TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait,
-        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_E=triton.next_power_of_2(num_experts))
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_E=triton.next_power_of_2(num_experts),
+        **flavour.launch_options())
     return True
 
 
@@ -457,7 +458,7 @@ def ll_dispatch_recv(staging, meta, signals, peer_ptrs, state, out, out_scales, 
         FP8=fp8, UE8M0=fp8 and ue8m0, HAS_STATS=recv_stats is not None,
         TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait, BLOCK_T=block_t,
         BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(R),
-        BLOCK_G=triton.next_power_of_2(max(H // 128, 1)))
+        BLOCK_G=triton.next_power_of_2(max(H // 128, 1)), **flavour.launch_options())
     return True
 
 
@@ -473,7 +474,7 @@ def ll_combine_send(y, layout, src_info, src_k, peer_ptrs, state, stats, *, offs
         *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)), *flavour.args(),
         H, R, L, rank, max_tokens, max_topk, TRANSPORT=flavour.transport,
         DEVICE_WAIT=flavour.device_wait, ZERO_COPY=zero_copy, BLOCK_T=block_t,
-        BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(R))
+        BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(R), **flavour.launch_options())
     return True
 
 
@@ -490,7 +491,7 @@ def ll_combine_recv(staging, topk_idx, topk_weights, out, peer_ptrs, state, sign
         peer_ptrs, state, *acks, signals, *flavour.args(), T, H, K, R, rank, TMAX, KMAX,
         HAS_WEIGHTS=topk_weights is not None, TRANSPORT=flavour.transport,
         DEVICE_WAIT=flavour.device_wait, BLOCK_T=block_t, BLOCK_H=block_h,
-        BLOCK_R=triton.next_power_of_2(R))
+        BLOCK_R=triton.next_power_of_2(R), **flavour.launch_options())
     return True
 
 

@@ -122,3 +122,31 @@ def device_bitcode(arch: int) -> str:
                   for p in glob.glob(os.path.join(f, "*.bc")))
     raise FileNotFoundError(f"no NVSHMEM device bitcode for sm_{arch}: tried {tried}; "
                             f"install nvidia-nvshmem-cu13 or set NVSHMEM_LIB_DIR (seen: {seen})")
+
+
+def install_module_init_hook() -> None:
+    """Initialises for NVSHMEM (``nvshmemx_cumodule_init``) every module Triton compiles with
+    NVSHMEM's bitcode linked in, right after it is compiled and before its first launch.
+
+    Installed as ``triton.knobs.runtime.jit_post_compile_hook``; a hook already there (torch
+    installs one for its own NVSHMEM kernels) is kept and called first. Idempotent.
+    """
+    previous = triton.knobs.runtime.jit_post_compile_hook
+    if getattr(previous, "moe_comm_nvshmem", False):
+        return
+
+    def hook(*, key, fn, compile, **kwargs):
+        result = previous(key=key, fn=fn, compile=compile, **kwargs) if previous else None
+        if "libnvshmem_device" in dict(compile.get("extern_libs") or ()):
+            kernel = fn.jit_function.device_caches[compile["device"]][0][key]
+            kernel._init_handles()  # loads the module
+            from nvshmem import bindings
+
+            status = bindings.cumodule_init(int(kernel.module))
+            if status:
+                raise RuntimeError(f"nvshmemx_cumodule_init failed ({status}) for "
+                                   f"{fn.jit_function.fn.__name__}")
+        return result
+
+    hook.moe_comm_nvshmem = True
+    triton.knobs.runtime.jit_post_compile_hook = hook

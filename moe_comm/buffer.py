@@ -28,6 +28,7 @@ from .kernels.comm import (
     wait_epochs,
     wait_epochs_kernel,
 )
+from .kernels.nvshmem import device_bitcode, install_module_init_hook
 from .kernels.quant import block_h_for
 from .low_latency import LowLatencyMode
 from .normal_mode import NormalMode, PendingSend
@@ -171,10 +172,16 @@ class Buffer(NormalMode, LowLatencyMode):
         self.flavour = CPU_RANKS
         if on_gpu:
             self._errors = torch.zeros(4, dtype=torch.int64, pin_memory=True)
-            self.flavour = Flavour(transport=int(bool((heap.peer_ptrs == 0).any())),
-                                   device_wait=True, local_base=heap.local.data_ptr(),
+            transport = int(bool((heap.peer_ptrs == 0).any()))
+            bitcode = ""
+            if transport:  # kernels call NVSHMEM: link its bitcode, initialise each module
+                major, minor = torch.cuda.get_device_capability(heap.device)
+                bitcode = device_bitcode(10 * major + minor)
+                install_module_init_hook()
+            self.flavour = Flavour(transport=transport, device_wait=True,
+                                   local_base=heap.local.data_ptr(),
                                    errors_addr=self._errors.data_ptr(),
-                                   timeout_ns=int(self.timeout_s * 1e9))
+                                   timeout_ns=int(self.timeout_s * 1e9), bitcode=bitcode)
         self.id = next(_ids)
         self.launches: collections.Counter[str] = collections.Counter()
         self._epochs = [0, 0]  # last epoch issued per channel

@@ -103,3 +103,38 @@ def test_combine_buffer_is_a_plain_tensor_without_rdma():
     buf = moe_comm.Buffer.loopback(2, 128, 4, 8, low_latency=True)[0]
     y = buf.low_latency_combine_buffer()
     assert y.shape == (2, 16, 128) and y.dtype == buf.dtype
+
+
+def test_nvshmem_module_init_hook_initialises_only_nvshmem_kernels(monkeypatch):
+    """The post-compile hook loads a kernel's module and hands it to nvshmemx_cumodule_init
+    when NVSHMEM's bitcode was linked; it keeps a hook installed before it."""
+    import sys
+    import types
+
+    import triton
+
+    from moe_comm.kernels.nvshmem import install_module_init_hook
+
+    inits, earlier = [], []
+
+    class Kernel:
+        module = 1234
+
+        def _init_handles(self):
+            inits.append("loaded")
+
+    bindings = types.SimpleNamespace(cumodule_init=lambda module: inits.append(module) or 0)
+    monkeypatch.setitem(sys.modules, "nvshmem.bindings", bindings)
+    monkeypatch.setitem(sys.modules, "nvshmem", types.SimpleNamespace(bindings=bindings))
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook",
+                        lambda **kw: earlier.append(kw["key"]))
+    install_module_init_hook()
+    install_module_init_hook()  # idempotent
+    hook = triton.knobs.runtime.jit_post_compile_hook
+    fn = types.SimpleNamespace(jit_function=types.SimpleNamespace(
+        device_caches={0: ({"k": Kernel()},)}, fn=types.SimpleNamespace(__name__="kernel")))
+    hook(key="k", fn=fn, compile={"device": 0, "extern_libs": (("libnvshmem_device", "x"),)},
+         repr="", is_manual_warmup=False, already_compiled=False)
+    hook(key="k", fn=fn, compile={"device": 0, "extern_libs": None}, repr="",
+         is_manual_warmup=False, already_compiled=False)
+    assert earlier == ["k", "k"] and inits == ["loaded", 1234]

@@ -145,7 +145,7 @@ def megatron_rejects(rank, world_size) -> dict:
         layer = _megatron_layer(_megatron_config(**base), plugin.MoeCommMoELayer)
         try:
             layer.token_dispatcher.set_shared_experts(None)
-        except NotImplementedError as error:
+        except ValueError as error:
             errors["shared_expert_overlap"] = str(error)
     return errors
 

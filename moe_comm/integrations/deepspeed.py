@@ -191,8 +191,8 @@ def _layer_class() -> type:
 
         def forward(self, *input: torch.Tensor, **kwargs) -> torch.Tensor:
             if bwc_tensor_model_parallel_world_size(groups.mpu) > 1:
-                raise NotImplementedError("MoeCommMOELayer does not support tensor "
-                                          "parallelism of the non-expert layers")
+                raise ValueError("MoeCommMOELayer does not support tensor parallelism of the "
+                                 "non-expert layers")
             if self.ep_group is None:
                 raise RuntimeError("the MoE layer has no expert-parallel group yet: call "
                                    "MoE.set_deepspeed_parallelism() or deepspeed.initialize()")

@@ -189,7 +189,7 @@ def _dispatcher_class() -> type:
             self.cudagraph_attrs = []
 
         def set_shared_experts(self, shared_experts):
-            raise NotImplementedError(
+            raise ValueError(
                 "the moe_comm token dispatcher does not overlap shared experts with its "
                 "communication; set moe_shared_expert_overlap=False (MoELayer then runs the "
                 "shared experts itself)")

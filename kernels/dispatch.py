@@ -57,111 +57,112 @@ def dispatch_send_kernel(
     TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; 1: NVSHMEM where pointer is 0
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
-    t0 = tl.program_id(0) * BLOCK_T
-    t = t0 + tl.arange(0, BLOCK_T)
-    tm = t < T
-    t64 = t.to(tl.int64)
     G = H // 128
-    for h0 in range(0, H, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        hm = h < H
-        m = tm[:, None] & hm[None, :]
-        g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-        gm = tm[:, None] & (g < G)[None, :]
-        if FP8 == 0:
-            tile = tl.load(x + t64[:, None] * H + h[None, :], mask=m)
-        elif FP8 == 1:
-            v = tl.load(x + t64[:, None] * H + h[None, :], mask=m, other=0.0).to(tl.float32)
-            codes, scales, exps = quantize_tile(v, BLOCK_T, BLOCK_H, UE8M0)
-        else:
-            codes = tl.load(x + t64[:, None] * H + h[None, :], mask=m)
-            scales = tl.load(x_scales + t64[:, None] * G + g[None, :], mask=gm, other=0.0)
-        if TRANSPORT == 1:  # each token's row once into the outbox, for the NVSHMEM puts
-            box8 = (local_base + box_rows_off).to(tl.pointer_type(tl.uint8)) + t64 * ROW_BYTES
-            if FP8 == 0:
-                boxx = box8.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
-                tl.store(boxx[:, None] + h[None, :], tile, mask=m)
-            else:
-                tl.store(box8[:, None] + h[None, :], codes, mask=m)
-                if UE8M0:
-                    tl.store(box8[:, None] + H + g[None, :], exps, mask=gm)
-                else:
-                    boxf = box8.to(tl.pointer_type(tl.float32), bitcast=True) + H // 4
-                    tl.store(boxf[:, None] + g[None, :], scales, mask=gm)
-        for d in range(R):
-            slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
-            sm = by_stores(peer_ptrs, d + tl.zeros([BLOCK_T], tl.int32), slot >= 0,
-                           TRANSPORT)[:, None]
-            if FP8 == 0:
-                dst = peer_ptr(peer_ptrs, d, rows_off, x.dtype.element_ty)
-                tl.store(dst + slot[:, None] * H + h[None, :], tile, mask=sm & hm[None, :])
-            else:
-                row8 = peer_ptr(peer_ptrs, d, rows_off, tl.uint8) + slot * ROW_BYTES
-                tl.store(row8[:, None] + h[None, :], codes, mask=sm & hm[None, :])
-                if UE8M0:
-                    tl.store(row8[:, None] + H + g[None, :], exps, mask=sm & gm)
-                else:
-                    rowf = peer_ptr(peer_ptrs, d, rows_off, tl.float32) \
-                        + (slot * ROW_BYTES + H) // 4
-                    tl.store(rowf[:, None] + g[None, :], scales, mask=sm & gm)
     if FP8 == 0:
         row_bytes = H * x.dtype.element_ty.primitive_bitwidth // 8
     else:
         row_bytes = H + G * (4 - 3 * UE8M0)
     if SEND_META:
-        kk = tl.arange(0, BLOCK_K)
-        m2 = tm[:, None] & (kk < K)[None, :]
-        e = tl.load(topk_idx + t64[:, None] * K + kk[None, :], mask=m2, other=-1)
-        pos = tl.load(pair_pos + t64[:, None] * K + kk[None, :], mask=m2, other=-1)
         row_bytes += 4 * (1 + 3 * K)
-        if TRANSPORT == 1:
-            box_meta = (local_base + box_meta_off).to(tl.pointer_type(tl.int32)) \
-                + t64 * META_STRIDE
-            tl.store(box_meta, t, mask=tm)
-            tl.store(box_meta[:, None] + 1 + kk[None, :], e.to(tl.int32), mask=m2)
-            tl.store(box_meta[:, None] + 1 + KMAX + kk[None, :], pos, mask=m2)
-            if HAS_WEIGHTS:
-                wb = tl.load(topk_weights + t64[:, None] * K + kk[None, :], mask=m2, other=0.0)
-            else:
-                wb = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
-            tl.store(box_meta[:, None] + 1 + 2 * KMAX + kk[None, :],
-                     wb.to(tl.int32, bitcast=True), mask=m2)
-        for d in range(R):
-            slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
-            sm = by_stores(peer_ptrs, d + tl.zeros([BLOCK_T], tl.int32), slot >= 0, TRANSPORT)
-            meta = peer_ptr(peer_ptrs, d, meta_off, tl.int32) + slot * META_STRIDE
-            tl.store(meta, t, mask=sm)
-            sm2 = sm[:, None] & m2  # the same meta for every destination: global expert ids
-            tl.store(meta[:, None] + 1 + kk[None, :], e.to(tl.int32), mask=sm2)
-            tl.store(meta[:, None] + 1 + KMAX + kk[None, :], pos, mask=sm2)
-            if HAS_WEIGHTS:
-                w = tl.load(topk_weights + t64[:, None] * K + kk[None, :], mask=m2, other=0.0)
-            else:  # zeros travel too, so no receiver ever reads a stale weight
-                w = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
-            tl.store(meta[:, None] + 1 + 2 * KMAX + kk[None, :], w.to(tl.int32, bitcast=True),
-                     mask=sm2)
-    if TRANSPORT == 1:  # rows for ranks reached only by NVSHMEM: one put per (token, rank)
-        tl.debug_barrier()
-        for i in range(BLOCK_T):
-            ti = t0 + i
-            for d in range(R):
-                slot = tl.load(slot_of + ti * R + d, mask=ti < T, other=-1).to(tl.int64)
-                if (slot >= 0) & (tl.load(peer_ptrs + d) == 0):
-                    put_bytes(local_base, rows_off + slot * ROW_BYTES,
-                              box_rows_off + ti.to(tl.int64) * ROW_BYTES,
-                              row_bytes - SEND_META * 4 * (1 + 3 * K), d)
-                    if SEND_META:
-                        put_bytes(local_base, meta_off + slot * (4 * META_STRIDE),
-                                  box_meta_off + ti.to(tl.int64) * (4 * META_STRIDE),
-                                  4 * META_STRIDE, d)
-        quiet()
     to_peers = tl.zeros([1], tl.int64)
     to_self = tl.zeros([1], tl.int64)
-    for d in range(R):
-        slot = tl.load(slot_of + t * R + d, mask=tm, other=-1)
-        nbytes = tl.sum((slot >= 0).to(tl.int64), axis=0) * row_bytes
-        to_peers += tl.where(d != me, nbytes, 0)
-        to_self += tl.where(d == me, nbytes, 0)
+    for t0 in range(tl.program_id(0) * BLOCK_T, T, tl.num_programs(0) * BLOCK_T):  # persistent
+        t = t0 + tl.arange(0, BLOCK_T)
+        tm = t < T
+        t64 = t.to(tl.int64)
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            hm = h < H
+            m = tm[:, None] & hm[None, :]
+            g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+            gm = tm[:, None] & (g < G)[None, :]
+            if FP8 == 0:
+                tile = tl.load(x + t64[:, None] * H + h[None, :], mask=m)
+            elif FP8 == 1:
+                v = tl.load(x + t64[:, None] * H + h[None, :], mask=m, other=0.0).to(tl.float32)
+                codes, scales, exps = quantize_tile(v, BLOCK_T, BLOCK_H, UE8M0)
+            else:
+                codes = tl.load(x + t64[:, None] * H + h[None, :], mask=m)
+                scales = tl.load(x_scales + t64[:, None] * G + g[None, :], mask=gm, other=0.0)
+            if TRANSPORT == 1:  # each token's row once into the outbox, for the NVSHMEM puts
+                box8 = (local_base + box_rows_off).to(tl.pointer_type(tl.uint8)) + t64 * ROW_BYTES
+                if FP8 == 0:
+                    boxx = box8.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
+                    tl.store(boxx[:, None] + h[None, :], tile, mask=m)
+                else:
+                    tl.store(box8[:, None] + h[None, :], codes, mask=m)
+                    if UE8M0:
+                        tl.store(box8[:, None] + H + g[None, :], exps, mask=gm)
+                    else:
+                        boxf = box8.to(tl.pointer_type(tl.float32), bitcast=True) + H // 4
+                        tl.store(boxf[:, None] + g[None, :], scales, mask=gm)
+            for d in range(R):
+                slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
+                sm = by_stores(peer_ptrs, d + tl.zeros([BLOCK_T], tl.int32), slot >= 0,
+                               TRANSPORT)[:, None]
+                if FP8 == 0:
+                    dst = peer_ptr(peer_ptrs, d, rows_off, x.dtype.element_ty)
+                    tl.store(dst + slot[:, None] * H + h[None, :], tile, mask=sm & hm[None, :])
+                else:
+                    row8 = peer_ptr(peer_ptrs, d, rows_off, tl.uint8) + slot * ROW_BYTES
+                    tl.store(row8[:, None] + h[None, :], codes, mask=sm & hm[None, :])
+                    if UE8M0:
+                        tl.store(row8[:, None] + H + g[None, :], exps, mask=sm & gm)
+                    else:
+                        rowf = peer_ptr(peer_ptrs, d, rows_off, tl.float32) \
+                            + (slot * ROW_BYTES + H) // 4
+                        tl.store(rowf[:, None] + g[None, :], scales, mask=sm & gm)
+        if SEND_META:
+            kk = tl.arange(0, BLOCK_K)
+            m2 = tm[:, None] & (kk < K)[None, :]
+            e = tl.load(topk_idx + t64[:, None] * K + kk[None, :], mask=m2, other=-1)
+            pos = tl.load(pair_pos + t64[:, None] * K + kk[None, :], mask=m2, other=-1)
+            if TRANSPORT == 1:
+                box_meta = (local_base + box_meta_off).to(tl.pointer_type(tl.int32)) \
+                    + t64 * META_STRIDE
+                tl.store(box_meta, t, mask=tm)
+                tl.store(box_meta[:, None] + 1 + kk[None, :], e.to(tl.int32), mask=m2)
+                tl.store(box_meta[:, None] + 1 + KMAX + kk[None, :], pos, mask=m2)
+                if HAS_WEIGHTS:
+                    wb = tl.load(topk_weights + t64[:, None] * K + kk[None, :], mask=m2, other=0.0)
+                else:
+                    wb = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+                tl.store(box_meta[:, None] + 1 + 2 * KMAX + kk[None, :],
+                         wb.to(tl.int32, bitcast=True), mask=m2)
+            for d in range(R):
+                slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
+                sm = by_stores(peer_ptrs, d + tl.zeros([BLOCK_T], tl.int32), slot >= 0, TRANSPORT)
+                meta = peer_ptr(peer_ptrs, d, meta_off, tl.int32) + slot * META_STRIDE
+                tl.store(meta, t, mask=sm)
+                sm2 = sm[:, None] & m2  # the same meta for every destination: global expert ids
+                tl.store(meta[:, None] + 1 + kk[None, :], e.to(tl.int32), mask=sm2)
+                tl.store(meta[:, None] + 1 + KMAX + kk[None, :], pos, mask=sm2)
+                if HAS_WEIGHTS:
+                    w = tl.load(topk_weights + t64[:, None] * K + kk[None, :], mask=m2, other=0.0)
+                else:  # zeros travel too, so no receiver ever reads a stale weight
+                    w = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+                tl.store(meta[:, None] + 1 + 2 * KMAX + kk[None, :], w.to(tl.int32, bitcast=True),
+                         mask=sm2)
+        if TRANSPORT == 1:  # rows for ranks reached only by NVSHMEM: one put per (token, rank)
+            tl.debug_barrier()
+            for i in range(BLOCK_T):
+                ti = t0 + i
+                for d in range(R):
+                    slot = tl.load(slot_of + ti * R + d, mask=ti < T, other=-1).to(tl.int64)
+                    if (slot >= 0) & (tl.load(peer_ptrs + d) == 0):
+                        put_bytes(local_base, rows_off + slot * ROW_BYTES,
+                                  box_rows_off + ti.to(tl.int64) * ROW_BYTES,
+                                  row_bytes - SEND_META * 4 * (1 + 3 * K), d)
+                        if SEND_META:
+                            put_bytes(local_base, meta_off + slot * (4 * META_STRIDE),
+                                      box_meta_off + ti.to(tl.int64) * (4 * META_STRIDE),
+                                      4 * META_STRIDE, d)
+            quiet()
+        for d in range(R):
+            slot = tl.load(slot_of + t * R + d, mask=tm, other=-1)
+            nbytes = tl.sum((slot >= 0).to(tl.int64), axis=0) * row_bytes
+            to_peers += tl.where(d != me, nbytes, 0)
+            to_self += tl.where(d == me, nbytes, 0)
     tl.atomic_add(stats + tl.arange(0, 1), to_peers, sem="relaxed")
     tl.atomic_add(stats + 1 + tl.arange(0, 1), to_self, sem="relaxed")
     if draw_last_ticket(tickets, last_ticket):

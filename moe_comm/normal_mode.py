@@ -49,6 +49,11 @@ def fp8_scales_out(rows: int, groups: int, ue8m0: bool, col_major: bool, device)
 
 
 class NormalMode:
+    def _send_grid(self, tokens: int) -> int:
+        """Programs of a dispatch send: one per token tile, at most ``num_sms`` (persistent)."""
+        tiles = max(1, triton.cdiv(tokens, BLOCK_T))
+        return min(tiles, self.num_sms) if self.num_sms else tiles
+
     def _rdma_offsets(self, channel: int, parity: int) -> tuple:
         """Byte offsets of this parity's outboxes for NVSHMEM puts (zeros without RDMA)."""
         if not self.layout.rdma:
@@ -68,7 +73,7 @@ class NormalMode:
         slot_of, pair_pos, counts = routing_layout(topk_idx, self.world_size,
                                                    self.num_local_experts, BLOCK_T)
         self.launches["layout"] += 1
-        grid = max(1, triton.cdiv(x.shape[0], BLOCK_T))
+        grid = self._send_grid(x.shape[0])
         tickets, last = self._draw_tickets(DISPATCH, grid)
         self.launches["dispatch_send"] += dispatch_send(
             x, topk_idx, topk_weights, slot_of, pair_pos, counts, self.heap.peer_ptrs,
@@ -128,7 +133,7 @@ class NormalMode:
         """Send phase of a dispatch that reuses an earlier layout (the backward of combine)."""
         epoch = self._start(DISPATCH)
         x = x.contiguous()
-        grid = max(1, triton.cdiv(x.shape[0], BLOCK_T))
+        grid = self._send_grid(x.shape[0])
         tickets, last = self._draw_tickets(DISPATCH, grid)
         self.launches["dispatch_send"] += dispatch_send(
             x, None, None, slot_of, None, None, self.heap.peer_ptrs, self._stats, tickets,

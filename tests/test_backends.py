@@ -138,3 +138,19 @@ def test_nvshmem_module_init_hook_initialises_only_nvshmem_kernels(monkeypatch):
     hook(key="k", fn=fn, compile={"device": 0, "extern_libs": None}, repr="",
          is_manual_warmup=False, already_compiled=False)
     assert earlier == ["k", "k"] and inits == ["loaded", 1234]
+
+
+def test_normal_dispatch_send_grid_is_persistent():
+    """num_sms=1: one send program walks every token tile (T=150: three 64-token tiles)."""
+    case = Case(2, 8, 128, 2, (150, 40), seed=33)
+    xs, idxs, ws = make_inputs(case)
+    bufs = moe_comm.Buffer.loopback(2, 128, 8, 150, num_sms=1)
+    got = moe_comm.lockstep.dispatch(bufs, xs, idxs, ws)
+    want = moe_comm.reference.dispatch_all(xs, idxs, ws, num_experts=8)
+    for g, w in zip(got, want):
+        assert torch.equal(g.x, w.x) and torch.equal(g.src_token, w.src_token)
+    outs = moe_comm.lockstep.combine(bufs, [g.x for g in got], [g.handle for g in got],
+                                     [g.weights for g in got])
+    ref = moe_comm.reference.combine_all([w.x for w in want], [w.handle for w in want],
+                                         [w.weights for w in want])
+    assert all(torch.equal(o, r) for o, r in zip(outs, ref))

@@ -52,6 +52,16 @@ def draw_last_ticket(ticket_ptr, last_ticket):
     return ticket == last_ticket
 
 
+@triton.jit
+def draw_last_of(ticket_ptr, programs):
+    """:func:`draw_last_ticket` for launches whose grid never changes (``programs`` programs):
+    the counter only grows, so the last program of every launch draws ``programs - 1`` modulo
+    ``programs`` and no per-call scalar is needed (CUDA-graph safe)."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="sys")
+    return ticket % programs == programs - 1
+
+
 class PeerTimeoutError(RuntimeError):
     """A peer did not publish the expected epoch in time."""
 

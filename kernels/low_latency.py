@@ -36,7 +36,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .comm import CPU_RANKS, Flavour, by_stores, peer_ptr, publish_to_all, wait_at_least
+from .comm import (
+    CPU_RANKS,
+    Flavour,
+    by_stores,
+    draw_last_of,
+    peer_ptr,
+    publish_to_all,
+    wait_at_least,
+)
 from .numerics import cast_rne
 from .nvshmem import globaltimer_ns, int_p, put_bytes, quiet, signal_set
 from .quant import quantize_tile
@@ -177,9 +185,7 @@ def ll_dispatch_send_kernel(
             quiet()
     tl.atomic_add(stats + tl.arange(0, 1), to_peers, sem="relaxed")
     tl.atomic_add(stats + 1 + tl.arange(0, 1), to_self, sem="relaxed")
-    tl.debug_barrier()
-    ticket = tl.atomic_add(state + 4, 1, sem="acq_rel", scope="sys")
-    if ticket % tl.num_programs(0) == tl.num_programs(0) - 1:  # the last program publishes
+    if draw_last_of(state + 4, tl.num_programs(0)):  # the last program publishes
         total = tl.zeros([BLOCK_E], tl.int32)
         for s0 in range(0, T, BLOCK_T):
             total += tl.sum(_pairs_per_expert(topk_idx, s0, T, K, BLOCK_T, BLOCK_E), axis=0)
@@ -277,9 +283,7 @@ def ll_dispatch_recv_kernel(
                              mask=gm)
                 tl.store(out_scales + e * SCALE_EXPERT_STRIDE + g[None, :] * SCALE_GROUP_STRIDE
                          + out_row[:, None] * SCALE_ROW_STRIDE, sc, mask=gm)
-    tl.debug_barrier()
-    ticket = tl.atomic_add(state + 5, 1, sem="acq_rel", scope="sys")
-    if ticket % (L * R) == L * R - 1:  # every block is out: acknowledge the parity
+    if draw_last_of(state + 5, L * R):  # every block is out: acknowledge the parity
         publish_to_all(peer_ptrs, acks_off + parity * acks_parity_stride, me, epoch, R,
                        local_base, BLOCK_R, TRANSPORT)
         tl.store(state + 1 + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
@@ -353,9 +357,7 @@ def ll_combine_send_kernel(
     nbytes = n.to(tl.int64) * row_bytes + tl.zeros([1], tl.int64)
     tl.atomic_add(stats + 2 + tl.arange(0, 1), tl.where(s != me, nbytes, 0), sem="relaxed")
     tl.atomic_add(stats + 3 + tl.arange(0, 1), tl.where(s == me, nbytes, 0), sem="relaxed")
-    tl.debug_barrier()
-    ticket = tl.atomic_add(state + 6, 1, sem="acq_rel", scope="sys")
-    if ticket % (L * R) == L * R - 1:  # every row is out: tell every rank
+    if draw_last_of(state + 6, L * R):  # every row is out: tell every rank
         publish_to_all(peer_ptrs, signals_off + parity * signals_parity_stride, me, epoch, R,
                        local_base, BLOCK_R, TRANSPORT)
         tl.store(state + 2 + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
@@ -404,9 +406,7 @@ def ll_combine_recv_kernel(
             acc += v
         tl.store(out + t64[:, None] * H + h[None, :], cast_rne(acc, out.dtype.element_ty),
                  mask=tm[:, None] & hm[None, :])
-    tl.debug_barrier()
-    ticket = tl.atomic_add(state + 7, 1, sem="acq_rel", scope="sys")
-    if ticket % tl.num_programs(0) == tl.num_programs(0) - 1:  # slots read: acknowledge
+    if draw_last_of(state + 7, tl.num_programs(0)):  # slots read: acknowledge
         publish_to_all(peer_ptrs, acks_off + parity * acks_parity_stride, me, epoch, R,
                        local_base, BLOCK_R, TRANSPORT)
         tl.store(state + 3 + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))

@@ -12,7 +12,7 @@ export TRITON_CACHE_DIR ?= $(HOME)/.cache/moe_comm/triton
 export MOE_COMM_CACHE_DIR ?= $(HOME)/.cache/moe_comm
 export TRITON_DEFAULT_FP_FUSION ?= 1
 
-.PHONY: bench test test-quick compile-check lint clean
+.PHONY: bench test test-quick gpu-gate lint clean
 
 $(STAMP): setup.py pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +29,8 @@ test: $(STAMP)  ## the whole suite (CI)
 test-quick: $(STAMP)  ## the suite without the cases marked slow
 	$(BIN)/python -m pytest -q -m "not slow"
 
-compile-check: $(STAMP)  ## every kernel compiled for sm_90 and sm_100, no GPU needed
-	TRITON_INTERPRET=0 $(BIN)/python -m moe_comm.kernels.aot --arch 90 100
+gpu-gate: $(STAMP)  ## every kernel as launched on a GPU, compiled for sm_90/sm_100 and read
+	TRITON_INTERPRET=0 $(BIN)/python -m moe_comm.gate --arch 90 100
 
 lint: $(STAMP)
 	$(BIN)/pip install -q ruff

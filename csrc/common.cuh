@@ -211,11 +211,12 @@ __device__ __forceinline__ float bf16_bits_to_float(uint16_t bits) {
   return __uint_as_float(static_cast<uint32_t>(bits) << 16);
 }
 
-// fp32 -> bf16 bits, round to nearest even (kernels/numerics.py cast_rne, bit for bit).
+// fp32 -> bf16 bits, round to nearest even (kernels/numerics.py cast_rne, bit for bit). NaN is
+// kept apart: adding half an ulp to the GPU's NaN 0x7FFFFFFF would carry into the sign bit.
 __device__ __forceinline__ uint16_t float_to_bf16_bits(float v) {
-  uint32_t bits = __float_as_uint(v);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
+  const uint32_t bits = __float_as_uint(v);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
 __device__ __forceinline__ float load_as_float(const char* p, int32_t dtype) {

@@ -1,6 +1,6 @@
 // FP8 (e4m3fn) quantization per group of 128 channels, bit for bit as kernels/quant.py:
 //
-//   amax  = max(max |v| over the group, 1e-4)
+//   amax  = max(max |v| over the group, 1e-4)   (NaN if the group holds one)
 //   scale = amax / 448                       (IEEE division; with UE8M0: the next power of two)
 //   code  = e4m3fn(v / scale)                (IEEE division, round to nearest even, saturating)
 //
@@ -19,7 +19,7 @@ constexpr int kGroup = 128;  // channels per scale; one warp covers one group, 4
 constexpr float kE4M3Max = 448.0f;
 constexpr float kAmaxFloor = 1e-4f;
 
-// fp32 -> e4m3fn byte: round to nearest even, saturate at +-448.
+// fp32 -> e4m3fn byte: round to nearest even, saturate at +-448; NaN -> 0x7F with its sign.
 __device__ __forceinline__ uint32_t e4m3_bits(float v) {
   const uint32_t sign = __float_as_uint(v) >> 31;
   const float a = fminf(fabsf(v), kE4M3Max);
@@ -29,16 +29,23 @@ __device__ __forceinline__ uint32_t e4m3_bits(float v) {
   // subnormals: multiples of 2**-9, rounded to nearest even by the 2**23 trick
   const uint32_t sub = static_cast<uint32_t>(
       __fsub_rn(__fadd_rn(__fmul_rn(a, 512.0f), 8388608.0f), 8388608.0f));
-  const uint32_t code = a >= 0.015625f ? normal : sub;
+  uint32_t code = a >= 0.015625f ? normal : sub;
+  if ((__float_as_uint(v) & 0x7FFFFFFFu) > 0x7F800000u) code = 0x7Fu;  // fminf dropped the NaN
   return (code & 0xFFu) | (sign << 7);
 }
 
-// Smallest power of two >= s (positive, normal), and its biased exponent byte.
+// Smallest power of two >= s (positive), and its biased exponent byte; NaN and infinity give
+// exponent 255 (E8M0's NaN) and an infinite scale.
 __device__ __forceinline__ float ue8m0_scale(float s, uint32_t* exponent) {
   const uint32_t bits = __float_as_uint(s);
-  const uint32_t e = (bits >> 23) + ((bits & 0x7FFFFFu) != 0u ? 1u : 0u);
+  const uint32_t e = min((bits >> 23) + ((bits & 0x7FFFFFu) != 0u ? 1u : 0u), 255u);
   *exponent = e & 0xFFu;
   return __uint_as_float(e << 23);
+}
+
+// fmaxf drops a NaN operand; torch's amax (the reference) keeps it.
+__device__ __forceinline__ float max_keep_nan(float a, float b) {
+  return (a != a || b != b) ? __int_as_float(0x7FC00000) : fmaxf(a, b);
 }
 
 struct QuantGroup {
@@ -49,12 +56,13 @@ struct QuantGroup {
 
 // Warp-collective: quantizes one group of 128 channels, `v` = this lane's 4 consecutive values.
 __device__ __forceinline__ QuantGroup quantize_group(const float v[4], bool ue8m0) {
-  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+  float amax = max_keep_nan(max_keep_nan(fabsf(v[0]), fabsf(v[1])),
+                            max_keep_nan(fabsf(v[2]), fabsf(v[3])));
 #pragma unroll
   for (int o = kWarpSize / 2; o > 0; o >>= 1) {
-    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
+    amax = max_keep_nan(amax, __shfl_xor_sync(kFullMask, amax, o));
   }
-  amax = fmaxf(amax, kAmaxFloor);
+  amax = max_keep_nan(amax, kAmaxFloor);  // a NaN in the group makes the scale NaN, as torch
   QuantGroup q;
   q.scale = __fdiv_rn(amax, kE4M3Max);
   q.exponent = 0;

@@ -7,43 +7,183 @@ Signalling protocol (one int64 word per (channel, source rank) on every rank, se
   ``release``, system-scope exchange of ``n`` into ``signals[channel, me]`` on rank ``d``.
   Epochs only grow, so a word is never reset and a late reader can never see an old call's
   value as new.
-* **wait** (receiver): ``signals[channel, s] >= n`` for every source ``s``, read with acquire
-  ordering, bounded by a timeout whose error names this rank, the missing peer, and the expected
-  and observed epochs.
+* **wait** (receiver): ``signals[channel, s] >= n`` for every source ``s``, spinning on volatile
+  loads and ending in a system-scope acquire, bounded by a timeout whose error names this rank,
+  the missing peer, and the expected and observed epochs.
 * **last program publishes**: the programs of one send launch each add 1 to a local, monotonic
-  ticket counter (acq_rel) after their puts; the program that draws ticket ``base + grid - 1``
-  has observed every other program's puts and publishes for the whole launch. No program ever
-  waits for another program of its launch.
+  ticket counter (acq_rel, after a barrier) once their puts are issued; the program that draws
+  the launch's last ticket has observed every other program's puts and publishes for the whole
+  launch. No program ever waits for another program of its launch. It publishes only if no
+  wait of this rank has timed out (the error record is clear), so a peer never consumes what a
+  failed call left half written.
 
-On CPU ranks the wait is a host-side poll of the local signal words (the waiting process sleeps
-instead of spinning an interpreted loop, which leaves the cores to the ranks it waits for).
+Scalar Triton code runs in every thread of a program. A wait therefore decides from values
+every thread agrees on (``uniform_max``: a reduction over one load per thread), so all threads
+leave a spin loop together and a branch on its outcome is uniform; a thread-scoped NVSHMEM call
+is issued by one thread (``one_thread``), a block-scoped one by the whole program.
+
+The error record (``ERRORS_WORDS`` int64, pinned host memory on GPUs) has two parts, each
+claimed once with a compare-and-swap (0 -> -1), filled, then marked complete (1):
+``[0:4]`` the first timeout (flag, peer, expected, observed) and ``[4:8]`` the first bad input
+(flag, code, token, value).
+
+On CPU ranks the waits run on the host by default: the waiting process polls the local signal
+words and sleeps in between, leaving the cores to the ranks it waits for. The kernels' own
+waits also run in the interpreter (``Flavour.device_wait`` on CPU ranks), where the clock is the
+host's and every clock read yields the CPU for a moment.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 import triton
 import triton.language as tl
 
-from .nvshmem import globaltimer_ns, signal_set
+from .nvshmem import signal_set
+
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+ERRORS_WORDS = 8
+TIMEOUT_RECORD = tl.constexpr(0)  # first word of each part of the error record
+INPUT_RECORD = tl.constexpr(4)
+BAD_EXPERT_ID = tl.constexpr(1)  # input error codes
+REPEATED_EXPERT = tl.constexpr(2)
+TOO_MANY_ROWS = tl.constexpr(3)
+_INTERPRETER_SPIN_S = 1e-4
+
+
+def _host_clock_ns() -> int:
+    """The interpreter's %globaltimer: the host's monotonic clock; yields the CPU briefly, so a
+    spinning interpreted program leaves the cores to the ranks it waits for."""
+    time.sleep(_INTERPRETER_SPIN_S)
+    return time.monotonic_ns()
+
+
+_host_clock_ns.__triton_builtin__ = True  # reached only when INTERPRETED (never compiled)
+
+
+# ------------------------------------------------------------------------------- threads, time
+@triton.jit
+def one_thread():
+    """True in thread 0 of the program only (the interpreter runs a program as one thread).
+    Guard thread-scoped calls with it; never put a barrier or a reduction under it."""
+    if INTERPRETED:
+        first = True
+    else:
+        tid = tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r", [], dtype=tl.int32,
+                                        is_pure=True, pack=1)
+        first = tid == 0
+    return first
 
 
 @triton.jit
-def peer_ptr(peer_ptrs, peer, byte_offset, dtype: tl.constexpr):
-    """Typed pointer to ``byte_offset`` in rank ``peer``'s segment; ``peer_ptrs``: [R] int64."""
+def uniform_now_ns(NUM_THREADS: tl.constexpr):
+    """The GPU's %globaltimer (ns), the same value in every thread of the program."""
+    if INTERPRETED:
+        now = tl.full([], _host_clock_ns(), tl.int64)
+    else:
+        lanes = tl.arange(0, NUM_THREADS)
+        now = tl.max(tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lanes],
+                                               dtype=tl.int64, is_pure=False, pack=1), axis=0)
+    return now
+
+
+@triton.jit
+def uniform_max(ptr, NUM_THREADS: tl.constexpr):
+    """``*ptr`` (int64, volatile) read once by every thread; the largest value seen, the same
+    in every thread (a reduction, so a branch on it is uniform)."""
+    return tl.max(tl.load(ptr + tl.zeros([NUM_THREADS], tl.int32), volatile=True), axis=0)
+
+
+# ------------------------------------------------------------------------------- error record
+@triton.jit
+def record_error(errors, part, a, b, c):
+    """Fills part ``part`` (TIMEOUT_RECORD or INPUT_RECORD) of the error record with (a, b, c)
+    unless it holds an error already: claim (0 -> -1), fields, then flag 1 (release)."""
+    flag = errors + part
+    if tl.atomic_cas(flag, tl.cast(0, tl.int64), tl.cast(-1, tl.int64), sem="relaxed",
+                     scope="sys") == 0:
+        tl.store(flag + 1, tl.cast(a, tl.int64))
+        tl.store(flag + 2, tl.cast(b, tl.int64))
+        tl.store(flag + 3, tl.cast(c, tl.int64))
+        tl.atomic_xchg(flag, tl.cast(1, tl.int64), sem="release", scope="sys")
+
+
+@triton.jit
+def timed_out(errors, NUM_THREADS: tl.constexpr):
+    """True (uniformly) once any wait of this rank has recorded a timeout."""
+    return uniform_max(errors + TIMEOUT_RECORD, NUM_THREADS) != 0
+
+
+# ------------------------------------------------------------------------------- peers, puts
+@triton.jit
+def peer_ptr(peer_ptrs, peer, byte_offset, dtype: tl.constexpr, ALIGN: tl.constexpr):
+    """Typed pointer to ``byte_offset`` in rank ``peer``'s segment; ``peer_ptrs``: [R] int64.
+
+    ``ALIGN``: bytes the address is known to be a multiple of (segments are 128-byte aligned;
+    the caller vouches for ``byte_offset``). The fact must sit on the pointer itself: Triton
+    drops divisibility hints on integers across the int-to-pointer cast."""
     addr = tl.load(peer_ptrs + peer) + byte_offset
-    return addr.to(tl.pointer_type(dtype))
+    return tl.multiple_of(addr.to(tl.pointer_type(dtype)), ALIGN)
+
+
+@triton.jit
+def local_ptr(local_base, byte_offset, dtype: tl.constexpr, ALIGN: tl.constexpr):
+    """Typed pointer to ``byte_offset`` in this rank's own segment at ``local_base``."""
+    return tl.multiple_of((local_base + byte_offset).to(tl.pointer_type(dtype)), ALIGN)
+
+
+@triton.jit
+def by_stores(peer_ptrs, peer, mask, TRANSPORT: tl.constexpr):
+    """``mask`` restricted to the lanes whose ``peer`` is reached by stores: all of them unless
+    TRANSPORT == 1, where peers with a 0 pointer go through NVSHMEM instead."""
+    if TRANSPORT == 1:
+        mask = mask & (tl.load(peer_ptrs + peer, mask=mask, other=0) != 0)
+    return mask
 
 
 @triton.jit
 def publish_epoch(peer_ptrs, peer, signal_byte_offset, epoch):
     """Release-store ``epoch`` into the int64 word at ``signal_byte_offset`` on rank ``peer``."""
-    word = peer_ptr(peer_ptrs, peer, signal_byte_offset, tl.int64)
-    tl.atomic_xchg(word, tl.cast(epoch, tl.int64), sem="release", scope="sys")
+    word = peer_ptr(peer_ptrs, peer, signal_byte_offset, tl.int64, 8)
+    tl.atomic_xchg(word, tl.cast(epoch, tl.int64), sem="release", scope="sys")  # gate: publish
 
 
+@triton.jit
+def publish_epoch_to(peer_ptrs, peer, signal_byte_offset, epoch, local_base,
+                     TRANSPORT: tl.constexpr):
+    """:func:`publish_epoch`, or an NVSHMEM signal (one thread) where ``peer`` has no pointer."""
+    if TRANSPORT == 1:
+        if tl.load(peer_ptrs + peer) == 0:
+            if one_thread():
+                signal_set(local_base, signal_byte_offset, epoch, peer)
+        else:
+            publish_epoch(peer_ptrs, peer, signal_byte_offset, epoch)
+    else:
+        publish_epoch(peer_ptrs, peer, signal_byte_offset, epoch)
+
+
+@triton.jit
+def publish_to_all(peer_ptrs, word_offset, me, value, R, local_base, BLOCK_R: tl.constexpr,
+                   TRANSPORT: tl.constexpr):
+    """Sets int64 word ``me`` of the array at ``word_offset`` on every rank to ``value``: a
+    release store through the peer pointer, or an NVSHMEM signal where the pointer is 0."""
+    ranks = tl.arange(0, BLOCK_R)
+    live = ranks < R
+    d = tl.where(live, ranks, 0)
+    word = peer_ptr(peer_ptrs, d, word_offset, tl.int64, 8) + me
+    tl.atomic_xchg(word, value + tl.zeros([BLOCK_R], tl.int64),  # gate: publish
+                   mask=by_stores(peer_ptrs, d, live, TRANSPORT), sem="release", scope="sys")
+    if TRANSPORT == 1:
+        if one_thread():
+            for r in range(R):
+                if tl.load(peer_ptrs + r) == 0:
+                    signal_set(local_base, word_offset + me * 8, value, r)
+
+
+# ------------------------------------------------------------------------------- tickets
 @triton.jit
 def draw_last_ticket(ticket_ptr, last_ticket):
     """True in exactly one program of a launch: the one that finishes last."""
@@ -62,6 +202,46 @@ def draw_last_of(ticket_ptr, programs):
     return ticket % programs == programs - 1
 
 
+# ------------------------------------------------------------------------------- waits
+@triton.jit
+def wait_at_least(word, expected, SHIFT: tl.constexpr, deadline_ns, errors, peer,
+                  NUM_THREADS: tl.constexpr):
+    """Spins until ``word >> SHIFT >= expected`` (``word``: local int64) or the deadline;
+    returns whether it arrived, the same in every thread.
+
+    Ends with a system-scope acquire and a barrier, so data published before the word is
+    visible to every thread. On timeout records ``(peer, expected, observed)`` in the error
+    record (the first timeout wins); the host raises PeerTimeoutError from it."""
+    observed = uniform_max(word, NUM_THREADS) >> SHIFT
+    while (observed < expected) & (uniform_now_ns(NUM_THREADS) < deadline_ns):
+        observed = uniform_max(word, NUM_THREADS) >> SHIFT
+    arrived = observed >= expected
+    if arrived:
+        tl.atomic_add(word, 0, sem="acquire", scope="sys")  # gate: acquire
+    else:
+        record_error(errors, TIMEOUT_RECORD, peer, expected, observed)
+    tl.debug_barrier()
+    return arrived
+
+
+@triton.jit(do_not_specialize=["expected", "errors_addr", "timeout_ns"])
+def wait_epochs_kernel(
+    signals,  # [R] int64 local signal words of one channel
+    errors_addr: tl.int64,  # address of the error record (host-mapped memory on GPUs)
+    expected: tl.int64, timeout_ns: tl.int64, R: tl.int32,
+    NUM_THREADS: tl.constexpr,
+):
+    """One program waits for ``signals[s] >= expected`` for every source (normal mode, kernel
+    waits); stops at the first source that does not arrive in time."""
+    errors = errors_addr.to(tl.pointer_type(tl.int64))
+    deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
+    ok = tl.full([], 1, tl.int1)
+    for s in range(R):
+        if ok:
+            ok = wait_at_least(signals + s, expected, 0, deadline, errors, s, NUM_THREADS)
+
+
+# ------------------------------------------------------------------------------- host side
 class PeerTimeoutError(RuntimeError):
     """A peer did not publish the expected epoch in time."""
 
@@ -97,129 +277,48 @@ def wait_for_epochs(observe, expected: int, *, timeout_s: float, rank: int,
             return [arrived[s] for s in range(len(observed))]
         if now > deadline:
             s = next(s for s, v in enumerate(observed) if v < expected)
-            raise PeerTimeoutError(rank, s, channel, expected, observed[s], timeout_s)
+            raise PeerTimeoutError(rank, s, channel, expected, int(observed[s]), timeout_s)
         time.sleep(sleep_s)
         sleep_s = min(sleep_s * 2, 2e-3)
 
 
-def wait_epochs(signals: torch.Tensor, expected: int, *, timeout_s: float, rank: int,
+def wait_epochs(signals: np.ndarray, expected: int, *, timeout_s: float, rank: int,
                 channel: str) -> list[float]:
-    """:func:`wait_for_epochs` on local signal words ``signals`` [R] int64."""
-    if signals.device.type != "cpu":
-        raise TypeError(f"wait_epochs polls host memory; got signal words on {signals.device}")
-    return wait_for_epochs(signals.tolist, expected, timeout_s=timeout_s, rank=rank,
+    """:func:`wait_for_epochs` on local signal words ``signals`` [R] int64 in host memory (a
+    numpy view: polling it reads no tensor)."""
+    return wait_for_epochs(lambda: signals.tolist(), expected, timeout_s=timeout_s, rank=rank,
                            channel=channel)
-
-
-# ------------------------------------------------------------------ GPU flavour: in-kernel waits
-@triton.jit
-def wait_at_least(word, expected, shift: tl.constexpr, deadline_ns, errors, peer):
-    """Spins on the local int64 ``word`` until ``word >> shift >= expected`` or the deadline.
-
-    GPU only (reads %globaltimer). Ends with an acquire load, so data published before the
-    word is visible. On timeout records ``(1, peer, expected, observed)`` into ``errors``
-    ([4] int64; the first timeout wins) and returns False; the host raises PeerTimeoutError.
-    """
-    observed = tl.load(word, volatile=True) >> shift
-    while (observed < expected) & (globaltimer_ns() < deadline_ns):
-        observed = tl.load(word, volatile=True) >> shift
-    observed = tl.atomic_add(word, 0, sem="acquire", scope="sys") >> shift
-    arrived = observed >= expected
-    if not arrived:
-        if tl.atomic_cas(errors, tl.cast(0, tl.int64), tl.cast(1, tl.int64), sem="relaxed",
-                         scope="sys") == 0:
-            tl.store(errors + 1, peer.to(tl.int64))
-            tl.store(errors + 2, expected.to(tl.int64))
-            tl.store(errors + 3, observed.to(tl.int64))
-    return arrived
-
-
-@triton.jit
-def wait_epochs_kernel(
-    signals,  # [R] int64 local signal words of one channel
-    errors_addr,  # int64 address of the [4] int64 error record (host-mapped memory)
-    expected, timeout_ns, R,
-):
-    """One program waits for ``signals[s] >= expected`` for every source (normal mode, GPU)."""
-    errors = errors_addr.to(tl.pointer_type(tl.int64))
-    deadline = globaltimer_ns() + timeout_ns
-    for s in range(R):
-        wait_at_least(signals + s, expected, 0, deadline, errors, s)
-
-
-def raise_device_timeout(errors: torch.Tensor, *, rank: int, channel: str,
-                         timeout_s: float) -> None:
-    """Raises PeerTimeoutError if a kernel recorded a timeout in ``errors`` ([4] int64)."""
-    flag, peer, expected, observed = errors.tolist()
-    if flag:
-        raise PeerTimeoutError(rank, peer, channel, expected, observed, timeout_s)
-
-
-COMPILE_VARIANTS = [
-    (wait_epochs_kernel, {"signals": "*i64", "errors_addr": "i64", "expected": "i64",
-                          "timeout_ns": "i64", "R": "i32"}, {}),
-]
-
-
-@triton.jit
-def by_stores(peer_ptrs, peer, mask, TRANSPORT: tl.constexpr):
-    """``mask`` restricted to the lanes whose ``peer`` is reached by stores: all of them unless
-    TRANSPORT == 1, where peers with a 0 pointer go through NVSHMEM instead."""
-    if TRANSPORT == 1:
-        mask = mask & (tl.load(peer_ptrs + peer, mask=mask, other=0) != 0)
-    return mask
-
-
-@triton.jit
-def publish_to_all(peer_ptrs, word_offset, me, value, R, local_base, BLOCK_R: tl.constexpr,
-                   TRANSPORT: tl.constexpr):
-    """Sets int64 word ``me`` of the array at ``word_offset`` on every rank to ``value``: a
-    release store through the peer pointer, or an NVSHMEM signal where the pointer is 0."""
-    ranks = tl.arange(0, BLOCK_R)
-    live = ranks < R
-    d = tl.where(live, ranks, 0)
-    word = peer_ptr(peer_ptrs, d, word_offset, tl.int64) + me
-    tl.atomic_xchg(word, value + tl.zeros([BLOCK_R], tl.int64),
-                   mask=by_stores(peer_ptrs, d, live, TRANSPORT), sem="release", scope="sys")
-    if TRANSPORT == 1:
-        for r in range(R):
-            if tl.load(peer_ptrs + r) == 0:
-                signal_set(local_base, word_offset + me * 8, value, r)
 
 
 @dataclass(frozen=True)
 class Flavour:
-    """How a launch reaches its peers and waits for them. The default is CPU ranks: stores
-    through the pointer table and waits on the host. GPUs wait in the kernels
-    (``device_wait``); across nodes, peers whose pointer is 0 get NVSHMEM puts
-    (``transport=1``) from this rank's symmetric segment at ``local_base``."""
+    """How a launch reaches its peers and waits for them.
+
+    ``compiled``: the kernels run compiled on a GPU (tiles fit registers) rather than in the
+    interpreter; ``device_wait``: waits run inside the kernels (always on GPUs; on CPU ranks
+    only when asked, to run the GPU protocol in the interpreter), otherwise the host waits;
+    ``transport=1``: peers whose pointer is 0 get NVSHMEM puts from this rank's symmetric
+    segment at ``local_base``; ``row_align``: bytes every row address is a multiple of."""
 
     transport: int = 0
     device_wait: bool = False
+    compiled: bool = False
     local_base: int = 0  # address of this rank's segment (NVSHMEM symmetric addresses)
-    errors_addr: int = 0  # address of the [4] int64 error record (host-mapped on GPUs)
+    errors_addr: int = 0  # address of the error record (host-mapped on GPUs)
     timeout_ns: int = 0
     bitcode: str = ""  # transport 1: NVSHMEM's device bitcode for this GPU's architecture
+    row_align: int = 16
 
     def args(self) -> tuple[int, int, int]:
         return self.local_base, self.errors_addr, self.timeout_ns
 
-    def launch_options(self) -> dict:
-        """Extra keywords of a launch: NVSHMEM's bitcode to link where kernels call it."""
-        return {"extern_libs": {"libnvshmem_device": self.bitcode}} if self.bitcode else {}
+    def launch_options(self, tile) -> dict:
+        """Extra keywords of a launch with tiles ``tile``: warps (and on GPUs the register
+        cap), and NVSHMEM's bitcode where kernels call it."""
+        options = tile.launch_options()
+        if self.bitcode:
+            options["extern_libs"] = {"libnvshmem_device": self.bitcode}
+        return options
 
 
 CPU_RANKS = Flavour()
-
-
-@triton.jit
-def publish_epoch_to(peer_ptrs, peer, signal_byte_offset, epoch, local_base,
-                     TRANSPORT: tl.constexpr):
-    """:func:`publish_epoch`, or an NVSHMEM signal where ``peer`` has no pointer."""
-    if TRANSPORT == 1:
-        if tl.load(peer_ptrs + peer) == 0:
-            signal_set(local_base, signal_byte_offset, epoch, peer)
-        else:
-            publish_epoch(peer_ptrs, peer, signal_byte_offset, epoch)
-    else:
-        publish_epoch(peer_ptrs, peer, signal_byte_offset, epoch)

@@ -6,20 +6,26 @@ Equivalent PyTorch, for one (source ``s``, destination ``d``) pair::
     staging_d[p, s, slot_of[sent, d]] = x[sent]                       # one row per token
     rows_d = expand(staging_d[p, s])    # one row per (token, local expert), expert-major
 
-**Send** (``dispatch_send_kernel``, on the source): one program per tile of ``BLOCK_T`` tokens
-loads each ``[BLOCK_T, BLOCK_H]`` tile of ``x`` once and stores it through the peer-pointer table
-into the staging of every destination that token goes to, with its metadata (token index, per
-top-k choice the global expert id, the pair's position and the weight: the same for every
-destination). The last program to finish
-publishes, for every rank ``d`` (also those that receive nothing): the per-expert counts, then
-the epoch. Bytes stored into rank ``d``: ``n_d * (H * elem + 4 * (1 + 3K))``
-``+ 4 * (L + 1) + 8``, where ``n_d`` is the number of tokens sent to ``d``.
+**Send** (``dispatch_send_kernel``, on the source): a persistent grid whose programs walk tiles of
+``BLOCK_T`` tokens; each ``[BLOCK_T, BLOCK_H]`` tile of ``x`` is loaded once and stored through
+the peer-pointer table into the staging of every destination that token goes to, with its
+metadata (token index, per top-k choice the global expert id, the pair's position and the
+weight: the same for every destination). The last program to finish publishes, for every rank
+``d`` (also those that receive nothing): the per-expert counts, then the epoch. Bytes stored
+into rank ``d``: ``n_d * (H * elem + 4 * (1 + 3K)) + 4 * (L + 1) + 8``, where ``n_d`` is the
+number of tokens sent to ``d``.
 
 **Expand** (``dispatch_expand_kernel``, on the destination, after every source's epoch
-arrived): program ``(s, tile)`` copies staging rows of source ``s`` to output row
-``row_base[s, e] + position`` for each local expert ``e`` the token chose, and records that row
-in ``slot_rows`` so that combine can find it. In the *cached* form (the backward of combine) the
-rows come from an earlier ``slot_rows`` and only the data moves.
+arrived): grid ``(R, P)``; program ``(s, p)`` walks the tiles of source ``s``'s slots (their
+count is read on the device), copies each staging row to output row ``row_base[s, e] +
+position`` for each local expert ``e`` the token chose, and records that row in ``slot_rows``
+so that combine can find it; it also zero-fills the padding rows of every ``R * P``-th expert
+and, when the output was sized by ``max_recv_rows``, the rows past the last group (only
+padding needs zeros). In the *cached* form (the backward of combine) the rows come from an
+earlier ``slot_rows`` and only the data moves.
+
+Every store of row data is 16 bytes wide where rows are 16-byte aligned (the gate checks the
+compiled code: lines marked ``# gate: row``).
 """
 from __future__ import annotations
 
@@ -27,12 +33,30 @@ import torch
 import triton
 import triton.language as tl
 
-from .comm import CPU_RANKS, Flavour, by_stores, draw_last_ticket, peer_ptr, publish_epoch_to
+from .comm import (
+    CPU_RANKS,
+    INPUT_RECORD,
+    TOO_MANY_ROWS,
+    Flavour,
+    by_stores,
+    draw_last_ticket,
+    local_ptr,
+    one_thread,
+    peer_ptr,
+    publish_epoch_to,
+    record_error,
+    timed_out,
+)
 from .nvshmem import put_bytes, quiet
 from .quant import quantize_tile
+from .tiles import even, per_source_programs, persistent_programs, tiles
+
+_SEND_PER_CALL = ["rows_off", "meta_off", "counts_off", "signal_off", "box_rows_off",
+                  "box_meta_off", "box_counts_off", "local_base", "errors_addr", "last_ticket",
+                  "epoch", "T", "me"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SEND_PER_CALL)
 def dispatch_send_kernel(
     x,  # [T, H] rows to send (FP8 == 2: uint8 view of float8_e4m3fn rows)
     x_scales,  # [T, H // 128] float32 (FP8 == 2)
@@ -44,18 +68,24 @@ def dispatch_send_kernel(
     peer_ptrs,  # [R] int64
     stats,  # [4] int64 local: bytes stored (to peers, to itself) at [0], [1]
     tickets,  # [1] int64 local ticket counter of this channel
-    rows_off, meta_off, counts_off, signal_off,  # byte offsets of this source's regions
-    box_rows_off, box_meta_off, box_counts_off,  # TRANSPORT 1: this parity's rdma outboxes
-    local_base,  # TRANSPORT 1: address of this rank's segment (NVSHMEM symmetric addresses)
-    last_ticket, epoch,
-    T, H, K, R, L, me,
-    ROW_BYTES,  # bytes between staging rows
+    rows_off: tl.int64, meta_off: tl.int64, counts_off: tl.int64,  # this source's regions
+    signal_off: tl.int64,
+    box_rows_off: tl.int64, box_meta_off: tl.int64,  # TRANSPORT 1: this parity's outboxes
+    box_counts_off: tl.int64,
+    local_base: tl.int64,  # TRANSPORT 1: address of this rank's segment (symmetric addresses)
+    errors_addr: tl.int64,  # the error record: nothing is published after a timeout
+    last_ticket: tl.int64, epoch: tl.int64,
+    T: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, me: tl.int32,
+    ROW_BYTES: tl.int64,  # bytes between staging rows
     META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
     SEND_META: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     FP8: tl.constexpr,  # 0: copy rows as they are; 1: quantize here; 2: rows come quantized
     UE8M0: tl.constexpr,  # with FP8 == 1: power-of-two scales, sent as exponent bytes
     TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; 1: NVSHMEM where pointer is 0
+    ALIGN: tl.constexpr,  # bytes every staging row address is a multiple of
+    EVEN_H: tl.constexpr,  # BLOCK_H divides H: no channel masks
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
+    NUM_THREADS: tl.constexpr,
 ):
     G = H // 128
     if FP8 == 0:
@@ -72,10 +102,13 @@ def dispatch_send_kernel(
         t64 = t.to(tl.int64)
         for h0 in range(0, H, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)
-            hm = h < H
+            if EVEN_H:
+                hm = tl.full([BLOCK_H], True, tl.int1)
+            else:
+                hm = h < H
             m = tm[:, None] & hm[None, :]
             g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-            gm = tm[:, None] & (g < G)[None, :]
+            gm = tm[:, None] & (tl.arange(0, BLOCK_H // 128) >= 0)[None, :]  # EVEN_H for FP8
             if FP8 == 0:
                 tile = tl.load(x + t64[:, None] * H + h[None, :], mask=m)
             elif FP8 == 1:
@@ -85,65 +118,61 @@ def dispatch_send_kernel(
                 codes = tl.load(x + t64[:, None] * H + h[None, :], mask=m)
                 scales = tl.load(x_scales + t64[:, None] * G + g[None, :], mask=gm, other=0.0)
             if TRANSPORT == 1:  # each token's row once into the outbox, for the NVSHMEM puts
-                box8 = (local_base + box_rows_off).to(tl.pointer_type(tl.uint8)) + t64 * ROW_BYTES
+                box8 = local_ptr(local_base, box_rows_off, tl.uint8, ALIGN) + t64 * ROW_BYTES
                 if FP8 == 0:
                     boxx = box8.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
-                    tl.store(boxx[:, None] + h[None, :], tile, mask=m)
+                    tl.store(boxx[:, None] + h[None, :], tile, mask=m)  # gate: row
                 else:
-                    tl.store(box8[:, None] + h[None, :], codes, mask=m)
+                    tl.store(box8[:, None] + h[None, :], codes, mask=m)  # gate: row
                     if UE8M0:
-                        tl.store(box8[:, None] + H + g[None, :], exps, mask=gm)
+                        tl.store(box8[:, None] + H + g[None, :], exps, mask=gm)  # gate: exponents
                     else:
                         boxf = box8.to(tl.pointer_type(tl.float32), bitcast=True) + H // 4
-                        tl.store(boxf[:, None] + g[None, :], scales, mask=gm)
+                        tl.store(boxf[:, None] + g[None, :], scales, mask=gm)  # gate: scales
             for d in range(R):
                 slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
                 sm = by_stores(peer_ptrs, d + tl.zeros([BLOCK_T], tl.int32), slot >= 0,
                                TRANSPORT)[:, None]
                 if FP8 == 0:
-                    dst = peer_ptr(peer_ptrs, d, rows_off, x.dtype.element_ty)
-                    tl.store(dst + slot[:, None] * H + h[None, :], tile, mask=sm & hm[None, :])
+                    dst = peer_ptr(peer_ptrs, d, rows_off, x.dtype.element_ty, ALIGN)
+                    tl.store(dst + slot[:, None] * H + h[None, :], tile,  # gate: row
+                             mask=sm & hm[None, :])
                 else:
-                    row8 = peer_ptr(peer_ptrs, d, rows_off, tl.uint8) + slot * ROW_BYTES
-                    tl.store(row8[:, None] + h[None, :], codes, mask=sm & hm[None, :])
+                    row8 = peer_ptr(peer_ptrs, d, rows_off, tl.uint8, ALIGN) + slot * ROW_BYTES
+                    tl.store(row8[:, None] + h[None, :], codes, mask=sm & hm[None, :])  # gate: row
                     if UE8M0:
-                        tl.store(row8[:, None] + H + g[None, :], exps, mask=sm & gm)
+                        tl.store(row8[:, None] + H + g[None, :], exps,  # gate: exponents
+                                 mask=sm & gm)
                     else:
-                        rowf = peer_ptr(peer_ptrs, d, rows_off, tl.float32) \
-                            + (slot * ROW_BYTES + H) // 4
-                        tl.store(rowf[:, None] + g[None, :], scales, mask=sm & gm)
+                        rowf = row8.to(tl.pointer_type(tl.float32), bitcast=True) + H // 4
+                        tl.store(rowf[:, None] + g[None, :], scales, mask=sm & gm)  # gate: scales
         if SEND_META:
             kk = tl.arange(0, BLOCK_K)
             m2 = tm[:, None] & (kk < K)[None, :]
             e = tl.load(topk_idx + t64[:, None] * K + kk[None, :], mask=m2, other=-1)
             pos = tl.load(pair_pos + t64[:, None] * K + kk[None, :], mask=m2, other=-1)
+            if HAS_WEIGHTS:
+                w = tl.load(topk_weights + t64[:, None] * K + kk[None, :], mask=m2, other=0.0)
+            else:  # zeros travel too, so no receiver ever reads a stale weight
+                w = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
             if TRANSPORT == 1:
-                box_meta = (local_base + box_meta_off).to(tl.pointer_type(tl.int32)) \
-                    + t64 * META_STRIDE
+                box_meta = local_ptr(local_base, box_meta_off, tl.int32, 4) + t64 * META_STRIDE
                 tl.store(box_meta, t, mask=tm)
                 tl.store(box_meta[:, None] + 1 + kk[None, :], e.to(tl.int32), mask=m2)
                 tl.store(box_meta[:, None] + 1 + KMAX + kk[None, :], pos, mask=m2)
-                if HAS_WEIGHTS:
-                    wb = tl.load(topk_weights + t64[:, None] * K + kk[None, :], mask=m2, other=0.0)
-                else:
-                    wb = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
                 tl.store(box_meta[:, None] + 1 + 2 * KMAX + kk[None, :],
-                         wb.to(tl.int32, bitcast=True), mask=m2)
+                         w.to(tl.int32, bitcast=True), mask=m2)
             for d in range(R):
                 slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
                 sm = by_stores(peer_ptrs, d + tl.zeros([BLOCK_T], tl.int32), slot >= 0, TRANSPORT)
-                meta = peer_ptr(peer_ptrs, d, meta_off, tl.int32) + slot * META_STRIDE
+                meta = peer_ptr(peer_ptrs, d, meta_off, tl.int32, 4) + slot * META_STRIDE
                 tl.store(meta, t, mask=sm)
                 sm2 = sm[:, None] & m2  # the same meta for every destination: global expert ids
                 tl.store(meta[:, None] + 1 + kk[None, :], e.to(tl.int32), mask=sm2)
                 tl.store(meta[:, None] + 1 + KMAX + kk[None, :], pos, mask=sm2)
-                if HAS_WEIGHTS:
-                    w = tl.load(topk_weights + t64[:, None] * K + kk[None, :], mask=m2, other=0.0)
-                else:  # zeros travel too, so no receiver ever reads a stale weight
-                    w = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
                 tl.store(meta[:, None] + 1 + 2 * KMAX + kk[None, :], w.to(tl.int32, bitcast=True),
                          mask=sm2)
-        if TRANSPORT == 1:  # rows for ranks reached only by NVSHMEM: one put per (token, rank)
+        if TRANSPORT == 1:  # rows for NVSHMEM-only ranks: one block put per (token, rank)
             tl.debug_barrier()
             for i in range(BLOCK_T):
                 ti = t0 + i
@@ -157,36 +186,47 @@ def dispatch_send_kernel(
                             put_bytes(local_base, meta_off + slot * (4 * META_STRIDE),
                                       box_meta_off + ti.to(tl.int64) * (4 * META_STRIDE),
                                       4 * META_STRIDE, d)
-            quiet()
         for d in range(R):
             slot = tl.load(slot_of + t * R + d, mask=tm, other=-1)
             nbytes = tl.sum((slot >= 0).to(tl.int64), axis=0) * row_bytes
             to_peers += tl.where(d != me, nbytes, 0)
             to_self += tl.where(d == me, nbytes, 0)
+    if TRANSPORT == 1:  # this program's puts complete before its ticket (one thread, after all)
+        tl.debug_barrier()
+        if one_thread():
+            quiet()
     tl.atomic_add(stats + tl.arange(0, 1), to_peers, sem="relaxed")
     tl.atomic_add(stats + 1 + tl.arange(0, 1), to_self, sem="relaxed")
     if draw_last_ticket(tickets, last_ticket):
-        lane = tl.arange(0, BLOCK_L)
-        for d in range(R):
-            if SEND_META:
-                c = tl.load(counts + d * (L + 1) + lane, mask=lane < L + 1)
-                dst_counts = peer_ptr(peer_ptrs, d, counts_off, tl.int32)
-                tl.store(dst_counts + lane, c,
-                         mask=by_stores(peer_ptrs, d + lane * 0, lane < L + 1, TRANSPORT))
-                if TRANSPORT == 1:
-                    if tl.load(peer_ptrs + d) == 0:  # counts travel from the outbox
-                        box_counts = (local_base + box_counts_off).to(tl.pointer_type(tl.int32))
-                        tl.store(box_counts + d * (L + 1) + lane, c, mask=lane < L + 1)
-                        tl.debug_barrier()
-                        put_bytes(local_base, counts_off,
-                                  box_counts_off + d * (L + 1) * 4, 4 * (L + 1), d)
-            publish_epoch_to(peer_ptrs, d, signal_off, epoch, local_base, TRANSPORT)
-        signal_bytes = 8 + SEND_META * 4 * (L + 1) + tl.zeros([1], tl.int64)
-        tl.atomic_add(stats + tl.arange(0, 1), (R - 1) * signal_bytes, sem="relaxed")
-        tl.atomic_add(stats + 1 + tl.arange(0, 1), signal_bytes, sem="relaxed")
+        if not timed_out(errors_addr.to(tl.pointer_type(tl.int64)), NUM_THREADS):
+            lane = tl.arange(0, BLOCK_L)
+            for d in range(R):
+                if SEND_META:
+                    c = tl.load(counts + d * (L + 1) + lane, mask=lane < L + 1)
+                    dst_counts = peer_ptr(peer_ptrs, d, counts_off, tl.int32, 4)
+                    tl.store(dst_counts + lane, c,
+                             mask=by_stores(peer_ptrs, d + lane * 0, lane < L + 1, TRANSPORT))
+                    if TRANSPORT == 1:
+                        if tl.load(peer_ptrs + d) == 0:  # counts travel from the outbox
+                            box_counts = local_ptr(local_base, box_counts_off, tl.int32, 4)
+                            tl.store(box_counts + d * (L + 1) + lane, c, mask=lane < L + 1)
+                            tl.debug_barrier()
+                            put_bytes(local_base, counts_off,
+                                      box_counts_off + d * (L + 1) * 4, 4 * (L + 1), d)
+                            tl.debug_barrier()
+                            if one_thread():
+                                quiet()
+                tl.debug_barrier()
+                publish_epoch_to(peer_ptrs, d, signal_off, epoch, local_base, TRANSPORT)
+            signal_bytes = 8 + SEND_META * 4 * (L + 1) + tl.zeros([1], tl.int64)
+            tl.atomic_add(stats + tl.arange(0, 1), (R - 1) * signal_bytes, sem="relaxed")
+            tl.atomic_add(stats + 1 + tl.arange(0, 1), signal_bytes, sem="relaxed")
 
 
-@triton.jit
+_EXPAND_PER_CALL = ["errors_addr", "max_rows", "me"]
+
+
+@triton.jit(do_not_specialize=_EXPAND_PER_CALL)
 def dispatch_expand_kernel(
     staging,  # [R, TMAX, ROW_BYTES / elem] local dispatch_rows of this parity (FP8: uint8)
     staging_f32,  # the same memory as float32 (FP8 scales)
@@ -194,75 +234,118 @@ def dispatch_expand_kernel(
     slot_counts,  # [R] int32: slots filled by each source
     slot_offsets,  # [R + 1] int64: first row of each source in slot_rows
     row_base,  # [R, L] int64: first output row of (source, local expert) (not CACHED)
-    slot_rows,  # [S, K] int32: output row of (slot, choice) or -1; written, or read if CACHED
-    out,  # [rows, H] (FP8: uint8 view of float8_e4m3fn)
+    tokens_per_expert,  # [L] int64: rows of each local expert, without padding
+    expert_offsets,  # [L + 1] int64: first row of each local expert's padded group
+    slot_rows,  # [R * TMAX, K] int32: output row of (slot, choice) or -1; written, or read
+    out,  # [max_rows, H] (FP8: uint8 view of float8_e4m3fn)
     out_scales,  # FP8: [rows, G] float32, or UE8M0: uint8 view of packed int32 [rows, G/4]
     out_weights,  # [rows] float32 (not CACHED, HAS_WEIGHTS)
     out_src_rank, out_src_token,  # [rows] int64 (not CACHED)
-    TMAX, H, K, L, me,
-    ROW_ELEMS,  # staging row stride in elements of `staging`
-    SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE,  # out_scales strides (elements; int32 words for UE8M0)
+    errors_addr: tl.int64,  # input record: more rows arrived than `out` holds
+    max_rows: tl.int64,  # rows of `out`
+    TMAX: tl.int32, H: tl.int32, K: tl.int32, L: tl.int32, me: tl.int32,
+    ROW_ELEMS: tl.int64,  # staging row stride in elements of `staging`
+    SCALE_ROW_STRIDE: tl.int64, SCALE_GROUP_STRIDE: tl.int64,  # out_scales strides (elements;
+                                                               # int32 words for UE8M0)
     META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
     CACHED: tl.constexpr, HAS_WEIGHTS: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr,
+    EVEN_H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
     s = tl.program_id(0)
-    j = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    jm = j < tl.load(slot_counts + s)
-    first_row = tl.load(slot_offsets + s) + j.to(tl.int64)  # rows of slot_rows
-    staged = s.to(tl.int64) * TMAX + j
-    if not CACHED:
-        kk = tl.arange(0, BLOCK_K)
-        m2 = jm[:, None] & (kk < K)[None, :]
-        mrow = meta + staged * META_STRIDE
-        e = tl.load(mrow[:, None] + 1 + kk[None, :], mask=m2, other=-1) - me * L
-        pos = tl.load(mrow[:, None] + 1 + KMAX + kk[None, :], mask=m2, other=-1)
-        valid = m2 & (e >= 0) & (e < L)  # choices of this rank's experts
-        base = tl.load(row_base + s * L + e, mask=valid, other=0)
-        row = tl.where(valid, base + pos, -1)
-        tl.store(slot_rows + first_row[:, None] * K + kk[None, :], row.to(tl.int32), mask=m2)
-        token = tl.load(mrow, mask=jm, other=0).to(tl.int64)
-        tl.store(out_src_rank + row, s.to(tl.int64) + tl.zeros_like(row), mask=valid)
-        tl.store(out_src_token + row, token[:, None] + tl.zeros_like(row), mask=valid)
-        if HAS_WEIGHTS:
-            w = tl.load(mrow[:, None] + 1 + 2 * KMAX + kk[None, :], mask=valid, other=0)
-            tl.store(out_weights + row, w.to(tl.float32, bitcast=True), mask=valid)
-        tl.debug_barrier()
-    for h0 in range(0, H, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        hm = h < H
-        tile = tl.load(staging + staged[:, None] * ROW_ELEMS + h[None, :],
-                       mask=jm[:, None] & hm[None, :])
-        for k in range(K):
-            dst_row = tl.load(slot_rows + first_row * K + k, mask=jm, other=-1).to(tl.int64)
-            tl.store(out + dst_row[:, None] * H + h[None, :], tile,
-                     mask=(dst_row >= 0)[:, None] & hm[None, :])
-    if FP8:  # the scales follow the H code bytes of each staging row
-        g = tl.arange(0, BLOCK_G)
-        gm = jm[:, None] & (g < H // 128)[None, :]
-        if UE8M0:
-            sc = tl.load(staging + staged[:, None] * ROW_ELEMS + H + g[None, :], mask=gm)
-        else:
-            sc = tl.load(staging_f32 + (staged[:, None] * ROW_ELEMS + H) // 4 + g[None, :],
-                         mask=gm)
-        for k in range(K):
-            dst_row = tl.load(slot_rows + first_row * K + k, mask=jm, other=-1).to(tl.int64)
-            dm = gm & (dst_row >= 0)[:, None]
-            if UE8M0:  # byte g % 4 of int32 word g // 4
-                word = (g // 4)[None, :] * SCALE_GROUP_STRIDE + dst_row[:, None] * SCALE_ROW_STRIDE
-                tl.store(out_scales + word * 4 + (g % 4)[None, :], sc, mask=dm)
+    p = tl.program_id(1)
+    P = tl.num_programs(1)
+    R = tl.num_programs(0)
+    n = tl.load(slot_counts + s)
+    if (s == 0) & (p == 0):
+        total = tl.load(expert_offsets + L)
+        if total > max_rows:
+            record_error(errors_addr.to(tl.pointer_type(tl.int64)), INPUT_RECORD, TOO_MANY_ROWS,
+                         total, max_rows)
+    for j0 in range(p * BLOCK_T, n, P * BLOCK_T):
+        j = j0 + tl.arange(0, BLOCK_T)
+        jm = j < n
+        first_row = tl.load(slot_offsets + s) + j.to(tl.int64)  # rows of slot_rows
+        staged = s.to(tl.int64) * TMAX + j
+        if not CACHED:
+            kk = tl.arange(0, BLOCK_K)
+            m2 = jm[:, None] & (kk < K)[None, :]
+            mrow = meta + staged * META_STRIDE
+            e = tl.load(mrow[:, None] + 1 + kk[None, :], mask=m2, other=-1) - me * L
+            pos = tl.load(mrow[:, None] + 1 + KMAX + kk[None, :], mask=m2, other=-1)
+            valid = m2 & (e >= 0) & (e < L)  # choices of this rank's experts
+            base = tl.load(row_base + s * L + e, mask=valid, other=0)
+            row = tl.where(valid, base + pos, -1)
+            row = tl.where(row < max_rows, row, -1)  # beyond `out`: recorded above
+            valid = row >= 0
+            tl.store(slot_rows + first_row[:, None] * K + kk[None, :], row.to(tl.int32), mask=m2)
+            token = tl.load(mrow, mask=jm, other=0).to(tl.int64)
+            tl.store(out_src_rank + row, s.to(tl.int64) + tl.zeros_like(row), mask=valid)
+            tl.store(out_src_token + row, token[:, None] + tl.zeros_like(row), mask=valid)
+            if HAS_WEIGHTS:
+                w = tl.load(mrow[:, None] + 1 + 2 * KMAX + kk[None, :], mask=valid, other=0)
+                tl.store(out_weights + row, w.to(tl.float32, bitcast=True), mask=valid)
+            tl.debug_barrier()
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            if EVEN_H:
+                hm = tl.full([BLOCK_H], True, tl.int1)
             else:
-                tl.store(out_scales + g[None, :] * SCALE_GROUP_STRIDE
-                         + dst_row[:, None] * SCALE_ROW_STRIDE, sc, mask=dm)
+                hm = h < H
+            tile = tl.load(staging + staged[:, None] * ROW_ELEMS + h[None, :],
+                           mask=jm[:, None] & hm[None, :])
+            for k in range(K):
+                dst_row = tl.load(slot_rows + first_row * K + k, mask=jm, other=-1).to(tl.int64)
+                tl.store(out + dst_row[:, None] * H + h[None, :], tile,  # gate: row
+                         mask=(dst_row >= 0)[:, None] & hm[None, :])
+        if FP8:  # the scales follow the H code bytes of each staging row
+            g = tl.arange(0, BLOCK_G)
+            gm = jm[:, None] & (g < H // 128)[None, :]
+            if UE8M0:
+                sc = tl.load(staging + staged[:, None] * ROW_ELEMS + H + g[None, :], mask=gm)
+            else:
+                sc = tl.load(staging_f32 + (staged[:, None] * ROW_ELEMS + H) // 4 + g[None, :],
+                             mask=gm)
+            for k in range(K):
+                dst_row = tl.load(slot_rows + first_row * K + k, mask=jm, other=-1).to(tl.int64)
+                dm = gm & (dst_row >= 0)[:, None]
+                if UE8M0:  # byte g % 4 of int32 word g // 4
+                    word = (g // 4)[None, :] * SCALE_GROUP_STRIDE \
+                        + dst_row[:, None] * SCALE_ROW_STRIDE
+                    tl.store(out_scales + word * 4 + (g % 4)[None, :], sc, mask=dm)
+                else:
+                    tl.store(out_scales + g[None, :] * SCALE_GROUP_STRIDE
+                             + dst_row[:, None] * SCALE_ROW_STRIDE, sc, mask=dm)
+    # padding rows are the only rows zeroed: fewer than expert_alignment per expert, and the
+    # rows of `out` past the last group (group L: from expert_offsets[L] to max_rows)
+    for e in range(s * P + p, L + 1, R * P):
+        if e < L:
+            start = tl.load(expert_offsets + e) + tl.load(tokens_per_expert + e)
+            end = tl.minimum(tl.load(expert_offsets + e + 1), max_rows)
+        else:
+            start = tl.load(expert_offsets + L)
+            end = max_rows
+        for r0 in range(start, end, BLOCK_T):
+            r = r0 + tl.arange(0, BLOCK_T)
+            rm = r < end
+            for h0 in range(0, H, BLOCK_H):
+                h = h0 + tl.arange(0, BLOCK_H)
+                if EVEN_H:
+                    hm = tl.full([BLOCK_H], True, tl.int1)
+                else:
+                    hm = h < H
+                tl.store(out + r[:, None] * H + h[None, :],  # gate: row
+                         tl.zeros([BLOCK_T, BLOCK_H], out.dtype.element_ty),
+                         mask=rm[:, None] & hm[None, :])
 
 
 def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptrs, stats,
                   tickets, *, offsets: dict, last_ticket: int, epoch: int, rank: int,
-                  num_local_experts: int, meta_stride: int, max_topk: int, block_t: int,
-                  block_h: int, grid: int, topk: int, row_bytes: int, fp8: int = 0,
-                  x_scales=None, ue8m0: bool = False, flavour: Flavour = CPU_RANKS,
-                  box_offsets: tuple = (0, 0, 0)) -> bool:
-    """Launches ``grid`` send programs; ``offsets`` has the byte offsets rows/meta/counts/signal.
+                  num_local_experts: int, meta_stride: int, max_topk: int, grid: int, topk: int,
+                  row_bytes: int, fp8: int = 0, x_scales=None, ue8m0: bool = False,
+                  flavour: Flavour = CPU_RANKS, box_offsets: tuple = (0, 0, 0)) -> bool:
+    """Launches ``grid`` persistent send programs (:func:`send_grid`); ``offsets`` has the byte
+    offsets rows/meta/counts/signal.
 
     With ``topk_idx=None`` (the cached form) only rows and the epoch are sent. ``fp8``: 0 sends
     rows as they are, 1 quantizes them (``ue8m0``: power-of-two scales), 2 sends the given
@@ -272,6 +355,7 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
     """
     T, H = x.shape
     R = peer_ptrs.numel()
+    tile = tiles("dispatch_send", flavour.compiled, H, 1 if fp8 else x.element_size())
     send_meta = topk_idx is not None
     has_weights = topk_weights is not None
     dummy = slot_of
@@ -282,95 +366,64 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
         topk_weights if has_weights else dummy, slot_of, pair_pos if send_meta else dummy,
         counts if send_meta else dummy, peer_ptrs, stats, tickets, offsets["rows"],
         offsets["meta"], offsets["counts"], offsets["signal"], *box_offsets, flavour.local_base,
-        last_ticket, epoch, T, H, topk, R, num_local_experts, rank, row_bytes,
-        META_STRIDE=meta_stride, KMAX=max_topk, SEND_META=send_meta, HAS_WEIGHTS=has_weights,
-        FP8=fp8, UE8M0=ue8m0, TRANSPORT=flavour.transport, BLOCK_T=block_t, BLOCK_H=block_h,
-        BLOCK_K=triton.next_power_of_2(max(topk, 1)),
-        BLOCK_L=triton.next_power_of_2(num_local_experts + 1), **flavour.launch_options())
+        flavour.errors_addr, last_ticket, epoch, T, H, topk, R, num_local_experts, rank,
+        row_bytes, META_STRIDE=meta_stride, KMAX=max_topk, SEND_META=send_meta,
+        HAS_WEIGHTS=has_weights, FP8=fp8, UE8M0=ue8m0, TRANSPORT=flavour.transport,
+        ALIGN=flavour.row_align, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
+        BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),
+        BLOCK_L=triton.next_power_of_2(num_local_experts + 1),
+        NUM_THREADS=tile.num_threads, **flavour.launch_options(tile))
     return True
 
 
-def dispatch_expand(staging, meta, slot_counts, slot_offsets, row_base, slot_rows, out,
-                    out_weights, out_src_rank, out_src_token, *, rank: int, max_slots: int,
-                    topk: int,
-                    num_local_experts: int, meta_stride: int, max_topk: int, block_t: int,
-                    block_h: int, out_scales=None, scale_strides=(0, 0), ue8m0: bool = False
-                    ) -> bool:
-    """Launches ``R x cdiv(max_slots, block_t)`` expand programs (none when nothing arrived).
+def send_grid(tokens: int, hidden: int, num_sms: int | None, flavour: Flavour,
+              elem_bytes: int) -> int:
+    """Programs of a dispatch send: one per token tile, at most ``num_sms`` (persistent);
+    ``elem_bytes``: bytes per element of the rows sent (1 for FP8)."""
+    tile = tiles("dispatch_send", flavour.compiled, hidden, elem_bytes)
+    return persistent_programs(triton.cdiv(tokens, tile.block_t), num_sms)
+
+
+def expand_grid(world_size: int, max_tokens: int, hidden: int, flavour: Flavour,
+                elem_bytes: int) -> tuple[int, int]:
+    """``(R, P)``: the expand grid, fixed by the Buffer's sizes and the row element size."""
+    tile = tiles("dispatch_expand", flavour.compiled, hidden, elem_bytes)
+    return world_size, per_source_programs(world_size, max_tokens, tile.block_t, flavour.compiled)
+
+
+def dispatch_expand(staging, meta, slot_counts, slot_offsets, row_base, tokens_per_expert,
+                    expert_offsets, slot_rows, out, out_weights, out_src_rank, out_src_token, *,
+                    rank: int, topk: int, num_local_experts: int, meta_stride: int,
+                    max_topk: int, flavour: Flavour = CPU_RANKS, out_scales=None,
+                    scale_strides=(0, 0), ue8m0: bool = False) -> bool:
+    """Launches the ``(R, P)`` expand programs of :func:`expand_grid`.
 
     With ``meta=None`` (the cached form) rows are placed by the given ``slot_rows`` alone.
     FP8 rows (``out`` float8): ``staging`` is the uint8 view, ``out_scales`` the contiguous
     memory of the scales (float32, or int32 words of packed exponents with ``ue8m0``) and
-    ``scale_strides`` its (row, group) strides in elements.
+    ``scale_strides`` its (row, group) strides in elements. Rows that would land past
+    ``out``'s end are dropped and recorded in the error record (TOO_MANY_ROWS).
     """
     R, TMAX = staging.shape[:2]
     H = out.shape[1]
-    if max_slots == 0:
-        return False
+    fp8 = out.dtype == torch.float8_e4m3fn
+    tile = tiles("dispatch_expand", flavour.compiled, H, out.element_size())
     cached = meta is None
     has_weights = out_weights is not None
-    fp8 = out.dtype == torch.float8_e4m3fn
     dummy = slot_counts
     if fp8:
         out = out.view(torch.uint8)
         out_scales = out_scales.view(torch.uint8) if ue8m0 else out_scales
-    grid = (R, triton.cdiv(max_slots, block_t))
-    dispatch_expand_kernel[grid](
+    dispatch_expand_kernel[expand_grid(R, TMAX, H, flavour, out.element_size())](
         staging, staging.view(torch.float32) if fp8 else dummy, dummy if cached else meta,
-        slot_counts, slot_offsets, dummy if cached else row_base, slot_rows, out,
-        out_scales if fp8 else dummy, out_weights if has_weights else dummy,
-        dummy if cached else out_src_rank, dummy if cached else out_src_token,
+        slot_counts, slot_offsets, dummy if cached else row_base, tokens_per_expert,
+        expert_offsets, slot_rows, out, out_scales if fp8 else dummy,
+        out_weights if has_weights else dummy, dummy if cached else out_src_rank,
+        dummy if cached else out_src_token, flavour.errors_addr, out.shape[0],
         TMAX, H, topk, num_local_experts, rank, staging.shape[2], scale_strides[0],
         scale_strides[1],
         META_STRIDE=meta_stride, KMAX=max_topk, CACHED=cached, HAS_WEIGHTS=has_weights,
-        FP8=fp8, UE8M0=fp8 and ue8m0, BLOCK_T=block_t, BLOCK_H=block_h,
-        BLOCK_K=triton.next_power_of_2(max(topk, 1)),
-        BLOCK_G=triton.next_power_of_2(max(H // 128, 1)))
+        FP8=fp8, UE8M0=fp8 and ue8m0, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
+        BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),
+        BLOCK_G=triton.next_power_of_2(max(H // 128, 1)), **tile.launch_options())
     return True
-
-
-def _send_signature(dtype: str) -> dict:
-    return {"x": f"*{dtype}", "x_scales": "*fp32", "topk_idx": "*i64", "topk_weights": "*fp32",
-            "slot_of": "*i32", "pair_pos": "*i32", "counts": "*i32", "peer_ptrs": "*i64",
-            "stats": "*i64", "tickets": "*i64", "rows_off": "i64", "meta_off": "i64",
-            "counts_off": "i64", "signal_off": "i64", "box_rows_off": "i64",
-            "box_meta_off": "i64", "box_counts_off": "i64", "local_base": "i64",
-            "last_ticket": "i64", "epoch": "i64",
-            "T": "i32", "H": "i32", "K": "i32", "R": "i32", "L": "i32", "me": "i32",
-            "ROW_BYTES": "i64"}
-
-
-def _expand_signature(dtype: str, scales: str) -> dict:
-    return {"staging": f"*{dtype}", "staging_f32": "*fp32", "meta": "*i32",
-            "slot_counts": "*i32", "slot_offsets": "*i64", "row_base": "*i64",
-            "slot_rows": "*i32", "out": f"*{dtype}", "out_scales": f"*{scales}",
-            "out_weights": "*fp32", "out_src_rank": "*i64", "out_src_token": "*i64",
-            "TMAX": "i32", "H": "i32", "K": "i32", "L": "i32", "me": "i32", "ROW_ELEMS": "i64",
-            "SCALE_ROW_STRIDE": "i64", "SCALE_GROUP_STRIDE": "i64"}
-
-
-_SEND_MODES = [  # (x dtype, SEND_META, HAS_WEIGHTS, FP8, UE8M0, TRANSPORT)
-    ("bf16", True, True, 0, False, 0), ("bf16", True, False, 0, False, 0),
-    ("bf16", False, False, 0, False, 0), ("fp32", True, True, 0, False, 0),
-    ("bf16", True, True, 1, False, 0), ("bf16", True, True, 1, True, 0),
-    ("u8", True, True, 2, False, 0),
-    ("bf16", True, True, 1, False, 1),  # across nodes (links NVSHMEM's bitcode: once)
-]
-_EXPAND_MODES = [  # (staging/out dtype, scales dtype, CACHED, HAS_WEIGHTS, FP8, UE8M0)
-    ("bf16", "fp32", False, True, False, False), ("bf16", "fp32", False, False, False, False),
-    ("bf16", "fp32", True, False, False, False), ("fp32", "fp32", False, True, False, False),
-    ("u8", "fp32", False, True, True, False), ("u8", "u8", False, True, True, True),
-]
-
-# Specializations compiled for GPU targets by ``moe_comm.kernels.aot`` (CI proves they build).
-COMPILE_VARIANTS = [
-    (dispatch_send_kernel, _send_signature(dtype),
-     dict(META_STRIDE=25, KMAX=8, SEND_META=meta, HAS_WEIGHTS=weights, FP8=fp8, UE8M0=ue8m0,
-          TRANSPORT=transport, BLOCK_T=16, BLOCK_H=1024, BLOCK_K=8, BLOCK_L=64))
-    for dtype, meta, weights, fp8, ue8m0, transport in _SEND_MODES
-] + [
-    (dispatch_expand_kernel, _expand_signature(dtype, scales),
-     dict(META_STRIDE=25, KMAX=8, CACHED=cached, HAS_WEIGHTS=weights, FP8=fp8, UE8M0=ue8m0,
-          BLOCK_T=16, BLOCK_H=1024, BLOCK_K=8, BLOCK_G=64))
-    for dtype, scales, cached, weights, fp8, ue8m0 in _EXPAND_MODES
-]

@@ -2,12 +2,17 @@
 
 Equivalent PyTorch for this rank (``R`` ranks, ``L`` local experts per rank)::
 
+    bad = ((topk_idx < -1) | (topk_idx >= E)).any(1) | repeated_expert_in_row(topk_idx)
+    topk_idx = where(bad[:, None], -1, topk_idx)           # a bad row goes nowhere
     dest = topk_idx // L                                   # [T, K], -1 rows stay negative
     goes = [(dest == d).any(1) for d in range(R)]          # token t is sent to rank d once
     slot_of[:, d] = where(goes[d], goes[d].cumsum(0) - 1, -1)
     counts[d, :L] = bincount(topk_idx[dest == d] - d * L, minlength=L)
     counts[d, L] = goes[d].sum()
     pair_pos[t, k] = #{t' < t : expert topk_idx[t, k] in topk_idx[t']}   # valid pairs only
+
+The first bad row is recorded in the error record (code, token, offending id), which the host
+raises as ValueError without reading ``topk_idx`` itself (no host synchronisation).
 
 Slots and positions follow token order, which makes the receiver's output order (source rank,
 then source token) fall out without any sort.
@@ -22,27 +27,71 @@ import torch
 import triton
 import triton.language as tl
 
+from .comm import BAD_EXPERT_ID, INPUT_RECORD, REPEATED_EXPERT, Flavour, record_error
+from .tiles import tiles
+
 
 @triton.jit
+def checked_ids(topk_idx, t, tm, K, E, BLOCK_K: tl.constexpr):
+    """``(ids [BLOCK_T, BLOCK_K] int32, bad [BLOCK_T], code [BLOCK_T], value [BLOCK_T])``:
+    the expert ids of tokens ``t`` (-1 where unused or ``k >= K``); a row with an id outside
+    ``[-1, E)`` or an expert twice is bad: all its ids become -1, ``code`` says why and
+    ``value`` is the offending id."""
+    kk = tl.arange(0, BLOCK_K)
+    m2 = tm[:, None] & (kk < K)[None, :]
+    ids = tl.load(topk_idx + t.to(tl.int64)[:, None] * K + kk[None, :], mask=m2, other=-1)
+    out_of_range = m2 & ((ids < -1) | (ids >= E))
+    first_k = tl.min(tl.where(out_of_range, kk[None, :], BLOCK_K), axis=1)
+    range_value = tl.sum(tl.where(kk[None, :] == first_k[:, None], ids, 0), axis=1)
+    repeated_value = tl.full(t.shape, -1, tl.int64)
+    for k in range(K):
+        e_k = tl.sum(tl.where(kk[None, :] == k, ids, 0), axis=1)
+        again = tl.max(((ids == e_k[:, None]) & (kk[None, :] > k) & m2).to(tl.int32), axis=1)
+        repeated_value = tl.where((again > 0) & (e_k >= 0) & (repeated_value < 0), e_k,
+                                  repeated_value)
+    bad_range = first_k < BLOCK_K
+    bad = bad_range | (repeated_value >= 0)
+    code = tl.where(bad_range, BAD_EXPERT_ID, REPEATED_EXPERT)
+    value = tl.where(bad_range, range_value, repeated_value)
+    ids = tl.where(bad[:, None], -1, ids).to(tl.int32)
+    return ids, bad, code, value
+
+
+@triton.jit
+def record_first_bad(errors, t, bad, code, value, T):
+    """Records the first bad row of this tile (if any) in the input part of the error record."""
+    first = tl.min(tl.where(bad, t, T), axis=0)
+    if first < T:
+        c = tl.sum(tl.where(t == first, code, 0), axis=0)
+        v = tl.sum(tl.where(t == first, value, 0), axis=0)
+        record_error(errors, INPUT_RECORD, c, first, v)
+
+
+@triton.jit(do_not_specialize=["errors_addr", "T"])
 def routing_layout_kernel(
     topk_idx,  # [T, K] int64: expert ids, -1 for an unused choice
     slot_of,  # [T, R] int32 out: slot of token t in rank d's staging, -1 if not sent to d
     pair_pos,  # [T, K] int32 out: rank of token t among this rank's tokens for that expert
     counts,  # [R, L + 1] int32 out: tokens per expert of rank d, then slots used on d
-    T, K, R, L,
-    BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr,
+    errors_addr: tl.int64,  # error record: the first bad row of topk_idx
+    T: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, E: tl.int32,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
     d = tl.program_id(0)
     first = d * L
     lane = tl.arange(0, BLOCK_L)
+    kk = tl.arange(0, BLOCK_K)
     carry_slots = tl.zeros([1], tl.int32)
     carry_pairs = tl.zeros([BLOCK_L], tl.int32)
     for t0 in range(0, T, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         tm = t < T
+        ids, bad, code, value = checked_ids(topk_idx, t, tm, K, E, BLOCK_K)
+        if d == 0:
+            record_first_bad(errors_addr.to(tl.pointer_type(tl.int64)), t, bad, code, value, T)
         onehot = tl.zeros([BLOCK_T, BLOCK_L], tl.int32)
         for k in range(K):
-            e = tl.load(topk_idx + t * K + k, mask=tm, other=-1)
+            e = tl.sum(tl.where(kk[None, :] == k, ids, 0), axis=1)
             hit = (e >= first) & (e < first + L)
             onehot += ((e - first)[:, None] == lane[None, :]) & hit[:, None]
         goes = tl.max(onehot, axis=1)
@@ -51,7 +100,7 @@ def routing_layout_kernel(
         carry_slots += tl.sum(goes, axis=0)
         pos_table = tl.cumsum(onehot, axis=0) + carry_pairs[None, :] - 1
         for k in range(K):
-            e = tl.load(topk_idx + t * K + k, mask=tm, other=-1)
+            e = tl.sum(tl.where(kk[None, :] == k, ids, 0), axis=1)
             hit = (e >= first) & (e < first + L)
             pos = tl.sum(tl.where((e - first)[:, None] == lane[None, :], pos_table, 0), axis=1)
             tl.store(pair_pos + t * K + k, pos, mask=tm & hit)
@@ -61,23 +110,18 @@ def routing_layout_kernel(
 
 
 def routing_layout(topk_idx: torch.Tensor, world_size: int, num_local_experts: int,
-                   block_t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launches the layout kernel: ``(slot_of [T, R], pair_pos [T, K], counts [R, L+1])``."""
+                   flavour: Flavour) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launches the layout kernel: ``(slot_of [T, R], pair_pos [T, K], counts [R, L+1])``;
+    bad rows of ``topk_idx`` go nowhere and the first is recorded at ``flavour.errors_addr``."""
     T, K = topk_idx.shape
     R, L = world_size, num_local_experts
+    tile = tiles("routing_layout", flavour.compiled, 0)
     dev = topk_idx.device
     slot_of = torch.empty((T, R), dtype=torch.int32, device=dev)
     pair_pos = torch.full((T, K), -1, dtype=torch.int32, device=dev)
     counts = torch.empty((R, L + 1), dtype=torch.int32, device=dev)
-    routing_layout_kernel[(R,)](topk_idx, slot_of, pair_pos, counts, T, K, R, L,
-                                BLOCK_T=block_t, BLOCK_L=triton.next_power_of_2(L))
+    routing_layout_kernel[(R,)](topk_idx, slot_of, pair_pos, counts, flavour.errors_addr, T, K, R,
+                                L, R * L, BLOCK_T=tile.block_t,
+                                BLOCK_K=triton.next_power_of_2(max(K, 1)),
+                                BLOCK_L=triton.next_power_of_2(L), **tile.launch_options())
     return slot_of, pair_pos, counts
-
-
-# Specializations compiled for GPU targets by ``moe_comm.kernels.aot`` (CI proves they build).
-COMPILE_VARIANTS = [
-    (routing_layout_kernel,
-     {"topk_idx": "*i64", "slot_of": "*i32", "pair_pos": "*i32", "counts": "*i32",
-      "T": "i32", "K": "i32", "R": "i32", "L": "i32"},
-     {"BLOCK_T": 64, "BLOCK_L": 32}),
-]

@@ -27,8 +27,14 @@ Kernels (launches per op: dispatch 2, combine 2):
   where each row came from, and the last program acknowledges the parity to every source.
 * ``ll_combine_send_kernel`` (grid ``[L, R]``): each received row goes back to its home rank's
   slot ``[token, choice]``; the last program publishes the epoch to every rank.
-* ``ll_combine_recv_kernel`` (grid ``cdiv(T_max, BLOCK_T)``): ``out[t] = sum_k w[t, k] *
-  slot[t, k]`` in fp32 (choice order), rounded to nearest even; the last program acknowledges.
+* ``ll_combine_recv_kernel`` (grid ``cdiv(T_max, BLOCK_T) x cdiv(H, BLOCK_H)``): ``out[t] =
+  sum_k w[t, k] * slot[t, k]`` in fp32 (choice order), rounded to nearest even; the last
+  program acknowledges.
+
+With in-kernel waits (GPUs), a wait that times out records the peer and the kernel writes and
+publishes nothing: a send does not overwrite a parity a peer may still read, a receive neither
+copies nor acknowledges. Bad rows of ``topk_idx`` (an id outside ``[-1, E)``, an expert twice)
+are sent nowhere and recorded (``layout.checked_ids``).
 """
 from __future__ import annotations
 
@@ -41,57 +47,89 @@ from .comm import (
     Flavour,
     by_stores,
     draw_last_of,
+    local_ptr,
+    one_thread,
     peer_ptr,
     publish_to_all,
+    timed_out,
+    uniform_now_ns,
     wait_at_least,
 )
+from .layout import checked_ids, record_first_bad
 from .numerics import cast_rne
-from .nvshmem import globaltimer_ns, int_p, put_bytes, quiet, signal_set
+from .nvshmem import int_p, put_bytes, quiet, signal_set
 from .quant import quantize_tile
+from .tiles import even, persistent_programs, tiles
 
 META_K_BITS = 32  # meta word = token * 32 + choice
+_GPU_PER_RANK = ["local_base", "errors_addr", "timeout_ns", "me"]
 
 
 @triton.jit
-def _pairs_per_expert(topk_idx, t0, T, K, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-    """[BLOCK_T, BLOCK_E] int32 one-hot of the experts picked by tokens t0..t0+BLOCK_T-1."""
+def _column(ids, k, BLOCK_K: tl.constexpr):
+    """Column ``k`` of an ids tile [BLOCK_T, BLOCK_K] (int32)."""
+    return tl.sum(tl.where(tl.arange(0, BLOCK_K)[None, :] == k, ids, 0), axis=1)
+
+
+@triton.jit
+def _pairs_per_expert(topk_idx, t0, T, K, E, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_E: tl.constexpr):
+    """[BLOCK_T, BLOCK_E] int32 one-hot of the experts picked by tokens t0..t0+BLOCK_T-1 (bad
+    rows of topk_idx pick none)."""
     t = t0 + tl.arange(0, BLOCK_T)
+    ids, bad, code, value = checked_ids(topk_idx, t, t < T, K, E, BLOCK_K)
     lane = tl.arange(0, BLOCK_E)
     onehot = tl.zeros([BLOCK_T, BLOCK_E], tl.int32)
     for k in range(K):
-        e = tl.load(topk_idx + t * K + k, mask=t < T, other=-1)
-        onehot += (e[:, None] == lane[None, :]).to(tl.int32)
+        onehot += (_column(ids, k, BLOCK_K)[:, None] == lane[None, :]).to(tl.int32)
     return onehot
 
 
 @triton.jit
+def _wait_all(words, stride, expected, SHIFT: tl.constexpr, R, errors_addr, timeout_ns,
+              NUM_THREADS: tl.constexpr):
+    """Waits until ``words[i * stride] >> SHIFT >= expected`` for i < R (one shared deadline);
+    True (uniformly) if all arrived. Stops at the first that does not."""
+    errors = errors_addr.to(tl.pointer_type(tl.int64))
+    deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
+    ok = tl.full([], 1, tl.int1)
+    for i in range(R):
+        if ok:
+            ok = wait_at_least(words + i * stride, expected, SHIFT, deadline, errors, i,
+                               NUM_THREADS)
+    return ok
+
+
+@triton.jit(do_not_specialize=_GPU_PER_RANK + ["T"])
 def ll_dispatch_send_kernel(
     x,  # [T, H] bf16/fp16/fp32
     topk_idx,  # [T, K] int64
     peer_ptrs,  # [R] int64
     state,  # [8] int64 local: epochs and tickets
     stats,  # [4] int64 local: bytes stored (to peers, to itself) at [0], [1]
-    rows_off, rows_parity_stride,  # byte offset of ll_dispatch_rows[0] and of one parity
-    meta_off, meta_parity_stride,  # the same for ll_dispatch_meta
-    signals_off, signals_parity_stride,  # the same for ll_dispatch_signals
-    acks_off, acks_parity_stride,  # ll_acks[DISPATCH]: who consumed each parity (local)
-    outbox_off, outbox_parity_stride,  # ll_outbox (TRANSPORT 1): rows to put from, per token
-    local_base, errors_addr, timeout_ns,  # GPU flavour: this segment, error record, wait bound
-    T, H, K, R, L, E, me, TMAX, SLOT_BYTES,
+    rows_off: tl.int64, rows_parity_stride: tl.int64,  # ll_dispatch_rows[0], bytes per parity
+    meta_off: tl.int64, meta_parity_stride: tl.int64,  # the same for ll_dispatch_meta
+    signals_off: tl.int64, signals_parity_stride: tl.int64,  # ll_dispatch_signals
+    acks_off: tl.int64, acks_parity_stride: tl.int64,  # ll_acks[DISPATCH] (local)
+    outbox_off: tl.int64, outbox_parity_stride: tl.int64,  # ll_outbox (TRANSPORT 1)
+    local_base: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
+    T: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, E: tl.int32,
+    me: tl.int32, TMAX: tl.int32, SLOT_BYTES: tl.int64,
     FP8: tl.constexpr, UE8M0: tl.constexpr,
     TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; 1: NVSHMEM where pointer is 0
-    DEVICE_WAIT: tl.constexpr,  # GPU: wait for the acknowledgements here (CPU: the host waits)
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
+    DEVICE_WAIT: tl.constexpr,  # wait for the acknowledgements here (else the host waited)
+    EVEN_H: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, NUM_THREADS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     epoch = tl.load(state) + 1
     parity = epoch % 2
+    errors = errors_addr.to(tl.pointer_type(tl.int64))
+    ok = True
     if DEVICE_WAIT:  # parity p is free once every destination acknowledged call epoch - 2
-        errors = errors_addr.to(tl.pointer_type(tl.int64))
-        deadline = globaltimer_ns() + timeout_ns
-        acks = (local_base + acks_off + parity * acks_parity_stride).to(tl.pointer_type(tl.int64))
-        for dst in range(R):
-            wait_at_least(acks + dst, epoch - 2, 0, deadline, errors, dst)
+        acks = local_ptr(local_base, acks_off + parity * acks_parity_stride, tl.int64, 8)
+        ok = _wait_all(acks, 1, epoch - 2, 0, R, errors_addr, timeout_ns, NUM_THREADS)
     rows_base = rows_off + parity * rows_parity_stride
     meta_base = meta_off + parity * meta_parity_stride
     G = H // 128
@@ -102,114 +140,136 @@ def ll_dispatch_send_kernel(
     else:
         payload = H * x.dtype.element_ty.primitive_bitwidth // 8
     lane = tl.arange(0, BLOCK_E)
-    for t0 in range(pid * BLOCK_T, T, tl.num_programs(0) * BLOCK_T):  # persistent grid
-        before = tl.zeros([BLOCK_E], tl.int32)
-        for s0 in range(0, t0, BLOCK_T):
-            before += tl.sum(_pairs_per_expert(topk_idx, s0, T, K, BLOCK_T, BLOCK_E), axis=0)
-        onehot = _pairs_per_expert(topk_idx, t0, T, K, BLOCK_T, BLOCK_E)
-        position = tl.cumsum(onehot, axis=0) - onehot + before[None, :]  # [BLOCK_T, BLOCK_E]
-        t = t0 + tl.arange(0, BLOCK_T)
-        tm = t < T
-        t64 = t.to(tl.int64)
-        for k in range(K):  # metadata, and the slot of every pair
-            e = tl.load(topk_idx + t64 * K + k, mask=tm, other=-1)
-            valid = tm & (e >= 0)
-            d = tl.where(valid, e // L, 0)
-            j = tl.sum(tl.where(e[:, None] == lane[None, :], position, 0), axis=1)
-            block = ((e - d * L) * R + me) * TMAX + j
-            meta = peer_ptr(peer_ptrs, d, meta_base, tl.int32) + block
-            tl.store(meta, t * 32 + k, mask=by_stores(peer_ptrs, d, valid, TRANSPORT))
-            nbytes = tl.where(valid, payload + 4, 0).to(tl.int64)
-            to_peers += tl.sum(tl.where(d != me, nbytes, 0), axis=0)
-            to_self += tl.sum(tl.where(d == me, nbytes, 0), axis=0)
-        for h0 in range(0, H, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            hm = h < H
-            m = tm[:, None] & hm[None, :]
-            v = tl.load(x + t64[:, None] * H + h[None, :], mask=m, other=0.0)
-            if FP8:
-                codes, scales, exps = quantize_tile(v.to(tl.float32), BLOCK_T, BLOCK_H, UE8M0)
-                g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-            if TRANSPORT == 1:  # each token's row once into the outbox, for the NVSHMEM puts
-                box = (local_base + outbox_off + parity * outbox_parity_stride).to(
-                    tl.pointer_type(tl.uint8)) + t64 * SLOT_BYTES
-                if FP8:
-                    tl.store(box[:, None] + h[None, :], codes, mask=m)
-                    if UE8M0:
-                        tl.store(box[:, None] + H + g[None, :], exps,
-                                 mask=tm[:, None] & (g < G)[None, :])
-                    else:
-                        boxf = box.to(tl.pointer_type(tl.float32), bitcast=True) + H // 4
-                        tl.store(boxf[:, None] + g[None, :], scales,
-                                 mask=tm[:, None] & (g < G)[None, :])
-                else:
-                    boxx = box.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
-                    tl.store(boxx[:, None] + h[None, :], v, mask=m)
+    if ok:  # after a failed wait nothing is written: a peer may still read this parity
+        for t0 in range(pid * BLOCK_T, T, tl.num_programs(0) * BLOCK_T):  # persistent grid
+            before = tl.zeros([BLOCK_E], tl.int32)
+            for s0 in range(0, t0, BLOCK_T):
+                before += tl.sum(_pairs_per_expert(topk_idx, s0, T, K, E, BLOCK_T, BLOCK_K,
+                                                   BLOCK_E), axis=0)
+            t = t0 + tl.arange(0, BLOCK_T)
+            tm = t < T
+            t64 = t.to(tl.int64)
+            ids, bad, code, value = checked_ids(topk_idx, t, tm, K, E, BLOCK_K)
+            record_first_bad(errors, t, bad, code, value, T)
+            onehot = tl.zeros([BLOCK_T, BLOCK_E], tl.int32)
             for k in range(K):
-                e = tl.load(topk_idx + t64 * K + k, mask=tm, other=-1)
+                onehot += (_column(ids, k, BLOCK_K)[:, None] == lane[None, :]).to(tl.int32)
+            position = tl.cumsum(onehot, axis=0) - onehot + before[None, :]  # [BLOCK_T, BLOCK_E]
+            for k in range(K):  # metadata, and the slot of every pair
+                e = _column(ids, k, BLOCK_K)
                 valid = tm & (e >= 0)
                 d = tl.where(valid, e // L, 0)
-                valid = by_stores(peer_ptrs, d, valid, TRANSPORT)
                 j = tl.sum(tl.where(e[:, None] == lane[None, :], position, 0), axis=1)
-                block = (((e - d * L) * R + me) * TMAX + j).to(tl.int64)
-                row8 = peer_ptr(peer_ptrs, d, rows_base, tl.uint8) + block * SLOT_BYTES
-                if FP8:
-                    tl.store(row8[:, None] + h[None, :], codes, mask=valid[:, None] & hm[None, :])
-                    gm = valid[:, None] & (g < G)[None, :]
-                    if UE8M0:
-                        tl.store(row8[:, None] + H + g[None, :], exps, mask=gm)
-                    else:
-                        rowf = peer_ptr(peer_ptrs, d, rows_base, tl.float32) \
-                            + (block * SLOT_BYTES + H) // 4
-                        tl.store(rowf[:, None] + g[None, :], scales, mask=gm)
+                block = ((e - d * L) * R + me) * TMAX + j
+                meta = peer_ptr(peer_ptrs, d, meta_base, tl.int32, 4) + block
+                tl.store(meta, t * 32 + k, mask=by_stores(peer_ptrs, d, valid, TRANSPORT))
+                nbytes = tl.where(valid, payload + 4, 0).to(tl.int64)
+                to_peers += tl.sum(tl.where(d != me, nbytes, 0), axis=0)
+                to_self += tl.sum(tl.where(d == me, nbytes, 0), axis=0)
+            for h0 in range(0, H, BLOCK_H):
+                h = h0 + tl.arange(0, BLOCK_H)
+                if EVEN_H:
+                    hm = tl.full([BLOCK_H], True, tl.int1)
                 else:
-                    rowx = peer_ptr(peer_ptrs, d, rows_base, x.dtype.element_ty) \
-                        + block * (SLOT_BYTES // (x.dtype.element_ty.primitive_bitwidth // 8))
-                    tl.store(rowx[:, None] + h[None, :], v, mask=valid[:, None] & hm[None, :])
-        if TRANSPORT == 1:  # pairs whose expert's rank is reached only by NVSHMEM
-            tl.debug_barrier()
-            rows_in_tile = tl.arange(0, BLOCK_T)
-            for i in range(BLOCK_T):
-                ti = t0 + i
+                    hm = h < H
+                m = tm[:, None] & hm[None, :]
+                v = tl.load(x + t64[:, None] * H + h[None, :], mask=m, other=0.0)
+                if FP8:  # FP8 needs H % 128 == 0, so EVEN_H and every group of the tile is real
+                    codes, scales, exps = quantize_tile(v.to(tl.float32), BLOCK_T, BLOCK_H, UE8M0)
+                    g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+                if TRANSPORT == 1:  # each token's row once into the outbox, for the NVSHMEM puts
+                    box = local_ptr(local_base, outbox_off + parity * outbox_parity_stride,
+                                    tl.uint8, 16) + t64 * SLOT_BYTES
+                    if FP8:
+                        tl.store(box[:, None] + h[None, :], codes, mask=m)  # gate: row
+                        if UE8M0:
+                            tl.store(box[:, None] + H + g[None, :], exps,  # gate: exponents
+                                     mask=tm[:, None])
+                        else:
+                            boxf = box.to(tl.pointer_type(tl.float32), bitcast=True) + H // 4
+                            tl.store(boxf[:, None] + g[None, :], scales,  # gate: scales
+                                     mask=tm[:, None])
+                    else:
+                        boxx = box.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
+                        tl.store(boxx[:, None] + h[None, :], v, mask=m)  # gate: row
                 for k in range(K):
-                    e = tl.load(topk_idx + ti * K + k, mask=ti < T, other=-1)
-                    d = tl.maximum(e, 0) // L
-                    if (e >= 0) & (tl.load(peer_ptrs + d) == 0):
-                        j = tl.sum(tl.sum(tl.where((rows_in_tile[:, None] == i)
-                                                   & (lane[None, :] == e), position, 0), axis=1))
-                        block = (((e - d * L) * R + me) * TMAX + j).to(tl.int64)
-                        put_bytes(local_base, rows_base + block * SLOT_BYTES,
-                                  outbox_off + parity * outbox_parity_stride
-                                  + ti.to(tl.int64) * SLOT_BYTES, payload, d)
-                        int_p(local_base + meta_base + block * 4, ti * 32 + k, d.to(tl.int32))
-            quiet()
+                    e = _column(ids, k, BLOCK_K)
+                    valid = tm & (e >= 0)
+                    d = tl.where(valid, e // L, 0)
+                    valid = by_stores(peer_ptrs, d, valid, TRANSPORT)
+                    j = tl.sum(tl.where(e[:, None] == lane[None, :], position, 0), axis=1)
+                    block = (((e - d * L) * R + me) * TMAX + j).to(tl.int64)
+                    row8 = peer_ptr(peer_ptrs, d, rows_base, tl.uint8, 16) + block * SLOT_BYTES
+                    if FP8:
+                        tl.store(row8[:, None] + h[None, :], codes,  # gate: row
+                                 mask=valid[:, None] & hm[None, :])
+                        if UE8M0:
+                            tl.store(row8[:, None] + H + g[None, :], exps,  # gate: exponents
+                                     mask=valid[:, None])
+                        else:
+                            rowf = row8.to(tl.pointer_type(tl.float32), bitcast=True) + H // 4
+                            tl.store(rowf[:, None] + g[None, :], scales,  # gate: scales
+                                     mask=valid[:, None])
+                    else:
+                        rowx = row8.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
+                        tl.store(rowx[:, None] + h[None, :], v,  # gate: row
+                                 mask=valid[:, None] & hm[None, :])
+            if TRANSPORT == 1:  # pairs whose expert's rank is reached only by NVSHMEM
+                tl.debug_barrier()
+                rows_in_tile = tl.arange(0, BLOCK_T)
+                for i in range(BLOCK_T):
+                    ti = t0 + i
+                    row_ids = tl.sum(tl.where(rows_in_tile[:, None] == i, ids, 0), axis=0)
+                    for k in range(K):
+                        e = tl.sum(tl.where(tl.arange(0, BLOCK_K) == k, row_ids, 0))
+                        d = tl.maximum(e, 0) // L
+                        if (ti < T) & (e >= 0) & (tl.load(peer_ptrs + d) == 0):
+                            j = tl.sum(tl.sum(tl.where((rows_in_tile[:, None] == i)
+                                                       & (lane[None, :] == e), position, 0),
+                                              axis=1))
+                            block = (((e - d * L) * R + me) * TMAX + j).to(tl.int64)
+                            put_bytes(local_base, rows_base + block * SLOT_BYTES,
+                                      outbox_off + parity * outbox_parity_stride
+                                      + ti.to(tl.int64) * SLOT_BYTES, payload, d)
+                            if one_thread():
+                                int_p(local_base + meta_base + block * 4, ti * 32 + k,
+                                      d.to(tl.int32))
+        if TRANSPORT == 1:  # this program's puts complete before its ticket
+            tl.debug_barrier()
+            if one_thread():
+                quiet()
     tl.atomic_add(stats + tl.arange(0, 1), to_peers, sem="relaxed")
     tl.atomic_add(stats + 1 + tl.arange(0, 1), to_self, sem="relaxed")
     if draw_last_of(state + 4, tl.num_programs(0)):  # the last program publishes
-        total = tl.zeros([BLOCK_E], tl.int32)
-        for s0 in range(0, T, BLOCK_T):
-            total += tl.sum(_pairs_per_expert(topk_idx, s0, T, K, BLOCK_T, BLOCK_E), axis=0)
-        em = lane < E
-        d = tl.where(em, lane // L, 0)
-        word = peer_ptr(peer_ptrs, d, signals_off + parity * signals_parity_stride, tl.int64) \
-            + (lane - d * L) * R + me
-        tl.atomic_xchg(word, (epoch << 32) | total.to(tl.int64),
-                       mask=by_stores(peer_ptrs, d, em, TRANSPORT), sem="release", scope="sys")
-        if TRANSPORT == 1:
-            for g in range(E):
-                dg = g // L
-                if tl.load(peer_ptrs + dg) == 0:
-                    n = tl.sum(tl.where(lane == g, total, 0)).to(tl.int64)
-                    signal_set(local_base, signals_off + parity * signals_parity_stride
-                               + ((g - dg * L) * R + me) * 8, (epoch << 32) | n, dg)
+        if not timed_out(errors, NUM_THREADS):
+            total = tl.zeros([BLOCK_E], tl.int32)
+            for s0 in range(0, T, BLOCK_T):
+                total += tl.sum(_pairs_per_expert(topk_idx, s0, T, K, E, BLOCK_T, BLOCK_K,
+                                                  BLOCK_E), axis=0)
+            em = lane < E
+            d = tl.where(em, lane // L, 0)
+            word = peer_ptr(peer_ptrs, d, signals_off + parity * signals_parity_stride,
+                            tl.int64, 8) + (lane - d * L) * R + me
+            tl.atomic_xchg(word, (epoch << 32) | total.to(tl.int64),  # gate: publish
+                           mask=by_stores(peer_ptrs, d, em, TRANSPORT), sem="release",
+                           scope="sys")
+            if TRANSPORT == 1:
+                if one_thread():
+                    for g in range(E):
+                        dg = g // L
+                        if tl.load(peer_ptrs + dg) == 0:
+                            n = tl.sum(tl.where(lane == g, total, 0)).to(tl.int64)
+                            signal_set(local_base, signals_off + parity * signals_parity_stride
+                                       + ((g - dg * L) * R + me) * 8, (epoch << 32) | n, dg)
+            remote = tl.sum(tl.where(em & (d != me), 8, 0).to(tl.int64), axis=0)
+            tl.atomic_add(stats + tl.arange(0, 1), remote + tl.zeros([1], tl.int64),
+                          sem="relaxed")
+            tl.atomic_add(stats + 1 + tl.arange(0, 1), 8 * L + tl.zeros([1], tl.int64),
+                          sem="relaxed")
         tl.store(state + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
-        remote = tl.sum(tl.where(em & (d != me), 8, 0).to(tl.int64), axis=0)
-        tl.atomic_add(stats + tl.arange(0, 1), remote + tl.zeros([1], tl.int64), sem="relaxed")
-        tl.atomic_add(stats + 1 + tl.arange(0, 1), 8 * L + tl.zeros([1], tl.int64),
-                      sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_GPU_PER_RANK)
 def ll_dispatch_recv_kernel(
     staging,  # [P, L, R, TMAX, SLOT_BYTES] uint8 local ll_dispatch_rows (FP8) or typed rows
     staging_f32,  # the same memory as float32 (FP8 scales)
@@ -224,72 +284,80 @@ def ll_dispatch_recv_kernel(
     src_k,  # [L, R * TMAX] int32 out: top-k choice of the pair at its home
     layout,  # [L, R, 2] int32 out: (first row, rows) of each source's block
     recv_stats,  # [L] int32/int64, added to (HAS_STATS)
-    acks_off, acks_parity_stride,  # byte offset of ll_acks[DISPATCH, 0] and of one parity
-    local_base, errors_addr, timeout_ns,  # GPU flavour: this segment, error record, wait bound
-    H, R, L, me, TMAX, SLOT_ELEMS,  # SLOT_ELEMS: staging slot stride in elements of `staging`
-    SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE, SCALE_EXPERT_STRIDE,
+    acks_off: tl.int64, acks_parity_stride: tl.int64,  # ll_acks[DISPATCH, 0], one parity
+    local_base: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
+    H: tl.int32, R: tl.int32, L: tl.int32, me: tl.int32, TMAX: tl.int32,
+    SLOT_ELEMS: tl.int64,  # staging slot stride in elements of `staging`
+    SCALE_ROW_STRIDE: tl.int64, SCALE_GROUP_STRIDE: tl.int64, SCALE_EXPERT_STRIDE: tl.int64,
     FP8: tl.constexpr, UE8M0: tl.constexpr, HAS_STATS: tl.constexpr,
-    TRANSPORT: tl.constexpr, DEVICE_WAIT: tl.constexpr,
+    TRANSPORT: tl.constexpr, DEVICE_WAIT: tl.constexpr, EVEN_H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+    NUM_THREADS: tl.constexpr,
 ):
     e = tl.program_id(0)
     s = tl.program_id(1)
     epoch = tl.load(state + 1) + 1
     parity = epoch % 2
+    errors = errors_addr.to(tl.pointer_type(tl.int64))
+    ok = True
     if DEVICE_WAIT:  # this block's offset needs the counts of every source of expert e
-        errors = errors_addr.to(tl.pointer_type(tl.int64))
-        deadline = globaltimer_ns() + timeout_ns
-        for src in range(R):
-            wait_at_least(signals + (parity * L + e) * R + src, epoch, 32, deadline, errors, src)
-    sources = tl.arange(0, BLOCK_R)
-    words = tl.load(signals + (parity * L + e) * R + sources, mask=sources < R, other=0)
-    counts = (words & 0xFFFFFFFF).to(tl.int32)
-    n = tl.sum(tl.where(sources == s, counts, 0), axis=0)
-    first = tl.sum(tl.where(sources < s, counts, 0), axis=0)
-    tl.store(layout + (e * R + s) * 2 + tl.arange(0, 2),
-             tl.where(tl.arange(0, 2) == 0, first, n))
-    if s == 0:
-        total = tl.sum(counts, axis=0)
-        tl.store(count + e + tl.arange(0, 1), total + tl.zeros([1], tl.int32))
-        if HAS_STATS:
-            old = tl.load(recv_stats + e + tl.arange(0, 1))
-            tl.store(recv_stats + e + tl.arange(0, 1), old + total)
-    block0 = ((parity * L + e) * R + s).to(tl.int64) * TMAX
-    G = H // 128
-    for j0 in range(0, n, BLOCK_T):
-        j = j0 + tl.arange(0, BLOCK_T)
-        jm = j < n
-        slot = block0 + j
-        dst = (e * R * TMAX + first + j).to(tl.int64)
-        word = tl.load(meta + slot, mask=jm, other=0)
-        tl.store(src_info + dst, s * TMAX + word // 32, mask=jm)
-        tl.store(src_k + dst, word % 32, mask=jm)
-        for h0 in range(0, H, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            m = jm[:, None] & (h < H)[None, :]
-            tile = tl.load(staging + slot[:, None] * SLOT_ELEMS + h[None, :], mask=m)
-            tl.store(out + dst[:, None] * H + h[None, :], tile, mask=m)
-        if FP8:
-            g = tl.arange(0, BLOCK_G)
-            gm = jm[:, None] & (g < G)[None, :]
-            out_row = (first + j).to(tl.int64)
-            if UE8M0:
-                sc = tl.load(staging + slot[:, None] * SLOT_ELEMS + H + g[None, :], mask=gm)
-                word4 = e * SCALE_EXPERT_STRIDE + (g // 4)[None, :] * SCALE_GROUP_STRIDE \
-                    + out_row[:, None] * SCALE_ROW_STRIDE
-                tl.store(out_scales + word4 * 4 + (g % 4)[None, :], sc, mask=gm)
-            else:
-                sc = tl.load(staging_f32 + (slot[:, None] * SLOT_ELEMS + H) // 4 + g[None, :],
-                             mask=gm)
-                tl.store(out_scales + e * SCALE_EXPERT_STRIDE + g[None, :] * SCALE_GROUP_STRIDE
-                         + out_row[:, None] * SCALE_ROW_STRIDE, sc, mask=gm)
+        ok = _wait_all(signals + (parity * L + e) * R, 1, epoch, 32, R, errors_addr, timeout_ns,
+                       NUM_THREADS)
+    if ok:  # after a failed wait nothing is copied and nothing acknowledged
+        sources = tl.arange(0, BLOCK_R)
+        words = tl.load(signals + (parity * L + e) * R + sources, mask=sources < R, other=0)
+        counts = (words & 0xFFFFFFFF).to(tl.int32)
+        n = tl.sum(tl.where(sources == s, counts, 0), axis=0)
+        first = tl.sum(tl.where(sources < s, counts, 0), axis=0)
+        tl.store(layout + (e * R + s) * 2 + tl.arange(0, 2),
+                 tl.where(tl.arange(0, 2) == 0, first, n))
+        if s == 0:
+            total = tl.sum(counts, axis=0)
+            tl.store(count + e + tl.arange(0, 1), total + tl.zeros([1], tl.int32))
+            if HAS_STATS:
+                old = tl.load(recv_stats + e + tl.arange(0, 1))
+                tl.store(recv_stats + e + tl.arange(0, 1), old + total)
+        block0 = ((parity * L + e) * R + s).to(tl.int64) * TMAX
+        G = H // 128
+        for j0 in range(0, n, BLOCK_T):
+            j = j0 + tl.arange(0, BLOCK_T)
+            jm = j < n
+            slot = block0 + j
+            dst = (e * R * TMAX + first + j).to(tl.int64)
+            word = tl.load(meta + slot, mask=jm, other=0)
+            tl.store(src_info + dst, s * TMAX + word // 32, mask=jm)
+            tl.store(src_k + dst, word % 32, mask=jm)
+            for h0 in range(0, H, BLOCK_H):
+                h = h0 + tl.arange(0, BLOCK_H)
+                if EVEN_H:
+                    m = jm[:, None] & tl.full([BLOCK_H], True, tl.int1)[None, :]
+                else:
+                    m = jm[:, None] & (h < H)[None, :]
+                tile = tl.load(staging + slot[:, None] * SLOT_ELEMS + h[None, :], mask=m)
+                tl.store(out + dst[:, None] * H + h[None, :], tile, mask=m)  # gate: row
+            if FP8:
+                g = tl.arange(0, BLOCK_G)
+                gm = jm[:, None] & (g < G)[None, :]
+                out_row = (first + j).to(tl.int64)
+                if UE8M0:
+                    sc = tl.load(staging + slot[:, None] * SLOT_ELEMS + H + g[None, :], mask=gm)
+                    word4 = e * SCALE_EXPERT_STRIDE + (g // 4)[None, :] * SCALE_GROUP_STRIDE \
+                        + out_row[:, None] * SCALE_ROW_STRIDE
+                    tl.store(out_scales + word4 * 4 + (g % 4)[None, :], sc, mask=gm)
+                else:
+                    sc = tl.load(staging_f32 + (slot[:, None] * SLOT_ELEMS + H) // 4
+                                 + g[None, :], mask=gm)
+                    tl.store(out_scales + e * SCALE_EXPERT_STRIDE
+                             + g[None, :] * SCALE_GROUP_STRIDE
+                             + out_row[:, None] * SCALE_ROW_STRIDE, sc, mask=gm)
     if draw_last_of(state + 5, L * R):  # every block is out: acknowledge the parity
-        publish_to_all(peer_ptrs, acks_off + parity * acks_parity_stride, me, epoch, R,
-                       local_base, BLOCK_R, TRANSPORT)
+        if not timed_out(errors, NUM_THREADS):
+            publish_to_all(peer_ptrs, acks_off + parity * acks_parity_stride, me, epoch, R,
+                           local_base, BLOCK_R, TRANSPORT)
         tl.store(state + 1 + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_GPU_PER_RANK + ["y_box_off"])
 def ll_combine_send_kernel(
     y,  # [L, R * TMAX, H] expert outputs, rows as in the dispatch's output
     layout,  # [L, R, 2] int32: (first row, rows) of each source's block
@@ -298,75 +366,92 @@ def ll_combine_send_kernel(
     peer_ptrs,  # [R] int64
     state,  # [8] int64 local
     stats,  # [4] int64 local: bytes stored (to peers, to itself) at [2], [3]
-    rows_off, rows_parity_stride,  # byte offset of ll_combine_rows[0] and of one parity
-    signals_off, signals_parity_stride,  # ll_combine_signals
-    acks_off, acks_parity_stride,  # ll_acks[COMBINE]: who consumed each parity (local)
-    outbox_off, outbox_parity_stride,  # ll_combine_outbox (TRANSPORT 1): rows to put from
-    local_base, errors_addr, timeout_ns,  # GPU flavour: this segment, error record, wait bound
-    H, R, L, me, TMAX, KMAX,
+    rows_off: tl.int64, rows_parity_stride: tl.int64,  # ll_combine_rows[0], one parity
+    signals_off: tl.int64, signals_parity_stride: tl.int64,  # ll_combine_signals
+    acks_off: tl.int64, acks_parity_stride: tl.int64,  # ll_acks[COMBINE] (local)
+    outbox_off: tl.int64, outbox_parity_stride: tl.int64,  # ll_combine_outbox (TRANSPORT 1)
+    y_box_off: tl.int64,  # ZERO_COPY: byte offset of y itself in this segment (puts read it)
+    local_base: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
+    H: tl.int32, R: tl.int32, L: tl.int32, me: tl.int32, TMAX: tl.int32, KMAX: tl.int32,
     TRANSPORT: tl.constexpr, DEVICE_WAIT: tl.constexpr,
-    ZERO_COPY: tl.constexpr,  # y already is this parity's ll_combine_outbox
+    ZERO_COPY: tl.constexpr,  # y lies in symmetric memory already: put from there, no copy
+    ALIGN: tl.constexpr, EVEN_H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+    NUM_THREADS: tl.constexpr,
 ):
     e = tl.program_id(0)
     s = tl.program_id(1)
     epoch = tl.load(state + 2) + 1
     parity = epoch % 2
+    errors = errors_addr.to(tl.pointer_type(tl.int64))
+    ok = True
     if DEVICE_WAIT:  # parity p is free once every home rank acknowledged call epoch - 2
-        errors = errors_addr.to(tl.pointer_type(tl.int64))
-        deadline = globaltimer_ns() + timeout_ns
-        acks = (local_base + acks_off + parity * acks_parity_stride).to(tl.pointer_type(tl.int64))
-        for dst in range(R):
-            wait_at_least(acks + dst, epoch - 2, 0, deadline, errors, dst)
-    first = tl.load(layout + (e * R + s) * 2)
+        acks = local_ptr(local_base, acks_off + parity * acks_parity_stride, tl.int64, 8)
+        ok = _wait_all(acks, 1, epoch - 2, 0, R, errors_addr, timeout_ns, NUM_THREADS)
     n = tl.load(layout + (e * R + s) * 2 + 1)
     row_bytes = H * y.dtype.element_ty.primitive_bitwidth // 8
-    dst_base = peer_ptr(peer_ptrs, s, rows_off + parity * rows_parity_stride, y.dtype.element_ty)
-    via_stores = (tl.load(peer_ptrs + s + tl.zeros([BLOCK_T], tl.int32)) != 0)[:, None]
-    box = (local_base + outbox_off + parity * outbox_parity_stride).to(
-        tl.pointer_type(y.dtype.element_ty))
-    for j0 in range(0, n, BLOCK_T):
-        j = j0 + tl.arange(0, BLOCK_T)
-        jm = j < n
-        row = (e * R * TMAX + first + j).to(tl.int64)
-        token = tl.load(src_info + row, mask=jm, other=0) - s * TMAX
-        k = tl.load(src_k + row, mask=jm, other=0)
-        slot = (token * KMAX + k).to(tl.int64)
-        for h0 in range(0, H, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            m = jm[:, None] & (h < H)[None, :]
-            tile = tl.load(y + row[:, None] * H + h[None, :], mask=m)
-            tl.store(dst_base + slot[:, None] * H + h[None, :], tile, mask=m & via_stores)
+    if ok:  # after a failed wait nothing is written: the home rank may still read this parity
+        first = tl.load(layout + (e * R + s) * 2)
+        dst_base = peer_ptr(peer_ptrs, s, rows_off + parity * rows_parity_stride,
+                            y.dtype.element_ty, ALIGN)
+        via_stores = (tl.load(peer_ptrs + s + tl.zeros([BLOCK_T], tl.int32)) != 0)[:, None]
+        if ZERO_COPY:  # the puts read y where it lies (its offset does not follow the parity)
+            src_off = y_box_off
+        else:
+            src_off = outbox_off + parity * outbox_parity_stride
+        box = local_ptr(local_base, src_off, y.dtype.element_ty, ALIGN)
+        for j0 in range(0, n, BLOCK_T):
+            j = j0 + tl.arange(0, BLOCK_T)
+            jm = j < n
+            row = (e * R * TMAX + first + j).to(tl.int64)
+            token = tl.load(src_info + row, mask=jm, other=0) - s * TMAX
+            k = tl.load(src_k + row, mask=jm, other=0)
+            slot = (token * KMAX + k).to(tl.int64)
+            for h0 in range(0, H, BLOCK_H):
+                h = h0 + tl.arange(0, BLOCK_H)
+                if EVEN_H:
+                    m = jm[:, None] & tl.full([BLOCK_H], True, tl.int1)[None, :]
+                else:
+                    m = jm[:, None] & (h < H)[None, :]
+                tile = tl.load(y + row[:, None] * H + h[None, :], mask=m)
+                tl.store(dst_base + slot[:, None] * H + h[None, :], tile,  # gate: row
+                         mask=m & via_stores)
+                if TRANSPORT == 1:
+                    if not ZERO_COPY:
+                        tl.store(box + row[:, None] * H + h[None, :], tile,  # gate: row
+                                 mask=m & ~via_stores)
             if TRANSPORT == 1:
-                if not ZERO_COPY:
-                    tl.store(box + row[:, None] * H + h[None, :], tile, mask=m & ~via_stores)
-        if TRANSPORT == 1:
-            if tl.load(peer_ptrs + s) == 0:  # one NVSHMEM put per row, from the outbox
-                tl.debug_barrier()
-                for i in range(BLOCK_T):
-                    if j0 + i < n:
-                        r = (e * R * TMAX + first + j0 + i).to(tl.int64)
-                        tok = tl.load(src_info + r) - s * TMAX
-                        put_bytes(local_base,
-                                  rows_off + parity * rows_parity_stride
-                                  + (tok * KMAX + tl.load(src_k + r)).to(tl.int64) * row_bytes,
-                                  outbox_off + parity * outbox_parity_stride + r * row_bytes,
-                                  row_bytes, s)
-    if TRANSPORT == 1:
-        quiet()
-    nbytes = n.to(tl.int64) * row_bytes + tl.zeros([1], tl.int64)
+                if tl.load(peer_ptrs + s) == 0:  # one NVSHMEM block put per row
+                    tl.debug_barrier()
+                    for i in range(BLOCK_T):
+                        if j0 + i < n:
+                            r = (e * R * TMAX + first + j0 + i).to(tl.int64)
+                            tok = tl.load(src_info + r) - s * TMAX
+                            put_bytes(local_base,
+                                      rows_off + parity * rows_parity_stride
+                                      + (tok * KMAX + tl.load(src_k + r)).to(tl.int64)
+                                      * row_bytes,
+                                      src_off + r * row_bytes, row_bytes, s)
+        if TRANSPORT == 1:  # this program's puts complete before its ticket
+            tl.debug_barrier()
+            if one_thread():
+                quiet()
+    nbytes = tl.zeros([1], tl.int64)
+    if ok:
+        nbytes += n.to(tl.int64) * row_bytes
     tl.atomic_add(stats + 2 + tl.arange(0, 1), tl.where(s != me, nbytes, 0), sem="relaxed")
     tl.atomic_add(stats + 3 + tl.arange(0, 1), tl.where(s == me, nbytes, 0), sem="relaxed")
     if draw_last_of(state + 6, L * R):  # every row is out: tell every rank
-        publish_to_all(peer_ptrs, signals_off + parity * signals_parity_stride, me, epoch, R,
-                       local_base, BLOCK_R, TRANSPORT)
+        if not timed_out(errors, NUM_THREADS):
+            publish_to_all(peer_ptrs, signals_off + parity * signals_parity_stride, me, epoch, R,
+                           local_base, BLOCK_R, TRANSPORT)
+            signal_bytes = 8 + tl.zeros([1], tl.int64)
+            tl.atomic_add(stats + 2 + tl.arange(0, 1), (R - 1) * signal_bytes, sem="relaxed")
+            tl.atomic_add(stats + 3 + tl.arange(0, 1), signal_bytes, sem="relaxed")
         tl.store(state + 2 + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
-        signal_bytes = 8 + tl.zeros([1], tl.int64)
-        tl.atomic_add(stats + 2 + tl.arange(0, 1), (R - 1) * signal_bytes, sem="relaxed")
-        tl.atomic_add(stats + 3 + tl.arange(0, 1), signal_bytes, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_GPU_PER_RANK + ["T"])
 def ll_combine_recv_kernel(
     staging,  # [P, TMAX, KMAX, H] local ll_combine_rows
     topk_idx,  # [T, K] int64
@@ -374,71 +459,80 @@ def ll_combine_recv_kernel(
     out,  # [T, H]
     peer_ptrs,  # [R] int64
     state,  # [8] int64 local
-    acks_off, acks_parity_stride,  # byte offset of ll_acks[COMBINE, 0] and of one parity
+    acks_off: tl.int64, acks_parity_stride: tl.int64,  # ll_acks[COMBINE, 0], one parity
     signals,  # [P, R] int64 local ll_combine_signals (DEVICE_WAIT)
-    local_base, errors_addr, timeout_ns,  # GPU flavour: this segment, error record, wait bound
-    T, H, K, R, me, TMAX, KMAX,
+    local_base: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
+    T: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, E: tl.int32, me: tl.int32,
+    TMAX: tl.int32, KMAX: tl.int32,
     HAS_WEIGHTS: tl.constexpr, TRANSPORT: tl.constexpr, DEVICE_WAIT: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+    EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr,
 ):
+    """Grid (token tiles, channel tiles): program (i, c) sums tokens of tile i, channels of
+    tile c."""
     epoch = tl.load(state + 3) + 1
     parity = epoch % 2
+    errors = errors_addr.to(tl.pointer_type(tl.int64))
+    ok = True
     if DEVICE_WAIT:  # every expert rank has put its rows
-        errors = errors_addr.to(tl.pointer_type(tl.int64))
-        deadline = globaltimer_ns() + timeout_ns
-        for src in range(R):
-            wait_at_least(signals + parity * R + src, epoch, 0, deadline, errors, src)
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tm = t < T
-    t64 = t.to(tl.int64)
-    for h0 in range(0, H, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        hm = h < H
+        ok = _wait_all(signals + parity * R, 1, epoch, 0, R, errors_addr, timeout_ns,
+                       NUM_THREADS)
+    if ok:  # after a failed wait nothing is read and nothing acknowledged
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tm = t < T
+        t64 = t.to(tl.int64)
+        ids, bad, code, value = checked_ids(topk_idx, t, tm, K, E, BLOCK_K)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        if EVEN_H:
+            hm = tl.full([BLOCK_H], True, tl.int1)
+        else:
+            hm = h < H
         acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
         for k in range(K):
-            e = tl.load(topk_idx + t64 * K + k, mask=tm, other=-1)
-            valid = tm & (e >= 0)
+            valid = tm & (_column(ids, k, BLOCK_K) >= 0)
             slot = (parity * TMAX + t64) * KMAX + k
             v = tl.load(staging + slot[:, None] * H + h[None, :],
                         mask=valid[:, None] & hm[None, :], other=0.0).to(tl.float32)
             if HAS_WEIGHTS:
                 v = v * tl.load(topk_weights + t64 * K + k, mask=valid, other=0.0)[:, None]
             acc += v
-        tl.store(out + t64[:, None] * H + h[None, :], cast_rne(acc, out.dtype.element_ty),
+        result = cast_rne(acc, out.dtype.element_ty)
+        tl.store(out + t64[:, None] * H + h[None, :], result,  # gate: row
                  mask=tm[:, None] & hm[None, :])
-    if draw_last_of(state + 7, tl.num_programs(0)):  # slots read: acknowledge
-        publish_to_all(peer_ptrs, acks_off + parity * acks_parity_stride, me, epoch, R,
-                       local_base, BLOCK_R, TRANSPORT)
+    if draw_last_of(state + 7, tl.num_programs(0) * tl.num_programs(1)):  # slots read
+        if not timed_out(errors, NUM_THREADS):
+            publish_to_all(peer_ptrs, acks_off + parity * acks_parity_stride, me, epoch, R,
+                           local_base, BLOCK_R, TRANSPORT)
         tl.store(state + 3 + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
 
 
 def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, rank: int,
                      num_local_experts: int, num_experts: int, max_tokens: int,
-                     slot_bytes: int, fp8: bool, ue8m0: bool, block_t: int, block_h: int,
-                     num_sms: int | None = None, flavour: Flavour = CPU_RANKS) -> bool:
+                     slot_bytes: int, fp8: bool, ue8m0: bool, num_sms: int | None = None,
+                     flavour: Flavour = CPU_RANKS) -> bool:
     """Launches ``min(cdiv(max_tokens, block_t), num_sms)`` persistent send programs (the
     grid depends on the Buffer alone). ``offsets``: rows / meta / signals / acks / outbox ->
     (byte offset of parity 0, bytes per parity)."""
     T, H = x.shape
     K = topk_idx.shape[1]
     R = peer_ptrs.numel()
-    programs = triton.cdiv(max_tokens, block_t)
-    if num_sms:
-        programs = min(programs, num_sms)
+    tile = tiles("ll_dispatch_send", flavour.compiled, H, 1 if fp8 else x.element_size())
+    programs = persistent_programs(triton.cdiv(max_tokens, tile.block_t), num_sms)
     ll_dispatch_send_kernel[(programs,)](
         x, topk_idx, peer_ptrs, state, stats, *offsets["rows"], *offsets["meta"],
         *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)), *flavour.args(),
         T, H, K, R, num_local_experts, num_experts, rank, max_tokens, slot_bytes, FP8=fp8,
         UE8M0=ue8m0, TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait,
-        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_E=triton.next_power_of_2(num_experts),
-        **flavour.launch_options())
+        EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t, BLOCK_H=tile.block_h,
+        BLOCK_K=triton.next_power_of_2(max(K, 1)),
+        BLOCK_E=triton.next_power_of_2(num_experts), NUM_THREADS=tile.num_threads,
+        **flavour.launch_options(tile))
     return True
 
 
 def ll_dispatch_recv(staging, meta, signals, peer_ptrs, state, out, out_scales, count,
                      src_info, src_k, layout, recv_stats, *, acks: tuple, rank: int,
-                     scale_strides: tuple, ue8m0: bool, block_t: int, block_h: int,
-                     flavour: Flavour = CPU_RANKS) -> bool:
+                     scale_strides: tuple, ue8m0: bool, flavour: Flavour = CPU_RANKS) -> bool:
     """Launches ``L x R`` receive programs. ``staging``: the ll_dispatch_rows region viewed as
     uint8 (FP8) or as ``out``'s dtype, [P, L, R, TMAX, slot]; ``out_scales``: contiguous scale
     memory with (expert, row, group) strides ``scale_strides``; ``acks``: (offset, parity
@@ -446,6 +540,7 @@ def ll_dispatch_recv(staging, meta, signals, peer_ptrs, state, out, out_scales, 
     P, L, R, TMAX, slot = staging.shape
     H = out.shape[2]
     fp8 = out.dtype == torch.float8_e4m3fn
+    tile = tiles("ll_dispatch_recv", flavour.compiled, H, out.element_size())
     if fp8:
         out = out.view(torch.uint8)
         out_scales = out_scales.view(torch.uint8) if ue8m0 else out_scales
@@ -456,95 +551,51 @@ def ll_dispatch_recv(staging, meta, signals, peer_ptrs, state, out, out_scales, 
         recv_stats if recv_stats is not None else dummy, *acks, *flavour.args(),
         H, R, L, rank, TMAX, slot, scale_strides[1], scale_strides[2], scale_strides[0],
         FP8=fp8, UE8M0=fp8 and ue8m0, HAS_STATS=recv_stats is not None,
-        TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait, BLOCK_T=block_t,
-        BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(R),
-        BLOCK_G=triton.next_power_of_2(max(H // 128, 1)), **flavour.launch_options())
+        TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait,
+        EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t, BLOCK_H=tile.block_h,
+        BLOCK_R=triton.next_power_of_2(R), BLOCK_G=triton.next_power_of_2(max(H // 128, 1)),
+        NUM_THREADS=tile.num_threads, **flavour.launch_options(tile))
     return True
 
 
 def ll_combine_send(y, layout, src_info, src_k, peer_ptrs, state, stats, *, offsets: dict,
-                    rank: int, max_tokens: int, max_topk: int, block_t: int, block_h: int,
-                    flavour: Flavour = CPU_RANKS, zero_copy: bool = False) -> bool:
+                    rank: int, max_tokens: int, max_topk: int, flavour: Flavour = CPU_RANKS,
+                    y_box_offset: int | None = None) -> bool:
     """Launches ``L x R`` send programs; ``offsets``: rows / signals / acks / outbox ->
-    (offset, parity stride). ``zero_copy``: ``y`` is this call's ll_combine_outbox."""
+    (offset, parity stride). ``y_box_offset``: where ``y`` lies in this rank's segment when it
+    is symmetric memory already (the NVSHMEM puts read it there: no copy)."""
     L, _, H = y.shape
     R = peer_ptrs.numel()
+    tile = tiles("ll_combine_send", flavour.compiled, H, y.element_size())
+    zero_copy = y_box_offset is not None
     ll_combine_send_kernel[(L, R)](
         y, layout, src_info, src_k, peer_ptrs, state, stats, *offsets["rows"],
-        *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)), *flavour.args(),
-        H, R, L, rank, max_tokens, max_topk, TRANSPORT=flavour.transport,
-        DEVICE_WAIT=flavour.device_wait, ZERO_COPY=zero_copy, BLOCK_T=block_t,
-        BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(R), **flavour.launch_options())
+        *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)),
+        y_box_offset if zero_copy else 0, *flavour.args(), H, R, L, rank, max_tokens, max_topk,
+        TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait, ZERO_COPY=zero_copy,
+        ALIGN=flavour.row_align, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
+        BLOCK_H=tile.block_h, BLOCK_R=triton.next_power_of_2(R), NUM_THREADS=tile.num_threads,
+        **flavour.launch_options(tile))
     return True
 
 
 def ll_combine_recv(staging, topk_idx, topk_weights, out, peer_ptrs, state, signals, *,
-                    acks: tuple, rank: int, block_t: int, block_h: int,
+                    acks: tuple, rank: int, num_experts: int,
                     flavour: Flavour = CPU_RANKS) -> bool:
-    """Launches ``cdiv(TMAX, block_t)`` receive programs; ``staging`` [P, TMAX, KMAX, H];
-    ``signals``: the local ll_combine_signals [P, R]."""
+    """Launches ``cdiv(TMAX, block_t) x cdiv(H, block_h)`` receive programs (the grid depends
+    on the Buffer alone); ``staging`` [P, TMAX, KMAX, H]; ``signals``: the local
+    ll_combine_signals [P, R]."""
     P, TMAX, KMAX, H = staging.shape
     T, K = topk_idx.shape
     R = peer_ptrs.numel()
-    ll_combine_recv_kernel[(triton.cdiv(TMAX, block_t),)](
+    tile = tiles("ll_combine_recv", flavour.compiled, H, 4)  # fp32 sums
+    grid = (triton.cdiv(TMAX, tile.block_t), triton.cdiv(H, tile.block_h))
+    ll_combine_recv_kernel[grid](
         staging, topk_idx, topk_weights if topk_weights is not None else topk_idx, out,
-        peer_ptrs, state, *acks, signals, *flavour.args(), T, H, K, R, rank, TMAX, KMAX,
-        HAS_WEIGHTS=topk_weights is not None, TRANSPORT=flavour.transport,
-        DEVICE_WAIT=flavour.device_wait, BLOCK_T=block_t, BLOCK_H=block_h,
-        BLOCK_R=triton.next_power_of_2(R), **flavour.launch_options())
+        peer_ptrs, state, *acks, signals, *flavour.args(), T, H, K, R, num_experts, rank, TMAX,
+        KMAX, HAS_WEIGHTS=topk_weights is not None, TRANSPORT=flavour.transport,
+        DEVICE_WAIT=flavour.device_wait, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
+        BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(K, 1)),
+        BLOCK_R=triton.next_power_of_2(R), NUM_THREADS=tile.num_threads,
+        **flavour.launch_options(tile))
     return True
-
-
-_GPU_ARGS = {"local_base": "i64", "errors_addr": "i64", "timeout_ns": "i64"}
-_FLAVOURS = [  # (TRANSPORT, DEVICE_WAIT): CPU ranks, one GPU node, GPUs across nodes (NVSHMEM)
-    dict(TRANSPORT=0, DEVICE_WAIT=False), dict(TRANSPORT=0, DEVICE_WAIT=True),
-    dict(TRANSPORT=1, DEVICE_WAIT=True),
-]
-_ONE_NODE = _FLAVOURS[:2]  # the NVSHMEM flavour links ~50 MB of bitcode: built once per kernel
-
-
-def _offsets(*names: str) -> dict:
-    return {f"{n}{suffix}": "i64" for n in names for suffix in ("_off", "_parity_stride")}
-
-
-# Specializations compiled for GPU targets by ``moe_comm.kernels.aot`` (CI proves they build);
-# TRANSPORT 1 links NVSHMEM's device bitcode.
-COMPILE_VARIANTS = [
-    (ll_dispatch_send_kernel,
-     {"x": "*bf16", "topk_idx": "*i64", "peer_ptrs": "*i64", "state": "*i64", "stats": "*i64",
-      **_offsets("rows", "meta", "signals", "acks", "outbox"), **_GPU_ARGS,
-      "T": "i32", "H": "i32", "K": "i32", "R": "i32", "L": "i32", "E": "i32", "me": "i32",
-      "TMAX": "i32", "SLOT_BYTES": "i64"},
-     dict(FP8=fp8, UE8M0=ue8m0, **flavour, BLOCK_T=16, BLOCK_H=1024, BLOCK_E=256))
-    for fp8, ue8m0 in ((False, False), (True, False), (True, True))
-    for flavour in (_FLAVOURS if fp8 and not ue8m0 else _ONE_NODE)
-] + [
-    (ll_dispatch_recv_kernel,
-     {"staging": f"*{dtype}", "staging_f32": "*fp32", "meta": "*i32", "signals": "*i64",
-      "peer_ptrs": "*i64", "state": "*i64", "out": f"*{dtype}", "out_scales": f"*{scales}",
-      "count": "*i32", "src_info": "*i32", "src_k": "*i32", "layout": "*i32",
-      "recv_stats": "*i64", **_offsets("acks"), **_GPU_ARGS, "H": "i32", "R": "i32",
-      "L": "i32", "me": "i32", "TMAX": "i32", "SLOT_ELEMS": "i64", "SCALE_ROW_STRIDE": "i64",
-      "SCALE_GROUP_STRIDE": "i64", "SCALE_EXPERT_STRIDE": "i64"},
-     dict(FP8=fp8, UE8M0=ue8m0, HAS_STATS=True, **flavour, BLOCK_T=16, BLOCK_H=1024,
-          BLOCK_R=8, BLOCK_G=64))
-    for dtype, scales, fp8, ue8m0 in (("bf16", "fp32", False, False), ("u8", "fp32", True, False),
-                                      ("u8", "u8", True, True))
-    for flavour in (_FLAVOURS if fp8 and not ue8m0 else _ONE_NODE)
-] + [
-    (ll_combine_send_kernel,
-     {"y": "*bf16", "layout": "*i32", "src_info": "*i32", "src_k": "*i32", "peer_ptrs": "*i64",
-      "state": "*i64", "stats": "*i64", **_offsets("rows", "signals", "acks", "outbox"),
-      **_GPU_ARGS, "H": "i32", "R": "i32", "L": "i32", "me": "i32", "TMAX": "i32",
-      "KMAX": "i32"},
-     dict(**flavour, ZERO_COPY=False, BLOCK_T=16, BLOCK_H=1024, BLOCK_R=8))
-    for flavour in _FLAVOURS
-] + [
-    (ll_combine_recv_kernel,
-     {"staging": "*bf16", "topk_idx": "*i64", "topk_weights": "*fp32", "out": "*bf16",
-      "peer_ptrs": "*i64", "state": "*i64", **_offsets("acks"), "signals": "*i64",
-      **_GPU_ARGS, "T": "i32", "H": "i32", "K": "i32", "R": "i32", "me": "i32", "TMAX": "i32",
-      "KMAX": "i32"},
-     dict(HAS_WEIGHTS=True, **flavour, BLOCK_T=16, BLOCK_H=1024, BLOCK_R=8))
-    for flavour in _FLAVOURS
-]

@@ -3,6 +3,10 @@
 The interpreter narrows fp32 to bf16 by truncation, the GPU and PyTorch round to nearest even.
 ``cast_rne`` rounds bf16 by hand (add half an ulp, ties to even, keep the top 16 bits), so
 results agree everywhere; other types use ``.to``, which already rounds to nearest even.
+
+The sum must not touch NaN: a GPU's canonical NaN is 0x7FFFFFFF, and adding half an ulp to it
+carries into the sign bit (0x8000, -0.0), so a NaN would vanish. NaN becomes bf16's quiet NaN
+0x7FC0 instead (infinities round to themselves: their low bits are 0).
 """
 import triton
 import triton.language as tl
@@ -13,8 +17,9 @@ def cast_rne(x, dtype: tl.constexpr):
     """``x.to(dtype)`` with round-to-nearest-even, also under the interpreter."""
     if dtype == tl.bfloat16:
         bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-        bits += 0x7FFF + ((bits >> 16) & 1)
-        out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rounded)
+        out = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         out = x.to(dtype)
     return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 
 import triton
 import triton.language as tl
@@ -86,13 +87,6 @@ def signal_set(local_base, sig_offset, value, pe):
               NVSHMEM_SIGNAL_SET, tl.cast(pe, tl.int32))
 
 
-@triton.jit
-def globaltimer_ns():
-    """The GPU's global nanosecond timer (for bounded in-kernel waits)."""
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                     is_pure=False, pack=1)
-
-
 def _wheel_lib_dirs() -> list[str]:
     try:
         import nvidia.nvshmem as wheel
@@ -101,8 +95,50 @@ def _wheel_lib_dirs() -> list[str]:
     return [os.path.join(p, "lib") for p in wheel.__path__]
 
 
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
+
+
+def nvshmem_version(lib_dir: str) -> tuple[int, ...] | None:
+    """The NVSHMEM release of the library folder ``lib_dir``: from ``../include/non_abi/
+    nvshmem_version.h`` (a toolkit or wheel layout), else None."""
+    header = os.path.join(os.path.dirname(lib_dir.rstrip("/")), "include", "non_abi",
+                          "nvshmem_version.h")
+    try:
+        text = open(header).read()
+    except OSError:
+        return None
+    parts = [re.search(rf"#define\s+NVSHMEM_VENDOR_{name}_VERSION\s+(\d+)", text)
+             for name in ("MAJOR", "MINOR", "PATCH")]
+    return tuple(int(p.group(1)) for p in parts) if all(parts) else None
+
+
+# Bitcode a Triton release's LLVM cannot read (seen, not guessed): Triton 3.6 fails to parse
+# NVSHMEM 3.8.0's bitcode (LLVM 22.1); NVSHMEM 3.4.5's (LLVM 18, the release PyTorch's CUDA wheels
+# pin) links under Triton 3.6 and 3.9, and 3.8.0's under 3.9.
+OLDEST_TRITON_FOR_NEW_BITCODE = (3, 7)
+NEWEST_NVSHMEM_FOR_OLD_TRITON = (3, 4, 99)
+
+
+def check_bitcode_readable(path: str, triton_version: str = triton.__version__) -> None:
+    """Raises a RuntimeError that says what to install where this Triton cannot link the
+    NVSHMEM bitcode at ``path`` (device bitcode and host library must be one release, so the
+    fix is an NVSHMEM that both this Triton and the job can use)."""
+    release = nvshmem_version(os.path.dirname(path))
+    if release is None or _version(triton_version) >= OLDEST_TRITON_FOR_NEW_BITCODE:
+        return
+    if release > NEWEST_NVSHMEM_FOR_OLD_TRITON:
+        raise RuntimeError(
+            f"Triton {triton_version} cannot read the device bitcode of NVSHMEM "
+            f"{'.'.join(map(str, release))} ({path}): its LLVM is older than the one that wrote "
+            "it. Install nvidia-nvshmem-cu13==3.4.5 (the release PyTorch's CUDA wheels pin; its "
+            "bitcode links under Triton 3.6 to 3.9) for both the kernels and the job, or a newer "
+            "Triton, or set NVSHMEM_LIB_DIR to an NVSHMEM <= 3.4 lib folder.")
+
+
 def device_bitcode(arch: int) -> str:
-    """Path of ``libnvshmem_device_sm_<arch>.bc`` (or a single ``libnvshmem_device.bc``).
+    """Path of ``libnvshmem_device_sm_<arch>.bc`` (or a single ``libnvshmem_device.bc``) that
+    this Triton can link (:func:`check_bitcode_readable`).
 
     Looked up in ``$NVSHMEM_LIB_DIR``, then ``$NVSHMEM_HOME/lib``, then the ``nvidia/nvshmem/lib``
     folder of the installed ``nvidia-nvshmem`` wheel (where nvshmem4py finds it too).
@@ -117,6 +153,7 @@ def device_bitcode(arch: int) -> str:
             path = os.path.join(folder, name)
             tried.append(path)
             if os.path.exists(path):
+                check_bitcode_readable(path)
                 return path
     seen = sorted(os.path.basename(p) for f in filter(None, folders)
                   for p in glob.glob(os.path.join(f, "*.bc")))

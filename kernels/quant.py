@@ -23,14 +23,16 @@ import torch
 import triton
 import triton.language as tl
 
-GROUP = 128  # channels per scale
+from .tiles import GROUP, tiles
+
 E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
 
 
 @triton.jit
 def e4m3_bits(v):
-    """fp32 -> e4m3fn byte (uint8), round to nearest even, saturating at +-448."""
+    """fp32 -> e4m3fn byte (uint8), round to nearest even, saturating at +-448 (as PyTorch
+    does, infinities too); NaN -> 0x7F with its sign (e4m3fn's only NaN)."""
     bits = v.to(tl.uint32, bitcast=True)
     sign = (bits >> 31).to(tl.uint8)
     a = tl.minimum(tl.abs(v), 448.0)
@@ -39,23 +41,29 @@ def e4m3_bits(v):
     normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)  # e4m3 exponent bias 7 = 127 - 120
     sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.uint32)  # multiples of 2**-9, RNE
     code = tl.where(a >= 0.015625, normal, sub)
+    code = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7F, code)  # min() dropped the NaN
     return (code.to(tl.uint8) | (sign << 7)).to(tl.uint8)
 
 
 @triton.jit
 def ue8m0_scale(amax_over_max):
-    """Smallest power of two >= the (positive, normal) fp32 argument, and its biased exponent."""
+    """Smallest power of two >= the (positive) fp32 argument, and its biased exponent; NaN and
+    infinity give exponent 255 (E8M0's NaN code) and an infinite scale."""
     bits = amax_over_max.to(tl.uint32, bitcast=True)
     exponent = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.uint32)
+    exponent = tl.minimum(exponent, 255)
     return (exponent << 23).to(tl.float32, bitcast=True), exponent.to(tl.uint8)
 
 
 @triton.jit
 def quantize_tile(v, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, UE8M0: tl.constexpr):
     """``v`` [BLOCK_T, BLOCK_H] fp32 (BLOCK_H a multiple of 128) -> (codes [BLOCK_T, BLOCK_H]
-    uint8, scales [BLOCK_T, BLOCK_H // 128] fp32, exponent bytes [BLOCK_T, BLOCK_H // 128])."""
+    uint8, scales [BLOCK_T, BLOCK_H // 128] fp32, exponent bytes [BLOCK_T, BLOCK_H // 128]).
+    A NaN in a group makes its amax and scale NaN, so the whole group dequantizes to NaN, as
+    ``reference.quantize_fp8`` (PyTorch's amax propagates NaN; Triton's max would drop it)."""
     v3 = tl.reshape(v, [BLOCK_T, BLOCK_H // 128, 128])
-    amax = tl.maximum(tl.max(tl.abs(v3), axis=2), 1e-4)
+    has_nan = tl.max((v3 != v3).to(tl.int32), axis=2) > 0  # tl.max skips NaN; torch's keeps it
+    amax = tl.where(has_nan, float("nan"), tl.maximum(tl.max(tl.abs(v3), axis=2), 1e-4))
     scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
     exps = tl.zeros(amax.shape, tl.uint8)
     if UE8M0:
@@ -65,32 +73,30 @@ def quantize_tile(v, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, UE8M0: tl.con
     return codes, scale, exps
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def quantize_kernel(
     x,  # [T, H] bf16/fp16/fp32
     codes,  # [T, H] uint8 out (view of float8_e4m3fn)
     scales,  # [T, H // 128] float32 out
     exps,  # [T, H // 128] uint8 out: biased exponents (UE8M0)
-    T, H,
+    T: tl.int32, H: tl.int32,
     UE8M0: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     t64 = t.to(tl.int64)
     G = H // 128
-    for h0 in range(0, H, BLOCK_H):
+    for h0 in range(0, H, BLOCK_H):  # BLOCK_H divides H (tiles.block_h_for)
         h = h0 + tl.arange(0, BLOCK_H)
-        m = tm[:, None] & (h < H)[None, :]
-        v = tl.load(x + t64[:, None] * H + h[None, :], mask=m, other=0.0).to(tl.float32)
-        c, s, e = quantize_tile(v, BLOCK_T, BLOCK_H, UE8M0)
-        tl.store(codes + t64[:, None] * H + h[None, :], c, mask=m)
+        v = tl.load(x + t64[:, None] * H + h[None, :], mask=tm[:, None], other=0.0)
+        c, s, e = quantize_tile(v.to(tl.float32), BLOCK_T, BLOCK_H, UE8M0)
+        tl.store(codes + t64[:, None] * H + h[None, :], c, mask=tm[:, None])  # gate: row
         g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-        gm = tm[:, None] & (g < G)[None, :]
-        tl.store(scales + t64[:, None] * G + g[None, :], s, mask=gm)
-        tl.store(exps + t64[:, None] * G + g[None, :], e, mask=gm)
+        tl.store(scales + t64[:, None] * G + g[None, :], s, mask=tm[:, None])
+        tl.store(exps + t64[:, None] * G + g[None, :], e, mask=tm[:, None])
 
 
-def quantize_fp8(x: torch.Tensor, ue8m0: bool = False, block_t: int = 16
+def quantize_fp8(x: torch.Tensor, ue8m0: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q [T, H] float8_e4m3fn, scales [T, H/128] float32, exponents [T, H/128] uint8)``.
 
@@ -103,21 +109,9 @@ def quantize_fp8(x: torch.Tensor, ue8m0: bool = False, block_t: int = 16
     codes = torch.empty((T, H), dtype=torch.uint8, device=x.device)
     scales = torch.empty((T, H // GROUP), dtype=torch.float32, device=x.device)
     exps = torch.empty((T, H // GROUP), dtype=torch.uint8, device=x.device)
+    tile = tiles("quantize", x.device.type != "cpu", H, 1)
     if T:
-        quantize_kernel[(triton.cdiv(T, block_t),)](
-            x, codes, scales, exps, T, H, UE8M0=ue8m0, BLOCK_T=block_t,
-            BLOCK_H=block_h_for(H))
+        quantize_kernel[(triton.cdiv(T, tile.block_t),)](
+            x, codes, scales, exps, T, H, UE8M0=ue8m0, BLOCK_T=tile.block_t,
+            BLOCK_H=tile.block_h, **tile.launch_options())
     return codes.view(torch.float8_e4m3fn), scales, exps
-
-
-def block_h_for(hidden: int, cap: int = 2048) -> int:
-    """Widest power-of-two tile <= cap that is a multiple of 128 (groups never straddle tiles)."""
-    return max(GROUP, min(triton.next_power_of_2(hidden), cap))
-
-
-COMPILE_VARIANTS = [
-    (quantize_kernel, {"x": f"*{dtype}", "codes": "*u8", "scales": "*fp32", "exps": "*u8",
-                       "T": "i32", "H": "i32"},
-     dict(UE8M0=ue8m0, BLOCK_T=16, BLOCK_H=1024))
-    for dtype in ("bf16", "fp32") for ue8m0 in (False, True)
-]

@@ -20,16 +20,10 @@ import torch
 import torch.distributed as dist
 
 from . import _registry, env
-from .kernels.comm import (
-    CPU_RANKS,
-    Flavour,
-    PeerTimeoutError,
-    raise_device_timeout,
-    wait_epochs,
-    wait_epochs_kernel,
-)
+from .error_record import ErrorRecord
+from .kernels.comm import Flavour, wait_epochs, wait_epochs_kernel
 from .kernels.nvshmem import device_bitcode, install_module_init_hook
-from .kernels.quant import block_h_for
+from .kernels.tiles import tiles
 from .low_latency import LowLatencyMode
 from .normal_mode import NormalMode, PendingSend
 from .ops import combine_autograd, dispatch_autograd
@@ -150,13 +144,13 @@ class Buffer(NormalMode, LowLatencyMode):
 
     def _setup(self, heap: SymmetricHeap, layout: WorkspaceLayout, num_experts: int,
                timeout_s: float | None, dispatch_dtype: torch.dtype | None,
-               num_sms: int | None = None, kernel_impl: str = "triton") -> None:
+               num_sms: int | None = None, kernel_impl: str = "triton",
+               flavour: Flavour | None = None) -> None:
         self.heap, self.layout = heap, layout
         self.rank, self.world_size = heap.rank, heap.world_size
         self.hidden, self.dtype = layout.hidden, layout.dtype
         self.dispatch_dtype = dispatch_dtype or layout.dtype
         self._row_bytes = layout.hidden * torch.empty((), dtype=layout.dtype).element_size()
-        self._block_h = block_h_for(layout.hidden)
         self.num_experts, self.num_local_experts = num_experts, layout.num_local_experts
         self.max_tokens_per_rank, self.max_topk = layout.max_tokens, layout.max_topk
         self.timeout_s = env.timeout_s() if timeout_s is None else float(timeout_s)
@@ -168,33 +162,42 @@ class Buffer(NormalMode, LowLatencyMode):
             raise ValueError(f"num_sms must be a positive int or None, got {num_sms!r}")
         self.num_sms = num_sms if num_sms is not None else (DEFAULT_GPU_SMS if on_gpu else None)
         self.kernel_impl = check_kernel_impl(kernel_impl, heap.device, layout.low_latency)
-        self._errors = None  # [4] int64 error record the GPU kernels' bounded waits write
-        self.flavour = CPU_RANKS
-        if on_gpu:
-            self._errors = torch.zeros(4, dtype=torch.int64, pin_memory=True)
-            transport = int(bool((heap.peer_ptrs == 0).any()))
-            bitcode = ""
-            if transport:  # kernels call NVSHMEM: link its bitcode, initialise each module
-                major, minor = torch.cuda.get_device_capability(heap.device)
-                bitcode = device_bitcode(10 * major + minor)
-                install_module_init_hook()
-            self.flavour = Flavour(transport=transport, device_wait=True,
-                                   local_base=heap.local.data_ptr(),
-                                   errors_addr=self._errors.data_ptr(),
-                                   timeout_ns=int(self.timeout_s * 1e9), bitcode=bitcode)
+        self.errors = ErrorRecord(heap.device)
+        self.flavour = flavour or self._default_flavour(on_gpu)
         self.id = next(_ids)
         self.launches: collections.Counter[str] = collections.Counter()
+        self.host_syncs: collections.Counter[str] = collections.Counter()
         self._epochs = [0, 0]  # last epoch issued per channel
         self._tickets = [0, 0]  # send programs launched so far per channel (mirrors `tickets`)
         self._dispatch_serial = 0
         self._failure: str | None = None
         self._signals = layout.view(heap, "signals")
+        self._signal_words = self._signals.numpy() if heap.device.type == "cpu" else None
         self._ticket_words = layout.view(heap, "tickets")
         self._stats = layout.view(heap, "stats")
         self._ll_epochs = [0, 0]  # host mirrors of the device epochs (CPU waits need them)
         self._ll_pending = [0, 0]  # sends of each channel whose hook has not run
         self._ll_state = layout.view(heap, "ll_state") if layout.low_latency else None
         _registry.register(self)
+
+    def _default_flavour(self, on_gpu: bool) -> Flavour:
+        """GPUs: compiled kernels that wait in the kernels, NVSHMEM for peers without a
+        pointer. CPU ranks: the interpreter, waits on the host (``MOE_COMM_WAIT=kernel``: in
+        the kernels, as on a GPU)."""
+        heap, elem = self.heap, self._row_bytes // self.hidden
+        common = dict(local_base=heap.local.data_ptr(), errors_addr=self.errors.address,
+                      timeout_ns=int(self.timeout_s * 1e9),
+                      row_align=16 if self._row_bytes % 16 == 0 else elem)
+        if not on_gpu:
+            return Flavour(device_wait=env.kernel_waits(), **common)
+        transport = int(bool((heap.peer_ptrs == 0).any()))
+        bitcode = ""
+        if transport:  # kernels call NVSHMEM: link its bitcode, initialise each module
+            major, minor = torch.cuda.get_device_capability(heap.device)
+            bitcode = device_bitcode(10 * major + minor)
+            install_module_init_hook()
+        return Flavour(transport=transport, device_wait=True, compiled=True, bitcode=bitcode,
+                       **common)
 
     # ----------------------------------------------------------------- public API
     @property
@@ -224,7 +227,8 @@ class Buffer(NormalMode, LowLatencyMode):
     def dispatch(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                  topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None,
                  expert_alignment: int = 1, *, fp8: bool | None = None, ue8m0: bool = False,
-                 col_major_scales: bool = False) -> DispatchResult:
+                 col_major_scales: bool = False, max_recv_rows: int | None = None
+                 ) -> DispatchResult:
         """Sends each token to the ranks of its top-k experts; returns the rows this rank got.
 
         ``x`` [T, H] of ``dtype`` (T <= max_tokens_per_rank, may be 0); ``topk_idx`` [T, K]
@@ -237,6 +241,16 @@ class Buffer(NormalMode, LowLatencyMode):
 
         Differentiable in ``x`` and ``topk_weights`` (backward = combine of the row gradients).
 
+        One host synchronisation (reading how many rows arrived, to size ``res.x``);
+        ``max_recv_rows`` (an upper bound of this rank's rows, padding included; like DeepEP's
+        ``num_worst_tokens``) makes it zero: ``res.x`` has that many rows, those past
+        ``res.expert_offsets[-1]`` are zero padding (``src_rank`` -1), and more rows than that
+        raise.
+
+        A row of ``topk_idx`` with an id outside ``[-1, E)`` or an expert twice is sent nowhere
+        and raises ValueError once the call is complete on every rank (the kernels check the
+        ids; no host read), or at this rank's next call on a GPU without the synchronisation.
+
         FP8 (``fp8=True``; the default when the Buffer has ``dispatch_dtype=float8_e4m3fn``):
         the send kernel quantizes each token per 128 channels (``reference.quantize_fp8``) and
         ``res.x`` is float8_e4m3fn with ``res.x_scales`` float32 [rows, H/128]; ``ue8m0``:
@@ -245,16 +259,18 @@ class Buffer(NormalMode, LowLatencyMode):
         also be a quantized pair ``(x_fp8, scales)``. FP8 rows carry no gradient to ``x``.
         """
         self._check_usable()
+        self._raise_input_errors("an earlier call")
         rows, scales, mode = resolve_fp8(
             x, fp8, ue8m0, col_major_scales, default_fp8=self.dispatch_dtype != self.dtype,
             hidden=self.hidden, device=self.device)
-        check_dispatch_inputs(rows, topk_idx, topk_weights, expert_alignment,
-                              hidden=self.hidden, num_experts=self.num_experts,
-                              max_tokens=self.max_tokens_per_rank, max_topk=self.max_topk,
-                              dtype=torch.float8_e4m3fn if mode == 2 else self.dtype,
-                              device=self.device, values=env.check_inputs())
+        if env.check_inputs():
+            check_dispatch_inputs(rows, topk_idx, topk_weights, expert_alignment,
+                                  hidden=self.hidden, max_tokens=self.max_tokens_per_rank,
+                                  max_topk=self.max_topk,
+                                  dtype=torch.float8_e4m3fn if mode == 2 else self.dtype,
+                                  device=self.device, max_recv_rows=max_recv_rows)
         return dispatch_autograd(self, rows, scales, topk_idx, topk_weights, expert_alignment,
-                                 mode, ue8m0, col_major_scales)
+                                 mode, ue8m0, col_major_scales, max_recv_rows)
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle,
                 weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -265,12 +281,15 @@ class Buffer(NormalMode, LowLatencyMode):
             out[t] = sum(weights[r] * y[r] for the rows r of token t on every rank)  # fp32
 
         partial sums per (token, expert rank) are rounded to ``y.dtype`` before they travel;
-        ranks are summed in order 0..R-1. Differentiable in ``y`` and ``weights``.
+        ranks are summed in order 0..R-1. Differentiable in ``y`` and ``weights``. No host
+        synchronisation.
         """
         self._check_usable()
-        check_combine_inputs(y, handle, weights, buffer_id=self.id,
-                             latest_serial=self.dispatch_serial, hidden=self.hidden,
-                             dtype=self.dtype, device=self.device)
+        self._raise_input_errors("an earlier call")
+        if env.check_inputs():
+            check_combine_inputs(y, handle, weights, buffer_id=self.id,
+                                 latest_serial=self.dispatch_serial, hidden=self.hidden,
+                                 dtype=self.dtype, device=self.device)
         return combine_autograd(self, y, handle, weights)
 
     def stats(self) -> dict[str, int]:
@@ -280,10 +299,12 @@ class Buffer(NormalMode, LowLatencyMode):
                 "combine_bytes_to_peers": values[2], "combine_bytes_to_self": values[3]}
 
     def close(self) -> None:
-        """Releases the workspace. Later calls raise."""
+        """Releases the workspace (collective on GPU heaps: every rank closes, then the memory
+        is unmapped, so no peer still writes into it). Later calls raise."""
         if self._failure is None:
             self._failure = "the Buffer was closed"
         _registry.unregister(self)
+        self._signal_words = None
         self.heap.close()
 
     def __enter__(self) -> Buffer:
@@ -298,16 +319,22 @@ class Buffer(NormalMode, LowLatencyMode):
                 f"dtype={self.dtype}, workspace_bytes={self.workspace_bytes})")
 
     # ----------------------------------------------------------------- phases
-    def _check_usable(self) -> None:
-        if self._failure is None and self._errors is not None:  # a GPU wait timed out
-            try:
-                raise_device_timeout(self._errors, rank=self.rank, channel="device",
-                                     timeout_s=self.timeout_s)
-            except PeerTimeoutError as error:
-                self._failure = f"a kernel's wait failed ({error})"
+    def _check_usable(self, channel: str = "device") -> None:
+        """Raises if the Buffer failed, or a kernel's wait recorded a timeout (which makes it
+        unusable). Reads the error record only: no synchronisation."""
+        if self._failure is None and self.errors.timed_out():
+            self._failure = f"a kernel's bounded wait timed out on the {channel} channel"
+            self.errors.raise_timeout(rank=self.rank, channel=channel, timeout_s=self.timeout_s)
         if self._failure is not None:
             raise RuntimeError(f"moe_comm Buffer on rank {self.rank} is unusable: "
                                f"{self._failure}. Build a new Buffer on every rank.")
+
+    def _raise_input_errors(self, what: str) -> None:
+        """Raises a bad input a kernel recorded (bad expert id, repeated expert, too many rows)
+        once the call is complete on this rank, so every rank stays in step and the Buffer
+        stays usable. Runs after each call and at the start of the next (a GPU may record it
+        after the call returned)."""
+        self.errors.raise_input_error(rank=self.rank, what=what)
 
     def _start(self, channel: int) -> int:
         self._check_usable()
@@ -330,19 +357,21 @@ class Buffer(NormalMode, LowLatencyMode):
         return offsets
 
     def _wait(self, pending: PendingSend) -> None:
-        """Every source published ``pending.epoch`` on its channel (bounded; raises naming
-        the missing peer). CPU ranks poll from the host; GPUs run a one-program wait kernel."""
+        """Every source published ``pending.epoch`` on its channel (bounded). CPU ranks poll
+        from the host and raise naming the missing peer; otherwise a one-program wait kernel
+        runs ahead of the receive on the stream (no synchronisation) and records a timeout,
+        after which no kernel of this rank publishes and the next check raises."""
         channel = _CHANNEL_NAMES[pending.channel]
         if not self.flavour.device_wait:
-            wait_epochs(self._signals[pending.channel], pending.epoch,
+            wait_epochs(self._signal_words[pending.channel], pending.epoch,
                         timeout_s=self.timeout_s, rank=self.rank, channel=channel)
             return
+        tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
         wait_epochs_kernel[(1,)](self._signals[pending.channel], self.flavour.errors_addr,
-                                 pending.epoch, self.flavour.timeout_ns, self.world_size)
+                                 pending.epoch, self.flavour.timeout_ns, self.world_size,
+                                 NUM_THREADS=tile.num_threads, **tile.launch_options())
         self.launches["wait"] += 1
-        torch.cuda.current_stream(self.device).synchronize()
-        raise_device_timeout(self._errors, rank=self.rank, channel=channel,
-                             timeout_s=self.timeout_s)
+        self._check_usable(channel)
 
     def _staging(self, channel: int, parity: int) -> tuple[torch.Tensor, torch.Tensor]:
         name = _CHANNEL_NAMES[channel]

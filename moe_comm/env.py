@@ -21,5 +21,16 @@ def timeout_s() -> float:
 
 
 def check_inputs() -> bool:
-    """``MOE_COMM_CHECK_INPUTS``: 0 skips the value checks of topk_idx (range, duplicates)."""
+    """``MOE_COMM_CHECK_INPUTS``: 0 skips the host-side checks of types, shapes, devices and
+    handles (none of them reads tensor data; the kernels check the expert ids either way)."""
     return os.environ.get("MOE_COMM_CHECK_INPUTS", "1") != "0"
+
+
+def kernel_waits() -> bool:
+    """``MOE_COMM_WAIT``: ``host`` (default) or ``kernel``. On CPU ranks, ``kernel`` runs the
+    GPU flavour's bounded waits inside the (interpreted) kernels instead of polling from the
+    host, so the GPU protocol, timeouts included, is exercised on any machine."""
+    raw = os.environ.get("MOE_COMM_WAIT", "host")
+    if raw not in ("host", "kernel"):
+        raise ValueError(f"MOE_COMM_WAIT must be 'host' or 'kernel', got {raw!r}")
+    return raw == "kernel"

@@ -14,28 +14,33 @@ from .validation import check_combine_inputs, check_dispatch_inputs, resolve_fp8
 
 
 def dispatch(buffers, xs, topk_idxs, topk_weights=None, expert_alignment: int = 1, *,
-             fp8: bool | None = None, ue8m0: bool = False, col_major_scales: bool = False
-             ) -> list[DispatchResult]:
+             fp8: bool | None = None, ue8m0: bool = False, col_major_scales: bool = False,
+             max_recv_rows: int | None = None) -> list[DispatchResult]:
     """``[buf.dispatch(x, idx, w, expert_alignment, ...) for each virtual rank]``, in lockstep."""
     topk_weights = topk_weights if topk_weights is not None else [None] * len(buffers)
     prepared = []
     for buf, x, idx, w in zip(buffers, xs, topk_idxs, topk_weights, strict=True):
         buf._check_usable()
+        buf._raise_input_errors("an earlier call")
         rows, scales, mode = resolve_fp8(
             x, fp8, ue8m0, col_major_scales, default_fp8=buf.dispatch_dtype != buf.dtype,
             hidden=buf.hidden, device=buf.device)
         check_dispatch_inputs(rows, idx, w, expert_alignment, hidden=buf.hidden,
-                              num_experts=buf.num_experts, max_tokens=buf.max_tokens_per_rank,
-                              max_topk=buf.max_topk, device=buf.device,
+                              max_tokens=buf.max_tokens_per_rank, max_topk=buf.max_topk,
+                              device=buf.device, max_recv_rows=max_recv_rows,
                               dtype=torch.float8_e4m3fn if mode == 2 else buf.dtype)
         prepared.append((rows, scales, mode))
     pending = [buf.dispatch_send(rows, idx, w, scales, mode, ue8m0)
                for buf, (rows, scales, mode), idx, w
                in zip(buffers, prepared, topk_idxs, topk_weights)]
-    return [wrap_dispatch_outputs(buf, buf.dispatch_recv(p, expert_alignment, col_major_scales),
-                                  idx.shape[1], w is not None, mode)
-            for buf, p, idx, w, (_, _, mode)
-            in zip(buffers, pending, topk_idxs, topk_weights, prepared)]
+    results = [wrap_dispatch_outputs(buf, buf.dispatch_recv(p, expert_alignment,
+                                                            col_major_scales, max_recv_rows),
+                                     idx.shape[1], w is not None, mode)
+               for buf, p, idx, w, (_, _, mode)
+               in zip(buffers, pending, topk_idxs, topk_weights, prepared)]
+    for buf in buffers:
+        buf._raise_input_errors("dispatch")
+    return results
 
 
 def combine(buffers, ys, handles, weights=None) -> list[torch.Tensor]:
@@ -43,6 +48,7 @@ def combine(buffers, ys, handles, weights=None) -> list[torch.Tensor]:
     weights = weights if weights is not None else [None] * len(buffers)
     for buf, y, h, w in zip(buffers, ys, handles, weights, strict=True):
         buf._check_usable()
+        buf._raise_input_errors("an earlier call")
         check_combine_inputs(y, h, w, buffer_id=buf.id, latest_serial=buf.dispatch_serial,
                              hidden=buf.hidden, dtype=buf.dtype, device=buf.device)
     pending = [buf.combine_send(y, w, None, h.slot_rows, h.recv_slot_offsets)

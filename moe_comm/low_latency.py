@@ -10,11 +10,14 @@ A mixin of ``Buffer`` (built with ``low_latency=True``)::
     hook()
 
 The send launches only put and return; the hook waits (bounded) and runs the receive launch.
-Shapes depend only on the Buffer, nothing is read back to the host between the launches, and
-the kernels keep their epochs in device memory (``moe_comm.kernels.low_latency``). Two calls of
-a channel may be in flight (double-buffered staging); a third send before the first hook raises.
-On load/store transports the combine reads ``y`` where it lies and stores each row straight into
-its home rank's slot: no copy of ``y`` is made.
+Shapes depend only on the Buffer, nothing is read back to the host (no synchronisation in either
+op: ``host_syncs`` stays 0), and the kernels keep their epochs in device memory
+(``moe_comm.kernels.low_latency``). Two calls of a channel may be in flight (double-buffered
+staging); a third send before the first hook raises. On load/store transports the combine reads
+``y`` where it lies and stores each row straight into its home rank's slot: no copy of ``y`` is
+made. A hook raises what the kernels recorded by then (a timeout, a bad row of ``topk_idx``):
+at the call that failed on CPU ranks; on a GPU at the first hook or call after the kernel
+recorded it.
 """
 from __future__ import annotations
 
@@ -31,12 +34,10 @@ from .kernels.low_latency import (
     ll_dispatch_recv,
     ll_dispatch_send,
 )
-from .kernels.quant import GROUP
+from .kernels.tiles import GROUP
 from .validation import check_dispatch_inputs, check_tensor
 from .workspace import COMBINE, DISPATCH
 
-BLOCK_T = 64  # tokens per tile of the kernels that walk a rank's tokens
-BLOCK_ROWS = 16  # rows per tile of the kernels that walk one (expert, source) block
 IN_FLIGHT = 2  # staging parities per channel
 
 
@@ -87,7 +88,11 @@ class _Hook:
             raise RuntimeError("this low-latency hook was already called")
         self.done = True
         self._buffer._ll_pending[self._channel] -= 1
-        return self._receive()
+        result = self._receive()
+        what = "low-latency dispatch" if self._channel == DISPATCH else "low-latency combine"
+        self._buffer._check_usable(what)
+        self._buffer._raise_input_errors(what)
+        return result
 
 
 def _ll_scales_out(L: int, rows: int, groups: int, ue8m0: bool, col_major: bool, device):
@@ -151,7 +156,7 @@ class LowLatencyMode:
         self._ll_epochs[channel] += 1
         epoch = self._ll_epochs[channel]
         if not self.flavour.device_wait:  # GPUs wait in the send kernel itself
-            acks = self.layout.view(self.heap, "ll_acks")[channel, epoch % 2]
+            acks = self.layout.view(self.heap, "ll_acks")[channel, epoch % 2].numpy()
             wait_for_epochs(acks.tolist, epoch - IN_FLIGHT, timeout_s=self.timeout_s,
                             rank=self.rank, channel=f"low-latency {what} (staging reuse)")
         return epoch
@@ -192,13 +197,13 @@ class LowLatencyMode:
         ``hook()`` receives; otherwise the call receives and ``hook`` is None.
         """
         self._check_usable()
+        self._raise_input_errors("an earlier call")
         self._ll_require()
         self._ll_check_in_flight(DISPATCH, "dispatch")
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        check_dispatch_inputs(x, topk_idx, None, 1, hidden=self.hidden,
-                              num_experts=self.num_experts, max_tokens=self.max_tokens_per_rank,
-                              max_topk=self.max_topk, dtype=self.dtype, device=self.device,
-                              values=env.check_inputs() and not capturing)
+        if env.check_inputs():
+            check_dispatch_inputs(x, topk_idx, None, 1, hidden=self.hidden,
+                                  max_tokens=self.max_tokens_per_rank, max_topk=self.max_topk,
+                                  dtype=self.dtype, device=self.device)
         if fp8 and (self.hidden % GROUP or self.dtype == torch.float64):
             raise ValueError(f"FP8 dispatch needs hidden % 128 == 0 and a 16/32-bit dtype, "
                              f"got hidden={self.hidden}, dtype={self.dtype}")
@@ -246,13 +251,12 @@ class LowLatencyMode:
         if self.kernel_impl == "cuda":
             self.launches["ll_dispatch_send"] += self._csrc().ll_dispatch_send(
                 x, topk_idx, self.heap.peer_ptrs, self._ll_state, self._stats,
-                offsets=offsets, acks=offsets["acks"], error=self._errors,
+                offsets=offsets, acks=offsets["acks"], error=self.errors.timeout_part,
                 outbox_offset=self._outbox_offset("ll_outbox"), **common)
         else:
             self.launches["ll_dispatch_send"] += ll_dispatch_send(
                 x, topk_idx, self.heap.peer_ptrs, self._ll_state, self._stats, offsets=offsets,
-                block_t=BLOCK_T, block_h=self._block_h, num_sms=self.num_sms,
-                flavour=self.flavour, **common)
+                num_sms=self.num_sms, flavour=self.flavour, **common)
         recv = LowLatencyRecv(recv_x, scales, count, src_info, handle)
         self._ll_pending[DISPATCH] += 1
 
@@ -264,10 +268,10 @@ class LowLatencyMode:
     @poisons_buffer_on_error("low-latency dispatch")
     def _ll_dispatch_recv(self, epoch, recv, scale_memory, scale_strides, ue8m0, stats):
         if not self.flavour.device_wait:  # GPUs wait in the receive kernel itself
-            words = self.layout.view(self.heap, "ll_dispatch_signals")[epoch % 2]  # [L, R]
+            words = self.layout.view(self.heap, "ll_dispatch_signals")[epoch % 2].numpy()
 
-            def observed():
-                return (words >> 32).min(dim=0).values.tolist()
+            def observed():  # [L, R] words: the oldest epoch each source published
+                return (words >> 32).min(axis=0).tolist()
 
             recv.source_wait_s = wait_for_epochs(observed, epoch, timeout_s=self.timeout_s,
                                                  rank=self.rank,
@@ -283,11 +287,10 @@ class LowLatencyMode:
                       ue8m0=ue8m0)
         if self.kernel_impl == "cuda":
             self.launches["ll_dispatch_recv"] += self._csrc().ll_dispatch_recv(
-                *args, error=self._errors, **common)
+                *args, error=self.errors.timeout_part, **common)
         else:
-            self.launches["ll_dispatch_recv"] += ll_dispatch_recv(
-                *args, block_t=BLOCK_ROWS, block_h=self._block_h, flavour=self.flavour,
-                **common)
+            self.launches["ll_dispatch_recv"] += ll_dispatch_recv(*args, flavour=self.flavour,
+                                                                   **common)
         recv.handle.received = True
 
     # ----------------------------------------------------------------- combine
@@ -301,6 +304,7 @@ class LowLatencyMode:
         to ``out[t] = sum_k topk_weights[t, k] * y_row(t, k)`` in fp32, rounded to the dtype.
         """
         self._check_usable()
+        self._raise_input_errors("an earlier call")
         self._ll_require()
         if not isinstance(handle, LowLatencyHandle):
             raise TypeError(f"handle must be recv.handle of a low_latency_dispatch, got "
@@ -333,11 +337,17 @@ class LowLatencyMode:
         hook()
         return out, None
 
-    def _is_combine_outbox(self, y: torch.Tensor, epoch: int) -> bool:
+    def _combine_outbox_offset(self, y: torch.Tensor) -> int | None:
+        """Where ``y`` lies in this rank's segment if it is one of the combine outboxes (the
+        NVSHMEM puts then read it in place: its own offset, whatever the call's parity, so a
+        CUDA graph that captured the call replays it right), else None."""
         if not self.layout.rdma:
-            return False
-        outbox = self.layout.view(self.heap, "ll_combine_outbox")[epoch % 2]
-        return y.data_ptr() == outbox.data_ptr()
+            return None
+        outboxes = self.layout.view(self.heap, "ll_combine_outbox")
+        for p in range(outboxes.shape[0]):
+            if y.data_ptr() == outboxes[p].data_ptr():
+                return y.data_ptr() - self.heap.local.data_ptr()
+        return None
 
     @poisons_buffer_on_error("low-latency combine")
     def _ll_combine_send(self, y, topk_idx, topk_weights, handle):
@@ -350,12 +360,12 @@ class LowLatencyMode:
                       max_topk=self.max_topk)
         if self.kernel_impl == "cuda":
             self.launches["ll_combine_send"] += self._csrc().ll_combine_send(
-                *args, acks=offsets["acks"], error=self._errors,
+                *args, acks=offsets["acks"], error=self.errors.timeout_part,
                 outbox_offset=self._outbox_offset("ll_combine_outbox"), **common)
         else:
             self.launches["ll_combine_send"] += ll_combine_send(
-                *args, block_t=BLOCK_ROWS, block_h=self._block_h, flavour=self.flavour,
-                zero_copy=self._is_combine_outbox(y, epoch), **common)
+                *args, flavour=self.flavour, y_box_offset=self._combine_outbox_offset(y),
+                **common)
         self._ll_pending[COMBINE] += 1
 
         def receive():
@@ -367,7 +377,7 @@ class LowLatencyMode:
     @poisons_buffer_on_error("low-latency combine")
     def _ll_combine_recv(self, epoch, topk_idx, topk_weights, out):
         if not self.flavour.device_wait:  # GPUs wait in the receive kernel itself
-            words = self.layout.view(self.heap, "ll_combine_signals")[epoch % 2]
+            words = self.layout.view(self.heap, "ll_combine_signals")[epoch % 2].numpy()
             wait_for_epochs(words.tolist, epoch, timeout_s=self.timeout_s, rank=self.rank,
                             channel="low-latency combine")
         staging = self.layout.view(self.heap, "ll_combine_rows")
@@ -376,9 +386,8 @@ class LowLatencyMode:
         if self.kernel_impl == "cuda":
             self.launches["ll_combine_recv"] += self._csrc().ll_combine_recv(
                 staging, topk_idx, topk_weights, out, self.heap.peer_ptrs, self._ll_state,
-                signals=signals, error=self._errors, **common)
+                signals=signals, error=self.errors.timeout_part, **common)
         else:
             self.launches["ll_combine_recv"] += ll_combine_recv(
                 staging, topk_idx, topk_weights, out, self.heap.peer_ptrs, self._ll_state,
-                signals, block_t=BLOCK_T, block_h=self._block_h, flavour=self.flavour,
-                **common)
+                signals, num_experts=self.num_experts, flavour=self.flavour, **common)

@@ -2,25 +2,28 @@
 
 A mixin of ``Buffer``: each phase is a method, called with validated inputs by the custom ops
 (``moe_comm.ops``) and by the loopback driver (``moe_comm.lockstep``). Launch counts go to
-``self.launches``: dispatch = layout + send + expand (expand skipped when nothing arrived),
-combine = send + reduce (reduce skipped for T = 0); the cached dispatch (combine's backward)
-is send + expand.
+``self.launches``: dispatch = layout + send + expand, combine = send + reduce (reduce skipped
+for T = 0); the cached dispatch (combine's backward) is send + expand; with waits in kernels
+each receive adds one ``wait`` launch.
+
+Host reads of device data (``self.host_syncs``): dispatch reads the received-row count once to
+size its output (``rows``), none with ``max_recv_rows``; combine and the cached dispatch read
+nothing. Every grid is fixed by the Buffer's sizes (the persistent programs read the counts
+they need on the device).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from ._guard import poisons_buffer_on_error
-from .kernels.combine import combine_reduce, combine_send
-from .kernels.dispatch import dispatch_expand, dispatch_send
+from .host_sync import read_int
+from .kernels import combine as combine_kernels
+from .kernels import dispatch as dispatch_kernels
 from .kernels.layout import routing_layout
-from .kernels.quant import GROUP
+from .kernels.tiles import GROUP
 from .workspace import COMBINE, DISPATCH
-
-BLOCK_T = 64  # tokens per tile: wide tiles keep the interpreter's per-program cost low
 
 
 @dataclass
@@ -49,11 +52,6 @@ def fp8_scales_out(rows: int, groups: int, ue8m0: bool, col_major: bool, device)
 
 
 class NormalMode:
-    def _send_grid(self, tokens: int) -> int:
-        """Programs of a dispatch send: one per token tile, at most ``num_sms`` (persistent)."""
-        tiles = max(1, triton.cdiv(tokens, BLOCK_T))
-        return min(tiles, self.num_sms) if self.num_sms else tiles
-
     def _rdma_offsets(self, channel: int, parity: int) -> tuple:
         """Byte offsets of this parity's outboxes for NVSHMEM puts (zeros without RDMA)."""
         if not self.layout.rdma:
@@ -65,34 +63,35 @@ class NormalMode:
     @poisons_buffer_on_error("dispatch")
     def dispatch_send(self, x, topk_idx, topk_weights, x_scales=None, fp8: int = 0,
                       ue8m0: bool = False) -> PendingSend:
-        """Send phase of dispatch: layout + put rows and metadata (``fp8`` as in PendingSend)."""
+        """Send phase of dispatch: layout + put rows and metadata (``fp8`` as in PendingSend).
+        Bad rows of ``topk_idx`` are sent nowhere and recorded (raised after the call)."""
         epoch = self._start(DISPATCH)
         x = x.contiguous()
         topk_idx = topk_idx.contiguous()
         topk_weights = None if topk_weights is None else topk_weights.contiguous()
         slot_of, pair_pos, counts = routing_layout(topk_idx, self.world_size,
-                                                   self.num_local_experts, BLOCK_T)
+                                                   self.num_local_experts, self.flavour)
         self.launches["layout"] += 1
-        grid = self._send_grid(x.shape[0])
+        grid = dispatch_kernels.send_grid(x.shape[0], self.hidden, self.num_sms, self.flavour,
+                                          1 if fp8 else x.element_size())
         tickets, last = self._draw_tickets(DISPATCH, grid)
-        self.launches["dispatch_send"] += dispatch_send(
+        self.launches["dispatch_send"] += dispatch_kernels.dispatch_send(
             x, topk_idx, topk_weights, slot_of, pair_pos, counts, self.heap.peer_ptrs,
             self._stats, tickets, offsets=self._send_offsets(DISPATCH, epoch % 2),
             last_ticket=last, epoch=epoch, rank=self.rank,
             num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
-            max_topk=self.max_topk, block_t=BLOCK_T, block_h=self._block_h, grid=grid,
-            topk=topk_idx.shape[1], row_bytes=self._row_bytes, fp8=fp8,
+            max_topk=self.max_topk, grid=grid, topk=topk_idx.shape[1],
+            row_bytes=self._row_bytes, fp8=fp8,
             x_scales=None if x_scales is None else x_scales.contiguous(), ue8m0=ue8m0,
             flavour=self.flavour, box_offsets=self._rdma_offsets(DISPATCH, epoch % 2))
         return PendingSend(DISPATCH, epoch, slot_of, topk_idx.shape[1], topk_weights is not None,
                            fp8, ue8m0)
 
-    @poisons_buffer_on_error("dispatch")
-    def dispatch_recv(self, pending: PendingSend, expert_alignment: int,
-                      col_major_scales: bool = False) -> tuple:
-        """Receive phase of dispatch; returns the tensors of ``moe_comm::dispatch``."""
-        self._wait(pending)
-        parity, L, dev = pending.epoch % 2, self.num_local_experts, self.device
+    def _received_layout(self, parity: int, expert_alignment: int):
+        """From the counts every source published (device tensors, no host read):
+        ``(per_source [R, L], slot_counts [R] int32, tokens_per_expert [L], expert_offsets
+        [L + 1], slot_offsets [R + 1])``, int64 unless noted."""
+        L, dev = self.num_local_experts, self.device
         counts = self.layout.view(self.heap, "dispatch_counts")[parity].to(torch.int64)
         per_source = counts[:, :L]  # [R, L] tokens from source s for expert e
         slot_counts = counts[:, L]  # [R]
@@ -100,11 +99,29 @@ class NormalMode:
         padded = (tokens_per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
         zero = torch.zeros(1, dtype=torch.int64, device=dev)
         expert_offsets = torch.cat([zero, padded.cumsum(0)])
-        row_base = expert_offsets[:-1][None, :] + per_source.cumsum(0) - per_source
         slot_offsets = torch.cat([zero, slot_counts.cumsum(0)])
-        rows, slots = int(expert_offsets[-1]), int(slot_offsets[-1])
+        return (per_source, slot_counts.to(torch.int32), tokens_per_expert, expert_offsets,
+                slot_offsets)
+
+    @poisons_buffer_on_error("dispatch")
+    def dispatch_recv(self, pending: PendingSend, expert_alignment: int,
+                      col_major_scales: bool = False, max_recv_rows: int | None = None) -> tuple:
+        """Receive phase of dispatch; returns the tensors of ``moe_comm::dispatch``.
+
+        ``max_recv_rows`` (an upper bound of the rows this rank receives, padding included)
+        sizes the output without reading the count back: the one host synchronisation of a
+        dispatch goes away (CUDA-graph capturable); rows past the count are zero padding."""
+        self._wait(pending)
+        parity, L, dev = pending.epoch % 2, self.num_local_experts, self.device
+        per_source, slot_counts, tokens_per_expert, expert_offsets, slot_offsets = \
+            self._received_layout(parity, expert_alignment)
+        row_base = expert_offsets[:-1][None, :] + per_source.cumsum(0) - per_source
+        if max_recv_rows is None:
+            rows = read_int(self.host_syncs, "rows", expert_offsets[-1])
+        else:
+            rows = max_recv_rows
         fp8 = pending.fp8 != 0
-        out = torch.zeros((rows, self.hidden), device=dev,
+        out = torch.empty((rows, self.hidden), device=dev,
                           dtype=torch.float8_e4m3fn if fp8 else self.dtype)
         scales, scale_memory, scale_strides = (torch.empty(0, device=dev), None, (0, 0))
         if fp8:
@@ -114,15 +131,15 @@ class NormalMode:
                        else torch.empty(0, dtype=torch.float32, device=dev))
         src_rank = torch.full((rows,), -1, dtype=torch.int64, device=dev)
         src_token = torch.full((rows,), -1, dtype=torch.int64, device=dev)
-        slot_rows = torch.empty((slots, pending.topk), dtype=torch.int32, device=dev)
+        slot_rows = torch.full((self.world_size * self.max_tokens_per_rank, pending.topk), -1,
+                               dtype=torch.int32, device=dev)  # 4 bytes per (slot, choice)
         staging, meta = self._staging(DISPATCH, parity)
-        self.launches["dispatch_expand"] += dispatch_expand(
-            staging.view(torch.uint8) if fp8 else staging, meta, slot_counts.to(torch.int32),
-            slot_offsets, row_base, slot_rows, out,
+        self.launches["dispatch_expand"] += dispatch_kernels.dispatch_expand(
+            staging.view(torch.uint8) if fp8 else staging, meta, slot_counts, slot_offsets,
+            row_base, tokens_per_expert, expert_offsets, slot_rows, out,
             out_weights if pending.has_weights else None, src_rank, src_token, rank=self.rank,
-            max_slots=int(slot_counts.max()), topk=pending.topk,
-            num_local_experts=L, meta_stride=self.layout.meta_stride, max_topk=self.max_topk,
-            block_t=BLOCK_T, block_h=self._block_h, out_scales=scale_memory,
+            topk=pending.topk, num_local_experts=L, meta_stride=self.layout.meta_stride,
+            max_topk=self.max_topk, flavour=self.flavour, out_scales=scale_memory,
             scale_strides=scale_strides, ue8m0=pending.ue8m0)
         self._dispatch_serial += 1
         return (out, scales, out_weights, src_rank, src_token, tokens_per_expert,
@@ -133,47 +150,46 @@ class NormalMode:
         """Send phase of a dispatch that reuses an earlier layout (the backward of combine)."""
         epoch = self._start(DISPATCH)
         x = x.contiguous()
-        grid = self._send_grid(x.shape[0])
+        grid = dispatch_kernels.send_grid(x.shape[0], self.hidden, self.num_sms, self.flavour,
+                                          x.element_size())
         tickets, last = self._draw_tickets(DISPATCH, grid)
-        self.launches["dispatch_send"] += dispatch_send(
+        self.launches["dispatch_send"] += dispatch_kernels.dispatch_send(
             x, None, None, slot_of, None, None, self.heap.peer_ptrs, self._stats, tickets,
             offsets=self._send_offsets(DISPATCH, epoch % 2), last_ticket=last, epoch=epoch,
             rank=self.rank, num_local_experts=self.num_local_experts,
-            meta_stride=self.layout.meta_stride, max_topk=self.max_topk, block_t=BLOCK_T,
-            block_h=self._block_h, grid=grid, topk=1, row_bytes=self._row_bytes,
-            flavour=self.flavour, box_offsets=self._rdma_offsets(DISPATCH, epoch % 2))
+            meta_stride=self.layout.meta_stride, max_topk=self.max_topk, grid=grid, topk=1,
+            row_bytes=self._row_bytes, flavour=self.flavour,
+            box_offsets=self._rdma_offsets(DISPATCH, epoch % 2))
         return PendingSend(DISPATCH, epoch)
 
     @poisons_buffer_on_error("dispatch")
     def dispatch_cached_recv(self, pending: PendingSend, slot_rows, slot_offsets,
-                             num_rows: int) -> torch.Tensor:
+                             tokens_per_expert, expert_offsets, num_rows: int) -> torch.Tensor:
         """Receive phase of a cached dispatch: rows [num_rows, H], zero in padding."""
         self._wait(pending)
-        out = torch.zeros((num_rows, self.hidden), dtype=self.dtype, device=self.device)
-        slot_counts = slot_offsets.diff()
+        out = torch.empty((num_rows, self.hidden), dtype=self.dtype, device=self.device)
         staging, _ = self._staging(DISPATCH, pending.epoch % 2)
-        self.launches["dispatch_expand"] += dispatch_expand(
-            staging, None, slot_counts.to(torch.int32), slot_offsets, None, slot_rows, out,
-            None, None, None, rank=self.rank, max_slots=int(slot_counts.max()),
-            topk=slot_rows.shape[1],
-            num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
-            max_topk=self.max_topk, block_t=BLOCK_T, block_h=self._block_h)
+        self.launches["dispatch_expand"] += dispatch_kernels.dispatch_expand(
+            staging, None, slot_offsets.diff().to(torch.int32), slot_offsets, None,
+            tokens_per_expert, expert_offsets, slot_rows, out, None, None, None, rank=self.rank,
+            topk=slot_rows.shape[1], num_local_experts=self.num_local_experts,
+            meta_stride=self.layout.meta_stride, max_topk=self.max_topk, flavour=self.flavour)
         return out
 
     @poisons_buffer_on_error("combine")
     def combine_send(self, y, weights, pair_values, slot_rows, slot_offsets) -> PendingSend:
         """Send phase of combine: reduce each received token's rows, put the partial home."""
         epoch = self._start(COMBINE)
-        slot_counts = slot_offsets.diff()
-        tiles = max(1, triton.cdiv(int(slot_counts.max()), BLOCK_T))
-        tickets, last = self._draw_tickets(COMBINE, self.world_size * tiles)
-        self.launches["combine_send"] += combine_send(
-            y.contiguous(), weights, pair_values, slot_rows, slot_counts.to(torch.int32),
+        grid = combine_kernels.send_grid(self.world_size, self.max_tokens_per_rank, self.hidden,
+                                         self.flavour, y.element_size())
+        tickets, last = self._draw_tickets(COMBINE, grid[0] * grid[1])
+        self.launches["combine_send"] += combine_kernels.combine_send(
+            y.contiguous(), weights, pair_values, slot_rows, slot_offsets.diff().to(torch.int32),
             slot_offsets, self.heap.peer_ptrs, self._stats, tickets,
             offsets=self._send_offsets(COMBINE, epoch % 2), last_ticket=last, epoch=epoch,
-            rank=self.rank, topk=slot_rows.shape[1], max_topk=self.max_topk, block_t=BLOCK_T,
-            block_h=self._block_h, grid_tiles=tiles, max_tokens=self.max_tokens_per_rank,
-            flavour=self.flavour, box_offsets=self._rdma_offsets(COMBINE, epoch % 2))
+            rank=self.rank, topk=slot_rows.shape[1], max_topk=self.max_topk,
+            max_tokens=self.max_tokens_per_rank, flavour=self.flavour,
+            box_offsets=self._rdma_offsets(COMBINE, epoch % 2))
         return PendingSend(COMBINE, epoch, topk=slot_rows.shape[1])
 
     @poisons_buffer_on_error("combine")
@@ -186,7 +202,7 @@ class NormalMode:
         pair_out = torch.empty((T, pending.topk) if want_pair else (0,), dtype=torch.float32,
                                device=dev)
         staging, meta = self._staging(COMBINE, pending.epoch % 2)
-        self.launches["combine_reduce"] += combine_reduce(
+        self.launches["combine_reduce"] += combine_kernels.combine_reduce(
             staging, meta, slot_of, out, pair_out if want_pair else None, topk=pending.topk,
-            max_topk=self.max_topk, block_t=BLOCK_T, block_h=self._block_h)
+            max_topk=self.max_topk, flavour=self.flavour)
         return out, pair_out

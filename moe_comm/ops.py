@@ -3,11 +3,13 @@
 Ops (each one collective over the Buffer's ranks; ``buffer_id`` names the Buffer):
 
 * ``moe_comm::dispatch(buffer_id, x, x_scales?, topk_idx, topk_weights?, expert_alignment, fp8,
-  ue8m0, col_major_scales)`` -> received rows, their FP8 scales (empty unless fp8), weights,
-  src_rank, src_token, tokens_per_expert, expert_offsets and the handle tensors (slot_of,
-  slot_rows, recv_slot_offsets).
-* ``moe_comm::dispatch_cached(buffer_id, x, slot_of, slot_rows, recv_slot_offsets, num_rows)``
-  -> rows: the same movement as an earlier dispatch, data only (backward of combine).
+  ue8m0, col_major_scales, max_recv_rows?)`` -> received rows, their FP8 scales (empty unless
+  fp8), weights, src_rank, src_token, tokens_per_expert, expert_offsets and the handle tensors
+  (slot_of, slot_rows, recv_slot_offsets). With ``max_recv_rows`` the output shapes are static
+  (no host synchronisation).
+* ``moe_comm::dispatch_cached(buffer_id, x, slot_of, slot_rows, recv_slot_offsets,
+  tokens_per_expert, expert_offsets, num_rows)`` -> rows: the same movement as an earlier
+  dispatch, data only (backward of combine).
 * ``moe_comm::combine(buffer_id, y, weights?, pair_values?, slot_of, slot_rows,
   recv_slot_offsets)`` -> (out [T, H], pair_out [T, K] or [0]).
 
@@ -30,19 +32,23 @@ from .types import DispatchHandle, DispatchResult
 @torch.library.custom_op("moe_comm::dispatch", mutates_args=())
 def dispatch_op(buffer_id: int, x: Tensor, x_scales: Optional[Tensor], topk_idx: Tensor,
                 topk_weights: Optional[Tensor], expert_alignment: int, fp8: int, ue8m0: bool,
-                col_major_scales: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                 Tensor, Tensor, Tensor, Tensor]:
+                col_major_scales: bool, max_recv_rows: Optional[int]
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                           Tensor, Tensor]:
     buf = lookup(buffer_id)
     pending = buf.dispatch_send(x, topk_idx, topk_weights, x_scales, fp8, ue8m0)
-    return buf.dispatch_recv(pending, expert_alignment, col_major_scales)
+    outs = buf.dispatch_recv(pending, expert_alignment, col_major_scales, max_recv_rows)
+    buf._raise_input_errors("dispatch")
+    return outs
 
 
 @dispatch_op.register_fake
 def _(buffer_id, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8, ue8m0,
-      col_major_scales):
+      col_major_scales, max_recv_rows):
     buf = lookup(buffer_id)
     ctx = torch.library.get_ctx()
-    rows, slots = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    rows = ctx.new_dynamic_size() if max_recv_rows is None else max_recv_rows
+    slots = buf.world_size * buf.max_tokens_per_rank
     T, K = topk_idx.shape
     R, L, H = buf.world_size, buf.num_local_experts, x.shape[1]
     i64, i32 = torch.int64, torch.int32
@@ -64,14 +70,17 @@ def _(buffer_id, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8, ue8
 
 @torch.library.custom_op("moe_comm::dispatch_cached", mutates_args=())
 def dispatch_cached_op(buffer_id: int, x: Tensor, slot_of: Tensor, slot_rows: Tensor,
-                       recv_slot_offsets: Tensor, num_rows: int) -> Tensor:
+                       recv_slot_offsets: Tensor, tokens_per_expert: Tensor,
+                       expert_offsets: Tensor, num_rows: int) -> Tensor:
     buf = lookup(buffer_id)
     pending = buf.dispatch_cached_send(x, slot_of)
-    return buf.dispatch_cached_recv(pending, slot_rows, recv_slot_offsets, num_rows)
+    return buf.dispatch_cached_recv(pending, slot_rows, recv_slot_offsets, tokens_per_expert,
+                                    expert_offsets, num_rows)
 
 
 @dispatch_cached_op.register_fake
-def _(buffer_id, x, slot_of, slot_rows, recv_slot_offsets, num_rows):
+def _(buffer_id, x, slot_of, slot_rows, recv_slot_offsets, tokens_per_expert, expert_offsets,
+      num_rows):
     return x.new_empty((num_rows, x.shape[1]))
 
 
@@ -98,9 +107,10 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, buffer_id, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8,
-                ue8m0, col_major_scales):
+                ue8m0, col_major_scales, max_recv_rows):
         outs = torch.ops.moe_comm.dispatch(buffer_id, x, x_scales, topk_idx, topk_weights,
-                                           expert_alignment, fp8, ue8m0, col_major_scales)
+                                           expert_alignment, fp8, ue8m0, col_major_scales,
+                                           max_recv_rows)
         recv_x, scales, recv_w, src_rank, src_token, tpe, offsets, slot_of, slot_rows, slot_off \
             = outs
         ctx.buffer_id, ctx.num_rows, ctx.hidden = buffer_id, recv_x.shape[0], x.shape[1]
@@ -126,24 +136,29 @@ class _Dispatch(torch.autograd.Function):
                                                  grad_w.contiguous(), slot_of, slot_rows,
                                                  slot_off)
         return (None, dx if ctx.needs_input_grad[1] else None, None, None,
-                dtopk_w if ctx.needs_input_grad[4] else None, None, None, None, None)
+                dtopk_w if ctx.needs_input_grad[4] else None, None, None, None, None, None)
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, buffer_id, y, weights, slot_of, slot_rows, slot_off):
+    def forward(ctx, buffer_id, y, weights, slot_of, slot_rows, slot_off, tokens_per_expert,
+                expert_offsets):
         out, _ = torch.ops.moe_comm.combine(buffer_id, y, weights, None, slot_of, slot_rows,
                                             slot_off)
         ctx.buffer_id = buffer_id
-        ctx.save_for_backward(y, weights, slot_of, slot_rows, slot_off)
+        ctx.save_for_backward(y, weights, slot_of, slot_rows, slot_off, tokens_per_expert,
+                              expert_offsets)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        y, weights, slot_of, slot_rows, slot_off = ctx.saved_tensors
+        y, weights, slot_of, slot_rows, slot_off, tokens_per_expert, expert_offsets = \
+            ctx.saved_tensors
         grad_rows = torch.ops.moe_comm.dispatch_cached(ctx.buffer_id, grad_out.contiguous(),
-                                                       slot_of, slot_rows, slot_off, y.shape[0])
+                                                       slot_of, slot_rows, slot_off,
+                                                       tokens_per_expert, expert_offsets,
+                                                       y.shape[0])
         acc = _acc_dtype(y.dtype)
         if weights is None:
             grad_y, grad_w = grad_rows, None
@@ -152,14 +167,14 @@ class _Combine(torch.autograd.Function):
             grad_w = None
             if ctx.needs_input_grad[2]:
                 grad_w = (grad_rows.to(acc) * y.to(acc)).sum(-1).to(torch.float32)
-        return None, grad_y, grad_w, None, None, None
+        return None, grad_y, grad_w, None, None, None, None, None
 
 
 def dispatch_autograd(buf, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8=0,
-                      ue8m0=False, col_major_scales=False) -> DispatchResult:
+                      ue8m0=False, col_major_scales=False, max_recv_rows=None) -> DispatchResult:
     """Runs ``moe_comm::dispatch`` under autograd and wraps the outputs."""
     outs = _Dispatch.apply(buf.id, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8,
-                           ue8m0, col_major_scales)
+                           ue8m0, col_major_scales, max_recv_rows)
     return wrap_dispatch_outputs(buf, outs, topk_idx.shape[1], topk_weights is not None, fp8)
 
 
@@ -167,7 +182,7 @@ def wrap_dispatch_outputs(buf, outs, topk: int, has_weights: bool, fp8: int) -> 
     """The ten tensors of ``moe_comm::dispatch`` as a DispatchResult with its handle."""
     recv_x, scales, recv_w, src_rank, src_token, tpe, offsets, slot_of, slot_rows, slot_off = outs
     handle = DispatchHandle(buf.id, buf.dispatch_serial, slot_of, slot_rows, slot_off,
-                            recv_x.shape[0], topk)
+                            recv_x.shape[0], topk, tpe, offsets)
     return DispatchResult(recv_x, scales if fp8 else None, recv_w if has_weights else None,
                           src_rank, src_token, tpe, offsets, handle)
 
@@ -175,4 +190,5 @@ def wrap_dispatch_outputs(buf, outs, topk: int, has_weights: bool, fp8: int) -> 
 def combine_autograd(buf, y, handle: DispatchHandle, weights) -> Tensor:
     """Runs ``moe_comm::combine`` under autograd with the tensors of ``handle``."""
     return _Combine.apply(buf.id, y, weights, handle.slot_of, handle.slot_rows,
-                          handle.recv_slot_offsets)
+                          handle.recv_slot_offsets, handle.tokens_per_expert,
+                          handle.expert_offsets)

@@ -62,14 +62,16 @@ def quantize_fp8(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, to
     """``(q [T, H] float8_e4m3fn, scales [T, H/128] float32)`` with ``x ~ q * scale`` per group.
 
     ``scale = max(amax, 1e-4) / 448``; with ``ue8m0`` the scale is rounded up to a power of two.
+    A NaN in a group makes its amax and scale NaN (infinite with ``ue8m0``): the whole group
+    dequantizes to NaN.
     """
     T, H = x.shape
     g = x.float().reshape(T, H // FP8_GROUP, FP8_GROUP)
     scale = g.abs().amax(-1).clamp(min=1e-4) / 448.0
-    if ue8m0:
+    if ue8m0:  # NaN and infinity: exponent 255 (E8M0's NaN), an infinite scale
         bits = scale.view(torch.int32)
         exponent = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-        scale = (exponent << 23).view(torch.float32)
+        scale = (exponent.clamp(max=255) << 23).view(torch.float32)
     q = (g / scale[..., None]).reshape(T, H).to(torch.float8_e4m3fn)
     return q, scale
 

@@ -13,8 +13,10 @@ class DispatchHandle:
     Home side (the rank that sent the tokens):
       ``slot_of`` [T, R] int32: slot of token t in rank d's staging, -1 if t did not go to d.
     Expert side (the rank that received the rows):
-      ``slot_rows`` [S, K] int32: output row of each received (slot, top-k choice), -1 if the
-      choice is not on this rank; ``recv_slot_offsets`` [R + 1] int64: first slot of each source.
+      ``slot_rows`` [R * T_max, K] int32: output row of each received (slot, top-k choice), -1
+      if the choice is not on this rank (rows past the last slot are unused);
+      ``recv_slot_offsets`` [R + 1] int64: first slot of each source;
+      ``tokens_per_expert`` [L], ``expert_offsets`` [L + 1] int64: the output's groups.
     ``buffer_id`` and ``serial`` tie the handle to the Buffer call that made it.
     """
 
@@ -25,6 +27,8 @@ class DispatchHandle:
     recv_slot_offsets: torch.Tensor
     num_rows: int
     topk: int
+    tokens_per_expert: torch.Tensor
+    expert_offsets: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
@@ -38,7 +42,9 @@ class DispatchResult:
     ``x`` [rows, H] (float8_e4m3fn after an FP8 dispatch); ``x_scales``: FP8 scales per 128
     channels (see ``Buffer.dispatch``) or None; ``weights`` [rows] float32 or None;
     ``src_rank``, ``src_token`` [rows] int64 (-1 in padding); ``tokens_per_expert`` [L] int64
-    without padding; ``expert_offsets`` [L + 1] int64, start of each padded group, last = rows.
+    without padding; ``expert_offsets`` [L + 1] int64, start of each padded group, last = the
+    rows received (= rows, unless ``max_recv_rows`` sized the output: the rows past it are zero
+    padding).
     """
 
     x: torch.Tensor

@@ -3,6 +3,11 @@
 A failed check raises ``TypeError`` or ``ValueError`` and leaves the Buffer untouched (no epoch
 advanced, nothing sent), so the caller may fix the input and call again. Peers that did make the
 call time out naming this rank, as with any missing call.
+
+The checks read no tensor data (types, shapes, devices, sizes): nothing here synchronises with a
+GPU. The values of ``topk_idx`` (ids in range, no expert twice in a row) are checked by the
+kernels themselves (``kernels.layout.checked_ids``), which send a bad row nowhere and record it
+for the host to raise.
 """
 from __future__ import annotations
 
@@ -25,9 +30,9 @@ def check_tensor(name: str, t, *, dtype: torch.dtype, ndim: int, device: torch.d
 
 
 def check_dispatch_inputs(x, topk_idx, topk_weights, expert_alignment, *, hidden: int,
-                          num_experts: int, max_tokens: int, max_topk: int, dtype: torch.dtype,
-                          device: torch.device, values: bool = True) -> None:
-    """Shapes and dtypes of ``Buffer.dispatch``; with ``values``, also the expert ids."""
+                          max_tokens: int, max_topk: int, dtype: torch.dtype,
+                          device: torch.device, max_recv_rows: int | None = None) -> None:
+    """Types, shapes and sizes of ``Buffer.dispatch`` (no tensor data is read)."""
     check_tensor("x", x, dtype=dtype, ndim=2, device=device)
     T, H = x.shape
     if H != hidden:
@@ -49,19 +54,10 @@ def check_dispatch_inputs(x, topk_idx, topk_weights, expert_alignment, *, hidden
     if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) \
             or expert_alignment < 1:
         raise ValueError(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
-    if T == 0 or not values:
-        return
-    lo, hi = int(topk_idx.min()), int(topk_idx.max())
-    if lo < -1 or hi >= num_experts:
-        bad = topk_idx[(topk_idx < -1) | (topk_idx >= num_experts)][0].item()
-        raise ValueError(f"topk_idx holds expert id {bad}; ids must be in [0, {num_experts}) "
-                         "or -1 for an unused choice")
-    ordered = topk_idx.sort(dim=1).values
-    dup = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-    if dup.any():
-        row = int(dup.any(dim=1).nonzero()[0])
-        raise ValueError(f"token {row} picks the same expert twice: {topk_idx[row].tolist()}; "
-                         "each row of topk_idx must name distinct experts (or -1)")
+    if max_recv_rows is not None and (isinstance(max_recv_rows, bool)
+                                      or not isinstance(max_recv_rows, int)
+                                      or max_recv_rows < 0):
+        raise ValueError(f"max_recv_rows must be None or an int >= 0, got {max_recv_rows!r}")
 
 
 def check_combine_inputs(y, handle, weights, *, buffer_id: int, latest_serial: int,

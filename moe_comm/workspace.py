@@ -27,7 +27,8 @@ region                  shape, dtype                 contents, on rank ``d``
 ``combine_rows``        [P, R, T, H] dtype           one partial sum per (token, expert rank)
 ======================  ===========================  ============================================
 
-Total (each region rounded up to 128 bytes)::
+Total (each region, and each parity's half of a region stored by parity, rounded up to 128
+bytes)::
 
     2*R*T*(2*H*b + 4*(1 + 3K) + 4*K) + 2*R*(L + 1)*4 + 16*R + 16 + 32
 
@@ -66,6 +67,11 @@ import torch
 ALIGN_BYTES = 128
 PARITIES = 2
 DISPATCH, COMBINE = 0, 1  # channels
+# Regions whose per-parity slices the kernels take as tensors: each slice starts on a 128-byte
+# boundary, so both parities give a kernel the same alignment (one compiled variant). The other
+# regions are passed whole and the kernels step through their parities themselves.
+_PARITY_SLICED = ("dispatch_counts", "dispatch_meta", "dispatch_rows", "combine_meta",
+                  "combine_rows")
 
 
 def _round_up(n: int, to: int) -> int:
@@ -79,19 +85,38 @@ def low_latency_slot_bytes(hidden: int, dtype: torch.dtype) -> int:
     return _round_up(max(row, fp8), 16)
 
 
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 @dataclass(frozen=True)
 class Region:
+    """``shape`` of ``dtype`` at ``offset``. With ``by_parity`` (the first dimension is the
+    parity) each parity's slice starts at a multiple of 128 bytes (``parity_stride``), so a
+    kernel handed ``region[p]`` sees the same alignment for both parities (and compiles once)."""
+
     name: str
     offset: int  # bytes from the segment start
     shape: tuple[int, ...]
     dtype: torch.dtype
+    by_parity: bool = False
 
     @property
-    def nbytes(self) -> int:
-        n = torch.empty((), dtype=self.dtype).element_size()
+    def dense_nbytes(self) -> int:
+        n = _itemsize(self.dtype)
         for s in self.shape:
             n *= s
         return n
+
+    @property
+    def parity_stride(self) -> int:
+        """Bytes between ``region[0]`` and ``region[1]`` (regions whose first dim is a parity)."""
+        dense = self.dense_nbytes // self.shape[0]
+        return _round_up(dense, ALIGN_BYTES) if self.by_parity else dense
+
+    @property
+    def nbytes(self) -> int:
+        return self.parity_stride * self.shape[0] if self.by_parity else self.dense_nbytes
 
 
 class WorkspaceLayout:
@@ -144,7 +169,7 @@ class WorkspaceLayout:
         self.regions: dict[str, Region] = {}
         offset = 0
         for name, shape, dt in specs:
-            region = Region(name, offset, shape, dt)
+            region = Region(name, offset, shape, dt, by_parity=name in _PARITY_SLICED)
             self.regions[name] = region
             offset += _round_up(region.nbytes, ALIGN_BYTES)
         self.nbytes = offset
@@ -157,25 +182,30 @@ class WorkspaceLayout:
         region = self.regions[name]
         if len(index) > len(region.shape):
             raise IndexError(f"{name} has {len(region.shape)} dims, got index {index}")
-        itemsize = torch.empty((), dtype=region.dtype).element_size()
-        stride = region.nbytes // itemsize
+        itemsize = _itemsize(region.dtype)
+        stride = region.dense_nbytes // itemsize
         elems = 0
-        for i, dim in zip(index, region.shape):
+        for axis, (i, dim) in enumerate(zip(index, region.shape)):
             if not 0 <= i < dim:
                 raise IndexError(f"{name} index {index} out of range for shape {region.shape}")
             stride //= dim
-            elems += i * stride
+            elems += i * (region.parity_stride // itemsize if axis == 0 and region.by_parity
+                          else stride)
         return region.offset + elems * itemsize
 
     def parity_stride(self, name: str) -> int:
         """Bytes between ``region[0]`` and ``region[1]`` (regions whose first dim is a parity)."""
-        region = self.regions[name]
-        return region.nbytes // region.shape[0]
+        return self.regions[name].parity_stride
 
     def view(self, heap, name: str) -> torch.Tensor:
         """The region as a typed tensor over this rank's segment of ``heap``."""
         region = self.regions[name]
-        return heap.view(region.offset, region.shape, region.dtype)
+        if not region.by_parity:
+            return heap.view(region.offset, region.shape, region.dtype)
+        itemsize = _itemsize(region.dtype)
+        flat = heap.view(region.offset, (region.nbytes // itemsize,), region.dtype)
+        inner = torch.empty(region.shape[1:], device="meta").stride()
+        return flat.as_strided(region.shape, (region.parity_stride // itemsize, *inner))
 
     def describe(self) -> str:
         """One line per region: name, shape, dtype, bytes; then the total."""

@@ -126,8 +126,9 @@ def skip_one_call(rank, world_size, case: Case, skipper: int, wait_timeout_s: fl
 
 
 def bad_inputs(rank, world_size, case: Case) -> dict:
-    """Every rank makes the same bad call (so nobody waits); each must raise before sending,
-    and a good call afterwards must still be correct."""
+    """Every rank makes the same bad call (so nobody waits). Types, shapes and sizes raise
+    before any kernel; bad expert ids are found by the kernels, the row is sent nowhere, and
+    the call raises once complete on every rank. A good call afterwards is still correct."""
     xs, idxs, ws = make_inputs(case)
     x, idx, w = xs[rank], idxs[rank], ws[rank]
     E, H, T = case.num_experts, case.hidden, case.max_tokens

@@ -1,7 +1,7 @@
 """Host logic of the heaps and the GPU paths that can be checked without a GPU.
 
 What needs a GPU (and is only compile-checked here): CudaHeap and NvshmemHeap past their
-checks, the GPU flavours of the kernels (tests/test_compile.py builds them), and
+checks, the GPU flavours of the kernels (tests/test_gate.py compiles and reads them), and
 ``pytest -m gpu`` in tests/test_gpu.py.
 """
 import os
@@ -11,7 +11,6 @@ import torch
 
 import moe_comm
 from cases import Case, make_inputs
-from moe_comm.kernels.comm import CPU_RANKS
 from moe_comm.kernels.nvshmem import device_bitcode
 from moe_comm.symm.select import choose_backend
 
@@ -77,7 +76,10 @@ def test_device_bitcode_missing_names_what_it_tried(tmp_path, monkeypatch):
 
 def test_cpu_buffers_use_the_cpu_flavour_and_validate_knobs():
     buf = moe_comm.Buffer.loopback(2, 128, 4, 8, low_latency=True)[0]
-    assert buf.flavour == CPU_RANKS and buf.num_sms is None and buf.kernel_impl == "triton"
+    flavour = buf.flavour
+    assert (flavour.transport, flavour.device_wait, flavour.compiled) == (0, False, False)
+    assert flavour.errors_addr == buf.errors.address and flavour.row_align == 16
+    assert buf.num_sms is None and buf.kernel_impl == "triton"
     with pytest.raises(ValueError, match="kernel_impl='cuda'"):
         moe_comm.Buffer.loopback(2, 128, 4, 8, low_latency=True, kernel_impl="cuda")
     with pytest.raises(ValueError, match="kernel_impl must be one of"):

@@ -180,7 +180,8 @@ def test_opcheck_fp8_variants():
     for ue8m0 in (False, True):
         for col in (False, True):
             torch.library.opcheck(torch.ops.moe_comm.dispatch.default,
-                                  (buf.id, xs[0], None, idxs[0], ws[0], 1, 1, ue8m0, col))
+                                  (buf.id, xs[0], None, idxs[0], ws[0], 1, 1, ue8m0, col,
+                                   None))
 
 
 @pytest.mark.parametrize("ue8m0, col_major", [(False, False), (True, True)])

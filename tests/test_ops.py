@@ -15,24 +15,30 @@ def _one_rank(H=32, E=4, T=8, dtype=torch.float32):
     return buf, xs[0], idxs[0], ws[0]
 
 
-def test_opcheck_dispatch_and_combine():
+@pytest.mark.parametrize("max_recv_rows", [None, 40])
+def test_opcheck_dispatch_and_combine(max_recv_rows):
     buf, x, idx, w = _one_rank()
     torch.library.opcheck(torch.ops.moe_comm.dispatch.default,
-                          (buf.id, x, None, idx, w, 1, 0, False, False))
-    outs = torch.ops.moe_comm.dispatch(buf.id, x, None, idx, w, 1, 0, False, False)
-    y, slot_of, slot_rows, slot_off = outs[0], outs[7], outs[8], outs[9]
+                          (buf.id, x, None, idx, w, 1, 0, False, False, max_recv_rows))
+    outs = torch.ops.moe_comm.dispatch(buf.id, x, None, idx, w, 1, 0, False, False,
+                                       max_recv_rows)
+    y, tpe, offsets, slot_of, slot_rows, slot_off = outs[0], *outs[5:]
     torch.library.opcheck(torch.ops.moe_comm.combine.default,
                           (buf.id, y, outs[2], None, slot_of, slot_rows, slot_off))
     torch.library.opcheck(torch.ops.moe_comm.dispatch_cached.default,
-                          (buf.id, x, slot_of, slot_rows, slot_off, y.shape[0]))
+                          (buf.id, x, slot_of, slot_rows, slot_off, tpe, offsets, y.shape[0]))
 
 
 def test_fake_implementations_give_shapes():
     buf, x, idx, w = _one_rank(H=32, E=4)
     with FakeTensorMode(shape_env=ShapeEnv()) as mode:
         fx, fidx, fw = mode.from_tensor(x), mode.from_tensor(idx), mode.from_tensor(w)
-        outs = torch.ops.moe_comm.dispatch(buf.id, fx, None, fidx, fw, 16, 0, False, False)
+        outs = torch.ops.moe_comm.dispatch(buf.id, fx, None, fidx, fw, 16, 0, False, False,
+                                           None)
         assert outs[0].shape[1] == 32 and outs[0].dtype == torch.float32
+        static = torch.ops.moe_comm.dispatch(buf.id, fx, None, fidx, fw, 16, 0, False, False,
+                                             99)
+        assert static[0].shape == (99, 32) and static[2].shape == (99,)  # no dynamic size
         assert outs[5].shape == (4,) and outs[6].shape == (5,)  # L, L + 1
         assert outs[7].shape == (8, 1) and outs[7].dtype == torch.int32  # slot_of [T, R]
         out, pair = torch.ops.moe_comm.combine(buf.id, outs[0], outs[2], None, outs[7],

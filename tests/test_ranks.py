@@ -69,14 +69,17 @@ def test_peer_that_skips_a_call_is_named_within_the_timeout(ranks):
         assert "unusable" in report["later"]
 
 
-def test_bad_inputs_raise_before_any_kernel(ranks):
+def test_bad_inputs_raise_clear_errors(ranks):
     case = Case(2, 8, 64, 2, (7, 5), seed=71)
     for rank, errors in enumerate(ranks(2).run(bad_inputs, case)):
         missing = [name for name, text in errors.items() if text is None]
         assert not missing, f"rank {rank}: no error for {missing}"
         assert "ValueError" in errors["too_many_tokens"] and "max_tokens_per_rank" in \
             errors["too_many_tokens"]
-        assert "same expert twice" in errors["duplicate_expert"]
+        assert "row 0 picks expert" in errors["duplicate_expert"] and "twice" in \
+            errors["duplicate_expert"]
+        assert "holds expert id 8" in errors["expert_too_large"]
+        assert "holds expert id -2" in errors["expert_below_minus_one"]
         assert "TypeError" in errors["dtype"] and "TypeError" in errors["idx_dtype"]
         assert "another Buffer" in errors["other_buffer_handle"]
         assert "older dispatch" in errors["older_handle"]

@@ -44,6 +44,10 @@ class CudaHeap(SymmetricHeap):
         dist.barrier(group=self._group)
 
     def close(self) -> None:
+        """Collective: every rank's kernels are done and every rank reached ``close`` before
+        any segment is unmapped (a peer may still be storing into this one otherwise)."""
+        if self._handle is not None:
+            self.barrier()
         self.peer_ptrs = torch.zeros_like(self.peer_ptrs)
         self._handle = None
         self.local = torch.empty(0, dtype=torch.uint8, device=self.local.device)

@@ -1,0 +1,263 @@
+"""What the compiled code shows: build a recorded launch for an architecture and read it.
+
+For one :class:`~moe_comm.kernels.recording.Launch` and one ``sm_XX``, :func:`inspect_launch`
+compiles with ``triton.compile`` (no GPU or driver needed; results land in Triton's cache) and
+reads:
+
+* registers, stack bytes (spills and local arrays) and static shared memory of the kernel, from
+  ``cuobjdump -res-usage`` on the cubin (Triton's own copy of the tool);
+* the narrowest global store of each kind of row data. Stores are found in the PTX and mapped to
+  source lines through its ``.loc`` directives; a line whose ``tl.store`` carries a comment
+  ``# gate: row`` (token rows), ``# gate: scales`` (FP8 scales) or ``# gate: exponents``
+  (UE8M0 exponent bytes) moves row data;
+* every NVSHMEM call and how many threads of a program issue it, from the Triton IR: a call
+  under ``if one_thread():`` (a branch on ``%tid.x == 0``) has one issuer, any other call is
+  issued by every thread (the right count only for block-scoped calls, ``*_block``);
+* the memory order of the signal instructions: lines marked ``# gate: publish`` must compile to
+  ``.release.sys`` stores or atomics, lines marked ``# gate: acquire`` to ``.acquire.sys``.
+
+:func:`violations` turns the facts into the gate's failures.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+GATE_TAGS = ("row", "scales", "exponents", "publish", "acquire")
+# Narrowest store (bits) each kind of row data may use where rows are 16-byte aligned. FP8
+# scales are one float (UE8M0: one byte) per 128 channels: a tile of BLOCK_H channels of a token
+# has BLOCK_H / 128 of them (32 bytes at BLOCK_H = 1024), spread over the threads that hold the
+# tile's codes, so one thread holds one scale, not four; they are 3% (1%) of an FP8 row's bytes.
+MIN_STORE_BITS = {"row": 128, "scales": 32, "exponents": 8}
+_MARKER = re.compile(r"#\s*gate:\s*([a-z]+)\s*$")
+_STORE = re.compile(r"\b(st|atom|red)\.((?:[a-zA-Z0-9_:]+\.)*[a-zA-Z0-9_:]+)")
+
+
+@dataclass
+class Facts:
+    """What one compiled variant shows (one row of bench/results/gpu_gate.tsv)."""
+
+    kernel: str
+    arch: int
+    config: str
+    variant: str
+    regs: int = 0
+    stack_bytes: int = 0
+    smem_bytes: int = 0
+    row_store_bits: dict = field(default_factory=dict)  # tag -> narrowest store (bits)
+    nvshmem_issuers: dict = field(default_factory=dict)  # symbol -> "block" or thread count
+    unordered_signals: list = field(default_factory=list)  # "file:line instruction"
+    compile_s: float = 0.0
+    uses_nvshmem: bool = False
+    error: str = ""
+
+    def as_row(self) -> dict:
+        row = asdict(self)
+        for name in ("row_store_bits", "nvshmem_issuers"):
+            row[name] = ",".join(f"{k}={v}" for k, v in sorted(row[name].items())) or "-"
+        row["unordered_signals"] = ";".join(self.unordered_signals) or "-"
+        return row
+
+
+def cuobjdump() -> str:
+    """Triton's bundled cuobjdump (CUDA's, where the wheel has none)."""
+    import triton.backends.nvidia as nvidia
+
+    bundled = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+    return bundled if os.path.exists(bundled) else "cuobjdump"
+
+
+def compile_launch(launch, arch: int):
+    """``triton.compile`` of a recorded launch for ``sm_<arch>``; read ``.asm`` and
+    ``.metadata`` only (the result cannot run here)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(fn=launch.kernel, signature=launch.signature,
+                       constexprs=launch.constexprs, attrs=launch.attrs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(launch.options))
+
+
+def resource_usage(cubin: bytes) -> tuple[int, int, int]:
+    """(registers, stack bytes, static shared bytes) of the cubin's kernel."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([cuobjdump(), "-res-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", out)
+    if m is None:
+        raise RuntimeError(f"cuobjdump -res-usage printed no resource line:\n{out}")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3))
+
+
+def _source_markers(path: str) -> dict[int, str]:
+    try:
+        lines = open(path).read().splitlines()
+    except OSError:
+        return {}
+    return {i + 1: m.group(1) for i, line in enumerate(lines) if (m := _MARKER.search(line))}
+
+
+def _resolve(path: str, package_dir: str) -> str:
+    """A source file named in the PTX; a cached binary may name a checkout that has moved, so a
+    file of the kernel's own package is looked up there by name."""
+    local = os.path.join(package_dir, os.path.basename(path))
+    return local if os.path.exists(local) else path
+
+
+def _store_bits(opcode_suffix: str) -> int:
+    parts = opcode_suffix.split(".")
+    lanes = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d", p)), 1)
+    width = next((int(p[1:]) for p in reversed(parts) if re.fullmatch(r"[bsuf]\d+", p)), 0)
+    return lanes * width
+
+
+def marked_instructions(ptx: str, package_dir: str) -> list[tuple[str, str, int, str]]:
+    """``(tag, file, line, instruction)`` for every st/atom/red of the PTX whose ``.loc`` is a
+    source line of the kernel's own package: ``tag`` is the line's ``# gate:`` marker, or ""
+    (code linked in from elsewhere, NVSHMEM's, is not listed)."""
+    files = {int(n): _resolve(p, package_dir)
+             for n, p in re.findall(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx, re.M)}
+    markers = {n: _source_markers(p) for n, p in files.items()}
+    found, loc = [], None
+    for line in ptx.splitlines():
+        stripped = line.strip()
+        parts = stripped.split()
+        if parts and parts[0] == ".loc":
+            loc = (int(parts[1]), int(parts[2]))
+            continue
+        m = _STORE.search(stripped)
+        if m is None or loc is None or m.group(1) == "st" and "global" not in m.group(2):
+            continue
+        path = files.get(loc[0], "")
+        # NVSHMEM's device code is inlined with the .loc of its extern wrapper (nvshmem.py)
+        if os.path.dirname(path) == package_dir and os.path.basename(path) != "nvshmem.py":
+            tag = markers.get(loc[0], {}).get(loc[1], "")
+            found.append((tag, path, loc[1], f"{m.group(1)}.{m.group(2)}"))
+    return found
+
+
+def check_markers(path: str) -> list[str]:
+    """Markers that cannot be read: a ``# gate:`` comment on a line where no ``tl.store`` or
+    ``tl.atomic_*`` call starts (the PTX locates a call by the line it starts on)."""
+    bad = []
+    for line_no, tag in _source_markers(path).items():
+        text = open(path).read().splitlines()[line_no - 1]
+        if tag not in GATE_TAGS:
+            bad.append(f"{path}:{line_no}: unknown gate tag {tag!r}")
+        elif "tl.store(" not in text and "tl.atomic_" not in text:
+            bad.append(f"{path}:{line_no}: '# gate: {tag}' on a line where no store starts")
+    return bad
+
+
+_SSA = re.compile(r"(%[\w#.]+)")
+
+
+def nvshmem_issuers(ttir: str, num_threads: int) -> dict[str, str]:
+    """For every NVSHMEM call of the IR: ``"block"`` for block-scoped calls made by the whole
+    program, else how many threads issue it (1 under ``one_thread()``, every thread otherwise).
+    A block-scoped call under a one-thread guard reads ``"block-in-1-thread"``."""
+    defs: dict[str, str] = {}
+    for line in ttir.splitlines():
+        m = re.match(r"\s*(%[\w#.]+)(?::\d+)?\s*=\s*(.*)", line)
+        if m:
+            defs[m.group(1)] = m.group(2)
+
+    def is_tid(name: str) -> bool:
+        return "%tid.x" in defs.get(name, "")
+
+    def is_zero(name: str) -> bool:
+        return bool(re.match(r"arith\.constant\s+0\b", defs.get(name, "")))
+
+    def guards_one_thread(cond: str) -> bool:
+        d = defs.get(cond, "")
+        m = re.match(r"arith\.cmpi\s+eq,\s*(%[\w#.]+),\s*(%[\w#.]+)", d)
+        return bool(m) and ((is_tid(m.group(1)) and is_zero(m.group(2)))
+                            or (is_tid(m.group(2)) and is_zero(m.group(1))))
+
+    stack: list[bool] = []  # per open region: does it run in one thread only?
+    result: dict[str, str] = {}
+    for line in ttir.splitlines():
+        stripped = line.strip()
+        closes = stripped.startswith("}")
+        if closes and stack:
+            stack.pop()
+        m = re.search(r'symbol\s*=\s*"(nvshmem\w*)"', stripped)
+        if m and "tt.extern_elementwise" in stripped:
+            symbol = m.group(1)
+            one = any(stack)
+            block_scoped = symbol.endswith("_block")
+            if block_scoped:
+                issuers = "block-in-1-thread" if one else "block"
+            else:
+                issuers = "1" if one else str(num_threads)
+            previous = result.get(symbol)
+            result[symbol] = issuers if previous in (None, issuers) else f"{previous}|{issuers}"
+        if stripped.endswith("{"):
+            cond = re.match(r"(?:%[\w#.]+(?::\d+)?\s*=\s*)?scf\.if\s+(%[\w#.]+)", stripped)
+            if closes:  # "} else {": the else branch of a guard runs in the other threads
+                stack.append(False)
+            else:
+                stack.append(bool(cond) and guards_one_thread(cond.group(1)))
+    return result
+
+
+def inspect_launch(launch, arch: int, config: str, variant: str) -> Facts:
+    """Compiles ``launch`` for ``sm_<arch>`` and reads what the gate checks."""
+    import inspect as pyinspect
+
+    facts = Facts(launch.name, arch, config, variant, uses_nvshmem=launch.uses_nvshmem)
+    start = time.perf_counter()
+    try:
+        compiled = compile_launch(launch, arch)
+    except Exception as error:  # every failure becomes a row, then the gate fails
+        while error.__cause__ is not None or error.__context__ is not None:
+            error = error.__cause__ or error.__context__
+        text = " ".join(str(error).split())
+        facts.error = f"{type(error).__name__}: {text[:400]}"
+        facts.compile_s = time.perf_counter() - start
+        return facts
+    facts.compile_s = time.perf_counter() - start
+    facts.regs, facts.stack_bytes, facts.smem_bytes = resource_usage(compiled.asm["cubin"])
+    package_dir = os.path.dirname(pyinspect.getsourcefile(launch.kernel.fn))
+    for tag, path, line, instruction in marked_instructions(compiled.asm["ptx"], package_dir):
+        where = f"{os.path.basename(path)}:{line} {instruction}"
+        if tag in MIN_STORE_BITS:
+            bits = _store_bits(instruction.split(".", 1)[1])
+            facts.row_store_bits[tag] = min(bits, facts.row_store_bits.get(tag, bits))
+        elif tag == "publish" and not (".release" in instruction and ".sys" in instruction):
+            facts.unordered_signals.append(where)
+        elif tag == "acquire" and not (".acquire" in instruction and ".sys" in instruction):
+            facts.unordered_signals.append(where)
+        elif not tag and "exch" in instruction and ".release" not in instruction:
+            facts.unordered_signals.append(where)  # each exchange of ours publishes a word
+    facts.nvshmem_issuers = nvshmem_issuers(compiled.asm["ttir"],
+                                            32 * int(launch.options.get("num_warps", 4)))
+    return facts
+
+
+def violations(facts: Facts, rows_aligned: bool) -> list[str]:
+    """The gate's rules for one variant; ``rows_aligned``: rows start on 16-byte boundaries in
+    this configuration (else narrower row stores are allowed)."""
+    if facts.error:
+        return [f"does not compile: {facts.error}"]
+    found = []
+    if facts.stack_bytes > 0:
+        found.append(f"spills or uses local memory: {facts.stack_bytes} bytes of stack per thread")
+    for tag, bits in facts.row_store_bits.items():
+        if rows_aligned and bits < MIN_STORE_BITS[tag]:
+            found.append(f"stores {tag} {bits} bits at a time (needs {MIN_STORE_BITS[tag]})")
+    for symbol, issuers in facts.nvshmem_issuers.items():
+        scoped = symbol.endswith("_block")
+        if (scoped and issuers != "block") or (not scoped and issuers != "1"):
+            found.append(f"{symbol} is issued by {issuers} threads of a program "
+                         f"(its scope means {'the whole block' if scoped else 'one thread'})")
+    for where in facts.unordered_signals:
+        found.append(f"signal without release/acquire ordering: {where}")
+    return found

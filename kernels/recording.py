@@ -1,0 +1,106 @@
+"""Record the kernel launches a piece of code makes, without a GPU and without running them.
+
+    with recording(arch=90) as launches:
+        some_launcher(meta_tensors...)        # kernel[grid](...) calls are recorded, not run
+    launches[0].signature, .constexprs, .attrs, .options, .key
+
+Inside the block Triton's runtime believes it drives a GPU of ``sm_<arch>`` (a stand-in driver)
+and its cache hook turns every launch into a record: the signature, constants and divisibility
+attributes Triton itself derives from the real arguments (so ``do_not_specialize``, value-1
+constants and 16-byte alignment facts are exactly those of a real launch), and the options the
+launcher passed (warps, NVSHMEM's bitcode). Pass tensors on the ``meta`` device: they carry
+shapes, dtypes and aligned addresses, and no memory. Needs ``TRITON_INTERPRET`` off.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass, field
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One recorded launch: what ``triton.compile`` needs to build exactly that kernel."""
+
+    kernel: object = field(compare=False)  # the JITFunction
+    signature: dict = field(compare=False)
+    constexprs: dict = field(compare=False)
+    attrs: dict = field(compare=False)
+    options: dict = field(compare=False)
+    key: str  # Triton's cache key of the specialisation (the same key: the same binary)
+
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__
+
+    @property
+    def uses_nvshmem(self) -> bool:
+        return "libnvshmem_device" in dict(self.options.get("extern_libs") or ())
+
+    def flags(self) -> dict:
+        """The launch's constexpr parameters by name (the variant: modes, tiles)."""
+        names = list(self.signature)
+        return {names[path[0]]: value for path, value in self.constexprs.items()
+                if len(path) == 1}
+
+
+class _StandInDriver:
+    """What Triton's launch path asks of a driver before it compiles."""
+
+    def __init__(self, arch: int):
+        self._target = GPUTarget("cuda", arch, 32)
+
+    def is_active(self) -> bool:
+        return True
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return self._target
+
+
+def _key(compile: dict) -> str:
+    return str(compile["key"])
+
+
+def _options(compile: dict) -> dict:
+    """Every compile option of the launch (warps, maxnreg, NVSHMEM's bitcode, ...), as the
+    runtime parsed them: compiling with these gives the binary (and cache key) of a real run."""
+    options = json.loads(compile["specialization_data"])["options"]
+    return {k: tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list)
+            else v for k, v in options.items()}
+
+
+@contextlib.contextmanager
+def recording(arch: int = 90):
+    """Collects a :class:`Launch` for every ``kernel[grid](...)`` inside the block; nothing is
+    compiled or run. Restores Triton's driver and hook afterwards."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("recording launches needs compiled kernels: set TRITON_INTERPRET=0 "
+                           "before triton is imported")
+    launches: list[Launch] = []
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        launches.append(Launch(fn.jit_function, dict(compile["signature"]),
+                               dict(compile["constants"]), dict(compile["configs"][0]),
+                               _options(compile), _key(compile)))
+        return True  # handled: Triton compiles and launches nothing
+
+    previous_hook = triton.knobs.runtime.jit_cache_hook
+    previous_driver = getattr(driver, "_active", None)  # None: chosen lazily (none here)
+    driver.set_active(_StandInDriver(arch))
+    triton.knobs.runtime.jit_cache_hook = hook
+    try:
+        yield launches
+    finally:
+        triton.knobs.runtime.jit_cache_hook = previous_hook
+        driver.set_active(previous_driver)

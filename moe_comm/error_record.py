@@ -1,0 +1,75 @@
+"""The error record the kernels write and the host raises from, without a synchronisation.
+
+``ERRORS_WORDS`` int64 words (layout in ``moe_comm.kernels.comm``): ``[0:4]`` the first timeout
+of a bounded wait (flag, peer, expected epoch, observed epoch), ``[4:8]`` the first bad input a
+kernel found (flag, code, token or rows, value). A flag reads -1 while a kernel fills its part
+and 1 once it is complete. On GPUs the record is pinned host memory that the kernels reach by
+unified addressing, so the host reads it at any time without waiting for the device: an error
+is raised by the first check after the kernel wrote it (the call itself on CPU ranks, where
+kernels finish before the launch returns; on GPUs the next call or hook, or the one host
+synchronisation of a normal dispatch). Reading goes through a numpy view: no tensor is read.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .kernels import comm
+from .kernels.comm import ERRORS_WORDS, PeerTimeoutError
+
+TIMEOUT_RECORD, INPUT_RECORD = comm.TIMEOUT_RECORD.value, comm.INPUT_RECORD.value
+BAD_EXPERT_ID, REPEATED_EXPERT = comm.BAD_EXPERT_ID.value, comm.REPEATED_EXPERT.value
+TOO_MANY_ROWS = comm.TOO_MANY_ROWS.value
+
+
+class ErrorRecord:
+    """One Buffer's record: ``tensor`` (what kernels get the address of) and the checks."""
+
+    def __init__(self, device: torch.device):
+        pinned = device.type == "cuda"
+        self.tensor = torch.zeros(ERRORS_WORDS, dtype=torch.int64, pin_memory=pinned)
+        self._words: np.ndarray = self.tensor.numpy()
+
+    @property
+    def address(self) -> int:
+        return self.tensor.data_ptr()
+
+    @property
+    def timeout_part(self) -> torch.Tensor:
+        """The [4] timeout words (the record the csrc/ kernels write)."""
+        return self.tensor[TIMEOUT_RECORD:TIMEOUT_RECORD + 4]
+
+    def timed_out(self) -> bool:
+        return int(self._words[TIMEOUT_RECORD]) == 1
+
+    def raise_timeout(self, *, rank: int, channel: str, timeout_s: float) -> None:
+        """PeerTimeoutError if a wait recorded a timeout (the record stays: the Buffer is
+        unusable from then on)."""
+        flag, peer, expected, observed = (int(v) for v in self._words[TIMEOUT_RECORD:
+                                                                      TIMEOUT_RECORD + 4])
+        if flag == 1:
+            raise PeerTimeoutError(rank, peer, channel, expected, observed, timeout_s)
+
+    def raise_input_error(self, *, rank: int, what: str) -> None:
+        """ValueError (bad expert id, repeated expert) or RuntimeError (too many rows) if a
+        kernel recorded one; the part is cleared first, so the Buffer stays usable (every rank
+        completed the call)."""
+        part = self._words[INPUT_RECORD:INPUT_RECORD + 4]
+        flag, code, a, b = (int(v) for v in part)
+        if flag != 1:
+            return
+        part[:] = 0
+        if code == BAD_EXPERT_ID:
+            raise ValueError(f"moe_comm rank {rank}: {what}: topk_idx row {a} holds expert id "
+                             f"{b}; ids must be in [0, num_experts) or -1 for an unused choice "
+                             "(the row was sent nowhere)")
+        if code == REPEATED_EXPERT:
+            raise ValueError(f"moe_comm rank {rank}: {what}: topk_idx row {a} picks expert {b} "
+                             "twice; each row must name distinct experts or -1 (the row was "
+                             "sent nowhere)")
+        if code == TOO_MANY_ROWS:
+            raise RuntimeError(f"moe_comm rank {rank}: {what}: {a} rows arrived but "
+                               f"max_recv_rows={b}; the rows past it were dropped. Pass a "
+                               "larger max_recv_rows (or None: exact size, one host sync)")
+        raise RuntimeError(f"moe_comm rank {rank}: {what}: unknown error code {code} "
+                           f"({a}, {b})")

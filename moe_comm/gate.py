@@ -1,0 +1,365 @@
+"""The static gate: every kernel as the Buffer launches it on a GPU, compiled and read.
+
+    python -m moe_comm.gate [--arch 90 100] [--jobs N] [--out bench/results/gpu_gate.tsv]
+
+Virtual ranks on the ``meta`` device (no memory, no GPU) drive the public ops with the GPU
+flavours (in-kernel waits; across nodes also NVSHMEM puts): normal-mode dispatch in every FP8
+mode, combine, their backward (cached dispatch, combine with router-weight gradients), and the
+low-latency pair, for a small size and DeepSeek-V3 prefill and decode sizes, every dtype the ops
+take. Triton's own launch path records each launch (``kernels.recording``): the specialisation
+is the one a GPU run would compile, chosen by the same code. Each distinct variant is compiled
+for every ``--arch`` and read (``kernels.compiled``); the gate fails when a variant
+
+* specialises differently on two ranks or two calls (a rank that recompiles makes its peers
+  wait),
+* spills or keeps anything in local memory (stack > 0),
+* stores row data narrower than 16 bytes where rows are 16-byte aligned (UE8M0 exponent bytes
+  excepted: ``kernels.compiled.MIN_STORE_BITS``),
+* issues a thread-scoped NVSHMEM call from more than one thread, or a block-scoped one from
+  fewer than the whole block,
+* publishes a signal without release ordering, or acquires one without acquire ordering.
+
+One row per variant and architecture goes to the TSV; the table is printed; the exit status is
+1 when anything failed. NVSHMEM-linked variants are built at the DeepSeek-V3 sizes in bf16 (the
+flavour changes only the send kernels' NVSHMEM paths); every other flavour at every size and
+dtype.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import csv
+import inspect
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+GATE_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    name: str
+    world_size: int
+    num_experts: int
+    hidden: int
+    topk: int
+    tokens: int
+    nvshmem: bool  # also build the NVSHMEM flavour at this size
+
+
+CONFIGS = (
+    GateConfig("small", 2, 8, 512, 2, 64, nvshmem=False),
+    GateConfig("dsv3-prefill", 8, 256, 7168, 8, 4096, nvshmem=True),
+    GateConfig("dsv3-decode", 8, 256, 7168, 8, 128, nvshmem=True),
+)
+
+
+@dataclass
+class Variant:
+    """One distinct specialisation: where it was seen, and the launch to compile."""
+
+    launch: object
+    configs: list
+    dtype: str
+    rows_aligned: bool
+    problems: list
+
+
+# ------------------------------------------------------------------------------ recording
+def _buffers(cfg: GateConfig, dtype, low_latency: bool, transport: int, arch: int):
+    """Virtual ranks on the meta device with the GPU flavour (``transport`` 1: NVSHMEM)."""
+    import torch
+
+    from .buffer import Buffer
+    from .kernels.comm import Flavour
+    from .kernels.nvshmem import device_bitcode
+    from .symm import create_loopback_heaps
+    from .workspace import WorkspaceLayout
+
+    L = cfg.num_experts // cfg.world_size
+    layout = WorkspaceLayout(cfg.world_size, cfg.tokens, cfg.hidden, L, cfg.topk, dtype,
+                             low_latency, rdma=bool(transport))
+    elem = torch.empty((), dtype=dtype).element_size()
+    flavour = Flavour(transport=transport, device_wait=True, compiled=True,
+                      bitcode=device_bitcode(arch) if transport else "",
+                      row_align=16 if cfg.hidden * elem % 16 == 0 else elem)
+    buffers = []
+    for heap in create_loopback_heaps(cfg.world_size, layout.nbytes, "meta"):
+        buf = Buffer.__new__(Buffer)
+        buf._setup(heap, layout, cfg.num_experts, None, None, num_sms=20, flavour=flavour)
+        buf.backend = "gate"
+        buffers.append(buf)
+    return buffers
+
+
+def _inputs(cfg: GateConfig, dtype):
+    import torch
+
+    def meta(*shape, dt):
+        return [torch.empty(shape, dtype=dt, device="meta") for _ in range(cfg.world_size)]
+
+    return (meta(cfg.tokens, cfg.hidden, dt=dtype), meta(cfg.tokens, cfg.topk, dt=torch.int64),
+            meta(cfg.tokens, cfg.topk, dt=torch.float32))
+
+
+def drive_normal(bufs, cfg: GateConfig, dtype) -> None:
+    """Every normal-mode launch the Buffer makes, each op called twice in a row (both
+    parities; ``_specialisation_problems`` compares the two calls)."""
+    import torch
+
+    from . import lockstep
+
+    xs, idxs, ws = _inputs(cfg, dtype)
+    rows = cfg.world_size * cfg.tokens * cfg.topk
+    fp8_ok = dtype != torch.float64 and cfg.hidden % 128 == 0
+    modes = [dict(weights=True), dict(weights=False)]
+    if fp8_ok:
+        modes += [dict(weights=True, fp8=True), dict(weights=True, fp8=True, ue8m0=True),
+                  dict(weights=True, pair=True)]
+    for i, mode in enumerate(modes):
+        for _ in range(2):
+            if mode.get("pair"):
+                pairs = [(torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="meta"),
+                          torch.empty((x.shape[0], cfg.hidden // 128), device="meta"))
+                         for x in xs]
+                res = lockstep.dispatch(bufs, pairs, idxs, ws, max_recv_rows=rows)
+            else:
+                res = lockstep.dispatch(bufs, xs, idxs, ws if mode["weights"] else None,
+                                        fp8=mode.get("fp8", False),
+                                        ue8m0=mode.get("ue8m0", False), max_recv_rows=rows)
+        if i == 0:  # combine and both backward ops follow the weighted bf16 dispatch
+            _drive_combines(bufs, cfg, dtype, xs, res, rows)
+
+
+def _drive_combines(bufs, cfg: GateConfig, dtype, xs, res, rows: int) -> None:
+    import torch
+
+    from . import lockstep
+
+    handles = [r.handle for r in res]
+    ys = [torch.empty((rows, cfg.hidden), dtype=dtype, device="meta") for _ in bufs]
+    for weights in ([r.weights for r in res], None):
+        for _ in range(2):
+            lockstep.combine(bufs, ys, handles, weights)
+    for _ in range(2):  # the backward of combine: a dispatch of the cached layout
+        pending = [b.dispatch_cached_send(x, h.slot_of) for b, x, h in zip(bufs, xs, handles)]
+        for b, p, h in zip(bufs, pending, handles):
+            b.dispatch_cached_recv(p, h.slot_rows, h.recv_slot_offsets, h.tokens_per_expert,
+                                   h.expert_offsets, h.num_rows)
+    for _ in range(2):  # the backward of dispatch: a combine with router-weight gradients
+        pending = [b.combine_send(y, None, torch.empty(rows, device="meta"), h.slot_rows,
+                                  h.recv_slot_offsets) for b, y, h in zip(bufs, ys, handles)]
+        for b, p, h in zip(bufs, pending, handles):
+            b.combine_recv(p, h.slot_of, want_pair=True)
+
+
+def drive_low_latency(bufs, cfg: GateConfig, dtype) -> None:
+    """Every low-latency launch, two calls each (both parities)."""
+    import torch
+
+    from . import lockstep
+
+    xs, idxs, ws = _inputs(cfg, dtype)
+    fp8_ok = dtype != torch.float64 and cfg.hidden % 128 == 0
+    modes = [dict(fp8=False)] + ([dict(fp8=True), dict(fp8=True, ue8m0=True)] if fp8_ok else [])
+    for mode in modes:
+        for _ in range(2):
+            recvs = lockstep.low_latency_dispatch(bufs, xs, idxs, **mode)
+    for zero_copy in (False, True):
+        for _ in range(2):
+            ys = [b.low_latency_combine_buffer() if zero_copy else
+                  torch.empty(r.x.shape, dtype=dtype, device="meta") for b, r in zip(bufs, recvs)]
+            lockstep.low_latency_combine(bufs, ys, idxs, ws, [r.handle for r in recvs])
+
+
+def drive_quantize(cfg: GateConfig, dtype) -> None:
+    import torch
+
+    from .kernels.quant import quantize_fp8
+
+    if dtype != torch.float64 and cfg.hidden % 128 == 0:
+        x = torch.empty((cfg.tokens, cfg.hidden), dtype=dtype, device="meta")
+        for ue8m0 in (False, True):
+            quantize_fp8(x, ue8m0)
+
+
+def record_config(cfg: GateConfig, arch: int) -> dict[str, Variant]:
+    """The distinct variants the ops launch at ``cfg`` (key -> Variant), with the problems
+    seen while recording (a kernel specialised differently per rank or per call)."""
+    import torch
+
+    from .kernels.recording import recording
+
+    variants: dict[str, Variant] = {}
+    runs = []
+    for name in GATE_DTYPES:
+        dtype = getattr(torch, name)
+        for transport in ((0, 1) if cfg.nvshmem and dtype == torch.bfloat16 else (0,)):
+            runs.append((name, dtype, transport, False))
+            runs.append((name, dtype, transport, True))
+    for name, dtype, transport, low_latency in runs:
+        bufs = _buffers(cfg, dtype, low_latency, transport, arch)
+        with recording(arch) as launches:
+            (drive_low_latency if low_latency else drive_normal)(bufs, cfg, dtype)
+        if not low_latency and not transport:
+            with recording(arch) as standalone:
+                drive_quantize(cfg, dtype)
+            launches = launches + standalone
+        elem = torch.empty((), dtype=dtype).element_size()
+        aligned = cfg.hidden * elem % 16 == 0
+        for problem in _specialisation_problems(launches, cfg.world_size):
+            print(f"FAIL {cfg.name} {name}: {problem}", file=sys.stderr)
+            variants.setdefault(f"problem:{problem}", Variant(launches[0], [cfg.name], name,
+                                                              aligned, [problem]))
+        for launch in launches:
+            v = variants.setdefault(launch.key, Variant(launch, [], name, aligned, []))
+            if cfg.name not in v.configs:
+                v.configs.append(cfg.name)
+    return variants
+
+
+def _specialisation_problems(launches, world_size: int) -> list[str]:
+    """The drivers launch each kernel for ranks 0..R-1 in turn, and call every op twice in a
+    row: each group of R launches must be one specialisation (ranks agree), and the two calls
+    of an op the same one (parities, epochs and tickets change nothing)."""
+    order: dict[str, list] = {}
+    for launch in launches:
+        if launch.name != "quantize_kernel":  # launched once per call, not per rank
+            order.setdefault(launch.name, []).append(launch.key)
+    problems = []
+    for name, keys in order.items():
+        groups = [keys[i:i + world_size] for i in range(0, len(keys), world_size)]
+        if any(len(set(g)) > 1 for g in groups):
+            problems.append(f"{name} specialises differently on different ranks")
+        if any(groups[i] != groups[i + 1] for i in range(0, len(groups) - 1, 2)):
+            problems.append(f"{name} specialises differently on two calls of one op")
+    return problems
+
+
+# ------------------------------------------------------------------------------ compiling
+def _variant_text(launch, dtype: str) -> str:
+    flags = launch.flags()
+    shown = [f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in flags.items()
+             if not k.startswith("BLOCK_") and k not in ("NUM_THREADS", "KMAX", "META_STRIDE")]
+    tiles = "x".join(str(flags[k]) for k in ("BLOCK_T", "BLOCK_H") if k in flags)
+    return f"{dtype} {' '.join(shown)} tile={tiles} warps={launch.options.get('num_warps')}"
+
+
+def _compile_job(job):
+    """In a worker process: re-import the kernel, compile for ``arch``, read it."""
+    module, name, signature, constexprs, attrs, options, key, arch, config, variant = job
+    os.environ["TRITON_INTERPRET"] = "0"
+    import importlib
+
+    from .kernels.compiled import inspect_launch
+    from .kernels.nvshmem import device_bitcode
+    from .kernels.recording import Launch
+
+    kernel = getattr(importlib.import_module(module), name)
+    options = dict(options)
+    if "libnvshmem_device" in dict(options.get("extern_libs") or ()):
+        libs = dict(options["extern_libs"])
+        libs["libnvshmem_device"] = device_bitcode(arch)
+        options["extern_libs"] = tuple(libs.items())
+    launch = Launch(kernel, signature, constexprs, attrs, options, key)
+    return inspect_launch(launch, arch, config, variant)
+
+
+def run(archs, jobs: int, out: str, configs=CONFIGS) -> int:
+    from .kernels.compiled import check_markers, violations
+
+    start = time.perf_counter()
+    variants: dict[str, Variant] = {}
+    for cfg in configs:
+        for key, v in record_config(cfg, archs[0]).items():
+            mine = variants.setdefault(key, v)
+            if mine is not v:
+                mine.configs += [c for c in v.configs if c not in mine.configs]
+    recorded = time.perf_counter() - start
+    problems = [v for k, v in variants.items() if k.startswith("problem:")]
+    todo = [v for k, v in variants.items() if not k.startswith("problem:")]
+    print(f"gate: {len(todo)} variants recorded in {recorded:.1f} s; compiling "
+          f"{len(todo) * len(archs)} for sm_{', sm_'.join(map(str, archs))} on {jobs} "
+          "processes", flush=True)
+    kernel_dir = os.path.dirname(inspect.getsourcefile(todo[0].launch.kernel.fn))
+    marker_problems = [p for f in sorted(os.listdir(kernel_dir)) if f.endswith(".py")
+                       for p in check_markers(os.path.join(kernel_dir, f))]
+    work = []
+    for v in todo:
+        launch = v.launch
+        for arch in archs:
+            work.append((launch.kernel.fn.__module__, launch.name, launch.signature,
+                         launch.constexprs, launch.attrs, launch.options, launch.key, arch,
+                         "+".join(v.configs), _variant_text(launch, v.dtype)))
+    if jobs > 1:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+            facts = list(pool.map(_compile_job, work))
+    else:
+        facts = [_compile_job(job) for job in work]
+    aligned = {(v.launch.key): v.rows_aligned for v in todo}
+    rows, failed = [], 0
+    for job, f in zip(work, facts):
+        found = violations(f, aligned[job[6]])
+        failed += bool(found)
+        row = f.as_row()
+        row["status"] = "ok" if not found else "FAIL: " + "; ".join(found)
+        rows.append(row)
+    _write_tsv(out, rows)
+    _print_table(rows)
+    for p in problems:
+        print(f"FAIL {p.configs[0]} {p.dtype}: {p.problems[0]}")
+    for p in marker_problems:
+        print(f"FAIL marker {p}")
+    total = time.perf_counter() - start
+    compile_s = sum(f.compile_s for f in facts)
+    print(f"gate: {len(rows)} compiled variants, {failed} failing, {len(problems)} "
+          f"specialisation and {len(marker_problems)} marker problems; "
+          f"{compile_s:.0f} s of compiling, {total:.0f} s in all -> {out}")
+    return 1 if failed or problems or marker_problems else 0
+
+
+COLUMNS = ("kernel", "arch", "config", "variant", "regs", "stack_bytes", "smem_bytes",
+           "row_store_bits", "nvshmem_issuers", "unordered_signals", "compile_s", "status")
+
+
+def _write_tsv(path: str, rows: list[dict]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, COLUMNS, delimiter="\t", extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({**row, "compile_s": f"{row['compile_s']:.1f}"})
+
+
+def _print_table(rows: list[dict]) -> None:
+    print(f"{'kernel':<24} {'sm':>3} {'regs':>4} {'stack':>5} {'smem':>6} "
+          f"{'row stores (bits)':<26} {'nvshmem issuers':<34} {'s':>5}  variant / status")
+    for r in sorted(rows, key=lambda r: (r["kernel"], r["variant"], r["arch"])):
+        status = "" if r["status"] == "ok" else "  " + r["status"]
+        print(f"{r['kernel'][:24]:<24} {r['arch']:>3} {r['regs']:>4} {r['stack_bytes']:>5} "
+              f"{r['smem_bytes']:>6} {r['row_store_bits'][:26]:<26} "
+              f"{r['nvshmem_issuers'][:34]:<34} {r['compile_s']:>5.1f}  {r['variant']}"
+              f" [{r['config']}]{status}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=[90, 100])
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--config", nargs="+", choices=[c.name for c in CONFIGS],
+                        default=[c.name for c in CONFIGS])
+    parser.add_argument("--out", default="bench/results/gpu_gate.tsv")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("the gate compiles for GPUs: run it with TRITON_INTERPRET=0", file=sys.stderr)
+        return 2
+    configs = [c for c in CONFIGS if c.name in args.config]
+    return run(args.arch, args.jobs, args.out, configs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Mutation checks of the static gate (run in a subprocess: compiled kernels, no interpreter).
+
+    python tests/gate_jobs.py MUTATION WORKDIR
+
+Copies ``kernels/`` to ``WORKDIR``, breaks one habit the gate enforces (``MUTATIONS``), records
+a GPU launch of the broken copy's dispatch send at DeepSeek-V3 sizes with the same recorder the
+gate uses, compiles it for sm_90 and prints, as JSON, the gate's violations and whether ranks 0
+and 1 got different specialisations. ``none`` breaks nothing (the control).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+
+# name -> (file, text, replacement, transport of the launch to inspect)
+MUTATIONS = {
+    "none": ("comm.py", "", "", 1),
+    "scalar_store": (  # no alignment fact on peer pointers: rows go out 2 bytes at a time
+        "comm.py", "    return tl.multiple_of(addr.to(tl.pointer_type(dtype)), ALIGN)\n",
+        "    return addr.to(tl.pointer_type(dtype))\n", 0),
+    "unguarded_nvshmem": (  # nvshmem_quiet from every thread of the program
+        "dispatch.py", "        if one_thread():\n            quiet()\n    tl.atomic_add(stats",
+        "        quiet()\n    tl.atomic_add(stats", 1),
+    "spilling_tile": (  # the interpreter's wide tiles on a GPU
+        "tiles.py", "    if not compiled:\n", "    if True:\n", 0),
+    "relaxed_publish": (  # the epoch published without release ordering
+        "comm.py", 'tl.cast(epoch, tl.int64), sem="release", scope="sys")  # gate: publish',
+        'tl.cast(epoch, tl.int64), sem="relaxed", scope="sys")  # gate: publish', 0),
+    "specialised_rank": (  # per-rank scalars specialised: rank 0 and rank 1 compile apart
+        "dispatch.py", "@triton.jit(do_not_specialize=_SEND_PER_CALL)", "@triton.jit", 0),
+}
+
+
+def broken_copy(name: str, workdir: str):
+    """The kernels package with mutation ``name`` applied, imported under a fresh name."""
+    file, text, replacement, _ = MUTATIONS[name]
+    package = f"mutated_{name}"
+    target = os.path.join(workdir, package)
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(KERNELS, target, ignore=shutil.ignore_patterns("__pycache__"))
+    path = os.path.join(target, file)
+    source = open(path).read()
+    if text:
+        if text not in source:
+            raise SystemExit(f"mutation {name}: text not found in {file}")
+        open(path, "w").write(source.replace(text, replacement, 1))
+    sys.path.insert(0, workdir)
+    return importlib.import_module(package)
+
+
+def record_send(pkg, transport: int, rank: int):
+    """One recorded dispatch send (bf16, weights) at DeepSeek-V3 sizes, as rank ``rank``."""
+    import torch
+
+    from moe_comm.kernels.nvshmem import device_bitcode
+
+    recording = importlib.import_module(pkg.__name__ + ".recording")
+    dispatch = importlib.import_module(pkg.__name__ + ".dispatch")
+    comm = importlib.import_module(pkg.__name__ + ".comm")
+    R, T, H, K, L = 8, 4096, 7168, 8, 32
+
+    def meta(*shape, dtype=torch.int32):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    flavour = comm.Flavour(transport=transport, device_wait=True, compiled=True,
+                           bitcode=device_bitcode(90) if transport else "")
+    with recording.recording(90) as launches:
+        dispatch.dispatch_send(
+            meta(T, H, dtype=torch.bfloat16), meta(T, K, dtype=torch.int64),
+            meta(T, K, dtype=torch.float32), meta(T, R), meta(T, K), meta(R, L + 1),
+            meta(R, dtype=torch.int64), meta(4, dtype=torch.int64), meta(1, dtype=torch.int64),
+            offsets=dict(rows=1 << 20, meta=1 << 21, counts=1 << 22, signal=1 << 12),
+            last_ticket=20 * rank + 19, epoch=3 + rank, rank=rank, num_local_experts=L,
+            meta_stride=1 + 3 * K, max_topk=K, grid=20, topk=K, row_bytes=2 * H,
+            flavour=flavour)
+    return launches[0]
+
+
+def main(name: str, workdir: str) -> dict:
+    from moe_comm.kernels.compiled import inspect_launch, violations
+
+    pkg = broken_copy(name, workdir)
+    transport = MUTATIONS[name][3]
+    launches = [record_send(pkg, transport, rank) for rank in (0, 1)]
+    facts = inspect_launch(launches[1], 90, "dsv3", name)
+    return {"violations": violations(facts, rows_aligned=True),
+            "keys_differ": launches[0].key != launches[1].key,
+            "stack_bytes": facts.stack_bytes, "row_store_bits": facts.row_store_bits,
+            "nvshmem_issuers": facts.nvshmem_issuers}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1], sys.argv[2])))

@@ -1,0 +1,165 @@
+"""The static gate: every kernel as the Buffer launches it on a GPU, compiled for sm_90 and
+sm_100 and read (spills, store widths, NVSHMEM issuers, signal ordering); each rule's mutation
+makes it fail; its readers on hand-made PTX and IR."""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from moe_comm.kernels.compiled import (
+    Facts,
+    check_markers,
+    marked_instructions,
+    nvshmem_issuers,
+    violations,
+)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+COMPILED_ENV = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+ROW_KERNELS = {"dispatch_send_kernel", "dispatch_expand_kernel", "combine_send_kernel",
+               "combine_reduce_kernel", "ll_dispatch_send_kernel", "ll_dispatch_recv_kernel",
+               "ll_combine_send_kernel", "ll_combine_recv_kernel", "quantize_kernel"}
+
+
+@pytest.mark.slow
+def test_gate_passes_at_the_runtime_configurations():
+    out = os.path.join(ROOT, "bench", "results", "gpu_gate.tsv")
+    proc = subprocess.run([sys.executable, "-m", "moe_comm.gate", "--arch", "90", "100",
+                           "--out", out], capture_output=True, text=True, env=COMPILED_ENV,
+                          cwd=ROOT, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(out), delimiter="\t"))
+    assert {r["kernel"] for r in rows} == ROW_KERNELS | {"routing_layout_kernel",
+                                                         "wait_epochs_kernel"}
+    assert {r["arch"] for r in rows} == {"90", "100"}
+    for r in rows:  # the table says what the rules need, and every row passed them
+        assert r["status"] == "ok" and r["stack_bytes"] == "0", r
+        if r["kernel"] in ROW_KERNELS:
+            bits = dict(kv.split("=") for kv in r["row_store_bits"].split(","))
+            assert int(bits["row"]) == 128, r
+    configs = {c for r in rows for c in r["config"].split("+")}
+    assert configs == {"small", "dsv3-prefill", "dsv3-decode"}
+    nvshmem = [r for r in rows if r["nvshmem_issuers"] != "-"]
+    assert {r["kernel"] for r in nvshmem} == {"dispatch_send_kernel", "combine_send_kernel",
+                                              "ll_dispatch_send_kernel",
+                                              "ll_dispatch_recv_kernel",
+                                              "ll_combine_send_kernel", "ll_combine_recv_kernel"}
+    for r in nvshmem:
+        for item in r["nvshmem_issuers"].split(","):
+            symbol, issuers = item.split("=")
+            assert issuers == ("block" if symbol.endswith("_block") else "1"), r
+    dtypes = {r["variant"].split()[0] for r in rows}
+    assert dtypes == {"bfloat16", "float16", "float32", "float64"}
+    assert "gate: " in proc.stdout and " 0 failing" in proc.stdout
+
+
+def _mutation(name: str, tmp_path) -> dict:
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "gate_jobs.py"), name,
+                           str(tmp_path)], capture_output=True, text=True, env=COMPILED_ENV,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, expect", [
+    ("none", None),
+    ("scalar_store", "stores row 16 bits at a time"),
+    ("unguarded_nvshmem", "nvshmem_quiet is issued by 512"),
+    ("spilling_tile", "spills or uses local memory"),
+    ("relaxed_publish", "signal without release/acquire ordering"),
+    ("specialised_rank", None),
+])
+def test_each_rule_fails_on_its_mutation(name, expect, tmp_path):
+    report = _mutation(name, tmp_path)
+    found = report["violations"]
+    if expect is None:
+        assert found == [], report
+    else:
+        assert any(expect in v for v in found), report
+    assert report["keys_differ"] == (name == "specialised_rank"), report
+
+
+def test_markers_must_sit_on_the_line_where_the_store_starts(tmp_path):
+    path = tmp_path / "k.py"
+    path.write_text("x = 1\n"
+                    "tl.store(p, v,  # gate: row\n"
+                    "         mask=m)\n"
+                    "tl.store(p, v,\n"
+                    "         mask=m)  # gate: row\n"
+                    "tl.atomic_xchg(w, 1, sem='release')  # gate: publish\n"
+                    "tl.store(q, v)  # gate: rows\n")
+    problems = check_markers(str(path))
+    assert len(problems) == 2, problems
+    assert ":5:" in problems[0] and "no store starts" in problems[0]
+    assert ":7:" in problems[1] and "unknown gate tag" in problems[1]
+
+
+def test_store_widths_are_read_per_marked_line(tmp_path):
+    src = tmp_path / "kern.py"
+    src.write_text("a\n"
+                   "tl.store(p, v)  # gate: row\n"
+                   "tl.store(q, w)  # gate: scales\n"
+                   "tl.atomic_xchg(s, 1)  # gate: publish\n"
+                   "tl.store(r, z)\n")
+    ptx = (".loc 1 2 5\n"
+           "@%p1 st.global.v4.b32 [ %rd1 + 0 ], { %r1, %r2, %r3, %r4 };\n"
+           "@%p1 st.global.b16 [ %rd2 + 0 ], { %rs1 };\n"
+           ".loc 1 3 5\n"
+           "st.global.b32 [%rd3], %r5;\n"
+           "st.local.v4.b32 [%rd3], {%r1, %r2, %r3, %r4};\n"
+           ".loc 1 4 5\n"
+           "atom.global.relaxed.sys.exch.b64 %rd9, [%rd4], %rd5;\n"
+           ".loc 1 5 1\n"
+           "st.global.b8 [%rd6], %rs2;\n"
+           f'.file 1 "/somewhere/else/{src.name}"\n')
+    found = marked_instructions(ptx, str(tmp_path))
+    tags = [(tag, line, ins) for tag, _, line, ins in found]
+    assert tags == [("row", 2, "st.global.v4.b32"), ("row", 2, "st.global.b16"),
+                    ("scales", 3, "st.global.b32"), ("publish", 4,
+                                                     "atom.global.relaxed.sys.exch.b64"),
+                    ("", 5, "st.global.b8")]
+
+
+def test_nvshmem_issuers_follow_the_one_thread_guard():
+    ttir = """
+    %c0_i32 = arith.constant 0 : i32
+    %0 = tt.elementwise_inline_asm "mov.u32 $0, %tid.x;" {constraints = "=r"} : -> i32
+    %1 = arith.cmpi eq, %0, %c0_i32 : i32
+    %2 = tt.extern_elementwise %a {libname = "", symbol = "nvshmemx_putmem_nbi_block"} : i32
+    scf.if %1 {
+      %3 = tt.extern_elementwise {libname = "", symbol = "nvshmem_quiet"} : () -> i32
+    } else {
+      %4 = tt.extern_elementwise {libname = "", symbol = "nvshmem_fence"} : () -> i32
+    }
+    scf.if %cond {
+      %5 = tt.extern_elementwise %b {libname = "", symbol = "nvshmem_int_p"} : i32
+    }
+    scf.if %1 {
+      %6 = tt.extern_elementwise %c {symbol = "nvshmemx_signal_op"} : i32
+      %7 = tt.extern_elementwise %c {symbol = "nvshmemx_putmem_nbi_warp_block"} : i32
+    }
+    """
+    assert nvshmem_issuers(ttir, 256) == {
+        "nvshmemx_putmem_nbi_block": "block", "nvshmem_quiet": "1", "nvshmem_fence": "256",
+        "nvshmem_int_p": "256", "nvshmemx_signal_op": "1",
+        "nvshmemx_putmem_nbi_warp_block": "block-in-1-thread"}
+
+
+def test_rules():
+    ok = Facts("k", 90, "c", "v", row_store_bits={"row": 128, "scales": 32, "exponents": 8},
+               nvshmem_issuers={"nvshmem_quiet": "1", "nvshmemx_putmem_nbi_block": "block"})
+    assert violations(ok, rows_aligned=True) == []
+    bad = Facts("k", 90, "c", "v", stack_bytes=8, row_store_bits={"row": 64},
+                nvshmem_issuers={"nvshmem_quiet": "128",
+                                 "nvshmemx_putmem_nbi_block": "block-in-1-thread"},
+                unordered_signals=["comm.py:3 atom.global.relaxed.exch.b64"])
+    found = violations(bad, rows_aligned=True)
+    assert len(found) == 5, found
+    assert violations(Facts("k", 90, "c", "v", row_store_bits={"row": 16}),
+                      rows_aligned=False) == []
+    assert "does not compile" in violations(Facts("k", 90, "c", "v", error="boom"), True)[0]

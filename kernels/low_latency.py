@@ -89,10 +89,11 @@ def _pairs_per_expert(topk_idx, t0, T, K, E, BLOCK_T: tl.constexpr, BLOCK_K: tl.
 def _wait_all(words, stride, expected, SHIFT: tl.constexpr, R, errors_addr, timeout_ns,
               NUM_THREADS: tl.constexpr):
     """Waits until ``words[i * stride] >> SHIFT >= expected`` for i < R (one shared deadline);
-    True (uniformly) if all arrived. Stops at the first that does not."""
+    True (uniformly) if all arrived. Stops at the first that does not, and does not wait at
+    all once another wait of this rank has timed out (the call is lost anyway)."""
     errors = errors_addr.to(tl.pointer_type(tl.int64))
     deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
-    ok = tl.full([], 1, tl.int1)
+    ok = not timed_out(errors, NUM_THREADS)
     for i in range(R):
         if ok:
             ok = wait_at_least(words + i * stride, expected, SHIFT, deadline, errors, i,

@@ -38,8 +38,14 @@ def dispatch(buffers, xs, topk_idxs, topk_weights=None, expert_alignment: int = 
                                      idx.shape[1], w is not None, mode)
                for buf, p, idx, w, (_, _, mode)
                in zip(buffers, pending, topk_idxs, topk_weights, prepared)]
-    for buf in buffers:
-        buf._raise_input_errors("dispatch")
+    errors = []
+    for buf in buffers:  # every rank's record is read (and cleared); the first error raises
+        try:
+            buf._raise_input_errors("dispatch")
+        except (ValueError, RuntimeError) as error:
+            errors.append(error)
+    if errors:
+        raise errors[0]
     return results
 
 

@@ -73,11 +73,17 @@ def ll_round_trip(rank, world_size, case: Case, fp8: bool, ue8m0: bool = False,
     return stats.tolist()
 
 
-def ll_two_in_flight(rank, world_size, case: Case, rounds: int, straggle_s: float) -> None:
+def ll_two_in_flight(rank, world_size, case: Case, rounds: int, straggle_s: float,
+                     in_kernels: bool = False) -> None:
     """Two micro-batches overlapped, as decode does: send A, send B, receive A, combine A while
-    B is in flight, ... with random per-rank delays; every result checked."""
+    B is in flight, ... with random per-rank delays; every result checked. ``in_kernels``: the
+    sends wait for the acknowledgements and the receives for the data inside the kernels."""
+    from rank_jobs import kernel_waits
+
     delay = random.Random(77 + rank)
-    with new_ll_buffer(case) as buf:
+    with kernel_waits(in_kernels):
+        buf = new_ll_buffer(case)
+    with buf:
         for rnd in range(rounds):
             batches = [make_inputs(case, 2 * rnd + mb) for mb in range(2)]
             sent = []
@@ -101,11 +107,16 @@ def ll_two_in_flight(rank, world_size, case: Case, rounds: int, straggle_s: floa
                 check_out(rank, case, it, out, (ys, refs), idxs, ws)
 
 
-def ll_pipelined_dispatches(rank, world_size, case: Case, calls: int, straggle_s: float):
+def ll_pipelined_dispatches(rank, world_size, case: Case, calls: int, straggle_s: float,
+                            in_kernels: bool = False):
     """Dispatches only, always two in flight: staging parity p is written again while a slow
     peer may still be reading it unless the acknowledgements hold the sender back."""
+    from rank_jobs import kernel_waits
+
     delay = random.Random(500 + rank)
-    with new_ll_buffer(case) as buf:
+    with kernel_waits(in_kernels):
+        buf = new_ll_buffer(case)
+    with buf:
         inflight = []
         for n in range(calls):
             xs, idxs, _ = make_inputs(case, n)
@@ -160,9 +171,16 @@ def ll_misuse(rank, world_size, case: Case) -> dict:
     return errors
 
 
-def ll_skip(rank, world_size, case: Case, skipper: int, wait_timeout_s: float) -> dict:
+def ll_skip(rank, world_size, case: Case, skipper: int, wait_timeout_s: float,
+            in_kernels: bool = False) -> dict:
+    """``skipper`` does not dispatch; the others' hooks raise naming it at that call. With
+    ``in_kernels`` the receive kernel waits (the GPU protocol): it times out, copies nothing
+    and acknowledges nothing, which the skipper reads in its acknowledgement words."""
+    from rank_jobs import kernel_waits
+
     xs, idxs, _ = make_inputs(case)
-    buf = new_ll_buffer(case, timeout_s=wait_timeout_s)
+    with kernel_waits(in_kernels):
+        buf = new_ll_buffer(case, timeout_s=wait_timeout_s)
     report = {"raised": None}
     if rank != skipper:
         _, hook = buf.low_latency_dispatch(xs[rank], idxs[rank], return_hook=True)
@@ -172,6 +190,11 @@ def ll_skip(rank, world_size, case: Case, skipper: int, wait_timeout_s: float) -
         except RuntimeError as error:
             report.update(raised=str(error), peer=getattr(error, "peer", None))
         report["elapsed_s"] = time.monotonic() - start
+        try:
+            buf.low_latency_dispatch(xs[rank], idxs[rank])
+        except RuntimeError as error:
+            report["later"] = str(error)
     dist.barrier()
+    report["acks"] = buf.layout.view(buf.heap, "ll_acks")[0].tolist()  # [parity][rank]
     buf.close()
     return report

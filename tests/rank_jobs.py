@@ -1,7 +1,9 @@
 """Jobs that run on every CPU rank of a pool: ``job(rank, world_size, ...)``, module level."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import random
 import time
 
@@ -71,6 +73,58 @@ def run_case(rank, world_size, case: Case, iterations: int = 1, straggle_s: floa
     return digests
 
 
+@contextlib.contextmanager
+def kernel_waits(on: bool = True):
+    """Buffers built inside wait in their kernels (the GPU protocol, interpreted) when ``on``;
+    the pool's processes outlive a job, so the variable is put back."""
+    old = os.environ.get("MOE_COMM_WAIT")
+    os.environ["MOE_COMM_WAIT"] = "kernel" if on else "host"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("MOE_COMM_WAIT")
+        else:
+            os.environ["MOE_COMM_WAIT"] = old
+
+
+def run_case_kernel_waits(rank, world_size, case: Case, iterations: int,
+                          straggle_s: float) -> list[str]:
+    """:func:`run_case` with the waits inside the kernels."""
+    with kernel_waits():
+        return run_case(rank, world_size, case, iterations, straggle_s)
+
+
+def bad_expert_row(rank, world_size, case: Case, bad_rank: int, kind: str) -> dict:
+    """Rank ``bad_rank`` dispatches a row 2 with an id out of range (``kind="range"``) or an
+    expert twice (``"repeat"``); it raises once the call is complete, the row reaches nobody,
+    every other rank gets the reference's result without that row, and the next call works."""
+    xs, idxs, ws = make_inputs(case)
+    sent = [i.clone() for i in idxs]
+    if kind == "range":
+        sent[bad_rank][2, 0] = case.num_experts + 3
+    else:
+        sent[bad_rank][2, 1] = sent[bad_rank][2, 0] = 1
+    clean = [i.clone() for i in idxs]
+    clean[bad_rank][2] = -1
+    report = {"raised": None}
+    with new_buffer(case) as buf:
+        try:
+            res = buf.dispatch(xs[rank], sent[rank], ws[rank])
+        except ValueError as error:
+            report["raised"] = str(error)
+            res = None
+        if rank != bad_rank:
+            want = reference.dispatch_all(xs, clean, ws, num_experts=case.num_experts)[rank]
+            for field in FIELDS:
+                assert torch.equal(getattr(res, field), getattr(want, field)), (rank, field)
+        xs, idxs, ws = make_inputs(case, 1)  # everyone still in step: a good round
+        res = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+        out = buf.combine(expert_fn(res.x, res.expert_offsets), res.handle, res.weights)
+        check_against_oracle(rank, case, 1, res, out, xs, idxs, ws)
+    return report
+
+
 def gradients(rank, world_size, case: Case) -> None:
     """Forward and backward through moe_comm and through the reference give equal gradients."""
     xs, idxs, ws = make_inputs(case)
@@ -103,10 +157,13 @@ def _combine_latest(buf, y, res, weights):
     return buf.combine(y, res.handle, weights=weights)
 
 
-def skip_one_call(rank, world_size, case: Case, skipper: int, wait_timeout_s: float) -> dict:
-    """``skipper`` does not dispatch; the others must fail within the timeout, naming it."""
+def skip_one_call(rank, world_size, case: Case, skipper: int, wait_timeout_s: float,
+                  in_kernels: bool = False) -> dict:
+    """``skipper`` does not dispatch; the others must fail within the timeout, naming it
+    (``in_kernels``: the bounded wait runs in the wait kernel, as on a GPU)."""
     xs, idxs, ws = make_inputs(case)
-    buf = new_buffer(case, timeout_s=wait_timeout_s)
+    with kernel_waits(in_kernels):
+        buf = new_buffer(case, timeout_s=wait_timeout_s)
     report = {"raised": None}
     if rank != skipper:
         start = time.monotonic()

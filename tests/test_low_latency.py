@@ -102,15 +102,17 @@ def test_eight_ranks_ue8m0_col_major(ranks):
 
 
 @pytest.mark.slow
-def test_two_in_flight_with_stragglers(ranks):
-    ranks(4).run(ll_two_in_flight, Case(4, 16, 256, 4, (6, 3, 8, 5), seed=16), rounds=10,
-                 straggle_s=0.03)
+@pytest.mark.parametrize("in_kernels", [False, True], ids=["host-waits", "kernel-waits"])
+def test_two_in_flight_with_stragglers(ranks, in_kernels):
+    ranks(4).run(ll_two_in_flight, Case(4, 16, 256, 4, (6, 3, 8, 5), seed=16),
+                 rounds=10 if not in_kernels else 4, straggle_s=0.03, in_kernels=in_kernels)
 
 
 @pytest.mark.slow
-def test_pipelined_dispatches_wait_for_acknowledgements(ranks):
+@pytest.mark.parametrize("in_kernels", [False, True], ids=["host-waits", "kernel-waits"])
+def test_pipelined_dispatches_wait_for_acknowledgements(ranks, in_kernels):
     ranks(4).run(ll_pipelined_dispatches, Case(4, 8, 128, 2, (5, 5, 5, 5), seed=17), calls=12,
-                 straggle_s=0.2)
+                 straggle_s=0.2, in_kernels=in_kernels)
 
 
 def test_misuse_raises_clear_errors(ranks):
@@ -123,11 +125,18 @@ def test_misuse_raises_clear_errors(ranks):
         assert "low_latency=True" in errors["no_ll_workspace"]
 
 
-def test_skipped_call_times_out_naming_the_peer(ranks):
+@pytest.mark.parametrize("in_kernels", [False, True], ids=["host-waits", "kernel-waits"])
+def test_skipped_call_times_out_naming_the_peer(ranks, in_kernels):
+    """The hook of the call that failed raises, naming the skipper; nothing is acknowledged
+    (with the wait in the receive kernel: it copies nothing and publishes nothing); the Buffer
+    refuses later calls."""
     reports = ranks(4).run(ll_skip, Case(4, 8, 128, 2, (4, 4, 4, 4), seed=19), skipper=1,
-                           wait_timeout_s=2.0)
+                           wait_timeout_s=2.0, in_kernels=in_kernels)
     for rank, report in enumerate(reports):
+        assert report["acks"] == [[0] * 4, [0] * 4], report  # no parity acknowledged anywhere
         if rank == 1:
             continue
         assert report["peer"] == 1 and "low-latency dispatch" in report["raised"], report
+        assert "timed out" in report["raised"], report
         assert 2.0 <= report["elapsed_s"] < 7.0
+        assert "unusable" in report["later"], report

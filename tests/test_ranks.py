@@ -3,7 +3,16 @@ import pytest
 import torch
 
 from cases import Case
-from rank_jobs import bad_inputs, construct, count_traffic, gradients, run_case, skip_one_call
+from rank_jobs import (
+    bad_expert_row,
+    bad_inputs,
+    construct,
+    count_traffic,
+    gradients,
+    run_case,
+    run_case_kernel_waits,
+    skip_one_call,
+)
 
 CASES = [
     Case(R, E, H, K, tokens, dtype, routing, align, weights=w, seed=i)
@@ -54,10 +63,12 @@ def test_gradients_match_reference_autograd(ranks, world_size):
     ranks(world_size).run(gradients, case)
 
 
-def test_peer_that_skips_a_call_is_named_within_the_timeout(ranks):
+@pytest.mark.parametrize("in_kernels", [False, True], ids=["host-waits", "kernel-waits"])
+def test_peer_that_skips_a_call_is_named_within_the_timeout(ranks, in_kernels):
     case = Case(4, 8, 64, 2, (6, 6, 6, 6), seed=61)
     timeout_s = 2.0
-    reports = ranks(4).run(skip_one_call, case, skipper=2, wait_timeout_s=timeout_s)
+    reports = ranks(4).run(skip_one_call, case, skipper=2, wait_timeout_s=timeout_s,
+                           in_kernels=in_kernels)
     for rank, report in enumerate(reports):
         if rank == 2:
             assert report["raised"] is None
@@ -83,6 +94,27 @@ def test_bad_inputs_raise_clear_errors(ranks):
         assert "TypeError" in errors["dtype"] and "TypeError" in errors["idx_dtype"]
         assert "another Buffer" in errors["other_buffer_handle"]
         assert "older dispatch" in errors["older_handle"]
+
+
+@pytest.mark.parametrize("kind", ["range", "repeat"])
+def test_a_bad_expert_row_goes_nowhere_and_raises_after_the_call(ranks, kind):
+    case = Case(4, 16, 64, 2, (6, 5, 6, 4), seed=72)
+    reports = ranks(4).run(bad_expert_row, case, bad_rank=1, kind=kind)
+    for rank, report in enumerate(reports):
+        if rank != 1:
+            assert report["raised"] is None, report
+            continue
+        expect = "holds expert id 19" if kind == "range" else "picks expert 1 twice"
+        assert "topk_idx row 2" in report["raised"] and expect in report["raised"], report
+
+
+@pytest.mark.slow
+def test_kernel_waits_across_processes_with_stragglers(ranks):
+    """The GPU flavour's waits (in the kernels: spin, deadline, acquire, error record) between
+    CPU ranks, calls back to back with random delays: every result equals the oracle."""
+    case = Case(4, 16, 128, 4, (9, 4, 0, 7), routing="zipf", alignment=4, seed=73)
+    digests = ranks(4).run(run_case_kernel_waits, case, iterations=4, straggle_s=0.05)
+    assert all(len(d) == 4 for d in digests)
 
 
 def test_constructor_names_the_rank_that_differs(ranks):

@@ -1,0 +1,131 @@
+"""Host synchronisations per op, padding, and the fixed-size dispatch (``max_recv_rows``).
+
+Every host read of tensor data in the torch layer goes through one counted helper
+(``moe_comm.host_sync``); ``ReadCounter`` catches any read that bypasses it (``.item()``,
+``.tolist()``, ``int(t)``, ``bool(t)``, ... on any tensor during the op). Budgets per call:
+low-latency dispatch and combine 0, normal combine 0, normal dispatch 1 (the row count) and 0
+with ``max_recv_rows``.
+"""
+import contextlib
+
+import pytest
+import torch
+
+import moe_comm
+from cases import Case, expert_fn, make_inputs
+from moe_comm import lockstep, reference
+
+_READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "__array__")
+
+
+class ReadCounter:
+    """Counts host reads of tensor data made through torch's Python API inside the block."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        for name in _READS:
+            original = getattr(torch.Tensor, name)
+
+            def counted(*args, _original=original, **kwargs):
+                self.count += 1
+                return _original(*args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+def _syncs(bufs) -> int:
+    return sum(sum(b.host_syncs.values()) for b in bufs)
+
+
+CASE = Case(4, 16, 256, 4, (9, 0, 6, 11), routing="zipf", alignment=8, seed=41)
+
+
+def test_normal_mode_reads_once_per_dispatch_and_never_in_combine(monkeypatch):
+    bufs = moe_comm.Buffer.loopback(4, CASE.hidden, CASE.num_experts, CASE.max_tokens)
+    xs, idxs, ws = make_inputs(CASE)
+    reads = ReadCounter(monkeypatch)
+    got = lockstep.dispatch(bufs, xs, idxs, ws, CASE.alignment)
+    assert reads.count == _syncs(bufs) == 4  # one per rank: the received-row count
+    assert all(dict(b.host_syncs) == {"rows": 1} for b in bufs)
+    ys = [expert_fn(g.x, g.expert_offsets) for g in got]
+    lockstep.combine(bufs, ys, [g.handle for g in got], [g.weights for g in got])
+    lockstep.dispatch(bufs, xs, idxs, ws, CASE.alignment, max_recv_rows=200)
+    assert reads.count == _syncs(bufs) == 4  # combine and the fixed-size dispatch: none
+
+
+def test_low_latency_reads_nothing(monkeypatch):
+    bufs = moe_comm.Buffer.loopback(4, CASE.hidden, CASE.num_experts, CASE.max_tokens,
+                                    low_latency=True)
+    xs, idxs, ws = make_inputs(CASE)
+    reads = ReadCounter(monkeypatch)
+    for fp8 in (False, True):
+        got = lockstep.low_latency_dispatch(bufs, xs, idxs, fp8=fp8)
+        ys = [torch.zeros(g.x.shape, dtype=torch.bfloat16) for g in got]
+        lockstep.low_latency_combine(bufs, ys, idxs, ws, [g.handle for g in got])
+    assert reads.count == 0 and _syncs(bufs) == 0
+
+
+def test_training_step_reads_once(monkeypatch):
+    """Forward and backward of dispatch + combine on one rank: only the forward dispatch
+    reads (its row count); the backward ops (cached dispatch, combine) read nothing."""
+    case = Case(1, 4, 64, 2, (8,), torch.float64, seed=42)
+    buf = moe_comm.Buffer.loopback(1, 64, 4, 8, torch.float64)[0]
+    xs, idxs, ws = make_inputs(case)
+    x, w = xs[0].clone().requires_grad_(), ws[0].clone().requires_grad_()
+    reads = ReadCounter(monkeypatch)
+    res = buf.dispatch(x, idxs[0], w)
+    out = buf.combine(res.x * 2, res.handle, res.weights)
+    out.sum().backward()
+    assert reads.count == _syncs([buf]) == 1 and buf.host_syncs == {"rows": 1}
+
+
+@contextlib.contextmanager
+def _garbage_allocations(monkeypatch):
+    """torch.empty returns memory full of NaN (floats) or -7 (integers): whatever a kernel
+    does not write shows."""
+    original = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = original(*args, **kwargs)
+        if t.numel() and t.device.type == "cpu":
+            t.fill_(float("nan") if t.is_floating_point() else -7)
+        return t
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", poisoned)
+        yield
+
+
+@pytest.mark.parametrize("max_recv_rows", [None, 160])
+def test_only_padding_rows_are_zeroed_and_they_all_are(monkeypatch, max_recv_rows):
+    bufs = moe_comm.Buffer.loopback(4, CASE.hidden, CASE.num_experts, CASE.max_tokens)
+    xs, idxs, ws = make_inputs(CASE)
+    want = reference.dispatch_all(xs, idxs, ws, num_experts=CASE.num_experts,
+                                  expert_alignment=CASE.alignment)
+    with _garbage_allocations(monkeypatch):
+        got = lockstep.dispatch(bufs, xs, idxs, ws, CASE.alignment, max_recv_rows=max_recv_rows)
+    for g, w in zip(got, want):
+        rows = w.x.shape[0]
+        assert g.x.shape[0] == (rows if max_recv_rows is None else max_recv_rows)
+        assert torch.equal(g.x[:rows], w.x)  # padding inside the groups: zeros
+        assert torch.equal(g.expert_offsets, w.expert_offsets)
+        assert (g.x[rows:] == 0).all() and (g.src_rank[rows:] == -1).all()
+        assert (g.weights[rows:] == 0).all()
+    ys = [torch.cat([expert_fn(w.x, w.expert_offsets), g.x[w.x.shape[0]:]])
+          for g, w in zip(got, want)]
+    outs = lockstep.combine(bufs, ys, [g.handle for g in got], [g.weights for g in got])
+    ref = reference.combine_all([expert_fn(w.x, w.expert_offsets) for w in want],
+                                [w.handle for w in want], [w.weights for w in want])
+    for o, r in zip(outs, ref):
+        assert torch.equal(o, r)
+
+
+def test_too_few_max_recv_rows_raise_after_the_call_and_the_buffer_goes_on():
+    bufs = moe_comm.Buffer.loopback(2, 128, 8, 12, torch.bfloat16)
+    case = Case(2, 8, 128, 4, (12, 12), seed=43)
+    xs, idxs, ws = make_inputs(case)
+    with pytest.raises(RuntimeError, match=r"rows arrived but max_recv_rows=5"):
+        lockstep.dispatch(bufs, xs, idxs, ws, max_recv_rows=5)
+    got = lockstep.dispatch(bufs, xs, idxs, ws)  # every rank finished the call: still usable
+    want = reference.dispatch_all(xs, idxs, ws, num_experts=8)
+    assert all(torch.equal(g.x, w.x) for g, w in zip(got, want))

@@ -10,8 +10,9 @@ pick, so the two can never drift apart.
 
 Each GPU choice is sized so that a thread holds at most 64 bytes of a row tile (``block_h``
 shrinks for 4- and 8-byte elements) and at least 16 bytes of the row data the kernel stores (a
-16-byte store needs them: ``block_t`` grows for FP8 bytes where ``block_h`` is small). ``maxnreg`` caps registers at what the intended occupancy allows: left alone, ptxas
-picks a lower target for 512-thread programs and spills.
+16-byte store needs them: ``block_t`` grows for FP8 bytes where ``block_h`` is small).
+``maxnreg`` caps registers at what the intended occupancy allows: left alone, ptxas picks a
+lower target for 512-thread programs and spills.
 """
 from __future__ import annotations
 

@@ -3,16 +3,21 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# The CPU build of torch; any torch >= 2.6 works (setup.py), this one is what CI runs.
+# The other end of the supported Triton range (setup.py): the static gate runs under it too.
+VENV36 := .venv-triton36
+STAMP36 := $(VENV36)/.installed
+# The CPU build of torch; any torch >= 2.11 works (setup.py), this one is what CI runs.
 TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.9.0
+TRITON36_SPEC ?= triton==3.6.0
+NVSHMEM_SPEC ?= nvidia-nvshmem-cu13==3.4.5
 # Compiled kernels (Triton, csrc/) are cached by source hash outside the checkout, so a fresh
 # clone on the same machine does not compile them again.
 export TRITON_CACHE_DIR ?= $(HOME)/.cache/moe_comm/triton
 export MOE_COMM_CACHE_DIR ?= $(HOME)/.cache/moe_comm
 export TRITON_DEFAULT_FP_FUSION ?= 1
 
-.PHONY: bench test test-quick gpu-gate lint clean
+.PHONY: bench test test-quick gpu-gate gpu-gate-triton36 lint clean
 
 $(STAMP): setup.py pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -20,11 +25,18 @@ $(STAMP): setup.py pyproject.toml Makefile
 	$(BIN)/pip install -q -e ".[test,megatron,deepspeed]"
 	touch $(STAMP)
 
+$(STAMP36): setup.py pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV36)
+	$(VENV36)/bin/pip install -q "$(TORCH_SPEC)" "$(TRITON36_SPEC)" numpy "$(NVSHMEM_SPEC)"
+	$(VENV36)/bin/pip install -q --no-deps -e .
+	touch $(STAMP36)
+
 bench: $(STAMP)  ## the dispatch/combine benchmark on 4 CPU ranks, one table
 	$(BIN)/python bench/dispatch_bench.py --ranks 4
 
-test: $(STAMP)  ## the whole suite (CI)
+test: $(STAMP) $(STAMP36)  ## the whole suite (CI), then the static gate under Triton 3.6
 	$(BIN)/python -m pytest -q
+	$(MAKE) gpu-gate-triton36
 
 test-quick: $(STAMP)  ## the suite without the cases marked slow
 	$(BIN)/python -m pytest -q -m "not slow"
@@ -32,9 +44,13 @@ test-quick: $(STAMP)  ## the suite without the cases marked slow
 gpu-gate: $(STAMP)  ## every kernel as launched on a GPU, compiled for sm_90/sm_100 and read
 	TRITON_INTERPRET=0 $(BIN)/python -m moe_comm.gate --arch 90 100
 
+gpu-gate-triton36: $(STAMP36)  ## the same gate under Triton 3.6 (sm_90)
+	TRITON_INTERPRET=0 $(VENV36)/bin/python -m moe_comm.gate --arch 90 \
+		--out bench/results/gpu_gate_triton36.tsv
+
 lint: $(STAMP)
 	$(BIN)/pip install -q ruff
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache bench/results *.egg-info
+	rm -rf $(VENV) $(VENV36) .pytest_cache bench/results *.egg-info

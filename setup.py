@@ -18,6 +18,10 @@ from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
+NVSHMEM = "nvidia-nvshmem-cu13==3.4.5"
+# nvcc 13.0 and the headers it needs, one CUDA release (unpinned, they mix releases and fail)
+CUDA_COMPILER = ["nvidia-cuda-nvcc==13.0.88", "nvidia-nvvm==13.0.88", "nvidia-cuda-crt==13.0.88",
+                 "nvidia-cuda-runtime==13.0.96", "nvidia-cuda-cccl==13.0.85"]
 
 
 def _load_csrc_build():
@@ -57,13 +61,16 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["moe_comm", "moe_comm.*"]) + ["moe_comm.kernels"],
     package_dir={"moe_comm.kernels": "kernels"},
-    install_requires=["torch>=2.6", "triton>=3.4", "numpy"],
+    # Triton 3.6 (PyTorch 2.11's) to 3.9: the static gate compiles every kernel under both ends
+    install_requires=["torch>=2.11", "triton>=3.6,<3.10", "numpy"],
     extras_require={
-        # CPU CI: the NVSHMEM device bitcode and headers (compile gates) and nvshmem4py's host
-        # side (unique ids); nothing here needs a GPU
-        "test": ["pytest>=7", "matplotlib", "nvidia-nvshmem-cu13", "nvshmem4py-cu13"],
+        # CPU CI: the NVSHMEM device bitcode and headers (gate, csrc/), nvshmem4py's host side
+        # (unique ids) and CUDA's compiler from PyPI (csrc/ compile test); nothing needs a GPU.
+        # NVSHMEM 3.4.5 is the release PyTorch's CUDA wheels pin; its bitcode links under
+        # Triton 3.6 to 3.9 (3.8's does not under 3.6).
+        "test": ["pytest>=7", "matplotlib", NVSHMEM, "nvshmem4py-cu13", *CUDA_COMPILER],
         # GPU machines: NVSHMEM heaps and device library, cupy to load csrc/ cubins
-        "gpu": ["nvidia-nvshmem-cu13", "nvshmem4py-cu13", "cupy-cuda13x"],
+        "gpu": [NVSHMEM, "nvshmem4py-cu13", "cupy-cuda13x"],
         # framework plugins (moe_comm.integrations), tested on CPU ranks
         "megatron": ["megatron-core==0.16.1"],
         "deepspeed": ["deepspeed==0.19.8"],

@@ -161,6 +161,13 @@ def device_bitcode(arch: int) -> str:
                             f"install nvidia-nvshmem-cu13 or set NVSHMEM_LIB_DIR (seen: {seen})")
 
 
+def compiled_kernel_of(fn, compile: dict, key):
+    """The CompiledKernel a ``jit_post_compile_hook`` call is about: Triton 3.6 to 3.9 file it
+    in ``device_caches[device][0]`` under the hook's ``key`` before calling the hook
+    (``moe_comm.gate`` checks this on the Triton it runs under)."""
+    return fn.jit_function.device_caches[compile["device"]][0][key]
+
+
 def install_module_init_hook() -> None:
     """Initialises for NVSHMEM (``nvshmemx_cumodule_init``) every module Triton compiles with
     NVSHMEM's bitcode linked in, right after it is compiled and before its first launch.
@@ -175,7 +182,7 @@ def install_module_init_hook() -> None:
     def hook(*, key, fn, compile, **kwargs):
         result = previous(key=key, fn=fn, compile=compile, **kwargs) if previous else None
         if "libnvshmem_device" in dict(compile.get("extern_libs") or ()):
-            kernel = fn.jit_function.device_caches[compile["device"]][0][key]
+            kernel = compiled_kernel_of(fn, compile, key)
             kernel._init_handles()  # loads the module
             from nvshmem import bindings
 

@@ -80,6 +80,41 @@ def _options(compile: dict) -> dict:
             else v for k, v in options.items()}
 
 
+def post_compile_hook_finds_the_kernel(arch: int = 90) -> str:
+    """Compiles a small kernel (Triton's ``warmup``, under the stand-in driver) with a
+    ``jit_post_compile_hook`` that looks the compiled kernel up the way the NVSHMEM module
+    initialisation does (``nvshmem.compiled_kernel_of``); returns what it found, raises if the
+    lookup fails on this Triton."""
+    import torch
+    import triton.language as tl
+
+    from .nvshmem import compiled_kernel_of
+
+    @triton.jit
+    def probe(out, n, BLOCK: tl.constexpr):
+        lanes = tl.arange(0, BLOCK)
+        tl.store(out + lanes, lanes.to(tl.float32), mask=lanes < n)
+
+    found = []
+
+    def hook(*, key, fn, compile, **kwargs):
+        found.append(compiled_kernel_of(fn, compile, key))
+
+    previous_hook = triton.knobs.runtime.jit_post_compile_hook
+    previous_driver = getattr(driver, "_active", None)
+    driver.set_active(_StandInDriver(arch))
+    triton.knobs.runtime.jit_post_compile_hook = hook
+    try:
+        probe.warmup(torch.empty(16, device="meta"), 5, BLOCK=16, grid=(1,))
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = previous_hook
+        driver.set_active(previous_driver)
+    if len(found) != 1 or "cubin" not in found[0].asm:
+        raise RuntimeError(f"Triton {triton.__version__}: the post-compile hook found {found}, "
+                           "not the compiled kernel; NVSHMEM modules would not be initialised")
+    return f"Triton {triton.__version__}: the post-compile hook finds the compiled kernel"
+
+
 @contextlib.contextmanager
 def recording(arch: int = 90):
     """Collects a :class:`Launch` for every ``kernel[grid](...)`` inside the block; nothing is

@@ -11,7 +11,8 @@ then initialises it for NVSHMEM (``nvshmem.core.library_init`` / ``module_init``
 
 Where things are found (the way nvshmem4py and ``cuda.pathfinder`` find them):
 
-* nvcc: ``$CUDA_HOME/bin``, ``$CUDA_PATH/bin``, ``PATH``, ``/usr/local/cuda/bin``.
+* nvcc: ``$CUDA_HOME/bin``, ``$CUDA_PATH/bin``, the ``nvidia-cuda-nvcc`` wheel, ``PATH``,
+  ``/usr/local/cuda/bin``.
 * NVSHMEM headers: ``$NVSHMEM_HOME/include`` (or ``src/include``), else
   ``cuda.pathfinder.find_nvidia_header_directory("nvshmem")`` (the ``nvidia-nvshmem-cu12/13``
   wheel), else the ``nvidia.nvshmem`` package directory.
@@ -107,11 +108,32 @@ def build_mode(env: Mapping[str, str] | None = None) -> str:
                      "it unset (build where CUDA torch, nvcc and NVSHMEM are present)")
 
 
+def wheel_nvcc() -> Path | None:
+    """nvcc of the ``nvidia-cuda-nvcc`` wheel (``site-packages/nvidia/cu13/bin``; it finds its
+    headers, cicc and ptxas relative to itself), else None."""
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in getattr(nvidia, "__path__", []):
+        for cuda in ("cu13", "cu12"):
+            path = Path(root) / cuda / "bin" / "nvcc"
+            if path.is_file():
+                return path
+    return None
+
+
 def find_nvcc(env: Mapping[str, str] | None = None,
-              which: Callable[[str], str | None] = shutil.which) -> Path | None:
-    """nvcc from ``$CUDA_HOME``, ``$CUDA_PATH``, ``PATH`` or ``/usr/local/cuda``, else None."""
+              which: Callable[[str], str | None] = shutil.which,
+              wheel: Callable[[], Path | None] = wheel_nvcc) -> Path | None:
+    """nvcc from ``$CUDA_HOME``, ``$CUDA_PATH``, the ``nvidia-cuda-nvcc`` wheel, ``PATH`` or
+    ``/usr/local/cuda``, else None (``make test`` installs the wheel: CI does not depend on a
+    system CUDA)."""
     env = _env(env)
     candidates = [Path(env[v]) / "bin" / "nvcc" for v in ("CUDA_HOME", "CUDA_PATH") if env.get(v)]
+    from_wheel = wheel()
+    if from_wheel is not None:
+        candidates.append(from_wheel)
     found = which("nvcc")
     if found:
         candidates.append(Path(found))

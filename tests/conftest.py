@@ -8,6 +8,34 @@ import pytest  # noqa: E402
 
 from moe_comm.launch import RankPool  # noqa: E402
 
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def _fail_skip_in_ci(report, what: str) -> None:
+    reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
+    report.outcome = "failed"
+    report.longrepr = f"{what} skipped under CI=true (only GPU tests may skip): {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under CI=true a skipped test fails unless it needs a GPU (``@pytest.mark.gpu``): a
+    missing dependency on the CI machine must not pass as green."""
+    outcome = yield
+    report = outcome.get_result()
+    if IN_CI and report.skipped and item.get_closest_marker("gpu") is None \
+            and not hasattr(report, "wasxfail"):
+        _fail_skip_in_ci(report, "test")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """The same for a whole module skipped at import (``pytest.importorskip``)."""
+    outcome = yield
+    report = outcome.get_result()
+    if IN_CI and report.skipped:
+        _fail_skip_in_ci(report, "module")
+
 _pools: dict[int, RankPool] = {}
 
 

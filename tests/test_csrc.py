@@ -148,10 +148,23 @@ def test_find_nvcc_prefers_cuda_home(tmp_path):
     (home / "bin" / "nvcc").write_text("#!/bin/sh\n")
     on_path = tmp_path / "path-nvcc"
     on_path.write_text("#!/bin/sh\n")
-    assert csrc_build.find_nvcc({"CUDA_HOME": str(home)}, which=lambda _: str(on_path)) == \
-        home / "bin" / "nvcc"
+    wheel = tmp_path / "wheel-nvcc"
+    wheel.write_text("#!/bin/sh\n")
+    assert csrc_build.find_nvcc({"CUDA_HOME": str(home)}, which=lambda _: str(on_path),
+                                wheel=lambda: wheel) == home / "bin" / "nvcc"
     assert csrc_build.find_nvcc({"CUDA_HOME": str(tmp_path / "none")},
-                                which=lambda _: str(on_path)) == on_path
+                                which=lambda _: str(on_path), wheel=lambda: wheel) == wheel
+    assert csrc_build.find_nvcc({"CUDA_HOME": str(tmp_path / "none")},
+                                which=lambda _: str(on_path), wheel=lambda: None) == on_path
+
+
+def test_the_nvcc_wheel_is_found_where_make_installs_it():
+    """``make test`` installs nvcc from PyPI (setup.py's test extra); CI never falls back to a
+    compiler that happens to be on the machine."""
+    nvcc = csrc_build.wheel_nvcc()
+    if nvcc is None:
+        pytest.skip("the nvidia-cuda-nvcc wheel is not installed (pip install -e '.[test]')")
+    assert csrc_build.find_nvcc({}) == nvcc
 
 
 def test_build_mode_and_cache_dir(tmp_path):

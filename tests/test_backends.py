@@ -156,3 +156,46 @@ def test_normal_dispatch_send_grid_is_persistent():
     ref = moe_comm.reference.combine_all([w.x for w in want], [w.handle for w in want],
                                          [w.weights for w in want])
     assert all(torch.equal(o, r) for o, r in zip(outs, ref))
+
+
+def test_cuda_heap_close_waits_for_every_rank_before_unmapping(monkeypatch):
+    """CudaHeap.close synchronises the device and barriers the group before it drops the
+    mapping: a peer may still be storing into this segment until every rank got there."""
+    import types
+
+    from moe_comm.symm import cuda as cuda_heap
+
+    events = []
+    monkeypatch.setattr(cuda_heap.torch.cuda, "synchronize",
+                        lambda device=None: events.append("synchronize"))
+    monkeypatch.setattr(cuda_heap.dist, "barrier", lambda group=None: events.append("barrier"))
+    heap = cuda_heap.CudaHeap.__new__(cuda_heap.CudaHeap)
+    heap._group, heap._handle = object(), types.SimpleNamespace()
+    heap.local = torch.zeros(16, dtype=torch.uint8)
+    heap.peer_ptrs = torch.tensor([1, 2], dtype=torch.int64)
+
+    class Handle:  # dropping the last reference unmaps the peers' memory
+        def __del__(self):
+            events.append("unmapped")
+
+    heap._handle = Handle()
+    heap.close()
+    assert events == ["synchronize", "barrier", "unmapped"]
+    assert heap.peer_ptrs.tolist() == [0, 0]
+    heap.close()  # a second close is a no-op
+    assert events == ["synchronize", "barrier", "unmapped"]
+
+
+def test_post_compile_hook_finds_the_kernel_on_this_triton():
+    """The NVSHMEM module initialisation looks the compiled kernel up in Triton's caches; the
+    gate checks the lookup on the Triton it runs under (3.9 here, 3.6 in make test)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    code = ("from moe_comm.kernels.recording import post_compile_hook_finds_the_kernel as f; "
+            "print(f())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "finds the compiled kernel" in proc.stdout

@@ -27,7 +27,7 @@ import triton.language as tl
 from .comm import (
     CPU_RANKS,
     Flavour,
-    draw_last_ticket,
+    draw_last_of,
     local_ptr,
     one_thread,
     peer_ptr,
@@ -38,8 +38,7 @@ from .numerics import acc_zeros, cast_rne
 from .nvshmem import put_bytes, quiet
 from .tiles import even, per_source_programs, tiles
 
-_SEND_PER_CALL = ["rows_off", "meta_off", "signal_off", "box_rows_off", "box_meta_off",
-                  "local_base", "errors_addr", "last_ticket", "epoch", "me"]
+_SEND_PER_CALL = ["rows_off", "meta_off", "signal_off", "local_base", "errors_addr", "me"]
 
 
 @triton.jit(do_not_specialize=_SEND_PER_CALL)
@@ -53,11 +52,13 @@ def combine_send_kernel(
     peer_ptrs,  # [R] int64
     stats,  # [4] int64 local: bytes stored (to peers, to itself) at [2], [3]
     tickets,  # [1] int64 local ticket counter of this channel
+    epochs,  # [1] int64 local: this channel's latest epoch; the last program advances it
     rows_off: tl.int64, meta_off: tl.int64, signal_off: tl.int64,  # this rank's regions
-    box_rows_off: tl.int64, box_meta_off: tl.int64,  # TRANSPORT 1: rdma_combine_rows[p], _meta
+    rows_parity: tl.int64, meta_parity: tl.int64,  # (parity 0) and bytes per parity
+    box_rows_off: tl.int64, box_meta_off: tl.int64,  # TRANSPORT 1: rdma_combine_rows, _meta
+    box_rows_parity: tl.int64, box_meta_parity: tl.int64,
     local_base: tl.int64,  # TRANSPORT 1: address of this rank's segment (symmetric addresses)
     errors_addr: tl.int64,  # the error record: nothing is published after a timeout
-    last_ticket: tl.int64, epoch: tl.int64,
     H: tl.int32, K: tl.int32, R: tl.int32, me: tl.int32, TMAX: tl.int32,
     KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr,
     ACC_FP64: tl.constexpr,
@@ -69,6 +70,12 @@ def combine_send_kernel(
     s = tl.program_id(0)
     p = tl.program_id(1)
     P = tl.num_programs(1)
+    epoch = tl.load(epochs) + 1  # device epochs and a fixed grid: no per-call scalar (graphs)
+    parity = epoch % 2
+    rows_off += parity * rows_parity
+    meta_off += parity * meta_parity
+    box_rows_off += parity * box_rows_parity
+    box_meta_off += parity * box_meta_parity
     n = tl.load(slot_counts + s)
     remote = tl.load(peer_ptrs + s) == 0  # home rank s reached only by NVSHMEM (TRANSPORT 1)
     payload = H * y.dtype.element_ty.primitive_bitwidth // 8
@@ -140,26 +147,32 @@ def combine_send_kernel(
     nbytes = rows_done * row_bytes
     tl.atomic_add(stats + 2 + tl.arange(0, 1), tl.where(s != me, nbytes, 0), sem="relaxed")
     tl.atomic_add(stats + 3 + tl.arange(0, 1), tl.where(s == me, nbytes, 0), sem="relaxed")
-    if draw_last_ticket(tickets, last_ticket):
+    if draw_last_of(tickets, tl.num_programs(0) * P):
         if not timed_out(errors_addr.to(tl.pointer_type(tl.int64)), NUM_THREADS):
             for d in range(R):
                 publish_epoch_to(peer_ptrs, d, signal_off, epoch, local_base, TRANSPORT)
             signal_bytes = 8 + tl.zeros([1], tl.int64)
             tl.atomic_add(stats + 2 + tl.arange(0, 1), (R - 1) * signal_bytes, sem="relaxed")
             tl.atomic_add(stats + 3 + tl.arange(0, 1), signal_bytes, sem="relaxed")
+        tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
 
 
 @triton.jit(do_not_specialize=["T"])
 def combine_reduce_kernel(
-    staging,  # [R, TMAX, H] local combine_rows of this parity
-    meta,  # [R, TMAX, KMAX] float32 local combine_meta of this parity (HAS_PAIR)
+    staging,  # [P, R, TMAX, H] local combine_rows
+    meta,  # [P, R, TMAX, KMAX] float32 local combine_meta (HAS_PAIR)
+    epochs,  # [1] int64 local: the combine epoch (this call's: its parity is read here)
     slot_of,  # [T, R] int32: slot of token t on rank d, -1 if not sent there
     out,  # [T, H]
     pair_out,  # [T, K] float32 (HAS_PAIR)
     T: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, TMAX: tl.int32,
+    STAGING_PARITY: tl.int64, META_PARITY: tl.int64,  # elements between the two parities
     KMAX: tl.constexpr, HAS_PAIR: tl.constexpr, ACC_FP64: tl.constexpr, EVEN_H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    parity = tl.load(epochs) % 2
+    staging += parity * STAGING_PARITY
+    meta += parity * META_PARITY
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     t64 = t.to(tl.int64)
@@ -199,13 +212,15 @@ def send_grid(world_size: int, max_tokens: int, hidden: int, flavour: Flavour,
 
 
 def combine_send(y, weights, pair_values, slot_rows, slot_counts, slot_offsets, peer_ptrs, stats,
-                 tickets, *, offsets: dict, last_ticket: int, epoch: int, rank: int,
-                 topk: int, max_topk: int, max_tokens: int, flavour: Flavour = CPU_RANKS,
-                 box_offsets: tuple = (0, 0)) -> bool:
+                 tickets, epochs, *, offsets: dict, rank: int, topk: int, max_topk: int,
+                 max_tokens: int, flavour: Flavour = CPU_RANKS,
+                 box_offsets: tuple = ((0, 0),) * 2) -> bool:
     """Launches the ``(R, P)`` send programs of :func:`send_grid` (every rank is signalled).
 
-    Across nodes (``flavour.transport == 1``) ``box_offsets`` are the byte offsets of this
-    parity's rdma_combine_rows / rdma_combine_meta outboxes."""
+    ``offsets``: rows / meta -> (byte offset of this rank's slice of parity 0, bytes per
+    parity), signal -> byte offset; the epoch and parity come from ``epochs`` on the device.
+    Across nodes (``flavour.transport == 1``) ``box_offsets`` are (offset, parity stride) of the
+    rdma_combine_rows / rdma_combine_meta outboxes."""
     H = y.shape[1]
     R = peer_ptrs.numel()
     tile = tiles("combine_send", flavour.compiled, H, max(4, y.element_size()))
@@ -213,28 +228,31 @@ def combine_send(y, weights, pair_values, slot_rows, slot_counts, slot_offsets, 
     combine_send_kernel[send_grid(R, max_tokens, H, flavour, y.element_size())](
         y, weights if weights is not None else dummy,
         pair_values if pair_values is not None else dummy, slot_rows, slot_counts, slot_offsets,
-        peer_ptrs, stats, tickets, offsets["rows"], offsets["meta"], offsets["signal"],
-        *box_offsets, flavour.local_base, flavour.errors_addr, last_ticket, epoch, H, topk, R,
-        rank, max_tokens, KMAX=max_topk, HAS_WEIGHTS=weights is not None,
-        HAS_PAIR=pair_values is not None, ACC_FP64=y.dtype == torch.float64,
-        TRANSPORT=flavour.transport, ALIGN=flavour.row_align, EVEN_H=even(H, tile.block_h),
-        BLOCK_T=tile.block_t, BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),
+        peer_ptrs, stats, tickets, epochs, offsets["rows"][0], offsets["meta"][0],
+        offsets["signal"], offsets["rows"][1], offsets["meta"][1],
+        *(off for off, _ in box_offsets), *(stride for _, stride in box_offsets),
+        flavour.local_base, flavour.errors_addr, H, topk, R, rank, max_tokens, KMAX=max_topk,
+        HAS_WEIGHTS=weights is not None, HAS_PAIR=pair_values is not None,
+        ACC_FP64=y.dtype == torch.float64, TRANSPORT=flavour.transport,
+        ALIGN=flavour.row_align, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
+        BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),
         NUM_THREADS=tile.num_threads, **flavour.launch_options(tile))
     return True
 
 
-def combine_reduce(staging, meta, slot_of, out, pair_out, *, topk: int, max_topk: int,
+def combine_reduce(staging, meta, epochs, slot_of, out, pair_out, *, topk: int, max_topk: int,
                    flavour: Flavour = CPU_RANKS) -> bool:
-    """Launches ``cdiv(T, block_t)`` reduce programs (none for ``T == 0``)."""
+    """Launches ``cdiv(T, block_t)`` reduce programs (none for ``T == 0``); ``staging`` /
+    ``meta``: the whole combine_rows / combine_meta regions, the parity read from ``epochs``."""
     T, H = out.shape
-    R, TMAX = staging.shape[:2]
+    R, TMAX = staging.shape[1:3]
     if T == 0:
         return False
     tile = tiles("combine_reduce", flavour.compiled, H, max(4, out.element_size()))
     has_pair = pair_out is not None
     combine_reduce_kernel[(triton.cdiv(T, tile.block_t),)](
-        staging, meta, slot_of, out, pair_out if has_pair else out, T, H, topk, R, TMAX,
-        KMAX=max_topk, HAS_PAIR=has_pair, ACC_FP64=out.dtype == torch.float64,
-        EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t, BLOCK_H=tile.block_h,
-        BLOCK_K=triton.next_power_of_2(max(topk, 1)), **tile.launch_options())
+        staging, meta, epochs, slot_of, out, pair_out if has_pair else out, T, H, topk, R, TMAX,
+        staging.stride(0), meta.stride(0), KMAX=max_topk, HAS_PAIR=has_pair,
+        ACC_FP64=out.dtype == torch.float64, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
+        BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)), **tile.launch_options())
     return True

@@ -12,8 +12,10 @@ Signalling protocol (one int64 word per (channel, source rank) on every rank, se
   the missing peer, and the expected and observed epochs.
 * **last program publishes**: the programs of one send launch each add 1 to a local, monotonic
   ticket counter (acq_rel, after a barrier) once their puts are issued; the program that draws
-  the launch's last ticket has observed every other program's puts and publishes for the whole
-  launch. No program ever waits for another program of its launch. It publishes only if no
+  the launch's last ticket (grids never change, so it is ``programs - 1`` modulo the grid) has
+  observed every other program's puts and publishes for the whole launch, then advances the
+  channel's epoch word in device memory (the next launch's epoch: no per-call scalar). No
+  program ever waits for another program of its launch. It publishes only if no
   wait of this rank has timed out (the error record is clear), so a peer never consumes what a
   failed call left half written.
 
@@ -185,18 +187,11 @@ def publish_to_all(peer_ptrs, word_offset, me, value, R, local_base, BLOCK_R: tl
 
 # ------------------------------------------------------------------------------- tickets
 @triton.jit
-def draw_last_ticket(ticket_ptr, last_ticket):
-    """True in exactly one program of a launch: the one that finishes last."""
-    tl.debug_barrier()
-    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="sys")
-    return ticket == last_ticket
-
-
-@triton.jit
 def draw_last_of(ticket_ptr, programs):
-    """:func:`draw_last_ticket` for launches whose grid never changes (``programs`` programs):
-    the counter only grows, so the last program of every launch draws ``programs - 1`` modulo
-    ``programs`` and no per-call scalar is needed (CUDA-graph safe)."""
+    """True in exactly one program of a launch of ``programs`` programs: the one that finishes
+    last. Every launch on a ticket word has the same grid and the counter only grows, so the
+    last program of every launch draws ``programs - 1`` modulo ``programs``: no per-call scalar
+    (CUDA-graph safe)."""
     tl.debug_barrier()
     ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="sys")
     return ticket % programs == programs - 1
@@ -224,16 +219,18 @@ def wait_at_least(word, expected, SHIFT: tl.constexpr, deadline_ns, errors, peer
     return arrived
 
 
-@triton.jit(do_not_specialize=["expected", "errors_addr", "timeout_ns"])
+@triton.jit(do_not_specialize=["errors_addr", "timeout_ns"])
 def wait_epochs_kernel(
     signals,  # [R] int64 local signal words of one channel
+    epochs,  # [1] int64 local: the channel's epoch (this rank's send of the call is done)
     errors_addr: tl.int64,  # address of the error record (host-mapped memory on GPUs)
-    expected: tl.int64, timeout_ns: tl.int64, R: tl.int32,
+    timeout_ns: tl.int64, R: tl.int32,
     NUM_THREADS: tl.constexpr,
 ):
-    """One program waits for ``signals[s] >= expected`` for every source (normal mode, kernel
+    """One program waits for ``signals[s] >= epochs[0]`` for every source (normal mode, kernel
     waits); stops at the first source that does not arrive in time."""
     errors = errors_addr.to(tl.pointer_type(tl.int64))
+    expected = tl.load(epochs)
     deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
     ok = tl.full([], 1, tl.int1)
     for s in range(R):

@@ -39,7 +39,7 @@ from .comm import (
     TOO_MANY_ROWS,
     Flavour,
     by_stores,
-    draw_last_ticket,
+    draw_last_of,
     local_ptr,
     one_thread,
     peer_ptr,
@@ -51,9 +51,8 @@ from .nvshmem import put_bytes, quiet
 from .quant import quantize_tile
 from .tiles import even, per_source_programs, persistent_programs, tiles
 
-_SEND_PER_CALL = ["rows_off", "meta_off", "counts_off", "signal_off", "box_rows_off",
-                  "box_meta_off", "box_counts_off", "local_base", "errors_addr", "last_ticket",
-                  "epoch", "T", "me"]
+_SEND_PER_CALL = ["rows_off", "meta_off", "counts_off", "signal_off", "local_base",
+                  "errors_addr", "T", "me"]
 
 
 @triton.jit(do_not_specialize=_SEND_PER_CALL)
@@ -68,13 +67,15 @@ def dispatch_send_kernel(
     peer_ptrs,  # [R] int64
     stats,  # [4] int64 local: bytes stored (to peers, to itself) at [0], [1]
     tickets,  # [1] int64 local ticket counter of this channel
+    epochs,  # [1] int64 local: this channel's latest epoch; the last program advances it
     rows_off: tl.int64, meta_off: tl.int64, counts_off: tl.int64,  # this source's regions
-    signal_off: tl.int64,
-    box_rows_off: tl.int64, box_meta_off: tl.int64,  # TRANSPORT 1: this parity's outboxes
+    signal_off: tl.int64,  # (parity 0; the parity's offset is added here)
+    rows_parity: tl.int64, meta_parity: tl.int64, counts_parity: tl.int64,  # bytes per parity
+    box_rows_off: tl.int64, box_meta_off: tl.int64,  # TRANSPORT 1: the outboxes (parity 0)
     box_counts_off: tl.int64,
+    box_rows_parity: tl.int64, box_meta_parity: tl.int64, box_counts_parity: tl.int64,
     local_base: tl.int64,  # TRANSPORT 1: address of this rank's segment (symmetric addresses)
     errors_addr: tl.int64,  # the error record: nothing is published after a timeout
-    last_ticket: tl.int64, epoch: tl.int64,
     T: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, me: tl.int32,
     ROW_BYTES: tl.int64,  # bytes between staging rows
     META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
@@ -87,6 +88,14 @@ def dispatch_send_kernel(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
     NUM_THREADS: tl.constexpr,
 ):
+    epoch = tl.load(epochs) + 1  # device epochs and a fixed grid: no per-call scalar (graphs)
+    parity = epoch % 2
+    rows_off += parity * rows_parity
+    meta_off += parity * meta_parity
+    counts_off += parity * counts_parity
+    box_rows_off += parity * box_rows_parity
+    box_meta_off += parity * box_meta_parity
+    box_counts_off += parity * box_counts_parity
     G = H // 128
     if FP8 == 0:
         row_bytes = H * x.dtype.element_ty.primitive_bitwidth // 8
@@ -197,7 +206,7 @@ def dispatch_send_kernel(
             quiet()
     tl.atomic_add(stats + tl.arange(0, 1), to_peers, sem="relaxed")
     tl.atomic_add(stats + 1 + tl.arange(0, 1), to_self, sem="relaxed")
-    if draw_last_ticket(tickets, last_ticket):
+    if draw_last_of(tickets, tl.num_programs(0)):
         if not timed_out(errors_addr.to(tl.pointer_type(tl.int64)), NUM_THREADS):
             lane = tl.arange(0, BLOCK_L)
             for d in range(R):
@@ -221,6 +230,7 @@ def dispatch_send_kernel(
             signal_bytes = 8 + SEND_META * 4 * (L + 1) + tl.zeros([1], tl.int64)
             tl.atomic_add(stats + tl.arange(0, 1), (R - 1) * signal_bytes, sem="relaxed")
             tl.atomic_add(stats + 1 + tl.arange(0, 1), signal_bytes, sem="relaxed")
+        tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
 
 
 _EXPAND_PER_CALL = ["errors_addr", "max_rows", "me"]
@@ -228,9 +238,10 @@ _EXPAND_PER_CALL = ["errors_addr", "max_rows", "me"]
 
 @triton.jit(do_not_specialize=_EXPAND_PER_CALL)
 def dispatch_expand_kernel(
-    staging,  # [R, TMAX, ROW_BYTES / elem] local dispatch_rows of this parity (FP8: uint8)
+    staging,  # [P, R, TMAX, ROW_BYTES / elem] local dispatch_rows (FP8: uint8)
     staging_f32,  # the same memory as float32 (FP8 scales)
-    meta,  # [R, TMAX, META_STRIDE] int32 local dispatch_meta of this parity (not CACHED)
+    meta,  # [P, R, TMAX, META_STRIDE] int32 local dispatch_meta (not CACHED)
+    epochs,  # [1] int64 local: the dispatch epoch (this call's: its parity is read here)
     slot_counts,  # [R] int32: slots filled by each source
     slot_offsets,  # [R + 1] int64: first row of each source in slot_rows
     row_base,  # [R, L] int64: first output row of (source, local expert) (not CACHED)
@@ -245,6 +256,7 @@ def dispatch_expand_kernel(
     max_rows: tl.int64,  # rows of `out`
     TMAX: tl.int32, H: tl.int32, K: tl.int32, L: tl.int32, me: tl.int32,
     ROW_ELEMS: tl.int64,  # staging row stride in elements of `staging`
+    STAGING_PARITY: tl.int64, META_PARITY: tl.int64,  # elements between the two parities
     SCALE_ROW_STRIDE: tl.int64, SCALE_GROUP_STRIDE: tl.int64,  # out_scales strides (elements;
                                                                # int32 words for UE8M0)
     META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
@@ -256,6 +268,11 @@ def dispatch_expand_kernel(
     p = tl.program_id(1)
     P = tl.num_programs(1)
     R = tl.num_programs(0)
+    parity = tl.load(epochs) % 2
+    staging += parity * STAGING_PARITY
+    staging_f32 += parity * STAGING_PARITY * staging.dtype.element_ty.primitive_bitwidth // 32
+    if not CACHED:
+        meta += parity * META_PARITY
     n = tl.load(slot_counts + s)
     if (s == 0) & (p == 0):
         total = tl.load(expert_offsets + L)
@@ -340,18 +357,20 @@ def dispatch_expand_kernel(
 
 
 def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptrs, stats,
-                  tickets, *, offsets: dict, last_ticket: int, epoch: int, rank: int,
-                  num_local_experts: int, meta_stride: int, max_topk: int, grid: int, topk: int,
-                  row_bytes: int, fp8: int = 0, x_scales=None, ue8m0: bool = False,
-                  flavour: Flavour = CPU_RANKS, box_offsets: tuple = (0, 0, 0)) -> bool:
-    """Launches ``grid`` persistent send programs (:func:`send_grid`); ``offsets`` has the byte
-    offsets rows/meta/counts/signal.
+                  tickets, epochs, *, offsets: dict, rank: int, num_local_experts: int,
+                  meta_stride: int, max_topk: int, grid: int, topk: int, row_bytes: int,
+                  fp8: int = 0, x_scales=None, ue8m0: bool = False,
+                  flavour: Flavour = CPU_RANKS, box_offsets: tuple = ((0, 0),) * 3) -> bool:
+    """Launches ``grid`` persistent send programs (:func:`send_grid`, fixed by the Buffer).
 
+    ``offsets``: rows / meta / counts -> (byte offset of this source's slice of parity 0, bytes
+    per parity), signal -> byte offset; the kernel takes the call's epoch from ``epochs`` (the
+    channel's device word) and its parity from the epoch, so nothing here changes per call.
     With ``topk_idx=None`` (the cached form) only rows and the epoch are sent. ``fp8``: 0 sends
     rows as they are, 1 quantizes them (``ue8m0``: power-of-two scales), 2 sends the given
     float8 rows (``x``) and float32 ``x_scales``. ``row_bytes``: staging row stride.
-    Across nodes (``flavour.transport == 1``) ``box_offsets`` are the byte offsets of this
-    parity's rdma_rows / rdma_meta / rdma_counts outboxes.
+    Across nodes (``flavour.transport == 1``) ``box_offsets`` are (offset, parity stride) of
+    the rdma_rows / rdma_meta / rdma_counts outboxes.
     """
     T, H = x.shape
     R = peer_ptrs.numel()
@@ -364,24 +383,26 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
     dispatch_send_kernel[(grid,)](
         x, x_scales if fp8 == 2 else dummy, topk_idx if send_meta else dummy,
         topk_weights if has_weights else dummy, slot_of, pair_pos if send_meta else dummy,
-        counts if send_meta else dummy, peer_ptrs, stats, tickets, offsets["rows"],
-        offsets["meta"], offsets["counts"], offsets["signal"], *box_offsets, flavour.local_base,
-        flavour.errors_addr, last_ticket, epoch, T, H, topk, R, num_local_experts, rank,
-        row_bytes, META_STRIDE=meta_stride, KMAX=max_topk, SEND_META=send_meta,
-        HAS_WEIGHTS=has_weights, FP8=fp8, UE8M0=ue8m0, TRANSPORT=flavour.transport,
-        ALIGN=flavour.row_align, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
-        BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),
+        counts if send_meta else dummy, peer_ptrs, stats, tickets, epochs, offsets["rows"][0],
+        offsets["meta"][0], offsets["counts"][0], offsets["signal"], offsets["rows"][1],
+        offsets["meta"][1], offsets["counts"][1], *(off for off, _ in box_offsets),
+        *(stride for _, stride in box_offsets), flavour.local_base, flavour.errors_addr, T, H,
+        topk, R, num_local_experts, rank, row_bytes, META_STRIDE=meta_stride, KMAX=max_topk,
+        SEND_META=send_meta, HAS_WEIGHTS=has_weights, FP8=fp8, UE8M0=ue8m0,
+        TRANSPORT=flavour.transport, ALIGN=flavour.row_align, EVEN_H=even(H, tile.block_h),
+        BLOCK_T=tile.block_t, BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),
         BLOCK_L=triton.next_power_of_2(num_local_experts + 1),
         NUM_THREADS=tile.num_threads, **flavour.launch_options(tile))
     return True
 
 
-def send_grid(tokens: int, hidden: int, num_sms: int | None, flavour: Flavour,
+def send_grid(max_tokens: int, hidden: int, num_sms: int | None, flavour: Flavour,
               elem_bytes: int) -> int:
-    """Programs of a dispatch send: one per token tile, at most ``num_sms`` (persistent);
+    """Programs of a dispatch send: one per tile of ``max_tokens`` (the Buffer's: the grid
+    never changes, which the last-program ticket needs), at most ``num_sms`` (persistent);
     ``elem_bytes``: bytes per element of the rows sent (1 for FP8)."""
     tile = tiles("dispatch_send", flavour.compiled, hidden, elem_bytes)
-    return persistent_programs(triton.cdiv(tokens, tile.block_t), num_sms)
+    return persistent_programs(triton.cdiv(max_tokens, tile.block_t), num_sms)
 
 
 def expand_grid(world_size: int, max_tokens: int, hidden: int, flavour: Flavour,
@@ -391,20 +412,22 @@ def expand_grid(world_size: int, max_tokens: int, hidden: int, flavour: Flavour,
     return world_size, per_source_programs(world_size, max_tokens, tile.block_t, flavour.compiled)
 
 
-def dispatch_expand(staging, meta, slot_counts, slot_offsets, row_base, tokens_per_expert,
-                    expert_offsets, slot_rows, out, out_weights, out_src_rank, out_src_token, *,
-                    rank: int, topk: int, num_local_experts: int, meta_stride: int,
-                    max_topk: int, flavour: Flavour = CPU_RANKS, out_scales=None,
-                    scale_strides=(0, 0), ue8m0: bool = False) -> bool:
+def dispatch_expand(staging, meta, epochs, slot_counts, slot_offsets, row_base,
+                    tokens_per_expert, expert_offsets, slot_rows, out, out_weights, out_src_rank,
+                    out_src_token, *, rank: int, topk: int, num_local_experts: int,
+                    meta_stride: int, max_topk: int, flavour: Flavour = CPU_RANKS,
+                    out_scales=None, scale_strides=(0, 0), ue8m0: bool = False) -> bool:
     """Launches the ``(R, P)`` expand programs of :func:`expand_grid`.
 
+    ``staging`` / ``meta``: the whole dispatch_rows / dispatch_meta regions [P, R, TMAX, ...];
+    the kernel reads the parity from ``epochs`` (the dispatch channel's device epoch).
     With ``meta=None`` (the cached form) rows are placed by the given ``slot_rows`` alone.
     FP8 rows (``out`` float8): ``staging`` is the uint8 view, ``out_scales`` the contiguous
     memory of the scales (float32, or int32 words of packed exponents with ``ue8m0``) and
     ``scale_strides`` its (row, group) strides in elements. Rows that would land past
     ``out``'s end are dropped and recorded in the error record (TOO_MANY_ROWS).
     """
-    R, TMAX = staging.shape[:2]
+    R, TMAX = staging.shape[1:3]
     H = out.shape[1]
     fp8 = out.dtype == torch.float8_e4m3fn
     tile = tiles("dispatch_expand", flavour.compiled, H, out.element_size())
@@ -416,12 +439,12 @@ def dispatch_expand(staging, meta, slot_counts, slot_offsets, row_base, tokens_p
         out_scales = out_scales.view(torch.uint8) if ue8m0 else out_scales
     dispatch_expand_kernel[expand_grid(R, TMAX, H, flavour, out.element_size())](
         staging, staging.view(torch.float32) if fp8 else dummy, dummy if cached else meta,
-        slot_counts, slot_offsets, dummy if cached else row_base, tokens_per_expert,
+        epochs, slot_counts, slot_offsets, dummy if cached else row_base, tokens_per_expert,
         expert_offsets, slot_rows, out, out_scales if fp8 else dummy,
         out_weights if has_weights else dummy, dummy if cached else out_src_rank,
         dummy if cached else out_src_token, flavour.errors_addr, out.shape[0],
-        TMAX, H, topk, num_local_experts, rank, staging.shape[2], scale_strides[0],
-        scale_strides[1],
+        TMAX, H, topk, num_local_experts, rank, staging.stride(2), staging.stride(0),
+        0 if cached else meta.stride(0), scale_strides[0], scale_strides[1],
         META_STRIDE=meta_stride, KMAX=max_topk, CACHED=cached, HAS_WEIGHTS=has_weights,
         FP8=fp8, UE8M0=fp8 and ue8m0, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
         BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),

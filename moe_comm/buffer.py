@@ -167,13 +167,13 @@ class Buffer(NormalMode, LowLatencyMode):
         self.id = next(_ids)
         self.launches: collections.Counter[str] = collections.Counter()
         self.host_syncs: collections.Counter[str] = collections.Counter()
-        self._epochs = [0, 0]  # last epoch issued per channel
-        self._tickets = [0, 0]  # send programs launched so far per channel (mirrors `tickets`)
+        self._epochs = [0, 0]  # last epoch issued per channel (host mirror of `epochs`)
         self._dispatch_serial = 0
         self._failure: str | None = None
         self._signals = layout.view(heap, "signals")
         self._signal_words = self._signals.numpy() if heap.device.type == "cpu" else None
         self._ticket_words = layout.view(heap, "tickets")
+        self._epoch_words = layout.view(heap, "epochs")
         self._stats = layout.view(heap, "stats")
         self._ll_epochs = [0, 0]  # host mirrors of the device epochs (CPU waits need them)
         self._ll_pending = [0, 0]  # sends of each channel whose hook has not run
@@ -341,19 +341,22 @@ class Buffer(NormalMode, LowLatencyMode):
         self._epochs[channel] += 1
         return self._epochs[channel]
 
-    def _draw_tickets(self, channel: int, programs: int) -> tuple[torch.Tensor, int]:
-        last = self._tickets[channel] + programs - 1
-        self._tickets[channel] += programs
-        return self._ticket_words[channel:channel + 1], last
+    def _channel_words(self, channel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ticket word, epoch word) of ``channel``: [1] int64 views the kernels update."""
+        return (self._ticket_words[channel:channel + 1],
+                self._epoch_words[channel:channel + 1])
 
-    def _send_offsets(self, channel: int, parity: int) -> dict[str, int]:
+    def _send_offsets(self, channel: int) -> dict:
+        """Where this rank's sends of ``channel`` write on every peer: name -> (byte offset of
+        this rank's slice in parity 0, bytes per parity); ``signal`` -> byte offset. The
+        kernels add the parity of the epoch they read on the device."""
         lay, me = self.layout, self.rank
         name = _CHANNEL_NAMES[channel]
-        offsets = {"rows": lay.offset(f"{name}_rows", parity, me),
-                   "meta": lay.offset(f"{name}_meta", parity, me),
-                   "signal": lay.offset("signals", channel, me)}
-        if channel == DISPATCH:
-            offsets["counts"] = lay.offset("dispatch_counts", parity, me)
+        regions = [f"{name}_rows", f"{name}_meta"] + (["dispatch_counts"]
+                                                       if channel == DISPATCH else [])
+        offsets = {r.split("_", 1)[1]: (lay.offset(r, 0, me), lay.parity_stride(r))
+                   for r in regions}
+        offsets["signal"] = lay.offset("signals", channel, me)
         return offsets
 
     def _wait(self, pending: PendingSend) -> None:
@@ -367,14 +370,17 @@ class Buffer(NormalMode, LowLatencyMode):
                         timeout_s=self.timeout_s, rank=self.rank, channel=channel)
             return
         tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
-        wait_epochs_kernel[(1,)](self._signals[pending.channel], self.flavour.errors_addr,
-                                 pending.epoch, self.flavour.timeout_ns, self.world_size,
-                                 NUM_THREADS=tile.num_threads, **tile.launch_options())
+        wait_epochs_kernel[(1,)](self._signals[pending.channel],
+                                 self._channel_words(pending.channel)[1],
+                                 self.flavour.errors_addr, self.flavour.timeout_ns,
+                                 self.world_size, NUM_THREADS=tile.num_threads,
+                                 **tile.launch_options())
         self.launches["wait"] += 1
         self._check_usable(channel)
 
-    def _staging(self, channel: int, parity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _staging(self, channel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The channel's whole staging regions (rows, meta) [P, R, T_max, ...]: the receive
+        kernels pick the parity from the epoch on the device."""
         name = _CHANNEL_NAMES[channel]
-        rows = self.layout.view(self.heap, f"{name}_rows")[parity]
-        meta = self.layout.view(self.heap, f"{name}_meta")[parity]
-        return rows, meta
+        return (self.layout.view(self.heap, f"{name}_rows"),
+                self.layout.view(self.heap, f"{name}_meta"))

@@ -270,7 +270,6 @@ def _compile_job(job):
 
 def run(archs, jobs: int, out: str, configs=CONFIGS) -> int:
     from .kernels.compiled import check_markers, violations
-
     from .kernels.recording import post_compile_hook_finds_the_kernel
 
     start = time.perf_counter()

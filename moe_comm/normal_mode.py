@@ -52,13 +52,14 @@ def fp8_scales_out(rows: int, groups: int, ue8m0: bool, col_major: bool, device)
 
 
 class NormalMode:
-    def _rdma_offsets(self, channel: int, parity: int) -> tuple:
-        """Byte offsets of this parity's outboxes for NVSHMEM puts (zeros without RDMA)."""
-        if not self.layout.rdma:
-            return (0, 0, 0) if channel == DISPATCH else (0, 0)
+    def _rdma_offsets(self, channel: int) -> tuple:
+        """(byte offset of parity 0, bytes per parity) of the outboxes NVSHMEM puts read
+        (zeros without RDMA)."""
         names = (("rdma_rows", "rdma_meta", "rdma_counts") if channel == DISPATCH
                  else ("rdma_combine_rows", "rdma_combine_meta"))
-        return tuple(self.layout.offset(n, parity) for n in names)
+        if not self.layout.rdma:
+            return ((0, 0),) * len(names)
+        return tuple((self.layout.offset(n, 0), self.layout.parity_stride(n)) for n in names)
 
     @poisons_buffer_on_error("dispatch")
     def dispatch_send(self, x, topk_idx, topk_weights, x_scales=None, fp8: int = 0,
@@ -72,27 +73,28 @@ class NormalMode:
         slot_of, pair_pos, counts = routing_layout(topk_idx, self.world_size,
                                                    self.num_local_experts, self.flavour)
         self.launches["layout"] += 1
-        grid = dispatch_kernels.send_grid(x.shape[0], self.hidden, self.num_sms, self.flavour,
-                                          1 if fp8 else x.element_size())
-        tickets, last = self._draw_tickets(DISPATCH, grid)
+        grid = dispatch_kernels.send_grid(self.max_tokens_per_rank, self.hidden, self.num_sms,
+                                          self.flavour, 1 if fp8 else x.element_size())
         self.launches["dispatch_send"] += dispatch_kernels.dispatch_send(
             x, topk_idx, topk_weights, slot_of, pair_pos, counts, self.heap.peer_ptrs,
-            self._stats, tickets, offsets=self._send_offsets(DISPATCH, epoch % 2),
-            last_ticket=last, epoch=epoch, rank=self.rank,
-            num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
-            max_topk=self.max_topk, grid=grid, topk=topk_idx.shape[1],
-            row_bytes=self._row_bytes, fp8=fp8,
+            self._stats, *self._channel_words(DISPATCH), offsets=self._send_offsets(DISPATCH),
+            rank=self.rank, num_local_experts=self.num_local_experts,
+            meta_stride=self.layout.meta_stride, max_topk=self.max_topk, grid=grid,
+            topk=topk_idx.shape[1], row_bytes=self._row_bytes, fp8=fp8,
             x_scales=None if x_scales is None else x_scales.contiguous(), ue8m0=ue8m0,
-            flavour=self.flavour, box_offsets=self._rdma_offsets(DISPATCH, epoch % 2))
+            flavour=self.flavour, box_offsets=self._rdma_offsets(DISPATCH))
         return PendingSend(DISPATCH, epoch, slot_of, topk_idx.shape[1], topk_weights is not None,
                            fp8, ue8m0)
 
-    def _received_layout(self, parity: int, expert_alignment: int):
+    def _received_layout(self, expert_alignment: int):
         """From the counts every source published (device tensors, no host read):
         ``(per_source [R, L], slot_counts [R] int32, tokens_per_expert [L], expert_offsets
-        [L + 1], slot_offsets [R + 1])``, int64 unless noted."""
+        [L + 1], slot_offsets [R + 1])``, int64 unless noted. The parity is the dispatch
+        epoch's, selected on the device (a captured CUDA graph replays it right)."""
         L, dev = self.num_local_experts, self.device
-        counts = self.layout.view(self.heap, "dispatch_counts")[parity].to(torch.int64)
+        parity = self._channel_words(DISPATCH)[1] % 2
+        counts = self.layout.view(self.heap, "dispatch_counts").index_select(0, parity)[0]
+        counts = counts.to(torch.int64)
         per_source = counts[:, :L]  # [R, L] tokens from source s for expert e
         slot_counts = counts[:, L]  # [R]
         tokens_per_expert = per_source.sum(0)
@@ -112,9 +114,9 @@ class NormalMode:
         sizes the output without reading the count back: the one host synchronisation of a
         dispatch goes away (CUDA-graph capturable); rows past the count are zero padding."""
         self._wait(pending)
-        parity, L, dev = pending.epoch % 2, self.num_local_experts, self.device
+        L, dev = self.num_local_experts, self.device
         per_source, slot_counts, tokens_per_expert, expert_offsets, slot_offsets = \
-            self._received_layout(parity, expert_alignment)
+            self._received_layout(expert_alignment)
         row_base = expert_offsets[:-1][None, :] + per_source.cumsum(0) - per_source
         if max_recv_rows is None:
             rows = read_int(self.host_syncs, "rows", expert_offsets[-1])
@@ -133,10 +135,11 @@ class NormalMode:
         src_token = torch.full((rows,), -1, dtype=torch.int64, device=dev)
         slot_rows = torch.full((self.world_size * self.max_tokens_per_rank, pending.topk), -1,
                                dtype=torch.int32, device=dev)  # 4 bytes per (slot, choice)
-        staging, meta = self._staging(DISPATCH, parity)
+        staging, meta = self._staging(DISPATCH)
         self.launches["dispatch_expand"] += dispatch_kernels.dispatch_expand(
-            staging.view(torch.uint8) if fp8 else staging, meta, slot_counts, slot_offsets,
-            row_base, tokens_per_expert, expert_offsets, slot_rows, out,
+            staging.view(torch.uint8) if fp8 else staging, meta,
+            self._channel_words(DISPATCH)[1], slot_counts, slot_offsets, row_base,
+            tokens_per_expert, expert_offsets, slot_rows, out,
             out_weights if pending.has_weights else None, src_rank, src_token, rank=self.rank,
             topk=pending.topk, num_local_experts=L, meta_stride=self.layout.meta_stride,
             max_topk=self.max_topk, flavour=self.flavour, out_scales=scale_memory,
@@ -150,16 +153,15 @@ class NormalMode:
         """Send phase of a dispatch that reuses an earlier layout (the backward of combine)."""
         epoch = self._start(DISPATCH)
         x = x.contiguous()
-        grid = dispatch_kernels.send_grid(x.shape[0], self.hidden, self.num_sms, self.flavour,
-                                          x.element_size())
-        tickets, last = self._draw_tickets(DISPATCH, grid)
+        grid = dispatch_kernels.send_grid(self.max_tokens_per_rank, self.hidden, self.num_sms,
+                                          self.flavour, x.element_size())
         self.launches["dispatch_send"] += dispatch_kernels.dispatch_send(
-            x, None, None, slot_of, None, None, self.heap.peer_ptrs, self._stats, tickets,
-            offsets=self._send_offsets(DISPATCH, epoch % 2), last_ticket=last, epoch=epoch,
+            x, None, None, slot_of, None, None, self.heap.peer_ptrs, self._stats,
+            *self._channel_words(DISPATCH), offsets=self._send_offsets(DISPATCH),
             rank=self.rank, num_local_experts=self.num_local_experts,
             meta_stride=self.layout.meta_stride, max_topk=self.max_topk, grid=grid, topk=1,
             row_bytes=self._row_bytes, flavour=self.flavour,
-            box_offsets=self._rdma_offsets(DISPATCH, epoch % 2))
+            box_offsets=self._rdma_offsets(DISPATCH))
         return PendingSend(DISPATCH, epoch)
 
     @poisons_buffer_on_error("dispatch")
@@ -168,9 +170,10 @@ class NormalMode:
         """Receive phase of a cached dispatch: rows [num_rows, H], zero in padding."""
         self._wait(pending)
         out = torch.empty((num_rows, self.hidden), dtype=self.dtype, device=self.device)
-        staging, _ = self._staging(DISPATCH, pending.epoch % 2)
+        staging, _ = self._staging(DISPATCH)
         self.launches["dispatch_expand"] += dispatch_kernels.dispatch_expand(
-            staging, None, slot_offsets.diff().to(torch.int32), slot_offsets, None,
+            staging, None, self._channel_words(DISPATCH)[1],
+            slot_offsets.diff().to(torch.int32), slot_offsets, None,
             tokens_per_expert, expert_offsets, slot_rows, out, None, None, None, rank=self.rank,
             topk=slot_rows.shape[1], num_local_experts=self.num_local_experts,
             meta_stride=self.layout.meta_stride, max_topk=self.max_topk, flavour=self.flavour)
@@ -180,16 +183,12 @@ class NormalMode:
     def combine_send(self, y, weights, pair_values, slot_rows, slot_offsets) -> PendingSend:
         """Send phase of combine: reduce each received token's rows, put the partial home."""
         epoch = self._start(COMBINE)
-        grid = combine_kernels.send_grid(self.world_size, self.max_tokens_per_rank, self.hidden,
-                                         self.flavour, y.element_size())
-        tickets, last = self._draw_tickets(COMBINE, grid[0] * grid[1])
         self.launches["combine_send"] += combine_kernels.combine_send(
             y.contiguous(), weights, pair_values, slot_rows, slot_offsets.diff().to(torch.int32),
-            slot_offsets, self.heap.peer_ptrs, self._stats, tickets,
-            offsets=self._send_offsets(COMBINE, epoch % 2), last_ticket=last, epoch=epoch,
-            rank=self.rank, topk=slot_rows.shape[1], max_topk=self.max_topk,
-            max_tokens=self.max_tokens_per_rank, flavour=self.flavour,
-            box_offsets=self._rdma_offsets(COMBINE, epoch % 2))
+            slot_offsets, self.heap.peer_ptrs, self._stats, *self._channel_words(COMBINE),
+            offsets=self._send_offsets(COMBINE), rank=self.rank, topk=slot_rows.shape[1],
+            max_topk=self.max_topk, max_tokens=self.max_tokens_per_rank, flavour=self.flavour,
+            box_offsets=self._rdma_offsets(COMBINE))
         return PendingSend(COMBINE, epoch, topk=slot_rows.shape[1])
 
     @poisons_buffer_on_error("combine")
@@ -201,8 +200,9 @@ class NormalMode:
         out = torch.empty((T, self.hidden), dtype=self.dtype, device=dev)
         pair_out = torch.empty((T, pending.topk) if want_pair else (0,), dtype=torch.float32,
                                device=dev)
-        staging, meta = self._staging(COMBINE, pending.epoch % 2)
+        staging, meta = self._staging(COMBINE)
         self.launches["combine_reduce"] += combine_kernels.combine_reduce(
-            staging, meta, slot_of, out, pair_out if want_pair else None, topk=pending.topk,
-            max_topk=self.max_topk, flavour=self.flavour)
+            staging, meta, self._channel_words(COMBINE)[1], slot_of, out,
+            pair_out if want_pair else None, topk=pending.topk, max_topk=self.max_topk,
+            flavour=self.flavour)
         return out, pair_out

@@ -12,6 +12,10 @@ region                  shape, dtype                 contents, on rank ``d``
                                                      (0 dispatch, 1 combine) at which rank ``s``
                                                      finished its puts into ``d``. Never reset.
 ``tickets``             [2 channels] int64           local: send programs finished so far
+``epochs``              [2 channels] int64           local: epoch of this rank's latest send
+                                                     per channel (the send's last program
+                                                     advances it; kernels take epoch and parity
+                                                     from here, never from the host)
 ``stats``               [4] int64                    local: bytes ``d`` stored, cumulative:
                                                      dispatch to peers, dispatch to itself,
                                                      combine to peers, combine to itself
@@ -30,7 +34,7 @@ region                  shape, dtype                 contents, on rank ``d``
 Total (each region, and each parity's half of a region stored by parity, rounded up to 128
 bytes)::
 
-    2*R*T*(2*H*b + 4*(1 + 3K) + 4*K) + 2*R*(L + 1)*4 + 16*R + 16 + 32
+    2*R*T*(2*H*b + 4*(1 + 3K) + 4*K) + 2*R*(L + 1)*4 + 16*R + 16 + 16 + 32
 
 With ``low_latency=True`` (``S`` = bytes of one low-latency slot = ``H*b`` rounded up to 16,
 or ``H + 4*H/128`` if that is larger, so that FP8 rows with their scales fit too):
@@ -132,6 +136,7 @@ class WorkspaceLayout:
         specs = [
             ("signals", (2, R), torch.int64),
             ("tickets", (2,), torch.int64),
+            ("epochs", (2,), torch.int64),
             ("stats", (4,), torch.int64),
             ("dispatch_counts", (PARITIES, R, L + 1), torch.int32),
             ("dispatch_meta", (PARITIES, R, T, self.meta_stride), torch.int32),

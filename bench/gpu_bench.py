@@ -1,4 +1,4 @@
-"""Dispatch/combine on one GPU with virtual ranks (loopback), timed with CUDA events.
+"""Dispatch/combine on one GPU with virtual ranks (loopback): checked, then timed with CUDA events.
 
     TRITON_INTERPRET=0 python bench/gpu_bench.py --out perf.md
 
@@ -9,6 +9,16 @@ path on the same GPU). Each op runs all virtual ranks in turn on one stream, so 
 sum of the ranks' kernels; bytes are what the kernels stored (moe_comm's own counters: rows,
 metadata, signals), GB = 1e9; the ceiling is a measured device-to-device copy (bytes copied per
 second). Median and spread over ``--iters`` after ``--warmup``.
+
+Before anything of a configuration is timed, its results are checked against moe_comm.reference
+on the same inputs (bench/gpu_compare.py): rows, FP8 codes and scales, counts and source info
+byte for byte, combine outputs within one ulp (plus the rounding of the partial sums that travel
+in normal mode). The results of the last timed calls are checked again. The normal-mode dispatch
+is sized by ``max_recv_rows`` (the largest rank's received rows, rounded up to 256), so no host
+synchronisation sits inside the timed region (checked: ``host_syncs`` does not move).
+
+Any error or mismatch is printed with what failed; the other rows still run, the table marks the
+row FAILED, and the script exits 1.
 """
 from __future__ import annotations
 
@@ -17,12 +27,23 @@ import datetime
 import os
 import statistics
 import sys
+import traceback
 from functools import partial
 
 import torch
+from gpu_compare import (
+    assert_within_one_ulp,
+    check_ll_dispatch,
+    check_normal_dispatch,
+    ll_combine_slack,
+    normal_combine_slack,
+    settle,
+)
 
 import moe_comm
 from moe_comm import lockstep, reference
+
+ROW_ROUNDING = 256  # max_recv_rows = the largest rank's rows, rounded up to this
 
 
 def cuda_time_ms(fn, iters: int, warmup: int) -> list[float]:
@@ -60,6 +81,10 @@ def stats_bytes(bufs, key):
                for b in bufs)
 
 
+def host_syncs(bufs) -> int:
+    return sum(sum(b.host_syncs.values()) for b in bufs)
+
+
 def measure(label, op, bufs, key, iters, warmup, ceiling):
     before = stats_bytes(bufs, key) if bufs else 0
     times = cuda_time_ms(op, iters, warmup)
@@ -70,73 +95,188 @@ def measure(label, op, bufs, key, iters, warmup, ceiling):
             "bytes": per_call, "GBps": gbps, "of_ceiling": gbps / ceiling}
 
 
-def normal_rows(args, ceiling):
-    R, T, H, E, K = 8, args.tokens, 7168, 256, 8
-    xs, idxs, ws = inputs(R, T, H, E, K)
-    bufs = moe_comm.Buffer.loopback(R, H, E, T, torch.bfloat16, device="cuda")
-    rows = []
-    for fp8 in (False, True):
-        name = f"normal EP{R} T={T} {'fp8' if fp8 else 'bf16'}"
-        dispatch = partial(lockstep.dispatch, bufs, xs, idxs, ws, fp8=fp8)
-        rows.append(measure(f"{name} dispatch (triton)", dispatch, bufs, "dispatch",
-                            args.iters, args.warmup, ceiling))
-        res = dispatch()  # the latest dispatch: its handles stay valid for repeated combines
-        ys = [(reference.dequantize_fp8(r.x, r.x_scales).to(torch.bfloat16) if fp8 else r.x)
-              for r in res]
-        combine = partial(lockstep.combine, bufs, ys, [r.handle for r in res],
-                          [r.weights for r in res])
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
+def _as_bf16_rows(res) -> torch.Tensor:
+    """What the stand-in experts return: the rows themselves (FP8 rows dequantized)."""
+    if res.x.dtype == torch.float8_e4m3fn:
+        return reference.dequantize_fp8(res.x, res.x_scales).to(torch.bfloat16)
+    return res.x
+
+
+# ------------------------------------------------------------------------------ normal mode
+def _normal_config(fp8, xs, idxs, ws, E, args, ceiling, rows, failures) -> int:
+    """Checks, times and checks again one normal-mode configuration; returns max_recv_rows."""
+    R, T, H = len(xs), xs[0].shape[0], xs[0].shape[1]
+    name = f"normal EP{R} T={T} {'fp8' if fp8 else 'bf16'}"
+    bufs, bound = [], 0
+    try:
+        log(f"{name}: reference and check")
+        want = reference.dispatch_all(xs, idxs, ws, num_experts=E, fp8=fp8)
+        bound = -(-max(w.x.shape[0] for w in want) // ROW_ROUNDING) * ROW_ROUNDING
+        ys_ref = [_as_bf16_rows(w) for w in want]
+        ref_handles, ref_weights = [w.handle for w in want], [w.weights for w in want]
+        ref_outs = reference.combine_all(ys_ref, ref_handles, ref_weights)
+        slack = normal_combine_slack(ys_ref, ref_handles, ref_weights)
+        bufs = moe_comm.Buffer.loopback(R, H, E, T, torch.bfloat16, device="cuda")
+        dispatch = partial(lockstep.dispatch, bufs, xs, idxs, ws, fp8=fp8, max_recv_rows=bound)
+
+        def check(res, outs, when):
+            for r, (g, w) in enumerate(zip(res, want)):
+                check_normal_dispatch(g, w, f"{name} dispatch rank {r} ({when})")
+            for r, (o, w, s) in enumerate(zip(outs, ref_outs, slack)):
+                assert_within_one_ulp(o, w, s, f"{name} combine rank {r} ({when})")
+
+        def round_trip():
+            res = dispatch()
+            ys = [_as_bf16_rows(g) for g in res]
+            combine = partial(lockstep.combine, bufs, ys, [g.handle for g in res],
+                              [g.weights for g in res])
+            outs = combine()
+            settle(bufs, name)
+            return res, outs, combine
+
+        syncs = host_syncs(bufs)
+        res, outs, _ = round_trip()
+        check(res, outs, "before timing")
+        del res, outs
+        log(f"{name}: timing (max_recv_rows={bound})")
+        rows.append(measure(f"{name} dispatch (triton)", dispatch, bufs, "dispatch", args.iters,
+                            args.warmup, ceiling))
+        # the latest dispatch: its handles stay valid for repeated combines
+        res, outs, combine = round_trip()
         rows.append(measure(f"{name} combine (triton)", combine, bufs, "combine", args.iters,
                             args.warmup, ceiling))
-    for b in bufs:
-        b.close()
-    ref = partial(reference.dispatch_all, xs, idxs, ws, num_experts=E)
-    rows.append(measure(f"normal EP{R} T={T} bf16 dispatch (torch reference)", ref, None,
-                        "dispatch", args.iters, args.warmup, ceiling))
-    res = ref()
-    rows.append(measure(f"normal EP{R} T={T} bf16 combine (torch reference)",
-                        partial(reference.combine_all, [r.x for r in res],
-                                [r.handle for r in res], [r.weights for r in res]),
-                        None, "combine", args.iters, args.warmup, ceiling))
-    return rows
-
-
-def low_latency_rows(args, ceiling):
-    R, T, H, E, K = 8, 128, 7168, 256, 8
-    xs, idxs, ws = inputs(R, T, H, E, K, seed=1)
-    rows = []
-    for impl in ("triton", "cuda"):
-        name = f"low-latency EP{R} T={T}"
-        try:
-            bufs = moe_comm.Buffer.loopback(R, H, E, T, torch.bfloat16, low_latency=True,
-                                            device="cuda", kernel_impl=impl)
-            recvs = lockstep.low_latency_dispatch(bufs, xs, idxs, fp8=True)
-        except Exception as error:  # the CUDA kernels need nvcc and NVSHMEM on this machine
-            rows.append({"op": f"{name} ({impl})", "error": f"{type(error).__name__}: "
-                                                              f"{error}"[:160]})
-            continue
-        ys = [torch.zeros_like(r.x, dtype=torch.bfloat16) for r in recvs]
-        rows.append(measure(f"{name} fp8 dispatch ({impl})",
-                            partial(lockstep.low_latency_dispatch, bufs, xs, idxs, fp8=True),
-                            bufs, "dispatch", args.iters, args.warmup, ceiling))
-        recvs = lockstep.low_latency_dispatch(bufs, xs, idxs, fp8=True)
-        rows.append(measure(f"{name} bf16 combine ({impl})",
-                            partial(lockstep.low_latency_combine, bufs, ys, idxs, ws,
-                                    [r.handle for r in recvs]),
-                            bufs, "combine", args.iters, args.warmup, ceiling))
+        outs = combine()
+        settle(bufs, name)
+        check(res, outs, "after timing")
+        if host_syncs(bufs) != syncs:
+            raise AssertionError(f"{name}: {host_syncs(bufs) - syncs} host synchronisations in "
+                                 "dispatches sized by max_recv_rows (the budget is 0)")
+    except Exception as error:
+        failures.append(f"{name}: {describe(error)}")
+        traceback.print_exc()
+        rows.append({"op": f"{name} (triton)", "error": describe(error)})
+    finally:
         for b in bufs:
             b.close()
+    return bound
+
+
+def normal_rows(args, ceiling, failures):
+    R, T, H, E, K = 8, args.tokens, 7168, 256, 8
+    xs, idxs, ws = inputs(R, T, H, E, K)
+    rows = []
+    bounds = [_normal_config(fp8, xs, idxs, ws, E, args, ceiling, rows, failures)
+              for fp8 in (False, True)]
+    name = f"normal EP{R} T={T} bf16"
+    try:
+        ref = partial(reference.dispatch_all, xs, idxs, ws, num_experts=E)
+        rows.append(measure(f"{name} dispatch (torch reference)", ref, None, "dispatch",
+                            args.iters, args.warmup, ceiling))
+        res = ref()
+        rows.append(measure(f"{name} combine (torch reference)",
+                            partial(reference.combine_all, [r.x for r in res],
+                                    [r.handle for r in res], [r.weights for r in res]),
+                            None, "combine", args.iters, args.warmup, ceiling))
+    except Exception as error:
+        failures.append(f"{name} torch reference: {describe(error)}")
+        traceback.print_exc()
+        rows.append({"op": f"{name} (torch reference)", "error": describe(error)})
+    return rows, max(bounds)
+
+
+# ------------------------------------------------------------------------------ low latency
+def _low_latency_impl(impl, xs, idxs, ws, E, want, ys, ref_outs, slack, args, ceiling, rows,
+                      failures) -> None:
+    """Checks, times and checks again the low-latency pair of one implementation."""
+    R, T, H = len(xs), xs[0].shape[0], xs[0].shape[1]
+    name = f"low-latency EP{R} T={T}"
+    bufs = []
+    try:
+        log(f"{name} ({impl}): check")
+        bufs = moe_comm.Buffer.loopback(R, H, E, T, torch.bfloat16, low_latency=True,
+                                        device="cuda", kernel_impl=impl)
+        dispatch = partial(lockstep.low_latency_dispatch, bufs, xs, idxs, fp8=True)
+
+        def check(recvs, outs, when):
+            for r, (got, w) in enumerate(zip(recvs, want)):
+                check_ll_dispatch(got, w, f"{name} ({impl}) dispatch rank {r} ({when})")
+            for r, (o, w, s) in enumerate(zip(outs, ref_outs, slack)):
+                assert_within_one_ulp(o, w, s, f"{name} ({impl}) combine rank {r} ({when})")
+
+        def round_trip():
+            recvs = dispatch()
+            combine = partial(lockstep.low_latency_combine, bufs, ys, idxs, ws,
+                              [r.handle for r in recvs])
+            outs = combine()
+            settle(bufs, name)
+            return recvs, outs, combine
+
+        syncs = host_syncs(bufs)
+        recvs, outs, _ = round_trip()
+        check(recvs, outs, "before timing")
+        log(f"{name} ({impl}): timing")
+        rows.append(measure(f"{name} fp8 dispatch ({impl})", dispatch, bufs, "dispatch",
+                            args.iters, args.warmup, ceiling))
+        recvs, outs, combine = round_trip()
+        rows.append(measure(f"{name} bf16 combine ({impl})", combine, bufs, "combine",
+                            args.iters, args.warmup, ceiling))
+        outs = combine()
+        settle(bufs, name)
+        check(recvs, outs, "after timing")
+        if host_syncs(bufs) != syncs:
+            raise AssertionError(f"{name} ({impl}): {host_syncs(bufs) - syncs} host "
+                                 "synchronisations (the budget is 0)")
+    except Exception as error:
+        failures.append(f"{name} ({impl}): {describe(error)}")
+        traceback.print_exc()
+        rows.append({"op": f"{name} ({impl})", "error": describe(error)})
+    finally:
+        for b in bufs:
+            b.close()
+
+
+def low_latency_rows(args, ceiling, failures):
+    R, T, H, E, K = 8, 128, 7168, 256, 8
+    L = E // R
+    xs, idxs, ws = inputs(R, T, H, E, K, seed=1)
+    cpu = [[t.cpu() for t in v] for v in (xs, idxs, ws)]
+    log(f"low-latency EP{R} T={T}: reference (CPU)")
+    want = reference.low_latency_dispatch_all(cpu[0], cpu[1], num_experts=E, max_tokens=T,
+                                              fp8=True)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    ys = [torch.randn((L, R * T, H), device="cuda", generator=g).to(torch.bfloat16)
+          for _ in range(R)]
+    ys_cpu = [y.cpu() for y in ys]
+    ref_outs = reference.low_latency_combine_all(ys_cpu, cpu[1], cpu[2], want, T)
+    slack = ll_combine_slack(ys_cpu, [w.count for w in want], cpu[1], cpu[2])
+    rows = []
+    for impl in ("triton", "cuda"):
+        _low_latency_impl(impl, xs, idxs, ws, E, want, ys, ref_outs, slack, args, ceiling, rows,
+                          failures)
     return rows
 
 
-def to_markdown(rows, ceiling, device) -> str:
+def to_markdown(rows, ceiling, device, bound) -> str:
     lines = [f"{datetime.date.today()} on {device}; copy ceiling {ceiling:.0f} GB/s "
              "(device-to-device, bytes copied per second); times are for all 8 virtual ranks "
-             "in turn on one GPU", "",
+             "in turn on one GPU. Every configuration was checked against moe_comm.reference "
+             "before and after timing (rows, FP8 codes and scales, counts, source info byte for "
+             "byte; combine within one ulp). Normal-mode dispatch sized by max_recv_rows="
+             f"{bound or 'n/a'} (the largest rank's rows rounded up to {ROW_ROUNDING}): no host "
+             "synchronisation in the timed region; the torch reference synchronises.", "",
              "| op | median ms | min-max ms | bytes (kernels' counters) | GB/s | of ceiling |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['op']} | not run: {r['error']} | | | | |")
+            lines.append(f"| {r['op']} | FAILED: {r['error'][:160]} | | | | |")
             continue
         if not r["bytes"]:  # the torch baseline has no byte counters
             lines.append(f"| {r['op']} | {r['median_ms']:.3f} | {r['min_ms']:.3f}-"
@@ -161,13 +301,30 @@ def main() -> int:
         print("set TRITON_INTERPRET=0", file=sys.stderr)
         return 2
     device = torch.cuda.get_device_name()
+    failures: list[str] = []
     ceiling = copy_ceiling_GBps(args.iters)
-    rows = normal_rows(args, ceiling) + low_latency_rows(args, ceiling)
-    table = to_markdown(rows, ceiling, device)
+    rows, bound = [], 0
+    try:
+        normal, bound = normal_rows(args, ceiling, failures)
+        rows += normal
+    except Exception as error:
+        failures.append(f"normal mode: {describe(error)}")
+        traceback.print_exc()
+    torch.cuda.empty_cache()
+    try:
+        rows += low_latency_rows(args, ceiling, failures)
+    except Exception as error:
+        failures.append(f"low-latency mode: {describe(error)}")
+        traceback.print_exc()
+    table = to_markdown(rows, ceiling, device, bound)
     print(table)
     if args.out:
         with open(args.out, "w") as f:
             f.write(table + "\n")
+    if failures:
+        print(f"\nFAILED ({len(failures)}):", *failures, sep="\n  ")
+        return 1
+    print("\nall configurations agree with moe_comm.reference")
     return 0
 
 

@@ -1,16 +1,39 @@
 """GPU tests (``pytest -m gpu``, with ``TRITON_INTERPRET=0``): virtual ranks on one GPU against
-the reference, both kernel implementations, and CUDA-graph capture of the low-latency pair.
+the reference, both low-latency kernel implementations, CUDA-graph capture of the low-latency
+pair and of normal mode sized by ``max_recv_rows``, and the host synchronisations of each op.
+
+The reference runs on the CPU from CPU copies of the inputs; GPU results are compared there:
+byte for byte where the GPU computes exactly (rows, FP8 codes and scales, counts, source info),
+within one ulp where it may fuse multiply-adds (combine; see bench/gpu_compare.py). After each
+op the tests wait for the device and raise what the kernels recorded (a timed-out wait, a bad
+input): on a GPU those land in pinned memory and would otherwise surface at the next call.
 
 Skipped where there is no CUDA device; bench/gpu_check.sh runs them on a lent GPU.
 """
+import collections
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import moe_comm
 from cases import Case, expert_fn, make_inputs
-from moe_comm import lockstep, reference
+from moe_comm import csrc_build, lockstep, reference
+
+BENCH = str(Path(__file__).resolve().parent.parent / "bench")
+if BENCH not in sys.path:  # the comparisons are shared with bench/gpu_bench.py
+    sys.path.append(BENCH)
+from gpu_compare import (
+    assert_within_one_ulp,
+    check_ll_dispatch,
+    check_normal_dispatch,
+    ll_combine_slack,
+    normal_combine_slack,
+    same_bytes,
+    settle,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,51 +48,156 @@ def _cuda(tensors):
     return None if tensors is None else [t.to(DEV) for t in tensors]
 
 
+def _worst_case_rows(case: Case) -> int:
+    """An upper bound of the rows any rank receives (padding included): every token of every
+    rank picks min(K, L) of this rank's experts, each group padded."""
+    L = case.num_experts // case.world_size
+    return (case.world_size * case.max_tokens * min(case.topk, L)
+            + L * (case.alignment - 1))
+
+
+def _rows_as_floats(res) -> torch.Tensor:
+    """Dispatched rows as fp32 (FP8 rows dequantized)."""
+    if res.x.dtype == torch.float8_e4m3fn:
+        return reference.dequantize_fp8(res.x, res.x_scales)
+    return res.x.float()
+
+
+def _expert_fn_on_device(x: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
+    """``cases.expert_fn`` computed where ``x`` lies, without a host read (CUDA-graph safe):
+    the expert of each row comes from ``expert_offsets`` on the device; rows past the last
+    group (``max_recv_rows`` padding, ignored by combine) count as the last expert."""
+    L = expert_offsets.numel() - 1
+    rows = torch.arange(x.shape[0], device=x.device)
+    e = torch.searchsorted(expert_offsets[1:].contiguous(), rows, right=True)
+    e = e.clamp(max=L - 1).to(torch.float32)
+    return x.float() * (1 + e[:, None] / 8) + e[:, None]
+
+
+def _ys_reference(want, dtype) -> list[torch.Tensor]:
+    """The expert outputs for the reference's rows (CPU)."""
+    return [expert_fn(_rows_as_floats(w), w.expert_offsets).to(dtype) for w in want]
+
+
+def _padded(y: torch.Tensor, rows: int) -> torch.Tensor:
+    """``y`` [n, H] on the GPU with zero rows appended up to ``rows``."""
+    out = torch.zeros((rows, y.shape[1]), dtype=y.dtype, device=DEV)
+    out[:y.shape[0]] = y.to(DEV)
+    return out
+
+
+def _check_combine(outs, ys_ref, want, what):
+    handles, weights = [w.handle for w in want], [w.weights for w in want]
+    ref = reference.combine_all(ys_ref, handles, weights)
+    slack = normal_combine_slack(ys_ref, handles, weights)
+    for r, (o, w, s) in enumerate(zip(outs, ref, slack)):
+        assert_within_one_ulp(o, w, s, what=f"{what} combine rank {r}")
+
+
+def _csrc_or_skip(kernel_impl: str) -> None:
+    """The CUDA implementation compiles csrc/ with nvcc against NVSHMEM's headers on first use."""
+    if kernel_impl == "cuda" and (csrc_build.find_nvcc() is None
+                                  or csrc_build.find_nvshmem() is None):
+        pytest.skip("kernel_impl='cuda' needs nvcc and the NVSHMEM headers and device library "
+                    "to build csrc/ (see tests/test_csrc.py)")
+
+
+# ------------------------------------------------------------------------------ normal mode
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_normal_mode_matches_reference(world_size, fp8):
+    """Three calls (both staging parities); the second sized by ``max_recv_rows``."""
     case = Case(world_size, 8 * world_size, 2048, 8, tuple(64 + 9 * r for r in range(world_size)),
                 routing="zipf", alignment=16, seed=world_size)
     bufs = moe_comm.Buffer.loopback(world_size, case.hidden, case.num_experts, case.max_tokens,
                                     case.dtype, device=DEV)
     for it in range(3):
+        max_rows = _worst_case_rows(case) if it == 1 else None
+        what = f"R={world_size} fp8={fp8} call {it} max_recv_rows={max_rows}"
         xs, idxs, ws = make_inputs(case, it)
-        got = lockstep.dispatch(bufs, _cuda(xs), _cuda(idxs), _cuda(ws), case.alignment, fp8=fp8)
-        want = reference.dispatch_all(_cuda(xs), _cuda(idxs), _cuda(ws),
-                                      num_experts=case.num_experts,
+        got = lockstep.dispatch(bufs, _cuda(xs), _cuda(idxs), _cuda(ws), case.alignment,
+                                fp8=fp8, max_recv_rows=max_rows)
+        settle(bufs, what)
+        want = reference.dispatch_all(xs, idxs, ws, num_experts=case.num_experts,
                                       expert_alignment=case.alignment, fp8=fp8)
-        for g, w in zip(got, want):
-            assert torch.equal(g.x.view(torch.uint8), w.x.view(torch.uint8))
-            assert torch.equal(g.src_token, w.src_token) and torch.equal(g.weights, w.weights)
-        ys = [expert_fn(w.x.float() if not fp8 else reference.dequantize_fp8(w.x, w.x_scales),
-                        w.expert_offsets.cpu()).to(case.dtype).to(DEV) for w in want]
+        for r, (g, w) in enumerate(zip(got, want)):
+            check_normal_dispatch(g, w, f"{what} rank {r}")
+        ys_ref = _ys_reference(want, case.dtype)
+        ys = [_padded(y, g.x.shape[0]) for y, g in zip(ys_ref, got)]
         outs = lockstep.combine(bufs, ys, [g.handle for g in got], [g.weights for g in got])
-        ref = reference.combine_all(ys, [w.handle for w in want], [w.weights for w in want])
-        for o, r in zip(outs, ref):  # fused multiply-adds may differ in the last bit
-            torch.testing.assert_close(o.float(), r.float(), rtol=1e-2, atol=1e-2)
+        settle(bufs, what)
+        _check_combine(outs, ys_ref, want, what)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_normal_mode_with_max_recv_rows_replays_in_a_cuda_graph(fp8):
+    """Dispatch (sized by ``max_recv_rows``: no host read), the experts and combine captured
+    once in a CUDA graph; each replay with new inputs and new routing gives the reference's
+    rows and sums."""
+    R, E, H, K, T = 4, 32, 2048, 8, 64
+    case = Case(R, E, H, K, (T,) * R, routing="zipf", alignment=16, seed=13)
+    max_rows = _worst_case_rows(case)
+    bufs = moe_comm.Buffer.loopback(R, H, E, T, case.dtype, device=DEV)
+    xs, idxs, ws = (_cuda(v) for v in make_inputs(case, 0))  # the graph's input tensors
+
+    def step():
+        res = lockstep.dispatch(bufs, xs, idxs, ws, case.alignment, fp8=fp8,
+                                max_recv_rows=max_rows)
+        ys = [_expert_fn_on_device(_rows_as_floats(r), r.expert_offsets).to(case.dtype)
+              for r in res]
+        outs = lockstep.combine(bufs, ys, [r.handle for r in res], [r.weights for r in res])
+        return res, ys, outs
+
+    step()  # compile and load every kernel outside the capture
+    settle(bufs, "warm-up")
+    syncs = [collections.Counter(b.host_syncs) for b in bufs]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        res, ys, outs = step()
+    assert [collections.Counter(b.host_syncs) for b in bufs] == syncs, "host read in capture"
+    for it in range(1, 4):
+        what = f"fp8={fp8} replay {it}"
+        new_x, new_idx, new_w = make_inputs(case, it)
+        for dst, src in zip(xs + idxs + ws, new_x + new_idx + new_w):
+            dst.copy_(src.to(DEV))
+        graph.replay()
+        settle(bufs, what)
+        want = reference.dispatch_all(new_x, new_idx, new_w, num_experts=E,
+                                      expert_alignment=case.alignment, fp8=fp8)
+        for r, (g, w) in enumerate(zip(res, want)):
+            check_normal_dispatch(g, w, f"{what} rank {r}")
+        ys_ref = _ys_reference(want, case.dtype)
+        for r, (y, y_ref) in enumerate(zip(ys, ys_ref)):
+            same_bytes(y[:y_ref.shape[0]], y_ref, f"{what} rank {r} expert outputs")
+        _check_combine(outs, ys_ref, want, what)
+
+
+# ------------------------------------------------------------------------------ low latency
 def _ll_round(bufs, case, it, fp8):
-    T = case.max_tokens
+    T, what = case.max_tokens, f"call {it} fp8={fp8}"
     xs, idxs, ws = make_inputs(case, it)
     got = lockstep.low_latency_dispatch(bufs, _cuda(xs), _cuda(idxs), fp8=fp8)
+    settle(bufs, what)
     want = reference.low_latency_dispatch_all(xs, idxs, num_experts=case.num_experts,
                                               max_tokens=T, fp8=fp8)
-    for g, w in zip(got, want):
-        assert torch.equal(g.count.cpu(), w.count)
-        for e, n in enumerate(w.count.tolist()):
-            assert torch.equal(g.x[e, :n].cpu().view(torch.uint8), w.x[e, :n].view(torch.uint8))
-    ys = [torch.randn(g.x.shape, device=DEV).to(case.dtype) for g in got]
+    for r, (g, w) in enumerate(zip(got, want)):
+        check_ll_dispatch(g, w, f"{what} rank {r}")
+    gen = torch.Generator(device=DEV).manual_seed(100 + it)
+    ys = [torch.randn(w.x.shape, device=DEV, generator=gen).to(case.dtype) for w in want]
     outs = lockstep.low_latency_combine(bufs, ys, _cuda(idxs), _cuda(ws),
                                         [g.handle for g in got])
-    ref = reference.low_latency_combine_all([y.cpu() for y in ys], idxs, ws, want, T)
-    for o, r in zip(outs, ref):
-        torch.testing.assert_close(o.cpu().float(), r.float(), rtol=1e-2, atol=1e-2)
+    settle(bufs, what)
+    ys_cpu = [y.cpu() for y in ys]
+    ref = reference.low_latency_combine_all(ys_cpu, idxs, ws, want, T)
+    slack = ll_combine_slack(ys_cpu, [w.count for w in want], idxs, ws)
+    for r, (o, w, s) in enumerate(zip(outs, ref, slack)):
+        assert_within_one_ulp(o, w, s, what=f"{what} combine rank {r}")
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 @pytest.mark.parametrize("kernel_impl", ["triton", "cuda"])
 def test_low_latency_matches_reference(world_size, kernel_impl):
+    _csrc_or_skip(kernel_impl)
     case = Case(world_size, 4 * world_size, 7168, 8, (128,) * world_size, seed=3)
     bufs = moe_comm.Buffer.loopback(world_size, case.hidden, case.num_experts, 128, case.dtype,
                                     low_latency=True, device=DEV, kernel_impl=kernel_impl)
@@ -93,20 +221,122 @@ def test_low_latency_pair_replays_in_a_cuda_graph():
         return recvs, lockstep.low_latency_combine(bufs, ys, idxs, ws, [r.handle for r in recvs])
 
     step()  # compile every kernel outside the capture
-    torch.cuda.synchronize()
+    settle(bufs, "warm-up")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         recvs, outs = step()
     for it in range(1, 4):
+        what = f"replay {it}"
         new_x, new_idx, new_w = make_inputs(case, it)
         for dst, src in zip(xs + idxs + ws, new_x + new_idx + new_w):
             dst.copy_(src.to(DEV))
         graph.replay()
-        torch.cuda.synchronize()
+        settle(bufs, what)
         want = reference.low_latency_dispatch_all(new_x, new_idx, num_experts=E, max_tokens=T,
                                                   fp8=True)
-        for g, w in zip(recvs, want):
-            assert torch.equal(g.count.cpu(), w.count), it
-        ref = reference.low_latency_combine_all([y.cpu() for y in ys], new_idx, new_w, want, T)
-        for o, r in zip(outs, ref):
-            torch.testing.assert_close(o.cpu().float(), r.float(), rtol=1e-2, atol=1e-2)
+        for r, (g, w) in enumerate(zip(recvs, want)):
+            check_ll_dispatch(g, w, f"{what} rank {r}")
+        ys_cpu = [y.cpu() for y in ys]
+        ref = reference.low_latency_combine_all(ys_cpu, new_idx, new_w, want, T)
+        slack = ll_combine_slack(ys_cpu, [w.count for w in want], new_idx, new_w)
+        for r, (o, w, s) in enumerate(zip(outs, ref, slack)):
+            assert_within_one_ulp(o, w, s, what=f"{what} combine rank {r}")
+
+
+# ------------------------------------------------------------------------------ host syncs
+def _delta(after: collections.Counter, before: collections.Counter) -> dict:
+    return {k: v for k, v in (after - before).items() if v}
+
+
+class _Recorder:
+    """What each virtual rank's counters gained during one op."""
+
+    def __init__(self, bufs):
+        self.bufs = bufs
+
+    def __enter__(self):
+        self.syncs = [collections.Counter(b.host_syncs) for b in self.bufs]
+        self.launches = [collections.Counter(b.launches) for b in self.bufs]
+        return self
+
+    def __exit__(self, *exc):
+        self.sync_deltas = [_delta(b.host_syncs, s) for b, s in zip(self.bufs, self.syncs)]
+        self.launch_deltas = [_delta(b.launches, s) for b, s in zip(self.bufs, self.launches)]
+
+
+class _NoDeviceSync:
+    """torch raises on any synchronising CUDA call inside the block (``.item()``, a blocking
+    copy between host and device, ``nonzero``...): a second witness next to ``host_syncs``."""
+
+    def __enter__(self):
+        self.previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode(self.previous)
+
+
+def test_host_syncs_per_op_on_the_gpu():
+    """Normal dispatch reads its row count once (``rows``), none with ``max_recv_rows``;
+    combine reads nothing; launches per op as documented in ``moe_comm.normal_mode`` (waits run
+    in kernels on a GPU: one ``wait`` launch per receive)."""
+    case = Case(4, 16, 1024, 4, (40, 33, 47, 29), routing="zipf", alignment=8, seed=61)
+    bufs = moe_comm.Buffer.loopback(4, case.hidden, case.num_experts, case.max_tokens,
+                                    case.dtype, device=DEV)
+    xs, idxs, ws = (_cuda(v) for v in make_inputs(case, 0))
+    res = lockstep.dispatch(bufs, xs, idxs, ws, case.alignment)  # compile outside the checks
+    lockstep.combine(bufs, [r.x for r in res], [r.handle for r in res], [r.weights for r in res])
+    settle(bufs, "warm-up")
+    dispatch_launches = {"layout": 1, "dispatch_send": 1, "dispatch_expand": 1, "wait": 1}
+    combine_launches = {"combine_send": 1, "combine_reduce": 1, "wait": 1}
+
+    with _Recorder(bufs) as rec:
+        res = lockstep.dispatch(bufs, xs, idxs, ws, case.alignment)
+    assert rec.sync_deltas == [{"rows": 1}] * 4
+    assert rec.launch_deltas == [dispatch_launches] * 4
+    with _Recorder(bufs) as rec, _NoDeviceSync():
+        lockstep.combine(bufs, [r.x for r in res], [r.handle for r in res],
+                         [r.weights for r in res])
+    assert rec.sync_deltas == [{}] * 4
+    assert rec.launch_deltas == [combine_launches] * 4
+    settle(bufs, "normal mode")
+
+    max_rows = _worst_case_rows(case)
+    for fp8 in (False, True):
+        with _Recorder(bufs) as rec, _NoDeviceSync():
+            res = lockstep.dispatch(bufs, xs, idxs, ws, case.alignment, fp8=fp8,
+                                    max_recv_rows=max_rows)
+        assert rec.sync_deltas == [{}] * 4, f"fp8={fp8}"
+        assert rec.launch_deltas == [dispatch_launches] * 4, f"fp8={fp8}"
+        ys = [_rows_as_floats(r).to(case.dtype) for r in res]
+        with _Recorder(bufs) as rec, _NoDeviceSync():
+            lockstep.combine(bufs, ys, [r.handle for r in res], [r.weights for r in res])
+        assert rec.sync_deltas == [{}] * 4, f"fp8={fp8}"
+        assert rec.launch_deltas == [combine_launches] * 4, f"fp8={fp8}"
+        settle(bufs, f"max_recv_rows fp8={fp8}")
+
+
+@pytest.mark.parametrize("kernel_impl", ["triton", "cuda"])
+def test_low_latency_host_syncs_on_the_gpu(kernel_impl):
+    """Low-latency dispatch and combine read nothing: one launch per phase and rank."""
+    _csrc_or_skip(kernel_impl)
+    case = Case(4, 16, 2048, 4, (32,) * 4, seed=62)
+    bufs = moe_comm.Buffer.loopback(4, case.hidden, case.num_experts, case.max_tokens,
+                                    case.dtype, low_latency=True, device=DEV,
+                                    kernel_impl=kernel_impl)
+    xs, idxs, ws = (_cuda(v) for v in make_inputs(case, 0))
+    for fp8 in (False, True):  # compile (and load csrc/) outside the checks
+        recvs = lockstep.low_latency_dispatch(bufs, xs, idxs, fp8=fp8)
+    ys = [torch.zeros(r.x.shape, dtype=case.dtype, device=DEV) for r in recvs]
+    lockstep.low_latency_combine(bufs, ys, idxs, ws, [r.handle for r in recvs])
+    settle(bufs, "warm-up")
+    for fp8 in (False, True):
+        with _Recorder(bufs) as rec, _NoDeviceSync():
+            recvs = lockstep.low_latency_dispatch(bufs, xs, idxs, fp8=fp8)
+        assert rec.sync_deltas == [{}] * 4, f"fp8={fp8}"
+        assert rec.launch_deltas == [{"ll_dispatch_send": 1, "ll_dispatch_recv": 1}] * 4
+        with _Recorder(bufs) as rec, _NoDeviceSync():
+            lockstep.low_latency_combine(bufs, ys, idxs, ws, [r.handle for r in recvs])
+        assert rec.sync_deltas == [{}] * 4, f"fp8={fp8}"
+        assert rec.launch_deltas == [{"ll_combine_send": 1, "ll_combine_recv": 1}] * 4
+        settle(bufs, f"low latency fp8={fp8}")

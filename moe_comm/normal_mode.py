@@ -120,6 +120,7 @@ class NormalMode:
         row_base = expert_offsets[:-1][None, :] + per_source.cumsum(0) - per_source
         if max_recv_rows is None:
             rows = read_int(self.host_syncs, "rows", expert_offsets[-1])
+            self._check_usable("dispatch")  # the wait kernel has run: a timeout shows now
         else:
             rows = max_recv_rows
         fp8 = pending.fp8 != 0

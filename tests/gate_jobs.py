@@ -77,10 +77,13 @@ def record_send(pkg, transport: int, rank: int):
             meta(T, H, dtype=torch.bfloat16), meta(T, K, dtype=torch.int64),
             meta(T, K, dtype=torch.float32), meta(T, R), meta(T, K), meta(R, L + 1),
             meta(R, dtype=torch.int64), meta(4, dtype=torch.int64), meta(1, dtype=torch.int64),
-            offsets=dict(rows=1 << 20, meta=1 << 21, counts=1 << 22, signal=1 << 12),
-            last_ticket=20 * rank + 19, epoch=3 + rank, rank=rank, num_local_experts=L,
-            meta_stride=1 + 3 * K, max_topk=K, grid=20, topk=K, row_bytes=2 * H,
-            flavour=flavour)
+            meta(1, dtype=torch.int64),
+            offsets=dict(rows=((1 << 20) + rank * 2 * H * T, 1 << 28),
+                         meta=((1 << 21) + rank * 100 * T, 1 << 24),
+                         counts=((1 << 22) + rank * 4 * (L + 1), 4096),
+                         signal=(1 << 12) + 8 * rank),
+            rank=rank, num_local_experts=L, meta_stride=1 + 3 * K, max_topk=K, grid=20, topk=K,
+            row_bytes=2 * H, flavour=flavour)
     return launches[0]
 
 

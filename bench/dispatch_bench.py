@@ -11,7 +11,9 @@ Prints one table, one row per model config (real hidden sizes, expert counts and
   payload: normal mode, each token's row once per distinct other destination rank;
   low-latency mode, each (token, expert) pair on another rank; a row is H*b bytes, or
   H + 4*H/128 with FP8; overhead = link / min - 1 (metadata and signals);
-* launches: kernel launches of one dispatch / one combine on rank 0;
+* launches: kernel launches of one dispatch / one combine on rank 0; syncs: host reads of
+  device data in one dispatch + combine on rank 0 (``buf.host_syncs``; on a GPU each stalls
+  the host until the stream reaches it);
 * ref: whether every rank's dispatch rows and combine output equal the reference
   (``moe_comm.reference`` over ``all_to_all_single``) bit for bit;
 * cpu ms: wall time of the slowest rank, median [min-max] over the timed iterations, for
@@ -168,9 +170,9 @@ def bench_job(rank, world_size, cfg: ModelConfig, tokens: int, dtype_name: str, 
     ours_d, ours_c, ref_d, ref_c = [], [], [], []
     for it in range(warmup + iters):
         dist.barrier()
-        stats0, launches0 = buf.stats(), dict(buf.launches)
+        stats0, launches0, syncs0 = buf.stats(), dict(buf.launches), sum(buf.host_syncs.values())
         t_dispatch, t_combine, result = call(buf, x, idx, w, fp8)
-        stats1, launches1 = buf.stats(), dict(buf.launches)
+        stats1, launches1, syncs1 = buf.stats(), dict(buf.launches), sum(buf.host_syncs.values())
         dist.barrier()
         t3 = time.perf_counter()
         ref = reference.dispatch(x, idx, w, cfg.experts)
@@ -194,6 +196,7 @@ def bench_job(rank, world_size, cfg: ModelConfig, tokens: int, dtype_name: str, 
         "min_link_bytes": min_link_bytes,
         "dispatch_launches": sum(n for k, n in launches.items() if "combine" not in k),
         "combine_launches": sum(n for k, n in launches.items() if "combine" in k),
+        "host_syncs": syncs1 - syncs0,
         "matches_reference": agrees,
         "times_s": {"dispatch": ours_d, "combine": ours_c, "ref_dispatch": ref_d,
                     "ref_combine": ref_c},
@@ -220,6 +223,7 @@ def summarize(cfg: ModelConfig, args, per_rank: list[dict]) -> dict:
            "min_link_bytes": sum(r["min_link_bytes"] for r in per_rank),
            "dispatch_launches": per_rank[0]["dispatch_launches"],
            "combine_launches": per_rank[0]["combine_launches"],
+           "host_syncs": per_rank[0]["host_syncs"],
            "matches_reference": all(r["matches_reference"] for r in per_rank)}
     for key in ("dispatch", "combine", "ref_dispatch", "ref_combine"):
         row[f"cpu_{key}_s"] = _slowest(per_rank, key)
@@ -239,7 +243,7 @@ def summarize(cfg: ModelConfig, args, per_rank: list[dict]) -> dict:
 
 def format_table(rows: list[dict], system: str | None) -> str:
     header = ["config", "H", "E", "K", "tok/rank", "rows", "link MB", "min MB", "overhead",
-              "launches d/c", "ref", "cpu ms dispatch", "cpu ms combine", "ref cpu ms d/c"]
+              "launches d/c", "syncs", "ref", "cpu ms dispatch", "cpu ms combine", "ref cpu ms d/c"]
     if system:
         header += [f"pred us d/c ({system})", "bound", "model min MB/rank"]
     cells = [header]
@@ -248,7 +252,7 @@ def format_table(rows: list[dict], system: str | None) -> str:
                 str(r["tokens_per_rank"]), str(r["rows"]), f"{r['link_bytes'] / 1e6:.3f}",
                 f"{r['min_link_bytes'] / 1e6:.3f}",
                 f"{r['link_bytes'] / max(r['min_link_bytes'], 1) - 1:+.1%}",
-                f"{r['dispatch_launches']}/{r['combine_launches']}",
+                f"{r['dispatch_launches']}/{r['combine_launches']}", str(r["host_syncs"]),
                 "exact" if r["matches_reference"] else "DIFFERS",
                 _ms(r["cpu_dispatch_s"]), _ms(r["cpu_combine_s"]),
                 f"{statistics.median(r['cpu_ref_dispatch_s']) * 1e3:.0f}/"

@@ -33,4 +33,5 @@ def test_benchmark_prints_one_table_and_agrees(tmp_path):
         assert r["matches_reference"]
         assert r["min_link_bytes"] <= r["link_bytes"] <= 1.2 * r["min_link_bytes"] + 4096
         assert (r["dispatch_launches"], r["combine_launches"]) == (3, 2)
+        assert r["host_syncs"] == 1  # the dispatch's received-row count, per rank and iteration
         assert r["pred_dispatch_us"] > 0 and r["pred_combine_us"] > 0

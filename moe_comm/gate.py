@@ -331,7 +331,8 @@ COLUMNS = ("kernel", "arch", "config", "variant", "regs", "stack_bytes", "smem_b
 def _write_tsv(path: str, rows: list[dict]) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, COLUMNS, delimiter="\t", extrasaction="ignore")
+        writer = csv.DictWriter(f, COLUMNS, delimiter="\t", extrasaction="ignore",
+                                lineterminator="\n")
         writer.writeheader()
         for row in rows:
             writer.writerow({**row, "compile_s": f"{row['compile_s']:.1f}"})

@@ -34,7 +34,7 @@ region                  shape, dtype                 contents, on rank ``d``
 Total (each region, and each parity's half of a region stored by parity, rounded up to 128
 bytes)::
 
-    2*R*T*(2*H*b + 4*(1 + 3K) + 4*K) + 2*R*(L + 1)*4 + 16*R + 16 + 16 + 32
+    2*R*T*(2*H*b + 4*(1 + 3K) + 4*K) + 2*R*(L + 1)*4 + 16*R + 16 + 16 + 32   # + rounding
 
 With ``low_latency=True`` (``S`` = bytes of one low-latency slot = ``H*b`` rounded up to 16,
 or ``H + 4*H/128`` if that is larger, so that FP8 rows with their scales fit too):

@@ -17,7 +17,9 @@ staging); a third send before the first hook raises. On load/store transports th
 ``y`` where it lies and stores each row straight into its home rank's slot: no copy of ``y`` is
 made. A hook raises what the kernels recorded by then (a timeout, a bad row of ``topk_idx``):
 at the call that failed on CPU ranks; on a GPU at the first hook or call after the kernel
-recorded it.
+recorded it. The CUDA kernels of csrc/ (``kernel_impl="cuda"``) do not check expert ids, so
+with them the host does before the send (one synchronisation; ``MOE_COMM_CHECK_INPUTS=0``
+skips it).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from .kernels.low_latency import (
     ll_dispatch_send,
 )
 from .kernels.tiles import GROUP
-from .validation import check_dispatch_inputs, check_tensor
+from .validation import check_dispatch_inputs, check_expert_ids_on_host, check_tensor
 from .workspace import COMBINE, DISPATCH
 
 IN_FLIGHT = 2  # staging parities per channel
@@ -204,6 +206,8 @@ class LowLatencyMode:
             check_dispatch_inputs(x, topk_idx, None, 1, hidden=self.hidden,
                                   max_tokens=self.max_tokens_per_rank, max_topk=self.max_topk,
                                   dtype=self.dtype, device=self.device)
+            if self.kernel_impl == "cuda":  # csrc/ does not check ids: the host does (1 sync)
+                check_expert_ids_on_host(topk_idx, self.num_experts, self.host_syncs)
         if fp8 and (self.hidden % GROUP or self.dtype == torch.float64):
             raise ValueError(f"FP8 dispatch needs hidden % 128 == 0 and a 16/32-bit dtype, "
                              f"got hidden={self.hidden}, dtype={self.dtype}")

@@ -129,3 +129,22 @@ def test_too_few_max_recv_rows_raise_after_the_call_and_the_buffer_goes_on():
     got = lockstep.dispatch(bufs, xs, idxs, ws)  # every rank finished the call: still usable
     want = reference.dispatch_all(xs, idxs, ws, num_experts=8)
     assert all(torch.equal(g.x, w.x) for g, w in zip(got, want))
+
+
+def test_host_check_of_expert_ids_for_the_csrc_kernels():
+    """kernel_impl="cuda" (csrc/, GPUs only) does not check ids in its kernels: the host does,
+    with one counted read; the first bad row is named."""
+    import collections
+
+    from moe_comm.validation import check_expert_ids_on_host
+
+    counter = collections.Counter()
+    good = torch.tensor([[0, 3], [-1, -1], [2, -1]])
+    check_expert_ids_on_host(good, 4, counter)
+    assert counter == {"ids": 1}
+    with pytest.raises(ValueError, match=r"row 1 holds an expert id outside \[-1, 4\)"):
+        check_expert_ids_on_host(torch.tensor([[0, 3], [4, 1]]), 4, counter)
+    with pytest.raises(ValueError, match="row 2 picks an expert twice"):
+        check_expert_ids_on_host(torch.tensor([[0, 3], [1, -1], [2, 2]]), 4, counter)
+    with pytest.raises(ValueError, match="row 0 holds an expert id outside"):
+        check_expert_ids_on_host(torch.tensor([[-2, 1]]), 4, counter)

@@ -34,7 +34,7 @@ from .comm import (
     publish_epoch_to,
     timed_out,
 )
-from .numerics import acc_zeros, cast_rne
+from .numerics import acc_zeros, cast_rne, channel_tile
 from .nvshmem import put_bytes, quiet
 from .tiles import even, per_source_programs, tiles
 
@@ -94,11 +94,7 @@ def combine_send_kernel(
         if TRANSPORT == 1:  # partials for an NVSHMEM-only home go to the outbox first
             via_stores = jm & (tl.load(peer_ptrs + s + tl.zeros([BLOCK_T], tl.int32)) != 0)
         for h0 in range(0, H, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            if EVEN_H:
-                hm = tl.full([BLOCK_H], True, tl.int1)
-            else:
-                hm = h < H
+            h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
             acc = acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64)
             for k in range(K):
                 row = tl.load(slot_rows + first_row * K + k, mask=jm, other=-1).to(tl.int64)
@@ -177,11 +173,7 @@ def combine_reduce_kernel(
     tm = t < T
     t64 = t.to(tl.int64)
     for h0 in range(0, H, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        if EVEN_H:
-            hm = tl.full([BLOCK_H], True, tl.int1)
-        else:
-            hm = h < H
+        h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
         acc = acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64)
         for d in range(R):
             slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)

@@ -47,8 +47,9 @@ from .comm import (
     record_error,
     timed_out,
 )
+from .numerics import channel_tile
 from .nvshmem import put_bytes, quiet
-from .quant import quantize_tile
+from .quant import quantize_tile, store_fp8_rows
 from .tiles import even, per_source_programs, persistent_programs, tiles
 
 _SEND_PER_CALL = ["rows_off", "meta_off", "counts_off", "signal_off", "local_base",
@@ -110,14 +111,9 @@ def dispatch_send_kernel(
         tm = t < T
         t64 = t.to(tl.int64)
         for h0 in range(0, H, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            if EVEN_H:
-                hm = tl.full([BLOCK_H], True, tl.int1)
-            else:
-                hm = h < H
+            h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
             m = tm[:, None] & hm[None, :]
             g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-            gm = tm[:, None] & (tl.arange(0, BLOCK_H // 128) >= 0)[None, :]  # EVEN_H for FP8
             if FP8 == 0:
                 tile = tl.load(x + t64[:, None] * H + h[None, :], mask=m)
             elif FP8 == 1:
@@ -125,36 +121,27 @@ def dispatch_send_kernel(
                 codes, scales, exps = quantize_tile(v, BLOCK_T, BLOCK_H, UE8M0)
             else:
                 codes = tl.load(x + t64[:, None] * H + h[None, :], mask=m)
-                scales = tl.load(x_scales + t64[:, None] * G + g[None, :], mask=gm, other=0.0)
+                scales = tl.load(x_scales + t64[:, None] * G + g[None, :], mask=tm[:, None],
+                                 other=0.0)
+                exps = codes  # (UE8M0 is off for quantized pairs)
             if TRANSPORT == 1:  # each token's row once into the outbox, for the NVSHMEM puts
                 box8 = local_ptr(local_base, box_rows_off, tl.uint8, ALIGN) + t64 * ROW_BYTES
                 if FP8 == 0:
                     boxx = box8.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
                     tl.store(boxx[:, None] + h[None, :], tile, mask=m)  # gate: row
                 else:
-                    tl.store(box8[:, None] + h[None, :], codes, mask=m)  # gate: row
-                    if UE8M0:
-                        tl.store(box8[:, None] + H + g[None, :], exps, mask=gm)  # gate: exponents
-                    else:
-                        boxf = box8.to(tl.pointer_type(tl.float32), bitcast=True) + H // 4
-                        tl.store(boxf[:, None] + g[None, :], scales, mask=gm)  # gate: scales
+                    store_fp8_rows(box8, h, g, H, codes, scales, exps, tm, hm, UE8M0)
             for d in range(R):
                 slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
                 sm = by_stores(peer_ptrs, d + tl.zeros([BLOCK_T], tl.int32), slot >= 0,
-                               TRANSPORT)[:, None]
+                               TRANSPORT)
+                row8 = peer_ptr(peer_ptrs, d, rows_off, tl.uint8, ALIGN) + slot * ROW_BYTES
                 if FP8 == 0:
-                    dst = peer_ptr(peer_ptrs, d, rows_off, x.dtype.element_ty, ALIGN)
-                    tl.store(dst + slot[:, None] * H + h[None, :], tile,  # gate: row
-                             mask=sm & hm[None, :])
+                    rowx = row8.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
+                    tl.store(rowx[:, None] + h[None, :], tile,  # gate: row
+                             mask=sm[:, None] & hm[None, :])
                 else:
-                    row8 = peer_ptr(peer_ptrs, d, rows_off, tl.uint8, ALIGN) + slot * ROW_BYTES
-                    tl.store(row8[:, None] + h[None, :], codes, mask=sm & hm[None, :])  # gate: row
-                    if UE8M0:
-                        tl.store(row8[:, None] + H + g[None, :], exps,  # gate: exponents
-                                 mask=sm & gm)
-                    else:
-                        rowf = row8.to(tl.pointer_type(tl.float32), bitcast=True) + H // 4
-                        tl.store(rowf[:, None] + g[None, :], scales, mask=sm & gm)  # gate: scales
+                    store_fp8_rows(row8, h, g, H, codes, scales, exps, sm, hm, UE8M0)
         if SEND_META:
             kk = tl.arange(0, BLOCK_K)
             m2 = tm[:, None] & (kk < K)[None, :]
@@ -304,11 +291,7 @@ def dispatch_expand_kernel(
                 tl.store(out_weights + row, w.to(tl.float32, bitcast=True), mask=valid)
             tl.debug_barrier()
         for h0 in range(0, H, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            if EVEN_H:
-                hm = tl.full([BLOCK_H], True, tl.int1)
-            else:
-                hm = h < H
+            h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
             tile = tl.load(staging + staged[:, None] * ROW_ELEMS + h[None, :],
                            mask=jm[:, None] & hm[None, :])
             for k in range(K):
@@ -346,11 +329,7 @@ def dispatch_expand_kernel(
             r = r0 + tl.arange(0, BLOCK_T)
             rm = r < end
             for h0 in range(0, H, BLOCK_H):
-                h = h0 + tl.arange(0, BLOCK_H)
-                if EVEN_H:
-                    hm = tl.full([BLOCK_H], True, tl.int1)
-                else:
-                    hm = h < H
+                h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
                 tl.store(out + r[:, None] * H + h[None, :],  # gate: row
                          tl.zeros([BLOCK_T, BLOCK_H], out.dtype.element_ty),
                          mask=rm[:, None] & hm[None, :])

@@ -56,9 +56,9 @@ from .comm import (
     wait_at_least,
 )
 from .layout import checked_ids, record_first_bad
-from .numerics import cast_rne
+from .numerics import cast_rne, channel_tile
 from .nvshmem import int_p, put_bytes, quiet, signal_set
-from .quant import quantize_tile
+from .quant import quantize_tile, store_fp8_rows
 from .tiles import even, persistent_programs, tiles
 
 META_K_BITS = 32  # meta word = token * 32 + choice
@@ -168,11 +168,7 @@ def ll_dispatch_send_kernel(
                 to_peers += tl.sum(tl.where(d != me, nbytes, 0), axis=0)
                 to_self += tl.sum(tl.where(d == me, nbytes, 0), axis=0)
             for h0 in range(0, H, BLOCK_H):
-                h = h0 + tl.arange(0, BLOCK_H)
-                if EVEN_H:
-                    hm = tl.full([BLOCK_H], True, tl.int1)
-                else:
-                    hm = h < H
+                h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
                 m = tm[:, None] & hm[None, :]
                 v = tl.load(x + t64[:, None] * H + h[None, :], mask=m, other=0.0)
                 if FP8:  # FP8 needs H % 128 == 0, so EVEN_H and every group of the tile is real
@@ -182,14 +178,7 @@ def ll_dispatch_send_kernel(
                     box = local_ptr(local_base, outbox_off + parity * outbox_parity_stride,
                                     tl.uint8, 16) + t64 * SLOT_BYTES
                     if FP8:
-                        tl.store(box[:, None] + h[None, :], codes, mask=m)  # gate: row
-                        if UE8M0:
-                            tl.store(box[:, None] + H + g[None, :], exps,  # gate: exponents
-                                     mask=tm[:, None])
-                        else:
-                            boxf = box.to(tl.pointer_type(tl.float32), bitcast=True) + H // 4
-                            tl.store(boxf[:, None] + g[None, :], scales,  # gate: scales
-                                     mask=tm[:, None])
+                        store_fp8_rows(box, h, g, H, codes, scales, exps, tm, hm, UE8M0)
                     else:
                         boxx = box.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
                         tl.store(boxx[:, None] + h[None, :], v, mask=m)  # gate: row
@@ -202,15 +191,7 @@ def ll_dispatch_send_kernel(
                     block = (((e - d * L) * R + me) * TMAX + j).to(tl.int64)
                     row8 = peer_ptr(peer_ptrs, d, rows_base, tl.uint8, 16) + block * SLOT_BYTES
                     if FP8:
-                        tl.store(row8[:, None] + h[None, :], codes,  # gate: row
-                                 mask=valid[:, None] & hm[None, :])
-                        if UE8M0:
-                            tl.store(row8[:, None] + H + g[None, :], exps,  # gate: exponents
-                                     mask=valid[:, None])
-                        else:
-                            rowf = row8.to(tl.pointer_type(tl.float32), bitcast=True) + H // 4
-                            tl.store(rowf[:, None] + g[None, :], scales,  # gate: scales
-                                     mask=valid[:, None])
+                        store_fp8_rows(row8, h, g, H, codes, scales, exps, valid, hm, UE8M0)
                     else:
                         rowx = row8.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
                         tl.store(rowx[:, None] + h[None, :], v,  # gate: row
@@ -329,11 +310,8 @@ def ll_dispatch_recv_kernel(
             tl.store(src_info + dst, s * TMAX + word // 32, mask=jm)
             tl.store(src_k + dst, word % 32, mask=jm)
             for h0 in range(0, H, BLOCK_H):
-                h = h0 + tl.arange(0, BLOCK_H)
-                if EVEN_H:
-                    m = jm[:, None] & tl.full([BLOCK_H], True, tl.int1)[None, :]
-                else:
-                    m = jm[:, None] & (h < H)[None, :]
+                h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
+                m = jm[:, None] & hm[None, :]
                 tile = tl.load(staging + slot[:, None] * SLOT_ELEMS + h[None, :], mask=m)
                 tl.store(out + dst[:, None] * H + h[None, :], tile, mask=m)  # gate: row
             if FP8:
@@ -409,11 +387,8 @@ def ll_combine_send_kernel(
             k = tl.load(src_k + row, mask=jm, other=0)
             slot = (token * KMAX + k).to(tl.int64)
             for h0 in range(0, H, BLOCK_H):
-                h = h0 + tl.arange(0, BLOCK_H)
-                if EVEN_H:
-                    m = jm[:, None] & tl.full([BLOCK_H], True, tl.int1)[None, :]
-                else:
-                    m = jm[:, None] & (h < H)[None, :]
+                h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
+                m = jm[:, None] & hm[None, :]
                 tile = tl.load(y + row[:, None] * H + h[None, :], mask=m)
                 tl.store(dst_base + slot[:, None] * H + h[None, :], tile,  # gate: row
                          mask=m & via_stores)
@@ -483,11 +458,7 @@ def ll_combine_recv_kernel(
         tm = t < T
         t64 = t.to(tl.int64)
         ids, bad, code, value = checked_ids(topk_idx, t, tm, K, E, BLOCK_K)
-        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        if EVEN_H:
-            hm = tl.full([BLOCK_H], True, tl.int1)
-        else:
-            hm = h < H
+        h, hm = channel_tile(tl.program_id(1) * BLOCK_H, H, BLOCK_H, EVEN_H)
         acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
         for k in range(K):
             valid = tm & (_column(ids, k, BLOCK_K) >= 0)

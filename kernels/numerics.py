@@ -1,4 +1,4 @@
-"""Rounding that is the same bit for bit in the interpreter, on the GPU and in PyTorch.
+"""Rounding that is the same bit for bit in the interpreter, on the GPU and in PyTorch; tiles.
 
 The interpreter narrows fp32 to bf16 by truncation, the GPU and PyTorch round to nearest even.
 ``cast_rne`` rounds bf16 by hand (add half an ulp, ties to even, keep the top 16 bits), so
@@ -23,6 +23,18 @@ def cast_rne(x, dtype: tl.constexpr):
     else:
         out = x.to(dtype)
     return out
+
+
+@triton.jit
+def channel_tile(h0, H, BLOCK_H: tl.constexpr, EVEN_H: tl.constexpr):
+    """Channels ``h0 .. h0 + BLOCK_H`` of a row and their mask ``h < H``; where BLOCK_H divides
+    H (EVEN_H) the mask is a constant, so it never varies along a row (16-byte stores)."""
+    h = h0 + tl.arange(0, BLOCK_H)
+    if EVEN_H:
+        hm = tl.full([BLOCK_H], True, tl.int1)
+    else:
+        hm = h < H
+    return h, hm
 
 
 @triton.jit

@@ -73,6 +73,20 @@ def quantize_tile(v, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, UE8M0: tl.con
     return codes, scale, exps
 
 
+@triton.jit
+def store_fp8_rows(row8, h, g, H, codes, scales, exps, rows, hm, UE8M0: tl.constexpr):
+    """Stores a channel tile of FP8 token rows laid out as [H code bytes][scales]: ``row8``
+    [BLOCK_T] uint8 pointers to each row's start, ``codes`` at bytes ``h``, fp32 ``scales`` at
+    byte ``H + 4 g`` or, with UE8M0, exponent bytes ``exps`` at ``H + g``; ``rows`` [BLOCK_T]
+    masks tokens, ``hm`` channels (FP8 needs H % 128 == 0: every group of a tile is real)."""
+    tl.store(row8[:, None] + h[None, :], codes, mask=rows[:, None] & hm[None, :])  # gate: row
+    if UE8M0:
+        tl.store(row8[:, None] + H + g[None, :], exps, mask=rows[:, None])  # gate: exponents
+    else:
+        scales8 = row8.to(tl.pointer_type(tl.float32), bitcast=True) + H // 4
+        tl.store(scales8[:, None] + g[None, :], scales, mask=rows[:, None])  # gate: scales
+
+
 @triton.jit(do_not_specialize=["T"])
 def quantize_kernel(
     x,  # [T, H] bf16/fp16/fp32

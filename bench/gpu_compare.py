@@ -121,18 +121,13 @@ def check_normal_dispatch(got, want, what: str = "") -> None:
         raise AssertionError(f"{what}: {rows} rows returned, the reference received {n}")
     same_bytes(got.x[:n], want.x, f"{what} rows")
     zero_bytes(got.x[n:], f"{what} rows past the count")
-    if (got.x_scales is None) != (want.x_scales is None):
-        raise AssertionError(f"{what}: x_scales is {got.x_scales is not None}, want "
-                             f"{want.x_scales is not None}")
-    if want.x_scales is not None:
-        same_bytes(got.x_scales[:n], want.x_scales, f"{what} FP8 scales")
-        zero_bytes(got.x_scales[n:], f"{what} FP8 scales past the count")
-    if (got.weights is None) != (want.weights is None):
-        raise AssertionError(f"{what}: weights is {got.weights is not None}, want "
-                             f"{want.weights is not None}")
-    if want.weights is not None:
-        same_bytes(got.weights[:n], want.weights, f"{what} weights")
-        zero_bytes(got.weights[n:], f"{what} weights past the count")
+    for name, label in (("x_scales", "FP8 scales"), ("weights", "weights")):  # optional fields
+        g, w = getattr(got, name), getattr(want, name)
+        if (g is None) != (w is None):
+            raise AssertionError(f"{what}: {name} is {g is not None}, want {w is not None}")
+        if w is not None:
+            same_bytes(g[:n], w, f"{what} {label}")
+            zero_bytes(g[n:], f"{what} {label} past the count")
     for name in ("src_rank", "src_token"):
         g = getattr(got, name)
         same_bytes(g[:n], getattr(want, name), f"{what} {name}")

@@ -31,8 +31,25 @@ from .comm import (
     local_ptr,
     one_thread,
     peer_ptr,
+    publish_epoch,
     publish_epoch_to,
     timed_out,
+)
+from .internode import (
+    HC_META,
+    HC_META_LOCAL,
+    HC_META_NODE,
+    HC_META_PAR,
+    HC_ROWS,
+    HC_ROWS_LOCAL,
+    HC_ROWS_NODE,
+    HC_ROWS_PAR,
+    HC_SIGNALS,
+    PXC_META,
+    PXC_ROWS,
+    _at,
+    _off,
+    post_combine_flat,
 )
 from .numerics import acc_zeros, cast_rne, channel_tile
 from .nvshmem import put_bytes, quiet
@@ -51,6 +68,7 @@ def combine_send_kernel(
     slot_offsets,  # [R + 1] int64: first row of each source in slot_rows
     peer_ptrs,  # [R] int64
     stats,  # [4] int64 local: bytes stored (to peers, to itself) at [2], [3]
+    xstats,  # [4] int64 local (TRANSPORT 2): bytes for other nodes, outbox [1] or forwarder [3]
     tickets,  # [1] int64 local ticket counter of this channel
     epochs,  # [1] int64 local: this channel's latest epoch; the last program advances it
     rows_off: tl.int64, meta_off: tl.int64, signal_off: tl.int64,  # this rank's regions
@@ -59,10 +77,15 @@ def combine_send_kernel(
     box_rows_parity: tl.int64, box_meta_parity: tl.int64,
     local_base: tl.int64,  # TRANSPORT 1: address of this rank's segment (symmetric addresses)
     errors_addr: tl.int64,  # the error record: nothing is published after a timeout
+    plan,  # TRANSPORT 2: [PLAN_FIELDS] int64 byte offsets (kernels.internode)
+    ring_addr: tl.int64, timeout_ns: tl.int64,  # TRANSPORT 2: the proxy's ring (flat)
     H: tl.int32, K: tl.int32, R: tl.int32, me: tl.int32, TMAX: tl.int32,
+    N: tl.int32, RING_SLOTS: tl.int32,  # TRANSPORT 2: ranks per node, ring slots
     KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr,
     ACC_FP64: tl.constexpr,
-    TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; 1: NVSHMEM where pointer is 0
+    TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; where the pointer is 0,
+                              # 1: NVSHMEM; 2: the proxy (flat: an outbox; HIER: the forwarder)
+    HIER: tl.constexpr,
     ALIGN: tl.constexpr, EVEN_H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_THREADS: tl.constexpr,
@@ -81,6 +104,22 @@ def combine_send_kernel(
     payload = H * y.dtype.element_ty.primitive_bitwidth // 8
     row_bytes = payload + HAS_PAIR * 4 * K
     dst = peer_ptr(peer_ptrs, s, rows_off, y.dtype.element_ty, ALIGN)
+    dst_meta = peer_ptr(peer_ptrs, s, meta_off, tl.float32, 4)
+    if TRANSPORT == 2:
+        if remote:  # home s on another node
+            if HIER:  # into the forwarder of this node with s's local index
+                at = parity * _at(plan, HC_ROWS_PAR) + (s // N) * _at(plan, HC_ROWS_NODE) \
+                    + (me % N) * _at(plan, HC_ROWS_LOCAL)
+                dst = peer_ptr(peer_ptrs, (me // N) * N + s % N, _at(plan, HC_ROWS) + at,
+                               y.dtype.element_ty, ALIGN)
+                at = parity * _at(plan, HC_META_PAR) + (s // N) * _at(plan, HC_META_NODE) \
+                    + (me % N) * _at(plan, HC_META_LOCAL)
+                dst_meta = peer_ptr(peer_ptrs, (me // N) * N + s % N, _at(plan, HC_META) + at,
+                                    tl.float32, 4)
+            else:  # into the outbox slice for s
+                dst = local_ptr(local_base, _off(plan, PXC_ROWS, parity, s), y.dtype.element_ty,
+                                ALIGN)
+                dst_meta = local_ptr(local_base, _off(plan, PXC_META, parity, s), tl.float32, 4)
     if TRANSPORT == 1:
         box = local_ptr(local_base, box_rows_off, y.dtype.element_ty, ALIGN)
     rows_done = tl.zeros([1], tl.int64)
@@ -115,7 +154,6 @@ def combine_send_kernel(
             m2 = jm[:, None] & (kk < K)[None, :]
             rows = tl.load(slot_rows + first_row[:, None] * K + kk[None, :], mask=m2, other=-1)
             vals = tl.load(pair_values + rows, mask=rows >= 0, other=0.0)
-            dst_meta = peer_ptr(peer_ptrs, s, meta_off, tl.float32, 4)
             tl.store(dst_meta + j64[:, None] * KMAX + kk[None, :], vals,
                      mask=m2 & via_stores[:, None])
             if TRANSPORT == 1:
@@ -141,59 +179,107 @@ def combine_send_kernel(
         if one_thread():
             quiet()
     nbytes = rows_done * row_bytes
+    if TRANSPORT == 2:  # for another node: an outbox (flat) or the forwarder (HIER), kept apart
+        other_node = tl.where(remote, nbytes, 0)
+        tl.atomic_add(xstats + 1 + 2 * HIER + tl.arange(0, 1), other_node, sem="relaxed")
+        nbytes -= other_node
     tl.atomic_add(stats + 2 + tl.arange(0, 1), tl.where(s != me, nbytes, 0), sem="relaxed")
     tl.atomic_add(stats + 3 + tl.arange(0, 1), tl.where(s == me, nbytes, 0), sem="relaxed")
     if draw_last_of(tickets, tl.num_programs(0) * P):
         if not timed_out(errors_addr.to(tl.pointer_type(tl.int64)), NUM_THREADS):
             for d in range(R):
                 publish_epoch_to(peer_ptrs, d, signal_off, epoch, local_base, TRANSPORT)
+            reached = R
+            if TRANSPORT == 2:
+                reached = N
+                if HIER:  # every forwarder of this node: this rank's partials are there
+                    for f in range(N):
+                        publish_epoch(peer_ptrs, (me // N) * N + f,
+                                      _at(plan, HC_SIGNALS) + (me % N) * 8, epoch)
+                elif one_thread():
+                    post_combine_flat(plan, slot_counts, R, N, me, epoch, parity, payload, K,
+                                      KMAX, HAS_PAIR, ring_addr, RING_SLOTS, errors_addr,
+                                      timeout_ns)
             signal_bytes = 8 + tl.zeros([1], tl.int64)
-            tl.atomic_add(stats + 2 + tl.arange(0, 1), (R - 1) * signal_bytes, sem="relaxed")
+            tl.atomic_add(stats + 2 + tl.arange(0, 1), (reached - 1) * signal_bytes,
+                          sem="relaxed")
             tl.atomic_add(stats + 3 + tl.arange(0, 1), signal_bytes, sem="relaxed")
         tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit
+def _add_partials(acc, staging, slot_of, t, tm, d0, d1, R, TMAX, cols, cm, ROW: tl.constexpr):
+    """``acc += staging[d, slot_of[t, d]]`` (columns ``cols``) for ranks ``d0 <= d < d1``."""
+    for d in range(d0, d1):
+        slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
+        staged = d * TMAX + slot
+        acc += tl.load(staging + staged[:, None] * ROW + cols[None, :],
+                       mask=(slot >= 0)[:, None] & cm[None, :], other=0.0).to(acc.dtype)
+    return acc
+
+
+@triton.jit(do_not_specialize=["T", "me"])
 def combine_reduce_kernel(
     staging,  # [P, R, TMAX, H] local combine_rows
     meta,  # [P, R, TMAX, KMAX] float32 local combine_meta (HAS_PAIR)
+    node_rows,  # [P, M, TMAX, H] local hcomb_rows (HIER): one sum per (node, node row)
+    node_meta,  # [P, M, TMAX, KMAX] float32 local hcomb_meta (HIER and HAS_PAIR)
     epochs,  # [1] int64 local: the combine epoch (this call's: its parity is read here)
     slot_of,  # [T, R] int32: slot of token t on rank d, -1 if not sent there
+    node_slot_of,  # [T, M] int32 (HIER): row of token t in node b's message, -1 if none
     out,  # [T, H]
     pair_out,  # [T, K] float32 (HAS_PAIR)
-    T: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, TMAX: tl.int32,
+    T: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, TMAX: tl.int32, N: tl.int32,
+    me: tl.int32,
     STAGING_PARITY: tl.int64, META_PARITY: tl.int64,  # elements between the two parities
+    NODE_PARITY: tl.int64, NODE_META_PARITY: tl.int64,
     KMAX: tl.constexpr, HAS_PAIR: tl.constexpr, ACC_FP64: tl.constexpr, EVEN_H: tl.constexpr,
+    HIER: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """Sums in rank order; with HIER in node order: this node's ranks one by one, every other
+    node's sum as one row."""
     parity = tl.load(epochs) % 2
     staging += parity * STAGING_PARITY
     meta += parity * META_PARITY
+    node_rows += parity * NODE_PARITY
+    node_meta += parity * NODE_META_PARITY
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     t64 = t.to(tl.int64)
+    M = R // N
     for h0 in range(0, H, BLOCK_H):
         h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
         acc = acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64)
-        for d in range(R):
-            slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
-            staged = d * TMAX + slot
-            v = tl.load(staging + staged[:, None] * H + h[None, :],
-                        mask=(slot >= 0)[:, None] & hm[None, :], other=0.0)
-            acc += v.to(acc.dtype)
+        if HIER:
+            for b in range(M):
+                if b == me // N:
+                    acc = _add_partials(acc, staging, slot_of, t, tm, b * N, b * N + N, R, TMAX,
+                                        h, hm, H)
+                else:
+                    acc = _add_partials(acc, node_rows, node_slot_of, t, tm, b, b + 1, M, TMAX,
+                                        h, hm, H)
+        else:
+            acc = _add_partials(acc, staging, slot_of, t, tm, 0, R, R, TMAX, h, hm, H)
         result = cast_rne(acc, out.dtype.element_ty)
         tl.store(out + t64[:, None] * H + h[None, :], result,  # gate: row
                  mask=tm[:, None] & hm[None, :])
     if HAS_PAIR:
         kk = tl.arange(0, BLOCK_K)
-        m2 = tm[:, None] & (kk < K)[None, :]
+        km = kk < K
         pacc = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
-        for d in range(R):
-            slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
-            staged = d * TMAX + slot
-            pacc += tl.load(meta + staged[:, None] * KMAX + kk[None, :],
-                            mask=m2 & (slot >= 0)[:, None], other=0.0)
-        tl.store(pair_out + t64[:, None] * K + kk[None, :], pacc, mask=m2)
+        if HIER:
+            for b in range(M):
+                if b == me // N:
+                    pacc = _add_partials(pacc, meta, slot_of, t, tm, b * N, b * N + N, R, TMAX,
+                                         kk, km, KMAX)
+                else:
+                    pacc = _add_partials(pacc, node_meta, node_slot_of, t, tm, b, b + 1, M,
+                                         TMAX, kk, km, KMAX)
+        else:
+            pacc = _add_partials(pacc, meta, slot_of, t, tm, 0, R, R, TMAX, kk, km, KMAX)
+        tl.store(pair_out + t64[:, None] * K + kk[None, :], pacc,
+                 mask=tm[:, None] & km[None, :])
 
 
 def send_grid(world_size: int, max_tokens: int, hidden: int, flavour: Flavour,
@@ -206,13 +292,14 @@ def send_grid(world_size: int, max_tokens: int, hidden: int, flavour: Flavour,
 def combine_send(y, weights, pair_values, slot_rows, slot_counts, slot_offsets, peer_ptrs, stats,
                  tickets, epochs, *, offsets: dict, rank: int, topk: int, max_topk: int,
                  max_tokens: int, flavour: Flavour = CPU_RANKS,
-                 box_offsets: tuple = ((0, 0),) * 2) -> bool:
+                 box_offsets: tuple = ((0, 0),) * 2, xstats=None, plan=None) -> bool:
     """Launches the ``(R, P)`` send programs of :func:`send_grid` (every rank is signalled).
 
     ``offsets``: rows / meta -> (byte offset of this rank's slice of parity 0, bytes per
     parity), signal -> byte offset; the epoch and parity come from ``epochs`` on the device.
     Across nodes (``flavour.transport == 1``) ``box_offsets`` are (offset, parity stride) of the
-    rdma_combine_rows / rdma_combine_meta outboxes."""
+    rdma_combine_rows / rdma_combine_meta outboxes; through the proxy (``transport == 2``)
+    ``xstats`` and ``plan`` (``kernels.internode``) say where partials for other nodes go."""
     H = y.shape[1]
     R = peer_ptrs.numel()
     tile = tiles("combine_send", flavour.compiled, H, max(4, y.element_size()))
@@ -220,12 +307,16 @@ def combine_send(y, weights, pair_values, slot_rows, slot_counts, slot_offsets, 
     combine_send_kernel[send_grid(R, max_tokens, H, flavour, y.element_size())](
         y, weights if weights is not None else dummy,
         pair_values if pair_values is not None else dummy, slot_rows, slot_counts, slot_offsets,
-        peer_ptrs, stats, tickets, epochs, offsets["rows"][0], offsets["meta"][0],
+        peer_ptrs, stats, dummy if xstats is None else xstats, tickets, epochs,
+        offsets["rows"][0], offsets["meta"][0],
         offsets["signal"], offsets["rows"][1], offsets["meta"][1],
         *(off for off, _ in box_offsets), *(stride for _, stride in box_offsets),
-        flavour.local_base, flavour.errors_addr, H, topk, R, rank, max_tokens, KMAX=max_topk,
+        flavour.local_base, flavour.errors_addr, dummy if plan is None else plan,
+        flavour.ring_addr, flavour.timeout_ns, H, topk, R, rank, max_tokens,
+        flavour.ranks_per_node or R, flavour.ring_slots, KMAX=max_topk,
         HAS_WEIGHTS=weights is not None, HAS_PAIR=pair_values is not None,
         ACC_FP64=y.dtype == torch.float64, TRANSPORT=flavour.transport,
+        HIER=flavour.hierarchical,
         ALIGN=flavour.row_align, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
         BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),
         NUM_THREADS=tile.num_threads, **flavour.launch_options(tile))
@@ -233,18 +324,25 @@ def combine_send(y, weights, pair_values, slot_rows, slot_counts, slot_offsets, 
 
 
 def combine_reduce(staging, meta, epochs, slot_of, out, pair_out, *, topk: int, max_topk: int,
-                   flavour: Flavour = CPU_RANKS) -> bool:
+                   flavour: Flavour = CPU_RANKS, rank: int = 0, node_rows=None, node_meta=None,
+                   node_slot_of=None) -> bool:
     """Launches ``cdiv(T, block_t)`` reduce programs (none for ``T == 0``); ``staging`` /
-    ``meta``: the whole combine_rows / combine_meta regions, the parity read from ``epochs``."""
+    ``meta``: the whole combine_rows / combine_meta regions, the parity read from ``epochs``;
+    hierarchical (``flavour.hierarchical``): ``node_rows`` / ``node_meta`` the whole hcomb
+    regions and ``node_slot_of`` [T, M] from the dispatch."""
     T, H = out.shape
     R, TMAX = staging.shape[1:3]
     if T == 0:
         return False
     tile = tiles("combine_reduce", flavour.compiled, H, max(4, out.element_size()))
     has_pair = pair_out is not None
+    hier = flavour.hierarchical
     combine_reduce_kernel[(triton.cdiv(T, tile.block_t),)](
-        staging, meta, epochs, slot_of, out, pair_out if has_pair else out, T, H, topk, R, TMAX,
-        staging.stride(0), meta.stride(0), KMAX=max_topk, HAS_PAIR=has_pair,
+        staging, meta, node_rows if hier else staging, node_meta if hier else meta, epochs,
+        slot_of, node_slot_of if hier else slot_of, out, pair_out if has_pair else out, T, H,
+        topk, R, TMAX, flavour.ranks_per_node or R, rank, staging.stride(0), meta.stride(0),
+        node_rows.stride(0) if hier else 0, node_meta.stride(0) if hier else 0,
+        KMAX=max_topk, HAS_PAIR=has_pair, HIER=hier,
         ACC_FP64=out.dtype == torch.float64, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
         BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)), **tile.launch_options())
     return True

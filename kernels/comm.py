@@ -140,8 +140,8 @@ def local_ptr(local_base, byte_offset, dtype: tl.constexpr, ALIGN: tl.constexpr)
 @triton.jit
 def by_stores(peer_ptrs, peer, mask, TRANSPORT: tl.constexpr):
     """``mask`` restricted to the lanes whose ``peer`` is reached by stores: all of them unless
-    TRANSPORT == 1, where peers with a 0 pointer go through NVSHMEM instead."""
-    if TRANSPORT == 1:
+    a transport reaches the peers with a 0 pointer (1: NVSHMEM puts, 2: the proxy)."""
+    if TRANSPORT != 0:
         mask = mask & (tl.load(peer_ptrs + peer, mask=mask, other=0) != 0)
     return mask
 
@@ -156,12 +156,17 @@ def publish_epoch(peer_ptrs, peer, signal_byte_offset, epoch):
 @triton.jit
 def publish_epoch_to(peer_ptrs, peer, signal_byte_offset, epoch, local_base,
                      TRANSPORT: tl.constexpr):
-    """:func:`publish_epoch`, or an NVSHMEM signal (one thread) where ``peer`` has no pointer."""
+    """:func:`publish_epoch`, or where ``peer`` has no pointer an NVSHMEM signal (one thread;
+    TRANSPORT 1) or nothing (TRANSPORT 2: the proxy raises it after the data, see
+    ``moe_comm.kernels.proxy``)."""
     if TRANSPORT == 1:
         if tl.load(peer_ptrs + peer) == 0:
             if one_thread():
                 signal_set(local_base, signal_byte_offset, epoch, peer)
         else:
+            publish_epoch(peer_ptrs, peer, signal_byte_offset, epoch)
+    elif TRANSPORT == 2:
+        if tl.load(peer_ptrs + peer) != 0:
             publish_epoch(peer_ptrs, peer, signal_byte_offset, epoch)
     else:
         publish_epoch(peer_ptrs, peer, signal_byte_offset, epoch)
@@ -243,13 +248,14 @@ class PeerTimeoutError(RuntimeError):
     """A peer did not publish the expected epoch in time."""
 
     def __init__(self, rank: int, peer: int, channel: str, expected: int, observed: int,
-                 timeout_s: float):
-        self.rank, self.peer, self.channel = rank, peer, channel
+                 timeout_s: float, via: int | None = None):
+        self.rank, self.peer, self.channel, self.via = rank, peer, channel, via
         self.expected, self.observed = expected, observed
+        relay = f" (forwarded by rank {via})" if via is not None and via != peer else ""
         super().__init__(
-            f"moe_comm rank {rank}: timed out after {timeout_s:g} s waiting for rank {peer} on "
-            f"the {channel} channel: expected epoch >= {expected}, observed {observed} "
-            f"(did rank {peer} skip a call, fail, or call a different op?)")
+            f"moe_comm rank {rank}: timed out after {timeout_s:g} s waiting for rank {peer}"
+            f"{relay} on the {channel} channel: expected epoch >= {expected}, observed "
+            f"{observed} (did rank {peer} skip a call, fail, or call a different op?)")
 
 
 def wait_for_epochs(observe, expected: int, *, timeout_s: float, rank: int,
@@ -295,7 +301,11 @@ class Flavour:
     interpreter; ``device_wait``: waits run inside the kernels (always on GPUs; on CPU ranks
     only when asked, to run the GPU protocol in the interpreter), otherwise the host waits;
     ``transport=1``: peers whose pointer is 0 get NVSHMEM puts from this rank's symmetric
-    segment at ``local_base``; ``row_align``: bytes every row address is a multiple of."""
+    segment at ``local_base``; ``transport=2``: they get what the proxy moves from this rank's
+    outboxes (descriptors posted into the ring at ``ring_addr``, ``ring_slots`` long);
+    ``ranks_per_node`` / ``hierarchical``: the nodes, and whether a token crosses to a node
+    once (through the rank with the same local index there); ``row_align``: bytes every row
+    address is a multiple of."""
 
     transport: int = 0
     device_wait: bool = False
@@ -305,6 +315,10 @@ class Flavour:
     timeout_ns: int = 0
     bitcode: str = ""  # transport 1: NVSHMEM's device bitcode for this GPU's architecture
     row_align: int = 16
+    ring_addr: int = 0  # transport 2: the proxy's descriptor ring (host-visible memory)
+    ring_slots: int = 0
+    ranks_per_node: int = 0  # 0: every rank on one node
+    hierarchical: bool = False
 
     def args(self) -> tuple[int, int, int]:
         return self.local_base, self.errors_addr, self.timeout_ns

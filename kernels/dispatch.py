@@ -83,7 +83,8 @@ def dispatch_send_kernel(
     SEND_META: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     FP8: tl.constexpr,  # 0: copy rows as they are; 1: quantize here; 2: rows come quantized
     UE8M0: tl.constexpr,  # with FP8 == 1: power-of-two scales, sent as exponent bytes
-    TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; 1: NVSHMEM where pointer is 0
+    TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; where the pointer is 0,
+                              # 1: NVSHMEM; 2: nothing here (kernels.internode, the proxy)
     ALIGN: tl.constexpr,  # bytes every staging row address is a multiple of
     EVEN_H: tl.constexpr,  # BLOCK_H divides H: no channel masks
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
@@ -184,7 +185,10 @@ def dispatch_send_kernel(
                                       4 * META_STRIDE, d)
         for d in range(R):
             slot = tl.load(slot_of + t * R + d, mask=tm, other=-1)
-            nbytes = tl.sum((slot >= 0).to(tl.int64), axis=0) * row_bytes
+            sent = slot >= 0
+            if TRANSPORT == 2:  # rows for other nodes go through the proxy (kernels.internode)
+                sent = by_stores(peer_ptrs, d + tl.zeros([BLOCK_T], tl.int32), sent, TRANSPORT)
+            nbytes = tl.sum(sent.to(tl.int64), axis=0) * row_bytes
             to_peers += tl.where(d != me, nbytes, 0)
             to_self += tl.where(d == me, nbytes, 0)
     if TRANSPORT == 1:  # this program's puts complete before its ticket (one thread, after all)
@@ -215,7 +219,12 @@ def dispatch_send_kernel(
                 tl.debug_barrier()
                 publish_epoch_to(peer_ptrs, d, signal_off, epoch, local_base, TRANSPORT)
             signal_bytes = 8 + SEND_META * 4 * (L + 1) + tl.zeros([1], tl.int64)
-            tl.atomic_add(stats + tl.arange(0, 1), (R - 1) * signal_bytes, sem="relaxed")
+            reached = R
+            if TRANSPORT == 2:
+                reached = 0
+                for d in range(R):
+                    reached += (tl.load(peer_ptrs + d) != 0).to(tl.int32)
+            tl.atomic_add(stats + tl.arange(0, 1), (reached - 1) * signal_bytes, sem="relaxed")
             tl.atomic_add(stats + 1 + tl.arange(0, 1), signal_bytes, sem="relaxed")
         tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
 

@@ -21,14 +21,17 @@ import torch.distributed as dist
 
 from . import _registry, env
 from .error_record import ErrorRecord
-from .kernels.comm import Flavour, wait_epochs, wait_epochs_kernel
+from .kernels.comm import Flavour, PeerTimeoutError, wait_epochs_kernel, wait_for_epochs
 from .kernels.nvshmem import device_bitcode, install_module_init_hook
 from .kernels.tiles import tiles
 from .low_latency import LowLatencyMode
+from .nodes import NEVER, Nodes, internode_peers, never_signalled, plan_values, signal_labels
 from .normal_mode import NormalMode, PendingSend
 from .ops import combine_autograd, dispatch_autograd
 from .symm import SymmetricHeap, create_loopback_heaps
 from .symm.select import choose_backend, create_heap, default_device
+from .transport import NixlProxy, TransportError, choose_transport
+from .transport.select import nixl_backend as nixl_backend_name
 from .types import DispatchHandle, DispatchResult
 from .validation import FLOAT_DTYPES, check_combine_inputs, check_dispatch_inputs, resolve_fp8
 from .workspace import COMBINE, DISPATCH, WorkspaceLayout
@@ -36,7 +39,8 @@ from .workspace import COMBINE, DISPATCH, WorkspaceLayout
 _ids = itertools.count(1)
 _CHANNEL_NAMES = {DISPATCH: "dispatch", COMBINE: "combine"}
 _CONFIG_FIELDS = ("hidden", "num_experts", "max_tokens_per_rank", "dtype", "max_topk",
-                  "dispatch_dtype", "low_latency", "backend", "device_type", "kernel_impl")
+                  "dispatch_dtype", "low_latency", "backend", "device_type", "kernel_impl",
+                  "ranks_per_node", "transport", "hierarchical", "nixl_backend")
 DEFAULT_GPU_SMS = 20  # persistent send grids on GPUs (DeepEP uses 20-24 SMs)
 KERNEL_IMPLS = ("triton", "cuda")
 
@@ -95,7 +99,9 @@ class Buffer(NormalMode, LowLatencyMode):
                  max_topk: int | None = None, dispatch_dtype: torch.dtype | None = None,
                  low_latency: bool = False, timeout_s: float | None = None,
                  backend: str = "auto", device: torch.device | str | None = None,
-                 num_sms: int | None = None, kernel_impl: str = "triton"):
+                 num_sms: int | None = None, kernel_impl: str = "triton",
+                 ranks_per_node: int | None = None, transport: str = "auto",
+                 hierarchical: bool | None = None, nixl_backend: str | None = None):
         if max_topk is None and isinstance(num_experts, int):
             max_topk = min(16, num_experts)
         device = torch.device(device) if device is not None else default_device()
@@ -103,6 +109,8 @@ class Buffer(NormalMode, LowLatencyMode):
                       max_tokens_per_rank=max_tokens_per_rank, dtype=dtype, max_topk=max_topk,
                       dispatch_dtype=dispatch_dtype, low_latency=bool(low_latency),
                       backend=backend, device_type=device.type, kernel_impl=kernel_impl,
+                      ranks_per_node=ranks_per_node, transport=transport,
+                      hierarchical=hierarchical, nixl_backend=nixl_backend,
                       host=socket.gethostname())
         world_size = dist.get_world_size(group)
         configs: list = [None] * world_size
@@ -110,14 +118,37 @@ class Buffer(NormalMode, LowLatencyMode):
         _check_same_config(configs)
         _check_config(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk,
                       dispatch_dtype)
-        num_nodes = len({c["host"] for c in configs})
-        chosen = choose_backend(backend, device, num_nodes)
+        nodes = Nodes.of(world_size, ranks_per_node, [c["host"] for c in configs], device)
+        chosen = choose_backend(backend, device, nodes.num_hosts)
+        via = choose_transport(transport, device, nodes.count)
+        nixl_backend = nixl_backend_name(nixl_backend) if via == "nixl" else None
+        hierarchical = nodes.count > 1 if hierarchical is None else bool(hierarchical)
+        if via == "nixl" and (low_latency or env.kernel_waits()):
+            raise ValueError("transport='nixl' runs the normal mode with host waits so far: "
+                             "low_latency=True and MOE_COMM_WAIT=kernel are not supported "
+                             "across nodes through the proxy yet")
         layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                  num_experts // world_size, max_topk, dtype, low_latency,
-                                 rdma=chosen == "nvshmem" and num_nodes > 1)
-        self._setup(create_heap(chosen, group, layout.nbytes, device), layout, num_experts,
-                    timeout_s, dispatch_dtype, num_sms, kernel_impl)
+                                 rdma=chosen == "nvshmem" and nodes.num_hosts > 1,
+                                 ranks_per_node=nodes.ranks_per_node, proxy=via == "nixl",
+                                 hierarchical=hierarchical)
+        heap = create_heap(chosen, group, layout.nbytes, device, nodes.ranks_per_node)
+        proxy = None
+        try:
+            if via == "nixl":
+                proxy = NixlProxy(group, heap.local, heap.rank, world_size,
+                                  internode_peers(layout, heap.rank), timeout_s=env.timeout_s()
+                                  if timeout_s is None else float(timeout_s),
+                                  backend=nixl_backend, labels=signal_labels(layout, heap.rank))
+            self._setup(heap, layout, num_experts, timeout_s, dispatch_dtype, num_sms,
+                        kernel_impl, proxy=proxy)
+        except BaseException:
+            if proxy is not None:
+                proxy.close()
+            heap.close()
+            raise
         self.backend = chosen
+        self.transport = via
 
     @classmethod
     def loopback(cls, world_size: int, hidden: int, num_experts: int, max_tokens_per_rank: int,
@@ -138,15 +169,15 @@ class Buffer(NormalMode, LowLatencyMode):
             buf = cls.__new__(cls)
             buf._setup(heap, layout, num_experts, timeout_s, dispatch_dtype, num_sms,
                        kernel_impl)
-            buf.backend = "loopback"
+            buf.backend, buf.transport = "loopback", None
             buffers.append(buf)
         return buffers
 
     def _setup(self, heap: SymmetricHeap, layout: WorkspaceLayout, num_experts: int,
                timeout_s: float | None, dispatch_dtype: torch.dtype | None,
                num_sms: int | None = None, kernel_impl: str = "triton",
-               flavour: Flavour | None = None) -> None:
-        self.heap, self.layout = heap, layout
+               flavour: Flavour | None = None, proxy=None) -> None:
+        self.heap, self.layout, self.proxy = heap, layout, proxy
         self.rank, self.world_size = heap.rank, heap.world_size
         self.hidden, self.dtype = layout.hidden, layout.dtype
         self.dispatch_dtype = dispatch_dtype or layout.dtype
@@ -175,6 +206,15 @@ class Buffer(NormalMode, LowLatencyMode):
         self._ticket_words = layout.view(heap, "tickets")
         self._epoch_words = layout.view(heap, "epochs")
         self._stats = layout.view(heap, "stats")
+        self._xstats = layout.view(heap, "xstats")
+        self.ranks_per_node, self.num_nodes = layout.ranks_per_node, layout.num_nodes
+        self.hierarchical = layout.hierarchical
+        self._plan = None
+        if proxy is not None:
+            self._plan = torch.tensor(plan_values(layout, heap.rank), dtype=torch.int64,
+                                      device=heap.device)
+            for region, index in never_signalled(layout, heap.rank):
+                layout.view(heap, region)[index] = NEVER  # waits see them arrived
         self._ll_epochs = [0, 0]  # host mirrors of the device epochs (CPU waits need them)
         self._ll_pending = [0, 0]  # sends of each channel whose hook has not run
         self._ll_state = layout.view(heap, "ll_state") if layout.low_latency else None
@@ -188,6 +228,11 @@ class Buffer(NormalMode, LowLatencyMode):
         common = dict(local_base=heap.local.data_ptr(), errors_addr=self.errors.address,
                       timeout_ns=int(self.timeout_s * 1e9),
                       row_align=16 if self._row_bytes % 16 == 0 else elem)
+        if self.proxy is not None:  # peers on other nodes: the proxy (host waits)
+            return Flavour(transport=2, ring_addr=self.proxy.ring_addr,
+                           ring_slots=self.proxy.slots,
+                           ranks_per_node=self.layout.ranks_per_node,
+                           hierarchical=self.layout.hierarchical, **common)
         if not on_gpu:
             return Flavour(device_wait=env.kernel_waits(), **common)
         transport = int(bool((heap.peer_ptrs == 0).any()))
@@ -293,10 +338,28 @@ class Buffer(NormalMode, LowLatencyMode):
         return combine_autograd(self, y, handle, weights)
 
     def stats(self) -> dict[str, int]:
-        """Bytes this rank's kernels stored since the Buffer was built (rows, metadata, signals)."""
+        """Bytes moved since the Buffer was built: what this rank's kernels stored through
+        pointers (rows, metadata, signals), and across nodes what they wrote into outboxes or
+        forwarded, and what the transport was asked to move (``internode_*``: data bytes per
+        channel, all peers; :meth:`internode_bytes` has them per peer)."""
         values = self._stats.tolist()
-        return {"dispatch_bytes_to_peers": values[0], "dispatch_bytes_to_self": values[1],
-                "combine_bytes_to_peers": values[2], "combine_bytes_to_self": values[3]}
+        out = {"dispatch_bytes_to_peers": values[0], "dispatch_bytes_to_self": values[1],
+               "combine_bytes_to_peers": values[2], "combine_bytes_to_self": values[3]}
+        if self.proxy is not None:
+            x = self._xstats.tolist()
+            out.update(dispatch_bytes_to_outbox=x[0], combine_bytes_to_outbox=x[1],
+                       dispatch_bytes_forwarded=x[2], combine_bytes_to_forwarders=x[3])
+            for channel, per_peer in self.proxy.bytes_by_label().items():
+                out[f"internode_{channel}_bytes"] = int(per_peer.sum())
+            out["internode_messages"] = int(self.proxy.messages_to.sum())
+        return out
+
+    def internode_bytes(self) -> dict[str, list[int]]:
+        """Data bytes the transport was asked to move, per channel and destination rank."""
+        if self.proxy is None:
+            return {}
+        return {channel: per_peer.tolist()
+                for channel, per_peer in self.proxy.bytes_by_label().items()}
 
     def close(self) -> None:
         """Releases the workspace (collective on GPU heaps: every rank closes, then the memory
@@ -305,6 +368,8 @@ class Buffer(NormalMode, LowLatencyMode):
             self._failure = "the Buffer was closed"
         _registry.unregister(self)
         self._signal_words = None
+        if self.proxy is not None:
+            self.proxy.close()
         self.heap.close()
 
     def __enter__(self) -> Buffer:
@@ -366,8 +431,8 @@ class Buffer(NormalMode, LowLatencyMode):
         after which no kernel of this rank publishes and the next check raises."""
         channel = _CHANNEL_NAMES[pending.channel]
         if not self.flavour.device_wait:
-            wait_epochs(self._signal_words[pending.channel], pending.epoch,
-                        timeout_s=self.timeout_s, rank=self.rank, channel=channel)
+            self._wait_words(self._signal_words[pending.channel], pending.epoch,
+                             list(range(self.world_size)), channel)
             return
         tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
         wait_epochs_kernel[(1,)](self._signals[pending.channel],
@@ -377,6 +442,34 @@ class Buffer(NormalMode, LowLatencyMode):
                                  **tile.launch_options())
         self.launches["wait"] += 1
         self._check_usable(channel)
+
+    def _wait_words(self, words, expected: int, peers: list[int], channel: str) -> None:
+        """Host wait until ``words[i] >= expected`` for all i (``words``: a numpy view of local
+        signal words; word i is published for rank ``peers[i]``). Through the proxy a transport
+        failure raises at once; a timeout names the rank, and in hierarchical mode the rank of
+        this node that forwards it."""
+        observe = words.tolist
+        if self.proxy is not None:
+            proxy = self.proxy
+
+            def observe():
+                proxy.check()
+                return words.tolist()
+        try:
+            wait_for_epochs(observe, expected, timeout_s=self.timeout_s, rank=self.rank,
+                            channel=channel)
+        except PeerTimeoutError as exc:
+            if isinstance(exc, TransportError) or peers == list(range(len(peers))) \
+                    and not self.hierarchical:
+                raise
+            peer = peers[exc.peer]
+            N = self.ranks_per_node
+            via = None
+            if self.hierarchical and peer // N != self.rank // N:
+                via = (self.rank // N) * N + peer % N if channel == "dispatch" else peer
+                via = None if via == self.rank else via
+            raise PeerTimeoutError(self.rank, peer, channel, exc.expected, exc.observed,
+                                   self.timeout_s, via=via) from None
 
     def _staging(self, channel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The channel's whole staging regions (rows, meta) [P, R, T_max, ...]: the receive

@@ -21,6 +21,7 @@ from ._guard import poisons_buffer_on_error
 from .host_sync import read_int
 from .kernels import combine as combine_kernels
 from .kernels import dispatch as dispatch_kernels
+from .kernels import internode
 from .kernels.layout import routing_layout
 from .kernels.tiles import GROUP
 from .workspace import COMBINE, DISPATCH
@@ -37,6 +38,7 @@ class PendingSend:
     has_weights: bool = False
     fp8: int = 0  # 0 rows as they are, 1 quantized by the send, 2 sent quantized
     ue8m0: bool = False
+    node_slot_of: torch.Tensor | None = None  # [T, M] int32 (hierarchical): row per node
 
 
 def fp8_scales_out(rows: int, groups: int, ue8m0: bool, col_major: bool, device):
@@ -83,8 +85,83 @@ class NormalMode:
             topk=topk_idx.shape[1], row_bytes=self._row_bytes, fp8=fp8,
             x_scales=None if x_scales is None else x_scales.contiguous(), ue8m0=ue8m0,
             flavour=self.flavour, box_offsets=self._rdma_offsets(DISPATCH))
+        node_slot_of = self._send_other_nodes(x, x_scales, topk_idx, topk_weights, pair_pos,
+                                              slot_of, counts, fp8, ue8m0)
         return PendingSend(DISPATCH, epoch, slot_of, topk_idx.shape[1], topk_weights is not None,
-                           fp8, ue8m0)
+                           fp8, ue8m0, node_slot_of)
+
+    def _empty_int(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int32, device=self.device)
+
+    def _send_other_nodes(self, x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts,
+                          fp8: int = 0, ue8m0: bool = False, node_slot_of=None) -> torch.Tensor:
+        """Through the proxy: rows for other nodes into the outboxes, one descriptor per peer
+        (``kernels.internode``). Returns ``node_slot_of`` [T, M] int32 (hierarchical: the row
+        of each token in each node's message, -1 where none; computed here unless given), else
+        an empty tensor. No host read."""
+        if self.proxy is None:
+            return self._empty_int()
+        T, R, N, M = slot_of.shape[0], self.world_size, self.ranks_per_node, self.num_nodes
+        if self.hierarchical:
+            if node_slot_of is None:
+                hit = (slot_of.view(T, M, N) >= 0).any(-1)
+                node_slot_of = torch.where(hit, hit.to(torch.int32).cumsum(0) - 1, -1)
+                node_slot_of = node_slot_of.to(torch.int32)
+            target_counts = (node_slot_of >= 0).sum(0, dtype=torch.int32)
+        else:
+            node_slot_of = self._empty_int()
+            target_counts = (slot_of >= 0).sum(0, dtype=torch.int32)
+        grid = internode.outbox_grid(self.max_tokens_per_rank, self.hidden, self.num_sms,
+                                     self.flavour, 1 if fp8 else x.element_size())
+        self.launches["dispatch_outbox"] += internode.outbox_dispatch(
+            x, None if x_scales is None else x_scales.contiguous(), topk_idx, topk_weights,
+            pair_pos, slot_of, node_slot_of, counts, target_counts, self._plan, self._xstats,
+            self._ticket_words[internode.OUTBOX_TICKET:internode.OUTBOX_TICKET + 1],
+            self._channel_words(DISPATCH)[1], rank=self.rank, world_size=R,
+            num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
+            node_meta_stride=self.layout.node_meta_stride, max_topk=self.max_topk, grid=grid,
+            topk=1 if topk_idx is None else topk_idx.shape[1], row_bytes=self._row_bytes,
+            fp8=fp8, ue8m0=ue8m0, flavour=self.flavour)
+        return node_slot_of
+
+    def _forward_dispatch(self, epoch: int, payload: int, fwd_slots=None, fwd_n=None):
+        """Hierarchical: waits for every other node's message to this rank (bounded, naming the
+        source), then stores its rows into this node's staging and publishes the sources'
+        epochs there. ``fwd_slots`` / ``fwd_n`` given: the cached form (rows only, placed as
+        that dispatch placed them); else made here: ``([M, T, N], [M])`` int32."""
+        N, M = self.ranks_per_node, self.num_nodes
+        self._wait_words(self.layout.view(self.heap, "node_signals")[0].numpy(), epoch,
+                         [a * N + self.rank % N for a in range(M)], "dispatch")
+        cached = fwd_slots is not None
+        if not cached:
+            fwd_slots = torch.full((M, self.max_tokens_per_rank, N), -1, dtype=torch.int32,
+                                   device=self.device)
+            fwd_n = torch.zeros(M, dtype=torch.int32, device=self.device)
+        self.launches["dispatch_forward"] += internode.forward_dispatch(
+            self._plan, self.heap.peer_ptrs, fwd_slots, fwd_n, self._xstats,
+            self._ticket_words[internode.FORWARD_DISPATCH_TICKET:
+                               internode.FORWARD_DISPATCH_TICKET + 1],
+            self._channel_words(DISPATCH)[1], rank=self.rank,
+            num_local_experts=self.num_local_experts, max_tokens=self.max_tokens_per_rank,
+            row_bytes=self._row_bytes, payload=payload, meta_stride=self.layout.meta_stride,
+            node_meta_stride=self.layout.node_meta_stride, cached=cached, flavour=self.flavour)
+        return fwd_slots, fwd_n
+
+    def _forward_combine(self, epoch: int, fwd_slots, fwd_n, topk: int, has_pair: bool) -> None:
+        """Hierarchical: waits for this node's partials for other nodes' tokens, sums them per
+        node row and sends one row per token home (``kernels.internode``)."""
+        N = self.ranks_per_node
+        node = self.rank // N
+        self._wait_words(self.layout.view(self.heap, "hc_signals").numpy(), epoch,
+                         [node * N + j for j in range(N)], "combine")
+        view = lambda name: self.layout.view(self.heap, name)  # noqa: E731
+        self.launches["combine_forward"] += internode.forward_combine(
+            view("hc_rows"), view("hc_meta"), view("px_combine_rows"), view("px_combine_meta"),
+            fwd_slots, fwd_n, self._plan, self._xstats,
+            self._ticket_words[internode.FORWARD_COMBINE_TICKET:
+                               internode.FORWARD_COMBINE_TICKET + 1],
+            self._channel_words(COMBINE)[1], rank=self.rank, world_size=self.world_size,
+            topk=topk, max_topk=self.max_topk, has_pair=has_pair, flavour=self.flavour)
 
     def _received_layout(self, expert_alignment: int):
         """From the counts every source published (device tensors, no host read):
@@ -113,6 +190,12 @@ class NormalMode:
         ``max_recv_rows`` (an upper bound of the rows this rank receives, padding included)
         sizes the output without reading the count back: the one host synchronisation of a
         dispatch goes away (CUDA-graph capturable); rows past the count are zero padding."""
+        fwd_slots, fwd_n = self._empty_int(), self._empty_int()
+        if self.hierarchical:
+            groups = self.hidden // GROUP
+            payload = (self.hidden + groups * (1 if pending.ue8m0 else 4) if pending.fp8
+                       else self._row_bytes)
+            fwd_slots, fwd_n = self._forward_dispatch(pending.epoch, payload)
         self._wait(pending)
         L, dev = self.num_local_experts, self.device
         per_source, slot_counts, tokens_per_expert, expert_offsets, slot_offsets = \
@@ -146,11 +229,14 @@ class NormalMode:
             max_topk=self.max_topk, flavour=self.flavour, out_scales=scale_memory,
             scale_strides=scale_strides, ue8m0=pending.ue8m0)
         self._dispatch_serial += 1
+        node_slot_of = pending.node_slot_of if pending.node_slot_of is not None \
+            else self._empty_int()
         return (out, scales, out_weights, src_rank, src_token, tokens_per_expert,
-                expert_offsets, pending.slot_of, slot_rows, slot_offsets)
+                expert_offsets, pending.slot_of, slot_rows, slot_offsets, node_slot_of,
+                fwd_slots, fwd_n)
 
     @poisons_buffer_on_error("dispatch")
-    def dispatch_cached_send(self, x, slot_of) -> PendingSend:
+    def dispatch_cached_send(self, x, slot_of, node_slot_of=None) -> PendingSend:
         """Send phase of a dispatch that reuses an earlier layout (the backward of combine)."""
         epoch = self._start(DISPATCH)
         x = x.contiguous()
@@ -163,12 +249,17 @@ class NormalMode:
             meta_stride=self.layout.meta_stride, max_topk=self.max_topk, grid=grid, topk=1,
             row_bytes=self._row_bytes, flavour=self.flavour,
             box_offsets=self._rdma_offsets(DISPATCH))
+        self._send_other_nodes(x, None, None, None, None, slot_of, None,
+                               node_slot_of=node_slot_of)
         return PendingSend(DISPATCH, epoch)
 
     @poisons_buffer_on_error("dispatch")
     def dispatch_cached_recv(self, pending: PendingSend, slot_rows, slot_offsets,
-                             tokens_per_expert, expert_offsets, num_rows: int) -> torch.Tensor:
+                             tokens_per_expert, expert_offsets, num_rows: int, fwd_slots=None,
+                             fwd_n=None) -> torch.Tensor:
         """Receive phase of a cached dispatch: rows [num_rows, H], zero in padding."""
+        if self.hierarchical:
+            self._forward_dispatch(pending.epoch, self._row_bytes, fwd_slots, fwd_n)
         self._wait(pending)
         out = torch.empty((num_rows, self.hidden), dtype=self.dtype, device=self.device)
         staging, _ = self._staging(DISPATCH)
@@ -181,19 +272,25 @@ class NormalMode:
         return out
 
     @poisons_buffer_on_error("combine")
-    def combine_send(self, y, weights, pair_values, slot_rows, slot_offsets) -> PendingSend:
-        """Send phase of combine: reduce each received token's rows, put the partial home."""
+    def combine_send(self, y, weights, pair_values, slot_rows, slot_offsets, fwd_slots=None,
+                     fwd_n=None) -> PendingSend:
+        """Send phase of combine: reduce each received token's rows, put the partial home
+        (hierarchical: partials for other nodes to this node's forwarders, which sum and send
+        them; ``fwd_slots`` / ``fwd_n`` from the dispatch)."""
         epoch = self._start(COMBINE)
+        topk = slot_rows.shape[1]
         self.launches["combine_send"] += combine_kernels.combine_send(
             y.contiguous(), weights, pair_values, slot_rows, slot_offsets.diff().to(torch.int32),
             slot_offsets, self.heap.peer_ptrs, self._stats, *self._channel_words(COMBINE),
-            offsets=self._send_offsets(COMBINE), rank=self.rank, topk=slot_rows.shape[1],
+            offsets=self._send_offsets(COMBINE), rank=self.rank, topk=topk,
             max_topk=self.max_topk, max_tokens=self.max_tokens_per_rank, flavour=self.flavour,
-            box_offsets=self._rdma_offsets(COMBINE))
-        return PendingSend(COMBINE, epoch, topk=slot_rows.shape[1])
+            box_offsets=self._rdma_offsets(COMBINE), xstats=self._xstats, plan=self._plan)
+        if self.hierarchical:
+            self._forward_combine(epoch, fwd_slots, fwd_n, topk, pair_values is not None)
+        return PendingSend(COMBINE, epoch, topk=topk)
 
     @poisons_buffer_on_error("combine")
-    def combine_recv(self, pending: PendingSend, slot_of, want_pair: bool
+    def combine_recv(self, pending: PendingSend, slot_of, want_pair: bool, node_slot_of=None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """Receive phase of combine: ``(out [T, H], pair_out [T, K] float32 or empty)``."""
         self._wait(pending)
@@ -205,5 +302,8 @@ class NormalMode:
         self.launches["combine_reduce"] += combine_kernels.combine_reduce(
             staging, meta, self._channel_words(COMBINE)[1], slot_of, out,
             pair_out if want_pair else None, topk=pending.topk, max_topk=self.max_topk,
-            flavour=self.flavour)
+            flavour=self.flavour, rank=self.rank,
+            node_rows=self.layout.view(self.heap, "hcomb_rows") if self.hierarchical else None,
+            node_meta=self.layout.view(self.heap, "hcomb_meta") if self.hierarchical else None,
+            node_slot_of=node_slot_of)
         return out, pair_out

@@ -5,8 +5,10 @@ Ops (each one collective over the Buffer's ranks; ``buffer_id`` names the Buffer
 * ``moe_comm::dispatch(buffer_id, x, x_scales?, topk_idx, topk_weights?, expert_alignment, fp8,
   ue8m0, col_major_scales, max_recv_rows?)`` -> received rows, their FP8 scales (empty unless
   fp8), weights, src_rank, src_token, tokens_per_expert, expert_offsets and the handle tensors
-  (slot_of, slot_rows, recv_slot_offsets). With ``max_recv_rows`` the output shapes are static
-  (no host synchronisation).
+  (slot_of, slot_rows, recv_slot_offsets, and for the hierarchical mode node_slot_of,
+  fwd_slots, fwd_n: empty otherwise). With ``max_recv_rows`` the output shapes are static
+  (no host synchronisation). ``dispatch_cached`` and ``combine`` take the three node tensors
+  last (optional).
 * ``moe_comm::dispatch_cached(buffer_id, x, slot_of, slot_rows, recv_slot_offsets,
   tokens_per_expert, expert_offsets, num_rows)`` -> rows: the same movement as an earlier
   dispatch, data only (backward of combine).
@@ -34,7 +36,7 @@ def dispatch_op(buffer_id: int, x: Tensor, x_scales: Optional[Tensor], topk_idx:
                 topk_weights: Optional[Tensor], expert_alignment: int, fp8: int, ue8m0: bool,
                 col_major_scales: bool, max_recv_rows: Optional[int]
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                           Tensor, Tensor]:
+                           Tensor, Tensor, Tensor, Tensor, Tensor]:
     buf = lookup(buffer_id)
     pending = buf.dispatch_send(x, topk_idx, topk_weights, x_scales, fp8, ue8m0)
     outs = buf.dispatch_recv(pending, expert_alignment, col_major_scales, max_recv_rows)
@@ -65,36 +67,54 @@ def _(buffer_id, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8, ue8
             x.new_empty((rows,), dtype=i64), x.new_empty((rows,), dtype=i64),
             x.new_empty((L,), dtype=i64), x.new_empty((L + 1,), dtype=i64),
             x.new_empty((T, R), dtype=i32), x.new_empty((slots, K), dtype=i32),
-            x.new_empty((R + 1,), dtype=i64))
+            x.new_empty((R + 1,), dtype=i64), *_node_fakes(buf, x, T))
+
+
+def _node_fakes(buf, x, T):
+    """node_slot_of [T, M], fwd_slots [M, T_max, N], fwd_n [M] (int32; empty unless the
+    Buffer is hierarchical)."""
+    i32 = torch.int32
+    if not buf.hierarchical:
+        return tuple(x.new_empty((0,), dtype=i32) for _ in range(3))
+    M, N = buf.num_nodes, buf.ranks_per_node
+    return (x.new_empty((T, M), dtype=i32), x.new_empty((M, buf.max_tokens_per_rank, N),
+                                                        dtype=i32), x.new_empty((M,), dtype=i32))
 
 
 @torch.library.custom_op("moe_comm::dispatch_cached", mutates_args=())
 def dispatch_cached_op(buffer_id: int, x: Tensor, slot_of: Tensor, slot_rows: Tensor,
                        recv_slot_offsets: Tensor, tokens_per_expert: Tensor,
-                       expert_offsets: Tensor, num_rows: int) -> Tensor:
+                       expert_offsets: Tensor, num_rows: int,
+                       node_slot_of: Optional[Tensor] = None, fwd_slots: Optional[Tensor] = None,
+                       fwd_n: Optional[Tensor] = None) -> Tensor:
     buf = lookup(buffer_id)
-    pending = buf.dispatch_cached_send(x, slot_of)
+    pending = buf.dispatch_cached_send(x, slot_of, node_slot_of)
     return buf.dispatch_cached_recv(pending, slot_rows, recv_slot_offsets, tokens_per_expert,
-                                    expert_offsets, num_rows)
+                                    expert_offsets, num_rows, fwd_slots, fwd_n)
 
 
 @dispatch_cached_op.register_fake
 def _(buffer_id, x, slot_of, slot_rows, recv_slot_offsets, tokens_per_expert, expert_offsets,
-      num_rows):
+      num_rows, node_slot_of=None, fwd_slots=None, fwd_n=None):
     return x.new_empty((num_rows, x.shape[1]))
 
 
 @torch.library.custom_op("moe_comm::combine", mutates_args=())
 def combine_op(buffer_id: int, y: Tensor, weights: Optional[Tensor],
                pair_values: Optional[Tensor], slot_of: Tensor, slot_rows: Tensor,
-               recv_slot_offsets: Tensor) -> tuple[Tensor, Tensor]:
+               recv_slot_offsets: Tensor, node_slot_of: Optional[Tensor] = None,
+               fwd_slots: Optional[Tensor] = None, fwd_n: Optional[Tensor] = None
+               ) -> tuple[Tensor, Tensor]:
     buf = lookup(buffer_id)
-    pending = buf.combine_send(y, weights, pair_values, slot_rows, recv_slot_offsets)
-    return buf.combine_recv(pending, slot_of, want_pair=pair_values is not None)
+    pending = buf.combine_send(y, weights, pair_values, slot_rows, recv_slot_offsets, fwd_slots,
+                               fwd_n)
+    return buf.combine_recv(pending, slot_of, want_pair=pair_values is not None,
+                            node_slot_of=node_slot_of)
 
 
 @combine_op.register_fake
-def _(buffer_id, y, weights, pair_values, slot_of, slot_rows, recv_slot_offsets):
+def _(buffer_id, y, weights, pair_values, slot_of, slot_rows, recv_slot_offsets,
+      node_slot_of=None, fwd_slots=None, fwd_n=None):
     T, K = slot_of.shape[0], slot_rows.shape[1]
     pair_shape = (T, K) if pair_values is not None else (0,)
     return y.new_empty((T, y.shape[1])), y.new_empty(pair_shape, dtype=torch.float32)
@@ -111,12 +131,12 @@ class _Dispatch(torch.autograd.Function):
         outs = torch.ops.moe_comm.dispatch(buffer_id, x, x_scales, topk_idx, topk_weights,
                                            expert_alignment, fp8, ue8m0, col_major_scales,
                                            max_recv_rows)
-        recv_x, scales, recv_w, src_rank, src_token, tpe, offsets, slot_of, slot_rows, slot_off \
-            = outs
+        recv_x, scales, recv_w, src_rank, src_token, tpe, offsets, slot_of, slot_rows, slot_off, \
+            *nodes = outs
         ctx.buffer_id, ctx.num_rows, ctx.hidden = buffer_id, recv_x.shape[0], x.shape[1]
-        ctx.save_for_backward(slot_of, slot_rows, slot_off)
+        ctx.save_for_backward(slot_of, slot_rows, slot_off, *nodes)
         ctx.mark_non_differentiable(scales, src_rank, src_token, tpe, offsets, slot_of,
-                                    slot_rows, slot_off)
+                                    slot_rows, slot_off, *nodes)
         if fp8:  # quantized rows carry no gradient to x
             ctx.mark_non_differentiable(recv_x)
         return outs
@@ -124,7 +144,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_x, _grad_scales, grad_w, *_):
-        slot_of, slot_rows, slot_off = ctx.saved_tensors
+        slot_of, slot_rows, slot_off, *nodes = ctx.saved_tensors
         if grad_x is None or grad_x.dtype == torch.float8_e4m3fn:
             dtype = lookup(ctx.buffer_id).dtype
             grad_x = slot_of.new_zeros((ctx.num_rows, ctx.hidden), dtype=dtype)
@@ -134,7 +154,7 @@ class _Dispatch(torch.autograd.Function):
             grad_w = slot_of.new_zeros((ctx.num_rows,), dtype=torch.float32)
         dx, dtopk_w = torch.ops.moe_comm.combine(ctx.buffer_id, grad_x.contiguous(), None,
                                                  grad_w.contiguous(), slot_of, slot_rows,
-                                                 slot_off)
+                                                 slot_off, *nodes)
         return (None, dx if ctx.needs_input_grad[1] else None, None, None,
                 dtopk_w if ctx.needs_input_grad[4] else None, None, None, None, None, None)
 
@@ -142,23 +162,23 @@ class _Dispatch(torch.autograd.Function):
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, buffer_id, y, weights, slot_of, slot_rows, slot_off, tokens_per_expert,
-                expert_offsets):
+                expert_offsets, node_slot_of, fwd_slots, fwd_n):
         out, _ = torch.ops.moe_comm.combine(buffer_id, y, weights, None, slot_of, slot_rows,
-                                            slot_off)
+                                            slot_off, node_slot_of, fwd_slots, fwd_n)
         ctx.buffer_id = buffer_id
         ctx.save_for_backward(y, weights, slot_of, slot_rows, slot_off, tokens_per_expert,
-                              expert_offsets)
+                              expert_offsets, node_slot_of, fwd_slots, fwd_n)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        y, weights, slot_of, slot_rows, slot_off, tokens_per_expert, expert_offsets = \
-            ctx.saved_tensors
+        y, weights, slot_of, slot_rows, slot_off, tokens_per_expert, expert_offsets, \
+            *nodes = ctx.saved_tensors
         grad_rows = torch.ops.moe_comm.dispatch_cached(ctx.buffer_id, grad_out.contiguous(),
                                                        slot_of, slot_rows, slot_off,
                                                        tokens_per_expert, expert_offsets,
-                                                       y.shape[0])
+                                                       y.shape[0], *nodes)
         acc = _acc_dtype(y.dtype)
         if weights is None:
             grad_y, grad_w = grad_rows, None
@@ -167,7 +187,7 @@ class _Combine(torch.autograd.Function):
             grad_w = None
             if ctx.needs_input_grad[2]:
                 grad_w = (grad_rows.to(acc) * y.to(acc)).sum(-1).to(torch.float32)
-        return None, grad_y, grad_w, None, None, None, None, None
+        return None, grad_y, grad_w, None, None, None, None, None, None, None, None
 
 
 def dispatch_autograd(buf, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8=0,
@@ -179,10 +199,11 @@ def dispatch_autograd(buf, x, x_scales, topk_idx, topk_weights, expert_alignment
 
 
 def wrap_dispatch_outputs(buf, outs, topk: int, has_weights: bool, fp8: int) -> DispatchResult:
-    """The ten tensors of ``moe_comm::dispatch`` as a DispatchResult with its handle."""
-    recv_x, scales, recv_w, src_rank, src_token, tpe, offsets, slot_of, slot_rows, slot_off = outs
+    """The tensors of ``moe_comm::dispatch`` as a DispatchResult with its handle."""
+    recv_x, scales, recv_w, src_rank, src_token, tpe, offsets, slot_of, slot_rows, slot_off, \
+        node_slot_of, fwd_slots, fwd_n = outs
     handle = DispatchHandle(buf.id, buf.dispatch_serial, slot_of, slot_rows, slot_off,
-                            recv_x.shape[0], topk, tpe, offsets)
+                            recv_x.shape[0], topk, tpe, offsets, node_slot_of, fwd_slots, fwd_n)
     return DispatchResult(recv_x, scales if fp8 else None, recv_w if has_weights else None,
                           src_rank, src_token, tpe, offsets, handle)
 
@@ -191,4 +212,4 @@ def combine_autograd(buf, y, handle: DispatchHandle, weights) -> Tensor:
     """Runs ``moe_comm::combine`` under autograd with the tensors of ``handle``."""
     return _Combine.apply(buf.id, y, weights, handle.slot_of, handle.slot_rows,
                           handle.recv_slot_offsets, handle.tokens_per_expert,
-                          handle.expert_offsets)
+                          handle.expert_offsets, *handle.node_tensors())

@@ -273,13 +273,40 @@ def _hidden(x) -> int:
     return (x[0] if isinstance(x, (tuple, list)) else x).shape[1]
 
 
-def combine_all(ys, handles: list[RefHandle], weights=None) -> list[torch.Tensor]:
-    """Reference combine of every rank at once."""
+def combine_all(ys, handles: list[RefHandle], weights=None, *,
+                hierarchical_nodes: int | None = None) -> list[torch.Tensor]:
+    """Reference combine of every rank at once. ``hierarchical_nodes=N`` (ranks per node): the
+    order of the hierarchical mode: each other node's partials of a token are summed first (in
+    rank order, fp32, rounded to the dtype once), then the home sums in node order: its own
+    node's partials one by one, every other node's sum as one term."""
     R = len(ys)
     weights = weights if weights is not None else [None] * R
     parts = [partials(ys[d], weights[d], handles[d].recv_rows) for d in range(R)]
-    return [sum_home([parts[d][s] for d in range(R)], handles[s].send_tokens,
-                     handles[s].num_tokens) for s in range(R)]
+    if hierarchical_nodes is None:
+        return [sum_home([parts[d][s] for d in range(R)], handles[s].send_tokens,
+                         handles[s].num_tokens) for s in range(R)]
+    N = hierarchical_nodes
+    outs = []
+    for s in range(R):
+        toks, T = handles[s].send_tokens, handles[s].num_tokens
+        dtype = parts[0][s].dtype
+        out = parts[0][s].new_zeros((T, parts[0][s].shape[1]), dtype=_acc_dtype(dtype))
+        for b in range(R // N):
+            node = range(b * N, b * N + N)
+            if b == s // N:
+                for d in node:
+                    out = out.index_add(0, toks[d], parts[d][s].to(out.dtype))
+                continue
+            node_sum = torch.zeros_like(out)
+            for d in node:
+                node_sum = node_sum.index_add(0, toks[d], parts[d][s].to(out.dtype))
+            hit = torch.zeros(T, dtype=torch.bool)
+            for d in node:
+                hit[toks[d]] = True
+            rows = hit.nonzero().flatten()
+            out = out.index_add(0, rows, node_sum[rows].to(dtype).to(out.dtype))
+        outs.append(out.to(dtype))
+    return outs
 
 
 # ------------------------------------------------------------------ low-latency mode

@@ -17,6 +17,10 @@ class DispatchHandle:
       if the choice is not on this rank (rows past the last slot are unused);
       ``recv_slot_offsets`` [R + 1] int64: first slot of each source;
       ``tokens_per_expert`` [L], ``expert_offsets`` [L + 1] int64: the output's groups.
+    Hierarchical mode (empty int32 tensors otherwise):
+      ``node_slot_of`` [T, M] int32 (home side): row of token t in node b's message, -1 if none;
+      ``fwd_slots`` [M, T_max, N] int32, ``fwd_n`` [M] int32 (forwarder side): for the rows this
+      rank forwarded from node a, the slot each took on each rank of this node, and how many.
     ``buffer_id`` and ``serial`` tie the handle to the Buffer call that made it.
     """
 
@@ -29,10 +33,19 @@ class DispatchHandle:
     topk: int
     tokens_per_expert: torch.Tensor
     expert_offsets: torch.Tensor
+    node_slot_of: torch.Tensor | None = None
+    fwd_slots: torch.Tensor | None = None
+    fwd_n: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.slot_of.shape[0]
+
+    def node_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(node_slot_of, fwd_slots, fwd_n), empty int32 tensors where unset."""
+        empty = self.slot_of.new_empty((0,))
+        return tuple(empty if t is None else t
+                     for t in (self.node_slot_of, self.fwd_slots, self.fwd_n))
 
 
 @dataclass(frozen=True, eq=False)

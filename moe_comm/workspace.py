@@ -11,7 +11,9 @@ region                  shape, dtype                 contents, on rank ``d``
 ``signals``             [2 channels, R] int64        ``[c, s]``: latest epoch of channel ``c``
                                                      (0 dispatch, 1 combine) at which rank ``s``
                                                      finished its puts into ``d``. Never reset.
-``tickets``             [2 channels] int64           local: send programs finished so far
+``tickets``             [8] int64                    local: programs finished so far of the
+                                                     dispatch and combine sends, then of the
+                                                     internode kernels (``kernels.internode``)
 ``epochs``              [2 channels] int64           local: epoch of this rank's latest send
                                                      per channel (the send's last program
                                                      advances it; kernels take epoch and parity
@@ -19,6 +21,10 @@ region                  shape, dtype                 contents, on rank ``d``
 ``stats``               [4] int64                    local: bytes ``d`` stored, cumulative:
                                                      dispatch to peers, dispatch to itself,
                                                      combine to peers, combine to itself
+``xstats``              [4] int64                    local: bytes written to outboxes for the
+                                                     transport (dispatch, combine), bytes
+                                                     forwarded for other nodes (dispatch,
+                                                     combine)
 ``dispatch_counts``     [P, R, L + 1] int32          from source ``s``: tokens per local expert,
                                                      then the number of slots ``s`` filled
 ``dispatch_meta``       [P, R, T, 1 + 3K] int32      per slot: source token index; per top-k
@@ -34,7 +40,7 @@ region                  shape, dtype                 contents, on rank ``d``
 Total (each region, and each parity's half of a region stored by parity, rounded up to 128
 bytes)::
 
-    2*R*T*(2*H*b + 4*(1 + 3K) + 4*K) + 2*R*(L + 1)*4 + 16*R + 16 + 16 + 32   # + rounding
+    2*R*T*(2*H*b + 4*(1 + 3K) + 4*K) + 2*R*(L + 1)*4 + 16*R + 64 + 16 + 32 + 32   # + rounding
 
 With ``low_latency=True`` (``S`` = bytes of one low-latency slot = ``H*b`` rounded up to 16,
 or ``H + 4*H/128`` if that is larger, so that FP8 rows with their scales fit too):
@@ -61,6 +67,41 @@ mode adds outboxes for what it puts: ``rdma_rows`` [P, T, H*b] uint8 and ``rdma_
 low-latency mode adds ``ll_outbox`` [P, T, S] uint8 (each token's row once, put from there)
 and ``ll_combine_outbox`` [P, L, R*T, H] dtype (expert outputs put from there; the caller may
 write them there directly: ``Buffer.low_latency_combine_buffer``).
+
+Nodes (``ranks_per_node = N`` < R; ``M = R / N`` nodes; rank ``r`` is local index ``r % N`` of node
+``r // N``). Peers on other nodes have no pointer; the proxy transport (``transport="nixl"``)
+moves what they get from this rank's outboxes (``moe_comm.transport``). Flat mode
+(``hierarchical=False``): one outbox slice per destination rank, ``D = R``. Hierarchical mode:
+one per destination node, ``D = M``, and a token's node metadata adds the slot it takes on each
+of the ``N`` ranks of that node (``MN = 1 + 3K + N`` words). ``ROW = H*b``.
+
+======================  ===========================  ============================================
+``px_rows``             [P, D, T, ROW] uint8         dispatch rows for destination (rank or node)
+``px_meta``             [P, D, T, MN] int32          their metadata (``MN = 1 + 3K`` when flat)
+``px_counts``           [P, D, C] int32              flat: ``C = L + 1`` (the counts of
+                                                     ``dispatch_counts``); hierarchical:
+                                                     ``C = N*(L + 1) + 1``: the counts of each
+                                                     rank of the node, then the node's rows
+``px_combine_rows``     [P, D, T, H] dtype           combine partials for home rank (flat) or
+                                                     node sums for source node (hierarchical)
+``px_combine_meta``     [P, D, T, K] float32         their per-choice values
+======================  ===========================  ============================================
+
+Hierarchical mode only, on the forwarder (the rank of each node with the source's local index):
+
+======================  ===========================  ============================================
+``node_signals``        [2 channels, M] int64        dispatch: epoch of node ``a``'s message
+                                                     (raised by the proxy); combine: unused
+``fwd_rows``            [P, M, T, ROW] uint8         rows from node ``a``'s rank with my local
+``fwd_meta``            [P, M, T, MN] int32          index, their node metadata and counts
+``fwd_counts``          [P, M, C] int32
+``hc_signals``          [N] int64                    combine: epoch of local rank ``l``'s
+                                                     partials for remote tokens
+``hc_rows``             [P, M, N, T, H] dtype        partial of local rank ``l`` for slot ``j``
+``hc_meta``             [P, M, N, T, K] float32      of source (``a``, my local index)
+``hcomb_rows``          [P, M, T, H] dtype           on the home rank: node ``b``'s sum per
+``hcomb_meta``          [P, M, T, K] float32         node row (``M`` rows per token at most)
+======================  ===========================  ============================================
 """
 from __future__ import annotations
 
@@ -75,7 +116,9 @@ DISPATCH, COMBINE = 0, 1  # channels
 # boundary, so both parities give a kernel the same alignment (one compiled variant). The other
 # regions are passed whole and the kernels step through their parities themselves.
 _PARITY_SLICED = ("dispatch_counts", "dispatch_meta", "dispatch_rows", "combine_meta",
-                  "combine_rows")
+                  "combine_rows", "px_rows", "px_meta", "px_counts", "px_combine_rows",
+                  "px_combine_meta", "fwd_rows", "fwd_meta", "fwd_counts", "hc_rows", "hc_meta",
+                  "hcomb_rows", "hcomb_meta")
 
 
 def _round_up(n: int, to: int) -> int:
@@ -128,16 +171,22 @@ class WorkspaceLayout:
 
     def __init__(self, world_size: int, max_tokens: int, hidden: int, num_local_experts: int,
                  max_topk: int, dtype: torch.dtype, low_latency: bool = False,
-                 rdma: bool = False):
+                 rdma: bool = False, ranks_per_node: int | None = None, proxy: bool = False,
+                 hierarchical: bool = False):
         R, T, H, L, K = world_size, max_tokens, hidden, num_local_experts, max_topk
+        N = ranks_per_node or R
+        M = R // N
+        self.ranks_per_node, self.num_nodes = N, M
+        self.proxy, self.hierarchical = proxy, bool(hierarchical and proxy and M > 1)
         self.world_size, self.max_tokens, self.hidden = R, T, H
         self.num_local_experts, self.max_topk, self.dtype = L, K, dtype
         self.meta_stride = 1 + 3 * K  # int32 words per dispatch slot
         specs = [
             ("signals", (2, R), torch.int64),
-            ("tickets", (2,), torch.int64),
+            ("tickets", (8,), torch.int64),
             ("epochs", (2,), torch.int64),
             ("stats", (4,), torch.int64),
+            ("xstats", (4,), torch.int64),
             ("dispatch_counts", (PARITIES, R, L + 1), torch.int32),
             ("dispatch_meta", (PARITIES, R, T, self.meta_stride), torch.int32),
             ("dispatch_rows", (PARITIES, R, T, H), dtype),
@@ -166,6 +215,31 @@ class WorkspaceLayout:
                 ("rdma_combine_rows", (PARITIES, R, T, H), dtype),
                 ("rdma_combine_meta", (PARITIES, R, T, K), torch.float32),
             ]
+        if proxy:
+            row = H * _itemsize(dtype)
+            hier = self.hierarchical
+            D = M if hier else R
+            self.node_meta_stride = self.meta_stride + (N if hier else 0)
+            self.px_count_words = N * (L + 1) + 1 if hier else L + 1
+            specs += [
+                ("px_rows", (PARITIES, D, T, row), torch.uint8),
+                ("px_meta", (PARITIES, D, T, self.node_meta_stride), torch.int32),
+                ("px_counts", (PARITIES, D, self.px_count_words), torch.int32),
+                ("px_combine_rows", (PARITIES, D, T, H), dtype),
+                ("px_combine_meta", (PARITIES, D, T, K), torch.float32),
+            ]
+            if hier:
+                specs += [
+                    ("node_signals", (2, M), torch.int64),
+                    ("fwd_rows", (PARITIES, M, T, row), torch.uint8),
+                    ("fwd_meta", (PARITIES, M, T, self.node_meta_stride), torch.int32),
+                    ("fwd_counts", (PARITIES, M, self.px_count_words), torch.int32),
+                    ("hc_signals", (N,), torch.int64),
+                    ("hc_rows", (PARITIES, M, N, T, H), dtype),
+                    ("hc_meta", (PARITIES, M, N, T, K), torch.float32),
+                    ("hcomb_rows", (PARITIES, M, T, H), dtype),
+                    ("hcomb_meta", (PARITIES, M, T, K), torch.float32),
+                ]
         if low_latency and rdma:
             specs += [
                 ("ll_outbox", (PARITIES, T, self.ll_slot_bytes), torch.uint8),
@@ -211,6 +285,59 @@ class WorkspaceLayout:
         flat = heap.view(region.offset, (region.nbytes // itemsize,), region.dtype)
         inner = torch.empty(region.shape[1:], device="meta").stride()
         return flat.as_strided(region.shape, (region.parity_stride // itemsize, *inner))
+
+    def internode_plan(self, rank: int) -> dict[str, int]:
+        """Byte offsets the internode kernels of ``rank`` use (``kernels.internode``): for each
+        region, ``name`` is the offset of its first element (of ``rank``'s slice where a peer's
+        copy is addressed), ``name_par`` the bytes per parity, ``name_tgt`` / ``_src`` /
+        ``_node`` / ``_local`` the bytes per index of the next dimensions. 0 where the region
+        does not exist in this mode."""
+        N = self.ranks_per_node
+        node, local = divmod(rank, N)
+        plan: dict[str, int] = {}
+
+        def put(key: str, region: str, index: tuple, steps: tuple = ()):
+            if region not in self.regions:
+                return
+            plan[key] = self.offset(region, *index)
+            plan[key + "_par"] = self.parity_stride(region)
+            for suffix, axis in steps:
+                r = self.regions[region]
+                inner = _itemsize(r.dtype)
+                for dim in r.shape[axis + 1:]:
+                    inner *= dim
+                plan[f"{key}_{suffix}"] = inner
+
+        hier = self.hierarchical
+        put("px_rows", "px_rows", (0, 0), (("tgt", 1),))
+        put("px_meta", "px_meta", (0, 0), (("tgt", 1),))
+        put("px_counts", "px_counts", (0, 0), (("tgt", 1),))
+        put("dst_rows", "fwd_rows" if hier else "dispatch_rows", (0, node if hier else rank))
+        put("dst_meta", "fwd_meta" if hier else "dispatch_meta", (0, node if hier else rank))
+        put("dst_counts", "fwd_counts" if hier else "dispatch_counts",
+            (0, node if hier else rank))
+        if "px_rows" in self.regions:
+            plan["dst_signal"] = (self.offset("node_signals", 0, node) if hier
+                                  else self.offset("signals", 0, rank))
+            plan["comb_signal"] = self.offset("signals", 1, rank)
+        put("pxc_rows", "px_combine_rows", (0, 0), (("tgt", 1),))
+        put("pxc_meta", "px_combine_meta", (0, 0), (("tgt", 1),))
+        put("hc_rows", "hc_rows", (0, 0, 0), (("node", 1), ("local", 2)))
+        put("hc_meta", "hc_meta", (0, 0, 0), (("node", 1), ("local", 2)))
+        if hier:
+            plan["hc_signals"] = self.offset("hc_signals", 0)
+        put("hcomb_rows", "hcomb_rows", (0, node))
+        put("hcomb_meta", "hcomb_meta", (0, node))
+        put("d_rows", "dispatch_rows", (0, 0), (("src", 1),))
+        put("d_meta", "dispatch_meta", (0, 0), (("src", 1),))
+        put("d_counts", "dispatch_counts", (0, 0), (("src", 1),))
+        plan["d_signals"] = self.offset("signals", 0, 0)
+        put("fwd_rows", "fwd_rows", (0, 0), (("src", 1),))
+        put("fwd_meta", "fwd_meta", (0, 0), (("src", 1),))
+        put("fwd_counts", "fwd_counts", (0, 0), (("src", 1),))
+        put("comb_rows", "combine_rows", (0, rank))
+        put("comb_meta", "combine_meta", (0, rank))
+        return plan
 
     def describe(self) -> str:
         """One line per region: name, shape, dtype, bytes; then the total."""

@@ -43,12 +43,13 @@ def default_device() -> torch.device:
 
 
 def create_heap(backend: str, group: dist.ProcessGroup, nbytes: int,
-                device: torch.device) -> SymmetricHeap:
-    """Collective: a heap of ``nbytes`` per rank from the chosen backend."""
+                device: torch.device, ranks_per_node: int | None = None) -> SymmetricHeap:
+    """Collective: a heap of ``nbytes`` per rank from the chosen backend (``shm``: only the
+    segments of this rank's node of ``ranks_per_node`` ranks are reachable)."""
     if backend == "shm":
         from .shm import ShmHeap
 
-        return ShmHeap(group, nbytes)
+        return ShmHeap(group, nbytes, ranks_per_node)
     if backend == "cuda":
         from .cuda import CudaHeap
 

@@ -13,6 +13,10 @@ the host removes names whose creating process no longer exists.
 The peer-pointer table holds the address of each peer's mapping in *this* process (mappings land
 at different addresses in different processes), so a store through ``peer_ptrs[p]`` writes into
 rank ``p``'s memory exactly as an NVLink P2P store does.
+
+Nodes: with ``ranks_per_node = N`` a rank maps only the segments of its own node (ranks
+``r // N`` equal); the others stay 0 in the table and unmapped in the process, exactly as peers
+across a network: only a transport reaches them (``moe_comm.transport``).
 """
 from __future__ import annotations
 
@@ -82,11 +86,13 @@ def _map(name: str, nbytes: int, create: bool) -> mmap.mmap:
 class ShmHeap(SymmetricHeap):
     """Collective constructor: every rank of ``group`` must call it with the same ``nbytes``."""
 
-    def __init__(self, group: dist.ProcessGroup, nbytes: int):
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, ranks_per_node: int | None = None):
         if nbytes <= 0:
             raise ValueError(f"nbytes must be positive, got {nbytes}")
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.ranks_per_node = ranks_per_node or self.world_size
+        node = self.rank // self.ranks_per_node
         self.nbytes = int(nbytes)
         self._group = weakref.ref(group) if _weakrefable(group) else group
         reap_stale_segments()
@@ -98,6 +104,9 @@ class ShmHeap(SymmetricHeap):
             names: list[str | None] = [None] * self.world_size
             dist.all_gather_object(names, own, group=group)
             for peer, name in enumerate(names):
+                if peer // self.ranks_per_node != node:
+                    self._maps.append(None)  # another node: never mapped
+                    continue
                 self._maps.append(own_map if peer == self.rank else _map(name, self.nbytes, False))
             dist.barrier(group=group)
             _posixshmem.shm_unlink(own)
@@ -108,9 +117,11 @@ class ShmHeap(SymmetricHeap):
                     _posixshmem.shm_unlink(own)
                 except FileNotFoundError:
                     pass
-        self._segments = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
+        self._segments = [None if m is None else torch.frombuffer(m, dtype=torch.uint8)
+                          for m in self._maps]
         self.local = self._segments[self.rank]
-        self.peer_ptrs = torch.tensor([s.data_ptr() for s in self._segments], dtype=torch.int64)
+        self.peer_ptrs = torch.tensor([0 if s is None else s.data_ptr() for s in self._segments],
+                                      dtype=torch.int64)
 
     def barrier(self) -> None:
         group = self._group() if isinstance(self._group, weakref.ref) else self._group
@@ -124,6 +135,8 @@ class ShmHeap(SymmetricHeap):
         self.local = torch.empty(0, dtype=torch.uint8)
         self._segments = []
         for m in self._maps:
+            if m is None:
+                continue
             try:
                 m.close()
             except BufferError:  # a caller still holds a view; the mapping goes with the process

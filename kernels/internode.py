@@ -1,0 +1,557 @@
+"""Across nodes through the proxy transport: outboxes, forwarding, node sums.
+
+Ranks ``r`` of node ``r // N`` reach each other by stores; a peer on another node gets its data
+from this rank's outboxes by the proxy (``moe_comm.kernels.proxy``, one descriptor per peer and
+call). Two algorithms (``HIER``):
+
+* **flat**: a token goes once to each destination *rank* on another node, straight into its
+  staging (``px_rows[p, d]`` -> ``dispatch_rows[p, me]`` on ``d``); combine partials come back
+  the same way.
+* **hierarchical** (DeepEP's internode normal mode): a token crosses to each destination *node*
+  once, to the forwarder there (the rank with this rank's local index), with the slot it takes
+  on each rank of that node. The forwarder stores the row into those ranks' staging as if the
+  source had (``forward_dispatch_kernel``) and publishes the source's epoch on them, so the
+  receive side is the one-node receive. Combine reverses it: each expert rank stores its
+  partial for a remote token into the forwarder on its own node, the forwarder sums the node's
+  partials in local-rank order in fp32, rounds once and sends one row per token per node home
+  (``forward_combine_kernel``), and the home sums its own node's partials and the other nodes'
+  sums in node order (``combine_reduce_kernel`` with HIER).
+
+Equivalent PyTorch of the hierarchical dispatch for source ``s`` and node ``b`` (``f`` its
+forwarder)::
+
+    rows = [t for t in tokens(s) if any(slot_of[t, d] >= 0 for d in node(b))]   # node rows
+    fwd_rows_f[p, node(s)][:len(rows)] = x[rows]             # one transfer s -> f
+    for d in node(b):                                       # stores on node b, by f
+        staging_d[p, s][slot_of[rows, d]] = fwd_rows_f[p, node(s)]   # where slot >= 0
+
+All byte offsets the kernels need beyond their tensors come from one ``plan`` tensor (int64,
+fields :data:`PLAN_FIELDS`, built by ``WorkspaceLayout.internode_plan``), so per-rank offsets are
+data, not compile-time facts.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .comm import (
+    Flavour,
+    draw_last_of,
+    local_ptr,
+    one_thread,
+    peer_ptr,
+    publish_epoch,
+    timed_out,
+)
+from .numerics import acc_zeros, cast_rne, channel_tile
+from .proxy import post_transfer
+from .quant import quantize_tile, store_fp8_rows
+from .tiles import even, persistent_programs, tiles
+
+PLAN_FIELDS = (
+    # outboxes of the dispatch (offset of [parity 0, target 0], bytes per parity, per target)
+    "px_rows", "px_rows_par", "px_rows_tgt", "px_meta", "px_meta_par", "px_meta_tgt",
+    "px_counts", "px_counts_par", "px_counts_tgt",
+    # where a dispatch message lands on the target (flat: dispatch_*[0, me] on the rank;
+    # hierarchical: fwd_*[0, my node] on the forwarder), and the signal raised after it
+    "dst_rows", "dst_rows_par", "dst_meta", "dst_meta_par", "dst_counts", "dst_counts_par",
+    "dst_signal",
+    # outboxes of the combine
+    "pxc_rows", "pxc_rows_par", "pxc_rows_tgt", "pxc_meta", "pxc_meta_par", "pxc_meta_tgt",
+    # hierarchical combine on the forwarder: hc_*[0, 0, 0], per parity, per node, per local rank
+    "hc_rows", "hc_rows_par", "hc_rows_node", "hc_rows_local",
+    "hc_meta", "hc_meta_par", "hc_meta_node", "hc_meta_local", "hc_signals",
+    # where a node sum lands on the home rank (hcomb_*[0, my node]) and its signal
+    "hcomb_rows", "hcomb_rows_par", "hcomb_meta", "hcomb_meta_par", "comb_signal",
+    # the one-node staging the forwarder stores into (dispatch_*[0, 0]: per parity, per source)
+    "d_rows", "d_rows_par", "d_rows_src", "d_meta", "d_meta_par", "d_meta_src",
+    "d_counts", "d_counts_par", "d_counts_src", "d_signals",
+    # the forwarder's receive side (fwd_*[0, 0]: per parity, per source node)
+    "fwd_rows", "fwd_rows_par", "fwd_rows_src", "fwd_meta", "fwd_meta_par", "fwd_meta_src",
+    "fwd_counts", "fwd_counts_par", "fwd_counts_src",
+    # flat combine: where partials land on the home rank (combine_*[0, me])
+    "comb_rows", "comb_rows_par", "comb_meta", "comb_meta_par",
+)
+_I = {name: tl.constexpr(i) for i, name in enumerate(PLAN_FIELDS)}
+PX_ROWS, PX_ROWS_PAR, PX_ROWS_TGT = _I["px_rows"], _I["px_rows_par"], _I["px_rows_tgt"]
+PX_META, PX_META_PAR, PX_META_TGT = _I["px_meta"], _I["px_meta_par"], _I["px_meta_tgt"]
+PX_COUNTS, PX_COUNTS_PAR, PX_COUNTS_TGT = (_I["px_counts"], _I["px_counts_par"],
+                                           _I["px_counts_tgt"])
+DST_ROWS, DST_ROWS_PAR, DST_META, DST_META_PAR = (_I["dst_rows"], _I["dst_rows_par"],
+                                                  _I["dst_meta"], _I["dst_meta_par"])
+DST_COUNTS, DST_COUNTS_PAR, DST_SIGNAL = (_I["dst_counts"], _I["dst_counts_par"],
+                                          _I["dst_signal"])
+PXC_ROWS, PXC_ROWS_PAR, PXC_ROWS_TGT = _I["pxc_rows"], _I["pxc_rows_par"], _I["pxc_rows_tgt"]
+PXC_META, PXC_META_PAR, PXC_META_TGT = _I["pxc_meta"], _I["pxc_meta_par"], _I["pxc_meta_tgt"]
+HC_ROWS, HC_ROWS_PAR, HC_ROWS_NODE, HC_ROWS_LOCAL = (_I["hc_rows"], _I["hc_rows_par"],
+                                                     _I["hc_rows_node"], _I["hc_rows_local"])
+HC_META, HC_META_PAR, HC_META_NODE, HC_META_LOCAL = (_I["hc_meta"], _I["hc_meta_par"],
+                                                     _I["hc_meta_node"], _I["hc_meta_local"])
+HC_SIGNALS = _I["hc_signals"]
+HCOMB_ROWS, HCOMB_ROWS_PAR, HCOMB_META, HCOMB_META_PAR = (
+    _I["hcomb_rows"], _I["hcomb_rows_par"], _I["hcomb_meta"], _I["hcomb_meta_par"])
+COMB_SIGNAL = _I["comb_signal"]
+D_ROWS, D_ROWS_PAR, D_ROWS_SRC = _I["d_rows"], _I["d_rows_par"], _I["d_rows_src"]
+D_META, D_META_PAR, D_META_SRC = _I["d_meta"], _I["d_meta_par"], _I["d_meta_src"]
+D_COUNTS, D_COUNTS_PAR, D_COUNTS_SRC = _I["d_counts"], _I["d_counts_par"], _I["d_counts_src"]
+D_SIGNALS = _I["d_signals"]
+FWD_ROWS, FWD_ROWS_PAR, FWD_ROWS_SRC = _I["fwd_rows"], _I["fwd_rows_par"], _I["fwd_rows_src"]
+FWD_META, FWD_META_PAR, FWD_META_SRC = _I["fwd_meta"], _I["fwd_meta_par"], _I["fwd_meta_src"]
+FWD_COUNTS, FWD_COUNTS_PAR, FWD_COUNTS_SRC = (_I["fwd_counts"], _I["fwd_counts_par"],
+                                              _I["fwd_counts_src"])
+COMB_ROWS, COMB_ROWS_PAR, COMB_META, COMB_META_PAR = (_I["comb_rows"], _I["comb_rows_par"],
+                                                      _I["comb_meta"], _I["comb_meta_par"])
+# ticket words (``tickets`` region): 0/1 the dispatch/combine sends, then these
+OUTBOX_TICKET, FORWARD_DISPATCH_TICKET, FORWARD_COMBINE_TICKET = 2, 3, 4
+
+
+@triton.jit
+def _at(plan, field):
+    return tl.load(plan + field)
+
+
+@triton.jit
+def _off(plan, field, parity, index):
+    """Byte offset of ``region[parity, index]`` for a plan triple (offset, per parity, per
+    index) starting at ``field``."""
+    return tl.load(plan + field) + parity * tl.load(plan + field + 1) \
+        + index * tl.load(plan + field + 2)
+
+
+@triton.jit
+def _target_is_remote(tgt, my_node, N, HIER: tl.constexpr):
+    """Target ``tgt`` (a node when HIER, else a rank) lies on another node."""
+    if HIER:
+        remote = tgt != my_node
+    else:
+        remote = tgt // N != my_node
+    return remote
+
+
+@triton.jit
+def _target_slot(slot_of, node_slot_of, t, tgt, tm, R, M, HIER: tl.constexpr):
+    """[BLOCK_T] slot of each token in ``tgt``'s outbox, -1 where it does not go there."""
+    if HIER:
+        slot = tl.load(node_slot_of + t * M + tgt, mask=tm, other=-1)
+    else:
+        slot = tl.load(slot_of + t * R + tgt, mask=tm, other=-1)
+    return slot.to(tl.int64)
+
+
+_OUTBOX_PER_CALL = ["local_base", "ring_addr", "errors_addr", "timeout_ns", "T", "me"]
+
+
+@triton.jit(do_not_specialize=_OUTBOX_PER_CALL)
+def outbox_dispatch_kernel(
+    x,  # [T, H] rows (FP8 == 2: uint8 view of float8_e4m3fn rows)
+    x_scales,  # [T, H // 128] float32 (FP8 == 2)
+    topk_idx, topk_weights, pair_pos,  # [T, K] (SEND_META; weights with HAS_WEIGHTS)
+    slot_of,  # [T, R] int32: slot on rank d (flat targets), -1 if not sent there
+    node_slot_of,  # [T, M] int32 (HIER): row of the token in node b's message, -1 if none
+    counts,  # [R, L + 1] int32 (SEND_META): what each rank's dispatch_counts[p, me] gets
+    target_counts,  # [R] (flat) or [M] (HIER) int32: rows of each target's message
+    plan,  # [PLAN_FIELDS] int64 byte offsets
+    xstats,  # [4] int64 local: outbox bytes at [0]
+    tickets,  # [1] int64 ticket word of this kernel
+    epochs,  # [1] int64: the dispatch epoch (the send kernel advanced it already)
+    local_base: tl.int64, ring_addr: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
+    T: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, N: tl.int32,
+    me: tl.int32, RING_SLOTS: tl.int32,
+    ROW_BYTES: tl.int64,  # bytes between staging (and outbox) rows
+    META_STRIDE: tl.constexpr, NODE_META: tl.constexpr, KMAX: tl.constexpr,
+    SEND_META: tl.constexpr, HAS_WEIGHTS: tl.constexpr, FP8: tl.constexpr,
+    UE8M0: tl.constexpr, HIER: tl.constexpr, ALIGN: tl.constexpr, EVEN_H: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, NUM_THREADS: tl.constexpr,
+):
+    """Rows for targets on other nodes into this rank's outboxes, then one descriptor per
+    target (the last program): its rows, metadata and counts, and the signal to raise."""
+    epoch = tl.load(epochs)
+    parity = epoch % 2
+    M = R // N
+    my_node = me // N
+    NT = M if HIER else R
+    rows_base = local_base + _off(plan, PX_ROWS, parity, 0)
+    meta_base = local_base + _off(plan, PX_META, parity, 0)
+    G = H // 128
+    if FP8 == 0:
+        payload = H * x.dtype.element_ty.primitive_bitwidth // 8
+    else:
+        payload = H + G * (4 - 3 * UE8M0)
+    message_row = payload + SEND_META * 4 * NODE_META
+    stored = tl.zeros([1], tl.int64)
+    for t0 in range(tl.program_id(0) * BLOCK_T, T, tl.num_programs(0) * BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        tm = t < T
+        t64 = t.to(tl.int64)
+        for h0 in range(0, H, BLOCK_H):
+            h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
+            m = tm[:, None] & hm[None, :]
+            g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+            if FP8 == 0:
+                tile = tl.load(x + t64[:, None] * H + h[None, :], mask=m)
+            elif FP8 == 1:
+                v = tl.load(x + t64[:, None] * H + h[None, :], mask=m, other=0.0).to(tl.float32)
+                codes, scales, exps = quantize_tile(v, BLOCK_T, BLOCK_H, UE8M0)
+            else:
+                codes = tl.load(x + t64[:, None] * H + h[None, :], mask=m)
+                scales = tl.load(x_scales + t64[:, None] * G + g[None, :], mask=tm[:, None],
+                                 other=0.0)
+                exps = codes
+            for tgt in range(NT):
+                if _target_is_remote(tgt, my_node, N, HIER):
+                    slot = _target_slot(slot_of, node_slot_of, t, tgt, tm, R, M, HIER)
+                    row8 = local_ptr(rows_base, tgt * _at(plan, PX_ROWS_TGT), tl.uint8, ALIGN) \
+                        + slot * ROW_BYTES
+                    if FP8 == 0:
+                        rowx = row8.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
+                        tl.store(rowx[:, None] + h[None, :], tile,  # gate: row
+                                 mask=(slot >= 0)[:, None] & hm[None, :])
+                    else:
+                        store_fp8_rows(row8, h, g, H, codes, scales, exps, slot >= 0, hm, UE8M0)
+        if SEND_META:
+            kk = tl.arange(0, BLOCK_K)
+            m2 = tm[:, None] & (kk < K)[None, :]
+            e = tl.load(topk_idx + t64[:, None] * K + kk[None, :], mask=m2, other=-1)
+            pos = tl.load(pair_pos + t64[:, None] * K + kk[None, :], mask=m2, other=-1)
+            if HAS_WEIGHTS:
+                w = tl.load(topk_weights + t64[:, None] * K + kk[None, :], mask=m2, other=0.0)
+            else:
+                w = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+            nn = tl.arange(0, BLOCK_N)
+            for tgt in range(NT):
+                if _target_is_remote(tgt, my_node, N, HIER):
+                    slot = _target_slot(slot_of, node_slot_of, t, tgt, tm, R, M, HIER)
+                    sm = slot >= 0
+                    meta = local_ptr(meta_base, tgt * _at(plan, PX_META_TGT), tl.int32, 4) \
+                        + slot * NODE_META
+                    tl.store(meta, t, mask=sm)
+                    sm2 = sm[:, None] & m2
+                    tl.store(meta[:, None] + 1 + kk[None, :], e.to(tl.int32), mask=sm2)
+                    tl.store(meta[:, None] + 1 + KMAX + kk[None, :], pos, mask=sm2)
+                    tl.store(meta[:, None] + 1 + 2 * KMAX + kk[None, :],
+                             w.to(tl.int32, bitcast=True), mask=sm2)
+                    if HIER:  # the slot the token takes on each rank of the node
+                        nm = sm[:, None] & (nn < N)[None, :]
+                        node_slots = tl.load(slot_of + t[:, None] * R + tgt * N + nn[None, :],
+                                             mask=nm, other=-1)
+                        tl.store(meta[:, None] + META_STRIDE + nn[None, :], node_slots, mask=nm)
+        for tgt in range(NT):
+            if _target_is_remote(tgt, my_node, N, HIER):
+                slot = _target_slot(slot_of, node_slot_of, t, tgt, tm, R, M, HIER)
+                stored += tl.sum((slot >= 0).to(tl.int64), axis=0) * message_row
+    tl.atomic_add(xstats + tl.arange(0, 1), stored, sem="relaxed")
+    if draw_last_of(tickets, tl.num_programs(0)):
+        if not timed_out(errors_addr.to(tl.pointer_type(tl.int64)), NUM_THREADS):
+            cc = tl.arange(0, BLOCK_C)
+            for tgt in range(NT):
+                if _target_is_remote(tgt, my_node, N, HIER):
+                    n = tl.load(target_counts + tgt).to(tl.int64)
+                    counts_off = _off(plan, PX_COUNTS, parity, tgt)
+                    count_words = 0
+                    if SEND_META:
+                        box = local_ptr(local_base, counts_off, tl.int32, 4)
+                        if HIER:  # the counts of each rank of node tgt, then its rows
+                            count_words = N * (L + 1) + 1
+                            c = tl.load(counts + tgt * N * (L + 1) + cc, mask=cc < N * (L + 1))
+                            c = tl.where(cc == N * (L + 1), n.to(tl.int32), c)
+                        else:
+                            count_words = L + 1
+                            c = tl.load(counts + tgt * (L + 1) + cc, mask=cc < L + 1)
+                        tl.store(box + cc, c, mask=cc < count_words)
+                    tl.debug_barrier()
+                    if one_thread():
+                        if HIER:
+                            peer = tgt * N + me % N
+                        else:
+                            peer = tgt
+                        post_transfer(
+                            ring_addr, RING_SLOTS, peer, _at(plan, DST_SIGNAL), epoch,
+                            1 + 2 * SEND_META,
+                            _off(plan, PX_ROWS, parity, tgt),
+                            _at(plan, DST_ROWS) + parity * _at(plan, DST_ROWS_PAR),
+                            payload, ROW_BYTES, n,
+                            _off(plan, PX_META, parity, tgt),
+                            _at(plan, DST_META) + parity * _at(plan, DST_META_PAR),
+                            4 * NODE_META, 4 * NODE_META, n,
+                            counts_off, _at(plan, DST_COUNTS) + parity * _at(plan, DST_COUNTS_PAR),
+                            4 * count_words, 4 * count_words, 1,
+                            errors_addr.to(tl.pointer_type(tl.int64)), timeout_ns)
+
+
+_FORWARD_PER_CALL = ["local_base", "errors_addr", "me"]
+
+
+@triton.jit(do_not_specialize=_FORWARD_PER_CALL)
+def forward_dispatch_kernel(
+    plan,  # [PLAN_FIELDS] int64
+    peer_ptrs,  # [R] int64
+    fwd_slots,  # [M, TMAX, N] int32: slot of each node row on each local rank (written, or
+                # read when CACHED)
+    fwd_n,  # [M] int32: node rows from each node (written, or read when CACHED)
+    xstats,  # [4] int64 local: bytes forwarded at [2]
+    tickets,  # [1] int64 ticket word of this kernel
+    epochs,  # [1] int64: the dispatch epoch (this call's)
+    local_base: tl.int64, errors_addr: tl.int64,
+    TMAX: tl.int32, R: tl.int32, L: tl.int32, N: tl.int32, me: tl.int32,
+    ROW_BYTES: tl.int64, PAYLOAD: tl.int64,  # bytes between rows; bytes of a row that travel
+    META_STRIDE: tl.constexpr, NODE_META: tl.constexpr, CACHED: tl.constexpr,
+    ALIGN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, NUM_THREADS: tl.constexpr,
+):
+    """Program ``(a, p)``: the rows node ``a``'s source with this local index sent here, stored
+    into the staging of every rank of this node that gets them (slot >= 0), with their
+    metadata; the last program copies the counts and publishes the sources' epochs."""
+    a = tl.program_id(0)
+    p = tl.program_id(1)
+    P = tl.num_programs(1)
+    epoch = tl.load(epochs)
+    parity = epoch % 2
+    my_node = me // N
+    src = a * N + me % N
+    forwarded = tl.zeros([1], tl.int64)
+    if a != my_node:
+        fwd_counts = local_ptr(local_base, _off(plan, FWD_COUNTS, parity, a), tl.int32, 4)
+        if CACHED:
+            n = tl.load(fwd_n + a)
+        else:
+            n = tl.load(fwd_counts + N * (L + 1))
+            if p == 0:
+                tl.store(fwd_n + a, n)
+        rows = local_ptr(local_base, _off(plan, FWD_ROWS, parity, a), tl.uint8, ALIGN)
+        meta = local_ptr(local_base, _off(plan, FWD_META, parity, a), tl.int32, 4)
+        d_rows_off = _off(plan, D_ROWS, parity, src)
+        d_meta_off = _off(plan, D_META, parity, src)
+        for j0 in range(p * BLOCK_T, n, P * BLOCK_T):
+            j = j0 + tl.arange(0, BLOCK_T)
+            jm = j < n
+            j64 = j.to(tl.int64)
+            slots_at = fwd_slots + (a * TMAX + j64) * N
+            for dl in range(N):
+                if CACHED:
+                    slot = tl.load(slots_at + dl, mask=jm, other=-1).to(tl.int64)
+                else:
+                    slot = tl.load(meta + j64 * NODE_META + META_STRIDE + dl, mask=jm,
+                                   other=-1).to(tl.int64)
+                    tl.store(slots_at + dl, slot.to(tl.int32), mask=jm)
+                sm = slot >= 0
+                d = my_node * N + dl
+                dst = peer_ptr(peer_ptrs, d, d_rows_off, tl.uint8, ALIGN) + slot * ROW_BYTES
+                for b0 in range(0, PAYLOAD, BLOCK_B):
+                    b = b0 + tl.arange(0, BLOCK_B)
+                    bm = b < PAYLOAD
+                    tile = tl.load(rows + j64[:, None] * ROW_BYTES + b[None, :],
+                                   mask=jm[:, None] & bm[None, :])
+                    tl.store(dst[:, None] + b[None, :], tile,  # gate: row
+                             mask=sm[:, None] & bm[None, :])
+                if not CACHED:
+                    mm = tl.arange(0, BLOCK_M)
+                    mk = sm[:, None] & (mm < META_STRIDE)[None, :]
+                    words = tl.load(meta + j64[:, None] * NODE_META + mm[None, :], mask=mk)
+                    dst_meta = peer_ptr(peer_ptrs, d, d_meta_off, tl.int32, 4) \
+                        + slot * META_STRIDE
+                    tl.store(dst_meta[:, None] + mm[None, :], words, mask=mk)
+                forwarded += tl.sum(sm.to(tl.int64), axis=0) \
+                    * (PAYLOAD + (1 - CACHED) * 4 * META_STRIDE)
+    tl.atomic_add(xstats + 2 + tl.arange(0, 1), forwarded, sem="relaxed")
+    if draw_last_of(tickets, tl.num_programs(0) * P):
+        if not timed_out(errors_addr.to(tl.pointer_type(tl.int64)), NUM_THREADS):
+            cc = tl.arange(0, BLOCK_C)
+            for a2 in range(R // N):
+                if a2 != my_node:
+                    src2 = a2 * N + me % N
+                    for dl in range(N):
+                        d = my_node * N + dl
+                        if not CACHED:
+                            fc = local_ptr(local_base, _off(plan, FWD_COUNTS, parity, a2),
+                                           tl.int32, 4)
+                            c = tl.load(fc + dl * (L + 1) + cc, mask=cc < L + 1)
+                            dst_counts = peer_ptr(peer_ptrs, d, _off(plan, D_COUNTS, parity, src2),
+                                                  tl.int32, 4)
+                            tl.store(dst_counts + cc, c, mask=cc < L + 1)
+                        tl.debug_barrier()
+                        publish_epoch(peer_ptrs, d, _at(plan, D_SIGNALS) + src2 * 8, epoch)
+
+
+_FORWARD_COMBINE_PER_CALL = ["local_base", "ring_addr", "errors_addr", "timeout_ns", "me"]
+
+
+@triton.jit(do_not_specialize=_FORWARD_COMBINE_PER_CALL)
+def forward_combine_kernel(
+    hc_rows,  # [P, M, N, TMAX, H] local: partials of each local rank for remote sources
+    hc_meta,  # [P, M, N, TMAX, KMAX] float32 local (HAS_PAIR)
+    box_rows,  # [P, M, TMAX, H] local outbox px_combine_rows
+    box_meta,  # [P, M, TMAX, KMAX] float32 local outbox px_combine_meta (HAS_PAIR)
+    fwd_slots,  # [M, TMAX, N] int32 (from the dispatch's handle)
+    fwd_n,  # [M] int32
+    plan, xstats, tickets,
+    epochs,  # [1] int64: the combine epoch (this call's)
+    local_base: tl.int64, ring_addr: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
+    TMAX: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, N: tl.int32, me: tl.int32,
+    RING_SLOTS: tl.int32,
+    HC_PARITY: tl.int64, HC_META_PARITY: tl.int64,  # elements between parities
+    BOX_PARITY: tl.int64, BOX_META_PARITY: tl.int64,
+    KMAX: tl.constexpr, HAS_PAIR: tl.constexpr, ACC_FP64: tl.constexpr, EVEN_H: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_THREADS: tl.constexpr,
+):
+    """Program ``(a, p)``: for each node row from node ``a``, the sum in local-rank order of
+    this node's partials (fp32, rounded once) into the outbox; the last program posts one
+    transfer per source node to the source (this local index there)."""
+    a = tl.program_id(0)
+    p = tl.program_id(1)
+    P = tl.num_programs(1)
+    M = R // N
+    epoch = tl.load(epochs)
+    parity = epoch % 2
+    my_node = me // N
+    summed = tl.zeros([1], tl.int64)
+    if a != my_node:
+        n = tl.load(fwd_n + a)
+        hc = hc_rows + parity * HC_PARITY + a.to(tl.int64) * N * TMAX * H
+        box = box_rows + parity * BOX_PARITY + a.to(tl.int64) * TMAX * H
+        for j0 in range(p * BLOCK_T, n, P * BLOCK_T):
+            j = j0 + tl.arange(0, BLOCK_T)
+            jm = j < n
+            j64 = j.to(tl.int64)
+            for h0 in range(0, H, BLOCK_H):
+                h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
+                acc = acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64)
+                for dl in range(N):
+                    slot = tl.load(fwd_slots + (a * TMAX + j64) * N + dl, mask=jm,
+                                   other=-1).to(tl.int64)
+                    v = tl.load(hc + (dl * TMAX + slot)[:, None] * H + h[None, :],
+                                mask=(slot >= 0)[:, None] & hm[None, :], other=0.0)
+                    acc += v.to(acc.dtype)
+                tl.store(box + j64[:, None] * H + h[None, :],  # gate: row
+                         cast_rne(acc, box_rows.dtype.element_ty), mask=jm[:, None] & hm[None, :])
+            if HAS_PAIR:
+                kk = tl.arange(0, BLOCK_K)
+                m2 = jm[:, None] & (kk < K)[None, :]
+                pacc = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+                hm_ = hc_meta + parity * HC_META_PARITY + a.to(tl.int64) * N * TMAX * KMAX
+                for dl in range(N):
+                    slot = tl.load(fwd_slots + (a * TMAX + j64) * N + dl, mask=jm,
+                                   other=-1).to(tl.int64)
+                    pacc += tl.load(hm_ + (dl * TMAX + slot)[:, None] * KMAX + kk[None, :],
+                                    mask=m2 & (slot >= 0)[:, None], other=0.0)
+                bm_ = box_meta + parity * BOX_META_PARITY + a.to(tl.int64) * TMAX * KMAX
+                tl.store(bm_ + j64[:, None] * KMAX + kk[None, :], pacc, mask=m2)
+            summed += tl.sum(jm.to(tl.int64), axis=0)
+    row_bytes = H * box_rows.dtype.element_ty.primitive_bitwidth // 8
+    tl.atomic_add(xstats + 1 + tl.arange(0, 1), summed * (row_bytes + HAS_PAIR * 4 * K),
+                  sem="relaxed")
+    if draw_last_of(tickets, tl.num_programs(0) * P):
+        if not timed_out(errors_addr.to(tl.pointer_type(tl.int64)), NUM_THREADS):
+            for a2 in range(M):
+                if a2 != my_node:
+                    n2 = tl.load(fwd_n + a2).to(tl.int64)
+                    if one_thread():
+                        post_transfer(
+                            ring_addr, RING_SLOTS, a2 * N + me % N, _at(plan, COMB_SIGNAL), epoch,
+                            1 + HAS_PAIR,
+                            _off(plan, PXC_ROWS, parity, a2),
+                            _at(plan, HCOMB_ROWS) + parity * _at(plan, HCOMB_ROWS_PAR),
+                            row_bytes, row_bytes, n2,
+                            _off(plan, PXC_META, parity, a2),
+                            _at(plan, HCOMB_META) + parity * _at(plan, HCOMB_META_PAR),
+                            4 * K, 4 * KMAX, n2,
+                            0, 0, 0, 0, 0,
+                            errors_addr.to(tl.pointer_type(tl.int64)), timeout_ns)
+
+
+@triton.jit
+def post_combine_flat(plan, slot_counts, R, N, me, epoch, parity, row_bytes, K,
+                      KMAX: tl.constexpr, HAS_PAIR: tl.constexpr, ring_addr, RING_SLOTS,
+                      errors_addr, timeout_ns):
+    """Flat combine: one transfer per home rank on another node, from the outbox slice the
+    combine send filled (call from one thread of the last program)."""
+    for s in range(R):
+        if s // N != me // N:
+            n = tl.load(slot_counts + s).to(tl.int64)
+            post_transfer(
+                ring_addr, RING_SLOTS, s, _at(plan, COMB_SIGNAL), epoch, 1 + HAS_PAIR,
+                _off(plan, PXC_ROWS, parity, s),
+                _at(plan, COMB_ROWS) + parity * _at(plan, COMB_ROWS_PAR), row_bytes, row_bytes,
+                n,
+                _off(plan, PXC_META, parity, s),
+                _at(plan, COMB_META) + parity * _at(plan, COMB_META_PAR), 4 * K, 4 * KMAX, n,
+                0, 0, 0, 0, 0, errors_addr.to(tl.pointer_type(tl.int64)), timeout_ns)
+
+
+# ------------------------------------------------------------------------------- launchers
+def outbox_grid(max_tokens: int, hidden: int, num_sms: int | None, flavour: Flavour,
+                elem_bytes: int) -> int:
+    tile = tiles("dispatch_send", flavour.compiled, hidden, elem_bytes)
+    return persistent_programs(triton.cdiv(max_tokens, tile.block_t), num_sms)
+
+
+def outbox_dispatch(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, node_slot_of,
+                    counts, target_counts, plan, xstats, tickets, epochs, *, rank: int,
+                    world_size: int, num_local_experts: int, meta_stride: int,
+                    node_meta_stride: int, max_topk: int, grid: int, topk: int,
+                    row_bytes: int, fp8: int = 0, ue8m0: bool = False, flavour: Flavour) -> bool:
+    """Launches :func:`outbox_dispatch_kernel` (``topk_idx=None``: the cached form, rows only)."""
+    T, H = x.shape
+    tile = tiles("dispatch_send", flavour.compiled, H, 1 if fp8 else x.element_size())
+    send_meta = topk_idx is not None
+    dummy = slot_of
+    N = flavour.ranks_per_node
+    if fp8 == 2:
+        x = x.view(torch.uint8)
+    outbox_dispatch_kernel[(grid,)](
+        x, x_scales if fp8 == 2 else dummy, topk_idx if send_meta else dummy,
+        topk_weights if topk_weights is not None else dummy, pair_pos if send_meta else dummy,
+        slot_of, node_slot_of if flavour.hierarchical else dummy,
+        counts if send_meta else dummy, target_counts, plan, xstats, tickets, epochs,
+        flavour.local_base, flavour.ring_addr, flavour.errors_addr, flavour.timeout_ns,
+        T, H, topk, world_size, num_local_experts, N, rank, flavour.ring_slots, row_bytes,
+        META_STRIDE=meta_stride, NODE_META=node_meta_stride, KMAX=max_topk,
+        SEND_META=send_meta, HAS_WEIGHTS=topk_weights is not None, FP8=fp8, UE8M0=ue8m0,
+        HIER=flavour.hierarchical, ALIGN=flavour.row_align, EVEN_H=even(H, tile.block_h),
+        BLOCK_T=tile.block_t, BLOCK_H=tile.block_h,
+        BLOCK_K=triton.next_power_of_2(max(topk, 1)),
+        BLOCK_C=triton.next_power_of_2(N * (num_local_experts + 1) + 1),
+        BLOCK_N=triton.next_power_of_2(N), NUM_THREADS=tile.num_threads,
+        **tile.launch_options())
+    return True
+
+
+def forward_dispatch(plan, peer_ptrs, fwd_slots, fwd_n, xstats, tickets, epochs, *, rank: int,
+                     num_local_experts: int, max_tokens: int, row_bytes: int, payload: int,
+                     meta_stride: int, node_meta_stride: int, cached: bool,
+                     flavour: Flavour) -> bool:
+    """Launches :func:`forward_dispatch_kernel` on grid ``(M, P)``."""
+    R, N = peer_ptrs.numel(), flavour.ranks_per_node
+    tile = tiles("dispatch_expand", flavour.compiled, 1024, 1)
+    block_b = 16 * tile.num_threads if flavour.compiled else 2048
+    P = 1 if not flavour.compiled else max(1, min(triton.cdiv(max_tokens, tile.block_t), 32))
+    forward_dispatch_kernel[(R // N, P)](
+        plan, peer_ptrs, fwd_slots, fwd_n, xstats, tickets, epochs, flavour.local_base,
+        flavour.errors_addr, max_tokens, R, num_local_experts, N, rank, row_bytes, payload,
+        META_STRIDE=meta_stride, NODE_META=node_meta_stride, CACHED=cached,
+        ALIGN=flavour.row_align, BLOCK_T=tile.block_t, BLOCK_B=block_b,
+        BLOCK_M=triton.next_power_of_2(meta_stride),
+        BLOCK_C=triton.next_power_of_2(num_local_experts + 1), NUM_THREADS=tile.num_threads,
+        **tile.launch_options())
+    return True
+
+
+def forward_combine(hc_rows, hc_meta, box_rows, box_meta, fwd_slots, fwd_n, plan, xstats,
+                    tickets, epochs, *, rank: int, world_size: int, topk: int, max_topk: int,
+                    has_pair: bool, flavour: Flavour) -> bool:
+    """Launches :func:`forward_combine_kernel` on grid ``(M, P)``."""
+    P_, M, N, TMAX, H = hc_rows.shape
+    tile = tiles("combine_send", flavour.compiled, H, max(4, hc_rows.element_size()))
+    P = 1 if not flavour.compiled else max(1, min(triton.cdiv(TMAX, tile.block_t), 32))
+    forward_combine_kernel[(M, P)](
+        hc_rows, hc_meta, box_rows, box_meta, fwd_slots, fwd_n, plan, xstats, tickets, epochs,
+        flavour.local_base, flavour.ring_addr, flavour.errors_addr, flavour.timeout_ns,
+        TMAX, H, topk, world_size, N, rank, flavour.ring_slots, hc_rows.stride(0),
+        hc_meta.stride(0), box_rows.stride(0), box_meta.stride(0), KMAX=max_topk,
+        HAS_PAIR=has_pair, ACC_FP64=hc_rows.dtype == torch.float64,
+        EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t, BLOCK_H=tile.block_h,
+        BLOCK_K=triton.next_power_of_2(max(topk, 1)), NUM_THREADS=tile.num_threads,
+        **tile.launch_options())
+    return True

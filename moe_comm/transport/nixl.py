@@ -1,0 +1,261 @@
+"""``nixl``: the proxy transport. One host thread per rank moves what the kernels post.
+
+Construction (collective over the torch group): every rank starts a NIXL agent, registers its
+whole symmetric segment once, and the agents' metadata and segment addresses go round with
+``all_gather_object``; each rank adds the agents of the peers it sends to or hears from (other
+nodes only: peers on its own node have pointers).
+
+The thread loops, never blocking on anything but short sleeps when idle:
+
+1. **drain the ring** (``moe_comm.kernels.proxy``): for each published descriptor, one NIXL
+   WRITE of its segments into the peer's segment, with a notification that carries (signal
+   offset, value); a descriptor without data sends the notification alone;
+2. **complete transfers**: ``check_xfer_state``; ``ERR``, or one still running after the
+   timeout, fails the transport towards that peer;
+3. **apply notifications**: NIXL delivers a notification only after its transfer's data is in
+   place, so raising the local signal word then (to the larger of the two values) is the
+   release: a waiter that sees the epoch sees the rows.
+
+Failures are kept (``failure``) and raised as :class:`TransportError` naming the peer by
+:meth:`check`, which the Buffer's waits call; a stopped thread is a failure too. ``close`` stops
+the thread, waits (bounded) for transfers in flight, deregisters and drops the agent.
+
+Counted here (the bytes NIXL is asked to move): data bytes written into each peer, per channel
+(:meth:`bytes_by_label`), and ``messages_to[p]`` transfers (each also carries a 16-byte
+notification).
+"""
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..kernels.proxy import DESC_WORDS, MAX_SEGMENTS, RING_HEADER
+from .errors import TransportError
+from .select import nixl_backend
+
+_NOTIF = struct.Struct("<qq")  # (signal byte offset, value)
+_IDLE_S = (2e-5, 1e-3)  # sleep between idle polls: from, doubling up to
+_CLOSE_DRAIN_S = 5.0
+
+
+def _import_nixl():
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    try:
+        from nixl_cu13 import nixl_agent, nixl_agent_config
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise ImportError("transport='nixl' needs the nixl-cu13 package "
+                          "(pip install nixl-cu13)") from exc
+    return nixl_agent, nixl_agent_config
+
+
+class NixlProxy:
+    """The proxy of one rank. ``peers``: the ranks this rank exchanges data with through the
+    transport (a rank may only post to those)."""
+
+    _serial = 0
+
+    def __init__(self, group: dist.ProcessGroup, segment: torch.Tensor, rank: int,
+                 world_size: int, peers: list[int], *, timeout_s: float,
+                 backend: str | None = None, slots: int | None = None,
+                 labels: dict[int, str] | None = None):
+        if segment.device.type != "cpu":
+            raise ValueError("the nixl proxy moves host memory on CPU ranks; on GPUs its ring "
+                             "and kernels compile (the static gate) but the host half that "
+                             "applies signals in device memory is not built yet")
+        nixl_agent, nixl_agent_config = _import_nixl()
+        self.rank, self.world_size = rank, world_size
+        self.peers = sorted(set(peers))
+        self.timeout_s = timeout_s
+        self.backend = nixl_backend(backend)
+        self.slots = slots or max(8, 4 * len(self.peers))
+        self.ring = torch.zeros(RING_HEADER + self.slots * DESC_WORDS, dtype=torch.int64)
+        self._ring = self.ring.numpy()
+        self._segment = segment
+        self._words = segment.view(torch.int64).numpy()  # signal words (8-byte aligned)
+        self._labels = dict(labels or {})
+        self._bytes = {label: np.zeros(world_size, dtype=np.int64)
+                       for label in [*self._labels.values(), "other"]}
+        self.messages_to = np.zeros(world_size, dtype=np.int64)
+        self.failure: tuple[int, str] | None = None
+        NixlProxy._serial += 1
+        name = f"moe_comm-{os.getpid()}-{NixlProxy._serial}-r{rank}"
+        self._agent = nixl_agent(name, nixl_agent_config(backends=[self.backend]))
+        self._registered = self._agent.register_memory(segment)
+        infos: list = [None] * world_size
+        dist.all_gather_object(infos, (self._agent.get_agent_metadata(), segment.data_ptr()),
+                               group=group)
+        self._peer_name: dict[int, str] = {}
+        self._peer_base: dict[int, int] = {}
+        for p in self.peers:
+            self._peer_name[p] = self._agent.add_remote_agent(infos[p][0])
+            self._peer_base[p] = int(infos[p][1])
+        self._rank_of = {n: p for p, n in self._peer_name.items()}
+        self._inflight: list[tuple[object, int, float]] = []
+        self._stop = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"moe_comm-proxy-r{rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ kernels' side
+    @property
+    def ring_addr(self) -> int:
+        return self.ring.data_ptr()
+
+    def bytes_by_label(self) -> dict[str, np.ndarray]:
+        """Data bytes posted so far per label of the signal raised after them (the channel:
+        ``labels`` maps signal offsets to names) and per destination rank (copies)."""
+        return {label: b.copy() for label, b in self._bytes.items()
+                if label != "other" or b.any()}
+
+    # ------------------------------------------------------------------ health
+    def check(self) -> None:
+        """Raises TransportError if a transfer failed or the proxy thread stopped."""
+        if self.failure is not None:
+            peer, what = self.failure
+            raise TransportError(self.rank, peer, what, self.timeout_s)
+        if not self._thread.is_alive() and not self._closed:
+            raise TransportError(self.rank, self.rank, "this rank's proxy thread stopped, so "
+                                 "nothing moves to or from other nodes", self.timeout_s)
+
+    def stop_thread(self) -> None:
+        """Stops the thread and leaves everything else as it is (what a crashed proxy leaves:
+        tests use it)."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def close(self) -> None:
+        """Stops the thread after the transfers in flight complete (bounded), then drops the
+        agent and its registration. No thread is left."""
+        if self._closed:
+            return
+        deadline = time.monotonic() + min(self.timeout_s, _CLOSE_DRAIN_S)
+        while (self._inflight or self._pending()) and self._thread.is_alive() \
+                and time.monotonic() < deadline:
+            time.sleep(1e-3)
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._closed = True
+        for h, _, _ in self._inflight:
+            try:
+                self._agent.release_xfer_handle(h)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+        self._inflight = []
+        try:
+            self._agent.deregister_memory(self._registered)
+            for name in self._peer_name.values():
+                self._agent.remove_remote_agent(name)
+        except Exception:  # noqa: BLE001 - a peer may be gone already
+            pass
+        self._agent = None
+        self._segment = None
+        self._words = None
+
+    # ------------------------------------------------------------------ the thread
+    def _pending(self) -> bool:
+        taken = int(self._ring[1])
+        return int(self._ring[RING_HEADER + (taken % self.slots) * DESC_WORDS]) == taken + 1
+
+    def _run(self) -> None:
+        idle = _IDLE_S[0]
+        try:
+            while not self._stop.is_set() and self.failure is None:
+                busy = self._drain_ring()
+                busy |= self._complete()
+                busy |= self._apply_notifications()
+                if busy:
+                    idle = _IDLE_S[0]
+                else:
+                    time.sleep(idle)
+                    idle = min(2 * idle, _IDLE_S[1])
+        except Exception as exc:  # noqa: BLE001 - kept and raised on the Buffer's side
+            self._fail(self.rank, f"the proxy thread failed: {exc!r}")
+
+    def _fail(self, peer: int, what: str) -> None:
+        if self.failure is None:
+            self.failure = (peer, what)
+
+    def _drain_ring(self) -> bool:
+        busy = False
+        while self._pending():
+            taken = int(self._ring[1])
+            d = self._ring[RING_HEADER + (taken % self.slots) * DESC_WORDS:][:DESC_WORDS]
+            peer, signal_off, value, nseg = (int(v) for v in d[1:5])
+            segments = [tuple(int(v) for v in d[5 + 5 * s:10 + 5 * s])
+                        for s in range(min(nseg, MAX_SEGMENTS))]
+            self._post(peer, signal_off, value, segments)
+            self._ring[1] = taken + 1
+            busy = True
+        return busy
+
+    def _post(self, peer: int, signal_off: int, value: int, segments: list[tuple]) -> None:
+        if peer not in self._peer_name:
+            self._fail(peer, f"a kernel posted to rank {peer}, which this rank's transport "
+                             "does not reach")
+            return
+        local_base, peer_base = self._segment.data_ptr(), self._peer_base[peer]
+        local, remote, total = [], [], 0
+        for src, dst, nbytes, stride, rows in segments:
+            if nbytes <= 0 or rows <= 0:
+                continue
+            total += nbytes * rows
+            if nbytes == stride:  # contiguous rows: one entry
+                local.append((local_base + src, nbytes * rows, 0))
+                remote.append((peer_base + dst, nbytes * rows, 0))
+                continue
+            for r in range(rows):
+                local.append((local_base + src + r * stride, nbytes, 0))
+                remote.append((peer_base + dst + r * stride, nbytes, 0))
+        notif = _NOTIF.pack(signal_off, value)
+        name = self._peer_name[peer]
+        self.messages_to[peer] += 1
+        self._bytes[self._labels.get(signal_off, "other")][peer] += total
+        if not local:
+            self._agent.send_notif(name, notif)
+            return
+        handle = self._agent.initialize_xfer(
+            "WRITE", self._agent.get_xfer_descs(local, "DRAM"),
+            self._agent.get_xfer_descs(remote, "DRAM"), name, notif)
+        state = self._agent.transfer(handle)
+        if state == "ERR":
+            self._agent.release_xfer_handle(handle)
+            self._fail(peer, "NIXL reported an error posting a transfer")
+            return
+        self._inflight.append((handle, peer, time.monotonic()))
+
+    def _complete(self) -> bool:
+        if not self._inflight:
+            return False
+        still, now = [], time.monotonic()
+        for handle, peer, start in self._inflight:
+            state = self._agent.check_xfer_state(handle)
+            if state == "PROC":
+                if now - start > self.timeout_s:
+                    self._fail(peer, f"a transfer did not complete in {self.timeout_s:g} s")
+                still.append((handle, peer, start))
+                continue
+            self._agent.release_xfer_handle(handle)
+            if state == "ERR":
+                self._fail(peer, "NIXL reported a failed transfer (is the peer gone?)")
+        busy = len(still) != len(self._inflight)
+        self._inflight = still
+        return busy
+
+    def _apply_notifications(self) -> bool:
+        notifs = self._agent.get_new_notifs()
+        busy = False
+        for messages in notifs.values():
+            for msg in messages:
+                signal_off, value = _NOTIF.unpack(msg)
+                word = signal_off // 8
+                if self._words[word] < value:
+                    self._words[word] = value
+                busy = True
+        return busy

@@ -1,0 +1,66 @@
+"""Jobs for CPU ranks grouped into nodes (the proxy transport): ``job(rank, world_size, ...)``."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+import moe_comm
+from cases import Case, expert_fn, make_inputs
+from moe_comm import reference
+
+
+def new_buffer(case: Case, ranks_per_node: int, hierarchical: bool, **kwargs):
+    return moe_comm.Buffer(dist.group.WORLD, hidden=case.hidden, num_experts=case.num_experts,
+                           max_tokens_per_rank=case.max_tokens, dtype=case.dtype,
+                           ranks_per_node=ranks_per_node, transport="nixl",
+                           hierarchical=hierarchical, **kwargs)
+
+
+def nodes_case(rank, world_size, case: Case, ranks_per_node: int, hierarchical: bool,
+               iterations: int = 2, straggle_s: float = 0.0, fp8: bool = False,
+               ue8m0: bool = False) -> dict:
+    """Dispatch + combine ``iterations`` times against the reference (bit for bit); returns
+    what the proxy and kernels counted."""
+    delay = random.Random(1000 * case.seed + rank)
+    N = ranks_per_node
+    with new_buffer(case, N, hierarchical) as buf:
+        assert buf.transport == "nixl" and buf.hierarchical == hierarchical
+        for it in range(iterations):
+            xs, idxs, ws = make_inputs(case, it)
+            if straggle_s:
+                time.sleep(delay.uniform(0, straggle_s))
+            res = buf.dispatch(xs[rank], idxs[rank], ws[rank] if ws else None,
+                               expert_alignment=case.alignment, fp8=fp8, ue8m0=ue8m0)
+            want = reference.dispatch_all(xs, idxs, ws, num_experts=case.num_experts,
+                                          expert_alignment=case.alignment, fp8=fp8, ue8m0=ue8m0)
+            for field in ("x", "x_scales", "weights", "src_rank", "src_token",
+                          "tokens_per_expert", "expert_offsets"):
+                a, b = getattr(res, field, None), getattr(want[rank], field, None)
+                if b is None:
+                    assert a is None, (rank, field)
+                    continue
+                if a.dtype == torch.float8_e4m3fn:
+                    a, b = a.view(torch.uint8), b.view(torch.uint8)
+                assert torch.equal(a, b), f"rank {rank}: {field} differs in iteration {it}"
+            if straggle_s:
+                time.sleep(delay.uniform(0, straggle_s))
+            if fp8:
+                scales = [reference.unpack_ue8m0(w.x_scales, case.hidden // 128) if ue8m0
+                          else w.x_scales for w in want]
+                ys = [reference.dequantize_fp8(w.x, s).to(case.dtype)
+                      for w, s in zip(want, scales)]
+            else:
+                ys = [expert_fn(w.x, w.expert_offsets) for w in want]
+            out = buf.combine(ys[rank], res.handle, weights=res.weights)
+            ref = reference.combine_all(ys, [w.handle for w in want], [w.weights for w in want],
+                                        hierarchical_nodes=N if hierarchical else None)
+            assert torch.equal(out, ref[rank]), f"rank {rank}: combine differs in iteration {it}"
+        report = {"stats": buf.stats(), "internode": buf.internode_bytes(),
+                  "launches": dict(buf.launches), "peer_ptrs": buf.heap.peer_ptrs.tolist()}
+    report["threads"] = sorted(t.name for t in threading.enumerate()
+                               if t.name.startswith("moe_comm"))
+    return report

@@ -19,8 +19,9 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 from . import lockstep, reference  # noqa: E402
 from .buffer import Buffer  # noqa: E402
 from .kernels.comm import PeerTimeoutError  # noqa: E402
+from .transport import TransportError  # noqa: E402
 from .types import DispatchHandle, DispatchResult  # noqa: E402
 
-__all__ = ["Buffer", "DispatchResult", "DispatchHandle", "PeerTimeoutError", "lockstep",
-           "reference"]
+__all__ = ["Buffer", "DispatchResult", "DispatchHandle", "PeerTimeoutError", "TransportError",
+           "lockstep", "reference"]
 __version__ = "0.1.0"

@@ -64,3 +64,63 @@ def nodes_case(rank, world_size, case: Case, ranks_per_node: int, hierarchical: 
     report["threads"] = sorted(t.name for t in threading.enumerate()
                                if t.name.startswith("moe_comm"))
     return report
+
+
+def mapped_segments() -> int:
+    """How many moe_comm shared-memory segments this process has mapped."""
+    with open("/proc/self/maps") as maps:
+        return len({line.split()[-2] if line.rstrip().endswith("(deleted)") else
+                    line.split()[-1] for line in maps if "/moe_comm_" in line})
+
+
+def no_pointer_to_another_node(rank, world_size, case: Case, ranks_per_node: int) -> dict:
+    """The kernels hold no pointer to another node: 0 in the table, segment not even mapped."""
+    with new_buffer(case, ranks_per_node, True) as buf:
+        return {"peer_ptrs": buf.heap.peer_ptrs.tolist(), "mapped": mapped_segments()}
+
+
+def cross_node_bytes(rank, world_size, case: Case, ranks_per_node: int,
+                     hierarchical: bool) -> dict:
+    """One dispatch and one combine; the bytes the transport was asked to move per peer, and
+    the rows that went to each rank and each node."""
+    xs, idxs, ws = make_inputs(case)
+    L, N = case.num_experts // world_size, ranks_per_node
+    with new_buffer(case, N, hierarchical, max_topk=case.topk) as buf:
+        res = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+        after_dispatch = buf.internode_bytes()
+        buf.combine(expert_fn(res.x, res.expert_offsets), res.handle, res.weights)
+        after_combine = buf.internode_bytes()
+        stats = buf.stats()
+
+    def goes(s: int, ranks) -> int:  # tokens of rank s with an expert on any of ``ranks``
+        return sum(1 for row in idxs[s].tolist()
+                   if any(e >= 0 and e // L in ranks for e in row))
+
+    node = lambda r: range(r // N * N, r // N * N + N)  # noqa: E731
+    return {"dispatch": after_dispatch["dispatch"], "combine": after_combine["combine"],
+            "stats": stats,
+            "to_rank": [goes(rank, [d]) for d in range(world_size)],
+            "to_node": [goes(rank, node(b * N)) for b in range(world_size // N)],
+            "from_node": [goes(s, node(rank)) for s in range(world_size)]}
+
+
+def stopped_proxy(rank, world_size, case: Case, ranks_per_node: int, victim: int,
+                  timeout_s: float) -> dict:
+    """One good call, then ``victim`` stops its proxy thread while the others are in their
+    next dispatch: every rank must raise within the timeout, saying which peer failed it."""
+    xs, idxs, ws = make_inputs(case)
+    with new_buffer(case, ranks_per_node, True, timeout_s=timeout_s) as buf:
+        res = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+        buf.combine(expert_fn(res.x, res.expert_offsets), res.handle, res.weights)
+        dist.barrier()
+        if rank == victim:
+            time.sleep(0.5)
+            buf.proxy.stop_thread()
+        start = time.monotonic()
+        try:
+            res = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+            buf.combine(expert_fn(res.x, res.expert_offsets), res.handle, res.weights)
+        except moe_comm.PeerTimeoutError as exc:
+            return {"kind": type(exc).__name__, "peer": exc.peer, "via": exc.via,
+                    "message": str(exc), "seconds": time.monotonic() - start}
+    return {"kind": None}

@@ -125,8 +125,9 @@ def bad_expert_row(rank, world_size, case: Case, bad_rank: int, kind: str) -> di
     return report
 
 
-def gradients(rank, world_size, case: Case) -> None:
-    """Forward and backward through moe_comm and through the reference give equal gradients."""
+def gradients(rank, world_size, case: Case, **buffer_kwargs) -> None:
+    """Forward and backward through moe_comm and through the reference give equal gradients
+    (``buffer_kwargs``: e.g. nodes and a transport)."""
     xs, idxs, ws = make_inputs(case)
     g = torch.Generator().manual_seed(7 + rank)
     grad_out = torch.randn((case.tokens[rank], case.hidden), generator=g, dtype=case.dtype)
@@ -143,7 +144,7 @@ def gradients(rank, world_size, case: Case) -> None:
         (out * grad_out).sum().backward()
         return x.grad, w.grad, y_leaf.grad, out.detach()
 
-    with new_buffer(case) as buf:
+    with new_buffer(case, **buffer_kwargs) as buf:
         ours = run(lambda x, i, w: buf.dispatch(x, i, w, expert_alignment=case.alignment),
                    lambda y, res, w: _combine_latest(buf, y, res, w))
     ref = run(lambda x, i, w: reference.dispatch(x, i, w, case.num_experts,

@@ -13,5 +13,5 @@ class TransportError(PeerTimeoutError):
         RuntimeError.__init__(
             self, f"moe_comm rank {rank}: the transport to rank {peer} failed: {what} "
             f"(timeout {timeout_s:g} s)")
-        self.rank, self.peer, self.channel = rank, peer, "transport"
+        self.rank, self.peer, self.channel, self.via = rank, peer, "transport", None
         self.expected = self.observed = -1

@@ -1,0 +1,108 @@
+"""CPU ranks grouped into nodes: every byte between nodes moves through the NIXL proxy."""
+import pytest
+import torch
+
+from cases import Case
+from internode_jobs import cross_node_bytes, no_pointer_to_another_node, nodes_case, stopped_proxy
+from rank_jobs import gradients
+
+pytest.importorskip("nixl_cu13")
+
+# (nodes x ranks per node, hierarchical, case, stragglers, fp8, ue8m0)
+SETUPS = [
+    ((2, 2), False, Case(4, 16, 128, 4, (13, 0, 9, 21), torch.bfloat16, "zipf", 16, seed=41),
+     0.0, False, False),
+    ((2, 2), True, Case(4, 16, 128, 4, (13, 0, 9, 21), torch.bfloat16, "zipf", 16, seed=41),
+     0.05, False, False),
+    ((2, 2), True, Case(4, 8, 256, 2, (7, 12, 0, 16), torch.bfloat16, "uniform", 1, seed=42),
+     0.0, True, False),
+    ((2, 2), True, Case(4, 16, 256, 4, (10, 3, 14, 0), torch.float16, "one_expert", 1,
+                        seed=43), 0.0, True, True),
+    ((4, 2), True, Case(8, 32, 128, 4, (6, 0, 9, 4, 11, 2, 7, 5), torch.bfloat16, "uniform", 1,
+                        seed=44), 0.03, False, False),
+    ((4, 2), False, Case(8, 16, 64, 2, (5, 8, 0, 3, 6, 4, 9, 1), torch.float32, "empty_rank", 1,
+                         seed=45), 0.0, False, False),
+    ((2, 4), True, Case(8, 32, 128, 8, (9, 4, 0, 12, 6, 3, 8, 11), torch.bfloat16, "zipf", 16,
+                        seed=46), 0.03, False, False),
+]
+
+
+def _id(setup) -> str:
+    (m, n), hier, case, straggle, fp8, ue8m0 = setup
+    return (f"{m}x{n}-{'hier' if hier else 'flat'}-{case}"
+            + ("-stragglers" if straggle else "") + ("-fp8" if fp8 else "")
+            + ("-ue8m0" if ue8m0 else ""))
+
+
+@pytest.mark.parametrize("setup", SETUPS, ids=_id)
+def test_nodes_match_reference_bit_for_bit(ranks, setup):
+    (m, n), hier, case, straggle, fp8, ue8m0 = setup
+    reports = ranks(m * n).run(nodes_case, case, n, hier, iterations=3, straggle_s=straggle,
+                               fp8=fp8, ue8m0=ue8m0)
+    for rank, rep in enumerate(reports):
+        assert rep["threads"] == [], f"rank {rank}: threads left: {rep['threads']}"
+        # nothing between nodes moved by stores: every byte across went through the proxy
+        remote = [p for p in range(m * n) if p // n != rank // n]
+        assert all(rep["peer_ptrs"][p] == 0 for p in remote), rank
+        assert rep["stats"]["internode_dispatch_bytes"] > 0 or case.routing == "empty_rank"
+
+
+def test_kernels_hold_no_pointer_to_another_node(ranks):
+    case = Case(4, 8, 64, 2, (4, 4, 4, 4))
+    for rank, rep in enumerate(ranks(4).run(no_pointer_to_another_node, case, 2)):
+        node = rank // 2
+        assert [p != 0 for p in rep["peer_ptrs"]] == [p // 2 == node for p in range(4)], rank
+        assert rep["mapped"] == 2, f"rank {rank} maps {rep['mapped']} segments, not its node's 2"
+
+
+def test_gradients_across_nodes(ranks):
+    case = Case(4, 16, 64, 4, (9, 5, 0, 12), torch.float64, "uniform", 16, seed=47)
+    ranks(4).run(gradients, case, ranks_per_node=2, transport="nixl")
+
+
+def _cross_node(ranks, case, n, hier):
+    return ranks(case.world_size).run(cross_node_bytes, case, n, hier)
+
+
+def test_hierarchical_cross_node_bytes_are_the_minimum_and_below_flat(ranks):
+    """Dispatch: per token, one row per other node it has experts on, with its metadata
+    (1 + 3K words, K = the Buffer's max_topk) and the slot on each of the node's N ranks (N
+    words); per (source, other node) one message with the node's counts (N (L + 1) + 1
+    words). Combine: one row per token per other node. Flat: the same per destination rank."""
+    R, N, E, H, K = 8, 4, 32, 128, 8
+    case = Case(R, E, H, K, (24, 17, 30, 9, 21, 0, 28, 12), torch.bfloat16, "uniform", 1,
+                seed=48)
+    L, row = E // R, H * 2
+    hier = _cross_node(ranks, case, N, True)
+    flat = _cross_node(ranks, case, N, False)
+    total_hier = total_flat = 0
+    for rank in range(R):
+        h, f = hier[rank], flat[rank]
+        for p in range(R):
+            if p // N == rank // N:
+                assert h["dispatch"][p] == f["dispatch"][p] == 0 and h["combine"][p] == 0
+                continue
+            if p % N == rank % N:  # the forwarder of p's node for this rank
+                rows = h["to_node"][p // N]
+                assert h["dispatch"][p] == rows * (row + 4 * (1 + 3 * K + N)) \
+                    + 4 * (N * (L + 1) + 1), (rank, p)
+                assert h["combine"][p] == h["from_node"][p] * row, (rank, p)
+            else:
+                assert h["dispatch"][p] == 0 and h["combine"][p] == 0, (rank, p)
+            assert f["dispatch"][p] == f["to_rank"][p] * (row + 4 * (1 + 3 * K)) \
+                + 4 * (L + 1), (rank, p)
+        total_hier += sum(h["to_node"][b] for b in range(R // N) if b != rank // N)
+        total_flat += sum(f["to_rank"][p] for p in range(R) if p // N != rank // N)
+    # the node-dedup factor of this routing: rows across nodes, flat over hierarchical
+    assert total_flat > 1.5 * total_hier
+
+
+def test_a_stopped_proxy_is_named_by_every_rank_within_the_timeout(ranks):
+    case = Case(4, 8, 64, 2, (6, 5, 7, 4), seed=49)
+    timeout_s, victim = 3.0, 2
+    reports = ranks(4).run(stopped_proxy, case, 2, victim, timeout_s)
+    for rank, rep in enumerate(reports):
+        assert rep["kind"] is not None, f"rank {rank} did not raise"
+        assert rep["seconds"] < timeout_s + 2.0, (rank, rep)
+        assert victim in (rep["peer"], rep["via"]), (rank, rep["message"])
+    assert reports[victim]["kind"] == "TransportError"

@@ -290,6 +290,10 @@ def main(argv=None) -> int:
                         metavar=("HIDDEN", "EXPERTS", "TOPK"),
                         help="the MoE layer of the framework comparison (its experts are real "
                              "MLPs: small by default on CPU)")
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="group the ranks into this many nodes: cross-node bytes of the "
+                             "flat and hierarchical modes through the NIXL proxy "
+                             "(bench/internode_bench.py)")
     parser.add_argument("--system", default="h800",
                         help="perfmodel system for the prediction columns ('' to skip)")
     parser.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results",
@@ -312,6 +316,8 @@ def main(argv=None) -> int:
     for cfg in configs:
         if cfg.experts % args.ranks:
             parser.error(f"{cfg.name}: {cfg.experts} experts do not split over {args.ranks} ranks")
+    if args.nodes > 1:
+        return _internode(args, configs)
     rows = []
     start = time.perf_counter()
     print(f"starting {args.ranks} CPU ranks (Triton interpreter) ...", file=sys.stderr, flush=True)
@@ -347,6 +353,34 @@ def main(argv=None) -> int:
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)
     print(f"rows written to {args.json}")
+    return 0 if all(r["matches_reference"] for r in rows) else 1
+
+
+def _internode(args, configs) -> int:
+    """``--nodes``: the table of bench/internode_bench.py."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import internode_bench
+
+    from moe_comm.launch import RankPool
+
+    if args.ranks % args.nodes:
+        raise SystemExit(f"--ranks {args.ranks} does not split into {args.nodes} nodes")
+    print(f"starting {args.ranks} CPU ranks in {args.nodes} nodes ...", file=sys.stderr,
+          flush=True)
+    with RankPool(args.ranks) as pool:
+        rows = internode_bench.run(pool, args.ranks, configs, args.nodes, args.tokens,
+                                   DTYPES[args.dtype], args.seed)
+    print(f"\nmoe_comm normal mode across {args.nodes} nodes x {args.ranks // args.nodes} CPU "
+          f"ranks (NIXL proxy, UCX), {args.tokens} tokens per rank, {args.dtype}, uniform "
+          "routing; MB = 1e6 bytes, summed over ranks\n")
+    print(internode_bench.format_rows(rows))
+    print("\nproxy/bare: CPU times of NIXL transfers between processes of one machine, not GPU "
+          "or NIC performance. model: moe_comm.perfmodel (uniform routing).")
+    path = args.json.replace(".json", "_internode.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"rows written to {path}")
     return 0 if all(r["matches_reference"] for r in rows) else 1
 
 

@@ -1,9 +1,9 @@
 """CPU ranks grouped into nodes: every byte between nodes moves through the NIXL proxy."""
 import pytest
 import torch
+from internode_jobs import cross_node_bytes, no_pointer_to_another_node, nodes_case, stopped_proxy
 
 from cases import Case
-from internode_jobs import cross_node_bytes, no_pointer_to_another_node, nodes_case, stopped_proxy
 from rank_jobs import gradients
 
 pytest.importorskip("nixl_cu13")

@@ -82,6 +82,7 @@ class NixlProxy:
         self._bytes = {label: np.zeros(world_size, dtype=np.int64)
                        for label in [*self._labels.values(), "other"]}
         self.messages_to = np.zeros(world_size, dtype=np.int64)
+        self.transfer_seconds = 0.0  # summed from posting each WRITE to seeing it DONE
         self.failure: tuple[int, str] | None = None
         NixlProxy._serial += 1
         name = f"moe_comm-{os.getpid()}-{NixlProxy._serial}-r{rank}"
@@ -217,13 +218,17 @@ class NixlProxy:
         name = self._peer_name[peer]
         self.messages_to[peer] += 1
         self._bytes[self._labels.get(signal_off, "other")][peer] += total
-        if not local:
-            self._agent.send_notif(name, notif)
+        try:
+            if not local:
+                self._agent.send_notif(name, notif)
+                return
+            handle = self._agent.initialize_xfer(
+                "WRITE", self._agent.get_xfer_descs(local, "DRAM"),
+                self._agent.get_xfer_descs(remote, "DRAM"), name, notif)
+            state = self._agent.transfer(handle)
+        except Exception as exc:  # noqa: BLE001 - NIXL raises for a lost peer
+            self._fail(peer, f"NIXL: {exc!r}")
             return
-        handle = self._agent.initialize_xfer(
-            "WRITE", self._agent.get_xfer_descs(local, "DRAM"),
-            self._agent.get_xfer_descs(remote, "DRAM"), name, notif)
-        state = self._agent.transfer(handle)
         if state == "ERR":
             self._agent.release_xfer_handle(handle)
             self._fail(peer, "NIXL reported an error posting a transfer")
@@ -235,13 +240,18 @@ class NixlProxy:
             return False
         still, now = [], time.monotonic()
         for handle, peer, start in self._inflight:
-            state = self._agent.check_xfer_state(handle)
+            try:
+                state = self._agent.check_xfer_state(handle)
+            except Exception as exc:  # noqa: BLE001 - NIXL raises for a lost peer
+                state = "ERR"
+                self._fail(peer, f"NIXL: {exc!r}")
             if state == "PROC":
                 if now - start > self.timeout_s:
                     self._fail(peer, f"a transfer did not complete in {self.timeout_s:g} s")
                 still.append((handle, peer, start))
                 continue
             self._agent.release_xfer_handle(handle)
+            self.transfer_seconds += now - start
             if state == "ERR":
                 self._fail(peer, "NIXL reported a failed transfer (is the peer gone?)")
         busy = len(still) != len(self._inflight)

@@ -120,7 +120,8 @@ class Buffer(NormalMode, LowLatencyMode):
                       dispatch_dtype)
         nodes = Nodes.of(world_size, ranks_per_node, [c["host"] for c in configs], device)
         chosen = choose_backend(backend, device, nodes.num_hosts)
-        via = choose_transport(transport, device, nodes.count)
+        # IBGDA is not probed: GPUs keep NVSHMEM across nodes unless "nixl" is asked for
+        via = choose_transport(transport, device, nodes.count, ibgda=device.type == "cuda")
         nixl_backend = nixl_backend_name(nixl_backend) if via == "nixl" else None
         hierarchical = nodes.count > 1 if hierarchical is None else bool(hierarchical)
         if via == "nixl" and (low_latency or env.kernel_waits()):

@@ -4,7 +4,10 @@ A mixin of ``Buffer``: each phase is a method, called with validated inputs by t
 (``moe_comm.ops``) and by the loopback driver (``moe_comm.lockstep``). Launch counts go to
 ``self.launches``: dispatch = layout + send + expand, combine = send + reduce (reduce skipped
 for T = 0); the cached dispatch (combine's backward) is send + expand; with waits in kernels
-each receive adds one ``wait`` launch.
+each receive adds one ``wait`` launch. Through the proxy across nodes a dispatch adds
+``dispatch_outbox`` (and ``dispatch_forward`` in hierarchical mode), a hierarchical combine
+adds ``combine_forward``; the host waits for the forwarders' inputs are reads of numpy views of
+the signal words, not of tensors.
 
 Host reads of device data (``self.host_syncs``): dispatch reads the received-row count once to
 size its output (``rows``), none with ``max_recv_rows``; combine and the cached dispatch read

@@ -22,7 +22,7 @@ def test_opcheck_dispatch_and_combine(max_recv_rows):
                           (buf.id, x, None, idx, w, 1, 0, False, False, max_recv_rows))
     outs = torch.ops.moe_comm.dispatch(buf.id, x, None, idx, w, 1, 0, False, False,
                                        max_recv_rows)
-    y, tpe, offsets, slot_of, slot_rows, slot_off = outs[0], *outs[5:]
+    y, tpe, offsets, slot_of, slot_rows, slot_off = outs[0], *outs[5:10]
     torch.library.opcheck(torch.ops.moe_comm.combine.default,
                           (buf.id, y, outs[2], None, slot_of, slot_rows, slot_off))
     torch.library.opcheck(torch.ops.moe_comm.dispatch_cached.default,

@@ -67,7 +67,10 @@ def quantize_fp8(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, to
     """
     T, H = x.shape
     g = x.float().reshape(T, H // FP8_GROUP, FP8_GROUP)
-    scale = g.abs().amax(-1).clamp(min=1e-4) / 448.0
+    amax = g.abs().amax(-1).clamp(min=1e-4)
+    # divided by a tensor, not a Python number: on CUDA torch turns division by a scalar into
+    # a multiplication by its rounded reciprocal, which can miss the IEEE quotient by an ulp
+    scale = amax / torch.full_like(amax, 448.0)
     if ue8m0:  # NaN and infinity: exponent 255 (E8M0's NaN), an infinite scale
         bits = scale.view(torch.int32)
         exponent = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(torch.int32)

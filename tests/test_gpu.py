@@ -102,6 +102,18 @@ def _csrc_or_skip(kernel_impl: str) -> None:
                     "to build csrc/ (see tests/test_csrc.py)")
 
 
+def test_reference_quantizes_alike_on_the_gpu_and_the_cpu():
+    """The reference runs on whichever device its inputs lie (the benchmark's torch baseline
+    runs it on the GPU): its FP8 codes and scales must not depend on that."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn((2048, 7168), generator=g) * 3).to(torch.bfloat16)
+    for ue8m0 in (False, True):
+        q_gpu, s_gpu = reference.quantize_fp8(x.to(DEV), ue8m0)
+        q_cpu, s_cpu = reference.quantize_fp8(x, ue8m0)
+        same_bytes(s_gpu.cpu(), s_cpu, f"scales ue8m0={ue8m0}")
+        same_bytes(q_gpu.cpu(), q_cpu, f"codes ue8m0={ue8m0}")
+
+
 # ------------------------------------------------------------------------------ normal mode
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 @pytest.mark.parametrize("fp8", [False, True])
@@ -330,13 +342,16 @@ def test_low_latency_host_syncs_on_the_gpu(kernel_impl):
     ys = [torch.zeros(r.x.shape, dtype=case.dtype, device=DEV) for r in recvs]
     lockstep.low_latency_combine(bufs, ys, idxs, ws, [r.handle for r in recvs])
     settle(bufs, "warm-up")
+    # csrc/ does not check ids in its kernels: one small launch per op hands it checked ones
+    check = {"checked_topk_idx": 1} if kernel_impl == "cuda" else {}
     for fp8 in (False, True):
         with _Recorder(bufs) as rec, _NoDeviceSync():
             recvs = lockstep.low_latency_dispatch(bufs, xs, idxs, fp8=fp8)
         assert rec.sync_deltas == [{}] * 4, f"fp8={fp8}"
-        assert rec.launch_deltas == [{"ll_dispatch_send": 1, "ll_dispatch_recv": 1}] * 4
+        assert rec.launch_deltas == [{"ll_dispatch_send": 1, "ll_dispatch_recv": 1,
+                                      **check}] * 4
         with _Recorder(bufs) as rec, _NoDeviceSync():
             lockstep.low_latency_combine(bufs, ys, idxs, ws, [r.handle for r in recvs])
         assert rec.sync_deltas == [{}] * 4, f"fp8={fp8}"
-        assert rec.launch_deltas == [{"ll_combine_send": 1, "ll_combine_recv": 1}] * 4
+        assert rec.launch_deltas == [{"ll_combine_send": 1, "ll_combine_recv": 1, **check}] * 4
         settle(bufs, f"low latency fp8={fp8}")

@@ -125,3 +125,45 @@ def routing_layout(topk_idx: torch.Tensor, world_size: int, num_local_experts: i
                                 BLOCK_K=triton.next_power_of_2(max(K, 1)),
                                 BLOCK_L=triton.next_power_of_2(L), **tile.launch_options())
     return slot_of, pair_pos, counts
+
+
+@triton.jit(do_not_specialize=["errors_addr", "T"])
+def checked_topk_idx_kernel(
+    topk_idx,  # [T, K] int64: expert ids, -1 for an unused choice
+    out,  # [T, K] int64 out: topk_idx with every bad row all -1
+    errors_addr: tl.int64,  # error record: the first bad row of topk_idx
+    T: tl.int32, K: tl.int32, E: tl.int32,
+    RECORD: tl.constexpr,  # record the first bad row (dispatch), or only clear rows (combine)
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One program walks the rows in order, so the row it records is the first bad one."""
+    kk = tl.arange(0, BLOCK_K)
+    errors = errors_addr.to(tl.pointer_type(tl.int64))
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        tm = t < T
+        ids, bad, code, value = checked_ids(topk_idx, t, tm, K, E, BLOCK_K)
+        if RECORD:
+            record_first_bad(errors, t, bad, code, value, T)
+        tl.store(out + t.to(tl.int64)[:, None] * K + kk[None, :], ids.to(tl.int64),
+                 mask=tm[:, None] & (kk < K)[None, :])
+
+
+def checked_topk_idx(topk_idx: torch.Tensor, num_experts: int, flavour: Flavour,
+                     record: bool = True) -> torch.Tensor:
+    """``topk_idx`` [T, K] int64 with every bad row set to -1; with ``record`` the first bad
+    row is recorded at ``flavour.errors_addr`` (raised by the host at its next check; no host
+    synchronisation). For kernels that do not check ids themselves (csrc/): a dispatch records,
+    its combine only clears (as the Triton kernels do). Equivalent PyTorch::
+
+        bad = ((topk_idx < -1) | (topk_idx >= E)).any(1) | repeated_expert_in_row(topk_idx)
+        out = torch.where(bad[:, None], -1, topk_idx)
+    """
+    T, K = topk_idx.shape
+    tile = tiles("checked_topk_idx", flavour.compiled, 0)
+    out = torch.empty_like(topk_idx)
+    checked_topk_idx_kernel[(1,)](topk_idx, out, flavour.errors_addr, T, K, num_experts,
+                                  RECORD=record, BLOCK_T=tile.block_t,
+                                  BLOCK_K=triton.next_power_of_2(max(K, 1)),
+                                  **tile.launch_options())
+    return out

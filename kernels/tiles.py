@@ -70,6 +70,7 @@ def even(hidden: int, block_h: int) -> bool:
 # or 8, two programs per SM.
 _GPU = {
     "routing_layout": (16, 0, 4, 2),
+    "checked_topk_idx": (16, 0, 4, 2),
     "quantize": (8, 1024, 8, 2),
     "dispatch_send": (8, 1024, 16, 1),
     "dispatch_expand": (8, 1024, 8, 2),

@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass
 
 GATE_DTYPES = ("bfloat16", "float16", "float32", "float64")
+STANDALONE = ("quantize_kernel", "checked_topk_idx_kernel")  # driven once, not once per rank
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,18 @@ def drive_quantize(cfg: GateConfig, dtype) -> None:
             quantize_fp8(x, ue8m0)
 
 
+def drive_checked_ids(cfg: GateConfig) -> None:
+    """The id check that runs before the csrc/ low-latency kernels (``kernel_impl="cuda"``)."""
+    import torch
+
+    from .kernels.comm import Flavour
+    from .kernels.layout import checked_topk_idx
+
+    idx = torch.empty((cfg.tokens, cfg.topk), dtype=torch.int64, device="meta")
+    for record in (True, False):  # dispatch, combine
+        checked_topk_idx(idx, cfg.num_experts, Flavour(device_wait=True, compiled=True), record)
+
+
 def record_config(cfg: GateConfig, arch: int) -> dict[str, Variant]:
     """The distinct variants the ops launch at ``cfg`` (key -> Variant), with the problems
     seen while recording (a kernel specialised differently per rank or per call)."""
@@ -207,6 +220,8 @@ def record_config(cfg: GateConfig, arch: int) -> dict[str, Variant]:
         if not low_latency and not transport:
             with recording(arch) as standalone:
                 drive_quantize(cfg, dtype)
+                if name == "bfloat16":
+                    drive_checked_ids(cfg)
             launches = launches + standalone
         elem = torch.empty((), dtype=dtype).element_size()
         aligned = cfg.hidden * elem % 16 == 0
@@ -227,7 +242,7 @@ def _specialisation_problems(launches, world_size: int) -> list[str]:
     of an op the same one (parities, epochs and tickets change nothing)."""
     order: dict[str, list] = {}
     for launch in launches:
-        if launch.name != "quantize_kernel":  # launched once per call, not per rank
+        if launch.name not in STANDALONE:  # launched once per call, not per rank
             order.setdefault(launch.name, []).append(launch.key)
     problems = []
     for name, keys in order.items():

@@ -17,9 +17,11 @@ staging); a third send before the first hook raises. On load/store transports th
 ``y`` where it lies and stores each row straight into its home rank's slot: no copy of ``y`` is
 made. A hook raises what the kernels recorded by then (a timeout, a bad row of ``topk_idx``):
 at the call that failed on CPU ranks; on a GPU at the first hook or call after the kernel
-recorded it. The CUDA kernels of csrc/ (``kernel_impl="cuda"``) do not check expert ids, so
-with them the host does before the send (one synchronisation; ``MOE_COMM_CHECK_INPUTS=0``
-skips it).
+recorded it. The CUDA kernels of csrc/ (``kernel_impl="cuda"``) do not check expert ids:
+with them one small launch per op (``kernels.layout.checked_topk_idx``) hands them
+``topk_idx`` with every bad row set to -1, and the dispatch records the first bad row, as the
+Triton kernels do in place (no synchronisation either way; ``MOE_COMM_CHECK_INPUTS=0`` drops
+that launch, and a bad id is then undefined behaviour).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import torch
 from . import env
 from ._guard import poisons_buffer_on_error
 from .kernels.comm import wait_for_epochs
+from .kernels.layout import checked_topk_idx
 from .kernels.low_latency import (
     ll_combine_recv,
     ll_combine_send,
@@ -37,7 +40,7 @@ from .kernels.low_latency import (
     ll_dispatch_send,
 )
 from .kernels.tiles import GROUP
-from .validation import check_dispatch_inputs, check_expert_ids_on_host, check_tensor
+from .validation import check_dispatch_inputs, check_tensor
 from .workspace import COMBINE, DISPATCH
 
 IN_FLIGHT = 2  # staging parities per channel
@@ -184,6 +187,14 @@ class LowLatencyMode:
             return self.layout.view(self.heap, "ll_combine_outbox")[parity]
         return torch.empty(shape, dtype=self.dtype, device=self.device)
 
+    def _csrc_ids(self, topk_idx: torch.Tensor, record: bool) -> torch.Tensor:
+        """``topk_idx`` as the csrc/ kernels may read it: bad rows -1 (one launch; with
+        ``record`` the first is recorded), unless input checks are off."""
+        if not env.check_inputs():
+            return topk_idx
+        self.launches["checked_topk_idx"] += 1
+        return checked_topk_idx(topk_idx, self.num_experts, self.flavour, record)
+
     # ----------------------------------------------------------------- dispatch
     def low_latency_dispatch(self, x, topk_idx: torch.Tensor, *, fp8: bool = True,
                              ue8m0: bool = False, col_major_scales: bool = False,
@@ -206,8 +217,6 @@ class LowLatencyMode:
             check_dispatch_inputs(x, topk_idx, None, 1, hidden=self.hidden,
                                   max_tokens=self.max_tokens_per_rank, max_topk=self.max_topk,
                                   dtype=self.dtype, device=self.device)
-            if self.kernel_impl == "cuda":  # csrc/ does not check ids: the host does (1 sync)
-                check_expert_ids_on_host(topk_idx, self.num_experts, self.host_syncs)
         if fp8 and (self.hidden % GROUP or self.dtype == torch.float64):
             raise ValueError(f"FP8 dispatch needs hidden % 128 == 0 and a 16/32-bit dtype, "
                              f"got hidden={self.hidden}, dtype={self.dtype}")
@@ -254,7 +263,7 @@ class LowLatencyMode:
                       max_tokens=T, slot_bytes=self.layout.ll_slot_bytes, fp8=fp8, ue8m0=ue8m0)
         if self.kernel_impl == "cuda":
             self.launches["ll_dispatch_send"] += self._csrc().ll_dispatch_send(
-                x, topk_idx, self.heap.peer_ptrs, self._ll_state, self._stats,
+                x, self._csrc_ids(topk_idx, True), self.heap.peer_ptrs, self._ll_state, self._stats,
                 offsets=offsets, acks=offsets["acks"], error=self.errors.timeout_part,
                 outbox_offset=self._outbox_offset("ll_outbox"), **common)
         else:
@@ -389,8 +398,8 @@ class LowLatencyMode:
         common = dict(acks=self._ll_acks(COMBINE), rank=self.rank)
         if self.kernel_impl == "cuda":
             self.launches["ll_combine_recv"] += self._csrc().ll_combine_recv(
-                staging, topk_idx, topk_weights, out, self.heap.peer_ptrs, self._ll_state,
-                signals=signals, error=self.errors.timeout_part, **common)
+                staging, self._csrc_ids(topk_idx, False), topk_weights, out, self.heap.peer_ptrs,
+                self._ll_state, signals=signals, error=self.errors.timeout_part, **common)
         else:
             self.launches["ll_combine_recv"] += ll_combine_recv(
                 staging, topk_idx, topk_weights, out, self.heap.peer_ptrs, self._ll_state,

@@ -60,29 +60,6 @@ def check_dispatch_inputs(x, topk_idx, topk_weights, expert_alignment, *, hidden
         raise ValueError(f"max_recv_rows must be None or an int >= 0, got {max_recv_rows!r}")
 
 
-def check_expert_ids_on_host(topk_idx: torch.Tensor, num_experts: int, host_syncs) -> None:
-    """The value checks of ``topk_idx`` done by the host, for kernels that do not check ids
-    themselves (``kernel_impl="cuda"``: csrc/): one counted host read (``host_syncs["ids"]``)
-    on the good path. Raises ValueError naming the first bad row."""
-    from .host_sync import read_int
-
-    if topk_idx.numel() == 0:
-        return
-    out_of_range = ((topk_idx < -1) | (topk_idx >= num_experts)).any(dim=1)
-    ordered = topk_idx.sort(dim=1).values
-    repeated = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(dim=1)
-    bad = out_of_range | repeated
-    first = read_int(host_syncs, "ids", torch.where(bad.any(), bad.int().argmax(), -1))
-    if first < 0:
-        return
-    row = topk_idx[first].tolist()
-    if bool(out_of_range[first]):
-        raise ValueError(f"topk_idx row {first} holds an expert id outside [-1, {num_experts}): "
-                         f"{row}; ids must be in [0, num_experts) or -1 for an unused choice")
-    raise ValueError(f"topk_idx row {first} picks an expert twice: {row}; each row must name "
-                     "distinct experts (or -1)")
-
-
 def check_combine_inputs(y, handle, weights, *, buffer_id: int, latest_serial: int,
                          hidden: int, dtype: torch.dtype, device: torch.device) -> None:
     """``y`` rows and ``weights`` must match the handle of this Buffer's latest dispatch."""

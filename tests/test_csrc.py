@@ -799,6 +799,72 @@ def test_gpu_triton_and_cuda_ranks_interoperate_call_by_call():
             assert torch.equal(outs[r].cpu(), ref[r]), (it, r)
 
 
+def _bad_rows_are_sent_nowhere_and_raised(device: str, kernel_impl: str) -> None:
+    """Bad rows of topk_idx (an id out of range on rank 0, an expert twice on rank 3) reach
+    nobody and combine to zeros; the dispatch hooks of those ranks raise naming the row (the
+    combine, given the same ids, says nothing again); the other ranks and the next call are
+    right."""
+    case = Case(4, 16, 1024, 4, (6, 5, 0, 7), seed=44)
+    T = case.max_tokens
+    bufs = moe_comm.Buffer.loopback(4, case.hidden, case.num_experts, T, case.dtype,
+                                    low_latency=True, device=device, kernel_impl=kernel_impl)
+    xs, idxs, ws = make_inputs(case, 0)
+    bad = [i.clone() for i in idxs]
+    assert (bad[3][3] >= 0).all()  # four experts: one repeated makes the row bad
+    bad[0][1, 0] = case.num_experts  # out of range
+    bad[3][3, 1] = bad[3][3, 0]  # an expert twice
+    clean = [i.clone() for i in bad]
+    clean[0][1] = -1
+    clean[3][3] = -1
+    want = reference.low_latency_dispatch_all(xs, clean, num_experts=case.num_experts,
+                                              max_tokens=T, fp8=True)
+
+    def hooks(sent, raising):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        errors = {}
+        for r, (_, hook) in enumerate(sent):
+            try:
+                hook()
+            except ValueError as error:
+                errors[r] = str(error)
+        assert sorted(errors) == raising, errors
+        if raising:
+            assert "row 1 holds expert id 16" in errors[0] and "row 3 picks expert" in errors[3]
+        return [result for result, _ in sent]
+
+    got = hooks([b.low_latency_dispatch(x.to(device), i.to(device), fp8=True, return_hook=True)
+                 for b, x, i in zip(bufs, xs, bad)], [0, 3])
+    _check_dispatch(got, want, True)
+    ys = [torch.randn(g.x.shape).to(case.dtype).to(device) for g in got]
+    outs = hooks([b.low_latency_combine(y, i.to(device), w.to(device), g.handle,
+                                        return_hook=True)
+                  for b, y, i, w, g in zip(bufs, ys, bad, ws, got)], [])  # told at dispatch
+    ref = reference.low_latency_combine_all([y.cpu() for y in ys], clean, ws, want, T)
+    for r in range(4):
+        assert torch.equal(outs[r].cpu(), ref[r]), r
+    assert not outs[0][1].any() and not outs[3][3].any()
+    got = lockstep.low_latency_dispatch(bufs, [x.to(device) for x in xs],
+                                        [i.to(device) for i in idxs], fp8=True)
+    _check_dispatch(got, reference.low_latency_dispatch_all(
+        xs, idxs, num_experts=case.num_experts, max_tokens=T, fp8=True), True)
+
+
+def test_bad_rows_are_sent_nowhere_and_raised_by_the_triton_kernels():
+    """What the csrc/ kernels are held to below, on CPU ranks with the Triton kernels."""
+    _bad_rows_are_sent_nowhere_and_raised("cpu", "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1",
+                    reason="compiled Triton kernels needed (run with TRITON_INTERPRET=0)")
+def test_gpu_cuda_kernels_send_bad_rows_nowhere_and_raise():
+    """csrc/ kernels get topk_idx with bad rows cleared (one checking launch per op)."""
+    _buffer_api_or_skip()
+    _bad_rows_are_sent_nowhere_and_raised("cuda", "cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_cuda_graph_replays_the_low_latency_pair():

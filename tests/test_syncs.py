@@ -131,20 +131,34 @@ def test_too_few_max_recv_rows_raise_after_the_call_and_the_buffer_goes_on():
     assert all(torch.equal(g.x, w.x) for g, w in zip(got, want))
 
 
-def test_host_check_of_expert_ids_for_the_csrc_kernels():
-    """kernel_impl="cuda" (csrc/, GPUs only) does not check ids in its kernels: the host does,
-    with one counted read; the first bad row is named."""
-    import collections
+def test_checked_topk_idx_clears_bad_rows_and_records_the_first_without_a_read(monkeypatch):
+    """What kernel_impl="cuda" (csrc/, whose kernels do not check ids) launches before each op:
+    a copy of topk_idx with every bad row -1, the first bad row recorded, nothing read back."""
+    from moe_comm.error_record import ErrorRecord
+    from moe_comm.kernels.comm import Flavour
+    from moe_comm.kernels.layout import checked_topk_idx
 
-    from moe_comm.validation import check_expert_ids_on_host
+    reads = ReadCounter(monkeypatch)
 
-    counter = collections.Counter()
-    good = torch.tensor([[0, 3], [-1, -1], [2, -1]])
-    check_expert_ids_on_host(good, 4, counter)
-    assert counter == {"ids": 1}
-    with pytest.raises(ValueError, match=r"row 1 holds an expert id outside \[-1, 4\)"):
-        check_expert_ids_on_host(torch.tensor([[0, 3], [4, 1]]), 4, counter)
-    with pytest.raises(ValueError, match="row 2 picks an expert twice"):
-        check_expert_ids_on_host(torch.tensor([[0, 3], [1, -1], [2, 2]]), 4, counter)
-    with pytest.raises(ValueError, match="row 0 holds an expert id outside"):
-        check_expert_ids_on_host(torch.tensor([[-2, 1]]), 4, counter)
+    def check(ids, want_out, error):
+        record = ErrorRecord(torch.device("cpu"))
+        before = reads.count
+        out = checked_topk_idx(ids, 4, Flavour(errors_addr=record.address))
+        assert reads.count == before
+        assert out.dtype == torch.int64 and out.tolist() == want_out
+        if error is None:
+            record.raise_input_error(rank=0, what="t")
+        else:
+            with pytest.raises(ValueError, match=error):
+                record.raise_input_error(rank=0, what="t")
+
+    good = [[0, 3], [-1, -1], [2, -1]]
+    check(torch.tensor(good), good, None)
+    many = torch.randint(-1, 4, (150, 1))  # rows of one column cannot repeat an expert
+    many[97, 0], many[120, 0] = 4, -2
+    want = many.clone()
+    want[97, 0] = want[120, 0] = -1
+    check(many, want.tolist(), r"row 97 holds expert id 4")
+    check(torch.tensor([[0, 3], [1, -1], [2, 2], [5, 0]]), [[0, 3], [1, -1], [-1, -1], [-1, -1]],
+          r"row 2 picks expert 2 twice")
+    check(torch.empty((0, 3), dtype=torch.int64), [], None)

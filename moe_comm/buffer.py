@@ -92,16 +92,28 @@ class Buffer(NormalMode, LowLatencyMode):
     ``max_tokens_per_rank``, ``dtype`` and ``max_topk`` (checked; the error names the rank that
     differs). Expert ``e`` lives on rank ``e // (num_experts // world_size)``.
     ``timeout_s`` (default ``MOE_COMM_TIMEOUT_S``) bounds every wait for a peer.
+    Under ``mpirun`` / ``srun``: ``Buffer(None, ..., comm=MPI.COMM_WORLD)`` (an mpi4py
+    communicator; the torch group is made from it, ``moe_comm.mpi``).
     """
 
-    def __init__(self, group: dist.ProcessGroup, hidden: int, num_experts: int,
+    def __init__(self, group: dist.ProcessGroup | None, hidden: int, num_experts: int,
                  max_tokens_per_rank: int, dtype: torch.dtype = torch.bfloat16, *,
                  max_topk: int | None = None, dispatch_dtype: torch.dtype | None = None,
                  low_latency: bool = False, timeout_s: float | None = None,
                  backend: str = "auto", device: torch.device | str | None = None,
                  num_sms: int | None = None, kernel_impl: str = "triton",
                  ranks_per_node: int | None = None, transport: str = "auto",
-                 hierarchical: bool | None = None, nixl_backend: str | None = None):
+                 hierarchical: bool | None = None, nixl_backend: str | None = None,
+                 comm=None):
+        if comm is not None:
+            if group is not None:
+                raise ValueError("pass either group or comm (an mpi4py communicator), not both")
+            from .mpi import process_group
+
+            group = process_group(comm)
+        elif group is None and not dist.is_initialized():
+            raise ValueError("group is None and torch.distributed is not initialised: pass a "
+                             "torch process group, or comm= an mpi4py communicator")
         if max_topk is None and isinstance(num_experts, int):
             max_topk = min(16, num_experts)
         device = torch.device(device) if device is not None else default_device()

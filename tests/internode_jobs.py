@@ -14,7 +14,8 @@ from moe_comm import reference
 
 
 def new_buffer(case: Case, ranks_per_node: int, hierarchical: bool, **kwargs):
-    return moe_comm.Buffer(dist.group.WORLD, hidden=case.hidden, num_experts=case.num_experts,
+    group = None if "comm" in kwargs else dist.group.WORLD
+    return moe_comm.Buffer(group, hidden=case.hidden, num_experts=case.num_experts,
                            max_tokens_per_rank=case.max_tokens, dtype=case.dtype,
                            ranks_per_node=ranks_per_node, transport="nixl",
                            hierarchical=hierarchical, **kwargs)
@@ -22,12 +23,12 @@ def new_buffer(case: Case, ranks_per_node: int, hierarchical: bool, **kwargs):
 
 def nodes_case(rank, world_size, case: Case, ranks_per_node: int, hierarchical: bool,
                iterations: int = 2, straggle_s: float = 0.0, fp8: bool = False,
-               ue8m0: bool = False) -> dict:
+               ue8m0: bool = False, **buffer_kwargs) -> dict:
     """Dispatch + combine ``iterations`` times against the reference (bit for bit); returns
     what the proxy and kernels counted."""
     delay = random.Random(1000 * case.seed + rank)
     N = ranks_per_node
-    with new_buffer(case, N, hierarchical) as buf:
+    with new_buffer(case, N, hierarchical, **buffer_kwargs) as buf:
         assert buf.transport == "nixl" and buf.hierarchical == hierarchical
         for it in range(iterations):
             xs, idxs, ws = make_inputs(case, it)

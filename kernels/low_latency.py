@@ -58,11 +58,12 @@ from .comm import (
 from .layout import checked_ids, record_first_bad
 from .numerics import cast_rne, channel_tile
 from .nvshmem import int_p, put_bytes, quiet, signal_set
+from .proxy import post_signal, post_signal_to_remote, post_transfer
 from .quant import quantize_tile, store_fp8_rows
 from .tiles import even, persistent_programs, tiles
 
 META_K_BITS = 32  # meta word = token * 32 + choice
-_GPU_PER_RANK = ["local_base", "errors_addr", "timeout_ns", "me"]
+_GPU_PER_RANK = ["local_base", "errors_addr", "timeout_ns", "me", "ring_addr"]
 
 
 @triton.jit
@@ -112,12 +113,15 @@ def ll_dispatch_send_kernel(
     meta_off: tl.int64, meta_parity_stride: tl.int64,  # the same for ll_dispatch_meta
     signals_off: tl.int64, signals_parity_stride: tl.int64,  # ll_dispatch_signals
     acks_off: tl.int64, acks_parity_stride: tl.int64,  # ll_acks[DISPATCH] (local)
-    outbox_off: tl.int64, outbox_parity_stride: tl.int64,  # ll_outbox (TRANSPORT 1)
+    outbox_off: tl.int64, outbox_parity_stride: tl.int64,  # ll_outbox (TRANSPORT 1, 2)
+    meta_table_off: tl.int64,  # ll_meta_table [TMAX, KMAX] int32 (TRANSPORT 2)
+    ring_addr: tl.int64, RING_SLOTS: tl.int64,  # the proxy's ring (TRANSPORT 2)
     local_base: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
     T: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, E: tl.int32,
-    me: tl.int32, TMAX: tl.int32, SLOT_BYTES: tl.int64,
+    me: tl.int32, TMAX: tl.int32, KMAX: tl.int32, SLOT_BYTES: tl.int64,
     FP8: tl.constexpr, UE8M0: tl.constexpr,
-    TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; 1: NVSHMEM where pointer is 0
+    TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; where a pointer is 0:
+    # 1 NVSHMEM puts, 2 the proxy (one descriptor per pair, then one fenced signal per expert)
     DEVICE_WAIT: tl.constexpr,  # wait for the acknowledgements here (else the host waited)
     EVEN_H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -174,7 +178,7 @@ def ll_dispatch_send_kernel(
                 if FP8:  # FP8 needs H % 128 == 0, so EVEN_H and every group of the tile is real
                     codes, scales, exps = quantize_tile(v.to(tl.float32), BLOCK_T, BLOCK_H, UE8M0)
                     g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-                if TRANSPORT == 1:  # each token's row once into the outbox, for the NVSHMEM puts
+                if TRANSPORT != 0:  # each token's row once into the outbox, for the puts
                     box = local_ptr(local_base, outbox_off + parity * outbox_parity_stride,
                                     tl.uint8, 16) + t64 * SLOT_BYTES
                     if FP8:
@@ -196,7 +200,7 @@ def ll_dispatch_send_kernel(
                         rowx = row8.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
                         tl.store(rowx[:, None] + h[None, :], v,  # gate: row
                                  mask=valid[:, None] & hm[None, :])
-            if TRANSPORT == 1:  # pairs whose expert's rank is reached only by NVSHMEM
+            if TRANSPORT != 0:  # pairs whose expert's rank has no pointer
                 tl.debug_barrier()
                 rows_in_tile = tl.arange(0, BLOCK_T)
                 for i in range(BLOCK_T):
@@ -210,12 +214,23 @@ def ll_dispatch_send_kernel(
                                                        & (lane[None, :] == e), position, 0),
                                               axis=1))
                             block = (((e - d * L) * R + me) * TMAX + j).to(tl.int64)
-                            put_bytes(local_base, rows_base + block * SLOT_BYTES,
-                                      outbox_off + parity * outbox_parity_stride
-                                      + ti.to(tl.int64) * SLOT_BYTES, payload, d)
-                            if one_thread():
-                                int_p(local_base + meta_base + block * 4, ti * 32 + k,
-                                      d.to(tl.int32))
+                            box_row = (outbox_off + parity * outbox_parity_stride
+                                       + ti.to(tl.int64) * SLOT_BYTES)
+                            if TRANSPORT == 1:
+                                put_bytes(local_base, rows_base + block * SLOT_BYTES, box_row,
+                                          payload, d)
+                                if one_thread():
+                                    int_p(local_base + meta_base + block * 4, ti * 32 + k,
+                                          d.to(tl.int32))
+                            elif one_thread():  # the row and its meta word; a no-op signal
+                                post_transfer(ring_addr, RING_SLOTS, d, signals_off + parity
+                                              * signals_parity_stride
+                                              + ((e - d * L) * R + me) * 8, 0, 2,
+                                              box_row, rows_base + block * SLOT_BYTES, payload,
+                                              payload, 1,
+                                              meta_table_off + (ti * KMAX + k).to(tl.int64) * 4,
+                                              meta_base + block * 4, 4, 4, 1,
+                                              0, 0, 0, 0, 0, errors, timeout_ns)
         if TRANSPORT == 1:  # this program's puts complete before its ticket
             tl.debug_barrier()
             if one_thread():
@@ -235,14 +250,19 @@ def ll_dispatch_send_kernel(
             tl.atomic_xchg(word, (epoch << 32) | total.to(tl.int64),  # gate: publish
                            mask=by_stores(peer_ptrs, d, em, TRANSPORT), sem="release",
                            scope="sys")
-            if TRANSPORT == 1:
+            if TRANSPORT != 0:
                 if one_thread():
                     for g in range(E):
                         dg = g // L
                         if tl.load(peer_ptrs + dg) == 0:
                             n = tl.sum(tl.where(lane == g, total, 0)).to(tl.int64)
-                            signal_set(local_base, signals_off + parity * signals_parity_stride
-                                       + ((g - dg * L) * R + me) * 8, (epoch << 32) | n, dg)
+                            signal_off = (signals_off + parity * signals_parity_stride
+                                          + ((g - dg * L) * R + me) * 8)
+                            if TRANSPORT == 1:
+                                signal_set(local_base, signal_off, (epoch << 32) | n, dg)
+                            else:  # after this rank's pair transfers to dg (a fence)
+                                post_signal(ring_addr, RING_SLOTS, dg, signal_off,
+                                            (epoch << 32) | n, errors, timeout_ns)
             remote = tl.sum(tl.where(em & (d != me), 8, 0).to(tl.int64), axis=0)
             tl.atomic_add(stats + tl.arange(0, 1), remote + tl.zeros([1], tl.int64),
                           sem="relaxed")
@@ -267,6 +287,7 @@ def ll_dispatch_recv_kernel(
     layout,  # [L, R, 2] int32 out: (first row, rows) of each source's block
     recv_stats,  # [L] int32/int64, added to (HAS_STATS)
     acks_off: tl.int64, acks_parity_stride: tl.int64,  # ll_acks[DISPATCH, 0], one parity
+    ring_addr: tl.int64, RING_SLOTS: tl.int64,  # the proxy's ring (TRANSPORT 2)
     local_base: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
     H: tl.int32, R: tl.int32, L: tl.int32, me: tl.int32, TMAX: tl.int32,
     SLOT_ELEMS: tl.int64,  # staging slot stride in elements of `staging`
@@ -333,6 +354,11 @@ def ll_dispatch_recv_kernel(
         if not timed_out(errors, NUM_THREADS):
             publish_to_all(peer_ptrs, acks_off + parity * acks_parity_stride, me, epoch, R,
                            local_base, BLOCK_R, TRANSPORT)
+            if TRANSPORT == 2:
+                if one_thread():
+                    post_signal_to_remote(peer_ptrs, acks_off + parity * acks_parity_stride,
+                                          me, epoch, R, ring_addr, RING_SLOTS, errors,
+                                          timeout_ns)
         tl.store(state + 1 + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
 
 
@@ -348,8 +374,9 @@ def ll_combine_send_kernel(
     rows_off: tl.int64, rows_parity_stride: tl.int64,  # ll_combine_rows[0], one parity
     signals_off: tl.int64, signals_parity_stride: tl.int64,  # ll_combine_signals
     acks_off: tl.int64, acks_parity_stride: tl.int64,  # ll_acks[COMBINE] (local)
-    outbox_off: tl.int64, outbox_parity_stride: tl.int64,  # ll_combine_outbox (TRANSPORT 1)
+    outbox_off: tl.int64, outbox_parity_stride: tl.int64,  # ll_combine_outbox (TRANSPORT 1, 2)
     y_box_off: tl.int64,  # ZERO_COPY: byte offset of y itself in this segment (puts read it)
+    ring_addr: tl.int64, RING_SLOTS: tl.int64,  # the proxy's ring (TRANSPORT 2)
     local_base: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
     H: tl.int32, R: tl.int32, L: tl.int32, me: tl.int32, TMAX: tl.int32, KMAX: tl.int32,
     TRANSPORT: tl.constexpr, DEVICE_WAIT: tl.constexpr,
@@ -392,22 +419,28 @@ def ll_combine_send_kernel(
                 tile = tl.load(y + row[:, None] * H + h[None, :], mask=m)
                 tl.store(dst_base + slot[:, None] * H + h[None, :], tile,  # gate: row
                          mask=m & via_stores)
-                if TRANSPORT == 1:
+                if TRANSPORT != 0:
                     if not ZERO_COPY:
                         tl.store(box + row[:, None] * H + h[None, :], tile,  # gate: row
                                  mask=m & ~via_stores)
-            if TRANSPORT == 1:
-                if tl.load(peer_ptrs + s) == 0:  # one NVSHMEM block put per row
+            if TRANSPORT != 0:
+                if tl.load(peer_ptrs + s) == 0:  # one put (or descriptor) per row
                     tl.debug_barrier()
                     for i in range(BLOCK_T):
                         if j0 + i < n:
                             r = (e * R * TMAX + first + j0 + i).to(tl.int64)
                             tok = tl.load(src_info + r) - s * TMAX
-                            put_bytes(local_base,
-                                      rows_off + parity * rows_parity_stride
-                                      + (tok * KMAX + tl.load(src_k + r)).to(tl.int64)
-                                      * row_bytes,
-                                      src_off + r * row_bytes, row_bytes, s)
+                            dst = (rows_off + parity * rows_parity_stride
+                                   + (tok * KMAX + tl.load(src_k + r)).to(tl.int64) * row_bytes)
+                            if TRANSPORT == 1:
+                                put_bytes(local_base, dst, src_off + r * row_bytes, row_bytes,
+                                          s)
+                            elif one_thread():  # a no-op signal: the epoch follows, fenced
+                                post_transfer(ring_addr, RING_SLOTS, s, signals_off + parity
+                                              * signals_parity_stride + me * 8, 0, 1,
+                                              src_off + r * row_bytes, dst, row_bytes,
+                                              row_bytes, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                              errors, timeout_ns)
         if TRANSPORT == 1:  # this program's puts complete before its ticket
             tl.debug_barrier()
             if one_thread():
@@ -421,6 +454,11 @@ def ll_combine_send_kernel(
         if not timed_out(errors, NUM_THREADS):
             publish_to_all(peer_ptrs, signals_off + parity * signals_parity_stride, me, epoch, R,
                            local_base, BLOCK_R, TRANSPORT)
+            if TRANSPORT == 2:  # after this rank's row transfers to each (fenced)
+                if one_thread():
+                    post_signal_to_remote(peer_ptrs, signals_off + parity
+                                          * signals_parity_stride, me, epoch, R, ring_addr,
+                                          RING_SLOTS, errors, timeout_ns)
             signal_bytes = 8 + tl.zeros([1], tl.int64)
             tl.atomic_add(stats + 2 + tl.arange(0, 1), (R - 1) * signal_bytes, sem="relaxed")
             tl.atomic_add(stats + 3 + tl.arange(0, 1), signal_bytes, sem="relaxed")
@@ -437,6 +475,7 @@ def ll_combine_recv_kernel(
     state,  # [8] int64 local
     acks_off: tl.int64, acks_parity_stride: tl.int64,  # ll_acks[COMBINE, 0], one parity
     signals,  # [P, R] int64 local ll_combine_signals (DEVICE_WAIT)
+    ring_addr: tl.int64, RING_SLOTS: tl.int64,  # the proxy's ring (TRANSPORT 2)
     local_base: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
     T: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, E: tl.int32, me: tl.int32,
     TMAX: tl.int32, KMAX: tl.int32,
@@ -475,16 +514,21 @@ def ll_combine_recv_kernel(
         if not timed_out(errors, NUM_THREADS):
             publish_to_all(peer_ptrs, acks_off + parity * acks_parity_stride, me, epoch, R,
                            local_base, BLOCK_R, TRANSPORT)
+            if TRANSPORT == 2:
+                if one_thread():
+                    post_signal_to_remote(peer_ptrs, acks_off + parity * acks_parity_stride,
+                                          me, epoch, R, ring_addr, RING_SLOTS, errors,
+                                          timeout_ns)
         tl.store(state + 3 + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
 
 
 def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, rank: int,
                      num_local_experts: int, num_experts: int, max_tokens: int,
                      slot_bytes: int, fp8: bool, ue8m0: bool, num_sms: int | None = None,
-                     flavour: Flavour = CPU_RANKS) -> bool:
+                     flavour: Flavour = CPU_RANKS, max_topk: int = 0) -> bool:
     """Launches ``min(cdiv(max_tokens, block_t), num_sms)`` persistent send programs (the
     grid depends on the Buffer alone). ``offsets``: rows / meta / signals / acks / outbox ->
-    (byte offset of parity 0, bytes per parity)."""
+    (byte offset of parity 0, bytes per parity); ``meta_table`` -> byte offset (the proxy)."""
     T, H = x.shape
     K = topk_idx.shape[1]
     R = peer_ptrs.numel()
@@ -492,8 +536,10 @@ def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, ran
     programs = persistent_programs(triton.cdiv(max_tokens, tile.block_t), num_sms)
     ll_dispatch_send_kernel[(programs,)](
         x, topk_idx, peer_ptrs, state, stats, *offsets["rows"], *offsets["meta"],
-        *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)), *flavour.args(),
-        T, H, K, R, num_local_experts, num_experts, rank, max_tokens, slot_bytes, FP8=fp8,
+        *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)),
+        offsets.get("meta_table", 0), flavour.ring_addr, flavour.ring_slots, *flavour.args(),
+        T, H, K, R, num_local_experts, num_experts, rank, max_tokens, max_topk, slot_bytes,
+        FP8=fp8,
         UE8M0=ue8m0, TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait,
         EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t, BLOCK_H=tile.block_h,
         BLOCK_K=triton.next_power_of_2(max(K, 1)),
@@ -520,8 +566,9 @@ def ll_dispatch_recv(staging, meta, signals, peer_ptrs, state, out, out_scales, 
     ll_dispatch_recv_kernel[(L, R)](
         staging, staging.view(torch.float32) if fp8 else dummy, meta, signals, peer_ptrs, state,
         out, out_scales if fp8 else dummy, count, src_info, src_k, layout,
-        recv_stats if recv_stats is not None else dummy, *acks, *flavour.args(),
-        H, R, L, rank, TMAX, slot, scale_strides[1], scale_strides[2], scale_strides[0],
+        recv_stats if recv_stats is not None else dummy, *acks, flavour.ring_addr,
+        flavour.ring_slots, *flavour.args(), H, R, L, rank, TMAX, slot, scale_strides[1],
+        scale_strides[2], scale_strides[0],
         FP8=fp8, UE8M0=fp8 and ue8m0, HAS_STATS=recv_stats is not None,
         TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait,
         EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t, BLOCK_H=tile.block_h,
@@ -543,7 +590,8 @@ def ll_combine_send(y, layout, src_info, src_k, peer_ptrs, state, stats, *, offs
     ll_combine_send_kernel[(L, R)](
         y, layout, src_info, src_k, peer_ptrs, state, stats, *offsets["rows"],
         *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)),
-        y_box_offset if zero_copy else 0, *flavour.args(), H, R, L, rank, max_tokens, max_topk,
+        y_box_offset if zero_copy else 0, flavour.ring_addr, flavour.ring_slots,
+        *flavour.args(), H, R, L, rank, max_tokens, max_topk,
         TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait, ZERO_COPY=zero_copy,
         ALIGN=flavour.row_align, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
         BLOCK_H=tile.block_h, BLOCK_R=triton.next_power_of_2(R), NUM_THREADS=tile.num_threads,
@@ -564,7 +612,8 @@ def ll_combine_recv(staging, topk_idx, topk_weights, out, peer_ptrs, state, sign
     grid = (triton.cdiv(TMAX, tile.block_t), triton.cdiv(H, tile.block_h))
     ll_combine_recv_kernel[grid](
         staging, topk_idx, topk_weights if topk_weights is not None else topk_idx, out,
-        peer_ptrs, state, *acks, signals, *flavour.args(), T, H, K, R, num_experts, rank, TMAX,
+        peer_ptrs, state, *acks, signals, flavour.ring_addr, flavour.ring_slots,
+        *flavour.args(), T, H, K, R, num_experts, rank, TMAX,
         KMAX, HAS_WEIGHTS=topk_weights is not None, TRANSPORT=flavour.transport,
         DEVICE_WAIT=flavour.device_wait, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
         BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(K, 1)),

@@ -25,6 +25,10 @@ Equivalent Python, for descriptor ``d`` to peer ``p``::
             peer_segment[dst + r * stride:][:nbytes] = my_segment[src + r * stride:][:nbytes]
     peer_word[d.signal] = max(peer_word[d.signal], d.value)   # after the data is there
 
+A descriptor without segments (``post_signal``) is a fence as well: its signal is raised only
+after every transfer posted to ``p`` before it is complete (the low-latency mode posts one
+descriptor per (token, expert) pair with a no-op signal, then one such signal per expert).
+
 One thread of one program posts (claims with an atomic add, waits boundedly for a free slot,
 fills it, publishes the sequence); a full ring past the timeout is recorded as a timeout on the
 peer and nothing is posted.
@@ -92,3 +96,22 @@ def post_transfer(ring_addr, slots, peer, signal_off, value, nseg,
     else:  # the proxy took nothing for the whole timeout: it is gone or stuck
         record_error(errors, TIMEOUT_RECORD, peer, i, taken)
     return posted
+
+
+@triton.jit
+def post_signal(ring_addr, slots, peer, signal_off, value, errors, timeout_ns):
+    """Posts a descriptor without data (one thread): the proxy raises ``signal_off`` on ``peer``
+    to ``value`` once every transfer posted to ``peer`` before it is complete there."""
+    return post_transfer(ring_addr, slots, peer, signal_off, value, 0,
+                         0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, errors, timeout_ns)
+
+
+@triton.jit
+def post_signal_to_remote(peer_ptrs, word_offset, me, value, R, ring_addr, slots, errors,
+                          timeout_ns):
+    """Word ``me`` of the int64 array at ``word_offset`` raised to ``value`` on every rank that
+    has no pointer (another node), through the proxy (call from one thread); the ranks with a
+    pointer are the caller's to store to."""
+    for r in range(R):
+        if tl.load(peer_ptrs + r) == 0:
+            post_signal(ring_addr, slots, r, word_offset + me * 8, value, errors, timeout_ns)

@@ -136,10 +136,9 @@ class Buffer(NormalMode, LowLatencyMode):
         via = choose_transport(transport, device, nodes.count, ibgda=device.type == "cuda")
         nixl_backend = nixl_backend_name(nixl_backend) if via == "nixl" else None
         hierarchical = nodes.count > 1 if hierarchical is None else bool(hierarchical)
-        if via == "nixl" and (low_latency or env.kernel_waits()):
-            raise ValueError("transport='nixl' runs the normal mode with host waits so far: "
-                             "low_latency=True and MOE_COMM_WAIT=kernel are not supported "
-                             "across nodes through the proxy yet")
+        if via == "nixl" and env.kernel_waits():
+            raise ValueError("transport='nixl' runs with host waits so far: MOE_COMM_WAIT=kernel "
+                             "is not supported across nodes through the proxy yet")
         layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                  num_experts // world_size, max_topk, dtype, low_latency,
                                  rdma=chosen == "nvshmem" and nodes.num_hosts > 1,
@@ -149,10 +148,14 @@ class Buffer(NormalMode, LowLatencyMode):
         proxy = None
         try:
             if via == "nixl":
-                proxy = NixlProxy(group, heap.local, heap.rank, world_size,
-                                  internode_peers(layout, heap.rank), timeout_s=env.timeout_s()
-                                  if timeout_s is None else float(timeout_s),
-                                  backend=nixl_backend, labels=signal_labels(layout, heap.rank))
+                peers = internode_peers(layout, heap.rank)
+                # the low-latency mode posts a descriptor per (token, expert) pair and per expert
+                slots = 4 * len(peers) + (max_tokens_per_rank * max_topk + num_experts
+                                          if low_latency else 0)
+                proxy = NixlProxy(group, heap.local, heap.rank, world_size, peers,
+                                  timeout_s=env.timeout_s() if timeout_s is None
+                                  else float(timeout_s), backend=nixl_backend, slots=max(8, slots),
+                                  labels=signal_labels(layout, heap.rank))
             self._setup(heap, layout, num_experts, timeout_s, dispatch_dtype, num_sms,
                         kernel_impl, proxy=proxy)
         except BaseException:
@@ -231,6 +234,10 @@ class Buffer(NormalMode, LowLatencyMode):
         self._ll_epochs = [0, 0]  # host mirrors of the device epochs (CPU waits need them)
         self._ll_pending = [0, 0]  # sends of each channel whose hook has not run
         self._ll_state = layout.view(heap, "ll_state") if layout.low_latency else None
+        if layout.low_latency and layout.proxy:  # the proxy copies pair meta words from here
+            T, K = layout.max_tokens, layout.max_topk
+            table = torch.arange(T, device=heap.device)[:, None] * 32 + torch.arange(K)[None, :]
+            layout.view(heap, "ll_meta_table").copy_(table.to(torch.int32))
         _registry.register(self)
 
     def _default_flavour(self, on_gpu: bool) -> Flavour:
@@ -377,12 +384,13 @@ class Buffer(NormalMode, LowLatencyMode):
     def close(self) -> None:
         """Releases the workspace (collective on GPU heaps: every rank closes, then the memory
         is unmapped, so no peer still writes into it). Later calls raise."""
-        if self._failure is None:
+        healthy = self._failure is None
+        if healthy:
             self._failure = "the Buffer was closed"
         _registry.unregister(self)
         self._signal_words = None
-        if self.proxy is not None:
-            self.proxy.close()
+        if self.proxy is not None:  # a healthy rank waits (bounded) for its peers to close too
+            self.proxy.close(wait_for_peers=healthy)
         self.heap.close()
 
     def __enter__(self) -> Buffer:

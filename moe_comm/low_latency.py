@@ -136,7 +136,7 @@ class LowLatencyMode:
         return self._csrc_kernels
 
     def _outbox_offset(self, name: str) -> int:
-        return self.layout[name].offset if self.layout.rdma else 0
+        return self.layout[name].offset if self.layout.ll_outboxes else 0
 
     def _ll_require(self) -> None:
         if not self.layout.low_latency:
@@ -162,27 +162,42 @@ class LowLatencyMode:
         epoch = self._ll_epochs[channel]
         if not self.flavour.device_wait:  # GPUs wait in the send kernel itself
             acks = self.layout.view(self.heap, "ll_acks")[channel, epoch % 2].numpy()
-            wait_for_epochs(acks.tolist, epoch - IN_FLIGHT, timeout_s=self.timeout_s,
-                            rank=self.rank, channel=f"low-latency {what} (staging reuse)")
+            wait_for_epochs(self._ll_observe(acks.tolist), epoch - IN_FLIGHT,
+                            timeout_s=self.timeout_s, rank=self.rank,
+                            channel=f"low-latency {what} (staging reuse)")
         return epoch
 
     def _ll_send_offsets(self, prefix: str, names: tuple, channel: int) -> dict:
         offsets = {n: self._ll_offsets(f"{prefix}{n}") for n in names}
         offsets["acks"] = self._ll_acks(channel)
         outbox = "ll_outbox" if channel == DISPATCH else "ll_combine_outbox"
-        if self.layout.rdma:
+        if self.layout.ll_outboxes:
             offsets["outbox"] = self._ll_offsets(outbox)
+        if self.layout.proxy and channel == DISPATCH:
+            offsets["meta_table"] = self.layout["ll_meta_table"].offset
         return offsets
+
+    def _ll_observe(self, observe):
+        """``observe`` for a host wait; through the proxy it raises a transport failure first."""
+        if self.proxy is None:
+            return observe
+        proxy = self.proxy
+
+        def checked():
+            proxy.check()
+            return observe()
+
+        return checked
 
     def low_latency_combine_buffer(self) -> torch.Tensor:
         """Where the next ``low_latency_combine`` reads ``y`` from without a copy:
         [L, R * T_max, H] of the Buffer's dtype. Across nodes this is symmetric memory that
-        NVSHMEM puts read directly; on load/store transports the combine reads any ``y`` in
-        place, so this is an ordinary tensor there."""
+        NVSHMEM puts or the proxy read directly; on load/store transports the combine reads any
+        ``y`` in place, so this is an ordinary tensor there."""
         self._ll_require()
         shape = (self.num_local_experts, self.world_size * self.max_tokens_per_rank,
                  self.hidden)
-        if self.layout.rdma:
+        if self.layout.ll_outboxes:
             parity = (self._ll_epochs[COMBINE] + 1) % 2
             return self.layout.view(self.heap, "ll_combine_outbox")[parity]
         return torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -269,7 +284,7 @@ class LowLatencyMode:
         else:
             self.launches["ll_dispatch_send"] += ll_dispatch_send(
                 x, topk_idx, self.heap.peer_ptrs, self._ll_state, self._stats, offsets=offsets,
-                num_sms=self.num_sms, flavour=self.flavour, **common)
+                num_sms=self.num_sms, flavour=self.flavour, max_topk=self.max_topk, **common)
         recv = LowLatencyRecv(recv_x, scales, count, src_info, handle)
         self._ll_pending[DISPATCH] += 1
 
@@ -286,8 +301,8 @@ class LowLatencyMode:
             def observed():  # [L, R] words: the oldest epoch each source published
                 return (words >> 32).min(axis=0).tolist()
 
-            recv.source_wait_s = wait_for_epochs(observed, epoch, timeout_s=self.timeout_s,
-                                                 rank=self.rank,
+            recv.source_wait_s = wait_for_epochs(self._ll_observe(observed), epoch,
+                                                 timeout_s=self.timeout_s, rank=self.rank,
                                                  channel="low-latency dispatch")
         staging = self.layout.view(self.heap, "ll_dispatch_rows")
         if recv.x.dtype != torch.float8_e4m3fn:
@@ -354,7 +369,7 @@ class LowLatencyMode:
         """Where ``y`` lies in this rank's segment if it is one of the combine outboxes (the
         NVSHMEM puts then read it in place: its own offset, whatever the call's parity, so a
         CUDA graph that captured the call replays it right), else None."""
-        if not self.layout.rdma:
+        if not self.layout.ll_outboxes:
             return None
         outboxes = self.layout.view(self.heap, "ll_combine_outbox")
         for p in range(outboxes.shape[0]):
@@ -391,8 +406,8 @@ class LowLatencyMode:
     def _ll_combine_recv(self, epoch, topk_idx, topk_weights, out):
         if not self.flavour.device_wait:  # GPUs wait in the receive kernel itself
             words = self.layout.view(self.heap, "ll_combine_signals")[epoch % 2].numpy()
-            wait_for_epochs(words.tolist, epoch, timeout_s=self.timeout_s, rank=self.rank,
-                            channel="low-latency combine")
+            wait_for_epochs(self._ll_observe(words.tolist), epoch, timeout_s=self.timeout_s,
+                            rank=self.rank, channel="low-latency combine")
         staging = self.layout.view(self.heap, "ll_combine_rows")
         signals = self.layout.view(self.heap, "ll_combine_signals")
         common = dict(acks=self._ll_acks(COMBINE), rank=self.rank)

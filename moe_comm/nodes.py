@@ -50,17 +50,26 @@ class Nodes:
 
 
 def internode_peers(layout: WorkspaceLayout, rank: int) -> list[int]:
-    """Ranks on other nodes that ``rank`` exchanges data with: all of them (flat), or those with
-    its local index (hierarchical)."""
+    """Ranks on other nodes that ``rank`` exchanges data with: all of them (flat, and the
+    low-latency mode, which puts each pair straight into its expert's rank), or those with its
+    local index (hierarchical normal mode only)."""
     N, R = layout.ranks_per_node, layout.world_size
     return [p for p in range(R) if p // N != rank // N
-            and (not layout.hierarchical or p % N == rank % N)]
+            and (not layout.hierarchical or layout.low_latency or p % N == rank % N)]
 
 
 def signal_labels(layout: WorkspaceLayout, rank: int) -> dict[int, str]:
     """The channel of each signal word ``rank``'s descriptors raise on a peer (for counting)."""
     plan = layout.internode_plan(rank)
-    return {plan["dst_signal"]: "dispatch", plan["comb_signal"]: "combine"}
+    labels = {plan["dst_signal"]: "dispatch", plan["comb_signal"]: "combine"}
+    if layout.low_latency:  # the words this rank raises on a peer, both parities
+        for p in range(2):
+            for e in range(layout.num_local_experts):
+                labels[layout.offset("ll_dispatch_signals", p, e, rank)] = "ll_dispatch"
+            labels[layout.offset("ll_combine_signals", p, rank)] = "ll_combine"
+            for c in range(2):
+                labels[layout.offset("ll_acks", c, p, rank)] = "ll_acks"
+    return labels
 
 
 def plan_values(layout: WorkspaceLayout, rank: int) -> list[int]:

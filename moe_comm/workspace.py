@@ -66,7 +66,9 @@ mode adds outboxes for what it puts: ``rdma_rows`` [P, T, H*b] uint8 and ``rdma_
 ``rdma_combine_rows`` [P, R, T, H] and ``rdma_combine_meta`` [P, R, T, K] float32; the
 low-latency mode adds ``ll_outbox`` [P, T, S] uint8 (each token's row once, put from there)
 and ``ll_combine_outbox`` [P, L, R*T, H] dtype (expert outputs put from there; the caller may
-write them there directly: ``Buffer.low_latency_combine_buffer``).
+write them there directly: ``Buffer.low_latency_combine_buffer``). The proxy transport adds the
+same two, and ``ll_meta_table`` [T, K] int32 (``t * 32 + k``, written once: the proxy copies a
+pair's meta word from there).
 
 Nodes (``ranks_per_node = N`` < R; ``M = R / N`` nodes; rank ``r`` is local index ``r % N`` of node
 ``r // N``). Peers on other nodes have no pointer; the proxy transport (``transport="nixl"``)
@@ -240,11 +242,16 @@ class WorkspaceLayout:
                     ("hcomb_rows", (PARITIES, M, T, H), dtype),
                     ("hcomb_meta", (PARITIES, M, T, K), torch.float32),
                 ]
-        if low_latency and rdma:
+        # peers without a pointer get the low-latency rows from outboxes (NVSHMEM puts, or the
+        # proxy); the proxy copies each pair's meta word from a constant table
+        self.ll_outboxes = low_latency and (rdma or proxy)
+        if self.ll_outboxes:
             specs += [
                 ("ll_outbox", (PARITIES, T, self.ll_slot_bytes), torch.uint8),
                 ("ll_combine_outbox", (PARITIES, L, R * T, H), dtype),
             ]
+        if low_latency and proxy:
+            specs.append(("ll_meta_table", (T, K), torch.int32))
         self.regions: dict[str, Region] = {}
         offset = 0
         for name, shape, dt in specs:

@@ -10,7 +10,9 @@ import torch.distributed as dist
 
 import moe_comm
 from cases import Case, expert_fn, make_inputs
+from ll_jobs import _all_ys, check_out, check_recv, new_ll_buffer
 from moe_comm import reference
+from moe_comm.workspace import low_latency_slot_bytes
 
 
 def new_buffer(case: Case, ranks_per_node: int, hierarchical: bool, **kwargs):
@@ -125,3 +127,83 @@ def stopped_proxy(rank, world_size, case: Case, ranks_per_node: int, victim: int
             return {"kind": type(exc).__name__, "peer": exc.peer, "via": exc.via,
                     "message": str(exc), "seconds": time.monotonic() - start}
     return {"kind": None}
+
+
+def vanished_peer(rank, world_size, case: Case, ranks_per_node: int, victim: int,
+                  timeout_s: float, low_latency: bool) -> dict:
+    """One good round trip, then ``victim`` drops its NIXL agent (what a crashed process or a
+    lost NIC leaves its peers) while the others start the next one: every other rank must
+    raise within the timeout, naming the victim (or, hierarchical, the forwarder that waited
+    for it). The victim raises too, or stops at its own timeout: nothing hangs."""
+    xs, idxs, ws = make_inputs(case)
+    kwargs = dict(ranks_per_node=ranks_per_node, transport="nixl", timeout_s=timeout_s)
+    buf = new_ll_buffer(case, **kwargs) if low_latency else \
+        new_buffer(case, ranks_per_node, True, timeout_s=timeout_s)
+
+    def round_trip():
+        if low_latency:
+            recv, _ = buf.low_latency_dispatch(xs[rank], idxs[rank], fp8=False)
+            buf.low_latency_combine(recv.x.to(case.dtype), idxs[rank], ws[rank], recv.handle)
+        else:
+            res = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+            buf.combine(expert_fn(res.x, res.expert_offsets), res.handle, res.weights)
+
+    with buf:
+        round_trip()
+        dist.barrier()
+        if rank == victim:
+            time.sleep(0.3)
+            buf.proxy.close(wait_for_peers=False)
+        start = time.monotonic()
+        try:
+            round_trip()
+        except (moe_comm.PeerTimeoutError, RuntimeError) as exc:
+            return {"kind": type(exc).__name__, "peer": getattr(exc, "peer", None),
+                    "via": getattr(exc, "via", None), "message": str(exc),
+                    "seconds": time.monotonic() - start}
+    return {"kind": None}
+
+
+def ll_nodes_case(rank, world_size, case: Case, ranks_per_node: int, iterations: int = 3,
+                  straggle_s: float = 0.0, fp8: bool = False, ue8m0: bool = False) -> dict:
+    """Low-latency dispatch + combine across nodes through the proxy, ``iterations`` times,
+    each against the reference bit for bit; returns the bytes the transport was asked to move
+    and the minimum: every pair to an expert on another node (row and meta word) out, every
+    pair from a source on another node (one combined row) back."""
+    delay = random.Random(2000 * case.seed + rank)
+    N, L, H = ranks_per_node, case.num_experts // world_size, case.hidden
+    payload = (H + (H // 128) * (1 if ue8m0 else 4) if fp8
+               else H * torch.empty((), dtype=case.dtype).element_size())
+    assert payload <= low_latency_slot_bytes(H, case.dtype)
+    row = H * torch.empty((), dtype=torch.bfloat16).element_size()  # ys are bf16
+    want_out = want_in = 0
+    with new_ll_buffer(case, ranks_per_node=N, transport="nixl") as buf:
+        assert buf.transport == "nixl"
+        for it in range(iterations):
+            xs, idxs, ws = make_inputs(case, it)
+            time.sleep(delay.uniform(0, straggle_s))
+            recv, hook = buf.low_latency_dispatch(xs[rank], idxs[rank], fp8=fp8, ue8m0=ue8m0,
+                                                  return_hook=True)
+            time.sleep(delay.uniform(0, straggle_s))
+            hook()
+            check_recv(rank, case, it, recv, xs, idxs, fp8, ue8m0)
+            ys, refs = _all_ys(case, xs, idxs, fp8, it)
+            y = ys[rank]
+            if it == iterations - 1:  # the proxy reads y where the caller wrote it: no copy
+                y = buf.low_latency_combine_buffer()
+                y.copy_(ys[rank])
+            out, _ = buf.low_latency_combine(y, idxs[rank], ws[rank], recv.handle)
+            check_out(rank, case, it, out, (ys, refs), idxs, ws)
+            node_of = [(i // L) // N for i in range(case.num_experts)]
+            mine = idxs[rank][idxs[rank] >= 0].tolist()
+            want_out += sum(node_of[e] != rank // N for e in mine) * (payload + 4)
+            want_in += sum(int((idxs[s] // L == rank).sum()) for s in range(world_size)
+                           if s // N != rank // N) * row
+        stats = buf.stats()
+        report = {"ll_dispatch": stats.get("internode_ll_dispatch_bytes", 0),
+                  "ll_combine": stats.get("internode_ll_combine_bytes", 0),
+                  "want_dispatch": want_out, "want_combine": want_in,
+                  "peer_ptrs": buf.heap.peer_ptrs.tolist()}
+    report["threads"] = sorted(t.name for t in threading.enumerate()
+                               if t.name.startswith("moe_comm"))
+    return report

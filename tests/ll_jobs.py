@@ -74,7 +74,7 @@ def ll_round_trip(rank, world_size, case: Case, fp8: bool, ue8m0: bool = False,
 
 
 def ll_two_in_flight(rank, world_size, case: Case, rounds: int, straggle_s: float,
-                     in_kernels: bool = False) -> None:
+                     in_kernels: bool = False, **buffer_kwargs) -> None:
     """Two micro-batches overlapped, as decode does: send A, send B, receive A, combine A while
     B is in flight, ... with random per-rank delays; every result checked. ``in_kernels``: the
     sends wait for the acknowledgements and the receives for the data inside the kernels."""
@@ -82,7 +82,7 @@ def ll_two_in_flight(rank, world_size, case: Case, rounds: int, straggle_s: floa
 
     delay = random.Random(77 + rank)
     with kernel_waits(in_kernels):
-        buf = new_ll_buffer(case)
+        buf = new_ll_buffer(case, **buffer_kwargs)
     with buf:
         for rnd in range(rounds):
             batches = [make_inputs(case, 2 * rnd + mb) for mb in range(2)]
@@ -108,14 +108,14 @@ def ll_two_in_flight(rank, world_size, case: Case, rounds: int, straggle_s: floa
 
 
 def ll_pipelined_dispatches(rank, world_size, case: Case, calls: int, straggle_s: float,
-                            in_kernels: bool = False):
+                            in_kernels: bool = False, **buffer_kwargs):
     """Dispatches only, always two in flight: staging parity p is written again while a slow
     peer may still be reading it unless the acknowledgements hold the sender back."""
     from rank_jobs import kernel_waits
 
     delay = random.Random(500 + rank)
     with kernel_waits(in_kernels):
-        buf = new_ll_buffer(case)
+        buf = new_ll_buffer(case, **buffer_kwargs)
     with buf:
         inflight = []
         for n in range(calls):

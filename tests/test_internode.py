@@ -1,9 +1,17 @@
 """CPU ranks grouped into nodes: every byte between nodes moves through the NIXL proxy."""
 import pytest
 import torch
-from internode_jobs import cross_node_bytes, no_pointer_to_another_node, nodes_case, stopped_proxy
+from internode_jobs import (
+    cross_node_bytes,
+    ll_nodes_case,
+    no_pointer_to_another_node,
+    nodes_case,
+    stopped_proxy,
+    vanished_peer,
+)
 
 from cases import Case
+from ll_jobs import ll_pipelined_dispatches, ll_two_in_flight
 from rank_jobs import gradients
 
 pytest.importorskip("nixl_cu13")
@@ -106,3 +114,65 @@ def test_a_stopped_proxy_is_named_by_every_rank_within_the_timeout(ranks):
         assert rep["seconds"] < timeout_s + 2.0, (rank, rep)
         assert victim in (rep["peer"], rep["via"]), (rank, rep["message"])
     assert reports[victim]["kind"] == "TransportError"
+
+
+@pytest.mark.parametrize("low_latency", [False, True], ids=["normal-hier", "low-latency"])
+def test_a_vanished_peer_is_named_across_nodes_and_nothing_hangs(ranks, low_latency):
+    """Rank 2's agent vanishes: the ranks of the other node, which need it through the
+    transport, name it within the timeout. Its own node's ranks reach it by stores; they raise
+    too, bounded, naming whichever peer stopped first (a rank that raised sends no more)."""
+    case = Case(4, 8, 128, 2, (6, 5, 7, 4), seed=50)
+    timeout_s, victim = 3.0, 2
+    reports = ranks(4).run(vanished_peer, case, 2, victim, timeout_s, low_latency)
+    for rank, rep in enumerate(reports):
+        assert rep["kind"] is not None, f"rank {rank} did not raise"
+        assert rep["seconds"] < 2 * timeout_s + 2.0, (rank, rep)
+        if rank // 2 != victim // 2:
+            assert rep["kind"] in ("PeerTimeoutError", "TransportError"), (rank, rep)
+            assert rep["seconds"] < timeout_s + 2.0, (rank, rep)
+            assert victim in (rep["peer"], rep["via"]), (rank, rep["message"])
+
+
+# ------------------------------------------------------------------------------ low latency
+LL_SETUPS = [  # (nodes x ranks per node, case, stragglers, fp8, ue8m0)
+    ((2, 2), Case(4, 16, 256, 4, (7, 0, 5, 8), torch.bfloat16, "zipf", seed=51), 0.05, False,
+     False),
+    ((2, 2), Case(4, 8, 256, 2, (6, 8, 3, 0), torch.bfloat16, "uniform", seed=52), 0.0, True,
+     False),
+    ((2, 4), Case(8, 16, 256, 4, (4, 0, 6, 3, 5, 2, 7, 1), torch.bfloat16, "uniform", seed=53),
+     0.02, True, True),
+    ((4, 2), Case(8, 32, 128, 8, (5, 3, 0, 6, 2, 4, 1, 7), torch.bfloat16, "empty_rank",
+                  seed=54), 0.0, False, False),
+]
+
+
+def _ll_id(setup) -> str:
+    (m, n), case, straggle, fp8, ue8m0 = setup
+    return (f"{m}x{n}-{case}" + ("-stragglers" if straggle else "") + ("-fp8" if fp8 else "")
+            + ("-ue8m0" if ue8m0 else ""))
+
+
+@pytest.mark.parametrize("setup", LL_SETUPS, ids=_ll_id)
+def test_low_latency_across_nodes_matches_reference_and_moves_the_minimum(ranks, setup):
+    """Decode across nodes through the proxy: one descriptor per (token, expert) pair on
+    another node, the expert's signal after them; results bit for bit, and the transport asked
+    to move exactly those pairs (row and meta word out, one row back)."""
+    (m, n), case, straggle, fp8, ue8m0 = setup
+    reports = ranks(m * n).run(ll_nodes_case, case, n, iterations=3, straggle_s=straggle,
+                               fp8=fp8, ue8m0=ue8m0)
+    for rank, rep in enumerate(reports):
+        assert rep["threads"] == [], f"rank {rank}: threads left: {rep['threads']}"
+        assert all(rep["peer_ptrs"][p] == 0 for p in range(m * n) if p // n != rank // n)
+        assert rep["ll_dispatch"] == rep["want_dispatch"], (rank, rep)
+        assert rep["ll_combine"] == rep["want_combine"], (rank, rep)
+    assert sum(r["ll_dispatch"] for r in reports) > 0
+
+
+def test_low_latency_across_nodes_two_in_flight(ranks):
+    """Two micro-batches overlapped with stragglers: the acknowledgements cross nodes through
+    the proxy too, so a staging parity is never overwritten while a peer reads it."""
+    case = Case(4, 8, 128, 2, (5, 6, 0, 4), torch.bfloat16, "uniform", seed=55)
+    ranks(4).run(ll_two_in_flight, case, rounds=3, straggle_s=0.03, ranks_per_node=2,
+                 transport="nixl")
+    ranks(4).run(ll_pipelined_dispatches, case, calls=6, straggle_s=0.03, ranks_per_node=2,
+                 transport="nixl")

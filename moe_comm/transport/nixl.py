@@ -9,7 +9,9 @@ The thread loops, never blocking on anything but short sleeps when idle:
 
 1. **drain the ring** (``moe_comm.kernels.proxy``): for each published descriptor, one NIXL
    WRITE of its segments into the peer's segment, with a notification that carries (signal
-   offset, value); a descriptor without data sends the notification alone;
+   offset, value); a descriptor without data sends the notification alone, once every
+   transfer posted to that peer before it is complete (a fence: the low-latency mode's
+   per-expert signals follow the per-pair transfers they count);
 2. **complete transfers**: ``check_xfer_state``; ``ERR``, or one still running after the
    timeout, fails the transport towards that peer;
 3. **apply notifications**: NIXL delivers a notification only after its transfer's data is in
@@ -17,8 +19,11 @@ The thread loops, never blocking on anything but short sleeps when idle:
    release: a waiter that sees the epoch sees the rows.
 
 Failures are kept (``failure``) and raised as :class:`TransportError` naming the peer by
-:meth:`check`, which the Buffer's waits call; a stopped thread is a failure too. ``close`` stops
-the thread, waits (bounded) for transfers in flight, deregisters and drops the agent.
+:meth:`check`, which the Buffer's waits call; a stopped thread is a failure too. ``close`` waits
+(bounded) for the transfers in flight, tells every peer it is closing and waits (bounded) until
+every peer said so too, so no rank drops its agent while a peer may still send to it (the
+last acknowledgements of the low-latency mode go out after a rank's last wait); then it stops
+the thread, deregisters and drops the agent.
 
 Counted here (the bytes NIXL is asked to move): data bytes written into each peer, per channel
 (:meth:`bytes_by_label`), and ``messages_to[p]`` transfers (each also carries a 16-byte
@@ -40,6 +45,7 @@ from .errors import TransportError
 from .select import nixl_backend
 
 _NOTIF = struct.Struct("<qq")  # (signal byte offset, value)
+_CLOSING = -1  # a notification with this offset: the sender (value) is closing
 _IDLE_S = (2e-5, 1e-3)  # sleep between idle polls: from, doubling up to
 _CLOSE_DRAIN_S = 5.0
 
@@ -97,7 +103,12 @@ class NixlProxy:
             self._peer_name[p] = self._agent.add_remote_agent(infos[p][0])
             self._peer_base[p] = int(infos[p][1])
         self._rank_of = {n: p for p, n in self._peer_name.items()}
-        self._inflight: list[tuple[object, int, float]] = []
+        self._inflight: list[tuple[object, int, float, int]] = []  # handle, peer, start, seq
+        self._posted = 0  # transfers posted so far (their sequence numbers)
+        self._fenced: list[tuple[int, bytes, int]] = []  # peer, notification, after seq
+        self._closing = False  # close() asked the thread to say so to every peer
+        self._said_closing = False
+        self._peers_closing: set[int] = set()
         self._stop = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"moe_comm-proxy-r{rank}",
@@ -131,24 +142,33 @@ class NixlProxy:
         self._stop.set()
         self._thread.join(timeout=10)
 
-    def close(self) -> None:
-        """Stops the thread after the transfers in flight complete (bounded), then drops the
-        agent and its registration. No thread is left."""
+    def close(self, wait_for_peers: bool = True) -> None:
+        """Stops the thread after the transfers in flight complete and, with
+        ``wait_for_peers``, every peer closes too (each bounded), then drops the agent and its
+        registration. No thread is left."""
         if self._closed:
             return
         deadline = time.monotonic() + min(self.timeout_s, _CLOSE_DRAIN_S)
-        while (self._inflight or self._pending()) and self._thread.is_alive() \
+        while (self._inflight or self._fenced or self._pending()) and self._thread.is_alive() \
                 and time.monotonic() < deadline:
+            time.sleep(1e-3)
+        self._closing = True
+        deadline = time.monotonic() + (self.timeout_s if wait_for_peers else 1.0)
+        while self._thread.is_alive() and self.failure is None and time.monotonic() < deadline \
+                and not (self._said_closing and (not wait_for_peers
+                                                 or self._peers_closing >= set(self.peers))):
             time.sleep(1e-3)
         self._stop.set()
         self._thread.join(timeout=10)
+        if not self._said_closing:  # the thread failed or was stopped: tell the peers anyway
+            self._say_closing()
         self._closed = True
-        for h, _, _ in self._inflight:
+        for h, *_ in self._inflight:
             try:
                 self._agent.release_xfer_handle(h)
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
-        self._inflight = []
+        self._inflight, self._fenced = [], []
         try:
             self._agent.deregister_memory(self._registered)
             for name in self._peer_name.values():
@@ -170,7 +190,11 @@ class NixlProxy:
             while not self._stop.is_set() and self.failure is None:
                 busy = self._drain_ring()
                 busy |= self._complete()
+                busy |= self._send_fenced()
                 busy |= self._apply_notifications()
+                if self._closing and not self._said_closing and not (
+                        self._fenced or self._inflight or self._pending()):
+                    self._say_closing()
                 if busy:
                     idle = _IDLE_S[0]
                 else:
@@ -219,8 +243,9 @@ class NixlProxy:
         self.messages_to[peer] += 1
         self._bytes[self._labels.get(signal_off, "other")][peer] += total
         try:
-            if not local:
-                self._agent.send_notif(name, notif)
+            if not local:  # a fence: after every transfer posted to this peer so far
+                self._fenced.append((peer, notif, self._posted))
+                self._send_fenced()
                 return
             handle = self._agent.initialize_xfer(
                 "WRITE", self._agent.get_xfer_descs(local, "DRAM"),
@@ -233,13 +258,45 @@ class NixlProxy:
             self._agent.release_xfer_handle(handle)
             self._fail(peer, "NIXL reported an error posting a transfer")
             return
-        self._inflight.append((handle, peer, time.monotonic()))
+        self._posted += 1
+        self._inflight.append((handle, peer, time.monotonic(), self._posted))
+
+    def _send_fenced(self) -> bool:
+        """Sends the fenced notifications whose earlier transfers to their peer are complete
+        (in posting order per peer)."""
+        if not self._fenced:
+            return False
+        oldest: dict[int, int] = {}  # per peer, the oldest transfer still in flight
+        for _, peer, _, seq in self._inflight:
+            oldest[peer] = min(seq, oldest.get(peer, seq))
+        keep, held, sent = [], set(), False
+        for peer, notif, after in self._fenced:
+            if peer in held or oldest.get(peer, after + 1) <= after:
+                held.add(peer)
+                keep.append((peer, notif, after))
+                continue
+            try:
+                self._agent.send_notif(self._peer_name[peer], notif)
+            except Exception as exc:  # noqa: BLE001 - NIXL raises for a lost peer
+                self._fail(peer, f"NIXL: {exc!r}")
+            sent = True
+        self._fenced = keep
+        return sent
+
+    def _say_closing(self) -> None:
+        notif = _NOTIF.pack(_CLOSING, self.rank)
+        for name in self._peer_name.values():
+            try:
+                self._agent.send_notif(name, notif)
+            except Exception:  # noqa: BLE001 - a peer may be gone: nothing more to tell it
+                pass
+        self._said_closing = True
 
     def _complete(self) -> bool:
         if not self._inflight:
             return False
         still, now = [], time.monotonic()
-        for handle, peer, start in self._inflight:
+        for handle, peer, start, seq in self._inflight:
             try:
                 state = self._agent.check_xfer_state(handle)
             except Exception as exc:  # noqa: BLE001 - NIXL raises for a lost peer
@@ -248,7 +305,7 @@ class NixlProxy:
             if state == "PROC":
                 if now - start > self.timeout_s:
                     self._fail(peer, f"a transfer did not complete in {self.timeout_s:g} s")
-                still.append((handle, peer, start))
+                still.append((handle, peer, start, seq))
                 continue
             self._agent.release_xfer_handle(handle)
             self.transfer_seconds += now - start
@@ -264,6 +321,10 @@ class NixlProxy:
         for messages in notifs.values():
             for msg in messages:
                 signal_off, value = _NOTIF.unpack(msg)
+                if signal_off == _CLOSING:
+                    self._peers_closing.add(value)
+                    busy = True
+                    continue
                 word = signal_off // 8
                 if self._words[word] < value:
                     self._words[word] = value

@@ -43,6 +43,8 @@ from .comm import INTERPRETED, TIMEOUT_RECORD, _host_clock_ns, record_error
 RING_HEADER = 2
 DESC_WORDS = 24
 MAX_SEGMENTS = 3
+_HEADER = tl.constexpr(RING_HEADER)  # the same, for the kernels (compiled code reads only
+_DESC = tl.constexpr(DESC_WORDS)  # constexpr globals)
 
 
 @triton.jit
@@ -72,7 +74,7 @@ def post_transfer(ring_addr, slots, peer, signal_off, value, nseg,
         taken = tl.load(ring + 1, volatile=True)
     posted = i - taken < slots
     if posted:
-        d = ring + RING_HEADER + (i % slots) * DESC_WORDS
+        d = ring + _HEADER + (i % slots) * _DESC
         tl.store(d + 1, tl.cast(peer, tl.int64))
         tl.store(d + 2, tl.cast(signal_off, tl.int64))
         tl.store(d + 3, tl.cast(value, tl.int64))

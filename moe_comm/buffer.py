@@ -236,7 +236,8 @@ class Buffer(NormalMode, LowLatencyMode):
         self._ll_state = layout.view(heap, "ll_state") if layout.low_latency else None
         if layout.low_latency and layout.proxy:  # the proxy copies pair meta words from here
             T, K = layout.max_tokens, layout.max_topk
-            table = torch.arange(T, device=heap.device)[:, None] * 32 + torch.arange(K)[None, :]
+            table = (torch.arange(T, device=heap.device)[:, None] * 32
+                     + torch.arange(K, device=heap.device)[None, :])
             layout.view(heap, "ll_meta_table").copy_(table.to(torch.int32))
         _registry.register(self)
 
@@ -369,7 +370,7 @@ class Buffer(NormalMode, LowLatencyMode):
             x = self._xstats.tolist()
             out.update(dispatch_bytes_to_outbox=x[0], combine_bytes_to_outbox=x[1],
                        dispatch_bytes_forwarded=x[2], combine_bytes_to_forwarders=x[3])
-            for channel, per_peer in self.proxy.bytes_by_label().items():
+            for channel, per_peer in self.proxy.bytes_by_label().items():  # settles the ring
                 out[f"internode_{channel}_bytes"] = int(per_peer.sum())
             out["internode_messages"] = int(self.proxy.messages_to.sum())
         return out

@@ -21,8 +21,10 @@ for every ``--arch`` and read (``kernels.compiled``); the gate fails when a vari
 
 One row per variant and architecture goes to the TSV; the table is printed; the exit status is
 1 when anything failed. NVSHMEM-linked variants are built at the DeepSeek-V3 sizes in bf16 (the
-flavour changes only the send kernels' NVSHMEM paths); every other flavour at every size and
-dtype.
+flavour changes only the send kernels' NVSHMEM paths), and so are the low-latency kernels of
+the proxy flavour (descriptors posted into the ring; two nodes); every other flavour at every
+size and dtype. Not yet here: the normal mode's proxy flavour (its outbox and forwarding
+kernels wait on the host so far).
 """
 from __future__ import annotations
 
@@ -81,12 +83,15 @@ def _buffers(cfg: GateConfig, dtype, low_latency: bool, transport: int, arch: in
     from .workspace import WorkspaceLayout
 
     L = cfg.num_experts // cfg.world_size
+    proxy = transport == 2  # two nodes; the ring's address does not change what compiles
     layout = WorkspaceLayout(cfg.world_size, cfg.tokens, cfg.hidden, L, cfg.topk, dtype,
-                             low_latency, rdma=bool(transport))
+                             low_latency, rdma=transport == 1, proxy=proxy,
+                             ranks_per_node=cfg.world_size // 2 if proxy else None)
     elem = torch.empty((), dtype=dtype).element_size()
     flavour = Flavour(transport=transport, device_wait=True, compiled=True,
-                      bitcode=device_bitcode(arch) if transport else "",
-                      row_align=16 if cfg.hidden * elem % 16 == 0 else elem)
+                      bitcode=device_bitcode(arch) if transport == 1 else "",
+                      row_align=16 if cfg.hidden * elem % 16 == 0 else elem,
+                      ring_slots=4096 if proxy else 0)
     buffers = []
     for heap in create_loopback_heaps(cfg.world_size, layout.nbytes, "meta"):
         buf = Buffer.__new__(Buffer)
@@ -213,6 +218,8 @@ def record_config(cfg: GateConfig, arch: int) -> dict[str, Variant]:
         for transport in ((0, 1) if cfg.nvshmem and dtype == torch.bfloat16 else (0,)):
             runs.append((name, dtype, transport, False))
             runs.append((name, dtype, transport, True))
+        if cfg.nvshmem and dtype == torch.bfloat16:  # the low-latency kernels' proxy flavour
+            runs.append((name, dtype, 2, True))
     for name, dtype, transport, low_latency in runs:
         bufs = _buffers(cfg, dtype, low_latency, transport, arch)
         with recording(arch) as launches:

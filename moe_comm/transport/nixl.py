@@ -122,7 +122,12 @@ class NixlProxy:
 
     def bytes_by_label(self) -> dict[str, np.ndarray]:
         """Data bytes posted so far per label of the signal raised after them (the channel:
-        ``labels`` maps signal offsets to names) and per destination rank (copies)."""
+        ``labels`` maps signal offsets to names) and per destination rank (copies). Counts
+        every descriptor the kernels published: waits (bounded) for the thread to take those
+        still in the ring."""
+        deadline = time.monotonic() + min(self.timeout_s, _CLOSE_DRAIN_S)
+        while self._pending() and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(1e-4)
         return {label: b.copy() for label, b in self._bytes.items()
                 if label != "other" or b.any()}
 

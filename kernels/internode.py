@@ -338,12 +338,20 @@ def forward_dispatch_kernel(
                 sm = slot >= 0
                 d = my_node * N + dl
                 dst = peer_ptr(peer_ptrs, d, d_rows_off, tl.uint8, ALIGN) + slot * ROW_BYTES
-                for b0 in range(0, PAYLOAD, BLOCK_B):
+                body = tl.multiple_of(PAYLOAD // 16 * 16, 16)  # 16-byte stores; then the
+                for b0 in range(0, body, BLOCK_B):  # tail (UE8M0 exponents) byte by byte
                     b = b0 + tl.arange(0, BLOCK_B)
-                    bm = b < PAYLOAD
+                    bm = b < body
                     tile = tl.load(rows + j64[:, None] * ROW_BYTES + b[None, :],
                                    mask=jm[:, None] & bm[None, :])
                     tl.store(dst[:, None] + b[None, :], tile,  # gate: row
+                             mask=sm[:, None] & bm[None, :])
+                if body < PAYLOAD:
+                    b = body + tl.arange(0, 16)
+                    bm = b < PAYLOAD
+                    tile = tl.load(rows + j64[:, None] * ROW_BYTES + b[None, :],
+                                   mask=jm[:, None] & bm[None, :])
+                    tl.store(dst[:, None] + b[None, :], tile,  # gate: tail
                              mask=sm[:, None] & bm[None, :])
                 if not CACHED:
                     mm = tl.arange(0, BLOCK_M)
@@ -525,7 +533,8 @@ def forward_dispatch(plan, peer_ptrs, fwd_slots, fwd_n, xstats, tickets, epochs,
     """Launches :func:`forward_dispatch_kernel` on grid ``(M, P)``."""
     R, N = peer_ptrs.numel(), flavour.ranks_per_node
     tile = tiles("dispatch_expand", flavour.compiled, 1024, 1)
-    block_b = 16 * tile.num_threads if flavour.compiled else 2048
+    # 16 bytes of a row tile per thread on a GPU
+    block_b = max(16, 16 * tile.num_threads // tile.block_t) if flavour.compiled else 2048
     P = 1 if not flavour.compiled else max(1, min(triton.cdiv(max_tokens, tile.block_t), 32))
     forward_dispatch_kernel[(R // N, P)](
         plan, peer_ptrs, fwd_slots, fwd_n, xstats, tickets, epochs, flavour.local_base,

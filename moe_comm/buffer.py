@@ -466,10 +466,12 @@ class Buffer(NormalMode, LowLatencyMode):
         self._check_usable(channel)
 
     def _wait_words(self, words, expected: int, peers: list[int], channel: str) -> None:
-        """Host wait until ``words[i] >= expected`` for all i (``words``: a numpy view of local
-        signal words; word i is published for rank ``peers[i]``). Through the proxy a transport
-        failure raises at once; a timeout names the rank, and in hierarchical mode the rank of
-        this node that forwards it."""
+        """Host wait until ``words[i] >= expected`` for all i (``words``: local signal words, a
+        tensor or a numpy view; word i is published for rank ``peers[i]``). Through the proxy a
+        transport failure raises at once; a timeout names the rank, and in hierarchical mode
+        the rank of this node that forwards it."""
+        if isinstance(words, torch.Tensor):
+            words = words.numpy()
         observe = words.tolist
         if self.proxy is not None:
             proxy = self.proxy

@@ -23,8 +23,8 @@ One row per variant and architecture goes to the TSV; the table is printed; the 
 1 when anything failed. NVSHMEM-linked variants are built at the DeepSeek-V3 sizes in bf16 (the
 flavour changes only the send kernels' NVSHMEM paths), and so are the low-latency kernels of
 the proxy flavour (descriptors posted into the ring; two nodes); every other flavour at every
-size and dtype. Not yet here: the normal mode's proxy flavour (its outbox and forwarding
-kernels wait on the host so far).
+size and dtype. The proxy flavour covers the normal mode too, flat and hierarchical (its
+outbox and forwarding kernels), as launched around the host waits it still has between them.
 """
 from __future__ import annotations
 
@@ -72,8 +72,20 @@ class Variant:
 
 
 # ------------------------------------------------------------------------------ recording
-def _buffers(cfg: GateConfig, dtype, low_latency: bool, transport: int, arch: int):
-    """Virtual ranks on the meta device with the GPU flavour (``transport`` 1: NVSHMEM)."""
+class _RingStandIn:
+    """What the Buffer asks of its proxy while the gate records (no ring, no thread)."""
+
+    ring_addr, slots = 0, 4096
+
+    def check(self) -> None:
+        pass
+
+
+def _buffers(cfg: GateConfig, dtype, low_latency: bool, transport: int, arch: int,
+             hierarchical: bool = False):
+    """Virtual ranks on the meta device with the GPU flavour (``transport`` 1: NVSHMEM; 2: the
+    proxy, two nodes, ``hierarchical`` or flat). The proxy flavour's host waits between its
+    kernels (the forwarders') are skipped: they wait on the host, not in a kernel, so far."""
     import torch
 
     from .buffer import Buffer
@@ -84,19 +96,24 @@ def _buffers(cfg: GateConfig, dtype, low_latency: bool, transport: int, arch: in
 
     L = cfg.num_experts // cfg.world_size
     proxy = transport == 2  # two nodes; the ring's address does not change what compiles
+    N = cfg.world_size // 2 if proxy else None
     layout = WorkspaceLayout(cfg.world_size, cfg.tokens, cfg.hidden, L, cfg.topk, dtype,
-                             low_latency, rdma=transport == 1, proxy=proxy,
-                             ranks_per_node=cfg.world_size // 2 if proxy else None)
+                             low_latency, rdma=transport == 1, proxy=proxy, ranks_per_node=N,
+                             hierarchical=hierarchical)
     elem = torch.empty((), dtype=dtype).element_size()
     flavour = Flavour(transport=transport, device_wait=True, compiled=True,
                       bitcode=device_bitcode(arch) if transport == 1 else "",
                       row_align=16 if cfg.hidden * elem % 16 == 0 else elem,
-                      ring_slots=4096 if proxy else 0)
+                      ring_slots=_RingStandIn.slots if proxy else 0, ranks_per_node=N or 0,
+                      hierarchical=layout.hierarchical)
     buffers = []
     for heap in create_loopback_heaps(cfg.world_size, layout.nbytes, "meta"):
         buf = Buffer.__new__(Buffer)
-        buf._setup(heap, layout, cfg.num_experts, None, None, num_sms=20, flavour=flavour)
+        buf._setup(heap, layout, cfg.num_experts, None, None, num_sms=20, flavour=flavour,
+                   proxy=_RingStandIn() if proxy else None)
         buf.backend = "gate"
+        if proxy:
+            buf._wait_words = lambda *args, **kwargs: None
         buffers.append(buf)
     return buffers
 
@@ -151,15 +168,17 @@ def _drive_combines(bufs, cfg: GateConfig, dtype, xs, res, rows: int) -> None:
         for _ in range(2):
             lockstep.combine(bufs, ys, handles, weights)
     for _ in range(2):  # the backward of combine: a dispatch of the cached layout
-        pending = [b.dispatch_cached_send(x, h.slot_of) for b, x, h in zip(bufs, xs, handles)]
+        pending = [b.dispatch_cached_send(x, h.slot_of, h.node_tensors()[0])
+                   for b, x, h in zip(bufs, xs, handles)]
         for b, p, h in zip(bufs, pending, handles):
             b.dispatch_cached_recv(p, h.slot_rows, h.recv_slot_offsets, h.tokens_per_expert,
-                                   h.expert_offsets, h.num_rows)
+                                   h.expert_offsets, h.num_rows, *h.node_tensors()[1:])
     for _ in range(2):  # the backward of dispatch: a combine with router-weight gradients
         pending = [b.combine_send(y, None, torch.empty(rows, device="meta"), h.slot_rows,
-                                  h.recv_slot_offsets) for b, y, h in zip(bufs, ys, handles)]
+                                  h.recv_slot_offsets, *h.node_tensors()[1:])
+                   for b, y, h in zip(bufs, ys, handles)]
         for b, p, h in zip(bufs, pending, handles):
-            b.combine_recv(p, h.slot_of, want_pair=True)
+            b.combine_recv(p, h.slot_of, want_pair=True, node_slot_of=h.node_tensors()[0])
 
 
 def drive_low_latency(bufs, cfg: GateConfig, dtype) -> None:
@@ -216,12 +235,13 @@ def record_config(cfg: GateConfig, arch: int) -> dict[str, Variant]:
     for name in GATE_DTYPES:
         dtype = getattr(torch, name)
         for transport in ((0, 1) if cfg.nvshmem and dtype == torch.bfloat16 else (0,)):
-            runs.append((name, dtype, transport, False))
-            runs.append((name, dtype, transport, True))
-        if cfg.nvshmem and dtype == torch.bfloat16:  # the low-latency kernels' proxy flavour
-            runs.append((name, dtype, 2, True))
-    for name, dtype, transport, low_latency in runs:
-        bufs = _buffers(cfg, dtype, low_latency, transport, arch)
+            runs.append((name, dtype, transport, False, False))
+            runs.append((name, dtype, transport, True, False))
+        if cfg.nvshmem and dtype == torch.bfloat16:  # the proxy flavour
+            runs += [(name, dtype, 2, True, False), (name, dtype, 2, False, False),
+                     (name, dtype, 2, False, True)]
+    for name, dtype, transport, low_latency, *hierarchical in runs:
+        bufs = _buffers(cfg, dtype, low_latency, transport, arch, *hierarchical)
         with recording(arch) as launches:
             (drive_low_latency if low_latency else drive_normal)(bufs, cfg, dtype)
         if not low_latency and not transport:

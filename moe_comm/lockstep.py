@@ -57,9 +57,10 @@ def combine(buffers, ys, handles, weights=None) -> list[torch.Tensor]:
         buf._raise_input_errors("an earlier call")
         check_combine_inputs(y, h, w, buffer_id=buf.id, latest_serial=buf.dispatch_serial,
                              hidden=buf.hidden, dtype=buf.dtype, device=buf.device)
-    pending = [buf.combine_send(y, w, None, h.slot_rows, h.recv_slot_offsets)
+    pending = [buf.combine_send(y, w, None, h.slot_rows, h.recv_slot_offsets,
+                                *h.node_tensors()[1:])
                for buf, y, h, w in zip(buffers, ys, handles, weights)]
-    return [buf.combine_recv(p, h.slot_of, want_pair=False)[0]
+    return [buf.combine_recv(p, h.slot_of, want_pair=False, node_slot_of=h.node_tensors()[0])[0]
             for buf, p, h in zip(buffers, pending, handles)]
 
 

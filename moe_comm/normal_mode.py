@@ -133,7 +133,7 @@ class NormalMode:
         epochs there. ``fwd_slots`` / ``fwd_n`` given: the cached form (rows only, placed as
         that dispatch placed them); else made here: ``([M, T, N], [M])`` int32."""
         N, M = self.ranks_per_node, self.num_nodes
-        self._wait_words(self.layout.view(self.heap, "node_signals")[0].numpy(), epoch,
+        self._wait_words(self.layout.view(self.heap, "node_signals")[0], epoch,
                          [a * N + self.rank % N for a in range(M)], "dispatch")
         cached = fwd_slots is not None
         if not cached:
@@ -155,7 +155,7 @@ class NormalMode:
         node row and sends one row per token home (``kernels.internode``)."""
         N = self.ranks_per_node
         node = self.rank // N
-        self._wait_words(self.layout.view(self.heap, "hc_signals").numpy(), epoch,
+        self._wait_words(self.layout.view(self.heap, "hc_signals"), epoch,
                          [node * N + j for j in range(N)], "combine")
         view = lambda name: self.layout.view(self.heap, name)  # noqa: E731
         self.launches["combine_forward"] += internode.forward_combine(

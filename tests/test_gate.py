@@ -22,7 +22,8 @@ ROOT = os.path.dirname(HERE)
 COMPILED_ENV = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
 ROW_KERNELS = {"dispatch_send_kernel", "dispatch_expand_kernel", "combine_send_kernel",
                "combine_reduce_kernel", "ll_dispatch_send_kernel", "ll_dispatch_recv_kernel",
-               "ll_combine_send_kernel", "ll_combine_recv_kernel", "quantize_kernel"}
+               "ll_combine_send_kernel", "ll_combine_recv_kernel", "quantize_kernel",
+               "outbox_dispatch_kernel", "forward_dispatch_kernel", "forward_combine_kernel"}
 
 
 @pytest.mark.slow

@@ -52,8 +52,8 @@ if [[ -n $ARCH ]]; then done_phase facts "$start" ok; else ARCH=90; done_phase f
   "FAIL: no CUDA device seen (arch 90 assumed)"; fi
 cat <<EOF
 == plan: budget ${BUDGET_S}s; compile ahead for sm_${ARCH} on ${JOBS} processes (the CPU-only
-   gate of this tree records about 190 variants per arch at ~0.4 s of compiling each, the
-   NVSHMEM-linked ones a few seconds: roughly 190 x 0.4 / ${JOBS} + recording and worker start,
+   gate of this tree records about 230 variants per arch at ~0.4 s of compiling each, the
+   NVSHMEM-linked ones a few seconds: roughly 230 x 0.4 / ${JOBS} + recording and worker start,
    30-90 s), the csrc/ cubin for sm_${ARCH} alongside (nvcc, 30-90 s when not cached);
    then the GPU tests (limit ${TEST_TIMEOUT_S}s each) and the benchmark (~1-2 min).
 EOF

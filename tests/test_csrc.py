@@ -740,6 +740,17 @@ def test_gpu_receive_without_sender_times_out_and_returns():
     assert buf._ll_state.cpu().tolist() == [0] * 8  # nothing published, ticket restored
 
 
+def _on_gpu_with_compiled_triton(test):
+    """GPU tests that launch compiled Triton kernels beside the csrc/ ones."""
+    for mark in (pytest.mark.gpu,
+                 pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+                 pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1",
+                                    reason="compiled Triton kernels needed (run with "
+                                           "TRITON_INTERPRET=0)")):
+        test = mark(test)
+    return test
+
+
 def _buffer_api_or_skip():
     if "kernel_impl" not in inspect.signature(moe_comm.Buffer.loopback).parameters:
         pytest.skip("Buffer.loopback(kernel_impl=...) is not available yet")
@@ -771,10 +782,7 @@ def test_gpu_buffer_kernel_impl_cuda_matches_reference(world_size, fp8, ue8m0):
             assert torch.equal(outs[r].cpu(), ref[r]), r
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1",
-                    reason="compiled Triton kernels needed (run with TRITON_INTERPRET=0)")
+@_on_gpu_with_compiled_triton
 def test_gpu_triton_and_cuda_ranks_interoperate_call_by_call():
     """Ranks switch implementation on every call; both write the same slots and signals."""
     _buffer_api_or_skip()
@@ -855,10 +863,7 @@ def test_bad_rows_are_sent_nowhere_and_raised_by_the_triton_kernels():
     _bad_rows_are_sent_nowhere_and_raised("cpu", "triton")
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1",
-                    reason="compiled Triton kernels needed (run with TRITON_INTERPRET=0)")
+@_on_gpu_with_compiled_triton
 def test_gpu_cuda_kernels_send_bad_rows_nowhere_and_raise():
     """csrc/ kernels get topk_idx with bad rows cleared (one checking launch per op)."""
     _buffer_api_or_skip()

@@ -523,9 +523,9 @@ def ll_combine_recv_kernel(
 
 
 def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, rank: int,
-                     num_local_experts: int, num_experts: int, max_tokens: int,
+                     num_local_experts: int, num_experts: int, max_tokens: int, max_topk: int,
                      slot_bytes: int, fp8: bool, ue8m0: bool, num_sms: int | None = None,
-                     flavour: Flavour = CPU_RANKS, max_topk: int = 0) -> bool:
+                     flavour: Flavour = CPU_RANKS) -> bool:
     """Launches ``min(cdiv(max_tokens, block_t), num_sms)`` persistent send programs (the
     grid depends on the Buffer alone). ``offsets``: rows / meta / signals / acks / outbox ->
     (byte offset of parity 0, bytes per parity); ``meta_table`` -> byte offset (the proxy)."""
@@ -539,8 +539,7 @@ def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, ran
         *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)),
         offsets.get("meta_table", 0), flavour.ring_addr, flavour.ring_slots, *flavour.args(),
         T, H, K, R, num_local_experts, num_experts, rank, max_tokens, max_topk, slot_bytes,
-        FP8=fp8,
-        UE8M0=ue8m0, TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait,
+        FP8=fp8, UE8M0=ue8m0, TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait,
         EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t, BLOCK_H=tile.block_h,
         BLOCK_K=triton.next_power_of_2(max(K, 1)),
         BLOCK_E=triton.next_power_of_2(num_experts), NUM_THREADS=tile.num_threads,

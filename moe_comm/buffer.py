@@ -465,6 +465,18 @@ class Buffer(NormalMode, LowLatencyMode):
         self.launches["wait"] += 1
         self._check_usable(channel)
 
+    def _checking_transport(self, observe):
+        """``observe`` for a host wait; through the proxy it raises a transport failure first."""
+        if self.proxy is None:
+            return observe
+        proxy = self.proxy
+
+        def checked():
+            proxy.check()
+            return observe()
+
+        return checked
+
     def _wait_words(self, words, expected: int, peers: list[int], channel: str) -> None:
         """Host wait until ``words[i] >= expected`` for all i (``words``: local signal words, a
         tensor or a numpy view; word i is published for rank ``peers[i]``). Through the proxy a
@@ -472,16 +484,9 @@ class Buffer(NormalMode, LowLatencyMode):
         the rank of this node that forwards it."""
         if isinstance(words, torch.Tensor):
             words = words.numpy()
-        observe = words.tolist
-        if self.proxy is not None:
-            proxy = self.proxy
-
-            def observe():
-                proxy.check()
-                return words.tolist()
         try:
-            wait_for_epochs(observe, expected, timeout_s=self.timeout_s, rank=self.rank,
-                            channel=channel)
+            wait_for_epochs(self._checking_transport(words.tolist), expected,
+                            timeout_s=self.timeout_s, rank=self.rank, channel=channel)
         except PeerTimeoutError as exc:
             if isinstance(exc, TransportError) or peers == list(range(len(peers))) \
                     and not self.hierarchical:

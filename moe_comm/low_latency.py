@@ -162,7 +162,7 @@ class LowLatencyMode:
         epoch = self._ll_epochs[channel]
         if not self.flavour.device_wait:  # GPUs wait in the send kernel itself
             acks = self.layout.view(self.heap, "ll_acks")[channel, epoch % 2].numpy()
-            wait_for_epochs(self._ll_observe(acks.tolist), epoch - IN_FLIGHT,
+            wait_for_epochs(self._checking_transport(acks.tolist), epoch - IN_FLIGHT,
                             timeout_s=self.timeout_s, rank=self.rank,
                             channel=f"low-latency {what} (staging reuse)")
         return epoch
@@ -176,18 +176,6 @@ class LowLatencyMode:
         if self.layout.proxy and channel == DISPATCH:
             offsets["meta_table"] = self.layout["ll_meta_table"].offset
         return offsets
-
-    def _ll_observe(self, observe):
-        """``observe`` for a host wait; through the proxy it raises a transport failure first."""
-        if self.proxy is None:
-            return observe
-        proxy = self.proxy
-
-        def checked():
-            proxy.check()
-            return observe()
-
-        return checked
 
     def low_latency_combine_buffer(self) -> torch.Tensor:
         """Where the next ``low_latency_combine`` reads ``y`` from without a copy:
@@ -301,7 +289,7 @@ class LowLatencyMode:
             def observed():  # [L, R] words: the oldest epoch each source published
                 return (words >> 32).min(axis=0).tolist()
 
-            recv.source_wait_s = wait_for_epochs(self._ll_observe(observed), epoch,
+            recv.source_wait_s = wait_for_epochs(self._checking_transport(observed), epoch,
                                                  timeout_s=self.timeout_s, rank=self.rank,
                                                  channel="low-latency dispatch")
         staging = self.layout.view(self.heap, "ll_dispatch_rows")
@@ -406,8 +394,9 @@ class LowLatencyMode:
     def _ll_combine_recv(self, epoch, topk_idx, topk_weights, out):
         if not self.flavour.device_wait:  # GPUs wait in the receive kernel itself
             words = self.layout.view(self.heap, "ll_combine_signals")[epoch % 2].numpy()
-            wait_for_epochs(self._ll_observe(words.tolist), epoch, timeout_s=self.timeout_s,
-                            rank=self.rank, channel="low-latency combine")
+            wait_for_epochs(self._checking_transport(words.tolist), epoch,
+                            timeout_s=self.timeout_s, rank=self.rank,
+                            channel="low-latency combine")
         staging = self.layout.view(self.heap, "ll_combine_rows")
         signals = self.layout.view(self.heap, "ll_combine_signals")
         common = dict(acks=self._ll_acks(COMBINE), rank=self.rank)

@@ -218,6 +218,26 @@ def _add_partials(acc, staging, slot_of, t, tm, d0, d1, R, TMAX, cols, cm, ROW: 
     return acc
 
 
+@triton.jit
+def _sum_in_order(acc, staging, node_staging, slot_of, node_slot_of, t, tm, me, R, N, TMAX,
+                  cols, cm, ROW: tl.constexpr, HIER: tl.constexpr):
+    """:func:`_add_partials` over every rank in rank order; with HIER in node order: this
+    node's ranks one by one from ``staging``, every other node's sum as one row from
+    ``node_staging``."""
+    if HIER:
+        M = R // N
+        for b in range(M):
+            if b == me // N:
+                acc = _add_partials(acc, staging, slot_of, t, tm, b * N, b * N + N, R, TMAX,
+                                    cols, cm, ROW)
+            else:
+                acc = _add_partials(acc, node_staging, node_slot_of, t, tm, b, b + 1, M, TMAX,
+                                    cols, cm, ROW)
+    else:
+        acc = _add_partials(acc, staging, slot_of, t, tm, 0, R, R, TMAX, cols, cm, ROW)
+    return acc
+
+
 @triton.jit(do_not_specialize=["T", "me"])
 def combine_reduce_kernel(
     staging,  # [P, R, TMAX, H] local combine_rows
@@ -247,37 +267,18 @@ def combine_reduce_kernel(
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     t64 = t.to(tl.int64)
-    M = R // N
     for h0 in range(0, H, BLOCK_H):
         h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
-        acc = acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64)
-        if HIER:
-            for b in range(M):
-                if b == me // N:
-                    acc = _add_partials(acc, staging, slot_of, t, tm, b * N, b * N + N, R, TMAX,
-                                        h, hm, H)
-                else:
-                    acc = _add_partials(acc, node_rows, node_slot_of, t, tm, b, b + 1, M, TMAX,
-                                        h, hm, H)
-        else:
-            acc = _add_partials(acc, staging, slot_of, t, tm, 0, R, R, TMAX, h, hm, H)
+        acc = _sum_in_order(acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64), staging, node_rows, slot_of,
+                            node_slot_of, t, tm, me, R, N, TMAX, h, hm, H, HIER)
         result = cast_rne(acc, out.dtype.element_ty)
         tl.store(out + t64[:, None] * H + h[None, :], result,  # gate: row
                  mask=tm[:, None] & hm[None, :])
     if HAS_PAIR:
         kk = tl.arange(0, BLOCK_K)
         km = kk < K
-        pacc = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
-        if HIER:
-            for b in range(M):
-                if b == me // N:
-                    pacc = _add_partials(pacc, meta, slot_of, t, tm, b * N, b * N + N, R, TMAX,
-                                         kk, km, KMAX)
-                else:
-                    pacc = _add_partials(pacc, node_meta, node_slot_of, t, tm, b, b + 1, M,
-                                         TMAX, kk, km, KMAX)
-        else:
-            pacc = _add_partials(pacc, meta, slot_of, t, tm, 0, R, R, TMAX, kk, km, KMAX)
+        pacc = _sum_in_order(tl.zeros([BLOCK_T, BLOCK_K], tl.float32), meta, node_meta,
+                             slot_of, node_slot_of, t, tm, me, R, N, TMAX, kk, km, KMAX, HIER)
         tl.store(pair_out + t64[:, None] * K + kk[None, :], pacc,
                  mask=tm[:, None] & km[None, :])
 

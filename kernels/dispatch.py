@@ -49,7 +49,7 @@ from .comm import (
 )
 from .numerics import channel_tile
 from .nvshmem import put_bytes, quiet
-from .quant import quantize_tile, store_fp8_rows
+from .quant import load_send_tile, row_payload, store_fp8_rows
 from .tiles import even, per_source_programs, persistent_programs, tiles
 
 _SEND_PER_CALL = ["rows_off", "meta_off", "counts_off", "signal_off", "local_base",
@@ -98,11 +98,7 @@ def dispatch_send_kernel(
     box_rows_off += parity * box_rows_parity
     box_meta_off += parity * box_meta_parity
     box_counts_off += parity * box_counts_parity
-    G = H // 128
-    if FP8 == 0:
-        row_bytes = H * x.dtype.element_ty.primitive_bitwidth // 8
-    else:
-        row_bytes = H + G * (4 - 3 * UE8M0)
+    row_bytes = row_payload(x, H, FP8, UE8M0)
     if SEND_META:
         row_bytes += 4 * (1 + 3 * K)
     to_peers = tl.zeros([1], tl.int64)
@@ -115,16 +111,8 @@ def dispatch_send_kernel(
             h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
             m = tm[:, None] & hm[None, :]
             g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-            if FP8 == 0:
-                tile = tl.load(x + t64[:, None] * H + h[None, :], mask=m)
-            elif FP8 == 1:
-                v = tl.load(x + t64[:, None] * H + h[None, :], mask=m, other=0.0).to(tl.float32)
-                codes, scales, exps = quantize_tile(v, BLOCK_T, BLOCK_H, UE8M0)
-            else:
-                codes = tl.load(x + t64[:, None] * H + h[None, :], mask=m)
-                scales = tl.load(x_scales + t64[:, None] * G + g[None, :], mask=tm[:, None],
-                                 other=0.0)
-                exps = codes  # (UE8M0 is off for quantized pairs)
+            tile, codes, scales, exps = load_send_tile(x, x_scales, t64, tm, h, hm, g, H,
+                                                       BLOCK_T, BLOCK_H, FP8, UE8M0)
             if TRANSPORT == 1:  # each token's row once into the outbox, for the NVSHMEM puts
                 box8 = local_ptr(local_base, box_rows_off, tl.uint8, ALIGN) + t64 * ROW_BYTES
                 if FP8 == 0:

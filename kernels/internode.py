@@ -46,7 +46,7 @@ from .comm import (
 )
 from .numerics import acc_zeros, cast_rne, channel_tile
 from .proxy import post_transfer
-from .quant import quantize_tile, store_fp8_rows
+from .quant import load_send_tile, row_payload, store_fp8_rows
 from .tiles import even, persistent_programs, tiles
 
 PLAN_FIELDS = (
@@ -174,11 +174,7 @@ def outbox_dispatch_kernel(
     NT = M if HIER else R
     rows_base = local_base + _off(plan, PX_ROWS, parity, 0)
     meta_base = local_base + _off(plan, PX_META, parity, 0)
-    G = H // 128
-    if FP8 == 0:
-        payload = H * x.dtype.element_ty.primitive_bitwidth // 8
-    else:
-        payload = H + G * (4 - 3 * UE8M0)
+    payload = row_payload(x, H, FP8, UE8M0)
     message_row = payload + SEND_META * 4 * NODE_META
     stored = tl.zeros([1], tl.int64)
     for t0 in range(tl.program_id(0) * BLOCK_T, T, tl.num_programs(0) * BLOCK_T):
@@ -187,18 +183,9 @@ def outbox_dispatch_kernel(
         t64 = t.to(tl.int64)
         for h0 in range(0, H, BLOCK_H):
             h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
-            m = tm[:, None] & hm[None, :]
             g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-            if FP8 == 0:
-                tile = tl.load(x + t64[:, None] * H + h[None, :], mask=m)
-            elif FP8 == 1:
-                v = tl.load(x + t64[:, None] * H + h[None, :], mask=m, other=0.0).to(tl.float32)
-                codes, scales, exps = quantize_tile(v, BLOCK_T, BLOCK_H, UE8M0)
-            else:
-                codes = tl.load(x + t64[:, None] * H + h[None, :], mask=m)
-                scales = tl.load(x_scales + t64[:, None] * G + g[None, :], mask=tm[:, None],
-                                 other=0.0)
-                exps = codes
+            tile, codes, scales, exps = load_send_tile(x, x_scales, t64, tm, h, hm, g, H,
+                                                       BLOCK_T, BLOCK_H, FP8, UE8M0)
             for tgt in range(NT):
                 if _target_is_remote(tgt, my_node, N, HIER):
                     slot = _target_slot(slot_of, node_slot_of, t, tgt, tm, R, M, HIER)

@@ -59,7 +59,7 @@ from .layout import checked_ids, record_first_bad
 from .numerics import cast_rne, channel_tile
 from .nvshmem import int_p, put_bytes, quiet, signal_set
 from .proxy import post_signal, post_signal_to_remote, post_transfer
-from .quant import quantize_tile, store_fp8_rows
+from .quant import quantize_tile, row_payload, store_fp8_rows
 from .tiles import even, persistent_programs, tiles
 
 META_K_BITS = 32  # meta word = token * 32 + choice
@@ -137,13 +137,9 @@ def ll_dispatch_send_kernel(
         ok = _wait_all(acks, 1, epoch - 2, 0, R, errors_addr, timeout_ns, NUM_THREADS)
     rows_base = rows_off + parity * rows_parity_stride
     meta_base = meta_off + parity * meta_parity_stride
-    G = H // 128
     to_peers = tl.zeros([1], tl.int64)
     to_self = tl.zeros([1], tl.int64)
-    if FP8:
-        payload = H + G * (4 - 3 * UE8M0)
-    else:
-        payload = H * x.dtype.element_ty.primitive_bitwidth // 8
+    payload = row_payload(x, H, FP8, UE8M0)
     lane = tl.arange(0, BLOCK_E)
     if ok:  # after a failed wait nothing is written: a peer may still read this parity
         for t0 in range(pid * BLOCK_T, T, tl.num_programs(0) * BLOCK_T):  # persistent grid

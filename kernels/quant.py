@@ -87,6 +87,42 @@ def store_fp8_rows(row8, h, g, H, codes, scales, exps, rows, hm, UE8M0: tl.const
         tl.store(scales8[:, None] + g[None, :], scales, mask=rows[:, None])  # gate: scales
 
 
+@triton.jit
+def row_payload(x, H, FP8: tl.constexpr, UE8M0: tl.constexpr):
+    """Bytes of one token row as sent: ``H`` elements of ``x``, or with FP8 (``FP8`` 1:
+    quantized here, 2: given) ``H`` codes and per 128 channels a float scale (UE8M0: one
+    exponent byte)."""
+    if FP8 == 0:
+        payload = H * x.dtype.element_ty.primitive_bitwidth // 8
+    else:
+        payload = H + (H // 128) * (4 - 3 * UE8M0)
+    return payload
+
+
+@triton.jit
+def load_send_tile(x, x_scales, t64, tm, h, hm, g, H, BLOCK_T: tl.constexpr,
+                   BLOCK_H: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr):
+    """A send kernel's tile of tokens ``t64`` and channels ``h`` (groups ``g``) as it is
+    stored: ``(tile, codes, scales, exps)``. ``FP8`` 0: ``tile`` holds the rows (the rest
+    alias it); 1: ``x`` quantized here; 2: ``x`` holds e4m3 codes and ``x_scales`` [T, H/128]
+    their scales (a quantized pair; UE8M0 off). Where FP8 is on, ``tile`` aliases the codes."""
+    m = tm[:, None] & hm[None, :]
+    if FP8 == 0:
+        tile = tl.load(x + t64[:, None] * H + h[None, :], mask=m)
+        codes, scales, exps = tile, tile, tile
+    elif FP8 == 1:
+        v = tl.load(x + t64[:, None] * H + h[None, :], mask=m, other=0.0).to(tl.float32)
+        codes, scales, exps = quantize_tile(v, BLOCK_T, BLOCK_H, UE8M0)
+        tile = codes
+    else:
+        codes = tl.load(x + t64[:, None] * H + h[None, :], mask=m)
+        scales = tl.load(x_scales + t64[:, None] * (H // 128) + g[None, :], mask=tm[:, None],
+                         other=0.0)
+        exps = codes
+        tile = codes
+    return tile, codes, scales, exps
+
+
 @triton.jit(do_not_specialize=["T"])
 def quantize_kernel(
     x,  # [T, H] bf16/fp16/fp32

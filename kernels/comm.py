@@ -224,6 +224,50 @@ def wait_at_least(word, expected, SHIFT: tl.constexpr, deadline_ns, errors, peer
     return arrived
 
 
+@triton.jit
+def wait_or_exclude(word, expected, SHIFT: tl.constexpr, deadline_ns, errors, peer, mask, me,
+                    peer_ptrs, mask_off, R, local_base, BLOCK_R: tl.constexpr,
+                    NUM_THREADS: tl.constexpr, TRANSPORT: tl.constexpr):
+    """:func:`wait_at_least` of a fault-tolerant Buffer: also stops once ``peer`` is excluded
+    (``mask[peer] != 0``, ``mask``: this rank's local mask words), and at the deadline excludes
+    ``peer`` on every rank (word ``peer`` of the mask array at ``mask_off`` := ``me + 1``)
+    instead of failing the call; returns whether the word arrived (uniform). A rank that finds
+    itself excluded records a timeout naming itself and marks nobody (it is the one cut off)."""
+    observed = uniform_max(word, NUM_THREADS) >> SHIFT
+    excluded = uniform_max(mask + peer, NUM_THREADS) != 0
+    while (observed < expected) & (not excluded) & (uniform_now_ns(NUM_THREADS) < deadline_ns):
+        observed = uniform_max(word, NUM_THREADS) >> SHIFT
+        excluded = uniform_max(mask + peer, NUM_THREADS) != 0
+    arrived = observed >= expected
+    if arrived:
+        tl.atomic_add(word, 0, sem="acquire", scope="sys")  # gate: acquire
+    elif not excluded:
+        if uniform_max(mask + me, NUM_THREADS) != 0:
+            record_error(errors, TIMEOUT_RECORD, me, expected, observed)
+        else:
+            publish_to_all(peer_ptrs, mask_off, peer, me + 1, R, local_base, BLOCK_R,
+                           TRANSPORT)
+    tl.debug_barrier()
+    return arrived
+
+
+@triton.jit
+def excluded_self(errors, mask, me, expected, NUM_THREADS: tl.constexpr):
+    """Records a timeout naming this rank itself if it is excluded (what it received may be a
+    later call's: the host raises RankExcludedError and the call's results are not used)."""
+    if uniform_max(mask + me, NUM_THREADS) != 0:
+        record_error(errors, TIMEOUT_RECORD, me, expected, 0)
+
+
+@triton.jit(do_not_specialize=["index", "value"])
+def set_word_on_all_kernel(peer_ptrs, word_off: tl.int64, index, value: tl.int64, R,
+                           local_base: tl.int64, BLOCK_R: tl.constexpr,
+                           TRANSPORT: tl.constexpr):
+    """Word ``index`` of the int64 array at ``word_off`` := ``value`` on every rank (release):
+    how the host excludes a rank, and how ``clean_mask`` announces itself."""
+    publish_to_all(peer_ptrs, word_off, index, value, R, local_base, BLOCK_R, TRANSPORT)
+
+
 @triton.jit(do_not_specialize=["errors_addr", "timeout_ns"])
 def wait_epochs_kernel(
     signals,  # [R] int64 local signal words of one channel
@@ -241,6 +285,43 @@ def wait_epochs_kernel(
     for s in range(R):
         if ok:
             ok = wait_at_least(signals + s, expected, 0, deadline, errors, s, NUM_THREADS)
+
+
+@triton.jit(do_not_specialize=["errors_addr", "timeout_ns", "me"])
+def ft_wait_epochs_kernel(
+    signals,  # [R] int64 local signal words of one channel
+    epochs,  # [1] int64 local: the channel's epoch (this rank's send of the call is done)
+    live,  # [R] int32 out: 1 where the source's epoch arrived, 0 where it was excluded
+    counts,  # dispatch_counts [P, R, W] int32 local (COUNTS)
+    live_counts,  # [R, W] int32 out (COUNTS): the call's counts, zero for excluded sources
+    peer_ptrs,  # [R] int64
+    mask_off: tl.int64,  # byte offset of the mask words [R] int64 (every segment)
+    local_base: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
+    R: tl.int32, me: tl.int32, W: tl.int32,
+    COUNT_PARITY: tl.int64,  # elements between the two parities of ``counts``
+    COUNTS: tl.constexpr, TRANSPORT: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_W: tl.constexpr, NUM_THREADS: tl.constexpr,
+):
+    """Fault-tolerant form of :func:`wait_epochs_kernel`: waits for every source not excluded
+    (one shared deadline; :func:`wait_or_exclude`) and says which arrived; with ``COUNTS``
+    copies their counts of this call's parity, so the receive never reads an excluded source's
+    counts (nor a late write into them)."""
+    errors = errors_addr.to(tl.pointer_type(tl.int64))
+    mask = local_ptr(local_base, mask_off, tl.int64, 8)
+    expected = tl.load(epochs)
+    deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
+    one = tl.arange(0, 1)
+    w = tl.arange(0, BLOCK_W)
+    for s in range(R):
+        arrived = wait_or_exclude(signals + s, expected, 0, deadline, errors, s, mask, me,
+                                  peer_ptrs, mask_off, R, local_base, BLOCK_R, NUM_THREADS,
+                                  TRANSPORT)
+        tl.store(live + s + one, arrived.to(tl.int32) + tl.zeros([1], tl.int32))
+        if COUNTS:
+            row = tl.load(counts + (expected % 2) * COUNT_PARITY + s * W + w, mask=w < W,
+                          other=0)
+            tl.store(live_counts + s * W + w, tl.where(arrived, row, 0), mask=w < W)
+    excluded_self(errors, mask, me, expected, NUM_THREADS)
 
 
 # ------------------------------------------------------------------------------- host side
@@ -285,6 +366,29 @@ def wait_for_epochs(observe, expected: int, *, timeout_s: float, rank: int,
         sleep_s = min(sleep_s * 2, 2e-3)
 
 
+def wait_for_live_epochs(observe, expected: int, excluded, *, timeout_s: float
+                         ) -> tuple[list[float | None], list[int]]:
+    """:func:`wait_for_epochs` of a fault-tolerant Buffer: a source counts as done once
+    ``excluded()[s]`` (an excluded source is never waited for), and at the deadline the call
+    goes on without the sources still behind. Returns ``(seconds until each source arrived,
+    None for those that did not; the sources still behind at the deadline)``."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    sleep_s = 2e-5
+    arrived: dict[int, float] = {}
+    while True:
+        observed, out = observe(), excluded()
+        now = time.monotonic()
+        for s, v in enumerate(observed):
+            if v >= expected and s not in arrived:
+                arrived[s] = now - start
+        behind = [s for s in range(len(observed)) if s not in arrived and not out[s]]
+        if not behind or now > deadline:
+            return [arrived.get(s) for s in range(len(observed))], behind
+        time.sleep(sleep_s)
+        sleep_s = min(sleep_s * 2, 2e-3)
+
+
 def wait_epochs(signals: np.ndarray, expected: int, *, timeout_s: float, rank: int,
                 channel: str) -> list[float]:
     """:func:`wait_for_epochs` on local signal words ``signals`` [R] int64 in host memory (a
@@ -305,7 +409,8 @@ class Flavour:
     outboxes (descriptors posted into the ring at ``ring_addr``, ``ring_slots`` long);
     ``ranks_per_node`` / ``hierarchical``: the nodes, and whether a token crosses to a node
     once (through the rank with the same local index there); ``row_align``: bytes every row
-    address is a multiple of."""
+    address is a multiple of; ``fault_tolerant``: a wait that times out excludes the peer (the
+    mask words at ``mask_off``) and the call goes on without it."""
 
     transport: int = 0
     device_wait: bool = False
@@ -319,6 +424,8 @@ class Flavour:
     ring_slots: int = 0
     ranks_per_node: int = 0  # 0: every rank on one node
     hierarchical: bool = False
+    fault_tolerant: bool = False  # waits exclude silent peers (``moe_comm.fault``)
+    mask_off: int = 0  # byte offset of the mask words in every segment
 
     def args(self) -> tuple[int, int, int]:
         return self.local_base, self.errors_addr, self.timeout_ns

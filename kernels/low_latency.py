@@ -47,6 +47,7 @@ from .comm import (
     Flavour,
     by_stores,
     draw_last_of,
+    excluded_self,
     local_ptr,
     one_thread,
     peer_ptr,
@@ -54,6 +55,7 @@ from .comm import (
     timed_out,
     uniform_now_ns,
     wait_at_least,
+    wait_or_exclude,
 )
 from .layout import checked_ids, record_first_bad
 from .numerics import cast_rne, channel_tile
@@ -88,18 +90,44 @@ def _pairs_per_expert(topk_idx, t0, T, K, E, BLOCK_T: tl.constexpr, BLOCK_K: tl.
 
 @triton.jit
 def _wait_all(words, stride, expected, SHIFT: tl.constexpr, R, errors_addr, timeout_ns,
-              NUM_THREADS: tl.constexpr):
+              peer_ptrs, mask_off, local_base, me, BLOCK_R: tl.constexpr,
+              NUM_THREADS: tl.constexpr, TRANSPORT: tl.constexpr, FT: tl.constexpr):
     """Waits until ``words[i * stride] >> SHIFT >= expected`` for i < R (one shared deadline);
-    True (uniformly) if all arrived. Stops at the first that does not, and does not wait at
-    all once another wait of this rank has timed out (the call is lost anyway)."""
+    True (uniformly) if the call may go on. Stops at the first that does not arrive, and does
+    not wait at all once another wait of this rank has timed out (the call is lost anyway).
+    ``FT`` (fault tolerance): excluded ranks are not waited for, one that stays silent is
+    excluded (``comm.wait_or_exclude``) and the call goes on; only a rank that finds itself
+    excluded stops."""
     errors = errors_addr.to(tl.pointer_type(tl.int64))
     deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
     ok = not timed_out(errors, NUM_THREADS)
-    for i in range(R):
-        if ok:
-            ok = wait_at_least(words + i * stride, expected, SHIFT, deadline, errors, i,
-                               NUM_THREADS)
+    if FT:
+        mask = local_ptr(local_base, mask_off, tl.int64, 8)
+        for i in range(R):
+            if ok:
+                wait_or_exclude(words + i * stride, expected, SHIFT, deadline, errors, i, mask,
+                                me, peer_ptrs, mask_off, R, local_base, BLOCK_R, NUM_THREADS,
+                                TRANSPORT)
+                ok = not timed_out(errors, NUM_THREADS)
+        excluded_self(errors, mask, me, expected, NUM_THREADS)
+        ok = not timed_out(errors, NUM_THREADS)
+    else:
+        for i in range(R):
+            if ok:
+                ok = wait_at_least(words + i * stride, expected, SHIFT, deadline, errors, i,
+                                   NUM_THREADS)
     return ok
+
+
+@triton.jit
+def _excluded(peer, valid, mask_off, local_base, FT: tl.constexpr):
+    """Where ``valid``, whether rank ``peer`` is excluded (FT; always False otherwise)."""
+    if FT:
+        mask = local_ptr(local_base, mask_off, tl.int64, 8)
+        out = tl.load(mask + peer, mask=valid, other=0) != 0
+    else:
+        out = peer < 0
+    return out
 
 
 @triton.jit(do_not_specialize=_GPU_PER_RANK + ["T"])
@@ -116,16 +144,18 @@ def ll_dispatch_send_kernel(
     outbox_off: tl.int64, outbox_parity_stride: tl.int64,  # ll_outbox (TRANSPORT 1, 2)
     meta_table_off: tl.int64,  # ll_meta_table [TMAX, KMAX] int32 (TRANSPORT 2)
     ring_addr: tl.int64, RING_SLOTS: tl.int64,  # the proxy's ring (TRANSPORT 2)
+    mask_off: tl.int64,  # the mask words (FT)
     local_base: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
     T: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, E: tl.int32,
     me: tl.int32, TMAX: tl.int32, KMAX: tl.int32, SLOT_BYTES: tl.int64,
     FP8: tl.constexpr, UE8M0: tl.constexpr,
+    FT: tl.constexpr,  # fault tolerance: no pair goes to an excluded rank
     TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; where a pointer is 0:
     # 1 NVSHMEM puts, 2 the proxy (one descriptor per pair, then one fenced signal per expert)
     DEVICE_WAIT: tl.constexpr,  # wait for the acknowledgements here (else the host waited)
     EVEN_H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, NUM_THREADS: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     epoch = tl.load(state) + 1
@@ -134,7 +164,8 @@ def ll_dispatch_send_kernel(
     ok = True
     if DEVICE_WAIT:  # parity p is free once every destination acknowledged call epoch - 2
         acks = local_ptr(local_base, acks_off + parity * acks_parity_stride, tl.int64, 8)
-        ok = _wait_all(acks, 1, epoch - 2, 0, R, errors_addr, timeout_ns, NUM_THREADS)
+        ok = _wait_all(acks, 1, epoch - 2, 0, R, errors_addr, timeout_ns, peer_ptrs, mask_off,
+                       local_base, me, BLOCK_R, NUM_THREADS, TRANSPORT, FT)
     rows_base = rows_off + parity * rows_parity_stride
     meta_base = meta_off + parity * meta_parity_stride
     to_peers = tl.zeros([1], tl.int64)
@@ -160,6 +191,7 @@ def ll_dispatch_send_kernel(
                 e = _column(ids, k, BLOCK_K)
                 valid = tm & (e >= 0)
                 d = tl.where(valid, e // L, 0)
+                valid = valid & ~_excluded(d, valid, mask_off, local_base, FT)
                 j = tl.sum(tl.where(e[:, None] == lane[None, :], position, 0), axis=1)
                 block = ((e - d * L) * R + me) * TMAX + j
                 meta = peer_ptr(peer_ptrs, d, meta_base, tl.int32, 4) + block
@@ -186,6 +218,7 @@ def ll_dispatch_send_kernel(
                     e = _column(ids, k, BLOCK_K)
                     valid = tm & (e >= 0)
                     d = tl.where(valid, e // L, 0)
+                    valid = valid & ~_excluded(d, valid, mask_off, local_base, FT)
                     valid = by_stores(peer_ptrs, d, valid, TRANSPORT)
                     j = tl.sum(tl.where(e[:, None] == lane[None, :], position, 0), axis=1)
                     block = (((e - d * L) * R + me) * TMAX + j).to(tl.int64)
@@ -284,12 +317,13 @@ def ll_dispatch_recv_kernel(
     recv_stats,  # [L] int32/int64, added to (HAS_STATS)
     acks_off: tl.int64, acks_parity_stride: tl.int64,  # ll_acks[DISPATCH, 0], one parity
     ring_addr: tl.int64, RING_SLOTS: tl.int64,  # the proxy's ring (TRANSPORT 2)
+    mask_off: tl.int64,  # the mask words (FT)
     local_base: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
     H: tl.int32, R: tl.int32, L: tl.int32, me: tl.int32, TMAX: tl.int32,
     SLOT_ELEMS: tl.int64,  # staging slot stride in elements of `staging`
     SCALE_ROW_STRIDE: tl.int64, SCALE_GROUP_STRIDE: tl.int64, SCALE_EXPERT_STRIDE: tl.int64,
     FP8: tl.constexpr, UE8M0: tl.constexpr, HAS_STATS: tl.constexpr,
-    TRANSPORT: tl.constexpr, DEVICE_WAIT: tl.constexpr, EVEN_H: tl.constexpr,
+    TRANSPORT: tl.constexpr, DEVICE_WAIT: tl.constexpr, FT: tl.constexpr, EVEN_H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
     NUM_THREADS: tl.constexpr,
 ):
@@ -301,11 +335,12 @@ def ll_dispatch_recv_kernel(
     ok = True
     if DEVICE_WAIT:  # this block's offset needs the counts of every source of expert e
         ok = _wait_all(signals + (parity * L + e) * R, 1, epoch, 32, R, errors_addr, timeout_ns,
-                       NUM_THREADS)
+                       peer_ptrs, mask_off, local_base, me, BLOCK_R, NUM_THREADS, TRANSPORT, FT)
     if ok:  # after a failed wait nothing is copied and nothing acknowledged
         sources = tl.arange(0, BLOCK_R)
         words = tl.load(signals + (parity * L + e) * R + sources, mask=sources < R, other=0)
-        counts = (words & 0xFFFFFFFF).to(tl.int32)
+        # a source counts only with this call's epoch (one excluded, or late, counts 0)
+        counts = tl.where((words >> 32) >= epoch, words & 0xFFFFFFFF, 0).to(tl.int32)
         n = tl.sum(tl.where(sources == s, counts, 0), axis=0)
         first = tl.sum(tl.where(sources < s, counts, 0), axis=0)
         tl.store(layout + (e * R + s) * 2 + tl.arange(0, 2),
@@ -373,9 +408,11 @@ def ll_combine_send_kernel(
     outbox_off: tl.int64, outbox_parity_stride: tl.int64,  # ll_combine_outbox (TRANSPORT 1, 2)
     y_box_off: tl.int64,  # ZERO_COPY: byte offset of y itself in this segment (puts read it)
     ring_addr: tl.int64, RING_SLOTS: tl.int64,  # the proxy's ring (TRANSPORT 2)
+    mask_off: tl.int64,  # the mask words (FT)
     local_base: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
     H: tl.int32, R: tl.int32, L: tl.int32, me: tl.int32, TMAX: tl.int32, KMAX: tl.int32,
     TRANSPORT: tl.constexpr, DEVICE_WAIT: tl.constexpr,
+    FT: tl.constexpr,  # fault tolerance: no row goes to an excluded home rank
     ZERO_COPY: tl.constexpr,  # y lies in symmetric memory already: put from there, no copy
     ALIGN: tl.constexpr, EVEN_H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -389,8 +426,11 @@ def ll_combine_send_kernel(
     ok = True
     if DEVICE_WAIT:  # parity p is free once every home rank acknowledged call epoch - 2
         acks = local_ptr(local_base, acks_off + parity * acks_parity_stride, tl.int64, 8)
-        ok = _wait_all(acks, 1, epoch - 2, 0, R, errors_addr, timeout_ns, NUM_THREADS)
+        ok = _wait_all(acks, 1, epoch - 2, 0, R, errors_addr, timeout_ns, peer_ptrs, mask_off,
+                       local_base, me, BLOCK_R, NUM_THREADS, TRANSPORT, FT)
     n = tl.load(layout + (e * R + s) * 2 + 1)
+    if _excluded(s, True, mask_off, local_base, FT):
+        n = 0
     row_bytes = H * y.dtype.element_ty.primitive_bitwidth // 8
     if ok:  # after a failed wait nothing is written: the home rank may still read this parity
         first = tl.load(layout + (e * R + s) * 2)
@@ -472,10 +512,12 @@ def ll_combine_recv_kernel(
     acks_off: tl.int64, acks_parity_stride: tl.int64,  # ll_acks[COMBINE, 0], one parity
     signals,  # [P, R] int64 local ll_combine_signals (DEVICE_WAIT)
     ring_addr: tl.int64, RING_SLOTS: tl.int64,  # the proxy's ring (TRANSPORT 2)
+    mask_off: tl.int64,  # the mask words (FT)
     local_base: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
     T: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, E: tl.int32, me: tl.int32,
     TMAX: tl.int32, KMAX: tl.int32,
     HAS_WEIGHTS: tl.constexpr, TRANSPORT: tl.constexpr, DEVICE_WAIT: tl.constexpr,
+    FT: tl.constexpr,
     EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr,
 ):
@@ -486,8 +528,8 @@ def ll_combine_recv_kernel(
     errors = errors_addr.to(tl.pointer_type(tl.int64))
     ok = True
     if DEVICE_WAIT:  # every expert rank has put its rows
-        ok = _wait_all(signals + parity * R, 1, epoch, 0, R, errors_addr, timeout_ns,
-                       NUM_THREADS)
+        ok = _wait_all(signals + parity * R, 1, epoch, 0, R, errors_addr, timeout_ns, peer_ptrs,
+                       mask_off, local_base, me, BLOCK_R, NUM_THREADS, TRANSPORT, FT)
     if ok:  # after a failed wait nothing is read and nothing acknowledged
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         tm = t < T
@@ -495,8 +537,13 @@ def ll_combine_recv_kernel(
         ids, bad, code, value = checked_ids(topk_idx, t, tm, K, E, BLOCK_K)
         h, hm = channel_tile(tl.program_id(1) * BLOCK_H, H, BLOCK_H, EVEN_H)
         acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
+        L = E // R
         for k in range(K):
-            valid = tm & (_column(ids, k, BLOCK_K) >= 0)
+            e = _column(ids, k, BLOCK_K)
+            valid = tm & (e >= 0)
+            # a choice counts only if its expert rank's rows of this call arrived
+            d = tl.where(valid, e // L, 0)
+            valid = valid & (tl.load(signals + parity * R + d, mask=valid, other=0) >= epoch)
             slot = (parity * TMAX + t64) * KMAX + k
             v = tl.load(staging + slot[:, None] * H + h[None, :],
                         mask=valid[:, None] & hm[None, :], other=0.0).to(tl.float32)
@@ -533,12 +580,15 @@ def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, ran
     ll_dispatch_send_kernel[(programs,)](
         x, topk_idx, peer_ptrs, state, stats, *offsets["rows"], *offsets["meta"],
         *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)),
-        offsets.get("meta_table", 0), flavour.ring_addr, flavour.ring_slots, *flavour.args(),
+        offsets.get("meta_table", 0), flavour.ring_addr, flavour.ring_slots, flavour.mask_off,
+        *flavour.args(),
         T, H, K, R, num_local_experts, num_experts, rank, max_tokens, max_topk, slot_bytes,
-        FP8=fp8, UE8M0=ue8m0, TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait,
+        FP8=fp8, UE8M0=ue8m0, FT=flavour.fault_tolerant, TRANSPORT=flavour.transport,
+        DEVICE_WAIT=flavour.device_wait,
         EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t, BLOCK_H=tile.block_h,
         BLOCK_K=triton.next_power_of_2(max(K, 1)),
-        BLOCK_E=triton.next_power_of_2(num_experts), NUM_THREADS=tile.num_threads,
+        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_R=triton.next_power_of_2(R),
+        NUM_THREADS=tile.num_threads,
         **flavour.launch_options(tile))
     return True
 
@@ -562,10 +612,10 @@ def ll_dispatch_recv(staging, meta, signals, peer_ptrs, state, out, out_scales, 
         staging, staging.view(torch.float32) if fp8 else dummy, meta, signals, peer_ptrs, state,
         out, out_scales if fp8 else dummy, count, src_info, src_k, layout,
         recv_stats if recv_stats is not None else dummy, *acks, flavour.ring_addr,
-        flavour.ring_slots, *flavour.args(), H, R, L, rank, TMAX, slot, scale_strides[1],
-        scale_strides[2], scale_strides[0],
+        flavour.ring_slots, flavour.mask_off, *flavour.args(), H, R, L, rank, TMAX, slot,
+        scale_strides[1], scale_strides[2], scale_strides[0],
         FP8=fp8, UE8M0=fp8 and ue8m0, HAS_STATS=recv_stats is not None,
-        TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait,
+        TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait, FT=flavour.fault_tolerant,
         EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t, BLOCK_H=tile.block_h,
         BLOCK_R=triton.next_power_of_2(R), BLOCK_G=triton.next_power_of_2(max(H // 128, 1)),
         NUM_THREADS=tile.num_threads, **flavour.launch_options(tile))
@@ -586,8 +636,9 @@ def ll_combine_send(y, layout, src_info, src_k, peer_ptrs, state, stats, *, offs
         y, layout, src_info, src_k, peer_ptrs, state, stats, *offsets["rows"],
         *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)),
         y_box_offset if zero_copy else 0, flavour.ring_addr, flavour.ring_slots,
-        *flavour.args(), H, R, L, rank, max_tokens, max_topk,
-        TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait, ZERO_COPY=zero_copy,
+        flavour.mask_off, *flavour.args(), H, R, L, rank, max_tokens, max_topk,
+        TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait, FT=flavour.fault_tolerant,
+        ZERO_COPY=zero_copy,
         ALIGN=flavour.row_align, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
         BLOCK_H=tile.block_h, BLOCK_R=triton.next_power_of_2(R), NUM_THREADS=tile.num_threads,
         **flavour.launch_options(tile))
@@ -608,9 +659,10 @@ def ll_combine_recv(staging, topk_idx, topk_weights, out, peer_ptrs, state, sign
     ll_combine_recv_kernel[grid](
         staging, topk_idx, topk_weights if topk_weights is not None else topk_idx, out,
         peer_ptrs, state, *acks, signals, flavour.ring_addr, flavour.ring_slots,
-        *flavour.args(), T, H, K, R, num_experts, rank, TMAX,
+        flavour.mask_off, *flavour.args(), T, H, K, R, num_experts, rank, TMAX,
         KMAX, HAS_WEIGHTS=topk_weights is not None, TRANSPORT=flavour.transport,
-        DEVICE_WAIT=flavour.device_wait, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
+        DEVICE_WAIT=flavour.device_wait, FT=flavour.fault_tolerant,
+        EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
         BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(K, 1)),
         BLOCK_R=triton.next_power_of_2(R), NUM_THREADS=tile.num_threads,
         **flavour.launch_options(tile))

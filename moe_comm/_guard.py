@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import functools
 
+from .fault import RankExcludedError
+
 
 def poisons_buffer_on_error(what: str):
-    """Decorates a Buffer phase method: any exception marks the Buffer failed, then re-raises."""
+    """Decorates a Buffer phase method: any exception marks the Buffer failed, then re-raises;
+    except RankExcludedError (the rank was cut off; ``clean_mask`` takes it back)."""
 
     def wrap(method):
         @functools.wraps(method)
@@ -13,6 +16,8 @@ def poisons_buffer_on_error(what: str):
             self._check_usable()
             try:
                 return method(self, *args, **kwargs)
+            except RankExcludedError:
+                raise
             except BaseException as error:
                 self._failure = f"an earlier {what} failed ({error})"
                 raise

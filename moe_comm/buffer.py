@@ -13,15 +13,24 @@ that parity) finished. Calls of one channel are serial on a rank, so the reader 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import socket
 
 import torch
 import torch.distributed as dist
+import triton
 
 from . import _registry, env
 from .error_record import ErrorRecord
-from .kernels.comm import Flavour, PeerTimeoutError, wait_epochs_kernel, wait_for_epochs
+from .fault import FaultTolerance, RankExcludedError, renormalized
+from .kernels.comm import (
+    Flavour,
+    PeerTimeoutError,
+    ft_wait_epochs_kernel,
+    wait_epochs_kernel,
+    wait_for_epochs,
+)
 from .kernels.nvshmem import device_bitcode, install_module_init_hook
 from .kernels.tiles import tiles
 from .low_latency import LowLatencyMode
@@ -40,7 +49,8 @@ _ids = itertools.count(1)
 _CHANNEL_NAMES = {DISPATCH: "dispatch", COMBINE: "combine"}
 _CONFIG_FIELDS = ("hidden", "num_experts", "max_tokens_per_rank", "dtype", "max_topk",
                   "dispatch_dtype", "low_latency", "backend", "device_type", "kernel_impl",
-                  "ranks_per_node", "transport", "hierarchical", "nixl_backend")
+                  "ranks_per_node", "transport", "hierarchical", "nixl_backend",
+                  "fault_tolerant")
 DEFAULT_GPU_SMS = 20  # persistent send grids on GPUs (DeepEP uses 20-24 SMs)
 KERNEL_IMPLS = ("triton", "cuda")
 
@@ -85,7 +95,7 @@ def _check_same_config(configs: list[dict]) -> None:
                                  f"{configs[0][field]}; every rank must pass the same values")
 
 
-class Buffer(NormalMode, LowLatencyMode):
+class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
     """Expert-parallel dispatch/combine for one rank of ``group``.
 
     Collective constructor: every rank passes the same ``hidden``, ``num_experts``,
@@ -94,6 +104,9 @@ class Buffer(NormalMode, LowLatencyMode):
     ``timeout_s`` (default ``MOE_COMM_TIMEOUT_S``) bounds every wait for a peer.
     Under ``mpirun`` / ``srun``: ``Buffer(None, ..., comm=MPI.COMM_WORLD)`` (an mpi4py
     communicator; the torch group is made from it, ``moe_comm.mpi``).
+    ``fault_tolerant=True``: a rank silent for ``timeout_s`` is excluded and calls complete on
+    the others, instead of raising PeerTimeoutError (``moe_comm.fault``: ``active_ranks``,
+    ``mask_rank``, ``clean_mask``); one node, peers reached by pointers, so far.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, hidden: int, num_experts: int,
@@ -104,7 +117,7 @@ class Buffer(NormalMode, LowLatencyMode):
                  num_sms: int | None = None, kernel_impl: str = "triton",
                  ranks_per_node: int | None = None, transport: str = "auto",
                  hierarchical: bool | None = None, nixl_backend: str | None = None,
-                 comm=None):
+                 comm=None, fault_tolerant: bool = False):
         if comm is not None:
             if group is not None:
                 raise ValueError("pass either group or comm (an mpi4py communicator), not both")
@@ -123,7 +136,7 @@ class Buffer(NormalMode, LowLatencyMode):
                       backend=backend, device_type=device.type, kernel_impl=kernel_impl,
                       ranks_per_node=ranks_per_node, transport=transport,
                       hierarchical=hierarchical, nixl_backend=nixl_backend,
-                      host=socket.gethostname())
+                      fault_tolerant=bool(fault_tolerant), host=socket.gethostname())
         world_size = dist.get_world_size(group)
         configs: list = [None] * world_size
         dist.all_gather_object(configs, config, group=group)
@@ -136,6 +149,13 @@ class Buffer(NormalMode, LowLatencyMode):
         via = choose_transport(transport, device, nodes.count, ibgda=device.type == "cuda")
         nixl_backend = nixl_backend_name(nixl_backend) if via == "nixl" else None
         hierarchical = nodes.count > 1 if hierarchical is None else bool(hierarchical)
+        if fault_tolerant and nodes.count > 1:
+            raise ValueError("fault_tolerant=True covers the ranks of one node (peers reached "
+                             "through pointers) so far; across nodes a silent peer still "
+                             "raises PeerTimeoutError")
+        if fault_tolerant and kernel_impl != "triton":
+            raise ValueError("fault_tolerant=True runs the Triton kernels: the csrc/ kernels "
+                             "(kernel_impl='cuda') do not exclude silent peers")
         if via == "nixl" and env.kernel_waits():
             raise ValueError("transport='nixl' runs with host waits so far: MOE_COMM_WAIT=kernel "
                              "is not supported across nodes through the proxy yet")
@@ -157,7 +177,7 @@ class Buffer(NormalMode, LowLatencyMode):
                                   else float(timeout_s), backend=nixl_backend, slots=max(8, slots),
                                   labels=signal_labels(layout, heap.rank))
             self._setup(heap, layout, num_experts, timeout_s, dispatch_dtype, num_sms,
-                        kernel_impl, proxy=proxy)
+                        kernel_impl, proxy=proxy, fault_tolerant=fault_tolerant)
         except BaseException:
             if proxy is not None:
                 proxy.close()
@@ -192,7 +212,8 @@ class Buffer(NormalMode, LowLatencyMode):
     def _setup(self, heap: SymmetricHeap, layout: WorkspaceLayout, num_experts: int,
                timeout_s: float | None, dispatch_dtype: torch.dtype | None,
                num_sms: int | None = None, kernel_impl: str = "triton",
-               flavour: Flavour | None = None, proxy=None) -> None:
+               flavour: Flavour | None = None, proxy=None, fault_tolerant: bool = False
+               ) -> None:
         self.heap, self.layout, self.proxy = heap, layout, proxy
         self.rank, self.world_size = heap.rank, heap.world_size
         self.hidden, self.dtype = layout.hidden, layout.dtype
@@ -210,6 +231,7 @@ class Buffer(NormalMode, LowLatencyMode):
         self.num_sms = num_sms if num_sms is not None else (DEFAULT_GPU_SMS if on_gpu else None)
         self.kernel_impl = check_kernel_impl(kernel_impl, heap.device, layout.low_latency)
         self.errors = ErrorRecord(heap.device)
+        self._ft_setup(fault_tolerant or (flavour is not None and flavour.fault_tolerant))
         self.flavour = flavour or self._default_flavour(on_gpu)
         self.id = next(_ids)
         self.launches: collections.Counter[str] = collections.Counter()
@@ -248,7 +270,9 @@ class Buffer(NormalMode, LowLatencyMode):
         heap, elem = self.heap, self._row_bytes // self.hidden
         common = dict(local_base=heap.local.data_ptr(), errors_addr=self.errors.address,
                       timeout_ns=int(self.timeout_s * 1e9),
-                      row_align=16 if self._row_bytes % 16 == 0 else elem)
+                      row_align=16 if self._row_bytes % 16 == 0 else elem,
+                      fault_tolerant=self.fault_tolerant,
+                      mask_off=self.layout["ft_mask"].offset)
         if self.proxy is not None:  # peers on other nodes: the proxy (host waits)
             return Flavour(transport=2, ring_addr=self.proxy.ring_addr,
                            ring_slots=self.proxy.slots,
@@ -335,11 +359,16 @@ class Buffer(NormalMode, LowLatencyMode):
                                   max_topk=self.max_topk,
                                   dtype=torch.float8_e4m3fn if mode == 2 else self.dtype,
                                   device=self.device, max_recv_rows=max_recv_rows)
-        return dispatch_autograd(self, rows, scales, topk_idx, topk_weights, expert_alignment,
-                                 mode, ue8m0, col_major_scales, max_recv_rows)
+        res = dispatch_autograd(self, rows, scales, topk_idx, topk_weights, expert_alignment,
+                                mode, ue8m0, col_major_scales, max_recv_rows)
+        if self.fault_tolerant:  # for combine(..., renormalize=True)
+            res = dataclasses.replace(res, handle=dataclasses.replace(
+                res.handle, topk_idx=topk_idx, topk_weights=topk_weights))
+        return res
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle,
-                weights: torch.Tensor | None = None) -> torch.Tensor:
+                weights: torch.Tensor | None = None, *, renormalize: bool = False
+                ) -> torch.Tensor:
         """Sums each token's expert rows back on its home rank: ``out`` [T, H] of ``y.dtype``.
 
         ``y`` [rows, H] in the row order of the dispatch that made ``handle``. Equivalent to::
@@ -349,6 +378,11 @@ class Buffer(NormalMode, LowLatencyMode):
         partial sums per (token, expert rank) are rounded to ``y.dtype`` before they travel;
         ranks are summed in order 0..R-1. Differentiable in ``y`` and ``weights``. No host
         synchronisation.
+
+        Fault tolerance: the rows of excluded expert ranks are left out (``moe_comm.fault``);
+        ``renormalize=True`` then scales each token by the dispatch's ``sum_k topk_weights[t, k]
+        / sum of the weights whose expert rank contributed`` (0 where none did), computed on the
+        rounded output (no change without a failure, up to that rounding).
         """
         self._check_usable()
         self._raise_input_errors("an earlier call")
@@ -356,7 +390,18 @@ class Buffer(NormalMode, LowLatencyMode):
             check_combine_inputs(y, handle, weights, buffer_id=self.id,
                                  latest_serial=self.dispatch_serial, hidden=self.hidden,
                                  dtype=self.dtype, device=self.device)
-        return combine_autograd(self, y, handle, weights)
+        out = combine_autograd(self, y, handle, weights)
+        if renormalize:
+            self._ft_require("renormalize=True")
+            if handle.topk_weights is None:
+                raise ValueError("renormalize=True needs the dispatch's topk_weights")
+            idx = handle.topk_idx
+            owner = (idx.clamp(min=0) // self.num_local_experts).clamp(max=self.world_size - 1)
+            live = (torch.ones(self.world_size, dtype=torch.bool, device=self.device)
+                    if self._combine_live is None else self._combine_live != 0)
+            reached = self._reached(idx, live) & (handle.slot_of.gather(1, owner) >= 0)
+            out = renormalized(out, idx, handle.topk_weights, reached)
+        return out
 
     def stats(self) -> dict[str, int]:
         """Bytes moved since the Buffer was built: what this rank's kernels stored through
@@ -408,7 +453,12 @@ class Buffer(NormalMode, LowLatencyMode):
     # ----------------------------------------------------------------- phases
     def _check_usable(self, channel: str = "device") -> None:
         """Raises if the Buffer failed, or a kernel's wait recorded a timeout (which makes it
-        unusable). Reads the error record only: no synchronisation."""
+        unusable; with fault tolerance a kernel records one only when it found this rank
+        excluded: RankExcludedError, and the Buffer stays usable). Reads the error record only:
+        no synchronisation."""
+        if self.fault_tolerant and self.errors.timed_out():
+            if self.errors.take_self_exclusion(self.rank):
+                raise RankExcludedError(self.rank, int(self._mask[self.rank]) - 1)
         if self._failure is None and self.errors.timed_out():
             self._failure = f"a kernel's bounded wait timed out on the {channel} channel"
             self.errors.raise_timeout(rank=self.rank, channel=channel, timeout_s=self.timeout_s)
@@ -424,6 +474,7 @@ class Buffer(NormalMode, LowLatencyMode):
         self.errors.raise_input_error(rank=self.rank, what=what)
 
     def _start(self, channel: int) -> int:
+        self._ft_check_self()
         self._check_usable()
         self._epochs[channel] += 1
         return self._epochs[channel]
@@ -453,10 +504,21 @@ class Buffer(NormalMode, LowLatencyMode):
         after which no kernel of this rank publishes and the next check raises."""
         channel = _CHANNEL_NAMES[pending.channel]
         if not self.flavour.device_wait:
+            if self.fault_tolerant:  # sources that stay silent are excluded, the call goes on
+                seconds = self._ft_wait(self._signal_words[pending.channel].tolist,
+                                        pending.epoch, channel)
+                if None in seconds:
+                    pending.live = torch.tensor([t is not None for t in seconds],
+                                                device=self.device)
+                return
             self._wait_words(self._signal_words[pending.channel], pending.epoch,
                              list(range(self.world_size)), channel)
             return
         tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
+        if self.fault_tolerant:
+            self._ft_wait_kernel(pending, tile)
+            self._check_usable(channel)
+            return
         wait_epochs_kernel[(1,)](self._signals[pending.channel],
                                  self._channel_words(pending.channel)[1],
                                  self.flavour.errors_addr, self.flavour.timeout_ns,
@@ -464,6 +526,27 @@ class Buffer(NormalMode, LowLatencyMode):
                                  **tile.launch_options())
         self.launches["wait"] += 1
         self._check_usable(channel)
+
+    def _ft_wait_kernel(self, pending: PendingSend, tile) -> None:
+        """The in-kernel wait of a fault-tolerant Buffer: ``pending.live`` [R] int32 (1 where
+        the source arrived) and, for a dispatch, ``pending.live_counts`` [R, L + 1] (its counts,
+        zero for the sources that did not), written on the device (no synchronisation)."""
+        R, W, dev = self.world_size, self.num_local_experts + 1, self.device
+        dispatch = pending.channel == DISPATCH
+        pending.live = torch.empty(R, dtype=torch.int32, device=dev)
+        counts = self.layout.view(self.heap, "dispatch_counts")
+        pending.live_counts = (torch.empty((R, W), dtype=torch.int32, device=dev) if dispatch
+                               else pending.live)
+        ft_wait_epochs_kernel[(1,)](
+            self._signals[pending.channel], self._channel_words(pending.channel)[1],
+            pending.live, counts, pending.live_counts, self.heap.peer_ptrs,
+            self.flavour.mask_off, *self.flavour.args(), R, self.rank, W, counts.stride(0),
+            COUNTS=dispatch, TRANSPORT=self.flavour.transport,
+            BLOCK_R=triton.next_power_of_2(R), BLOCK_W=triton.next_power_of_2(W),
+            NUM_THREADS=tile.num_threads, **tile.launch_options())
+        if not dispatch:
+            pending.live_counts = None
+        self.launches["wait"] += 1
 
     def _checking_transport(self, observe):
         """``observe`` for a host wait; through the proxy it raises a transport failure first."""

@@ -50,6 +50,15 @@ class ErrorRecord:
         if flag == 1:
             raise PeerTimeoutError(rank, peer, channel, expected, observed, timeout_s)
 
+    def take_self_exclusion(self, rank: int) -> bool:
+        """True, and the timeout part cleared, if the recorded timeout names ``rank`` itself:
+        a fault-tolerant kernel's way of saying this rank found itself excluded."""
+        part = self._words[TIMEOUT_RECORD:TIMEOUT_RECORD + 4]
+        if int(part[0]) != 1 or int(part[1]) != rank:
+            return False
+        part[:] = 0
+        return True
+
     def raise_input_error(self, *, rank: int, what: str) -> None:
         """ValueError (bad expert id, repeated expert) or RuntimeError (too many rows) if a
         kernel recorded one; the part is cleared first, so the Buffer stays usable (every rank

@@ -84,8 +84,12 @@ class RankPool:
             self._procs.append(proc)
         self.closed = False
 
-    def run(self, fn: Callable, *args, timeout_s: float | None = None, **kwargs) -> list[Any]:
-        """``[fn(rank, world_size, *args, **kwargs) for every rank]``, run concurrently."""
+    def run(self, fn: Callable, *args, timeout_s: float | None = None,
+            may_die: tuple[int, ...] = (), **kwargs) -> list[Any]:
+        """``[fn(rank, world_size, *args, **kwargs) for every rank]``, run concurrently.
+
+        ``may_die``: ranks whose process may end during the job (fault-tolerance tests kill
+        them): their result is None instead of an error; the pool is then unhealthy."""
         if self.closed:
             raise RuntimeError("the RankPool is closed")
         for conn in self._conns:
@@ -101,9 +105,14 @@ class RankPool:
                         status, value = self._conns[r].recv()
                     except EOFError:
                         status, value = "error", ("EOFError", "worker exited", "")
+                        if r in may_die:
+                            status, value = "ok", None
                     (results if status == "ok" else errors)[r] = value
                 elif not self._procs[r].is_alive():
-                    errors[r] = ("WorkerDied", f"exit code {self._procs[r].exitcode}", "")
+                    if r in may_die:
+                        results[r] = None
+                    else:
+                        errors[r] = ("WorkerDied", f"exit code {self._procs[r].exitcode}", "")
             if time.monotonic() > deadline:
                 self.close(force=True)
                 raise TimeoutError(f"ranks {waiting} did not finish {fn.__name__} in time; "

@@ -31,6 +31,7 @@ import torch
 
 from . import env
 from ._guard import poisons_buffer_on_error
+from .fault import renormalized
 from .kernels.comm import wait_for_epochs
 from .kernels.layout import checked_topk_idx
 from .kernels.low_latency import (
@@ -71,7 +72,8 @@ class LowLatencyRecv:
     ``e`` valid, ordered by source rank then source token; ``x_scales`` [L, R * T_max, H/128]
     float32 (or packed UE8M0 int32 [L, R * T_max, ceil(H/512)]) or None; ``count`` [L] int32;
     ``src_info`` [L, R * T_max] int32 = source rank * T_max + source token;
-    ``source_wait_s``: seconds the hook waited for each source (measured on CPU ranks)."""
+    ``source_wait_s``: seconds the hook waited for each source (measured on CPU ranks; None
+    for a source that did not arrive: excluded, with ``fault_tolerant=True``)."""
 
     x: torch.Tensor
     x_scales: torch.Tensor | None
@@ -158,10 +160,15 @@ class LowLatencyMode:
 
     def _ll_begin(self, channel: int, what: str) -> int:
         """Epoch of a new send; waits until every destination consumed this parity's last call."""
+        self._ft_check_self()
         self._ll_epochs[channel] += 1
         epoch = self._ll_epochs[channel]
         if not self.flavour.device_wait:  # GPUs wait in the send kernel itself
             acks = self.layout.view(self.heap, "ll_acks")[channel, epoch % 2].numpy()
+            if self.fault_tolerant:
+                self._ft_wait(acks.tolist, epoch - IN_FLIGHT, f"low-latency {what} (staging "
+                              "reuse)")
+                return epoch
             wait_for_epochs(self._checking_transport(acks.tolist), epoch - IN_FLIGHT,
                             timeout_s=self.timeout_s, rank=self.rank,
                             channel=f"low-latency {what} (staging reuse)")
@@ -289,9 +296,12 @@ class LowLatencyMode:
             def observed():  # [L, R] words: the oldest epoch each source published
                 return (words >> 32).min(axis=0).tolist()
 
-            recv.source_wait_s = wait_for_epochs(self._checking_transport(observed), epoch,
-                                                 timeout_s=self.timeout_s, rank=self.rank,
-                                                 channel="low-latency dispatch")
+            if self.fault_tolerant:  # a source that stays silent is excluded (counts 0)
+                recv.source_wait_s = self._ft_wait(observed, epoch, "low-latency dispatch")
+            else:
+                recv.source_wait_s = wait_for_epochs(
+                    self._checking_transport(observed), epoch, timeout_s=self.timeout_s,
+                    rank=self.rank, channel="low-latency dispatch")
         staging = self.layout.view(self.heap, "ll_dispatch_rows")
         if recv.x.dtype != torch.float8_e4m3fn:
             staging = staging.view(self.dtype)
@@ -312,12 +322,14 @@ class LowLatencyMode:
     # ----------------------------------------------------------------- combine
     def low_latency_combine(self, y: torch.Tensor, topk_idx: torch.Tensor,
                             topk_weights: torch.Tensor | None, handle: LowLatencyHandle, *,
-                            return_hook: bool = False):
+                            return_hook: bool = False, renormalize: bool = False):
         """Sends each expert row home and sums ``w[t, k] * row`` there; returns ``(out, hook)``.
 
         ``y`` [L, R * T_max, H] of the Buffer's dtype, rows as in the dispatch's ``recv.x``;
         ``topk_idx``, ``topk_weights`` [T, K]: the dispatch's routing on this rank. Equivalent
         to ``out[t] = sum_k topk_weights[t, k] * y_row(t, k)`` in fp32, rounded to the dtype.
+        Fault tolerance: rows of excluded expert ranks are left out; ``renormalize`` as in
+        ``Buffer.combine`` (needs ``topk_weights``).
         """
         self._check_usable()
         self._raise_input_errors("an earlier call")
@@ -331,6 +343,10 @@ class LowLatencyMode:
             raise RuntimeError("the dispatch of this handle has not been received; call its "
                                "hook first")
         self._ll_check_in_flight(COMBINE, "combine")
+        if renormalize:
+            self._ft_require("renormalize=True")
+            if topk_weights is None:
+                raise ValueError("renormalize=True needs topk_weights")
         L, rows = self.num_local_experts, self.world_size * self.max_tokens_per_rank
         check_tensor("y", y, dtype=self.dtype, ndim=3, device=self.device)
         if y.shape != (L, rows, self.hidden):
@@ -347,7 +363,7 @@ class LowLatencyMode:
                 raise ValueError("topk_weights and topk_idx shapes differ")
             topk_weights = topk_weights.contiguous()
         out, hook = self._ll_combine_send(y.contiguous(), topk_idx.contiguous(), topk_weights,
-                                          handle)
+                                          handle, renormalize)
         if return_hook:
             return out, hook
         hook()
@@ -366,7 +382,7 @@ class LowLatencyMode:
         return None
 
     @poisons_buffer_on_error("low-latency combine")
-    def _ll_combine_send(self, y, topk_idx, topk_weights, handle):
+    def _ll_combine_send(self, y, topk_idx, topk_weights, handle, renormalize=False):
         epoch = self._ll_begin(COMBINE, "combine")
         out = torch.empty((topk_idx.shape[0], self.hidden), dtype=self.dtype, device=self.device)
         args = (y, handle.layout, handle.src_info, handle.src_k, self.heap.peer_ptrs,
@@ -386,6 +402,10 @@ class LowLatencyMode:
 
         def receive():
             self._ll_combine_recv(epoch, topk_idx, topk_weights, out)
+            if renormalize:  # the expert ranks whose rows of this call arrived
+                signals = self.layout.view(self.heap, "ll_combine_signals")[epoch % 2]
+                reached = self._reached(topk_idx, signals >= epoch)
+                out.copy_(renormalized(out, topk_idx, topk_weights, reached))
             return out
 
         return out, _Hook(self, COMBINE, receive)
@@ -394,9 +414,12 @@ class LowLatencyMode:
     def _ll_combine_recv(self, epoch, topk_idx, topk_weights, out):
         if not self.flavour.device_wait:  # GPUs wait in the receive kernel itself
             words = self.layout.view(self.heap, "ll_combine_signals")[epoch % 2].numpy()
-            wait_for_epochs(self._checking_transport(words.tolist), epoch,
-                            timeout_s=self.timeout_s, rank=self.rank,
-                            channel="low-latency combine")
+            if self.fault_tolerant:  # an expert rank that stays silent is excluded
+                self._ft_wait(words.tolist, epoch, "low-latency combine")
+            else:
+                wait_for_epochs(self._checking_transport(words.tolist), epoch,
+                                timeout_s=self.timeout_s, rank=self.rank,
+                                channel="low-latency combine")
         staging = self.layout.view(self.heap, "ll_combine_rows")
         signals = self.layout.view(self.heap, "ll_combine_signals")
         common = dict(acks=self._ll_acks(COMBINE), rank=self.rank)

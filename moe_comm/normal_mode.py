@@ -42,6 +42,10 @@ class PendingSend:
     fp8: int = 0  # 0 rows as they are, 1 quantized by the send, 2 sent quantized
     ue8m0: bool = False
     node_slot_of: torch.Tensor | None = None  # [T, M] int32 (hierarchical): row per node
+    # fault tolerance (``moe_comm.fault``): which sources' epochs arrived ([R] bool or int32;
+    # None: all), and a dispatch's counts with the others zeroed (in-kernel waits)
+    live: torch.Tensor | None = None
+    live_counts: torch.Tensor | None = None
 
 
 def fp8_scales_out(rows: int, groups: int, ue8m0: bool, col_major: bool, device):
@@ -73,7 +77,7 @@ class NormalMode:
         Bad rows of ``topk_idx`` are sent nowhere and recorded (raised after the call)."""
         epoch = self._start(DISPATCH)
         x = x.contiguous()
-        topk_idx = topk_idx.contiguous()
+        topk_idx = self._alive_idx(topk_idx.contiguous())  # no choice of an excluded rank
         topk_weights = None if topk_weights is None else topk_weights.contiguous()
         slot_of, pair_pos, counts = routing_layout(topk_idx, self.world_size,
                                                    self.num_local_experts, self.flavour)
@@ -166,15 +170,21 @@ class NormalMode:
             self._channel_words(COMBINE)[1], rank=self.rank, world_size=self.world_size,
             topk=topk, max_topk=self.max_topk, has_pair=has_pair, flavour=self.flavour)
 
-    def _received_layout(self, expert_alignment: int):
+    def _received_layout(self, expert_alignment: int, pending: PendingSend):
         """From the counts every source published (device tensors, no host read):
         ``(per_source [R, L], slot_counts [R] int32, tokens_per_expert [L], expert_offsets
         [L + 1], slot_offsets [R + 1])``, int64 unless noted. The parity is the dispatch
-        epoch's, selected on the device (a captured CUDA graph replays it right)."""
+        epoch's, selected on the device (a captured CUDA graph replays it right). With fault
+        tolerance a source that did not arrive counts zero."""
         L, dev = self.num_local_experts, self.device
-        parity = self._channel_words(DISPATCH)[1] % 2
-        counts = self.layout.view(self.heap, "dispatch_counts").index_select(0, parity)[0]
-        counts = counts.to(torch.int64)
+        if pending.live_counts is not None:  # the in-kernel wait copied the live counts
+            counts = pending.live_counts.to(torch.int64)
+        else:
+            parity = self._channel_words(DISPATCH)[1] % 2
+            counts = self.layout.view(self.heap, "dispatch_counts").index_select(0, parity)[0]
+            counts = counts.to(torch.int64)
+            if pending.live is not None:
+                counts = counts * pending.live.to(torch.int64)[:, None]
         per_source = counts[:, :L]  # [R, L] tokens from source s for expert e
         slot_counts = counts[:, L]  # [R]
         tokens_per_expert = per_source.sum(0)
@@ -202,7 +212,7 @@ class NormalMode:
         self._wait(pending)
         L, dev = self.num_local_experts, self.device
         per_source, slot_counts, tokens_per_expert, expert_offsets, slot_offsets = \
-            self._received_layout(expert_alignment)
+            self._received_layout(expert_alignment, pending)
         row_base = expert_offsets[:-1][None, :] + per_source.cumsum(0) - per_source
         if max_recv_rows is None:
             rows = read_int(self.host_syncs, "rows", expert_offsets[-1])
@@ -264,11 +274,16 @@ class NormalMode:
         if self.hierarchical:
             self._forward_dispatch(pending.epoch, self._row_bytes, fwd_slots, fwd_n)
         self._wait(pending)
-        out = torch.empty((num_rows, self.hidden), dtype=self.dtype, device=self.device)
+        slot_counts = slot_offsets.diff().to(torch.int32)
+        if pending.live is None:
+            out = torch.empty((num_rows, self.hidden), dtype=self.dtype, device=self.device)
+        else:  # the rows of sources that did not arrive stay zero
+            out = torch.zeros((num_rows, self.hidden), dtype=self.dtype, device=self.device)
+            slot_counts = (slot_counts * (pending.live != 0)).to(torch.int32)
         staging, _ = self._staging(DISPATCH)
         self.launches["dispatch_expand"] += dispatch_kernels.dispatch_expand(
             staging, None, self._channel_words(DISPATCH)[1],
-            slot_offsets.diff().to(torch.int32), slot_offsets, None,
+            slot_counts, slot_offsets, None,
             tokens_per_expert, expert_offsets, slot_rows, out, None, None, None, rank=self.rank,
             topk=slot_rows.shape[1], num_local_experts=self.num_local_experts,
             meta_stride=self.layout.meta_stride, max_topk=self.max_topk, flavour=self.flavour)
@@ -297,6 +312,9 @@ class NormalMode:
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """Receive phase of combine: ``(out [T, H], pair_out [T, K] float32 or empty)``."""
         self._wait(pending)
+        if pending.live is not None:  # partials of ranks that did not arrive are left out
+            slot_of = torch.where(pending.live[None, :] != 0, slot_of, -1)
+        self._combine_live = pending.live
         T, dev = slot_of.shape[0], self.device
         out = torch.empty((T, self.hidden), dtype=self.dtype, device=dev)
         pair_out = torch.empty((T, pending.topk) if want_pair else (0,), dtype=torch.float32,

@@ -22,6 +22,8 @@ class DispatchHandle:
       ``fwd_slots`` [M, T_max, N] int32, ``fwd_n`` [M] int32 (forwarder side): for the rows this
       rank forwarded from node a, the slot each took on each rank of this node, and how many.
     ``buffer_id`` and ``serial`` tie the handle to the Buffer call that made it.
+    Fault-tolerant Buffers keep the dispatch's ``topk_idx`` and ``topk_weights`` (home side) for
+    ``combine(..., renormalize=True)``.
     """
 
     buffer_id: int
@@ -36,6 +38,8 @@ class DispatchHandle:
     node_slot_of: torch.Tensor | None = None
     fwd_slots: torch.Tensor | None = None
     fwd_n: torch.Tensor | None = None
+    topk_idx: torch.Tensor | None = None
+    topk_weights: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,13 @@ region                  shape, dtype                 contents, on rank ``d``
                                                      transport (dispatch, combine), bytes
                                                      forwarded for other nodes (dispatch,
                                                      combine)
+``ft_mask``             [R] int64                    fault tolerance: word ``p`` is 0 while rank
+                                                     ``p`` is active, else 1 + the rank that
+                                                     excluded it (written on every rank)
+``ft_clean``            [2, R] int64                 ``clean_mask``: round ``i``'s serial that
+                                                     rank ``s`` reached
+``ft_epochs``           [R, 4] int64                 ``clean_mask``: rank ``s``'s epochs (dispatch,
+                                                     combine, low-latency dispatch and combine)
 ``dispatch_counts``     [P, R, L + 1] int32          from source ``s``: tokens per local expert,
                                                      then the number of slots ``s`` filled
 ``dispatch_meta``       [P, R, T, 1 + 3K] int32      per slot: source token index; per top-k
@@ -40,7 +47,7 @@ region                  shape, dtype                 contents, on rank ``d``
 Total (each region, and each parity's half of a region stored by parity, rounded up to 128
 bytes)::
 
-    2*R*T*(2*H*b + 4*(1 + 3K) + 4*K) + 2*R*(L + 1)*4 + 16*R + 64 + 16 + 32 + 32   # + rounding
+    2*R*T*(2*H*b + 4*(1 + 3K) + 4*K) + 2*R*(L + 1)*4 + 72*R + 64 + 16 + 32 + 32   # + rounding
 
 With ``low_latency=True`` (``S`` = bytes of one low-latency slot = ``H*b`` rounded up to 16,
 or ``H + 4*H/128`` if that is larger, so that FP8 rows with their scales fit too):
@@ -189,6 +196,9 @@ class WorkspaceLayout:
             ("epochs", (2,), torch.int64),
             ("stats", (4,), torch.int64),
             ("xstats", (4,), torch.int64),
+            ("ft_mask", (R,), torch.int64),
+            ("ft_clean", (2, R), torch.int64),
+            ("ft_epochs", (R, 4), torch.int64),
             ("dispatch_counts", (PARITIES, R, L + 1), torch.int32),
             ("dispatch_meta", (PARITIES, R, T, self.meta_stride), torch.int32),
             ("dispatch_rows", (PARITIES, R, T, H), dtype),

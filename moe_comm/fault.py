@@ -1,0 +1,243 @@
+"""Fault tolerance: the active-rank mask, and calls that complete on the survivors.
+
+A mixin of ``Buffer`` (built with ``fault_tolerant=True``)::
+
+    buf = moe_comm.Buffer(group, ..., fault_tolerant=True)
+    res = buf.dispatch(x, topk_idx, w)     # a rank silent for timeout_s is excluded, the
+    out = buf.combine(y, res.handle, res.weights)   # call completes on the others
+    buf.active_ranks()                     # bool [R], True = active
+    buf.clean_mask()                       # collective over the live ranks: one mask again
+
+**The mask.** Every segment holds one int64 word per rank (``ft_mask``): 0 while the rank is
+active, else 1 + the rank that excluded it. Excluding a rank writes its word on *every* rank
+(stores through the peer pointers, the same path as the signals), so every rank learns it at
+its next wait, not only the one that timed out. A wait never waits for an excluded rank; a
+wait that times out on rank ``p`` excludes ``p`` and the call goes on (on CPU ranks from the
+host, on GPUs inside the kernels: ``kernels.comm.wait_or_exclude``). Polarity: True / 1 =
+active, as NCCL EP's ``ncclEpMaskQuery``, Mooncake's ``active_ranks`` and FlashInfer's
+``query_active_mask``; DeepEP's ``low_latency_query_mask_buffer`` and NIXL-EP's mask buffer
+hold the opposite (1 = masked): ``~buf.active_ranks()``.
+
+**What a call computes.** Equivalent PyTorch, with ``live[s]``: rank ``s`` published this call's
+epoch before it was excluded (``alive`` at send time: not excluded when the send began)::
+
+    dispatch:  topk_idx_s[t, k] := -1 where rank_of(topk_idx_s[t, k]) is not alive
+               rows from source s only if live[s]; tokens_per_expert counts what arrived
+    combine:   out[t] = sum(w[t, k] * y(t, k) for k if live[rank_of(topk_idx[t, k])])
+               renormalize=True: out[t] *= sum_k w[t, k] / sum_live_k w[t, k] (0 if none)
+
+A token whose experts are all on excluded ranks comes back as zeros: add the residual (or the
+shared expert) as usual, it is the only part left. Weights are not renormalised by default.
+
+**Stale writes** (a rank that was only slow). Fence: every send of a fault-tolerant Buffer
+first checks this rank's own mask word; an excluded rank raises :class:`RankExcludedError`
+and writes nothing until ``clean_mask(readmit=True)``. Where a late write can still land (a rank
+stalled for longer than the timeout between that check and its last store), the layout keeps it
+harmless in the normal mode and the low-latency dispatch: staging is per source rank, and a
+receive reads a source's slice only under this call's epoch (normal mode: the source's signal,
+which an excluded rank cannot raise for a call the others completed without it; low latency:
+the count word carries the epoch). The low-latency combine stages one row per (token, choice)
+on the home rank, so there the check is the only fence.
+
+**clean_mask.** Collective over the live ranks through the symmetric memory (a process group
+may hold dead members): each announces itself, waits (bounded) for the ranks it believes
+active (``readmit=True``: for every rank), and the mask becomes, on every participant, exactly
+"excluded = did not announce". Epochs are set to the largest any participant reached, so a
+readmitted rank rejoins the next call. No call may be in flight.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+import triton
+
+from .kernels.comm import set_word_on_all_kernel, wait_for_live_epochs
+from .workspace import COMBINE, DISPATCH
+
+
+def renormalized(out: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 reached: torch.Tensor) -> torch.Tensor:
+    """``out[t] * sum_k w[t, k] / sum_k w[t, k] * reached[t, k]`` over the used choices
+    (``topk_idx >= 0``; 0 where nothing reached), in fp32, rounded to ``out.dtype``;
+    ``reached`` [T, K] bool: the choice's expert rank contributed. Differentiable in ``out`` and
+    ``topk_weights``."""
+    w = topk_weights.float() * (topk_idx >= 0)
+    total = w.sum(1)
+    surviving = (w * reached).sum(1)
+    factor = torch.where(surviving != 0, total / torch.where(surviving != 0, surviving, 1), 0)
+    return (out.float() * factor[:, None]).to(out.dtype)
+
+
+class RankExcludedError(RuntimeError):
+    """This rank was excluded from the expert-parallel group (it was silent for longer than the
+    timeout, or was masked on purpose). Its calls are refused, and the Buffer stays usable:
+    ``clean_mask(readmit=True)`` on every live rank takes it back."""
+
+    def __init__(self, rank: int, by: int):
+        self.rank, self.by = rank, by
+        super().__init__(
+            f"moe_comm rank {rank} was excluded from the expert-parallel group by rank {by} "
+            f"(rank {rank} was silent for longer than the timeout, or was masked on purpose); "
+            "its calls are refused until every live rank calls clean_mask(readmit=True)")
+
+
+class FaultTolerance:
+    def _ft_setup(self, fault_tolerant: bool) -> None:
+        self.fault_tolerant = bool(fault_tolerant)
+        self._mask = self.layout.view(self.heap, "ft_mask")
+        self._mask_words = self._mask.numpy() if self.heap.device.type == "cpu" else None
+        self._clean_serial = 0
+        self._combine_live = None  # the last normal combine's arrived sources (None: all)
+        self.exclusions: list[tuple[int, str, float]] = []  # (rank, channel, seconds waited)
+
+    def _ft_require(self, what: str) -> None:
+        if not self.fault_tolerant:
+            raise RuntimeError(f"{what} needs a Buffer built with fault_tolerant=True")
+
+    # ----------------------------------------------------------------- public API
+    def active_ranks(self) -> torch.Tensor:
+        """bool [R] on the Buffer's device: True where the rank is active in this rank's view
+        (no synchronisation; on GPUs a device tensor). ``~active_ranks()`` is DeepEP's polarity."""
+        return self._mask == 0
+
+    def mask_rank(self, rank: int) -> None:
+        """Excludes ``rank`` on purpose (maintenance, a rank known to be bad), on every rank:
+        no call waits for it, sends to it or reads from it until ``clean_mask(readmit=True)``.
+        On ``rank`` itself calls then raise :class:`RankExcludedError`."""
+        self._ft_require("mask_rank")
+        if isinstance(rank, bool) or not isinstance(rank, int) \
+                or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")
+        self._exclude(rank)
+
+    def clean_mask(self, readmit: bool = False) -> torch.Tensor:
+        """Collective over the live ranks; returns the agreed ``active_ranks()``.
+
+        Every participant announces itself on every rank and waits (bounded by the timeout)
+        for the ranks active in its view, or with ``readmit`` for every rank; a rank that does
+        not announce is excluded on every rank. ``readmit`` also takes back the ranks that
+        announce (excluded on purpose, or for being slow); a dead rank stays excluded. Two
+        rounds: a rank one participant excludes in the first is excluded on every participant
+        by the end of the second. Each participant's epochs move to the largest any reached, and
+        staging acknowledgements count as given, so all start the next call together. No call
+        may be in flight. (A rank that dies, or arrives at the very edge of the timeout, during
+        clean_mask itself can leave the views different: call it again.)"""
+        self._ft_require("clean_mask")
+        self._check_usable()
+        if any(self._ll_pending):
+            raise RuntimeError("clean_mask with a low-latency hook not yet called; call the "
+                               "hooks first")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # every earlier kernel (and store) is done
+        # the serial every participant agrees on: one past the last clean any rank finished
+        # (its second round's words reach every rank, excluded ones too)
+        done = self.layout.view(self.heap, "ft_clean")[1]
+        self._clean_serial = max(self._clean_serial, int(done.max())) + 1
+        serial, me, R = self._clean_serial, self.rank, self.world_size
+        if readmit:
+            self._mask.zero_()  # this rank's view; the rounds exclude who does not come
+        for j, epoch in enumerate([*self._epochs, *self._ll_epochs]):
+            self._set_on_all(self.layout.offset("ft_epochs", me, j), 0, epoch)
+        joined = self._clean_round(0, serial, list(range(R)) if readmit else None)
+        joined = self._clean_round(1, serial, [s for s in range(R) if joined[s]])
+        table = self.layout.view(self.heap, "ft_epochs").cpu()
+        active = (self._mask == 0).cpu()
+        agreed = table[torch.tensor(joined) & active].amax(0).tolist()
+        self._resync_epochs(agreed)
+        return self.active_ranks()
+
+    # ----------------------------------------------------------------- protocol helpers
+    def _set_on_all(self, word_off: int, index: int, value: int) -> None:
+        """Word ``index`` of the int64 array at ``word_off`` := ``value`` on every rank."""
+        set_word_on_all_kernel[(1,)](self.heap.peer_ptrs, word_off, index, value,
+                                     self.world_size, self.heap.local.data_ptr(),
+                                     BLOCK_R=triton.next_power_of_2(self.world_size),
+                                     TRANSPORT=self.flavour.transport)
+
+    def _exclude(self, peer: int) -> None:
+        """Word ``peer`` of every rank's mask := this rank + 1 (one small launch)."""
+        self._set_on_all(self.layout["ft_mask"].offset, peer, self.rank + 1)
+        self.launches["exclude"] += 1
+
+    def _ft_check_self(self) -> None:
+        """Raises RankExcludedError if this rank is excluded (CPU ranks read the word from
+        host memory; on GPUs the kernels check it and write nothing)."""
+        if self.fault_tolerant and self._mask_words is not None:
+            by = int(self._mask_words[self.rank])
+            if by:
+                raise RankExcludedError(self.rank, by - 1)
+
+    def _ft_wait(self, observe, expected: int, channel: str,
+                 peers: list[int] | None = None) -> list[float | None]:
+        """Host wait of a fault-tolerant Buffer: ``observe()[i]`` (published for rank
+        ``peers[i]``, default i) reaches ``expected`` or that rank is excluded; ranks silent
+        for the timeout are excluded on every rank. Returns the seconds each took, None for
+        those that did not arrive. Raises RankExcludedError if this rank was excluded by the
+        end of the wait (a rank cut off from everyone is the one excluded, and what it received
+        may belong to calls the others made without it)."""
+        peers = list(range(self.world_size)) if peers is None else peers
+        index = np.asarray(peers)
+        words = self._mask_words
+        seconds, behind = wait_for_live_epochs(
+            self._checking_transport(observe), expected, lambda: words[index] != 0,
+            timeout_s=self.timeout_s)
+        self._ft_check_self()  # excluded meanwhile: what arrived may be a later call's
+        if behind:
+            for i in behind:
+                warnings.warn(f"moe_comm rank {self.rank}: rank {peers[i]} was silent for "
+                              f"{self.timeout_s:g} s on the {channel} channel (expected epoch "
+                              f">= {expected}); it is excluded and the call goes on without it",
+                              RuntimeWarning, stacklevel=3)
+                self._exclude(peers[i])
+                self.exclusions.append((peers[i], channel, self.timeout_s))
+        return seconds
+
+    def _reached(self, topk_idx: torch.Tensor, rank_contributed: torch.Tensor) -> torch.Tensor:
+        """[T, K] bool: the choice is used and its expert rank contributed
+        (``rank_contributed`` [R] bool)."""
+        owner = (topk_idx.clamp(min=0) // self.num_local_experts).clamp(max=self.world_size - 1)
+        return (topk_idx >= 0) & (topk_idx < self.num_experts) & rank_contributed[owner]
+
+    def _alive_idx(self, topk_idx: torch.Tensor) -> torch.Tensor:
+        """``topk_idx`` with the choices of excluded ranks set to -1 (a copy only when this rank
+        sees an excluded rank: nothing is added to a call without a failure)."""
+        if not self.fault_tolerant or self._mask_words is None or not self._mask_words.any():
+            return topk_idx
+        dead = torch.from_numpy(self._mask_words != 0).to(topk_idx.device)
+        owner = (topk_idx.clamp(min=0) // self.num_local_experts).clamp(max=self.world_size - 1)
+        in_range = (topk_idx >= 0) & (topk_idx < self.num_experts)  # bad ids stay for the check
+        return torch.where(in_range & dead[owner], -1, topk_idx)
+
+    def _clean_round(self, i: int, serial: int, waited: list[int] | None) -> list[bool]:
+        """Announces ``serial`` in ``ft_clean[i]`` on every rank and waits (bounded) for
+        ``waited`` (default: the ranks active in this rank's view); excludes on every rank
+        those that do not come. Returns who came."""
+        R = self.world_size
+        self._set_on_all(self.layout.offset("ft_clean", i), self.rank, serial)
+        if waited is None:
+            waited = [s for s in range(R) if int(self._mask[s]) == 0]
+        words = self.layout.view(self.heap, "ft_clean")[i]
+        seconds, behind = wait_for_live_epochs(
+            lambda: words[waited].tolist(), serial, lambda: [False] * len(waited),
+            timeout_s=self.timeout_s)
+        for j in behind:
+            self._exclude(waited[j])
+        joined = [False] * R
+        for s, t in zip(waited, seconds):
+            joined[s] = t is not None
+        joined[self.rank] = True
+        return joined
+
+    def _resync_epochs(self, agreed: list[int]) -> None:
+        """Every channel's epoch := the agreed one (host mirrors and device words), and the
+        low-latency acknowledgements as if every destination consumed every call so far."""
+        self._epochs[:] = agreed[:2]
+        self._epoch_words.copy_(torch.tensor(agreed[:2], dtype=torch.int64))
+        if self.layout.low_latency:
+            self._ll_epochs[:] = agreed[2:]
+            acks = self.layout.view(self.heap, "ll_acks")
+            for channel, first in ((DISPATCH, 0), (COMBINE, 2)):
+                self._ll_state[first:first + 2] = agreed[2 + channel]
+                acks[channel].fill_(agreed[2 + channel])

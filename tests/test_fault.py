@@ -1,0 +1,135 @@
+"""Fault tolerance on CPU ranks: ranks are killed for real and the survivors keep serving.
+
+Each kill test has its own pool of ranks (a killed rank leaves its process group broken); the
+survivors check the call in which the rank died and 20 more against the reference computed
+over the survivors (``fault_jobs``). Timeouts are a few seconds: long enough that a loaded
+2-core machine never makes a live rank look dead, short enough to keep the suite fast.
+"""
+import fault_jobs
+import pytest
+import torch
+
+import moe_comm
+from cases import Case
+from moe_comm.launch import RankPool
+
+CALLS = 22  # the rank dies in call 1: that call and 20 more
+
+
+def _survivors(results, dead):
+    return {r: res for r, res in enumerate(results) if r not in dead}
+
+
+def _check_agreement(survivors, dead, key="active"):
+    want = [r not in dead for r in range(len(survivors) + len(dead))]
+    for rank, res in survivors.items():
+        assert res[key] == want, f"rank {rank} sees active ranks {res[key]}, want {want}"
+
+
+@pytest.mark.parametrize("point", ["between", "after_dispatch_send", "in_combine"])
+def test_kill_one_rank_normal_mode_4_ranks(point):
+    """(a) between calls (the low-latency Buffer built beside it finds the rank dead too),
+    (b) after its dispatch send, (c) inside combine; (b) with a token whose experts all live on
+    the dead rank (it comes back as zeros), (c) with renormalised weights."""
+    R = 4
+    case = Case(R, 2 * R, 128, 2, (6, 0, 7, 5), seed=3)
+    kwargs = dict(between=dict(ll_case=case), after_dispatch_send=dict(pin=1),
+                  in_combine=dict(renormalize=True))[point]
+    with RankPool(R) as pool:
+        results = pool.run(fault_jobs.normal_mode_with_failures, case, {1: (1, point)}, CALLS,
+                           5.0, may_die=(1,), **kwargs)
+    assert results[1] is None
+    survivors = _survivors(results, {1})
+    _check_agreement(survivors, {1})
+    if point == "between":
+        _check_agreement(survivors, {1}, "ll_active")
+    assert any(res["excluded"] == [1] for res in survivors.values())
+
+
+@pytest.mark.parametrize("point", ["after_dispatch_send", "in_combine"])
+def test_kill_one_rank_low_latency_4_ranks(point):
+    R = 4
+    case = Case(R, 2 * R, 256, 2, (6, 7, 0, 5), seed=5)
+    with RankPool(R) as pool:
+        results = pool.run(fault_jobs.low_latency_with_failures, case, {2: (1, point)}, CALLS,
+                           5.0, fp8=point == "in_combine",
+                           renormalize=point == "after_dispatch_send", may_die=(2,))
+    survivors = _survivors(results, {2})
+    _check_agreement(survivors, {2})
+
+
+def test_two_ranks_die_8_ranks():
+    """Rank 2 dies between calls, rank 5 after its dispatch send two calls later, rank 6
+    inside combine later still; then the low-latency Buffer finds all three gone."""
+    R = 8
+    case = Case(R, 2 * R, 128, 2, (5, 6, 0, 4, 6, 3, 5, 6), seed=11)
+    kills = {2: (1, "between"), 5: (3, "after_dispatch_send"), 6: (4, "in_combine")}
+    with RankPool(R) as pool:
+        results = pool.run(fault_jobs.normal_mode_with_failures, case, kills, CALLS, 8.0,
+                           may_die=tuple(kills), ll_case=case)
+    survivors = _survivors(results, set(kills))
+    _check_agreement(survivors, set(kills))
+    _check_agreement(survivors, set(kills), "ll_active")
+
+
+def test_kill_low_latency_8_ranks():
+    R = 8
+    case = Case(R, 2 * R, 256, 2, (5, 6, 4, 4, 6, 3, 5, 6), routing="zipf", seed=13)
+    kills = {3: (1, "after_dispatch_send"), 6: (2, "in_combine")}
+    with RankPool(R) as pool:
+        results = pool.run(fault_jobs.low_latency_with_failures, case, kills, CALLS, 8.0,
+                           may_die=tuple(kills))
+    _check_agreement(_survivors(results, set(kills)), set(kills))
+
+
+def test_kill_with_waits_in_kernels():
+    """The GPU protocol (the kernels wait, time out and mark the mask themselves), run by the
+    interpreter: a rank dies between calls, both modes."""
+    R = 4
+    case = Case(R, 2 * R, 128, 2, (6, 5, 7, 5), seed=17)
+    with RankPool(R) as pool:
+        results = pool.run(fault_jobs.normal_mode_with_failures, case, {3: (1, "between")}, 6,
+                           5.0, in_kernels=True, ll_case=case, may_die=(3,))
+    survivors = _survivors(results, {3})
+    _check_agreement(survivors, {3})
+    _check_agreement(survivors, {3}, "ll_active")
+
+
+def test_stale_rank_is_fenced_then_readmitted():
+    R = 4
+    case = Case(R, 2 * R, 128, 2, (6, 5, 7, 5), seed=19)
+    with RankPool(R) as pool:
+        results = pool.run(fault_jobs.stale_rank_readmitted, case, 2, 4.0)
+    assert "rank 2 was excluded from the expert-parallel group" in results[2]["refused"]
+    for rank, res in enumerate(results):
+        assert res["active"] == [True] * R and res["after"] == [True] * R, (rank, res)
+
+
+def test_mask_rank_then_readmit(ranks):
+    R = 4
+    case = Case(R, 2 * R, 128, 2, (6, 5, 7, 5), seed=23)
+    ll_case = Case(R, 2 * R, 256, 2, (4, 5, 3, 5), seed=29)
+    results = ranks(R).run(fault_jobs.masked_on_purpose, case, ll_case, 3)
+    assert set(results[3]) >= {"normal", "low_latency"}
+    assert "excluded from the expert-parallel group by rank" in results[3]["normal"]
+    for rank, res in enumerate(results):
+        assert res["active"] == [[True, True, True, False]] * 2, (rank, res)
+        assert res["cleaned"] == [[True] * R] * 2, (rank, res)
+
+
+@pytest.mark.parametrize("in_kernels", [False, True])
+def test_no_failure_no_extra_launch_or_sync(ranks, in_kernels):
+    R = 2
+    case = Case(R, 4, 128, 2, (5, 6), seed=31)
+    for rank, costs in enumerate(ranks(R).run(fault_jobs.no_failure_costs, case, in_kernels)):
+        assert costs[True] == costs[False], (rank, costs)
+
+
+def test_fault_tolerance_arguments():
+    bufs = moe_comm.Buffer.loopback(2, 64, 4, 8)
+    with pytest.raises(RuntimeError, match="fault_tolerant=True"):
+        bufs[0].mask_rank(1)
+    with pytest.raises(RuntimeError, match="fault_tolerant=True"):
+        bufs[0].clean_mask()
+    assert bufs[0].active_ranks().tolist() == [True, True]
+    assert bufs[0].active_ranks().dtype == torch.bool

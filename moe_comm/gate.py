@@ -23,7 +23,9 @@ One row per variant and architecture goes to the TSV; the table is printed; the 
 1 when anything failed. NVSHMEM-linked variants are built at the DeepSeek-V3 sizes in bf16 (the
 flavour changes only the send kernels' NVSHMEM paths), and so are the low-latency kernels of
 the proxy flavour (descriptors posted into the ring; two nodes); every other flavour at every
-size and dtype. The proxy flavour covers the normal mode too, flat and hierarchical (its
+size and dtype. The fault-tolerant flavour (waits that exclude a silent peer and the kernel
+the host excludes one with) is built at the DeepSeek-V3 sizes in bf16, both modes, on one node.
+The proxy flavour covers the normal mode too, flat and hierarchical (its
 outbox and forwarding kernels), as launched around the host waits it still has between them.
 """
 from __future__ import annotations
@@ -39,7 +41,8 @@ import time
 from dataclasses import dataclass
 
 GATE_DTYPES = ("bfloat16", "float16", "float32", "float64")
-STANDALONE = ("quantize_kernel", "checked_topk_idx_kernel")  # driven once, not once per rank
+# driven once, not once per rank
+STANDALONE = ("quantize_kernel", "checked_topk_idx_kernel", "set_word_on_all_kernel")
 
 
 @dataclass(frozen=True)
@@ -82,10 +85,11 @@ class _RingStandIn:
 
 
 def _buffers(cfg: GateConfig, dtype, low_latency: bool, transport: int, arch: int,
-             hierarchical: bool = False):
+             hierarchical: bool = False, fault_tolerant: bool = False):
     """Virtual ranks on the meta device with the GPU flavour (``transport`` 1: NVSHMEM; 2: the
-    proxy, two nodes, ``hierarchical`` or flat). The proxy flavour's host waits between its
-    kernels (the forwarders') are skipped: they wait on the host, not in a kernel, so far."""
+    proxy, two nodes, ``hierarchical`` or flat; ``fault_tolerant``: the waits exclude silent
+    peers). The proxy flavour's host waits between its kernels (the forwarders') are skipped:
+    they wait on the host, not in a kernel, so far."""
     import torch
 
     from .buffer import Buffer
@@ -105,7 +109,8 @@ def _buffers(cfg: GateConfig, dtype, low_latency: bool, transport: int, arch: in
                       bitcode=device_bitcode(arch) if transport == 1 else "",
                       row_align=16 if cfg.hidden * elem % 16 == 0 else elem,
                       ring_slots=_RingStandIn.slots if proxy else 0, ranks_per_node=N or 0,
-                      hierarchical=layout.hierarchical)
+                      hierarchical=layout.hierarchical, fault_tolerant=fault_tolerant,
+                      mask_off=layout["ft_mask"].offset)
     buffers = []
     for heap in create_loopback_heaps(cfg.world_size, layout.nbytes, "meta"):
         buf = Buffer.__new__(Buffer)
@@ -237,13 +242,16 @@ def record_config(cfg: GateConfig, arch: int) -> dict[str, Variant]:
         for transport in ((0, 1) if cfg.nvshmem and dtype == torch.bfloat16 else (0,)):
             runs.append((name, dtype, transport, False, False))
             runs.append((name, dtype, transport, True, False))
-        if cfg.nvshmem and dtype == torch.bfloat16:  # the proxy flavour
+        if cfg.nvshmem and dtype == torch.bfloat16:  # the proxy and fault-tolerant flavours
             runs += [(name, dtype, 2, True, False), (name, dtype, 2, False, False),
-                     (name, dtype, 2, False, True)]
-    for name, dtype, transport, low_latency, *hierarchical in runs:
-        bufs = _buffers(cfg, dtype, low_latency, transport, arch, *hierarchical)
+                     (name, dtype, 2, False, True), (name, dtype, 0, False, False, True),
+                     (name, dtype, 0, True, False, True)]
+    for name, dtype, transport, low_latency, *flags in runs:
+        bufs = _buffers(cfg, dtype, low_latency, transport, arch, *flags)
         with recording(arch) as launches:
             (drive_low_latency if low_latency else drive_normal)(bufs, cfg, dtype)
+            if flags[1:] == [True] and not low_latency:  # what a host excludes a peer with
+                bufs[0]._exclude(1)
         if not low_latency and not transport:
             with recording(arch) as standalone:
                 drive_quantize(cfg, dtype)

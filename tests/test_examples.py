@@ -20,6 +20,19 @@ def test_moe_layer_example_matches_dense():
     assert proc.stdout.count("output and gradients match the dense layer") == 2
 
 
+def test_serving_survives_a_killed_rank():
+    proc = _run("examples/serve_ep_with_failures.py", "--steps", "5", "--kill", "3",
+                "--kill-step", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for mode in ("low_latency", "normal"):
+        lines = [line for line in proc.stdout.splitlines() if line.startswith(mode)]
+        assert len(lines) == 6, proc.stdout
+        assert all("agrees with the reference" in line for line in lines[:5]), proc.stdout
+        assert [line.split("active ")[1][:4] for line in lines[:5]] == ["1111"] * 2 + \
+            ["1110"] * 3, proc.stdout
+        assert "time from the kill to the first step completed without rank 3" in lines[5]
+
+
 @pytest.mark.slow
 def test_benchmark_prints_one_table_and_agrees(tmp_path):
     out = tmp_path / "bench.json"

@@ -208,10 +208,14 @@ def combine_send_kernel(
 
 
 @triton.jit
-def _add_partials(acc, staging, slot_of, t, tm, d0, d1, R, TMAX, cols, cm, ROW: tl.constexpr):
-    """``acc += staging[d, slot_of[t, d]]`` (columns ``cols``) for ranks ``d0 <= d < d1``."""
+def _add_partials(acc, staging, slot_of, t, tm, d0, d1, R, TMAX, cols, cm, ROW: tl.constexpr,
+                  live, LIVE: tl.constexpr):
+    """``acc += staging[d, slot_of[t, d]]`` (columns ``cols``) for ranks ``d0 <= d < d1``
+    (with ``LIVE`` only those with ``live[d] != 0``: fault tolerance)."""
     for d in range(d0, d1):
         slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
+        if LIVE:
+            slot = tl.where(tl.load(live + d) != 0, slot, -1)
         staged = d * TMAX + slot
         acc += tl.load(staging + staged[:, None] * ROW + cols[None, :],
                        mask=(slot >= 0)[:, None] & cm[None, :], other=0.0).to(acc.dtype)
@@ -220,21 +224,22 @@ def _add_partials(acc, staging, slot_of, t, tm, d0, d1, R, TMAX, cols, cm, ROW: 
 
 @triton.jit
 def _sum_in_order(acc, staging, node_staging, slot_of, node_slot_of, t, tm, me, R, N, TMAX,
-                  cols, cm, ROW: tl.constexpr, HIER: tl.constexpr):
+                  cols, cm, ROW: tl.constexpr, HIER: tl.constexpr, live, LIVE: tl.constexpr):
     """:func:`_add_partials` over every rank in rank order; with HIER in node order: this
     node's ranks one by one from ``staging``, every other node's sum as one row from
-    ``node_staging``."""
+    ``node_staging`` (fault tolerance, ``LIVE``, is flat only)."""
     if HIER:
         M = R // N
         for b in range(M):
             if b == me // N:
                 acc = _add_partials(acc, staging, slot_of, t, tm, b * N, b * N + N, R, TMAX,
-                                    cols, cm, ROW)
+                                    cols, cm, ROW, live, False)
             else:
                 acc = _add_partials(acc, node_staging, node_slot_of, t, tm, b, b + 1, M, TMAX,
-                                    cols, cm, ROW)
+                                    cols, cm, ROW, live, False)
     else:
-        acc = _add_partials(acc, staging, slot_of, t, tm, 0, R, R, TMAX, cols, cm, ROW)
+        acc = _add_partials(acc, staging, slot_of, t, tm, 0, R, R, TMAX, cols, cm, ROW, live,
+                            LIVE)
     return acc
 
 
@@ -249,12 +254,13 @@ def combine_reduce_kernel(
     node_slot_of,  # [T, M] int32 (HIER): row of token t in node b's message, -1 if none
     out,  # [T, H]
     pair_out,  # [T, K] float32 (HAS_PAIR)
+    live,  # [R] int32 (LIVE): 0 where the rank's partials did not arrive (fault tolerance)
     T: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, TMAX: tl.int32, N: tl.int32,
     me: tl.int32,
     STAGING_PARITY: tl.int64, META_PARITY: tl.int64,  # elements between the two parities
     NODE_PARITY: tl.int64, NODE_META_PARITY: tl.int64,
     KMAX: tl.constexpr, HAS_PAIR: tl.constexpr, ACC_FP64: tl.constexpr, EVEN_H: tl.constexpr,
-    HIER: tl.constexpr,
+    HIER: tl.constexpr, LIVE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Sums in rank order; with HIER in node order: this node's ranks one by one, every other
@@ -270,7 +276,7 @@ def combine_reduce_kernel(
     for h0 in range(0, H, BLOCK_H):
         h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
         acc = _sum_in_order(acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64), staging, node_rows, slot_of,
-                            node_slot_of, t, tm, me, R, N, TMAX, h, hm, H, HIER)
+                            node_slot_of, t, tm, me, R, N, TMAX, h, hm, H, HIER, live, LIVE)
         result = cast_rne(acc, out.dtype.element_ty)
         tl.store(out + t64[:, None] * H + h[None, :], result,  # gate: row
                  mask=tm[:, None] & hm[None, :])
@@ -278,7 +284,8 @@ def combine_reduce_kernel(
         kk = tl.arange(0, BLOCK_K)
         km = kk < K
         pacc = _sum_in_order(tl.zeros([BLOCK_T, BLOCK_K], tl.float32), meta, node_meta,
-                             slot_of, node_slot_of, t, tm, me, R, N, TMAX, kk, km, KMAX, HIER)
+                             slot_of, node_slot_of, t, tm, me, R, N, TMAX, kk, km, KMAX, HIER,
+                             live, LIVE)
         tl.store(pair_out + t64[:, None] * K + kk[None, :], pacc,
                  mask=tm[:, None] & km[None, :])
 
@@ -326,11 +333,12 @@ def combine_send(y, weights, pair_values, slot_rows, slot_counts, slot_offsets, 
 
 def combine_reduce(staging, meta, epochs, slot_of, out, pair_out, *, topk: int, max_topk: int,
                    flavour: Flavour = CPU_RANKS, rank: int = 0, node_rows=None, node_meta=None,
-                   node_slot_of=None) -> bool:
+                   node_slot_of=None, live=None) -> bool:
     """Launches ``cdiv(T, block_t)`` reduce programs (none for ``T == 0``); ``staging`` /
     ``meta``: the whole combine_rows / combine_meta regions, the parity read from ``epochs``;
     hierarchical (``flavour.hierarchical``): ``node_rows`` / ``node_meta`` the whole hcomb
-    regions and ``node_slot_of`` [T, M] from the dispatch."""
+    regions and ``node_slot_of`` [T, M] from the dispatch; ``live`` [R] int32 (fault
+    tolerance): the ranks whose partials arrived (the others' are left out)."""
     T, H = out.shape
     R, TMAX = staging.shape[1:3]
     if T == 0:
@@ -340,10 +348,11 @@ def combine_reduce(staging, meta, epochs, slot_of, out, pair_out, *, topk: int, 
     hier = flavour.hierarchical
     combine_reduce_kernel[(triton.cdiv(T, tile.block_t),)](
         staging, meta, node_rows if hier else staging, node_meta if hier else meta, epochs,
-        slot_of, node_slot_of if hier else slot_of, out, pair_out if has_pair else out, T, H,
+        slot_of, node_slot_of if hier else slot_of, out, pair_out if has_pair else out,
+        slot_of if live is None else live, T, H,
         topk, R, TMAX, flavour.ranks_per_node or R, rank, staging.stride(0), meta.stride(0),
         node_rows.stride(0) if hier else 0, node_meta.stride(0) if hier else 0,
-        KMAX=max_topk, HAS_PAIR=has_pair, HIER=hier,
+        KMAX=max_topk, HAS_PAIR=has_pair, HIER=hier, LIVE=live is not None,
         ACC_FP64=out.dtype == torch.float64, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
         BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)), **tile.launch_options())
     return True

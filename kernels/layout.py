@@ -4,6 +4,7 @@ Equivalent PyTorch for this rank (``R`` ranks, ``L`` local experts per rank)::
 
     bad = ((topk_idx < -1) | (topk_idx >= E)).any(1) | repeated_expert_in_row(topk_idx)
     topk_idx = where(bad[:, None], -1, topk_idx)           # a bad row goes nowhere
+    topk_idx = where(excluded[topk_idx // L], -1, topk_idx)  # fault tolerance: mask words
     dest = topk_idx // L                                   # [T, K], -1 rows stay negative
     goes = [(dest == d).any(1) for d in range(R)]          # token t is sent to rank d once
     slot_of[:, d] = where(goes[d], goes[d].cumsum(0) - 1, -1)
@@ -67,18 +68,24 @@ def record_first_bad(errors, t, bad, code, value, T):
         record_error(errors, INPUT_RECORD, c, first, v)
 
 
-@triton.jit(do_not_specialize=["errors_addr", "T"])
+@triton.jit(do_not_specialize=["errors_addr", "local_base", "T"])
 def routing_layout_kernel(
     topk_idx,  # [T, K] int64: expert ids, -1 for an unused choice
     slot_of,  # [T, R] int32 out: slot of token t in rank d's staging, -1 if not sent to d
     pair_pos,  # [T, K] int32 out: rank of token t among this rank's tokens for that expert
     counts,  # [R, L + 1] int32 out: tokens per expert of rank d, then slots used on d
     errors_addr: tl.int64,  # error record: the first bad row of topk_idx
+    mask_off: tl.int64, local_base: tl.int64,  # FT: the mask words in this rank's segment
     T: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, E: tl.int32,
+    FT: tl.constexpr,  # fault tolerance: nothing goes to an excluded rank
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
     d = tl.program_id(0)
     first = d * L
+    live = tl.full([BLOCK_T], 1, tl.int32)  # a vector: the interpreter mis-broadcasts a scalar
+    if FT:
+        mask = (local_base + mask_off).to(tl.pointer_type(tl.int64))
+        live = (tl.load(mask + d + tl.zeros([BLOCK_T], tl.int32)) == 0).to(tl.int32)
     lane = tl.arange(0, BLOCK_L)
     kk = tl.arange(0, BLOCK_K)
     carry_slots = tl.zeros([1], tl.int32)
@@ -92,7 +99,7 @@ def routing_layout_kernel(
         onehot = tl.zeros([BLOCK_T, BLOCK_L], tl.int32)
         for k in range(K):
             e = tl.sum(tl.where(kk[None, :] == k, ids, 0), axis=1)
-            hit = (e >= first) & (e < first + L)
+            hit = (e >= first) & (e < first + L) & (live != 0)
             onehot += ((e - first)[:, None] == lane[None, :]) & hit[:, None]
         goes = tl.max(onehot, axis=1)
         slot = tl.cumsum(goes, axis=0) + carry_slots - 1
@@ -101,7 +108,7 @@ def routing_layout_kernel(
         pos_table = tl.cumsum(onehot, axis=0) + carry_pairs[None, :] - 1
         for k in range(K):
             e = tl.sum(tl.where(kk[None, :] == k, ids, 0), axis=1)
-            hit = (e >= first) & (e < first + L)
+            hit = (e >= first) & (e < first + L) & (live != 0)
             pos = tl.sum(tl.where((e - first)[:, None] == lane[None, :], pos_table, 0), axis=1)
             tl.store(pair_pos + t * K + k, pos, mask=tm & hit)
         carry_pairs += tl.sum(onehot, axis=0)
@@ -112,7 +119,9 @@ def routing_layout_kernel(
 def routing_layout(topk_idx: torch.Tensor, world_size: int, num_local_experts: int,
                    flavour: Flavour) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launches the layout kernel: ``(slot_of [T, R], pair_pos [T, K], counts [R, L+1])``;
-    bad rows of ``topk_idx`` go nowhere and the first is recorded at ``flavour.errors_addr``."""
+    bad rows of ``topk_idx`` go nowhere and the first is recorded at ``flavour.errors_addr``;
+    with ``flavour.fault_tolerant`` nothing goes to a rank excluded in the mask words (read on
+    the device: as if its experts' ids were -1)."""
     T, K = topk_idx.shape
     R, L = world_size, num_local_experts
     tile = tiles("routing_layout", flavour.compiled, 0)
@@ -120,8 +129,9 @@ def routing_layout(topk_idx: torch.Tensor, world_size: int, num_local_experts: i
     slot_of = torch.empty((T, R), dtype=torch.int32, device=dev)
     pair_pos = torch.full((T, K), -1, dtype=torch.int32, device=dev)
     counts = torch.empty((R, L + 1), dtype=torch.int32, device=dev)
-    routing_layout_kernel[(R,)](topk_idx, slot_of, pair_pos, counts, flavour.errors_addr, T, K, R,
-                                L, R * L, BLOCK_T=tile.block_t,
+    routing_layout_kernel[(R,)](topk_idx, slot_of, pair_pos, counts, flavour.errors_addr,
+                                flavour.mask_off, flavour.local_base, T, K, R, L, R * L,
+                                FT=flavour.fault_tolerant, BLOCK_T=tile.block_t,
                                 BLOCK_K=triton.next_power_of_2(max(K, 1)),
                                 BLOCK_L=triton.next_power_of_2(L), **tile.launch_options())
     return slot_of, pair_pos, counts

@@ -238,7 +238,8 @@ def ll_dispatch_send_kernel(
                     for k in range(K):
                         e = tl.sum(tl.where(tl.arange(0, BLOCK_K) == k, row_ids, 0))
                         d = tl.maximum(e, 0) // L
-                        if (ti < T) & (e >= 0) & (tl.load(peer_ptrs + d) == 0):
+                        if (ti < T) & (e >= 0) & (tl.load(peer_ptrs + d) == 0) \
+                                & ~_excluded(d, True, mask_off, local_base, FT):
                             j = tl.sum(tl.sum(tl.where((rows_in_tile[:, None] == i)
                                                        & (lane[None, :] == e), position, 0),
                                               axis=1))
@@ -283,7 +284,8 @@ def ll_dispatch_send_kernel(
                 if one_thread():
                     for g in range(E):
                         dg = g // L
-                        if tl.load(peer_ptrs + dg) == 0:
+                        if (tl.load(peer_ptrs + dg) == 0) \
+                                & ~_excluded(dg, True, mask_off, local_base, FT):
                             n = tl.sum(tl.where(lane == g, total, 0)).to(tl.int64)
                             signal_off = (signals_off + parity * signals_parity_stride
                                           + ((g - dg * L) * R + me) * 8)

@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import socket
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import triton
@@ -106,7 +107,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
     communicator; the torch group is made from it, ``moe_comm.mpi``).
     ``fault_tolerant=True``: a rank silent for ``timeout_s`` is excluded and calls complete on
     the others, instead of raising PeerTimeoutError (``moe_comm.fault``: ``active_ranks``,
-    ``mask_rank``, ``clean_mask``); one node, peers reached by pointers, so far.
+    ``mask_rank``, ``clean_mask``); across nodes through the proxy in flat mode only.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, hidden: int, num_experts: int,
@@ -148,11 +149,13 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         # IBGDA is not probed: GPUs keep NVSHMEM across nodes unless "nixl" is asked for
         via = choose_transport(transport, device, nodes.count, ibgda=device.type == "cuda")
         nixl_backend = nixl_backend_name(nixl_backend) if via == "nixl" else None
-        hierarchical = nodes.count > 1 if hierarchical is None else bool(hierarchical)
-        if fault_tolerant and nodes.count > 1:
-            raise ValueError("fault_tolerant=True covers the ranks of one node (peers reached "
-                             "through pointers) so far; across nodes a silent peer still "
-                             "raises PeerTimeoutError")
+        if hierarchical is None:  # fault tolerance across nodes: flat (no forwarders)
+            hierarchical = nodes.count > 1 and not fault_tolerant
+        hierarchical = bool(hierarchical)
+        if fault_tolerant and nodes.count > 1 and (via != "nixl" or hierarchical):
+            raise ValueError("fault_tolerant=True across nodes runs through the proxy "
+                             "(transport='nixl') in flat mode (hierarchical=False: a dead "
+                             "forwarder would cut off its whole node) so far")
         if fault_tolerant and kernel_impl != "triton":
             raise ValueError("fault_tolerant=True runs the Triton kernels: the csrc/ kernels "
                              "(kernel_impl='cuda') do not exclude silent peers")
@@ -175,7 +178,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                 proxy = NixlProxy(group, heap.local, heap.rank, world_size, peers,
                                   timeout_s=env.timeout_s() if timeout_s is None
                                   else float(timeout_s), backend=nixl_backend, slots=max(8, slots),
-                                  labels=signal_labels(layout, heap.rank))
+                                  labels=signal_labels(layout, heap.rank),
+                                  tolerant=bool(fault_tolerant))
             self._setup(heap, layout, num_experts, timeout_s, dispatch_dtype, num_sms,
                         kernel_impl, proxy=proxy, fault_tolerant=fault_tolerant)
         except BaseException:
@@ -436,7 +440,9 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         _registry.unregister(self)
         self._signal_words = None
         if self.proxy is not None:  # a healthy rank waits (bounded) for its peers to close too
-            self.proxy.close(wait_for_peers=healthy)
+            excluded = [] if self._mask_words is None else \
+                np.flatnonzero(self._mask_words).tolist()
+            self.proxy.close(wait_for_peers=healthy, gone=excluded)
         self.heap.close()
 
     def __enter__(self) -> Buffer:
@@ -509,7 +515,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                                         pending.epoch, channel)
                 if None in seconds:
                     pending.live = torch.tensor([t is not None for t in seconds],
-                                                device=self.device)
+                                                dtype=torch.int32, device=self.device)
                 return
             self._wait_words(self._signal_words[pending.channel], pending.epoch,
                              list(range(self.world_size)), channel)

@@ -39,6 +39,10 @@ which an excluded rank cannot raise for a call the others completed without it; 
 the count word carries the epoch). The low-latency combine stages one row per (token, choice)
 on the home rank, so there the check is the only fence.
 
+**Across nodes** (the proxy, flat mode): the proxy of a fault-tolerant Buffer keeps a failure
+towards one peer to that peer (drops what is posted to it, serves the others), and the mask and
+``clean_mask`` words reach the other nodes as notifications (raised to at least the value).
+
 **clean_mask.** Collective over the live ranks through the symmetric memory (a process group
 may hold dead members): each announces itself, waits (bounded) for the ranks it believes
 active (``readmit=True``: for every rank), and the mask becomes, on every participant, exactly
@@ -150,11 +154,14 @@ class FaultTolerance:
 
     # ----------------------------------------------------------------- protocol helpers
     def _set_on_all(self, word_off: int, index: int, value: int) -> None:
-        """Word ``index`` of the int64 array at ``word_off`` := ``value`` on every rank."""
+        """Word ``index`` of the int64 array at ``word_off`` := ``value`` on every rank (through
+        the proxy on other nodes: raised to at least ``value``)."""
         set_word_on_all_kernel[(1,)](self.heap.peer_ptrs, word_off, index, value,
                                      self.world_size, self.heap.local.data_ptr(),
                                      BLOCK_R=triton.next_power_of_2(self.world_size),
                                      TRANSPORT=self.flavour.transport)
+        if self.proxy is not None:
+            self.proxy.notify(self.proxy.peers, word_off + 8 * index, value)
 
     def _exclude(self, peer: int) -> None:
         """Word ``peer`` of every rank's mask := this rank + 1 (one small launch)."""
@@ -199,16 +206,6 @@ class FaultTolerance:
         (``rank_contributed`` [R] bool)."""
         owner = (topk_idx.clamp(min=0) // self.num_local_experts).clamp(max=self.world_size - 1)
         return (topk_idx >= 0) & (topk_idx < self.num_experts) & rank_contributed[owner]
-
-    def _alive_idx(self, topk_idx: torch.Tensor) -> torch.Tensor:
-        """``topk_idx`` with the choices of excluded ranks set to -1 (a copy only when this rank
-        sees an excluded rank: nothing is added to a call without a failure)."""
-        if not self.fault_tolerant or self._mask_words is None or not self._mask_words.any():
-            return topk_idx
-        dead = torch.from_numpy(self._mask_words != 0).to(topk_idx.device)
-        owner = (topk_idx.clamp(min=0) // self.num_local_experts).clamp(max=self.world_size - 1)
-        in_range = (topk_idx >= 0) & (topk_idx < self.num_experts)  # bad ids stay for the check
-        return torch.where(in_range & dead[owner], -1, topk_idx)
 
     def _clean_round(self, i: int, serial: int, waited: list[int] | None) -> list[bool]:
         """Announces ``serial`` in ``ft_clean[i]`` on every rank and waits (bounded) for

@@ -77,7 +77,7 @@ class NormalMode:
         Bad rows of ``topk_idx`` are sent nowhere and recorded (raised after the call)."""
         epoch = self._start(DISPATCH)
         x = x.contiguous()
-        topk_idx = self._alive_idx(topk_idx.contiguous())  # no choice of an excluded rank
+        topk_idx = topk_idx.contiguous()  # (the layout drops the choices of excluded ranks)
         topk_weights = None if topk_weights is None else topk_weights.contiguous()
         slot_of, pair_pos, counts = routing_layout(topk_idx, self.world_size,
                                                    self.num_local_experts, self.flavour)
@@ -312,9 +312,7 @@ class NormalMode:
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """Receive phase of combine: ``(out [T, H], pair_out [T, K] float32 or empty)``."""
         self._wait(pending)
-        if pending.live is not None:  # partials of ranks that did not arrive are left out
-            slot_of = torch.where(pending.live[None, :] != 0, slot_of, -1)
-        self._combine_live = pending.live
+        self._combine_live = pending.live  # partials of ranks that did not arrive: left out
         T, dev = slot_of.shape[0], self.device
         out = torch.empty((T, self.hidden), dtype=self.dtype, device=dev)
         pair_out = torch.empty((T, pending.topk) if want_pair else (0,), dtype=torch.float32,
@@ -326,5 +324,5 @@ class NormalMode:
             flavour=self.flavour, rank=self.rank,
             node_rows=self.layout.view(self.heap, "hcomb_rows") if self.hierarchical else None,
             node_meta=self.layout.view(self.heap, "hcomb_meta") if self.hierarchical else None,
-            node_slot_of=node_slot_of)
+            node_slot_of=node_slot_of, live=pending.live)
         return out, pair_out

@@ -90,15 +90,17 @@ def _doom(buf, kills: dict, rank: int, it: int) -> None:
 
 def normal_mode_with_failures(rank, world_size, case: Case, kills: dict, calls: int,
                               timeout_s: float, renormalize: bool = False, pin: int | None = None,
-                              in_kernels: bool = False, ll_case: Case | None = None) -> dict:
+                              in_kernels: bool = False, ll_case: Case | None = None,
+                              clean_after: bool = False, **buffer_kwargs) -> dict:
     """``calls`` dispatch + combine calls with ``kills``; each survivor's call checked. Returns
     the call times, this rank's ``active_ranks()`` and exclusions. ``ll_case``: also a
-    low-latency Buffer built at the start, run for ``calls`` calls afterwards (the dead ranks
-    are found again: they die "between" calls there)."""
+    low-latency Buffer built at the start, run for up to 6 calls afterwards (the dead ranks
+    are found again: they die "between" calls there). ``clean_after``: then ``clean_mask()``
+    and one more call. ``buffer_kwargs``: e.g. nodes."""
     with kernel_waits(in_kernels):
-        buf = new_buffer(case, fault_tolerant=True, timeout_s=timeout_s)
-        ll_buf = (new_ll_buffer(ll_case, fault_tolerant=True, timeout_s=timeout_s)
-                  if ll_case else None)
+        buf = new_buffer(case, fault_tolerant=True, timeout_s=timeout_s, **buffer_kwargs)
+        ll_buf = (new_ll_buffer(ll_case, fault_tolerant=True, timeout_s=timeout_s,
+                                **buffer_kwargs) if ll_case else None)
     seconds = []
     for it in range(calls):
         _doom(buf, kills, rank, it)
@@ -124,8 +126,11 @@ def normal_mode_with_failures(rank, world_size, case: Case, kills: dict, calls: 
             assert not out[0].any(), f"rank {rank} call {it}: a token of a dead rank's experts"
     report = dict(seconds=seconds, active=buf.active_ranks().tolist(),
                   excluded=sorted({r for r, _, _ in buf.exclusions}))
+    if clean_after:
+        report["cleaned"] = buf.clean_mask().tolist()
+        _checked_call(buf, case, rank, calls, set(kills))
     if ll_buf is not None:
-        ll = ll_calls(rank, ll_case, ll_buf, {r: (0, "between") for r in kills}, calls)
+        ll = ll_calls(rank, ll_case, ll_buf, {r: (0, "between") for r in kills}, min(calls, 6))
         report.update(ll_seconds=ll["seconds"], ll_active=ll["active"])
     return report
 
@@ -167,9 +172,9 @@ def ll_calls(rank, case: Case, buf, kills: dict, calls: int, fp8: bool = False,
 
 def low_latency_with_failures(rank, world_size, case: Case, kills: dict, calls: int,
                               timeout_s: float, fp8: bool = False, in_kernels: bool = False,
-                              renormalize: bool = False) -> dict:
+                              renormalize: bool = False, **buffer_kwargs) -> dict:
     with kernel_waits(in_kernels):
-        buf = new_ll_buffer(case, fault_tolerant=True, timeout_s=timeout_s)
+        buf = new_ll_buffer(case, fault_tolerant=True, timeout_s=timeout_s, **buffer_kwargs)
     return ll_calls(rank, case, buf, kills, calls, fp8, renormalize)
 
 
@@ -205,18 +210,20 @@ def stale_rank_readmitted(rank, world_size, case: Case, slow: int, timeout_s: fl
     _checked_call(buf, case, rank, 0, set())
     refused = None
     if rank == slow:
-        alive_idx = buf._alive_idx
+        from moe_comm import normal_mode
 
-        def stop_then_send(topk_idx):
+        layout = normal_mode.routing_layout
+
+        def stop_then_send(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGSTOP)  # the exclusion check has passed
-            return alive_idx(topk_idx)
+            return layout(*args, **kwargs)
 
-        buf._alive_idx = stop_then_send
+        normal_mode.routing_layout = stop_then_send
         try:
             _checked_call(buf, case, rank, 1, set())
         except RankExcludedError as error:
             refused = str(error)
-        buf._alive_idx = alive_idx
+        normal_mode.routing_layout = layout
     else:
         for it in range(1, 6):
             _checked_call(buf, case, rank, it, {slow})

@@ -33,7 +33,7 @@ def test_kill_one_rank_normal_mode_4_ranks(point):
     the dead rank (it comes back as zeros), (c) with renormalised weights."""
     R = 4
     case = Case(R, 2 * R, 128, 2, (6, 0, 7, 5), seed=3)
-    kwargs = dict(between=dict(ll_case=case), after_dispatch_send=dict(pin=1),
+    kwargs = dict(between=dict(ll_case=case, clean_after=True), after_dispatch_send=dict(pin=1),
                   in_combine=dict(renormalize=True))[point]
     with RankPool(R) as pool:
         results = pool.run(fault_jobs.normal_mode_with_failures, case, {1: (1, point)}, CALLS,
@@ -43,6 +43,7 @@ def test_kill_one_rank_normal_mode_4_ranks(point):
     _check_agreement(survivors, {1})
     if point == "between":
         _check_agreement(survivors, {1}, "ll_active")
+        _check_agreement(survivors, {1}, "cleaned")
     assert any(res["excluded"] == [1] for res in survivors.values())
 
 
@@ -80,6 +81,33 @@ def test_kill_low_latency_8_ranks():
         results = pool.run(fault_jobs.low_latency_with_failures, case, kills, CALLS, 8.0,
                            may_die=tuple(kills))
     _check_agreement(_survivors(results, set(kills)), set(kills))
+
+
+NODES = dict(ranks_per_node=2, transport="nixl")  # two nodes of two ranks, flat
+
+
+def test_kill_across_nodes():
+    """Two nodes of two ranks, the proxy between them: rank 3 dies between calls; its node
+    peer (stores) and the other node (the proxy) exclude it; the low-latency Buffer finds it
+    too; then clean_mask over both nodes. Five calls after the kill (the proxy is slow under
+    the interpreter)."""
+    R = 4
+    case = Case(R, 2 * R, 128, 2, (6, 5, 7, 5), seed=37)
+    with RankPool(R) as pool:
+        results = pool.run(fault_jobs.normal_mode_with_failures, case, {3: (1, "between")}, 6,
+                           5.0, ll_case=case, clean_after=True, may_die=(3,), **NODES)
+    survivors = _survivors(results, {3})
+    for key in ("active", "ll_active", "cleaned"):
+        _check_agreement(survivors, {3}, key)
+
+
+def test_kill_across_nodes_low_latency_after_dispatch_send():
+    R = 4
+    case = Case(R, 2 * R, 128, 2, (6, 5, 7, 5), seed=41)
+    with RankPool(R) as pool:
+        results = pool.run(fault_jobs.low_latency_with_failures, case,
+                           {1: (1, "after_dispatch_send")}, 6, 5.0, may_die=(1,), **NODES)
+    _check_agreement(_survivors(results, {1}), {1})
 
 
 def test_kill_with_waits_in_kernels():

@@ -19,7 +19,12 @@ The thread loops, never blocking on anything but short sleeps when idle:
    release: a waiter that sees the epoch sees the rows.
 
 Failures are kept (``failure``) and raised as :class:`TransportError` naming the peer by
-:meth:`check`, which the Buffer's waits call; a stopped thread is a failure too. ``close`` waits
+:meth:`check`, which the Buffer's waits call; a stopped thread is a failure too. A ``tolerant``
+proxy (a fault-tolerant Buffer) keeps a failure towards one peer to that peer: the peer is
+``lost``, whatever is posted to it is dropped, and the others are served on (the Buffer's
+waits time out on the peer and exclude it). ``notify`` sends a notification from the host
+(fenced after the transfers posted to that peer before it): how a Buffer writes its mask and
+``clean_mask`` words on other nodes. ``close`` waits
 (bounded) for the transfers in flight, tells every peer it is closing and waits (bounded) until
 every peer said so too, so no rank drops its agent while a peer may still send to it (the
 last acknowledgements of the low-latency mode go out after a rank's last wait); then it stops
@@ -32,6 +37,7 @@ notification).
 from __future__ import annotations
 
 import os
+import queue
 import struct
 import threading
 import time
@@ -69,7 +75,7 @@ class NixlProxy:
     def __init__(self, group: dist.ProcessGroup, segment: torch.Tensor, rank: int,
                  world_size: int, peers: list[int], *, timeout_s: float,
                  backend: str | None = None, slots: int | None = None,
-                 labels: dict[int, str] | None = None):
+                 labels: dict[int, str] | None = None, tolerant: bool = False):
         if segment.device.type != "cpu":
             raise ValueError("the nixl proxy moves host memory on CPU ranks; on GPUs its ring "
                              "and kernels compile (the static gate) but the host half that "
@@ -90,6 +96,9 @@ class NixlProxy:
         self.messages_to = np.zeros(world_size, dtype=np.int64)
         self.transfer_seconds = 0.0  # summed from posting each WRITE to seeing it DONE
         self.failure: tuple[int, str] | None = None
+        self.tolerant = tolerant
+        self.lost: dict[int, str] = {}  # tolerant: peer -> what failed towards it
+        self._host_notifs: queue.SimpleQueue = queue.SimpleQueue()  # (peer, notification)
         NixlProxy._serial += 1
         name = f"moe_comm-{os.getpid()}-{NixlProxy._serial}-r{rank}"
         self._agent = nixl_agent(name, nixl_agent_config(backends=[self.backend]))
@@ -131,6 +140,14 @@ class NixlProxy:
         return {label: b.copy() for label, b in self._bytes.items()
                 if label != "other" or b.any()}
 
+    def notify(self, peers, signal_off: int, value: int) -> None:
+        """Raises the int64 word at ``signal_off`` to at least ``value`` on each of ``peers``
+        (a notification, fenced after what was posted to that peer before; sent by the
+        thread)."""
+        notif = _NOTIF.pack(signal_off, value)
+        for peer in peers:
+            self._host_notifs.put((peer, notif))
+
     # ------------------------------------------------------------------ health
     def check(self) -> None:
         """Raises TransportError if a transfer failed or the proxy thread stopped."""
@@ -147,10 +164,10 @@ class NixlProxy:
         self._stop.set()
         self._thread.join(timeout=10)
 
-    def close(self, wait_for_peers: bool = True) -> None:
+    def close(self, wait_for_peers: bool = True, gone=()) -> None:
         """Stops the thread after the transfers in flight complete and, with
-        ``wait_for_peers``, every peer closes too (each bounded), then drops the agent and its
-        registration. No thread is left."""
+        ``wait_for_peers``, every peer closes too (each bounded; not the lost ones, nor those in
+        ``gone``), then drops the agent and its registration. No thread is left."""
         if self._closed:
             return
         deadline = time.monotonic() + min(self.timeout_s, _CLOSE_DRAIN_S)
@@ -160,8 +177,9 @@ class NixlProxy:
         self._closing = True
         deadline = time.monotonic() + (self.timeout_s if wait_for_peers else 1.0)
         while self._thread.is_alive() and self.failure is None and time.monotonic() < deadline \
-                and not (self._said_closing and (not wait_for_peers
-                                                 or self._peers_closing >= set(self.peers))):
+                and not (self._said_closing and (
+                    not wait_for_peers
+                    or self._peers_closing >= set(self.peers) - set(self.lost) - set(gone))):
             time.sleep(1e-3)
         self._stop.set()
         self._thread.join(timeout=10)
@@ -193,7 +211,8 @@ class NixlProxy:
         idle = _IDLE_S[0]
         try:
             while not self._stop.is_set() and self.failure is None:
-                busy = self._drain_ring()
+                busy = self._drain_host_notifs()
+                busy |= self._drain_ring()
                 busy |= self._complete()
                 busy |= self._send_fenced()
                 busy |= self._apply_notifications()
@@ -209,8 +228,22 @@ class NixlProxy:
             self._fail(self.rank, f"the proxy thread failed: {exc!r}")
 
     def _fail(self, peer: int, what: str) -> None:
+        if self.tolerant and peer != self.rank and peer in self._peer_name:
+            self.lost.setdefault(peer, what)
+            return
         if self.failure is None:
             self.failure = (peer, what)
+
+    def _drain_host_notifs(self) -> bool:
+        busy = False
+        while not self._host_notifs.empty():
+            peer, notif = self._host_notifs.get()
+            if peer not in self.lost:
+                self._fenced.append((peer, notif, self._posted))
+            busy = True
+        if busy:
+            self._send_fenced()
+        return busy
 
     def _drain_ring(self) -> bool:
         busy = False
@@ -229,6 +262,8 @@ class NixlProxy:
         if peer not in self._peer_name:
             self._fail(peer, f"a kernel posted to rank {peer}, which this rank's transport "
                              "does not reach")
+            return
+        if peer in self.lost:  # tolerant: nothing more goes to a peer the transport lost
             return
         local_base, peer_base = self._segment.data_ptr(), self._peer_base[peer]
         local, remote, total = [], [], 0
@@ -276,6 +311,8 @@ class NixlProxy:
             oldest[peer] = min(seq, oldest.get(peer, seq))
         keep, held, sent = [], set(), False
         for peer, notif, after in self._fenced:
+            if peer in self.lost:
+                continue
             if peer in held or oldest.get(peer, after + 1) <= after:
                 held.add(peer)
                 keep.append((peer, notif, after))
@@ -302,6 +339,12 @@ class NixlProxy:
             return False
         still, now = [], time.monotonic()
         for handle, peer, start, seq in self._inflight:
+            if peer in self.lost:  # tolerant: its transfers are given up
+                try:
+                    self._agent.release_xfer_handle(handle)
+                except Exception:  # noqa: BLE001 - the peer is gone
+                    pass
+                continue
             try:
                 state = self._agent.check_xfer_state(handle)
             except Exception as exc:  # noqa: BLE001 - NIXL raises for a lost peer

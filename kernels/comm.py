@@ -29,6 +29,10 @@ claimed once with a compare-and-swap (0 -> -1), filled, then marked complete (1)
 ``[0:4]`` the first timeout (flag, peer, expected, observed) and ``[4:8]`` the first bad input
 (flag, code, token, value).
 
+Fault tolerance (``moe_comm.fault``): every segment holds one mask word per rank (0: active).
+A fault-tolerant wait (:func:`wait_or_exclude`) also leaves when its peer's word is set, and at
+the deadline sets it on every rank (the same release stores as a publish) instead of failing.
+
 On CPU ranks the waits run on the host by default: the waiting process polls the local signal
 words and sleeps in between, leaving the cores to the ranks it waits for. The kernels' own
 waits also run in the interpreter (``Flavour.device_wait`` on CPU ranks), where the clock is the
@@ -347,37 +351,26 @@ def wait_for_epochs(observe, expected: int, *, timeout_s: float, rank: int,
     ``observe`` returns the epochs the peers have published (host memory on CPU ranks). Raises
     :class:`PeerTimeoutError` naming the first source still behind after ``timeout_s``.
     """
+    seconds, behind = wait_for_live_epochs(observe, expected, None, timeout_s=timeout_s)
+    if behind:
+        s = behind[0]
+        raise PeerTimeoutError(rank, s, channel, expected, int(observe()[s]), timeout_s)
+    return seconds
+
+
+def wait_for_live_epochs(observe, expected: int, excluded, *, timeout_s: float
+                         ) -> tuple[list[float | None], list[int]]:
+    """Polls ``observe()`` until every source ``s`` reached ``expected`` or, for a
+    fault-tolerant Buffer, ``excluded()[s]`` (an excluded source is never waited for;
+    ``excluded=None``: none is), or ``timeout_s`` passed. Returns ``(seconds until each source
+    arrived, None for those that did not; the sources still behind at the deadline)``."""
     start = time.monotonic()
     deadline = start + timeout_s
     sleep_s = 2e-5
     arrived: dict[int, float] = {}
     while True:
         observed = observe()
-        now = time.monotonic()
-        for s, v in enumerate(observed):
-            if v >= expected and s not in arrived:
-                arrived[s] = now - start
-        if len(arrived) == len(observed):
-            return [arrived[s] for s in range(len(observed))]
-        if now > deadline:
-            s = next(s for s, v in enumerate(observed) if v < expected)
-            raise PeerTimeoutError(rank, s, channel, expected, int(observed[s]), timeout_s)
-        time.sleep(sleep_s)
-        sleep_s = min(sleep_s * 2, 2e-3)
-
-
-def wait_for_live_epochs(observe, expected: int, excluded, *, timeout_s: float
-                         ) -> tuple[list[float | None], list[int]]:
-    """:func:`wait_for_epochs` of a fault-tolerant Buffer: a source counts as done once
-    ``excluded()[s]`` (an excluded source is never waited for), and at the deadline the call
-    goes on without the sources still behind. Returns ``(seconds until each source arrived,
-    None for those that did not; the sources still behind at the deadline)``."""
-    start = time.monotonic()
-    deadline = start + timeout_s
-    sleep_s = 2e-5
-    arrived: dict[int, float] = {}
-    while True:
-        observed, out = observe(), excluded()
+        out = excluded() if excluded is not None else [False] * len(observed)
         now = time.monotonic()
         for s, v in enumerate(observed):
             if v >= expected and s not in arrived:

@@ -4,7 +4,7 @@ Equivalent PyTorch for this rank (``R`` ranks, ``L`` local experts per rank)::
 
     bad = ((topk_idx < -1) | (topk_idx >= E)).any(1) | repeated_expert_in_row(topk_idx)
     topk_idx = where(bad[:, None], -1, topk_idx)           # a bad row goes nowhere
-    topk_idx = where(excluded[topk_idx // L], -1, topk_idx)  # fault tolerance: mask words
+    topk_idx = where(excluded[topk_idx // L] | excluded[me], -1, topk_idx)  # fault tolerance
     dest = topk_idx // L                                   # [T, K], -1 rows stay negative
     goes = [(dest == d).any(1) for d in range(R)]          # token t is sent to rank d once
     slot_of[:, d] = where(goes[d], goes[d].cumsum(0) - 1, -1)
@@ -68,7 +68,7 @@ def record_first_bad(errors, t, bad, code, value, T):
         record_error(errors, INPUT_RECORD, c, first, v)
 
 
-@triton.jit(do_not_specialize=["errors_addr", "local_base", "T"])
+@triton.jit(do_not_specialize=["errors_addr", "local_base", "T", "me"])
 def routing_layout_kernel(
     topk_idx,  # [T, K] int64: expert ids, -1 for an unused choice
     slot_of,  # [T, R] int32 out: slot of token t in rank d's staging, -1 if not sent to d
@@ -76,8 +76,8 @@ def routing_layout_kernel(
     counts,  # [R, L + 1] int32 out: tokens per expert of rank d, then slots used on d
     errors_addr: tl.int64,  # error record: the first bad row of topk_idx
     mask_off: tl.int64, local_base: tl.int64,  # FT: the mask words in this rank's segment
-    T: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, E: tl.int32,
-    FT: tl.constexpr,  # fault tolerance: nothing goes to an excluded rank
+    T: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, E: tl.int32, me: tl.int32,
+    FT: tl.constexpr,  # fault tolerance: nothing goes to an excluded rank, or from one
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
     d = tl.program_id(0)
@@ -85,7 +85,8 @@ def routing_layout_kernel(
     live = tl.full([BLOCK_T], 1, tl.int32)  # a vector: the interpreter mis-broadcasts a scalar
     if FT:
         mask = (local_base + mask_off).to(tl.pointer_type(tl.int64))
-        live = (tl.load(mask + d + tl.zeros([BLOCK_T], tl.int32)) == 0).to(tl.int32)
+        lanes = tl.zeros([BLOCK_T], tl.int32)
+        live = ((tl.load(mask + d + lanes) == 0) & (tl.load(mask + me + lanes) == 0)).to(tl.int32)
     lane = tl.arange(0, BLOCK_L)
     kk = tl.arange(0, BLOCK_K)
     carry_slots = tl.zeros([1], tl.int32)
@@ -117,11 +118,13 @@ def routing_layout_kernel(
 
 
 def routing_layout(topk_idx: torch.Tensor, world_size: int, num_local_experts: int,
-                   flavour: Flavour) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   flavour: Flavour, rank: int = 0
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launches the layout kernel: ``(slot_of [T, R], pair_pos [T, K], counts [R, L+1])``;
     bad rows of ``topk_idx`` go nowhere and the first is recorded at ``flavour.errors_addr``;
     with ``flavour.fault_tolerant`` nothing goes to a rank excluded in the mask words (read on
-    the device: as if its experts' ids were -1)."""
+    the device: as if its experts' ids were -1), nor anywhere once ``rank`` itself is excluded
+    (the fence against its late writes on GPUs, where the host does not read the mask)."""
     T, K = topk_idx.shape
     R, L = world_size, num_local_experts
     tile = tiles("routing_layout", flavour.compiled, 0)
@@ -130,7 +133,7 @@ def routing_layout(topk_idx: torch.Tensor, world_size: int, num_local_experts: i
     pair_pos = torch.full((T, K), -1, dtype=torch.int32, device=dev)
     counts = torch.empty((R, L + 1), dtype=torch.int32, device=dev)
     routing_layout_kernel[(R,)](topk_idx, slot_of, pair_pos, counts, flavour.errors_addr,
-                                flavour.mask_off, flavour.local_base, T, K, R, L, R * L,
+                                flavour.mask_off, flavour.local_base, T, K, R, L, R * L, rank,
                                 FT=flavour.fault_tolerant, BLOCK_T=tile.block_t,
                                 BLOCK_K=triton.next_power_of_2(max(K, 1)),
                                 BLOCK_L=triton.next_power_of_2(L), **tile.launch_options())

@@ -30,14 +30,17 @@ A token whose experts are all on excluded ranks comes back as zeros: add the res
 shared expert) as usual, it is the only part left. Weights are not renormalised by default.
 
 **Stale writes** (a rank that was only slow). Fence: every send of a fault-tolerant Buffer
-first checks this rank's own mask word; an excluded rank raises :class:`RankExcludedError`
-and writes nothing until ``clean_mask(readmit=True)``. Where a late write can still land (a rank
-stalled for longer than the timeout between that check and its last store), the layout keeps it
-harmless in the normal mode and the low-latency dispatch: staging is per source rank, and a
-receive reads a source's slice only under this call's epoch (normal mode: the source's signal,
-which an excluded rank cannot raise for a call the others completed without it; low latency:
-the count word carries the epoch). The low-latency combine stages one row per (token, choice)
-on the home rank, so there the check is the only fence.
+first checks this rank's own mask word (CPU ranks: the host, before the launch; GPUs: the
+layout kernel and the low-latency sends' waits, on the device); an excluded rank writes no row
+and its calls raise :class:`RankExcludedError` until ``clean_mask(readmit=True)``; so does a
+receive that finds it excluded by its end (what it got may be a later call's). Where a late write
+can still land (a rank stalled for longer than the timeout between that check and its last
+store), the layout keeps it harmless in the normal mode and the low-latency dispatch: staging is
+per source rank, and a receive reads a source's slice only under this call's epoch (normal
+mode: the source's signal, which the others no longer wait for or read once it is excluded;
+low latency: the count word carries the epoch). The low-latency combine stages one row per
+(token, choice) on the home rank, so there the check is the only fence. Tested on CPU ranks: a
+rank stopped right after its check writes its rows late while the others go on.
 
 **Across nodes** (the proxy, flat mode): the proxy of a fault-tolerant Buffer keeps a failure
 towards one peer to that peer (drops what is posted to it, serves the others), and the mask and

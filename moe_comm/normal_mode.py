@@ -80,7 +80,8 @@ class NormalMode:
         topk_idx = topk_idx.contiguous()  # (the layout drops the choices of excluded ranks)
         topk_weights = None if topk_weights is None else topk_weights.contiguous()
         slot_of, pair_pos, counts = routing_layout(topk_idx, self.world_size,
-                                                   self.num_local_experts, self.flavour)
+                                                   self.num_local_experts, self.flavour,
+                                                   self.rank)
         self.launches["layout"] += 1
         grid = dispatch_kernels.send_grid(self.max_tokens_per_rank, self.hidden, self.num_sms,
                                           self.flavour, 1 if fp8 else x.element_size())

@@ -91,12 +91,14 @@ def _doom(buf, kills: dict, rank: int, it: int) -> None:
 def normal_mode_with_failures(rank, world_size, case: Case, kills: dict, calls: int,
                               timeout_s: float, renormalize: bool = False, pin: int | None = None,
                               in_kernels: bool = False, ll_case: Case | None = None,
-                              clean_after: bool = False, **buffer_kwargs) -> dict:
+                              ll_kills: dict | None = None, clean_after: bool = False,
+                              **buffer_kwargs) -> dict:
     """``calls`` dispatch + combine calls with ``kills``; each survivor's call checked. Returns
     the call times, this rank's ``active_ranks()`` and exclusions. ``ll_case``: also a
-    low-latency Buffer built at the start, run for up to 6 calls afterwards (the dead ranks
-    are found again: they die "between" calls there). ``clean_after``: then ``clean_mask()``
-    and one more call. ``buffer_kwargs``: e.g. nodes."""
+    low-latency Buffer built at the start, run afterwards: the dead ranks are found again (they
+    died "between" calls there), and ``ll_kills`` die in it (3 calls, or the call of the last
+    death and 20 more). ``clean_after``: then ``clean_mask()`` and one more call.
+    ``buffer_kwargs``: e.g. nodes."""
     with kernel_waits(in_kernels):
         buf = new_buffer(case, fault_tolerant=True, timeout_s=timeout_s, **buffer_kwargs)
         ll_buf = (new_ll_buffer(ll_case, fault_tolerant=True, timeout_s=timeout_s,
@@ -130,7 +132,10 @@ def normal_mode_with_failures(rank, world_size, case: Case, kills: dict, calls: 
         report["cleaned"] = buf.clean_mask().tolist()
         _checked_call(buf, case, rank, calls, set(kills))
     if ll_buf is not None:
-        ll = ll_calls(rank, ll_case, ll_buf, {r: (0, "between") for r in kills}, min(calls, 6))
+        ll_kills = ll_kills or {}
+        ll_calls_n = max(k for k, _ in ll_kills.values()) + 21 if ll_kills else 3
+        ll = ll_calls(rank, ll_case, ll_buf, {**{r: (0, "between") for r in kills}, **ll_kills},
+                      ll_calls_n)
         report.update(ll_seconds=ll["seconds"], ll_active=ll["active"])
     return report
 
@@ -194,8 +199,8 @@ def _checked_call(buf, case: Case, rank: int, it: int, gone: set[int]) -> None:
 
 
 def stale_rank_readmitted(rank, world_size, case: Case, slow: int, timeout_s: float) -> dict:
-    """Rank ``slow`` stops (SIGSTOP) inside call 1, after its send passed the exclusion check
-    and before it wrote anything; the others exclude it and go on; rank 0 continues it after
+    """Rank ``slow`` stops (SIGSTOP) inside call 1, after its layout passed the exclusion check
+    and before it wrote any row; the others exclude it and go on; rank 0 continues it after
     call 2, so its call-1 rows and epoch land in the others' staging while they run calls 3-5
     (a stale write: it must change nothing there). It then finds itself excluded
     (RankExcludedError), everyone calls ``clean_mask(readmit=True)`` and calls 6-8 run on all
@@ -210,20 +215,20 @@ def stale_rank_readmitted(rank, world_size, case: Case, slow: int, timeout_s: fl
     _checked_call(buf, case, rank, 0, set())
     refused = None
     if rank == slow:
-        from moe_comm import normal_mode
+        from moe_comm.kernels import dispatch
 
-        layout = normal_mode.routing_layout
+        send = dispatch.dispatch_send
 
         def stop_then_send(*args, **kwargs):
-            os.kill(os.getpid(), signal.SIGSTOP)  # the exclusion check has passed
-            return layout(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGSTOP)  # the layout (the check) has run
+            return send(*args, **kwargs)
 
-        normal_mode.routing_layout = stop_then_send
+        dispatch.dispatch_send = stop_then_send
         try:
             _checked_call(buf, case, rank, 1, set())
         except RankExcludedError as error:
             refused = str(error)
-        normal_mode.routing_layout = layout
+        dispatch.dispatch_send = send
     else:
         for it in range(1, 6):
             _checked_call(buf, case, rank, it, {slow})

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import os
 import socket
 
 import numpy as np
@@ -137,7 +138,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                       backend=backend, device_type=device.type, kernel_impl=kernel_impl,
                       ranks_per_node=ranks_per_node, transport=transport,
                       hierarchical=hierarchical, nixl_backend=nixl_backend,
-                      fault_tolerant=bool(fault_tolerant), host=socket.gethostname())
+                      fault_tolerant=bool(fault_tolerant), host=socket.gethostname(),
+                      pid=os.getpid())
         world_size = dist.get_world_size(group)
         configs: list = [None] * world_size
         dist.all_gather_object(configs, config, group=group)
@@ -189,6 +191,11 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             raise
         self.backend = chosen
         self.transport = via
+        if self.fault_tolerant:  # processes of this node: a dead one is excluded at once
+            self._peer_pids = {r: c["pid"] for r, c in enumerate(configs)
+                               if r != self.rank and r // nodes.ranks_per_node
+                               == self.rank // nodes.ranks_per_node
+                               and c["host"] == config["host"]}
 
     @classmethod
     def loopback(cls, world_size: int, hidden: int, num_experts: int, max_tokens_per_rank: int,

@@ -18,6 +18,10 @@ active, as NCCL EP's ``ncclEpMaskQuery``, Mooncake's ``active_ranks`` and FlashI
 ``query_active_mask``; DeepEP's ``low_latency_query_mask_buffer`` and NIXL-EP's mask buffer
 hold the opposite (1 = masked): ``~buf.active_ranks()``.
 
+**Dead processes on this node** (host waits): a peer whose process has ended is excluded at
+the next poll, without waiting for the timeout; a silent live peer, a peer on another node, and
+every in-kernel wait (GPUs) take the timeout.
+
 **What a call computes.** Equivalent PyTorch, with ``live[s]``: rank ``s`` published this call's
 epoch before it was excluded (``alive`` at send time: not excluded when the send began)::
 
@@ -54,6 +58,8 @@ readmitted rank rejoins the next call. No call may be in flight.
 """
 from __future__ import annotations
 
+import os
+import time
 import warnings
 
 import numpy as np
@@ -77,6 +83,23 @@ def renormalized(out: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     return (out.float() * factor[:, None]).to(out.dtype)
 
 
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` (of this host) still runs: not gone, not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
 class RankExcludedError(RuntimeError):
     """This rank was excluded from the expert-parallel group (it was silent for longer than the
     timeout, or was masked on purpose). Its calls are refused, and the Buffer stays usable:
@@ -97,6 +120,8 @@ class FaultTolerance:
         self._mask_words = self._mask.numpy() if self.heap.device.type == "cpu" else None
         self._clean_serial = 0
         self._combine_live = None  # the last normal combine's arrived sources (None: all)
+        self._peer_pids: dict[int, int] = {}  # peers on this node: rank -> process id
+        self._pids_checked = 0.0
         self.exclusions: list[tuple[int, str, float]] = []  # (rank, channel, seconds waited)
 
     def _ft_require(self, what: str) -> None:
@@ -190,9 +215,13 @@ class FaultTolerance:
         peers = list(range(self.world_size)) if peers is None else peers
         index = np.asarray(peers)
         words = self._mask_words
+
+        def excluded():
+            self._exclude_dead_processes(channel)
+            return words[index] != 0
+
         seconds, behind = wait_for_live_epochs(
-            self._checking_transport(observe), expected, lambda: words[index] != 0,
-            timeout_s=self.timeout_s)
+            self._checking_transport(observe), expected, excluded, timeout_s=self.timeout_s)
         self._ft_check_self()  # excluded meanwhile: what arrived may be a later call's
         if behind:
             for i in behind:
@@ -203,6 +232,22 @@ class FaultTolerance:
                 self._exclude(peers[i])
                 self.exclusions.append((peers[i], channel, self.timeout_s))
         return seconds
+
+    def _exclude_dead_processes(self, channel: str) -> None:
+        """Peers on this node whose process has ended (or is a zombie) are excluded at once,
+        without waiting for the timeout (checked at most every 20 ms; a live but silent peer
+        still takes the timeout)."""
+        now = time.monotonic()
+        if not self._peer_pids or now - self._pids_checked < 0.02:
+            return
+        self._pids_checked = now
+        for peer, pid in self._peer_pids.items():
+            if self._mask_words[peer] == 0 and not _process_alive(pid):
+                warnings.warn(f"moe_comm rank {self.rank}: the process of rank {peer} (pid "
+                              f"{pid}) has ended; it is excluded and the call goes on without "
+                              "it", RuntimeWarning, stacklevel=4)
+                self._exclude(peer)
+                self.exclusions.append((peer, channel, 0.0))
 
     def _reached(self, topk_idx: torch.Tensor, rank_contributed: torch.Tensor) -> torch.Tensor:
         """[T, K] bool: the choice is used and its expert rank contributed

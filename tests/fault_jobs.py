@@ -177,9 +177,13 @@ def ll_calls(rank, case: Case, buf, kills: dict, calls: int, fp8: bool = False,
 
 def low_latency_with_failures(rank, world_size, case: Case, kills: dict, calls: int,
                               timeout_s: float, fp8: bool = False, in_kernels: bool = False,
-                              renormalize: bool = False, **buffer_kwargs) -> dict:
+                              renormalize: bool = False, by_timeout: bool = False,
+                              **buffer_kwargs) -> dict:
+    """``by_timeout``: dead processes are found by the timeout alone (not by their pid)."""
     with kernel_waits(in_kernels):
         buf = new_ll_buffer(case, fault_tolerant=True, timeout_s=timeout_s, **buffer_kwargs)
+    if by_timeout:
+        buf._peer_pids = {}
     return ll_calls(rank, case, buf, kills, calls, fp8, renormalize)
 
 

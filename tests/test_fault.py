@@ -83,7 +83,8 @@ def test_kill_one_rank_low_latency_4_ranks(point):
     with fresh_pool(R) as pool:
         results = pool.run(fault_jobs.low_latency_with_failures, case, {2: (1, point)}, CALLS,
                            TIMEOUT_S, fp8=point == "in_combine",
-                           renormalize=point == "after_dispatch_send", may_die=(2,))
+                           renormalize=point == "after_dispatch_send",
+                           by_timeout=point == "in_combine", may_die=(2,))
     survivors = _survivors(results, {2})
     _check_agreement(survivors, {2})
 

@@ -252,3 +252,43 @@ def framework_compare_job(rank, world_size, *args) -> dict:
     import framework_compare
 
     return framework_compare.framework_job(rank, world_size, *args)
+
+
+def megatron_deep_ep_parity(rank, world_size, dtype_name: str, hidden: int, num_experts: int,
+                            topk: int, tokens: tuple, seed: int, steps: int = 3) -> dict:
+    """Megatron-Core's own flex dispatcher with its DeepEP backend, unmodified, running over
+    ``moe_comm.deep_ep`` (installed as ``deep_ep`` before Megatron is imported: run in a fresh
+    pool), against Megatron's alltoall dispatcher on the same weights and inputs."""
+    from moe_comm import deep_ep
+
+    deep_ep.install()
+    from megatron.core.transformer.moe import fused_a2a
+
+    from framework_shims import megatron_cpu_shims, megatron_parallel_state
+
+    dtype = DTYPES[dtype_name]
+    seq, batch = tokens[rank]
+    report: dict = {"steps": [], "have_deep_ep": fused_a2a.HAVE_DEEP_EP}
+    with megatron_cpu_shims(), megatron_parallel_state(world_size):
+        torch.manual_seed(seed)
+        theirs = _megatron_layer(_megatron_config(world_size, dtype, hidden, num_experts, topk,
+                                                  "alltoall", None, False))
+        ours = _megatron_layer(_megatron_config(world_size, dtype, hidden, num_experts, topk,
+                                                "flex", None, False))
+        ours.load_state_dict(theirs.state_dict())
+        report["their_dispatcher"] = type(theirs.token_dispatcher).__name__
+        report["our_dispatcher"] = type(ours.token_dispatcher).__name__
+        g = torch.Generator().manual_seed(seed * 100 + rank)
+        for _ in range(steps):
+            x = torch.randn((seq, batch, hidden), generator=g).to(dtype)
+            grad_out = torch.randn((seq, batch, hidden), generator=g).to(dtype)
+            a = _run_megatron_layer(theirs, x, grad_out)
+            b = _run_megatron_layer(ours, x, grad_out)
+            report["steps"].append(_compare(a, b))
+        buf = fused_a2a._buffer
+        report["buffer"] = type(buf).__module__
+        report["bytes_to_peers"] = buf._normal.stats()["dispatch_bytes_to_peers"]
+        report["buffers"] = 1
+        buf.destroy()
+        fused_a2a._buffer = None
+    return report

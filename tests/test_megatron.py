@@ -20,10 +20,10 @@ from moe_comm.integrations import megatron as plugin
 INEXACT_WITH_TOPK_ABOVE_2 = {"out", "x.grad"}
 
 
-def check(reports, world_size, *, inexact=(), rtol=1e-6):
+def check(reports, world_size, *, inexact=(), rtol=1e-6, ours="MoeCommTokenDispatcher"):
     for rank, rep in enumerate(reports):
         assert rep["their_dispatcher"] == "MoEAlltoAllTokenDispatcher", rep
-        assert rep["our_dispatcher"] == "MoeCommTokenDispatcher", rep
+        assert rep["our_dispatcher"] == ours, rep
         if world_size > 1:
             assert rep["bytes_to_peers"] > 0, f"rank {rank}: moe_comm sent nothing"
         assert rep["buffers"] == 1
@@ -112,3 +112,20 @@ def test_routing_map_to_topk_keeps_expert_order_and_gradients():
     assert probs.grad.tolist() == routing.float().tolist()
     with pytest.raises(ValueError, match="more than moe_router_topk"):
         plugin.routing_to_topk(torch.ones((1, 4), dtype=torch.bool), torch.ones((1, 4)), 2)
+
+
+@pytest.mark.parametrize("world_size, dtype, experts, tokens", [
+    (2, "float32", 8, ((7, 2), (5, 3))),
+    (4, "bfloat16", 8, ((4, 2), (6, 1), (2, 2), (5, 2))),
+], ids=["R2-fp32", "R4-bf16"])
+def test_flex_dispatcher_over_moe_comm_deep_ep(world_size, dtype, experts, tokens):
+    """Megatron's flex dispatcher with its DeepEP backend, unmodified, over moe_comm.deep_ep:
+    outputs and every gradient equal Megatron's alltoall dispatcher over three steps."""
+    from integration_jobs import megatron_deep_ep_parity
+    from moe_comm.launch import RankPool
+
+    with RankPool(world_size) as pool:  # fresh processes: deep_ep installed before megatron
+        reports = pool.run(megatron_deep_ep_parity, dtype, 16, experts, 2, tokens, seed=21)
+    for rep in reports:
+        assert rep["have_deep_ep"] and rep["buffer"] == "moe_comm.deep_ep.buffer", rep
+    check(reports, world_size, ours="MoEFlexTokenDispatcher")

@@ -1,0 +1,436 @@
+"""DeepEP V1's ``Buffer`` (normal and low-latency modes) over ``moe_comm.Buffer``.
+
+Normal mode, DeepEP's layout (the receive order of its intranode kernels)::
+
+    recv_x[i]            one row per (source rank s, token t of s) with an expert on this rank,
+                         ordered by s, then t (FP8: the pair (codes, scales [N, H/128]))
+    recv_topk_idx[i, k]  topk_idx_s[t, k] - rank * L if that expert is on this rank, else -1
+    recv_topk_weights    topk_weights_s[t, k] where recv_topk_idx[i, k] >= 0, else 0
+    num_recv_tokens_per_expert_list[e]   rows of local expert e, rounded up to expert_alignment
+    combine(x, handle)   out[t] = sum over the ranks r that got token t of x_r[row of t]
+                         (unweighted, fp32, rank order, rounded once); with topk_weights,
+                         combined_topk_weights[t, k] = the weight row of the rank that holds
+                         choice k (each choice is local to one rank)
+    dispatch(x, handle=h)   the rows of x moved as the dispatch that made h moved them
+
+moe_comm's own dispatch is expert-major; the facade gathers its rows into DeepEP's order (one
+copy of the received rows) and reads the received-row count on the host (as DeepEP's normal
+dispatch does). combine and the cached dispatch use the handle's routing tables directly.
+
+Sizing: DeepEP sizes its buffer in bytes up front; moe_comm's workspace needs the shapes, so it
+is built at the first call and grows to the largest call seen (``num_nvl_bytes`` and
+``num_rdma_bytes`` are kept for callers that compare them). Every normal dispatch agrees on the
+sizes with one small all-reduce over the group (a host collective; DeepEP's normal dispatch
+synchronises with the host too). The low-latency workspace is built at the first
+``low_latency_dispatch`` from ``num_max_dispatch_tokens_per_rank``, hidden and the number of
+experts, as DeepEP's hint sizes it.
+
+Streams: moe_comm runs on the caller's current stream, so ``async_finish`` and
+``allocate_on_comm_stream`` change no result; ``previous_event`` is waited for first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import moe_comm
+
+from .utils import EventHandle, EventOverlap
+
+
+def _unsupported(what: str) -> NotImplementedError:
+    return NotImplementedError(f"moe_comm.deep_ep: {what}")
+
+
+@dataclass
+class Config:
+    """DeepEP's performance configuration (SMs, chunk sizes). moe_comm picks its own tiles and
+    grids, so the numbers change nothing; the size hints stand in for DeepEP's."""
+
+    num_sms: int = 20
+    num_max_nvl_chunked_send_tokens: int = 6
+    num_max_nvl_chunked_recv_tokens: int = 256
+    num_max_rdma_chunked_send_tokens: int = 6
+    num_max_rdma_chunked_recv_tokens: int = 256
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes DeepEP would reserve for one node's chunked queues (kept only for callers
+        that compare it with ``Buffer.num_nvl_bytes``)."""
+        return num_ranks * self.num_max_nvl_chunked_recv_tokens * hidden_bytes
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        return 0
+
+
+@dataclass(eq=False)
+class _NormalHandle:
+    """What combine and the cached dispatch need (opaque to callers, as DeepEP's handle)."""
+
+    buffer: moe_comm.Buffer
+    moe: moe_comm.DispatchHandle
+    first_row: torch.Tensor  # [N] int64: moe_comm row of each DeepEP row
+    num_recv: int
+    rows: int  # moe_comm's expert-major rows
+
+
+@dataclass(eq=False)
+class _LowLatencyHandle:
+    buffer: moe_comm.Buffer
+    moe: object  # moe_comm.low_latency.LowLatencyHandle
+
+
+def _wait(previous_event) -> None:
+    if previous_event is not None:
+        previous_event.current_stream_wait()
+
+
+class Buffer:
+    """``deep_ep.Buffer`` over moe_comm (see the module docstring for what each call returns).
+
+    One node so far (``num_rdma_bytes`` for internode normal mode is not used: moe_comm's
+    cross-node transports are chosen by ``moe_comm.Buffer``); ``allow_mnnvl`` and
+    ``num_qps_per_rank`` change nothing. ``enable_shrink=True`` builds the low-latency
+    workspace fault tolerant (``moe_comm.fault``) for the mask calls."""
+
+    num_sms: int = 20
+
+    def __init__(self, group: dist.ProcessGroup | None, num_nvl_bytes: int = 0,
+                 num_rdma_bytes: int = 0, low_latency_mode: bool = False,
+                 num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
+                 allow_mnnvl: bool = False, explicitly_destroy: bool = False,
+                 enable_shrink: bool = False, comm=None):
+        if comm is not None:
+            from moe_comm.mpi import process_group
+
+            group = process_group(comm)
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.group_size = dist.get_world_size(self.group)
+        self.num_nvl_bytes, self.num_rdma_bytes = int(num_nvl_bytes), int(num_rdma_bytes)
+        self.low_latency_mode = bool(low_latency_mode)
+        self.explicitly_destroy, self.enable_shrink = explicitly_destroy, bool(enable_shrink)
+        self._normal: moe_comm.Buffer | None = None
+        self._low_latency: moe_comm.Buffer | None = None
+        self._destroyed = False
+
+    # ----------------------------------------------------------------- configuration
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """SMs for the normal mode's persistent grids on GPUs (moe_comm's ``num_sms``)."""
+        if new_num_sms < 1:
+            raise ValueError(f"num_sms must be positive, got {new_num_sms}")
+        Buffer.num_sms = int(new_num_sms)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                       num_ranks: int, num_experts: int) -> int:
+        """Bytes of moe_comm's low-latency workspace for these sizes (bf16)."""
+        return moe_comm.Buffer.low_latency_workspace_bytes(
+            num_ranks, hidden, num_experts, num_max_dispatch_tokens_per_rank)
+
+    def get_local_buffer_tensor(self, dtype, size=None, offset: int = 0,
+                                use_rdma_buffer: bool = False):
+        raise _unsupported("get_local_buffer_tensor: moe_comm's workspace has no raw DeepEP "
+                           "buffer layout to hand out")
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        return EventOverlap(EventHandle())
+
+    def destroy(self) -> None:
+        """Releases the workspaces (collective, like DeepEP's)."""
+        for buf in (self._normal, self._low_latency):
+            if buf is not None:
+                buf.close()
+        self._normal = self._low_latency = None
+        self._destroyed = True
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("moe_comm.deep_ep.Buffer: destroy() was called")
+
+    # ----------------------------------------------------------------- normal mode
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event=None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False):
+        """``(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32,
+        is_token_in_rank [T, R] bool, event)``, on the device, no host read."""
+        self._check_alive()
+        _wait(previous_event)
+        R = self.group_size
+        if num_experts % R:
+            raise ValueError(f"num_experts={num_experts} is not divisible by {R} ranks")
+        L = num_experts // R
+        valid = topk_idx >= 0
+        ids = torch.where(valid, topk_idx, 0)
+        per_expert = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
+        per_expert.index_add_(0, ids.flatten(),
+                              valid.flatten().to(torch.int32))
+        hits = torch.nn.functional.one_hot(ids // L, R).to(torch.bool) & valid[..., None]
+        in_rank = hits.any(1)
+        per_rank = in_rank.sum(0, dtype=torch.int32)
+        return per_rank, None, per_expert, in_rank, EventOverlap(EventHandle())
+
+    def _normal_buffer(self, tokens: int, topk: int, hidden: int, dtype: torch.dtype,
+                       num_experts: int, device: torch.device) -> moe_comm.Buffer:
+        """The normal-mode workspace, (re)built on every rank alike: the largest call agreed by
+        an all-reduce over the group."""
+        sizes = torch.tensor([tokens, topk, hidden, num_experts], dtype=torch.int64,
+                             device=device if dist.get_backend(self.group) == "nccl" else "cpu")
+        lows = -sizes.clone()
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(lows, op=dist.ReduceOp.MAX, group=self.group)
+        T, K, H, E = sizes.tolist()
+        if (H, E) != (-lows[2].item(), -lows[3].item()):
+            raise ValueError(f"ranks disagree on hidden or num_experts (hidden up to {H}, "
+                             f"num_experts up to {E}): every rank must pass the same")
+        buf = self._normal
+        if buf is not None and buf.hidden == H and buf.num_experts == E and buf.dtype == dtype \
+                and buf.max_tokens_per_rank >= T and buf.max_topk >= K:
+            return buf
+        if buf is not None:
+            T = max(T, buf.max_tokens_per_rank)
+            buf.close()
+        self._normal = moe_comm.Buffer(
+            self.group, hidden=H, num_experts=E, max_tokens_per_rank=max(1, T), dtype=dtype,
+            max_topk=K, device=device, num_sms=Buffer.num_sms if device.type == "cuda" else None)
+        return self._normal
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
+                 topk_weights=None, expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 config=None, previous_event=None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
+        handle, event)``; with ``handle`` (a cached dispatch) only ``recv_x`` and the event."""
+        self._check_alive()
+        _wait(previous_event)
+        if handle is not None:
+            return self._cached_dispatch(x, handle)
+        if topk_idx is None:
+            raise _unsupported("a dispatch without topk_idx (routing by is_token_in_rank "
+                               "alone) is not supported: pass topk_idx, or a handle")
+        pair = isinstance(x, tuple)
+        rows = x[0] if pair else x
+        T, H = rows.shape
+        if num_tokens_per_expert is not None:
+            num_experts = num_tokens_per_expert.numel()
+        else:
+            raise ValueError("num_tokens_per_expert (from get_dispatch_layout) is needed")
+        dtype = torch.bfloat16 if pair else rows.dtype
+        buf = self._normal_buffer(T, topk_idx.shape[1], H, dtype, num_experts, rows.device)
+        with torch.no_grad():
+            res = buf.dispatch(x, topk_idx.to(torch.int64),
+                               None if topk_weights is None else topk_weights.float(),
+                               expert_alignment=expert_alignment)
+        h = res.handle
+        n = int(h.recv_slot_offsets[-1])
+        slot_rows = h.slot_rows[:n].to(torch.int64)  # [N, K] moe_comm row of each choice
+        used = slot_rows >= 0
+        first = torch.where(used, slot_rows, h.num_rows).amin(1)
+        recv_x = res.x[first]
+        local = torch.searchsorted(res.expert_offsets, slot_rows.clamp(min=0), right=True) - 1
+        recv_idx = torch.where(used, local, -1)
+        recv_w = None
+        if res.weights is not None:
+            recv_w = torch.where(used, res.weights[slot_rows.clamp(min=0)], 0.0)
+        if pair:
+            recv_x = (recv_x, res.x_scales[first])
+        per_expert = (res.tokens_per_expert + expert_alignment - 1) // expert_alignment \
+            * expert_alignment
+        if num_worst_tokens:
+            if n > num_worst_tokens:
+                raise RuntimeError(f"{n} rows arrived but num_worst_tokens={num_worst_tokens}")
+            recv_x, recv_idx, recv_w = _pad_rows(recv_x, recv_idx, recv_w, num_worst_tokens)
+        out_handle = _NormalHandle(buf, h, first, n, h.num_rows)
+        return (recv_x, recv_idx, recv_w, per_expert.tolist(), out_handle,
+                EventOverlap(EventHandle()))
+
+    def _cached_dispatch(self, x, handle: _NormalHandle):
+        if isinstance(x, tuple):
+            raise _unsupported("a cached dispatch of an FP8 pair is not supported (moe_comm's "
+                               "cached dispatch moves rows of the Buffer's dtype)")
+        buf, h, n = handle.buffer, handle.moe, handle.num_recv
+        if x.dtype != buf.dtype:
+            raise TypeError(f"x is {x.dtype}; the dispatch that made the handle moved {buf.dtype}")
+        dev, L = x.device, buf.num_local_experts
+        slots = h.slot_rows.shape[0]
+        identity = torch.arange(slots, dtype=torch.int32, device=dev)
+        identity = torch.where(identity < n, identity, -1)[:, None]  # slot g -> row g
+        one_group = torch.zeros(L, dtype=torch.int64, device=dev)
+        one_group[0] = n
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev),
+                             one_group.cumsum(0)])
+        with torch.no_grad():
+            recv_x = torch.ops.moe_comm.dispatch_cached(
+                buf.id, x.contiguous(), h.slot_of, identity, h.recv_slot_offsets, one_group,
+                offsets, n, *h.node_tensors())
+        return recv_x, None, None, None, None, EventOverlap(EventHandle())
+
+    def combine(self, x: torch.Tensor, handle: _NormalHandle, topk_weights=None, bias=None,
+                config=None, previous_event=None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """``(combined_x [T, H], combined_topk_weights [T, K] or None, event)``."""
+        self._check_alive()
+        _wait(previous_event)
+        if bias is not None:
+            raise _unsupported("combine(bias=...) is not supported: add the bias to the "
+                               "output (DeepEP adds it before rounding)")
+        buf, h, n = handle.buffer, handle.moe, handle.num_recv
+        if x.dtype != buf.dtype:
+            raise TypeError(f"x is {x.dtype}; the dispatch that made the handle moved {buf.dtype}")
+        y = torch.zeros((handle.rows, x.shape[1]), dtype=x.dtype, device=x.device)
+        y[handle.first_row] = x[:n]  # one row per token: its other rows add zeros
+        pair_values = None
+        if topk_weights is not None:
+            slot_rows = h.slot_rows[:n].to(torch.int64)
+            used = slot_rows >= 0
+            w = topk_weights[:n].float()
+            if bool((w[~used] != 0).any()):
+                raise _unsupported("combine sums each token's weights of the choices local to "
+                                   "each rank; topk_weights holds non-zero values where "
+                                   "recv_topk_idx is -1 (DeepEP would add those too)")
+            pair_values = torch.zeros(handle.rows, dtype=torch.float32, device=x.device)
+            pair_values[slot_rows[used]] = w[used]
+        with torch.no_grad():
+            out, pair_out = torch.ops.moe_comm.combine(
+                buf.id, y, None, pair_values, h.slot_of, h.slot_rows, h.recv_slot_offsets,
+                *h.node_tensors())
+        return out, pair_out if topk_weights is not None else None, EventOverlap(EventHandle())
+
+    # ----------------------------------------------------------------- low-latency mode
+    def _low_latency_buffer(self, max_tokens: int, hidden: int, num_experts: int,
+                            dtype: torch.dtype, device: torch.device) -> moe_comm.Buffer:
+        buf = self._low_latency
+        if buf is not None:
+            if (buf.max_tokens_per_rank, buf.hidden, buf.num_experts, buf.dtype) != \
+                    (max_tokens, hidden, num_experts, dtype):
+                raise ValueError("low_latency_dispatch sizes changed (num_max_dispatch_tokens_"
+                                 "per_rank, hidden, num_experts, dtype): build a new Buffer")
+            return buf
+        if not self.low_latency_mode:
+            raise RuntimeError("this Buffer was built with low_latency_mode=False")
+        self._low_latency = moe_comm.Buffer(
+            self.group, hidden=hidden, num_experts=num_experts, max_tokens_per_rank=max_tokens,
+            dtype=dtype, max_topk=min(16, num_experts), low_latency=True, device=device,
+            fault_tolerant=self.enable_shrink)
+        return self._low_latency
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats=None,
+                             dispatch_wait_recv_cost_stats=None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False):
+        """``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` [L, R * T_max, H] (FP8:
+        the pair (codes, column-major scales [L, R * T_max, H/128], or packed UE8M0 int32 with
+        ``use_ue8m0``)), ``recv_count`` [L] int32; ``hook`` receives (``return_recv_hook``),
+        else the call has received and ``hook`` is None."""
+        self._check_alive()
+        if dispatch_wait_recv_cost_stats is not None:
+            raise _unsupported("dispatch_wait_recv_cost_stats (GPU cycles per source) is not "
+                               "recorded; on CPU ranks recv.source_wait_s has the seconds")
+        if use_ue8m0 and not round_scale:
+            raise ValueError("use_ue8m0 needs round_scale=True (as in DeepEP)")
+        if round_scale and not use_ue8m0:
+            raise _unsupported("round_scale without use_ue8m0 (power-of-two scales kept as "
+                               "float32) is not supported")
+        buf = self._low_latency_buffer(num_max_dispatch_tokens_per_rank, x.shape[1],
+                                       num_experts, x.dtype, x.device)
+        recv, hook = buf.low_latency_dispatch(
+            x, topk_idx.to(torch.int64), fp8=use_fp8, ue8m0=use_ue8m0, col_major_scales=use_fp8,
+            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+            return_hook=True)
+        if not return_recv_hook:
+            hook()
+            hook = None
+        recv_x = (recv.x, recv.x_scales) if use_fp8 else recv.x
+        return (recv_x, recv.count, _LowLatencyHandle(buf, recv.handle),
+                EventOverlap(EventHandle()), hook)
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                            topk_weights: torch.Tensor, handle: _LowLatencyHandle,
+                            use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: torch.Tensor | None = None,
+                            combine_wait_recv_cost_stats=None):
+        """``(combined_x [T, H], event, hook)``: ``out[t] = sum_k w[t, k] * x_row(t, k)``
+        (fp32, choice order, rounded once). ``zero_copy``: ``x`` is
+        ``get_next_low_latency_combine_buffer(handle)`` (moe_comm reads any ``x`` in place)."""
+        self._check_alive()
+        if use_logfmt:
+            raise _unsupported("use_logfmt (DeepEP's LogFMT combine encoding) is not supported")
+        if combine_wait_recv_cost_stats is not None:
+            raise _unsupported("combine_wait_recv_cost_stats (GPU cycles per source) is not "
+                               "recorded")
+        result, hook = handle.buffer.low_latency_combine(
+            x, topk_idx.to(torch.int64), topk_weights, handle.moe, return_hook=True)
+
+        def receive():
+            hook()
+            if out is not None:
+                out.copy_(result)
+
+        if not return_recv_hook:
+            receive()
+            receive = None
+        return (out if out is not None else result), EventOverlap(EventHandle()), receive
+
+    def get_next_low_latency_combine_buffer(self, handle: _LowLatencyHandle) -> torch.Tensor:
+        return handle.buffer.low_latency_combine_buffer()
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        """Nothing to clean: moe_comm's signals are epochs that only grow (no reset needed
+        between calls or after a normal-mode call)."""
+        self._check_alive()
+
+    # ----------------------------------------------------------------- masks (enable_shrink)
+    def _shrinkable(self) -> moe_comm.Buffer:
+        if not self.enable_shrink:
+            raise RuntimeError("the mask calls need Buffer(..., enable_shrink=True)")
+        if self._low_latency is None:
+            raise RuntimeError("moe_comm builds the low-latency workspace at the first "
+                               "low_latency_dispatch (it needs the sizes): call it first")
+        return self._low_latency
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """``mask=True`` excludes the rank on every rank (``moe_comm`` ``mask_rank``)."""
+        buf = self._shrinkable()
+        if not mask:
+            raise _unsupported("unmasking one rank is not supported: "
+                               "low_latency_clean_mask_buffer() takes every live rank back")
+        buf.mask_rank(int(rank_to_mask))
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Fills ``mask_status`` [R] int32 with DeepEP's polarity: 1 = masked."""
+        mask_status.copy_((~self._shrinkable().active_ranks()).to(mask_status.dtype))
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Every rank active again: collective over the live ranks (``clean_mask(readmit=
+        True)``; DeepEP's is local, here every live rank must call it)."""
+        self._shrinkable().clean_mask(readmit=True)
+
+
+def _pad_rows(recv_x, recv_idx, recv_w, rows: int):
+    """Pads DeepEP's outputs to ``rows`` (``num_worst_tokens``): zero rows, -1 ids, 0 weights."""
+    def pad(t, value):
+        out = torch.full((rows, *t.shape[1:]), value, dtype=t.dtype, device=t.device)
+        out[:t.shape[0]] = t
+        return out
+
+    if isinstance(recv_x, tuple):
+        recv_x = (pad(recv_x[0].view(torch.uint8), 0).view(recv_x[0].dtype), pad(recv_x[1], 0))
+    else:
+        recv_x = pad(recv_x, 0)
+    return recv_x, pad(recv_idx, -1), None if recv_w is None else pad(recv_w, 0.0)

@@ -1,0 +1,221 @@
+"""Jobs for ``moe_comm.deep_ep`` on CPU ranks, checked against a plain-PyTorch model of DeepEP's
+documented semantics (written here from DeepEP's README and tests, not from moe_comm)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from cases import Case, make_inputs
+from moe_comm import deep_ep, reference
+
+
+def deepep_dispatch_model(xs, idxs, ws, rank: int, num_experts: int, alignment: int):
+    """What rank ``rank`` receives from DeepEP's normal dispatch: ``(rows, local ids, weights,
+    counts per local expert aligned, [(source, token)])``, one row per (source, token) with an
+    expert here, ordered by source then token."""
+    R = len(xs)
+    L = num_experts // R
+    rows, ids, weights, origin = [], [], [], []
+    for s in range(R):
+        for t in range(xs[s].shape[0]):
+            idx = idxs[s][t]
+            local = (idx >= rank * L) & (idx < (rank + 1) * L)
+            if local.any():
+                rows.append(xs[s][t])
+                ids.append(torch.where(local, idx - rank * L, -1))
+                weights.append(torch.where(local, ws[s][t], 0.0))
+                origin.append((s, t))
+    H, K = xs[0].shape[1], idxs[0].shape[1]
+    x = torch.stack(rows) if rows else torch.empty((0, H), dtype=xs[0].dtype)
+    i = torch.stack(ids) if ids else torch.empty((0, K), dtype=torch.int64)
+    w = torch.stack(weights) if weights else torch.empty((0, K))
+    counts = [int((i == e).sum()) for e in range(L)]
+    counts = [(c + alignment - 1) // alignment * alignment for c in counts]
+    return x, i, w, counts, origin
+
+
+def deepep_combine_model(received, home: int, num_tokens: int, hidden: int, topk: int, dtype):
+    """DeepEP's combine at rank ``home``: each token's rows summed over the ranks that got it
+    (fp32, rank order, rounded once), and the weight rows summed the same way.
+    ``received[r] = (rows y_r, weight rows, origin)``."""
+    acc = torch.zeros((num_tokens, hidden))
+    wacc = torch.zeros((num_tokens, topk))
+    for y, w, origin in received:
+        for i, (s, t) in enumerate(origin):
+            if s == home:
+                acc[t] += y[i].float()
+                wacc[t] += w[i]
+    return acc.to(dtype), wacc
+
+
+def normal_mode(rank, world_size, case: Case, iterations: int = 2, fp8: bool = False) -> None:
+    """get_dispatch_layout, dispatch (bf16 or an FP8 pair), a cached dispatch, combine with
+    weights, ``num_worst_tokens``: each against the model, over calls of different sizes."""
+    buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0)
+    E, R = case.num_experts, world_size
+    for it in range(iterations):
+        xs, idxs, ws = make_inputs(case, it)
+        if it % 2:  # a smaller batch on the second call: the workspace is reused
+            xs, idxs, ws = [x[:3] for x in xs], [i[:3] for i in idxs], [w[:3] for w in ws]
+        per_rank, rdma, per_expert, in_rank, event = buf.get_dispatch_layout(idxs[rank], E)
+        L = E // R
+        valid = idxs[rank] >= 0
+        assert rdma is None
+        assert torch.equal(per_expert, torch.bincount(idxs[rank][valid], minlength=E).int())
+        want_in_rank = torch.stack([((idxs[rank] >= d * L) & (idxs[rank] < d * L + L)).any(1)
+                                    for d in range(R)], 1)
+        assert torch.equal(in_rank, want_in_rank) and torch.equal(per_rank,
+                                                                  want_in_rank.sum(0).int())
+        sent = xs
+        if fp8:
+            pairs = [reference.quantize_fp8(x) for x in xs]
+            sent = [reference.dequantize_fp8(*p).to(case.dtype) for p in pairs]
+            x_in = pairs[rank]
+        else:
+            x_in = xs[rank]
+        recv_x, recv_idx, recv_w, counts, handle, event = buf.dispatch(
+            x_in, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=idxs[rank], topk_weights=ws[rank],
+            expert_alignment=case.alignment)
+        event.current_stream_wait()
+        want_x, want_idx, want_w, want_counts, origin = deepep_dispatch_model(
+            sent, idxs, ws, rank, E, case.alignment)
+        got_x = reference.dequantize_fp8(*recv_x).to(case.dtype) if fp8 else recv_x
+        assert torch.equal(got_x, want_x), f"rank {rank} call {it}: recv_x"
+        assert torch.equal(recv_idx, want_idx), f"rank {rank} call {it}: recv_topk_idx"
+        assert torch.equal(recv_w, want_w), f"rank {rank} call {it}: recv_topk_weights"
+        assert counts == want_counts, f"rank {rank} call {it}: counts {counts} {want_counts}"
+        # a cached dispatch (combine's backward) moves other rows the same way
+        other = [x * 2 + 1 for x in xs]
+        cached, none_idx, none_w, none_counts, none_handle, _ = buf.dispatch(other[rank],
+                                                                              handle=handle)
+        assert none_idx is None and none_w is None and none_counts is None
+        assert none_handle is None
+        assert torch.equal(cached, deepep_dispatch_model(other, idxs, ws, rank, E, 1)[0])
+        # combine: the rows this rank got (as they are: DeepEP's combine does not weight them)
+        y = (got_x.float() * 0.5 + rank).to(case.dtype)
+        combined, combined_w, _ = buf.combine(y, handle, topk_weights=recv_w)
+        received = [None] * R
+        dist.all_gather_object(received, (y, recv_w, origin))
+        want_out, want_cw = deepep_combine_model(received, rank, xs[rank].shape[0], case.hidden,
+                                                 case.topk, case.dtype)
+        assert torch.equal(combined, want_out), f"rank {rank} call {it}: combine"
+        assert torch.equal(combined_w, want_cw), f"rank {rank} call {it}: combined weights"
+        # num_worst_tokens: the same rows, padded
+        worst = R * xs[rank].shape[0] + 8
+        padded_x, padded_idx, padded_w, _, _, _ = buf.dispatch(
+            x_in, num_tokens_per_expert=per_expert, topk_idx=idxs[rank], topk_weights=ws[rank],
+            num_worst_tokens=worst)
+        n = want_idx.shape[0]
+        padded_rows = padded_x[0] if fp8 else padded_x
+        assert padded_rows.shape[0] == worst and torch.equal(padded_idx[:n], want_idx)
+        assert (padded_idx[n:] == -1).all() and not padded_w[n:].any()
+    buf.destroy()
+
+
+def refusals(rank, world_size, case: Case) -> dict:
+    """What the facade cannot honour raises NotImplementedError with a sentence (every rank
+    together: nothing is left half done)."""
+    buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0, low_latency_mode=True)
+    xs, idxs, ws = make_inputs(case)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[rank], case.num_experts)
+    out = {}
+
+    def record(name, fn):
+        try:
+            fn()
+        except NotImplementedError as error:
+            out[name] = str(error)
+
+    record("no_topk", lambda: buf.dispatch(xs[rank], num_tokens_per_rank=per_rank,
+                                           is_token_in_rank=in_rank,
+                                           num_tokens_per_expert=per_expert))
+    record("local_buffer", lambda: buf.get_local_buffer_tensor(torch.bfloat16))
+    recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
+        xs[rank], num_tokens_per_expert=per_expert, topk_idx=idxs[rank], topk_weights=ws[rank])
+    record("bias", lambda: buf.combine(recv_x, handle, bias=torch.zeros_like(xs[rank])))
+    record("nonlocal_weights", lambda: buf.combine(recv_x, handle,
+                                                   topk_weights=torch.ones_like(recv_w)))
+    record("logfmt", lambda: buf.low_latency_combine(None, None, None, None, use_logfmt=True))
+    record("round_scale", lambda: buf.low_latency_dispatch(
+        xs[rank], idxs[rank], case.max_tokens, case.num_experts, round_scale=True))
+    buf.destroy()
+    return out
+
+
+def deepep_low_latency_model(xs, idxs, rank: int, num_experts: int):
+    """DeepEP's low-latency receive at ``rank``: per local expert, the rows of every (source,
+    token) that picked it, sources in rank order, tokens in order; ``[(source, token)]``."""
+    R = len(xs)
+    L = num_experts // R
+    blocks = []
+    for e in range(rank * L, rank * L + L):
+        rows, origin = [], []
+        for s in range(R):
+            for t in range(xs[s].shape[0]):
+                if (idxs[s][t] == e).any():
+                    rows.append(xs[s][t])
+                    origin.append((s, t))
+        blocks.append((rows, origin))
+    return blocks
+
+
+def low_latency(rank, world_size, case: Case, iterations: int = 2, fp8: bool = False) -> None:
+    """low_latency_dispatch (bf16; FP8 with column-major scales) with a hook, then
+    low_latency_combine into ``out=`` and into the zero-copy buffer, against the model."""
+    T = case.max_tokens
+    R, E, H = world_size, case.num_experts, case.hidden
+    L = E // R
+    buf = deep_ep.Buffer(dist.group.WORLD, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(
+        T, H, R, E), low_latency_mode=True, num_qps_per_rank=L)
+    stats = torch.zeros(L, dtype=torch.int32)
+    for it in range(iterations):
+        xs, idxs, ws = make_inputs(case, it)
+        recv_x, count, handle, event, hook = buf.low_latency_dispatch(
+            xs[rank], idxs[rank], T, E, cumulative_local_expert_recv_stats=stats, use_fp8=fp8,
+            return_recv_hook=True)
+        hook()
+        rows = recv_x[0] if fp8 else recv_x
+        assert rows.shape == (L, R * T, H)
+        if fp8:
+            assert recv_x[1].shape == (L, R * T, H // 128) and recv_x[1].stride(1) == 1
+        sent = xs
+        if fp8:
+            sent = [reference.dequantize_fp8(*reference.quantize_fp8(x)).to(case.dtype)
+                    for x in xs]
+        blocks = deepep_low_latency_model(sent, idxs, rank, E)
+        for e, (want_rows, _) in enumerate(blocks):
+            n = len(want_rows)
+            assert int(count[e]) == n, f"rank {rank} call {it}: count of expert {e}"
+            got = rows[e, :n]
+            if fp8:
+                got = reference.dequantize_fp8(got, recv_x[1][e, :n]).to(case.dtype)
+            if n:
+                assert torch.equal(got, torch.stack(want_rows)), f"rank {rank}: expert {e}"
+        # combine: every rank's expert outputs, from one seed
+        ys = []
+        for r in range(R):
+            g = torch.Generator().manual_seed(100 * it + r)
+            ys.append(torch.randn((L, R * T, H), generator=g).to(case.dtype))
+        out = torch.empty((xs[rank].shape[0], H), dtype=case.dtype)
+        y = ys[rank]
+        if it % 2:  # zero copy: the expert outputs written where the combine reads them
+            y = buf.get_next_low_latency_combine_buffer(handle)
+            y.copy_(ys[rank])
+        combined, _, chook = buf.low_latency_combine(y, idxs[rank], ws[rank], handle,
+                                                      zero_copy=bool(it % 2), out=out,
+                                                      return_recv_hook=True)
+        chook()
+        want = torch.zeros((xs[rank].shape[0], H))
+        for k in range(case.topk):
+            for t in range(xs[rank].shape[0]):
+                e = int(idxs[rank][t, k])
+                if e < 0:
+                    continue
+                owner = e // L
+                origin = deepep_low_latency_model(sent, idxs, owner, E)[e - owner * L][1]
+                row = ys[owner][e - owner * L, origin.index((rank, t))]
+                want[t] += ws[rank][t, k] * row.float()
+        assert combined is out and torch.equal(out, want.to(case.dtype)), f"rank {rank} {it}"
+    buf.clean_low_latency_buffer(T, H, E)
+    buf.destroy()

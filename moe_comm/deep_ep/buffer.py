@@ -39,6 +39,8 @@ import moe_comm
 
 from .utils import EventHandle, EventOverlap
 
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
 
 def _unsupported(what: str) -> NotImplementedError:
     return NotImplementedError(f"moe_comm.deep_ep: {what}")
@@ -185,15 +187,18 @@ class Buffer:
                        num_experts: int, device: torch.device) -> moe_comm.Buffer:
         """The normal-mode workspace, (re)built on every rank alike: the largest call agreed by
         an all-reduce over the group."""
-        sizes = torch.tensor([tokens, topk, hidden, num_experts], dtype=torch.int64,
+        code = _DTYPES.index(dtype) if dtype in _DTYPES else -1
+        sizes = torch.tensor([tokens, topk, hidden, num_experts, code], dtype=torch.int64,
                              device=device if dist.get_backend(self.group) == "nccl" else "cpu")
         lows = -sizes.clone()
         dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self.group)
         dist.all_reduce(lows, op=dist.ReduceOp.MAX, group=self.group)
-        T, K, H, E = sizes.tolist()
-        if (H, E) != (-lows[2].item(), -lows[3].item()):
-            raise ValueError(f"ranks disagree on hidden or num_experts (hidden up to {H}, "
-                             f"num_experts up to {E}): every rank must pass the same")
+        T, K, H, E, top_code = sizes.tolist()
+        if (H, E, top_code) != (-lows[2].item(), -lows[3].item(), -lows[4].item()) \
+                or code < 0:
+            raise ValueError(f"ranks disagree on hidden, num_experts or dtype (hidden up to "
+                             f"{H}, num_experts up to {E}, this rank {dtype}): every rank must "
+                             "pass the same, in one of " + ", ".join(map(str, _DTYPES)))
         buf = self._normal
         if buf is not None and buf.hidden == H and buf.num_experts == E and buf.dtype == dtype \
                 and buf.max_tokens_per_rank >= T and buf.max_topk >= K:

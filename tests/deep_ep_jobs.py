@@ -219,3 +219,32 @@ def low_latency(rank, world_size, case: Case, iterations: int = 2, fp8: bool = F
         assert combined is out and torch.equal(out, want.to(case.dtype)), f"rank {rank} {it}"
     buf.clean_low_latency_buffer(T, H, E)
     buf.destroy()
+
+
+def shrink_masks(rank, world_size, case: Case) -> list:
+    """``enable_shrink``: query, mask the last rank (every rank asks), query, clean, query; a
+    low-latency call before and after. DeepEP's polarity: 1 = masked."""
+    T, R, E = case.max_tokens, world_size, case.num_experts
+    buf = deep_ep.Buffer(dist.group.WORLD, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(
+        T, case.hidden, R, E), low_latency_mode=True, enable_shrink=True)
+    xs, idxs, _ = make_inputs(case)
+    statuses = []
+    status = torch.full((R,), 7, dtype=torch.int32)
+
+    def query():
+        buf.low_latency_query_mask_buffer(status)
+        statuses.append(status.tolist())
+
+    buf.low_latency_dispatch(xs[rank], idxs[rank], T, E, use_fp8=False)
+    query()
+    dist.barrier()
+    buf.low_latency_update_mask_buffer(R - 1, True)
+    dist.barrier()
+    query()
+    buf.low_latency_clean_mask_buffer()
+    query()
+    recv_x, count, _, _, _ = buf.low_latency_dispatch(xs[rank], idxs[rank], T, E, use_fp8=False)
+    blocks = deepep_low_latency_model(xs, idxs, rank, E)
+    assert count.tolist() == [len(rows) for rows, _ in blocks]
+    buf.destroy()
+    return statuses

@@ -23,7 +23,7 @@ def test_normal_mode_fp8_pairs(ranks):
     ranks(2).run(deep_ep_jobs.normal_mode, case, fp8=True)
 
 
-@pytest.mark.parametrize("R,fp8", [(2, False), (4, True)])
+@pytest.mark.parametrize("R,fp8", [(2, False), (4, True), (8, False)])
 def test_low_latency_matches_deepep_semantics(ranks, R, fp8):
     case = Case(R, 2 * R, 256, 2, tuple(4 + r for r in range(R)), seed=5 + R)
     ranks(R).run(deep_ep_jobs.low_latency, case, fp8=fp8)
@@ -57,3 +57,10 @@ def test_check_prints_the_feature_table():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "get_dispatch_layout" in proc.stdout and "use_logfmt" in proc.stdout
+
+
+def test_shrink_mask_calls(ranks):
+    R = 4
+    case = Case(R, 2 * R, 128, 2, (4, 5, 3, 4), seed=13)
+    for statuses in ranks(R).run(deep_ep_jobs.shrink_masks, case):
+        assert statuses == [[0] * R, [0] * (R - 1) + [1], [0] * R], statuses

@@ -58,7 +58,6 @@ readmitted rank rejoins the next call. No call may be in flight.
 """
 from __future__ import annotations
 
-import os
 import time
 import warnings
 
@@ -67,6 +66,7 @@ import torch
 import triton
 
 from .kernels.comm import set_word_on_all_kernel, wait_for_live_epochs
+from .symm.shm import pid_alive
 from .workspace import COMBINE, DISPATCH
 
 
@@ -81,23 +81,6 @@ def renormalized(out: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     surviving = (w * reached).sum(1)
     factor = torch.where(surviving != 0, total / torch.where(surviving != 0, surviving, 1), 0)
     return (out.float() * factor[:, None]).to(out.dtype)
-
-
-def _process_alive(pid: int) -> bool:
-    """Whether process ``pid`` (of this host) still runs: not gone, not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
 
 
 class RankExcludedError(RuntimeError):
@@ -242,7 +225,7 @@ class FaultTolerance:
             return
         self._pids_checked = now
         for peer, pid in self._peer_pids.items():
-            if self._mask_words[peer] == 0 and not _process_alive(pid):
+            if self._mask_words[peer] == 0 and not pid_alive(pid):
                 warnings.warn(f"moe_comm rank {self.rank}: the process of rank {peer} (pid "
                               f"{pid}) has ended; it is excluded and the call goes on without "
                               "it", RuntimeWarning, stacklevel=4)

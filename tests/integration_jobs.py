@@ -75,6 +75,21 @@ def _run_megatron_layer(layer, x: torch.Tensor, grad_out: torch.Tensor) -> dict:
     return tensors
 
 
+def _side_by_side(theirs, ours, report: dict, rank: int, seed: int, steps: int, shape: tuple,
+                  dtype) -> None:
+    """``ours`` takes ``theirs``' weights; ``steps`` forward+backward passes of both on the same
+    new inputs each time, compared into ``report["steps"]``."""
+    ours.load_state_dict(theirs.state_dict())
+    report["their_dispatcher"] = type(theirs.token_dispatcher).__name__
+    report["our_dispatcher"] = type(ours.token_dispatcher).__name__
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    for _ in range(steps):
+        x = torch.randn(shape, generator=g).to(dtype)
+        grad_out = torch.randn(shape, generator=g).to(dtype)
+        report["steps"].append(_compare(_run_megatron_layer(theirs, x, grad_out),
+                                        _run_megatron_layer(ours, x, grad_out)))
+
+
 def megatron_parity(rank, world_size, dtype_name: str, hidden: int, num_experts: int,
                     topk: int, tokens: tuple, seed: int, *, dispatcher_type: str = "alltoall",
                     use: str = "spec", capacity_factor: float | None = None,
@@ -107,16 +122,7 @@ def megatron_parity(rank, world_size, dtype_name: str, hidden: int, num_experts:
                 plugin.revert_megatron()
             report["reverted"] = not plugin.is_applied()
         ours.token_dispatcher.buffer_cache = cache
-        ours.load_state_dict(theirs.state_dict())
-        report["their_dispatcher"] = type(theirs.token_dispatcher).__name__
-        report["our_dispatcher"] = type(ours.token_dispatcher).__name__
-        g = torch.Generator().manual_seed(seed * 100 + rank)
-        for _ in range(steps):
-            x = torch.randn((seq, batch, hidden), generator=g).to(dtype)
-            grad_out = torch.randn((seq, batch, hidden), generator=g).to(dtype)
-            a = _run_megatron_layer(theirs, x, grad_out)
-            b = _run_megatron_layer(ours, x, grad_out)
-            report["steps"].append(_compare(a, b))
+        _side_by_side(theirs, ours, report, rank, seed, steps, (seq, batch, hidden), dtype)
         buf = ours.token_dispatcher.buffer
         report["bytes_to_peers"] = buf.stats()["dispatch_bytes_to_peers"]
         report["dropped"] = int((ours.token_dispatcher.topk_idx < 0).sum())
@@ -275,16 +281,7 @@ def megatron_deep_ep_parity(rank, world_size, dtype_name: str, hidden: int, num_
                                                   "alltoall", None, False))
         ours = _megatron_layer(_megatron_config(world_size, dtype, hidden, num_experts, topk,
                                                 "flex", None, False))
-        ours.load_state_dict(theirs.state_dict())
-        report["their_dispatcher"] = type(theirs.token_dispatcher).__name__
-        report["our_dispatcher"] = type(ours.token_dispatcher).__name__
-        g = torch.Generator().manual_seed(seed * 100 + rank)
-        for _ in range(steps):
-            x = torch.randn((seq, batch, hidden), generator=g).to(dtype)
-            grad_out = torch.randn((seq, batch, hidden), generator=g).to(dtype)
-            a = _run_megatron_layer(theirs, x, grad_out)
-            b = _run_megatron_layer(ours, x, grad_out)
-            report["steps"].append(_compare(a, b))
+        _side_by_side(theirs, ours, report, rank, seed, steps, (seq, batch, hidden), dtype)
         buf = fused_a2a._buffer
         report["buffer"] = type(buf).__module__
         report["bytes_to_peers"] = buf._normal.stats()["dispatch_bytes_to_peers"]

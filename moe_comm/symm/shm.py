@@ -35,14 +35,21 @@ _PREFIX = "moe_comm_"
 _SHM_DIR = "/dev/shm"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs: not gone, and not a zombie."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
         return False
-    except PermissionError:
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
         return True
-    return True
 
 
 def reap_stale_segments() -> list[str]:
@@ -54,7 +61,7 @@ def reap_stale_segments() -> list[str]:
         if not name.startswith(_PREFIX):
             continue
         pid_text = name[len(_PREFIX):].split("_", 1)[0]
-        if not pid_text.isdigit() or _pid_alive(int(pid_text)):
+        if not pid_text.isdigit() or pid_alive(int(pid_text)):
             continue
         try:
             _posixshmem.shm_unlink("/" + name)

@@ -248,7 +248,7 @@ class FaultTolerance:
             waited = [s for s in range(R) if int(self._mask[s]) == 0]
         words = self.layout.view(self.heap, "ft_clean")[i]
         seconds, behind = wait_for_live_epochs(
-            lambda: words[waited].tolist(), serial, lambda: [False] * len(waited),
+            lambda: words[waited].tolist(), serial, None,
             timeout_s=self.timeout_s)
         for j in behind:
             self._exclude(waited[j])

@@ -30,11 +30,13 @@ top-k K, E experts and payload dtype `dtype` (a torch dtype or "bf16"/"fp16"/"fp
 
 Use mode="low_latency" for the low-latency ops. The combine dtype must be bf16, fp16 or fp32.
 """
+from .bound import predict_bound
+from .counted import moe_comm_counters
+from .formats import COMBINE_DTYPES, DTYPES, payload_bytes
+from .implementations import IMPLEMENTATIONS, Algorithm, Implementation, get_implementation
 from .model import (
     BOTTLENECKS,
-    FITTED,
     MODES,
-    ModelConstants,
     PhaseBytes,
     PhasePrediction,
     Prediction,
@@ -45,16 +47,23 @@ from .systems import GB, SYSTEMS, System, get_system
 
 __all__ = [
     "BOTTLENECKS",
-    "FITTED",
+    "COMBINE_DTYPES",
+    "DTYPES",
     "GB",
+    "IMPLEMENTATIONS",
     "MODES",
     "SYSTEMS",
-    "ModelConstants",
+    "Algorithm",
+    "Implementation",
     "PhaseBytes",
     "PhasePrediction",
     "Prediction",
     "System",
     "expected_fanout",
+    "get_implementation",
     "get_system",
+    "moe_comm_counters",
+    "payload_bytes",
     "predict",
+    "predict_bound",
 ]

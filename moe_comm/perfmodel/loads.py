@@ -14,6 +14,8 @@ one destination) or pairs (one token to one expert) and turned into bytes by the
 | rank_send_self   | rows  | its tokens that pick at least one of its own experts             |
 | rank_send_nvl    | rows  | (token, other rank of its node) with >= 1 pick there             |
 | rank_recv_nvl    | rows  | (token of another rank of its node, itself) with >= 1 pick       |
+| rank_send_rdma   | rows  | (its token, rank of another node) with >= 1 pick there (flat)    |
+| rank_recv_rdma   | rows  | (token of a rank of another node, itself) with >= 1 pick (flat)  |
 | node_send_rdma   | rows  | (its token, other node) with >= 1 pick there                     |
 | node_recv_rdma   | rows  | same, received as the rail peer (same local index) of the sender |
 | fwd_send_nvl     | rows  | rows it forwards over NVLink: tokens arriving from its rail      |
@@ -55,6 +57,8 @@ LL_CLASSES = ("ll_send_self", "ll_send_nvl", "ll_send_rdma", "ll_recv_nvl", "ll_
 INTRANODE_CLASSES = ("rank_send_self", "rank_send_nvl", "rank_recv_nvl")
 INTERNODE_CLASSES = ("rank_send_self", "node_send_rdma", "node_recv_rdma", "fwd_send_nvl",
                      "fwd_recv_nvl")
+FLAT_CLASSES = ("rank_send_self", "rank_send_nvl", "rank_recv_nvl", "rank_send_rdma",
+                "rank_recv_rdma")
 MC_REPLICAS = 16  # Monte Carlo draws of all ranks' loads for the heterogeneous maximum
 
 
@@ -104,6 +108,8 @@ def compute_loads(layout: Layout, T: int, k: int, spec: RoutingSpec, classes,
     if spec.kind == "uniform":
         return _iid_loads(layout, T, _uniform_pmfs(layout, k), classes, "closed form",
                           _uniform_means(layout, k))
+    if spec.kind == "balanced":
+        return _balanced_loads(layout, T, k, classes)
     if spec.kind == "group_limited":
         E = layout.num_experts
         cost = 2 * spec.groups + spec.topk_groups * min(k, E // spec.groups)
@@ -169,6 +175,7 @@ def _terms(layout: Layout, T: int) -> dict:
     return {"ll_send_self": T, "ll_send_nvl": T, "ll_send_rdma": T,
             "ll_recv_nvl": (gpn - 1) * T, "ll_recv_rdma": (ep - gpn) * T,
             "rank_send_self": T, "rank_send_nvl": T, "rank_recv_nvl": (gpn - 1) * T,
+            "rank_send_rdma": T, "rank_recv_rdma": (ep - gpn) * T,
             "node_send_rdma": T, "node_recv_rdma": (nodes - 1) * T,
             "fwd_send_nvl": nodes * T, "fwd_recv_nvl": (gpn - 1) * nodes * T}
 
@@ -191,10 +198,36 @@ def _uniform_pmfs(layout: Layout, k: int) -> dict:
             "rank_send_self": _bern(q_rank),
             "rank_send_nvl": blocks_reached_pmf(E, k, gpn - 1, m),
             "rank_recv_nvl": _bern(q_rank),
+            "rank_send_rdma": blocks_reached_pmf(E, k, E // m - gpn, m),
+            "rank_recv_rdma": _bern(q_rank),
             "node_send_rdma": blocks_reached_pmf(E, k, nodes - 1, gpn * m),
             "node_recv_rdma": _bern(q_node),
             "fwd_send_nvl": blocks_reached_pmf(E, k, gpn - 1, m),
             "fwd_recv_nvl": _bern(q_rank)}
+
+
+def _scaled(pmf: np.ndarray, c: int) -> np.ndarray:
+    """pmf of c * X for X ~ pmf (support 0..K -> 0..cK)."""
+    out = np.zeros((pmf.size - 1) * c + 1)
+    out[::c] = pmf
+    return out
+
+
+def _balanced_loads(layout: Layout, T: int, k: int, classes) -> Loads:
+    """"balanced": r = min(k, ep) distinct ranks uniformly, k / r experts on each. Rank-level
+    classes are those of uniform routing with one expert per rank and r picks; pair classes
+    scale by k / r."""
+    ep = layout.ep
+    r = min(k, ep)
+    if k % r or k // r > layout.m:
+        raise ValueError(f"balanced routing needs topk={k} to be a multiple of min(topk, ep)="
+                         f"{r} and at most {layout.m} experts per rank")
+    ranks = Layout(ep=ep, gpn=layout.gpn, m=1)
+    pmfs = _uniform_pmfs(ranks, r)
+    for c in LL_CLASSES:
+        pmfs[c] = _scaled(pmfs[c], k // r)
+    return _iid_loads(layout, T, pmfs, classes, "closed form",
+                      (float(k), float(r), expected_fanout(ep, r, layout.nodes)))
 
 
 def _iid_loads(layout, T, pmfs, classes, method, means) -> Loads:
@@ -243,6 +276,7 @@ def _sender_counts(layout: Layout, ids: np.ndarray) -> list:
                     "ll_send_rdma": ((rank >= 0) & (node != home)).sum(axis=1),
                     "rank_send_self": (rank == g).any(axis=1).astype(np.int64),
                     "rank_send_nvl": np.bincount(tok_r[in_node], minlength=S),
+                    "rank_send_rdma": np.bincount(tok_r[r // gpn != home], minlength=S),
                     "node_send_rdma": np.bincount(tok_n[n != home], minlength=S)})
     return out
 
@@ -266,6 +300,7 @@ def _pooled_pmfs(layout: Layout, ids: np.ndarray, k: int):
     pmfs = {"ll_recv_nvl": recv_pairs / recv_pairs.sum(),
             "ll_recv_rdma": recv_pairs / recv_pairs.sum(),
             "rank_recv_nvl": _bern(q_rank), "node_recv_rdma": _bern(q_node),
+            "rank_recv_rdma": _bern(q_rank),
             "fwd_recv_nvl": _bern(q_rank), "fwd_send_nvl": fwd / fwd.sum()}
     per_sender = _sender_counts(layout, ids)
     for c in per_sender[0]:
@@ -335,6 +370,8 @@ def _hetero_loads(layout, T, pi, q_rank, q_node, ids, classes, rng, method) -> L
         "rank_send_self": (q_rank, qq),
         "rank_send_nvl": (q_in_node - q_rank, np.full(ep, svar["rank_send_nvl"])),
         "rank_recv_nvl": (q_rank, qq),
+        "rank_send_rdma": (q_rank.sum() - q_in_node, np.full(ep, svar["rank_send_rdma"])),
+        "rank_recv_rdma": (q_rank, qq),
         "node_send_rdma": (q_node.sum() - q_node[home], np.full(ep, svar["node_send_rdma"])),
         "node_recv_rdma": (q_node[home], q_node[home] * (1 - q_node[home])),
         "fwd_send_nvl": (q_in_node - q_rank, vq_in_node - qq),
@@ -389,6 +426,8 @@ def _counted_loads(layout: Layout, T: int, ids: np.ndarray, classes) -> Loads:
         "rank_send_self": np.bincount(s_r[dst == s_r], minlength=ep),
         "rank_send_nvl": np.bincount(s_r[same_node], minlength=ep),
         "rank_recv_nvl": np.bincount(dst[same_node], minlength=ep),
+        "rank_send_rdma": np.bincount(s_r[dst // gpn != s_r // gpn], minlength=ep),
+        "rank_recv_rdma": np.bincount(dst[dst // gpn != s_r // gpn], minlength=ep),
         "node_send_rdma": np.bincount(s_n[remote_n], minlength=ep),
         "node_recv_rdma": np.bincount((dnode * gpn + s_n % gpn)[remote_n], minlength=ep),
         "fwd_send_nvl": np.bincount(fwd_r[dst != fwd_r], minlength=ep),

@@ -37,7 +37,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .formats import (
+    COMBINE_DTYPES,
+    DTYPES,
+    element_bytes,
+    input_bytes,
+    normalize_dtype,
+    payload_bytes,
+)
+from .implementations import Algorithm, Implementation, get_implementation
 from .loads import (
+    FLAT_CLASSES,
     INTERNODE_CLASSES,
     INTRANODE_CLASSES,
     LL_CLASSES,
@@ -51,32 +61,8 @@ from .systems import System, get_system
 
 MODES = ("normal", "low_latency")
 BOTTLENECKS = ("nvlink", "rdma", "pcie", "nic_message_rate", "sm_issue", "hbm", "latency")
-DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
-COMBINE_DTYPES = ("bf16", "fp16", "fp32")
-_DTYPE_ALIASES = {"float8_e4m3fn": "fp8", "float8_e4m3fnuz": "fp8", "float8_e5m2": "fp8",
-                  "e4m3": "fp8", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
-                  "float32": "fp32", "float": "fp32"}
-FP8_SCALE_BLOCK = 128         # elements sharing one FP8 scale
-FP8_SCALE_BYTES = 4           # one fp32 scale
-LL_HEADER_BYTES = 16          # per low-latency message: source token index and padding
-ROW_META_BYTES = 8            # per normal-mode row: int64 source token index
-ROW_META_BYTES_PER_TOPK = 8   # per normal-mode row and top-k slot: int32 expert + fp32 weight
-NORMAL_DEFAULT_SMS = 24       # SMs the normal kernels run on unless num_sms= says otherwise
-
-
-@dataclass(frozen=True)
-class ModelConstants:
-    """The only fitted numbers (two DeepEP H800 calibration points per mode; calibration.py)."""
-
-    nvlink_copy_efficiency: float  # share of System.nvlink_GBps the copy kernels sustain
-    normal_fixed_us: float         # per-call cost of a normal-mode phase beyond path latency
-    low_latency_fixed_us: float    # per-call cost of a low-latency phase beyond path latency
-
-
-# Fitted by calibration.fit_constants() to the four DeepEP H800 numbers in calibration.py
-# (least squares in log time; residuals -1.4% .. +3.2%); rounded to three digits.
-FITTED = ModelConstants(nvlink_copy_efficiency=0.959, normal_fixed_us=133.0,
-                        low_latency_fixed_us=29.3)
+DEFAULT_IMPLEMENTATION = "moe_comm"
+FP8_LL_CONVENTION_HEADER = 16  # the low-latency FP8 bandwidth convention counts a 16-byte header
 
 
 @dataclass(frozen=True)
@@ -91,6 +77,10 @@ class PhaseBytes:
     hbm_bytes: float           # busiest rank, device-memory reads + writes
     local_fraction: float      # share of deliveries (pairs or rows) that stay on the rank
     nvlink_domain_fraction: float  # share that stays inside the NVLink domain (own rank too)
+    sent_nvlink_bytes: float = 0.0  # busiest rank: bytes it stores into other ranks of its
+    #                                 domain (payload, metadata, signals; forwarding excluded)
+    sent_rdma_bytes: float = 0.0    # busiest rank: bytes it hands the NIC (payload, metadata,
+    #                                 counts; no wire headers)
 
 
 @dataclass(frozen=True)
@@ -112,6 +102,7 @@ class Prediction:
 
     system: str
     mode: str
+    implementation: str
     ep: int
     tokens_per_rank: int
     hidden: int
@@ -156,22 +147,6 @@ class Prediction:
     def bytes(self) -> dict:
         """{"dispatch": PhaseBytes, "combine": PhaseBytes}."""
         return {"dispatch": self.dispatch.bytes, "combine": self.combine.bytes}
-
-
-def normalize_dtype(dtype, allowed) -> str:
-    """"fp8"/"bf16"/"fp16"/"fp32", their long names, or a torch dtype -> short name."""
-    name = str(dtype).lower().removeprefix("torch.")
-    name = _DTYPE_ALIASES.get(name, name)
-    if name not in allowed:
-        raise ValueError(f"dtype {dtype!r} not supported here; use one of {tuple(allowed)}")
-    return name
-
-
-def payload_bytes(dtype: str, hidden: int) -> int:
-    """Bytes of one token row as sent: FP8 adds one fp32 scale per 128 elements."""
-    if dtype == "fp8":
-        return hidden + math.ceil(hidden / FP8_SCALE_BLOCK) * FP8_SCALE_BYTES
-    return hidden * DTYPE_BYTES[dtype]
 
 
 def _check_int(name: str, value, low: int = 1) -> int:
@@ -230,19 +205,29 @@ def _fabric(system: System, layout: Layout, any_to_any: bool):
 class _Costs:
     """Shared unit conversions of one prediction (all rates in bytes or messages per us)."""
 
-    def __init__(self, system: System, consts: ModelConstants, num_sms: int, layout: Layout,
+    def __init__(self, system: System, alg: Algorithm, num_sms: int, layout: Layout,
                  any_to_any: bool):
         s = system
-        self.s = s
-        self.nvl_Bpus = s.nvlink_GBps * consts.nvlink_copy_efficiency * 1e3
-        self.nic_Bpus = s.nic_GBps * 1e3
+        self.s, self.alg = s, alg
+        peers = max(layout.gpn, 2) if layout.ep > 1 else 2
+        spread = 1.0 + alg.spread_penalty * max(0.0, math.log2(min(peers, layout.ep) / 8))
+        self.nvl_Bpus = s.nvlink_GBps * alg.copy_efficiency * 1e3 / spread
+        self.nic_Bpus = s.nic_GBps * alg.nic_efficiency * 1e3
         self.pcie_Bpus = s.pcie_GBps * 1e3
         self.hbm_Bpus = s.hbm_GBps * 1e3
-        self.sm_Bpus = num_sms * s.sm_copy_GBps * 1e3
+        per_sm = alg.sm_copy_GBps if alg.sm_copy_GBps is not None else s.sm_copy_GBps
+        self.sm_Bpus = num_sms * per_sm * 1e3
         self.sm_msgs_per_us = num_sms * s.sm_messages_per_us
         self.hops, self.cross_leaf, self.tiers = _fabric(s, layout, any_to_any)
         self.leaf_factor = max(1.0, self.cross_leaf * s.oversubscription)
         self.relay = (1.0 - 1.0 / s.planes) if (any_to_any and layout.nodes > 1) else 0.0
+        self.peers = layout.ep - 1
+
+    def latency(self, phase: int, path_us: float, tokens: int) -> float:
+        """Serial per-call cost of a phase (0 dispatch, 1 combine) plus the path latency."""
+        a = self.alg
+        return a.fixed_us[phase] + a.per_peer_us * self.peers + a.per_token_us[phase] * tokens \
+            + path_us
 
     def wire(self, msg: float) -> float:
         """Bytes on the IB wire for one RDMA write of msg payload bytes."""
@@ -270,13 +255,14 @@ class _Costs:
                 "nic_message_rate": (busiest + extra_msgs) / self.s.nic_message_rate_Mpps}
 
 
-def _finish(terms: dict, ratios: dict, latency_us: float, logical: float,
+def _finish(terms: dict, ratios: dict, latency_us: float, overlap_us: float, logical: float,
             nbytes: PhaseBytes) -> PhasePrediction:
     name, worst = max(terms.items(), key=lambda kv: kv[1])
-    time_us = latency_us + worst
-    bottleneck = "latency" if latency_us > worst else name
+    time_us = latency_us + max(worst, overlap_us)
+    bottleneck = "latency" if latency_us + overlap_us > worst else name
     return PhasePrediction(time_us=time_us, GBps=logical / time_us / 1e3 if time_us else 0.0,
-                           bottleneck=bottleneck, terms_us=dict(terms), latency_us=latency_us,
+                           bottleneck=bottleneck, terms_us=dict(terms),
+                           latency_us=time_us - worst if worst < time_us else latency_us,
                            bytes=nbytes, imbalance=ratios.get(bottleneck, 1.0))
 
 
@@ -291,7 +277,9 @@ def _ratio(*stats) -> float:
 
 
 def _low_latency(c: _Costs, L: Layout, loads: Loads, T: int, H: int, k: int, d_dtype: str,
-                 c_dtype: str, consts: ModelConstants):
+                 c_dtype: str):
+    """One message per (token, expert) pair, put directly to the expert's rank."""
+    fmt = c.alg.fmt
     s_self, s_nvl, s_rdma = loads["ll_send_self"], loads["ll_send_nvl"], loads["ll_send_rdma"]
     r_nvl, r_rdma = loads["ll_recv_nvl"], loads["ll_recv_rdma"]
     pairs = T * loads.pairs_per_token
@@ -301,14 +289,14 @@ def _low_latency(c: _Costs, L: Layout, loads: Loads, T: int, H: int, k: int, d_d
         path = c.rdma_path_us() + (c.s.nvlink_latency_us if c.relay else 0.0)
     else:
         path = c.s.nvlink_latency_us if L.ep > 1 else 0.0
-    latency = consts.low_latency_fixed_us + path
     rdma_msgs = signals if rdma_used else 0
-    in_bytes = 2 if d_dtype == "fp8" else DTYPE_BYTES[d_dtype]
+    in_bytes = input_bytes(d_dtype)
+    conv_header = FP8_LL_CONVENTION_HEADER if d_dtype == "fp8" else 0
     out = []
-    for phase, msg, logical_msg in (
-            ("dispatch", payload_bytes(d_dtype, H) + LL_HEADER_BYTES,
-             payload_bytes(d_dtype, H) + (LL_HEADER_BYTES if d_dtype == "fp8" else 0)),
-            ("combine", payload_bytes(c_dtype, H), payload_bytes(c_dtype, H))):
+    for i, (phase, msg, logical_msg) in enumerate((
+            ("dispatch", payload_bytes(d_dtype, H) + fmt.ll_header_bytes,
+             payload_bytes(d_dtype, H) + conv_header),
+            ("combine", payload_bytes(c_dtype, H), payload_bytes(c_dtype, H)))):
         # combine sends back what dispatch delivered: the send and receive roles swap
         snd_nvl, rcv_nvl = (s_nvl, r_nvl) if phase == "dispatch" else (r_nvl, s_nvl)
         snd_rdma, rcv_rdma = (s_rdma, r_rdma) if phase == "dispatch" else (r_rdma, s_rdma)
@@ -320,9 +308,11 @@ def _low_latency(c: _Costs, L: Layout, loads: Loads, T: int, H: int, k: int, d_d
         if phase == "dispatch":   # read x, write messages, receivers land them
             sm_bytes = sent * msg
             hbm = T * H * in_bytes + sent * msg + (snd_rdma.max + recv) * msg
+            sig_nvl = (L.gpn - 1) * L.m * fmt.ll_count_bytes
         else:                     # send expert outputs, then reduce k rows per token
             sm_bytes = (sent + recv) * msg + T * msg
             hbm = sent * msg + (snd_rdma.max + 2 * recv) * msg + T * msg
+            sig_nvl = (L.gpn - 1) * fmt.epoch_signal_bytes
         terms["sm_issue"] = sm_bytes / c.sm_Bpus + (snd_rdma.max + rdma_msgs) / c.sm_msgs_per_us
         terms["hbm"] = hbm / c.hbm_Bpus
         net = _ratio(_busier(snd_rdma, rcv_rdma))
@@ -338,64 +328,94 @@ def _low_latency(c: _Costs, L: Layout, loads: Loads, T: int, H: int, k: int, d_d
             if rdma_used else 0.0,
             hbm_bytes=hbm,
             local_fraction=s_self.mean / pairs if pairs else 0.0,
-            nvlink_domain_fraction=(s_self.mean + s_nvl.mean) / pairs if pairs else 0.0)
-        out.append(_finish(terms, ratios, latency, nbytes.logical_bytes, nbytes))
+            nvlink_domain_fraction=(s_self.mean + s_nvl.mean) / pairs if pairs else 0.0,
+            sent_nvlink_bytes=snd_nvl.max * msg + sig_nvl,
+            sent_rdma_bytes=snd_rdma.max * msg)
+        out.append(_finish(terms, ratios, c.latency(i, path, T), c.alg.overlap_us[i],
+                           nbytes.logical_bytes, nbytes))
     return out
 
 
 def _normal(c: _Costs, L: Layout, loads: Loads, T: int, H: int, k: int, d_dtype: str,
-            c_dtype: str, consts: ModelConstants):
+            c_dtype: str):
+    """One row per (token, destination rank); across domains hierarchical or flat."""
+    alg, fmt = c.alg, c.alg.fmt
     internode = L.nodes > 1
+    hier = internode and alg.internode == "hierarchical"
     own = loads["rank_send_self"]
     rows_total = T * loads.ranks_per_token
     pairs = T * loads.pairs_per_token
-    latency = consts.normal_fixed_us + (c.s.nvlink_latency_us if L.ep > 1 else 0.0) \
-        + (c.rdma_path_us() if internode else 0.0)
-    in_bytes = 2 if d_dtype == "fp8" else DTYPE_BYTES[d_dtype]
-    if internode:
+    path = (c.s.nvlink_latency_us if L.ep > 1 else 0.0) + (c.rdma_path_us() if internode else 0.0)
+    in_bytes = input_bytes(d_dtype)
+    direct_snd, direct_rcv = loads["rank_send_nvl"], loads["rank_recv_nvl"]
+    if hier:
         in_domain = own.mean + loads["rank_send_nvl"].mean
         logical_rows = T * loads.nodes_per_token
-        nvl_snd, nvl_rcv = loads["fwd_send_nvl"], loads["fwd_recv_nvl"]
+        fwd_snd, fwd_rcv = loads["fwd_send_nvl"], loads["fwd_recv_nvl"]
         net_snd, net_rcv = loads["node_send_rdma"], loads["node_recv_rdma"]
+        net_dests = L.nodes - 1
+    elif internode:
+        in_domain = own.mean + loads["rank_send_nvl"].mean
+        logical_rows = T * loads.nodes_per_token
+        net_snd, net_rcv = loads["rank_send_rdma"], loads["rank_recv_rdma"]
+        net_dests = L.ep - L.gpn
     else:
         in_domain = rows_total
         logical_rows = rows_total
-        nvl_snd, nvl_rcv = loads["rank_send_nvl"], loads["rank_recv_nvl"]
         net_snd = net_rcv = LoadStat(0.0, 0.0)
+        net_dests = 0
+    meta = fmt.normal_meta_bytes(k)
+    counts = fmt.normal_count_bytes(L.m)
     out = []
-    for phase in ("dispatch", "combine"):
+    for i, phase in enumerate(("dispatch", "combine")):
         dtype = d_dtype if phase == "dispatch" else c_dtype
-        elem = (1 + FP8_SCALE_BYTES / FP8_SCALE_BLOCK) if dtype == "fp8" else DTYPE_BYTES[dtype]
-        row = payload_bytes(dtype, H) + (ROW_META_BYTES + ROW_META_BYTES_PER_TOPK * k
-                                          if phase == "dispatch" else 0)
-        snd, rcv = (nvl_snd, nvl_rcv) if phase == "dispatch" else (nvl_rcv, nvl_snd)
+        elem = element_bytes(dtype)
+        P = payload_bytes(dtype, H)
+        row = P + (meta if phase == "dispatch" else 0)
+        net_row = row + (fmt.node_slot_bytes * L.gpn if hier and phase == "dispatch" else 0)
+        if hier:   # NVLink carries the forwarded rows (the direct ones of the sender's node too)
+            snd = fwd_snd if phase == "dispatch" else fwd_rcv
+            rcv = fwd_rcv if phase == "dispatch" else fwd_snd
+        else:
+            snd, rcv = (direct_snd, direct_rcv) if phase == "dispatch" else \
+                (direct_rcv, direct_snd)
         nvl_rows = max(snd.max, rcv.max)
         terms = {"nvlink": nvl_rows * row / c.nvl_Bpus}
         ratios = {"nvlink": _ratio(_busier(snd, rcv))}
         nsnd, nrcv = (net_snd, net_rcv) if phase == "dispatch" else (net_rcv, net_snd)
         net_rows = max(nsnd.max, nrcv.max)
         if internode:
-            terms.update(c.rdma_terms(row, nsnd.max, nrcv.max, L.nodes))
+            terms.update(c.rdma_terms(net_row, nsnd.max, nrcv.max, net_dests))
             r = _ratio(_busier(nsnd, nrcv))
             ratios.update(rdma=r, pcie=r, nic_message_rate=r)
         # every row is copied by SMs once per hop (staging, forwarding, expert-major output)
-        moved = (net_rows + own.max + nvl_snd.max + nvl_rcv.max) * row
-        out_rows = pairs * _ratio(own, nvl_rcv)          # expert-major rows written
-        terms["sm_issue"] = (moved + out_rows * payload_bytes(dtype, H)) / c.sm_Bpus \
-            + net_rows / c.sm_msgs_per_us
-        terms["hbm"] = (T * H * in_bytes + 2 * moved + 2 * net_rows * row
-                        + out_rows * payload_bytes(dtype, H)) / c.hbm_Bpus
+        moved = (net_rows + own.max + snd.max + rcv.max) * row
+        out_rows = pairs * _ratio(own, fwd_rcv if hier else direct_rcv)  # expert-major rows
+        terms["sm_issue"] = (moved + out_rows * P) / c.sm_Bpus + net_rows / c.sm_msgs_per_us
+        terms["hbm"] = (T * H * in_bytes + 2 * moved + 2 * net_rows * net_row
+                        + out_rows * P) / c.hbm_Bpus
+        signals = (L.gpn - 1) * ((counts if phase == "dispatch" else 0) + fmt.epoch_signal_bytes)
+        if phase == "dispatch":
+            sent_rdma = nsnd.max * net_row + (
+                (L.nodes - 1) * fmt.node_count_bytes(L.m, L.gpn) if hier
+                else net_dests * counts)
+        else:
+            sent_rdma = nsnd.max * net_row
         nbytes = PhaseBytes(
             logical_bytes=logical_rows * H * elem,
-            min_link_bytes=rows_total * (1 - 1 / L.ep) * payload_bytes(dtype, H),
+            min_link_bytes=rows_total * (1 - 1 / L.ep) * P,
             nvlink_bytes=nvl_rows * row,
-            rdma_bytes=net_rows * c.wire(row) if internode else 0.0,
-            pcie_bytes=max(nsnd.max * c.pcie(row, True), nrcv.max * c.pcie(row, False))
+            rdma_bytes=net_rows * c.wire(net_row) if internode else 0.0,
+            pcie_bytes=max(nsnd.max * c.pcie(net_row, True), nrcv.max * c.pcie(net_row, False))
             if internode else 0.0,
             hbm_bytes=terms["hbm"] * c.hbm_Bpus,
             local_fraction=own.mean / rows_total if rows_total else 0.0,
-            nvlink_domain_fraction=in_domain / rows_total if rows_total else 0.0)
-        out.append(_finish(terms, ratios, latency, nbytes.logical_bytes, nbytes))
+            nvlink_domain_fraction=in_domain / rows_total if rows_total else 0.0,
+            sent_nvlink_bytes=(direct_snd.max if phase == "dispatch" else direct_rcv.max) * row
+            + signals,
+            sent_rdma_bytes=sent_rdma if internode else 0.0)
+        out.append(_finish(terms, ratios, c.latency(i, path, T), alg.overlap_us[i],
+                           nbytes.logical_bytes, nbytes))
     return out
 
 
@@ -403,23 +423,78 @@ def predict(system: str | System = "h800", mode: str = "normal", *, ep: int,
             tokens_per_rank: int, hidden: int, topk: int, num_experts: int,
             dispatch_dtype="fp8", combine_dtype="bf16", routing="uniform",
             gpus_per_node: int | None = None, num_sms: int | None = None, seed: int = 0,
-            sim_tokens: int = 65536, constants: ModelConstants | None = None) -> Prediction:
+            sim_tokens: int = 65536, implementation: str | Implementation = DEFAULT_IMPLEMENTATION,
+            hierarchical: bool | None = None) -> Prediction:
     """Predict one dispatch and one combine call of `mode` on `system` for the slowest rank.
 
     system: preset name (SYSTEMS) or a System. mode: "normal" (dedup per destination rank,
     per node across nodes, NVLink forwarding) or "low_latency" (every (token, expert) pair
     put directly). ep: ranks; tokens_per_rank: T; hidden: H; topk: k; num_experts: E
-    (E % ep == 0). dispatch_dtype: "fp8" | "bf16" | "fp16" | "fp32" or a torch dtype; FP8
-    means the kernel casts bf16 input and sends one fp32 scale per 128 elements.
-    combine_dtype: "bf16" | "fp16" | "fp32". routing: see routing.py. gpus_per_node: GPUs of
-    one NVLink domain the algorithm uses; None picks the largest divisor of ep that fits the
-    system's NVLink domain. num_sms: SMs the kernels use (default 24 for normal, all for
-    low_latency). seed / sim_tokens: Monte Carlo seed and sample size for simulated routing.
-    constants: override the fitted ModelConstants (recalibration).
+    (E % ep == 0). dispatch_dtype: one of formats.DTYPES ("fp8", "fp8-ue8m0", "mxfp8",
+    "nvfp4", "bf16", "fp16", "fp32") or a torch dtype; quantized formats are cast from bf16
+    input. combine_dtype: one of formats.COMBINE_DTYPES. routing: see routing.py.
+    gpus_per_node: GPUs of one NVLink domain the algorithm uses; None picks the largest
+    divisor of ep that fits the system's NVLink domain. num_sms: SMs the kernels use (default:
+    the implementation's). seed / sim_tokens: Monte Carlo seed and sample size for simulated
+    routing. implementation: a name of IMPLEMENTATIONS (default "moe_comm"), an
+    Implementation (recalibration), or "bound" (the hardware's lower bound, bound.py).
+    hierarchical: normal mode across nodes, hierarchical (True) or flat (False); None = the
+    implementation's default.
     """
+    if isinstance(implementation, str) and implementation.strip().lower() == "bound":
+        from .bound import predict_bound
+        return predict_bound(system, mode, ep=ep, tokens_per_rank=tokens_per_rank,
+                             hidden=hidden, topk=topk, num_experts=num_experts,
+                             dispatch_dtype=dispatch_dtype, combine_dtype=combine_dtype,
+                             routing=routing, gpus_per_node=gpus_per_node, seed=seed,
+                             sim_tokens=sim_tokens)
+    impl = get_implementation(implementation)
     sysm = get_system(system)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    alg = impl.algorithm(mode, hierarchical)
+    spec, layout, T, H, k, d_dtype, c_dtype = _workload(sysm, ep, tokens_per_rank, hidden, topk,
+                                                        num_experts, dispatch_dtype,
+                                                        combine_dtype, routing, gpus_per_node,
+                                                        sim_tokens)
+    if alg.internode == "none" and layout.nodes > 1:
+        raise ValueError(f"{impl.name} works inside one NVLink domain only: ep={ep} needs "
+                         f"{layout.nodes} domains of {layout.gpn} GPUs")
+    default_sms = alg.num_sms if alg.num_sms is not None else sysm.num_sms
+    sms = min(default_sms, sysm.num_sms) if num_sms is None else _check_int("num_sms", num_sms)
+    if sms > sysm.num_sms:
+        raise ValueError(f"num_sms={sms} exceeds the {sysm.num_sms} SMs of {sysm.name}")
+    if mode == "low_latency":
+        classes = LL_CLASSES
+    elif layout.nodes == 1:
+        classes = INTRANODE_CLASSES
+    elif alg.internode == "hierarchical":
+        classes = INTERNODE_CLASSES + ("rank_send_nvl", "rank_recv_nvl")
+    else:
+        classes = FLAT_CLASSES
+    loads = compute_loads(layout, T, k, spec, classes, np.random.default_rng(seed), sim_tokens)
+    costs = _Costs(sysm, alg, sms, layout, any_to_any=(mode == "low_latency"))
+    run = _low_latency if mode == "low_latency" else _normal
+    dispatch, combine = run(costs, layout, loads, T, H, k, d_dtype, c_dtype)
+    notes = []
+    if costs.tiers > sysm.tiers:
+        notes.append(f"{math.ceil(ep / sysm.planes)} NICs per plane need {costs.tiers} switch "
+                     f"tiers of radix {sysm.switch_radix}; {sysm.name} lists {sysm.tiers}, the "
+                     f"model assumes {costs.tiers}")
+    return Prediction(system=sysm.name, mode=mode, implementation=impl.name, ep=ep,
+                      tokens_per_rank=T, hidden=H, topk=k, num_experts=layout.num_experts,
+                      gpus_per_node=layout.gpn, nodes=layout.nodes,
+                      routing=spec.label(), dispatch_dtype=d_dtype, combine_dtype=c_dtype,
+                      dispatch=dispatch, combine=combine,
+                      pairs_per_token=loads.pairs_per_token,
+                      ranks_per_token=loads.ranks_per_token,
+                      nodes_per_token=loads.nodes_per_token, method=loads.method,
+                      notes=tuple(notes))
+
+
+def _workload(sysm: System, ep, tokens_per_rank, hidden, topk, num_experts, dispatch_dtype,
+              combine_dtype, routing, gpus_per_node, sim_tokens):
+    """Validated (routing spec, Layout, T, H, k, dispatch dtype, combine dtype)."""
     ep = _check_int("ep", ep)
     T = _check_int("tokens_per_rank", tokens_per_rank)
     H = _check_int("hidden", hidden)
@@ -430,13 +505,9 @@ def predict(system: str | System = "h800", mode: str = "normal", *, ep: int,
     if E % ep:
         raise ValueError(f"num_experts={E} must be divisible by ep={ep} (experts are split "
                          "evenly over ranks)")
-    d_dtype = normalize_dtype(dispatch_dtype, DTYPE_BYTES)
+    d_dtype = normalize_dtype(dispatch_dtype, DTYPES)
     c_dtype = normalize_dtype(combine_dtype, COMBINE_DTYPES)
     gpn = _nodes_layout(sysm, ep, gpus_per_node)
-    sms = (min(NORMAL_DEFAULT_SMS, sysm.num_sms) if mode == "normal" else sysm.num_sms) \
-        if num_sms is None else _check_int("num_sms", num_sms)
-    if sms > sysm.num_sms:
-        raise ValueError(f"num_sms={sms} exceeds the {sysm.num_sms} SMs of {sysm.name}")
     _check_int("sim_tokens", sim_tokens, 64)
     spec = parse_routing(routing, E, k)
     if spec.kind == "group_limited":
@@ -445,24 +516,4 @@ def predict(system: str | System = "h800", mode: str = "normal", *, ep: int,
             if gs % size and size % gs:
                 raise ValueError(f"group_limited: group size {gs} and {what} ({size}) must "
                                  "divide one another")
-    layout = Layout(ep=ep, gpn=gpn, m=E // ep)
-    consts = constants or FITTED
-    classes = LL_CLASSES if mode == "low_latency" else (
-        INTERNODE_CLASSES + ("rank_send_nvl",) if layout.nodes > 1 else INTRANODE_CLASSES)
-    loads = compute_loads(layout, T, k, spec, classes, np.random.default_rng(seed), sim_tokens)
-    costs = _Costs(sysm, consts, sms, layout, any_to_any=(mode == "low_latency"))
-    run = _low_latency if mode == "low_latency" else _normal
-    dispatch, combine = run(costs, layout, loads, T, H, k, d_dtype, c_dtype, consts)
-    notes = []
-    if costs.tiers > sysm.tiers:
-        notes.append(f"{math.ceil(ep / sysm.planes)} NICs per plane need {costs.tiers} switch "
-                     f"tiers of radix {sysm.switch_radix}; {sysm.name} lists {sysm.tiers}, the "
-                     f"model assumes {costs.tiers}")
-    return Prediction(system=sysm.name, mode=mode, ep=ep, tokens_per_rank=T, hidden=H, topk=k,
-                      num_experts=E, gpus_per_node=gpn, nodes=layout.nodes,
-                      routing=spec.label(), dispatch_dtype=d_dtype, combine_dtype=c_dtype,
-                      dispatch=dispatch, combine=combine,
-                      pairs_per_token=loads.pairs_per_token,
-                      ranks_per_token=loads.ranks_per_token,
-                      nodes_per_token=loads.nodes_per_token, method=loads.method,
-                      notes=tuple(notes))
+    return spec, Layout(ep=ep, gpn=gpn, m=E // ep), T, H, k, d_dtype, c_dtype

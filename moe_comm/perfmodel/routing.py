@@ -10,6 +10,8 @@ Routing specs (the `routing=` argument of `predict`):
 | spec                          | meaning                                                     |
 |-------------------------------|-------------------------------------------------------------|
 | "uniform"                     | k distinct experts, uniformly at random (closed forms)      |
+| "balanced"                    | a "perfect router": min(k, ep) distinct ranks uniformly at  |
+|                               | random, k / min(k, ep) experts on each (closed forms)       |
 | "zipf:<alpha>"                | expert popularity ~ 1/rank^alpha over a seeded random       |
 |                               | placement; k distinct picks by successive sampling          |
 | "group_limited:<g>:<tg>"      | DeepSeek-V3 node-limited gating: E experts in g contiguous  |
@@ -28,7 +30,7 @@ from functools import lru_cache
 
 import numpy as np
 
-ROUTING_KINDS = ("uniform", "zipf", "group_limited", "tensor")
+ROUTING_KINDS = ("uniform", "balanced", "zipf", "group_limited", "tensor")
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,11 +84,11 @@ def parse_routing(routing, num_experts: int, topk: int) -> RoutingSpec:
 def _parse_routing_string(text: str, E: int, k: int) -> RoutingSpec:
     parts = text.split(":")
     kind = parts[0].lower()
-    usage = ('routing strings are "uniform", "zipf:<alpha>" (alpha >= 0) or '
+    usage = ('routing strings are "uniform", "balanced", "zipf:<alpha>" (alpha >= 0) or '
              '"group_limited:<groups>:<topk_groups>"')
     try:
-        if kind == "uniform" and len(parts) == 1:
-            return RoutingSpec("uniform")
+        if kind in ("uniform", "balanced") and len(parts) == 1:
+            return RoutingSpec(kind)
         if kind == "zipf" and len(parts) == 2:
             alpha = float(parts[1])
             if not (alpha >= 0 and math.isfinite(alpha)):

@@ -1,0 +1,141 @@
+"""The performance model's moe_comm profile counts exactly the bytes the kernels move.
+
+For a grid of shapes (ranks, experts, top-k, hidden, dtypes, FP8, routing, modes, nodes) one
+dispatch and one combine run on CPU ranks; every counter of ``Buffer.stats()`` and every
+per-peer byte count of the transport must equal `moe_comm_counters`, and the busiest rank's
+bytes per link class that `predict` reports must equal the measured ones.
+"""
+import numpy as np
+import pytest
+import torch
+from perfmodel_jobs import link_bytes
+
+import moe_comm
+from moe_comm import lockstep
+from moe_comm.perfmodel import moe_comm_counters, predict
+
+
+def _routing(kind: str, R: int, T: int, E: int, K: int, seed: int) -> np.ndarray:
+    """[R*T, K] global routing: uniform, skewed (most picks on the first rank), with -1 rows
+    and slots, or one rank receiving nothing."""
+    rng = np.random.default_rng(seed)
+    ids = np.argsort(rng.random((R * T, E)), axis=1)[:, :K]
+    if kind == "skew":
+        hot = np.argsort(rng.random((R * T, E // R)), axis=1)[:, :K]
+        ids = np.where(rng.random((R * T, 1)) < 0.7, hot[:, :K], ids)
+    elif kind == "holes":
+        ids[rng.random(ids.shape) < 0.3] = -1
+        ids[::5] = -1
+    elif kind == "empty_rank":
+        L = E // R
+        ids = np.array([rng.choice([e for e in range(E) if e // L != R - 1], K, replace=False)
+                        for _ in range(R * T)])
+    return ids.astype(np.int64)
+
+
+def _loopback_counters(ids, R, E, H, dtype, fp8, low_latency):
+    """Run one dispatch + combine on loopback ranks; per rank {"dispatch": .., "combine": ..}."""
+    K = ids.shape[1]
+    T = ids.shape[0] // R
+    bufs = moe_comm.Buffer.loopback(R, H, E, T, dtype, max_topk=K, low_latency=low_latency)
+    idxs = [torch.from_numpy(ids[r * T:(r + 1) * T]) for r in range(R)]
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn((T, H), generator=g).to(dtype) for _ in range(R)]
+    ws = [torch.rand((T, K), generator=g) for _ in range(R)]
+    s0 = [b.stats() for b in bufs]
+    if low_latency:
+        recv = lockstep.low_latency_dispatch(bufs, xs, idxs, fp8=fp8)
+        s1 = [b.stats() for b in bufs]
+        lockstep.low_latency_combine(bufs, [torch.zeros(r.x.shape, dtype=dtype) for r in recv],
+                                     idxs, ws, [r.handle for r in recv])
+    else:
+        res = lockstep.dispatch(bufs, xs, idxs, ws, fp8=fp8)
+        s1 = [b.stats() for b in bufs]
+        lockstep.combine(bufs, [torch.zeros((r.x.shape[0], H), dtype=dtype) for r in res],
+                         [r.handle for r in res], [r.weights for r in res])
+    s2 = [b.stats() for b in bufs]
+    return [{"dispatch": {k: s1[r][k] - s0[r][k] for k in s1[r]},
+             "combine": {k: s2[r][k] - s1[r][k] for k in s2[r]}} for r in range(R)]
+
+
+def _check(got, want, label):
+    for rank, (g, w) in enumerate(zip(got, want, strict=True)):
+        for phase in ("dispatch", "combine"):
+            for key, value in w[phase].items():
+                assert g[phase][key] == value, (label, rank, phase, key, g[phase][key], value)
+
+
+def _dtype_names(dtype, fp8):
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    return ("fp8" if fp8 else name), name
+
+
+# (R, E, H, K, T, dtype, fp8, routing)
+GRID = [
+    (2, 4, 128, 2, 6, torch.bfloat16, False, "uniform"),
+    (4, 16, 256, 4, 5, torch.bfloat16, True, "skew"),
+    (4, 8, 64, 8, 4, torch.float32, False, "holes"),
+    (3, 12, 128, 3, 7, torch.float16, False, "empty_rank"),
+    (8, 32, 128, 8, 3, torch.bfloat16, True, "uniform"),
+]
+
+
+@pytest.mark.parametrize("low_latency", [False, True], ids=["normal", "low_latency"])
+@pytest.mark.parametrize("shape", GRID, ids=lambda s: f"R{s[0]}-E{s[1]}-H{s[2]}-K{s[3]}-T{s[4]}-"
+                         f"{str(s[5])[6:]}{'-fp8' if s[6] else ''}-{s[7]}")
+def test_counters_equal_kernels_on_one_node(shape, low_latency):
+    R, E, H, K, T, dtype, fp8, kind = shape
+    ids = _routing(kind, R, T, E, K, seed=R * 100 + K)
+    got = _loopback_counters(ids, R, E, H, dtype, fp8, low_latency)
+    d_name, c_name = _dtype_names(dtype, fp8)
+    mode = "low_latency" if low_latency else "normal"
+    want = moe_comm_counters(ids, ep=R, num_experts=E, hidden=H, gpus_per_node=R, mode=mode,
+                             dispatch_dtype=d_name, combine_dtype=c_name)
+    _check(got, want, shape)
+    # predict(routing=the same global ids): the busiest rank's NVLink bytes as measured
+    p = predict("h800", mode, ep=R, tokens_per_rank=T, hidden=H, topk=K, num_experts=E,
+                dispatch_dtype=d_name, combine_dtype=c_name, routing=ids, gpus_per_node=R)
+    for phase in ("dispatch", "combine"):
+        measured = max(g[phase][f"{phase}_bytes_to_peers"] for g in got)
+        assert getattr(p, phase).bytes.sent_nvlink_bytes == measured, (phase, shape)
+        assert getattr(p, phase).bytes.sent_rdma_bytes == 0
+
+
+# (nodes, ranks per node, E, H, K, T, fp8, routing, hierarchical, low latency)
+NODE_GRID = [
+    (2, 2, 16, 128, 4, 6, False, "uniform", False, False),
+    (2, 2, 16, 256, 4, 6, True, "holes", True, False),
+    (2, 2, 8, 128, 2, 5, False, "skew", False, True),
+    (2, 2, 16, 128, 4, 4, True, "uniform", False, True),
+]
+
+
+@pytest.mark.parametrize("setup", NODE_GRID, ids=lambda s: (
+    f"{s[0]}x{s[1]}-E{s[2]}-H{s[3]}-K{s[4]}-T{s[5]}{'-fp8' if s[6] else ''}-{s[7]}-"
+    f"{'ll' if s[9] else ('hier' if s[8] else 'flat')}"))
+def test_counters_equal_kernels_and_transport_across_nodes(ranks, setup):
+    pytest.importorskip("nixl_cu13")
+    M, N, E, H, K, T, fp8, kind, hier, ll = setup
+    R = M * N
+    ids = _routing(kind, R, T, E, K, seed=7 * R + K)
+    got = ranks(R).run(link_bytes, torch.from_numpy(ids), H, E, N, hier, ll, fp8)
+    mode = "low_latency" if ll else "normal"
+    want = moe_comm_counters(ids, ep=R, num_experts=E, hidden=H, gpus_per_node=N, mode=mode,
+                             hierarchical=hier, dispatch_dtype="fp8" if fp8 else "bf16")
+    _check(got, want, setup)
+    if hier:
+        return   # forwarders' stores: checked above, not split by link in the kernels' counters
+    p = predict("h800", mode, ep=R, tokens_per_rank=T, hidden=H, topk=K, num_experts=E,
+                dispatch_dtype="fp8" if fp8 else "bf16", routing=ids, gpus_per_node=N,
+                hierarchical=False)
+    L = E // R
+    for phase in ("dispatch", "combine"):
+        channel = ("ll_" if ll else "") + phase
+        rdma = [sum(g[phase]["per_peer"][channel]) for g in got]
+        nvlink = [g[phase][f"{phase}_bytes_to_peers"] for g in got]
+        if ll:   # the low-latency kernels count the rows they stage for the NIC, and the
+            #      signals of experts on other nodes, among their stores
+            signals = (R - N) * (L * 8 if phase == "dispatch" else 8)
+            nvlink = [n - r - signals for n, r in zip(nvlink, rdma, strict=True)]
+        assert getattr(p, phase).bytes.sent_rdma_bytes == max(rdma), (phase, setup)
+        assert getattr(p, phase).bytes.sent_nvlink_bytes == max(nvlink), (phase, setup)

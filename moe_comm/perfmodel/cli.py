@@ -1,7 +1,13 @@
-"""Command line: one table of predictions, one row per (system, mode, ep); optional plot.
+"""Command line: one table of predictions, one row per (system, implementation, mode, ep);
+optional plot. Two more commands: `validate` (the published cases, measured against
+predicted) and `study` (regenerates docs/CODESIGN.md and its plots).
 
     python -m moe_comm.perfmodel --system h800 b200 --mode low_latency --ep 8 16 32 64 \\
         --tokens 128 --hidden 7168 --topk 8 --experts 256 --plot ll.png
+    python -m moe_comm.perfmodel --implementation moe_comm trtllm-onesided bound \\
+        --system gb200-nvl72 --ep 8 64 --tokens 16 --dispatch-dtype bf16
+    python -m moe_comm.perfmodel validate
+    python -m moe_comm.perfmodel study --out docs
 
 Bytes columns are per rank in MB (1e6 bytes): logical (the mode's bandwidth convention),
 the minimum that must leave a rank, and NVLink / RDMA bytes of the busiest rank.
@@ -11,11 +17,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .model import COMBINE_DTYPES, DTYPE_BYTES, MODES, Prediction, predict
+from .formats import COMBINE_DTYPES, DTYPES
+from .implementations import IMPLEMENTATIONS
+from .model import MODES, Prediction, predict
 from .systems import SYSTEMS
 
 COLUMNS = (  # header, width-free formatter
     ("system", lambda p: p.system),
+    ("implementation", lambda p: p.implementation),
     ("mode", lambda p: p.mode),
     ("ep", lambda p: str(p.ep)),
     ("nodes", lambda p: str(p.nodes)),
@@ -32,7 +41,7 @@ COLUMNS = (  # header, width-free formatter
     ("rdma_MB", lambda p: f"{p.dispatch.bytes.rdma_bytes / 1e6:.2f}"),
     ("ranks/token", lambda p: f"{p.ranks_per_token:.2f}"),
 )
-_LEFT = {"system", "mode", "dispatch_bound", "combine_bound"}
+_LEFT = {"system", "implementation", "mode", "dispatch_bound", "combine_bound"}
 
 
 def format_table(preds: list[Prediction]) -> str:
@@ -91,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--system", nargs="+", default=["h800"],
                     help=f"preset names: {', '.join(SYSTEMS)}")
     ap.add_argument("--mode", nargs="+", default=["normal"], choices=MODES)
+    ap.add_argument("--implementation", nargs="+", default=["moe_comm"],
+                    choices=tuple(IMPLEMENTATIONS) + ("bound",),
+                    help="implementation profiles, or 'bound' for the hardware's lower bound")
+    ap.add_argument("--hierarchical", choices=("yes", "no"), default=None,
+                    help="normal mode across nodes: hierarchical or flat (default: the "
+                         "implementation's)")
     ap.add_argument("--ep", nargs="+", type=int, required=True, help="EP sizes (ranks)")
     ap.add_argument("--tokens", type=int, default=None,
                     help="tokens per rank (default 4096 normal, 128 low_latency)")
@@ -100,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     experts.add_argument("--experts", type=int, default=None, help="total experts (default 256)")
     experts.add_argument("--experts-per-rank", type=int, default=None,
                          help="experts per rank, so that E = this x ep for every EP size")
-    ap.add_argument("--dispatch-dtype", default="fp8", choices=tuple(DTYPE_BYTES))
+    ap.add_argument("--dispatch-dtype", default="fp8", choices=DTYPES)
     ap.add_argument("--combine-dtype", default="bf16", choices=COMBINE_DTYPES)
     ap.add_argument("--routing", default="uniform",
                     help='"uniform", "zipf:<alpha>" or "group_limited:<groups>:<topk_groups>"')
@@ -114,21 +129,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["study"]:
+        from .study import main as study_main
+        return study_main(argv[1:])
+    if argv[:1] == ["validate"]:
+        from .calibration import report, table
+        print(table())
+        print()
+        print(report())
+        return 0
     args = build_parser().parse_args(argv)
+    hier = None if args.hierarchical is None else args.hierarchical == "yes"
     preds = []
     try:
         for system in args.system:
-            for mode in args.mode:
-                tokens = args.tokens or (4096 if mode == "normal" else 128)
-                for ep in args.ep:
-                    experts = (args.experts_per_rank * ep if args.experts_per_rank
-                               else args.experts or 256)
-                    preds.append(predict(
-                        system, mode, ep=ep, tokens_per_rank=tokens, hidden=args.hidden,
-                        topk=args.topk, num_experts=experts, dispatch_dtype=args.dispatch_dtype,
-                        combine_dtype=args.combine_dtype, routing=args.routing,
-                        gpus_per_node=args.gpus_per_node, num_sms=args.num_sms,
-                        seed=args.seed))
+            for impl in args.implementation:
+                for mode in args.mode:
+                    tokens = args.tokens or (4096 if mode == "normal" else 128)
+                    for ep in args.ep:
+                        experts = (args.experts_per_rank * ep if args.experts_per_rank
+                                   else args.experts or 256)
+                        preds.append(predict(
+                            system, mode, ep=ep, tokens_per_rank=tokens, hidden=args.hidden,
+                            topk=args.topk, num_experts=experts,
+                            dispatch_dtype=args.dispatch_dtype,
+                            combine_dtype=args.combine_dtype, routing=args.routing,
+                            gpus_per_node=args.gpus_per_node, num_sms=args.num_sms,
+                            seed=args.seed, implementation=impl, hierarchical=hier))
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -116,10 +116,26 @@ class System:
 #   [QM9700]    NVIDIA Quantum-2 QM9700: 64 ports of NDR 400 Gb/s per switch.
 #   [DeepEP]    DeepEP README: H800 NVLink "~160 GB/s" measured per direction, one CX7
 #               400 Gb/s NIC per GPU.
+#   [GB300]     NVIDIA GB300 NVL72 / HGX B300 specifications: 72 (or 8) Blackwell Ultra GPUs per
+#               NVLink domain, NVLink 5 at 1.8 TB/s bidirectional per GPU, 8 TB/s HBM3e, one
+#               ConnectX-8 SuperNIC at 800 Gb/s per GPU.
+#   [CX8]       NVIDIA ConnectX-8 SuperNIC product brief: 800 Gb/s per GPU, PCIe Gen6 x16 host
+#               interface (64 GT/s x 16, ~121 GB/s per direction after FLIT overhead),
+#               multi-plane operation (the 800 Gb/s split into planes on separate switches).
+#   [ROADMAP]   NVIDIA's public roadmap for Rubin Ultra "NVL576": 576 GPUs in one NVLink domain,
+#               NVLink 7, ConnectX-9 at 1.6 Tb/s. No datasheet yet: every number of that
+#               preset is an assumption and says so.
 _HOPPER_GPU: dict[str, Any] = {"num_sms": 132,            # [H100-DS] 132 SMs
                "sm_clock_GHz": 1.98}      # [H100-DS] 1.98 GHz boost
 _BLACKWELL_GPU: dict[str, Any] = {"num_sms": 148,         # [B200-SM] 148 SMs
                   "sm_clock_GHz": 1.965}  # boost clock (estimate)
+_BLACKWELL_ULTRA_GPU: dict[str, Any] = {"num_sms": 160,   # assumption: 2 dies x 80 SMs
+                         "sm_clock_GHz": 1.965}            # estimate, as Blackwell
+_XDR800_FABRIC: dict[str, Any] = {"nic_Gbps": 800.0,       # [CX8] 800 Gb/s per GPU
+                  "nic_message_rate_Mpps": 660.0,  # assumption: twice CX7's rate
+                  "pcie_GBps": 121.0,              # [CX8] PCIe Gen6 x16
+                  "topology": "rail-optimized",
+                  "switch_radix": 144, "tiers": 2}  # assumption: 144-port 800G switches
 _NDR_FABRIC: dict[str, Any] = {"nic_Gbps": 400.0,                 # [CX7] one NDR port per GPU
                "nic_message_rate_Mpps": 330.0,    # [CX7] 330-370 M msg/s
                "pcie_GBps": 63.0,                 # [PCIe5] Gen5 x16 NIC slot
@@ -163,7 +179,51 @@ SYSTEMS: dict[str, System] = {
         nvlink_latency_us=1.5,      # estimate: two NVSwitch-tray hops of cable in the rack
         hbm_GBps=8000.0,            # [GB200] 8 TB/s per GPU
         **_BLACKWELL_GPU, **_NDR_FABRIC),   # [GB200] ConnectX-7 400 Gb/s per GPU
+    "b300": System(
+        name="b300",
+        nvlink_peak_GBps=900.0,     # [GB300] NVLink 5
+        nvlink_domain_size=8,       # HGX B300 baseboard
+        nvlink_latency_us=1.0,
+        hbm_GBps=8000.0,            # [GB300]
+        **_BLACKWELL_ULTRA_GPU, **_XDR800_FABRIC),
+    "gb300-nvl72": System(
+        name="gb300-nvl72",
+        nvlink_peak_GBps=900.0,     # [GB300] 1.8 TB/s bidirectional
+        nvlink_domain_size=72,      # [GB300]
+        nvlink_latency_us=1.5,      # estimate, as GB200 NVL72
+        hbm_GBps=8000.0,            # [GB300]
+        **_BLACKWELL_ULTRA_GPU, **_XDR800_FABRIC),
+    "gb300-nvl72-2plane": System(
+        name="gb300-nvl72-2plane",
+        nvlink_peak_GBps=900.0, nvlink_domain_size=72, nvlink_latency_us=1.5, hbm_GBps=8000.0,
+        planes=2,                   # assumption: GPUs alternate between two disjoint planes
+        #                             (plane = local index mod 2), each built of 64-port
+        #                             switches: fewer tiers, an NVLink relay across planes
+        **_BLACKWELL_ULTRA_GPU, **{**_XDR800_FABRIC, "switch_radix": 64}),
+    "nvl576": System(
+        name="nvl576",
+        nvlink_peak_GBps=1800.0,    # [ROADMAP] assumption: NVLink 7, 3.6 TB/s bidirectional
+        nvlink_domain_size=576,     # [ROADMAP]
+        nvlink_latency_us=2.0,      # assumption: one more switch level than NVL72
+        hbm_GBps=16000.0,           # assumption: HBM4e
+        num_sms=224, sm_clock_GHz=2.0,  # assumption
+        nic_Gbps=1600.0,            # [ROADMAP] ConnectX-9 1.6 Tb/s
+        nic_message_rate_Mpps=1320.0,   # assumption: four times CX7
+        pcie_GBps=242.0,            # assumption: PCIe Gen7-class x16 or an on-package link
+        topology="rail-optimized", switch_radix=144, tiers=2),   # assumption
 }
+
+
+def with_nic(system: str | System, nic_Gbps: float, planes: int | None = None) -> System:
+    """`system` with another NIC line rate per GPU (400, 800, 1600 Gb/s ...): the message rate
+    and the PCIe link scale with it (a faster NIC comes with a matching host link), and
+    optionally split into `planes` disjoint fabrics."""
+    s = get_system(system)
+    scale = nic_Gbps / s.nic_Gbps
+    return s.replace(name=f"{s.name}@{nic_Gbps:g}G" + (f"x{planes}p" if planes else ""),
+                     nic_Gbps=nic_Gbps, nic_message_rate_Mpps=s.nic_message_rate_Mpps * scale,
+                     pcie_GBps=max(s.pcie_GBps, s.pcie_GBps * scale),
+                     planes=planes or s.planes)
 
 
 def get_system(system: str | System) -> System:

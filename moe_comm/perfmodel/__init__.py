@@ -1,7 +1,8 @@
 """moe_comm.perfmodel: analytical model and routing simulator of EP dispatch and combine.
 
-Predicts the time, bandwidth and bottleneck of one dispatch and one combine call of this
-package's two algorithms on real systems, from 8 GPUs to hundreds of thousands:
+Predicts the time, bandwidth and bottleneck of one dispatch and one combine call on real
+systems, from 8 GPUs to hundreds of thousands, for this package (the default) or another
+implementation's profile (IMPLEMENTATIONS), or the hardware's lower bound:
 
     from moe_comm.perfmodel import predict, System, SYSTEMS
     p = predict(system="h800", mode="low_latency", ep=64, tokens_per_rank=128, hidden=7168,
@@ -12,12 +13,15 @@ package's two algorithms on real systems, from 8 GPUs to hundreds of thousands:
     p.bottleneck                       # of the slower phase; see BOTTLENECKS
     p.bytes["dispatch"]                # PhaseBytes: logical, minimum, per-link, local fraction
     p.dispatch.terms_us                # time each resource alone needs (which term bounds)
+    predict(..., implementation="deepep-v1")   # "deepep-v2", "trtllm-onesided", "nccl-ep"
+    predict(..., implementation="bound")       # no implementation can be faster
+    moe_comm_counters(ids, ep=..., ...)        # this package's exact bytes for a routing
 
 Only numpy and the standard library are imported; torch tensors are accepted as routing
-input without importing torch, matplotlib is imported by the CLI's --plot only.
+input without importing torch, matplotlib is imported by the CLI's --plot and the study only.
 
 Benchmark integration. For a measured row with world size R, T tokens per rank, hidden H,
-top-k K, E experts and payload dtype `dtype` (a torch dtype or "bf16"/"fp16"/"fp32"/"fp8"):
+top-k K, E experts and payload dtype `dtype` (a torch dtype or a name of DTYPES):
 
     from moe_comm.perfmodel import predict
     p = predict(args.system, "normal", ep=R, tokens_per_rank=T, hidden=H, topk=K,
@@ -28,7 +32,7 @@ top-k K, E experts and payload dtype `dtype` (a torch dtype or "bf16"/"fp16"/"fp
     p.bytes["dispatch"].min_link_bytes     # minimum bytes per rank (each token once per
     p.bytes["combine"].min_link_bytes      # other destination rank), mean over ranks
 
-Use mode="low_latency" for the low-latency ops. The combine dtype must be bf16, fp16 or fp32.
+Use mode="low_latency" for the low-latency ops. Combine dtypes: COMBINE_DTYPES.
 """
 from .bound import predict_bound
 from .counted import moe_comm_counters

@@ -1,18 +1,22 @@
-"""The cost model: time of one dispatch call and one combine call on a `System`.
+"""The cost model: time of one dispatch call and one combine call of an `Implementation` on a
+`System`.
 
 A phase (dispatch or combine) of one rank is modelled as
 
-    time_us = latency_us + max(terms_us.values())
+    time_us = latency_us + max(overlap_us, max(terms_us.values()))
 
 where every entry of `terms_us` is the time one resource alone needs for the most loaded rank
-(the resources work concurrently, so only the largest counts) and `latency_us` is the fixed
-per-call cost (fitted, see calibration.py) plus the path latency of the last message. The
-`bottleneck` is the largest term, or "latency" when latency_us exceeds every term.
+(the resources work concurrently, so only the largest counts), `latency_us` is the
+implementation's serial per-call cost (fixed, per peer, per token; implementations.py) plus
+the path latency of the last message, and `overlap_us` the implementation's fixed work that
+data transfers hide. The `bottleneck` is the largest term, or "latency" when the fixed part
+exceeds every term.
 
 | term             | resource and formula                                                    |
 |------------------|-------------------------------------------------------------------------|
 | nvlink           | max(sent, received) NVLink bytes / (nvlink_GBps x copy efficiency)      |
-| rdma             | max(sent, received) wire bytes (IB headers) / NIC line rate; leaf-uplink |
+| rdma             | max(sent, received) wire bytes (IB headers) / (NIC line rate x NIC      |
+|                  | efficiency); leaf-uplink                                                |
 |                  | share x oversubscription when the fabric is oversubscribed              |
 | pcie             | GPU<->NIC bytes incl. TLP headers and one WQE fetch per message         |
 | nic_message_rate | RDMA messages (writes + count signals) / NIC message rate               |

@@ -157,6 +157,10 @@ class FaultTolerance:
             self._set_on_all(self.layout.offset("ft_epochs", me, j), 0, epoch)
         joined = self._clean_round(0, serial, list(range(R)) if readmit else None)
         joined = self._clean_round(1, serial, [s for s in range(R) if joined[s]])
+        if readmit:  # a mark another rank set before its own clean_mask may have landed here
+            for s in range(R):  # after this one began: every rank that came is taken back
+                if joined[s]:
+                    self._mask[s] = 0
         table = self.layout.view(self.heap, "ft_epochs").cpu()
         active = (self._mask == 0).cpu()
         agreed = table[torch.tensor(joined) & active].amax(0).tolist()

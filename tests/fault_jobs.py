@@ -257,9 +257,7 @@ def masked_on_purpose(rank, world_size, case: Case, ll_case: Case, masked: int) 
     report = {}
     for b in (buf, ll):
         b.mask_rank(masked)
-    # every mark has landed before anyone cleans: a mark landing on a rank after its
-    # clean_mask(readmit=True) began is kept there (a known gap of clean_mask)
-    dist.barrier()
+    dist.barrier()   # every mark has landed before anyone calls
     if rank == masked:
         for name, call in (("normal", lambda: _checked_call(buf, case, rank, 0, set())),
                            ("low_latency", lambda: ll_calls(rank, ll_case, ll, {}, 1))):
@@ -280,6 +278,24 @@ def masked_on_purpose(rank, world_size, case: Case, ll_case: Case, masked: int) 
     buf.close()
     ll.close()
     return report
+
+
+def late_mark_readmitted(rank, world_size, case: Case, marker: int, marked: int,
+                         delay_s: float) -> list:
+    """``marker`` masks ``marked`` only after the others have entered
+    ``clean_mask(readmit=True)``, then calls it too: its mark lands on them after their clean
+    began, and still every view ends all active."""
+    import torch.distributed as dist
+
+    buf = new_buffer(case, fault_tolerant=True)
+    dist.barrier()
+    if rank == marker:
+        time.sleep(delay_s)
+        buf.mask_rank(marked)
+    active = buf.clean_mask(readmit=True).tolist()
+    _checked_call(buf, case, rank, 0, set())
+    buf.close()
+    return active
 
 
 def no_failure_costs(rank, world_size, case: Case, in_kernels: bool) -> dict:

@@ -164,6 +164,14 @@ def test_mask_rank_then_readmit(ranks):
         assert res["cleaned"] == [[True] * R] * 2, (rank, res)
 
 
+def test_a_mark_landing_during_readmit_is_taken_back(ranks):
+    R = 4
+    case = Case(R, 2 * R, 128, 2, (4, 6, 5, 3), seed=37)
+    for rank, active in enumerate(ranks(R).run(fault_jobs.late_mark_readmitted, case, 0, 2,
+                                               1.0)):
+        assert active == [True] * R, (rank, active)
+
+
 @pytest.mark.parametrize("in_kernels", [False, True])
 def test_no_failure_no_extra_launch_or_sync(ranks, in_kernels):
     R = 2

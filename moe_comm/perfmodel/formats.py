@@ -109,7 +109,8 @@ DEEPEP_V1 = MessageFormat("deepep-v1", ll_header_bytes=16, ll_count_bytes=0, met
 
 # An implementation that sends the token and its routing once per destination rank with a
 # minimal header (int32 source index, int32 expert + fp32 weight per slot): TensorRT-LLM's
-# one-sided NVLink all-to-all and NCCL EP's formats are of this shape.
+# one-sided NVLink all-to-all (tech blog 18: hidden states, scales, top-k ids and weights in
+# one message) is of this shape.
 COMPACT = MessageFormat("compact", ll_header_bytes=4, ll_count_bytes=4, meta_base_bytes=4,
                         meta_per_topk_bytes=8, count_bytes_per_expert=0, epoch_signal_bytes=0,
                         node_slot_bytes=0)

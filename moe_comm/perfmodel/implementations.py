@@ -156,7 +156,8 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                                   nic_efficiency=0.994)},
         measured_on=("h100",),
         notes=("README reference numbers: H100, 8 GPUs per node, BF16 both ways, 128 tokens; "
-               "expert-major layout, one message per (token, expert)",
+               "expert-major layout, one message per (token, expert); its low-latency kernels "
+               "derive from DeepEP's, so the 16-byte message header is taken as DeepEP's",
                "high-throughput mode: no published numbers (being tuned), so not modelled")),
 }
 
@@ -172,4 +173,4 @@ def get_implementation(impl: str | Implementation) -> Implementation:
 
 
 __all__ = ["Algorithm", "IMPLEMENTATIONS", "Implementation", "get_implementation",
-           "with_algorithm", "COMPACT"]
+           "with_algorithm"]

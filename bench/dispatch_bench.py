@@ -2,6 +2,7 @@
 
     python bench/dispatch_bench.py --ranks 4 --tokens 128 --system h800
     python bench/dispatch_bench.py --mode low_latency --fp8      # decode: 128 tokens per rank
+    python bench/dispatch_bench.py --dispatch-dtype mxfp8       # MXFP8 rows (E8M0 per 32)
 
 Prints one table, one row per model config (real hidden sizes, expert counts and top-k):
 
@@ -72,28 +73,42 @@ def make_routing(cfg: ModelConfig, world_size: int, tokens: int, routing: str, s
     return xs, idxs, ws
 
 
-def _payload_bytes(hidden: int, elem: int, fp8: bool) -> int:
-    """Bytes of one row on the link: FP8 codes plus one fp32 scale per 128 channels, or H*b."""
-    return hidden + 4 * (hidden // 128) if fp8 else hidden * elem
+def _payload_bytes(hidden: int, elem: int, fmt: str) -> int:
+    """Bytes of one row on the link: FP8 codes plus one fp32 scale per 128 channels, MXFP8
+    codes plus one E8M0 byte per 32, or H*b."""
+    if fmt == "fp8":
+        return hidden + 4 * (hidden // 128)
+    if fmt == "mxfp8":
+        return hidden + hidden // 32
+    return hidden * elem
 
 
-def _normal_call(buf, x, idx, w, fp8: bool):
+def _dequantized(res, fmt: str, dtype):
+    """The rows a dispatch received, as the expert (the identity) sees them."""
+    from moe_comm import microscale, reference
+
+    if fmt == "mxfp8":
+        return microscale.dequantize_mxfp8(res.x, res.x_scales).to(dtype)
+    return reference.dequantize_fp8(res.x, res.x_scales).to(dtype) if fmt else res.x
+
+
+def _normal_call(buf, x, idx, w, fmt: str):
     """One dispatch + combine; the expert is the identity (on dequantized rows with FP8)."""
-    from moe_comm import reference
-
     t0 = time.perf_counter()
-    res = buf.dispatch(x, idx, w, fp8=fp8)
+    res = buf.dispatch(x, idx, w, fp8=fmt == "fp8" or None,
+                       dispatch_dtype="mxfp8" if fmt == "mxfp8" else None)
     t1 = time.perf_counter()
-    y = reference.dequantize_fp8(res.x, res.x_scales).to(x.dtype) if fp8 else res.x
+    y = _dequantized(res, fmt, x.dtype)
     t2 = time.perf_counter()
     out = buf.combine(y, res.handle, weights=res.weights)
     t3 = time.perf_counter()
     return t1 - t0, t3 - t2, (res, y, out)
 
 
-def _low_latency_call(buf, x, idx, w, fp8: bool):
+def _low_latency_call(buf, x, idx, w, fmt: str):
     from moe_comm import reference
 
+    fp8 = fmt == "fp8"
     t0 = time.perf_counter()
     recv, _ = buf.low_latency_dispatch(x, idx, fp8=fp8)
     t1 = time.perf_counter()
@@ -109,15 +124,16 @@ def _low_latency_call(buf, x, idx, w, fp8: bool):
     return t1 - t0, t3 - t2, (recv, y, out)
 
 
-def _agrees(mode, rank, result, xs, idxs, ws, cfg, tokens, fp8) -> bool:
+def _agrees(mode, rank, result, xs, idxs, ws, cfg, tokens, fmt) -> bool:
     """Bit-for-bit agreement of this rank's dispatch and combine with the reference."""
     from moe_comm import reference
 
+    fp8 = fmt == "fp8"
     if mode == "normal":
         res, y, out = result
-        ref = reference.dispatch_all(xs, idxs, ws, num_experts=cfg.experts, fp8=fp8)
-        ys = [reference.dequantize_fp8(r.x, r.x_scales).to(xs[0].dtype) if fp8 else r.x
-              for r in ref]
+        ref = reference.dispatch_all(xs, idxs, ws, num_experts=cfg.experts, fp8=fp8,
+                                     dispatch_dtype="mxfp8" if fmt == "mxfp8" else None)
+        ys = [_dequantized(r, fmt, xs[0].dtype) for r in ref]
         ref_out = reference.combine_all(ys, [r.handle for r in ref], [r.weights for r in ref])
         same_rows = torch.equal(res.x.view(torch.uint8), ref[rank].x.view(torch.uint8))
         return bool(same_rows and torch.equal(out, ref_out[rank]))
@@ -144,7 +160,7 @@ def _agrees(mode, rank, result, xs, idxs, ws, cfg, tokens, fp8) -> bool:
 
 def bench_job(rank, world_size, cfg: ModelConfig, tokens: int, dtype_name: str, iters: int,
               warmup: int, routing: str, seed: int, mode: str = "normal",
-              fp8: bool = False) -> dict:
+              fmt: str = "") -> dict:
     """Runs on every rank: timed moe_comm and reference calls, counters and agreement."""
     import torch.distributed as dist
 
@@ -156,7 +172,7 @@ def bench_job(rank, world_size, cfg: ModelConfig, tokens: int, dtype_name: str, 
     xs = [x.to(dtype) for x in xs]
     x, idx, w = xs[rank], idxs[rank], ws[rank]
     L = cfg.experts // world_size
-    payload = _payload_bytes(cfg.hidden, x.element_size(), fp8)
+    payload = _payload_bytes(cfg.hidden, x.element_size(), fmt)
     if mode == "normal":  # each token once per distinct other destination rank
         dests = [{int(e) // L for e in row if e >= 0} for row in idx.tolist()]
         min_link_bytes = sum(len(d - {rank}) for d in dests) * payload
@@ -171,7 +187,7 @@ def bench_job(rank, world_size, cfg: ModelConfig, tokens: int, dtype_name: str, 
     for it in range(warmup + iters):
         dist.barrier()
         stats0, launches0, syncs0 = buf.stats(), dict(buf.launches), sum(buf.host_syncs.values())
-        t_dispatch, t_combine, result = call(buf, x, idx, w, fp8)
+        t_dispatch, t_combine, result = call(buf, x, idx, w, fmt)
         stats1, launches1, syncs1 = buf.stats(), dict(buf.launches), sum(buf.host_syncs.values())
         dist.barrier()
         t3 = time.perf_counter()
@@ -185,7 +201,7 @@ def bench_job(rank, world_size, cfg: ModelConfig, tokens: int, dtype_name: str, 
             ref_d.append(t4 - t3)
             ref_c.append(t5 - t4)
     rows = result[0].x.shape[0] if mode == "normal" else int(result[0].count.sum())
-    agrees = _agrees(mode, rank, result, xs, idxs, ws, cfg, tokens, fp8)
+    agrees = _agrees(mode, rank, result, xs, idxs, ws, cfg, tokens, fmt)
     buf.close()
     launches = {k: launches1.get(k, 0) - launches0.get(k, 0) for k in launches1}
     return {
@@ -216,7 +232,8 @@ def _ms(values: list[float]) -> str:
 
 def summarize(cfg: ModelConfig, args, per_rank: list[dict]) -> dict:
     row = {"config": cfg.name, **asdict(cfg), "ranks": args.ranks, "tokens_per_rank": args.tokens,
-           "dtype": args.dtype, "routing": args.routing, "mode": args.mode, "fp8": args.fp8,
+           "dtype": args.dtype, "routing": args.routing, "mode": args.mode,
+           "dispatch_dtype": args.dispatch_dtype or args.dtype,
            "rows": sum(r["rows"] for r in per_rank),
            "link_bytes": sum(r["link_bytes"] for r in per_rank),
            "combine_link_bytes": sum(r["combine_link_bytes"] for r in per_rank),
@@ -233,7 +250,7 @@ def summarize(cfg: ModelConfig, args, per_rank: list[dict]) -> dict:
         _, idxs, _ = make_routing(cfg, args.ranks, args.tokens, args.routing, args.seed)
         p = predict(args.system, args.mode, ep=args.ranks, tokens_per_rank=args.tokens,
                     hidden=cfg.hidden, topk=cfg.topk, num_experts=cfg.experts,
-                    dispatch_dtype="fp8" if args.fp8 else args.dtype, combine_dtype=args.dtype,
+                    dispatch_dtype=args.dispatch_dtype or args.dtype, combine_dtype=args.dtype,
                     routing=torch.cat(idxs))
         row.update(system=args.system, pred_dispatch_us=p.dispatch_us,
                    pred_combine_us=p.combine_us, pred_bottleneck=p.bottleneck,
@@ -273,7 +290,10 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--mode", choices=["normal", "low_latency"], default="normal")
     parser.add_argument("--fp8", action="store_true", help="FP8 dispatch (combine stays in "
-                        "--dtype)")
+                        "--dtype): the same as --dispatch-dtype fp8")
+    parser.add_argument("--dispatch-dtype", choices=["fp8", "mxfp8"], default=None,
+                        help="quantize the dispatch in the send kernel: fp8 (per 128 channels, "
+                             "both modes) or mxfp8 (E8M0 per 32, normal mode); default --dtype")
     parser.add_argument("--tokens", type=int, default=128,
                         help="tokens per rank (128: a decode batch)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -308,11 +328,18 @@ def main(argv=None) -> int:
     from moe_comm.launch import RankPool
 
     configs = [c for c in CONFIGS if c.name in args.configs]
-    if args.fp8:  # FP8 needs hidden % 128 == 0
-        skipped = [c.name for c in configs if c.hidden % 128]
-        configs = [c for c in configs if c.hidden % 128 == 0]
+    if args.fp8:
+        args.dispatch_dtype = "fp8"
+    if args.dispatch_dtype == "mxfp8" and args.mode != "normal":
+        parser.error("--dispatch-dtype mxfp8 runs in normal mode only (the low-latency mode "
+                     "takes FP8)")
+    if args.dispatch_dtype:  # FP8 needs hidden % 128 == 0, MXFP8 hidden % 32 == 0
+        group = 128 if args.dispatch_dtype == "fp8" else 32
+        skipped = [c.name for c in configs if c.hidden % group]
+        configs = [c for c in configs if c.hidden % group == 0]
         if skipped:
-            print(f"FP8 skips {skipped} (hidden not a multiple of 128)", file=sys.stderr)
+            print(f"{args.dispatch_dtype} skips {skipped} (hidden not a multiple of {group})",
+                  file=sys.stderr)
     for cfg in configs:
         if cfg.experts % args.ranks:
             parser.error(f"{cfg.name}: {cfg.experts} experts do not split over {args.ranks} ranks")
@@ -324,7 +351,7 @@ def main(argv=None) -> int:
     with RankPool(args.ranks) as pool:
         for i, cfg in enumerate(configs, 1):
             per_rank = pool.run(bench_job, cfg, args.tokens, args.dtype, args.iters, args.warmup,
-                                args.routing, args.seed, args.mode, args.fp8)
+                                args.routing, args.seed, args.mode, args.dispatch_dtype)
             rows.append(summarize(cfg, args, per_rank))
             print(f"[{i}/{len(configs)}] {cfg.name} done, {time.perf_counter() - start:.0f} s "
                   "elapsed", file=sys.stderr, flush=True)
@@ -339,7 +366,8 @@ def main(argv=None) -> int:
             print(f"{framework} comparison done, {time.perf_counter() - start:.0f} s elapsed",
                   file=sys.stderr, flush=True)
     print(f"\nmoe_comm {args.mode} dispatch/combine, {args.ranks} CPU ranks, {args.tokens} tokens "
-          f"per rank, {'FP8 dispatch, ' if args.fp8 else ''}{args.dtype}, {args.routing} "
+          f"per rank, {args.dispatch_dtype.upper() + ' dispatch, ' if args.dispatch_dtype else ''}"
+          f"{args.dtype}, {args.routing} "
           "routing; MB = 1e6 bytes, summed over ranks\n")
     print(format_table(rows, args.system))
     print("\ncpu ms: Triton interpreter on CPU, slowest rank, median [min-max] of "

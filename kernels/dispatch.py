@@ -49,7 +49,7 @@ from .comm import (
 )
 from .numerics import channel_tile
 from .nvshmem import put_bytes, quiet
-from .quant import load_send_tile, row_payload, store_fp8_rows
+from .quant import load_send_tile, row_payload, scale_group, store_fp8_rows
 from .tiles import even, per_source_programs, persistent_programs, tiles
 
 _SEND_PER_CALL = ["rows_off", "meta_off", "counts_off", "signal_off", "local_base",
@@ -82,7 +82,8 @@ def dispatch_send_kernel(
     META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
     SEND_META: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     FP8: tl.constexpr,  # 0: copy rows as they are; 1: quantize here; 2: rows come quantized
-    UE8M0: tl.constexpr,  # with FP8 == 1: power-of-two scales, sent as exponent bytes
+    UE8M0: tl.constexpr,  # power-of-two scales, sent as exponent bytes
+    GS: tl.constexpr,  # channels per scale: 128, or 32 (MXFP8, with UE8M0)
     TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; where the pointer is 0,
                               # 1: NVSHMEM; 2: nothing here (kernels.internode, the proxy)
     ALIGN: tl.constexpr,  # bytes every staging row address is a multiple of
@@ -98,7 +99,7 @@ def dispatch_send_kernel(
     box_rows_off += parity * box_rows_parity
     box_meta_off += parity * box_meta_parity
     box_counts_off += parity * box_counts_parity
-    row_bytes = row_payload(x, H, FP8, UE8M0)
+    row_bytes = row_payload(x, H, FP8, UE8M0, GS)
     if SEND_META:
         row_bytes += 4 * (1 + 3 * K)
     to_peers = tl.zeros([1], tl.int64)
@@ -110,16 +111,16 @@ def dispatch_send_kernel(
         for h0 in range(0, H, BLOCK_H):
             h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
             m = tm[:, None] & hm[None, :]
-            g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+            g = h0 // GS + tl.arange(0, BLOCK_H // GS)
             tile, codes, scales, exps = load_send_tile(x, x_scales, t64, tm, h, hm, g, H,
-                                                       BLOCK_T, BLOCK_H, FP8, UE8M0)
+                                                       BLOCK_T, BLOCK_H, FP8, UE8M0, GS)
             if TRANSPORT == 1:  # each token's row once into the outbox, for the NVSHMEM puts
                 box8 = local_ptr(local_base, box_rows_off, tl.uint8, ALIGN) + t64 * ROW_BYTES
                 if FP8 == 0:
                     boxx = box8.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
                     tl.store(boxx[:, None] + h[None, :], tile, mask=m)  # gate: row
                 else:
-                    store_fp8_rows(box8, h, g, H, codes, scales, exps, tm, hm, UE8M0)
+                    store_fp8_rows(box8, h, g, H, codes, scales, exps, tm, hm, UE8M0, GS)
             for d in range(R):
                 slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
                 sm = by_stores(peer_ptrs, d + tl.zeros([BLOCK_T], tl.int32), slot >= 0,
@@ -130,7 +131,7 @@ def dispatch_send_kernel(
                     tl.store(rowx[:, None] + h[None, :], tile,  # gate: row
                              mask=sm[:, None] & hm[None, :])
                 else:
-                    store_fp8_rows(row8, h, g, H, codes, scales, exps, sm, hm, UE8M0)
+                    store_fp8_rows(row8, h, g, H, codes, scales, exps, sm, hm, UE8M0, GS)
         if SEND_META:
             kk = tl.arange(0, BLOCK_K)
             m2 = tm[:, None] & (kk < K)[None, :]
@@ -245,6 +246,7 @@ def dispatch_expand_kernel(
                                                                # int32 words for UE8M0)
     META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
     CACHED: tl.constexpr, HAS_WEIGHTS: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr,
+    GS: tl.constexpr,  # channels per scale (128; MXFP8 32)
     EVEN_H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
@@ -297,7 +299,7 @@ def dispatch_expand_kernel(
                          mask=(dst_row >= 0)[:, None] & hm[None, :])
         if FP8:  # the scales follow the H code bytes of each staging row
             g = tl.arange(0, BLOCK_G)
-            gm = jm[:, None] & (g < H // 128)[None, :]
+            gm = jm[:, None] & (g < H // GS)[None, :]
             if UE8M0:
                 sc = tl.load(staging + staged[:, None] * ROW_ELEMS + H + g[None, :], mask=gm)
             else:
@@ -335,7 +337,7 @@ def dispatch_expand_kernel(
 def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptrs, stats,
                   tickets, epochs, *, offsets: dict, rank: int, num_local_experts: int,
                   meta_stride: int, max_topk: int, grid: int, topk: int, row_bytes: int,
-                  fp8: int = 0, x_scales=None, ue8m0: bool = False,
+                  fp8: int = 0, x_scales=None, ue8m0: int = 0,
                   flavour: Flavour = CPU_RANKS, box_offsets: tuple = ((0, 0),) * 3) -> bool:
     """Launches ``grid`` persistent send programs (:func:`send_grid`, fixed by the Buffer).
 
@@ -343,8 +345,10 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
     per parity), signal -> byte offset; the kernel takes the call's epoch from ``epochs`` (the
     channel's device word) and its parity from the epoch, so nothing here changes per call.
     With ``topk_idx=None`` (the cached form) only rows and the epoch are sent. ``fp8``: 0 sends
-    rows as they are, 1 quantizes them (``ue8m0``: power-of-two scales), 2 sends the given
-    float8 rows (``x``) and float32 ``x_scales``. ``row_bytes``: staging row stride.
+    rows as they are, 1 quantizes them, 2 sends the given float8 rows (``x``) and ``x_scales``
+    (float32; E8M0 bytes for MXFP8). ``ue8m0``: 0 float32 scales per 128 channels, 1
+    power-of-two scales per 128 sent as exponent bytes, 2 MXFP8 (the same per 32 channels).
+    ``row_bytes``: staging row stride.
     Across nodes (``flavour.transport == 1``) ``box_offsets`` are (offset, parity stride) of
     the rdma_rows / rdma_meta / rdma_counts outboxes.
     """
@@ -356,6 +360,7 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
     dummy = slot_of
     if fp8 == 2:
         x = x.view(torch.uint8)
+        x_scales = x_scales.view(torch.uint8) if ue8m0 else x_scales
     dispatch_send_kernel[(grid,)](
         x, x_scales if fp8 == 2 else dummy, topk_idx if send_meta else dummy,
         topk_weights if has_weights else dummy, slot_of, pair_pos if send_meta else dummy,
@@ -364,8 +369,9 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
         offsets["meta"][1], offsets["counts"][1], *(off for off, _ in box_offsets),
         *(stride for _, stride in box_offsets), flavour.local_base, flavour.errors_addr, T, H,
         topk, R, num_local_experts, rank, row_bytes, META_STRIDE=meta_stride, KMAX=max_topk,
-        SEND_META=send_meta, HAS_WEIGHTS=has_weights, FP8=fp8, UE8M0=ue8m0,
-        TRANSPORT=flavour.transport, ALIGN=flavour.row_align, EVEN_H=even(H, tile.block_h),
+        SEND_META=send_meta, HAS_WEIGHTS=has_weights, FP8=fp8, UE8M0=bool(ue8m0),
+        GS=scale_group(ue8m0), TRANSPORT=flavour.transport, ALIGN=flavour.row_align,
+        EVEN_H=even(H, tile.block_h),
         BLOCK_T=tile.block_t, BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),
         BLOCK_L=triton.next_power_of_2(num_local_experts + 1),
         NUM_THREADS=tile.num_threads, **flavour.launch_options(tile))
@@ -392,15 +398,16 @@ def dispatch_expand(staging, meta, epochs, slot_counts, slot_offsets, row_base,
                     tokens_per_expert, expert_offsets, slot_rows, out, out_weights, out_src_rank,
                     out_src_token, *, rank: int, topk: int, num_local_experts: int,
                     meta_stride: int, max_topk: int, flavour: Flavour = CPU_RANKS,
-                    out_scales=None, scale_strides=(0, 0), ue8m0: bool = False) -> bool:
+                    out_scales=None, scale_strides=(0, 0), ue8m0: int = 0) -> bool:
     """Launches the ``(R, P)`` expand programs of :func:`expand_grid`.
 
     ``staging`` / ``meta``: the whole dispatch_rows / dispatch_meta regions [P, R, TMAX, ...];
     the kernel reads the parity from ``epochs`` (the dispatch channel's device epoch).
     With ``meta=None`` (the cached form) rows are placed by the given ``slot_rows`` alone.
     FP8 rows (``out`` float8): ``staging`` is the uint8 view, ``out_scales`` the contiguous
-    memory of the scales (float32, or int32 words of packed exponents with ``ue8m0``) and
-    ``scale_strides`` its (row, group) strides in elements. Rows that would land past
+    memory of the scales (float32, or int32 words of packed exponents with ``ue8m0``: per
+    128 channels, or per 32 for MXFP8, ``ue8m0 == 2``) and ``scale_strides`` its (row, group)
+    strides in elements. Rows that would land past
     ``out``'s end are dropped and recorded in the error record (TOO_MANY_ROWS).
     """
     R, TMAX = staging.shape[1:3]
@@ -422,7 +429,7 @@ def dispatch_expand(staging, meta, epochs, slot_counts, slot_offsets, row_base,
         TMAX, H, topk, num_local_experts, rank, staging.stride(2), staging.stride(0),
         0 if cached else meta.stride(0), scale_strides[0], scale_strides[1],
         META_STRIDE=meta_stride, KMAX=max_topk, CACHED=cached, HAS_WEIGHTS=has_weights,
-        FP8=fp8, UE8M0=fp8 and ue8m0, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
-        BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),
-        BLOCK_G=triton.next_power_of_2(max(H // 128, 1)), **tile.launch_options())
+        FP8=fp8, UE8M0=bool(fp8 and ue8m0), GS=scale_group(ue8m0), EVEN_H=even(H, tile.block_h),
+        BLOCK_T=tile.block_t, BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),
+        BLOCK_G=triton.next_power_of_2(max(H // scale_group(ue8m0), 1)), **tile.launch_options())
     return True

@@ -46,7 +46,7 @@ from .comm import (
 )
 from .numerics import acc_zeros, cast_rne, channel_tile
 from .proxy import post_transfer
-from .quant import load_send_tile, row_payload, store_fp8_rows
+from .quant import load_send_tile, row_payload, scale_group, store_fp8_rows
 from .tiles import even, persistent_programs, tiles
 
 PLAN_FIELDS = (
@@ -161,7 +161,8 @@ def outbox_dispatch_kernel(
     ROW_BYTES: tl.int64,  # bytes between staging (and outbox) rows
     META_STRIDE: tl.constexpr, NODE_META: tl.constexpr, KMAX: tl.constexpr,
     SEND_META: tl.constexpr, HAS_WEIGHTS: tl.constexpr, FP8: tl.constexpr,
-    UE8M0: tl.constexpr, HIER: tl.constexpr, ALIGN: tl.constexpr, EVEN_H: tl.constexpr,
+    UE8M0: tl.constexpr, GS: tl.constexpr, HIER: tl.constexpr, ALIGN: tl.constexpr,
+    EVEN_H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, NUM_THREADS: tl.constexpr,
 ):
@@ -174,7 +175,7 @@ def outbox_dispatch_kernel(
     NT = M if HIER else R
     rows_base = local_base + _off(plan, PX_ROWS, parity, 0)
     meta_base = local_base + _off(plan, PX_META, parity, 0)
-    payload = row_payload(x, H, FP8, UE8M0)
+    payload = row_payload(x, H, FP8, UE8M0, GS)
     message_row = payload + SEND_META * 4 * NODE_META
     stored = tl.zeros([1], tl.int64)
     for t0 in range(tl.program_id(0) * BLOCK_T, T, tl.num_programs(0) * BLOCK_T):
@@ -183,9 +184,9 @@ def outbox_dispatch_kernel(
         t64 = t.to(tl.int64)
         for h0 in range(0, H, BLOCK_H):
             h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
-            g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+            g = h0 // GS + tl.arange(0, BLOCK_H // GS)
             tile, codes, scales, exps = load_send_tile(x, x_scales, t64, tm, h, hm, g, H,
-                                                       BLOCK_T, BLOCK_H, FP8, UE8M0)
+                                                       BLOCK_T, BLOCK_H, FP8, UE8M0, GS)
             for tgt in range(NT):
                 if _target_is_remote(tgt, my_node, N, HIER):
                     slot = _target_slot(slot_of, node_slot_of, t, tgt, tm, R, M, HIER)
@@ -196,7 +197,8 @@ def outbox_dispatch_kernel(
                         tl.store(rowx[:, None] + h[None, :], tile,  # gate: row
                                  mask=(slot >= 0)[:, None] & hm[None, :])
                     else:
-                        store_fp8_rows(row8, h, g, H, codes, scales, exps, slot >= 0, hm, UE8M0)
+                        store_fp8_rows(row8, h, g, H, codes, scales, exps, slot >= 0, hm, UE8M0,
+                                       GS)
         if SEND_META:
             kk = tl.arange(0, BLOCK_K)
             m2 = tm[:, None] & (kk < K)[None, :]
@@ -486,7 +488,7 @@ def outbox_dispatch(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, node
                     counts, target_counts, plan, xstats, tickets, epochs, *, rank: int,
                     world_size: int, num_local_experts: int, meta_stride: int,
                     node_meta_stride: int, max_topk: int, grid: int, topk: int,
-                    row_bytes: int, fp8: int = 0, ue8m0: bool = False, flavour: Flavour) -> bool:
+                    row_bytes: int, fp8: int = 0, ue8m0: int = 0, flavour: Flavour) -> bool:
     """Launches :func:`outbox_dispatch_kernel` (``topk_idx=None``: the cached form, rows only)."""
     T, H = x.shape
     tile = tiles("dispatch_send", flavour.compiled, H, 1 if fp8 else x.element_size())
@@ -495,6 +497,7 @@ def outbox_dispatch(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, node
     N = flavour.ranks_per_node
     if fp8 == 2:
         x = x.view(torch.uint8)
+        x_scales = x_scales.view(torch.uint8) if ue8m0 else x_scales
     outbox_dispatch_kernel[(grid,)](
         x, x_scales if fp8 == 2 else dummy, topk_idx if send_meta else dummy,
         topk_weights if topk_weights is not None else dummy, pair_pos if send_meta else dummy,
@@ -503,8 +506,9 @@ def outbox_dispatch(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, node
         flavour.local_base, flavour.ring_addr, flavour.errors_addr, flavour.timeout_ns,
         T, H, topk, world_size, num_local_experts, N, rank, flavour.ring_slots, row_bytes,
         META_STRIDE=meta_stride, NODE_META=node_meta_stride, KMAX=max_topk,
-        SEND_META=send_meta, HAS_WEIGHTS=topk_weights is not None, FP8=fp8, UE8M0=ue8m0,
-        HIER=flavour.hierarchical, ALIGN=flavour.row_align, EVEN_H=even(H, tile.block_h),
+        SEND_META=send_meta, HAS_WEIGHTS=topk_weights is not None, FP8=fp8, UE8M0=bool(ue8m0),
+        GS=scale_group(ue8m0), HIER=flavour.hierarchical, ALIGN=flavour.row_align,
+        EVEN_H=even(H, tile.block_h),
         BLOCK_T=tile.block_t, BLOCK_H=tile.block_h,
         BLOCK_K=triton.next_power_of_2(max(topk, 1)),
         BLOCK_C=triton.next_power_of_2(N * (num_local_experts + 1) + 1),

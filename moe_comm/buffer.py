@@ -44,7 +44,13 @@ from .symm.select import choose_backend, create_heap, default_device
 from .transport import NixlProxy, TransportError, choose_transport
 from .transport.select import nixl_backend as nixl_backend_name
 from .types import DispatchHandle, DispatchResult
-from .validation import FLOAT_DTYPES, check_combine_inputs, check_dispatch_inputs, resolve_fp8
+from .validation import (
+    FLOAT_DTYPES,
+    check_combine_inputs,
+    check_dispatch_inputs,
+    resolve_fp8,
+    scale_code,
+)
 from .workspace import COMBINE, DISPATCH, WorkspaceLayout
 
 _ids = itertools.count(1)
@@ -328,8 +334,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
     def dispatch(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                  topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None,
                  expert_alignment: int = 1, *, fp8: bool | None = None, ue8m0: bool = False,
-                 col_major_scales: bool = False, max_recv_rows: int | None = None
-                 ) -> DispatchResult:
+                 col_major_scales: bool = False, max_recv_rows: int | None = None,
+                 dispatch_dtype: str | None = None) -> DispatchResult:
         """Sends each token to the ranks of its top-k experts; returns the rows this rank got.
 
         ``x`` [T, H] of ``dtype`` (T <= max_tokens_per_rank, may be 0); ``topk_idx`` [T, K]
@@ -358,9 +364,17 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         power-of-two scales as biased exponents packed 4 per int32 [rows, ceil(H/512)];
         ``col_major_scales``: ``x_scales`` is a [rows, G] view of [G, rows] memory. ``x`` may
         also be a quantized pair ``(x_fp8, scales)``. FP8 rows carry no gradient to ``x``.
+
+        MXFP8 (``dispatch_dtype="mxfp8"``, normal mode): e4m3 values and one E8M0 scale per 32
+        channels, the smallest power of two >= amax / 448 (``moe_comm.microscale``); ``res.x``
+        float8_e4m3fn, ``res.x_scales`` float8_e8m0fnu [rows, H/32] row-major
+        (``microscale.swizzle_128x4`` gives the layout of block-scaled GEMMs); ``x`` may be a
+        pair ``(x_fp8, scales [T, H/32] float8_e8m0fnu)``; needs H % 32 == 0. A row costs
+        H + H/32 bytes plus metadata on the link.
         """
         self._check_usable()
         self._raise_input_errors("an earlier call")
+        ue8m0 = scale_code(dispatch_dtype, ue8m0)
         rows, scales, mode = resolve_fp8(
             x, fp8, ue8m0, col_major_scales, default_fp8=self.dispatch_dtype != self.dtype,
             hidden=self.hidden, device=self.device)

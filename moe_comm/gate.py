@@ -4,10 +4,11 @@
 
 Virtual ranks on the ``meta`` device (no memory, no GPU) drive the public ops with the GPU
 flavours (in-kernel waits; across nodes also NVSHMEM puts): normal-mode dispatch in every FP8
-mode, combine, their backward (cached dispatch, combine with router-weight gradients), and the
-low-latency pair, for a small size and DeepSeek-V3 prefill and decode sizes, every dtype the ops
-take. Triton's own launch path records each launch (``kernels.recording``): the specialisation
-is the one a GPU run would compile, chosen by the same code. Each distinct variant is compiled
+mode (MXFP8 in bf16), combine, their backward (cached dispatch, combine with router-weight
+gradients), and the low-latency pair, for a small size and DeepSeek-V3 prefill and decode
+sizes, every dtype the ops take. Triton's own launch path records each launch
+(``kernels.recording``): the specialisation is the one a GPU run would compile, chosen by the
+same code. Each distinct variant is compiled
 for every ``--arch`` and read (``kernels.compiled``); the gate fails when a variant
 
 * specialises differently on two ranks or two calls (a rank that recompiles makes its peers
@@ -147,17 +148,24 @@ def drive_normal(bufs, cfg: GateConfig, dtype) -> None:
     if fp8_ok:
         modes += [dict(weights=True, fp8=True), dict(weights=True, fp8=True, ue8m0=True),
                   dict(weights=True, pair=True)]
+    if fp8_ok and dtype == torch.bfloat16:  # MXFP8: the same kernels with 32-channel groups
+        modes += [dict(weights=True, mxfp8=True), dict(weights=True, pair=True, mxfp8=True)]
     for i, mode in enumerate(modes):
+        mx = mode.get("mxfp8", False)
         for _ in range(2):
             if mode.get("pair"):
                 pairs = [(torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="meta"),
-                          torch.empty((x.shape[0], cfg.hidden // 128), device="meta"))
+                          torch.empty((x.shape[0], cfg.hidden // (32 if mx else 128)),
+                                      dtype=torch.float8_e8m0fnu if mx else torch.float32,
+                                      device="meta"))
                          for x in xs]
-                res = lockstep.dispatch(bufs, pairs, idxs, ws, max_recv_rows=rows)
+                res = lockstep.dispatch(bufs, pairs, idxs, ws, max_recv_rows=rows,
+                                        dispatch_dtype="mxfp8" if mx else None)
             else:
                 res = lockstep.dispatch(bufs, xs, idxs, ws if mode["weights"] else None,
-                                        fp8=mode.get("fp8", False),
-                                        ue8m0=mode.get("ue8m0", False), max_recv_rows=rows)
+                                        fp8=None if mx else mode.get("fp8", False),
+                                        ue8m0=mode.get("ue8m0", False), max_recv_rows=rows,
+                                        dispatch_dtype="mxfp8" if mx else None)
         if i == 0:  # combine and both backward ops follow the weighted bf16 dispatch
             _drive_combines(bufs, cfg, dtype, xs, res, rows)
 

@@ -10,14 +10,16 @@ import torch
 
 from .ops import wrap_dispatch_outputs
 from .types import DispatchResult
-from .validation import check_combine_inputs, check_dispatch_inputs, resolve_fp8
+from .validation import check_combine_inputs, check_dispatch_inputs, resolve_fp8, scale_code
 
 
 def dispatch(buffers, xs, topk_idxs, topk_weights=None, expert_alignment: int = 1, *,
              fp8: bool | None = None, ue8m0: bool = False, col_major_scales: bool = False,
-             max_recv_rows: int | None = None) -> list[DispatchResult]:
+             max_recv_rows: int | None = None, dispatch_dtype: str | None = None
+             ) -> list[DispatchResult]:
     """``[buf.dispatch(x, idx, w, expert_alignment, ...) for each virtual rank]``, in lockstep."""
     topk_weights = topk_weights if topk_weights is not None else [None] * len(buffers)
+    ue8m0 = scale_code(dispatch_dtype, ue8m0)
     prepared = []
     for buf, x, idx, w in zip(buffers, xs, topk_idxs, topk_weights, strict=True):
         buf._check_usable()

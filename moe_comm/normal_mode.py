@@ -26,7 +26,7 @@ from .kernels import combine as combine_kernels
 from .kernels import dispatch as dispatch_kernels
 from .kernels import internode
 from .kernels.layout import routing_layout
-from .kernels.tiles import GROUP
+from .kernels.quant import MXFP8, scale_group
 from .workspace import COMBINE, DISPATCH
 
 
@@ -40,7 +40,7 @@ class PendingSend:
     topk: int = 0
     has_weights: bool = False
     fp8: int = 0  # 0 rows as they are, 1 quantized by the send, 2 sent quantized
-    ue8m0: bool = False
+    ue8m0: int = 0  # 1 power-of-two scales as exponent bytes per 128, 2 MXFP8 (per 32)
     node_slot_of: torch.Tensor | None = None  # [T, M] int32 (hierarchical): row per node
     # fault tolerance (``moe_comm.fault``): which sources' epochs arrived ([R] bool or int32;
     # None: all), and a dispatch's counts with the others zeroed (in-kernel waits)
@@ -48,15 +48,20 @@ class PendingSend:
     live_counts: torch.Tensor | None = None
 
 
-def fp8_scales_out(rows: int, groups: int, ue8m0: bool, col_major: bool, device):
+def fp8_scales_out(rows: int, groups: int, ue8m0: int, col_major: bool, device):
     """Zeroed scales output: ``(public tensor [rows, G or ceil(G/4)], contiguous memory,
-    (row stride, group stride))``; column-major means the rows index is the fast one."""
+    (row stride, group stride))``; column-major means the rows index is the fast one.
+    MXFP8 (``ue8m0 == 2``): E8M0 bytes [rows, G] (float8_e8m0fnu), row-major, written as
+    the bytes of int32 words (byte g % 4 of word g // 4 is byte g of the row)."""
     width = (groups + 3) // 4 if ue8m0 else groups
     dtype = torch.int32 if ue8m0 else torch.float32
-    if col_major:
+    if col_major and ue8m0 != MXFP8:
         memory = torch.zeros((width, rows), dtype=dtype, device=device)
         return memory.t(), memory, (1, rows)
     memory = torch.zeros((rows, width), dtype=dtype, device=device)
+    if ue8m0 == MXFP8:
+        public = memory.view(torch.uint8)[:, :groups].view(torch.float8_e8m0fnu)
+        return public, memory, (width, 1)
     return memory, memory, (width, 1)
 
 
@@ -72,7 +77,7 @@ class NormalMode:
 
     @poisons_buffer_on_error("dispatch")
     def dispatch_send(self, x, topk_idx, topk_weights, x_scales=None, fp8: int = 0,
-                      ue8m0: bool = False) -> PendingSend:
+                      ue8m0: int = 0) -> PendingSend:
         """Send phase of dispatch: layout + put rows and metadata (``fp8`` as in PendingSend).
         Bad rows of ``topk_idx`` are sent nowhere and recorded (raised after the call)."""
         epoch = self._start(DISPATCH)
@@ -102,7 +107,7 @@ class NormalMode:
         return torch.empty(0, dtype=torch.int32, device=self.device)
 
     def _send_other_nodes(self, x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts,
-                          fp8: int = 0, ue8m0: bool = False, node_slot_of=None) -> torch.Tensor:
+                          fp8: int = 0, ue8m0: int = 0, node_slot_of=None) -> torch.Tensor:
         """Through the proxy: rows for other nodes into the outboxes, one descriptor per peer
         (``kernels.internode``). Returns ``node_slot_of`` [T, M] int32 (hierarchical: the row
         of each token in each node's message, -1 where none; computed here unless given), else
@@ -206,7 +211,7 @@ class NormalMode:
         dispatch goes away (CUDA-graph capturable); rows past the count are zero padding."""
         fwd_slots, fwd_n = self._empty_int(), self._empty_int()
         if self.hierarchical:
-            groups = self.hidden // GROUP
+            groups = self.hidden // scale_group(pending.ue8m0)
             payload = (self.hidden + groups * (1 if pending.ue8m0 else 4) if pending.fp8
                        else self._row_bytes)
             fwd_slots, fwd_n = self._forward_dispatch(pending.epoch, payload)
@@ -226,7 +231,8 @@ class NormalMode:
         scales, scale_memory, scale_strides = (torch.empty(0, device=dev), None, (0, 0))
         if fp8:
             scales, scale_memory, scale_strides = fp8_scales_out(
-                rows, self.hidden // GROUP, pending.ue8m0, col_major_scales, dev)
+                rows, self.hidden // scale_group(pending.ue8m0), pending.ue8m0,
+                col_major_scales, dev)
         out_weights = (torch.zeros(rows, dtype=torch.float32, device=dev) if pending.has_weights
                        else torch.empty(0, dtype=torch.float32, device=dev))
         src_rank = torch.full((rows,), -1, dtype=torch.int64, device=dev)
@@ -242,6 +248,8 @@ class NormalMode:
             topk=pending.topk, num_local_experts=L, meta_stride=self.layout.meta_stride,
             max_topk=self.max_topk, flavour=self.flavour, out_scales=scale_memory,
             scale_strides=scale_strides, ue8m0=pending.ue8m0)
+        if pending.ue8m0 == MXFP8:  # rows of G bytes (contiguous unless G % 4)
+            scales = scales.contiguous()
         self._dispatch_serial += 1
         node_slot_of = pending.node_slot_of if pending.node_slot_of is not None \
             else self._empty_int()

@@ -4,7 +4,8 @@ Ops (each one collective over the Buffer's ranks; ``buffer_id`` names the Buffer
 
 * ``moe_comm::dispatch(buffer_id, x, x_scales?, topk_idx, topk_weights?, expert_alignment, fp8,
   ue8m0, col_major_scales, max_recv_rows?)`` -> received rows, their FP8 scales (empty unless
-  fp8), weights, src_rank, src_token, tokens_per_expert, expert_offsets and the handle tensors
+  fp8; ``ue8m0`` 0 float32 per 128 channels, 1 packed exponents per 128, 2 MXFP8 E8M0 per
+  32), weights, src_rank, src_token, tokens_per_expert, expert_offsets and the handle tensors
   (slot_of, slot_rows, recv_slot_offsets, and for the hierarchical mode node_slot_of,
   fwd_slots, fwd_n: empty otherwise). With ``max_recv_rows`` the output shapes are static
   (no host synchronisation). ``dispatch_cached`` and ``combine`` take the three node tensors
@@ -33,7 +34,7 @@ from .types import DispatchHandle, DispatchResult
 
 @torch.library.custom_op("moe_comm::dispatch", mutates_args=())
 def dispatch_op(buffer_id: int, x: Tensor, x_scales: Optional[Tensor], topk_idx: Tensor,
-                topk_weights: Optional[Tensor], expert_alignment: int, fp8: int, ue8m0: bool,
+                topk_weights: Optional[Tensor], expert_alignment: int, fp8: int, ue8m0: int,
                 col_major_scales: bool, max_recv_rows: Optional[int]
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                            Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -54,7 +55,9 @@ def _(buffer_id, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8, ue8
     T, K = topk_idx.shape
     R, L, H = buf.world_size, buf.num_local_experts, x.shape[1]
     i64, i32 = torch.int64, torch.int32
-    if fp8:
+    if fp8 and ue8m0 == 2:  # MXFP8: E8M0 bytes per 32 channels
+        scales = x.new_empty((rows, H // 32), dtype=torch.float8_e8m0fnu)
+    elif fp8:
         groups = H // 128
         width = (groups + 3) // 4 if ue8m0 else groups
         sdt = i32 if ue8m0 else torch.float32
@@ -191,10 +194,10 @@ class _Combine(torch.autograd.Function):
 
 
 def dispatch_autograd(buf, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8=0,
-                      ue8m0=False, col_major_scales=False, max_recv_rows=None) -> DispatchResult:
+                      ue8m0=0, col_major_scales=False, max_recv_rows=None) -> DispatchResult:
     """Runs ``moe_comm::dispatch`` under autograd and wraps the outputs."""
     outs = _Dispatch.apply(buf.id, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8,
-                           ue8m0, col_major_scales, max_recv_rows)
+                           int(ue8m0), col_major_scales, max_recv_rows)
     return wrap_dispatch_outputs(buf, outs, topk_idx.shape[1], topk_weights is not None, fp8)
 
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import microscale
+
 
 @dataclass
 class RefHandle:
@@ -51,6 +53,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 # ------------------------------------------------------------------ FP8 (e4m3fn), per 128 channels
 FP8_GROUP = 128
+MXFP8_CODE = 2  # the ``ue8m0`` code of MXFP8 in the ops (validation.MXFP8)
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -102,18 +105,30 @@ def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
     return (exps << 23).view(torch.float32)
 
 
-def _fp8_payload(x, ue8m0: bool) -> torch.Tensor:
-    """Rows to send in an FP8 dispatch, as bytes: [T, H] codes then [T, H/128] fp32 scales.
-    ``x`` is a tensor (quantized here) or an already quantized ``(q, scales)`` pair."""
-    q, scales = x if isinstance(x, (tuple, list)) else quantize_fp8(x, ue8m0)
+def _scale_code(dispatch_dtype: str | None, ue8m0: bool) -> int:
+    """0 float32 scales per 128, 1 power-of-two per 128 (``ue8m0``), 2 MXFP8 (E8M0 per 32)."""
+    return MXFP8_CODE if dispatch_dtype == "mxfp8" else int(bool(ue8m0))
+
+
+def _fp8_payload(x, code: int) -> torch.Tensor:
+    """Rows to send in an FP8 dispatch, as bytes: [T, H] codes then the scales ([T, H/128]
+    fp32, or MXFP8 [T, H/32] E8M0 bytes). ``x`` is a tensor (quantized here) or an already
+    quantized ``(q, scales)`` pair."""
+    if code == MXFP8_CODE:
+        q, scales = x if isinstance(x, (tuple, list)) else microscale.quantize_mxfp8(x)
+    else:
+        q, scales = x if isinstance(x, (tuple, list)) else quantize_fp8(x, bool(code))
     return torch.cat([_dense(q).view(torch.uint8), _dense(scales).view(torch.uint8)], dim=1)
 
 
-def _split_fp8(res: RefDispatch, hidden: int, ue8m0: bool, col_major: bool) -> RefDispatch:
+def _split_fp8(res: RefDispatch, hidden: int, code: int, col_major: bool) -> RefDispatch:
     payload = res.x
     res.x = _dense(payload[:, :hidden]).view(torch.float8_e4m3fn)
+    if code == MXFP8_CODE:
+        res.x_scales = _dense(payload[:, hidden:]).view(torch.float8_e8m0fnu)
+        return res
     scales = _dense(payload[:, hidden:]).view(torch.float32)
-    if ue8m0:
+    if code:
         scales = pack_ue8m0(scales)
     res.x_scales = scales.t().contiguous().t() if col_major else scales
     return res
@@ -226,11 +241,13 @@ def _exchange(chunks: list[torch.Tensor], group) -> list[torch.Tensor]:
 
 def dispatch(x, topk_idx, topk_weights, num_experts: int, group=None,
              expert_alignment: int = 1, *, fp8: bool = False, ue8m0: bool = False,
-             col_major_scales: bool = False) -> RefDispatch:
+             col_major_scales: bool = False, dispatch_dtype: str | None = None) -> RefDispatch:
     """Reference ``Buffer.dispatch`` for this rank of ``group`` (``x`` may be a (q, scales)
-    pair with ``fp8``)."""
+    pair with ``fp8``; ``dispatch_dtype="mxfp8"``: MXFP8)."""
     R = dist.get_world_size(group)
-    rows = _fp8_payload(x, ue8m0) if fp8 else x
+    code = _scale_code(dispatch_dtype, ue8m0)
+    fp8 = fp8 or code == MXFP8_CODE
+    rows = _fp8_payload(x, code) if fp8 else x
     tokens, local = route(topk_idx, R, num_experts)
     recv_x = _exchange([rows[t] for t in tokens], group)
     recv_tok = _exchange(tokens, group)
@@ -239,7 +256,7 @@ def dispatch(x, topk_idx, topk_weights, num_experts: int, group=None,
     res = expand(recv_x, recv_tok, recv_local, recv_w, num_experts // R, expert_alignment)
     res.handle.send_tokens, res.handle.num_tokens = tokens, topk_idx.shape[0]
     if fp8:
-        _split_fp8(res, _hidden(x), ue8m0, col_major_scales)
+        _split_fp8(res, _hidden(x), code, col_major_scales)
     return res
 
 
@@ -252,10 +269,13 @@ def combine(y, handle: RefHandle, weights=None, group=None) -> torch.Tensor:
 # ------------------------------------------------------------------ all ranks in one process
 def dispatch_all(xs, topk_idxs, topk_weights=None, *, num_experts: int,
                  expert_alignment: int = 1, fp8: bool = False, ue8m0: bool = False,
-                 col_major_scales: bool = False) -> list[RefDispatch]:
+                 col_major_scales: bool = False, dispatch_dtype: str | None = None
+                 ) -> list[RefDispatch]:
     """Reference dispatch of every rank at once: ``xs[r]``, ``topk_idxs[r]`` are rank r's inputs."""
     R = len(xs)
-    rows = [_fp8_payload(x, ue8m0) if fp8 else x for x in xs]
+    code = _scale_code(dispatch_dtype, ue8m0)
+    fp8 = fp8 or code == MXFP8_CODE
+    rows = [_fp8_payload(x, code) if fp8 else x for x in xs]
     routes = [route(idx, R, num_experts) for idx in topk_idxs]
     results = []
     for d in range(R):
@@ -267,7 +287,7 @@ def dispatch_all(xs, topk_idxs, topk_weights=None, *, num_experts: int,
         res = expand(recv_x, recv_tok, recv_local, recv_w, num_experts // R, expert_alignment)
         res.handle.send_tokens, res.handle.num_tokens = routes[d][0], topk_idxs[d].shape[0]
         if fp8:
-            _split_fp8(res, _hidden(xs[d]), ue8m0, col_major_scales)
+            _split_fp8(res, _hidden(xs[d]), code, col_major_scales)
         results.append(res)
     return results
 

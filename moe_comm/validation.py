@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import torch
 
+from .kernels.quant import MXFP8  # the ``ue8m0`` code of MXFP8: E8M0 bytes per 32 channels
 from .types import DispatchHandle
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
-def check_tensor(name: str, t, *, dtype: torch.dtype, ndim: int, device: torch.device) -> None:
+def check_tensor(name: str, t, *, dtype, ndim: int, device: torch.device) -> None:
+    """``dtype``: a torch dtype or a tuple of the ones allowed."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    allowed = dtype if isinstance(dtype, tuple) else (dtype,)
+    if t.dtype not in allowed:
+        raise TypeError(f"{name} must be {' or '.join(map(str, allowed))}, got {t.dtype}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
     if t.device != device:
@@ -83,34 +86,64 @@ def check_combine_inputs(y, handle, weights, *, buffer_id: int, latest_serial: i
                              "rows")
 
 
-def resolve_fp8(x, fp8, ue8m0: bool, col_major_scales: bool, *, default_fp8: bool, hidden: int,
+SCALE_FORMATS = {"fp8": None, "mxfp8": MXFP8}
+
+
+def scale_code(dispatch_dtype: str | None, ue8m0: bool) -> int:
+    """The kernels' scale code of a dispatch: 0 float32 per 128 channels, 1 power-of-two per
+    128 (``ue8m0``), 2 MXFP8 (``dispatch_dtype="mxfp8"``: E8M0 per 32)."""
+    if dispatch_dtype is not None and dispatch_dtype not in SCALE_FORMATS:
+        raise ValueError(f"dispatch_dtype must be one of {tuple(SCALE_FORMATS)} or None, got "
+                         f"{dispatch_dtype!r} (NVFP4 dispatch is not available yet)")
+    if dispatch_dtype == "mxfp8":
+        if ue8m0:
+            raise ValueError("MXFP8 scales are E8M0 by definition; drop ue8m0=True")
+        return MXFP8
+    return int(bool(ue8m0))
+
+
+def resolve_fp8(x, fp8, ue8m0: int, col_major_scales: bool, *, default_fp8: bool, hidden: int,
                 device: torch.device):
     """Splits the FP8 options of ``dispatch``: returns ``(rows, scales or None, mode)`` with
-    mode 0 (rows as they are), 1 (the send kernel quantizes), 2 (``x`` is a quantized pair)."""
+    mode 0 (rows as they are), 1 (the send kernel quantizes), 2 (``x`` is a quantized pair).
+    ``ue8m0``: a :func:`scale_code` (MXFP8 == 2: one E8M0 scale per 32 channels)."""
+    mx = ue8m0 == MXFP8
+    group = 32 if mx else 128
     if isinstance(x, (tuple, list)):
         if len(x) != 2:
             raise TypeError("a quantized x is a pair (x_fp8 [T, H] float8_e4m3fn, "
-                            "scales [T, H/128] float32)")
+                            + ("scales [T, H/32] float8_e8m0fnu)" if mx
+                               else "scales [T, H/128] float32)"))
         rows, scales = x
         check_tensor("x[0]", rows, dtype=torch.float8_e4m3fn, ndim=2, device=device)
-        check_tensor("x[1] (scales)", scales, dtype=torch.float32, ndim=2, device=device)
-        if scales.shape != (rows.shape[0], hidden // 128):
+        if mx:
+            check_tensor("x[1] (scales)", scales, dtype=(torch.float8_e8m0fnu, torch.uint8),
+                         ndim=2, device=device)
+        else:
+            check_tensor("x[1] (scales)", scales, dtype=torch.float32, ndim=2, device=device)
+        if scales.shape != (rows.shape[0], hidden // group):
             raise ValueError(f"scales have shape {tuple(scales.shape)}; expected "
-                             f"[{rows.shape[0]}, {hidden // 128}] (one per 128 channels)")
+                             f"[{rows.shape[0]}, {hidden // group}] (one per {group} channels)")
         if fp8 is False:
             raise ValueError("a quantized (x_fp8, scales) pair was passed with fp8=False")
-        if ue8m0:
+        if ue8m0 and not mx:
             raise ValueError("ue8m0 rounds scales when the kernel quantizes; a quantized pair "
                              "travels with its own float32 scales")
         mode = 2
     else:
         rows, scales = x, None
-        mode = int(default_fp8 if fp8 is None else bool(fp8))
+        mode = int(default_fp8 or mx if fp8 is None else bool(fp8))
+        if mx and mode == 0:
+            raise ValueError("dispatch_dtype='mxfp8' quantizes; it cannot go with fp8=False")
         if mode == 0 and (ue8m0 or col_major_scales):
             raise ValueError("ue8m0 and col_major_scales shape FP8 scales; pass fp8=True")
         if mode == 1 and isinstance(rows, torch.Tensor) and rows.requires_grad:
             raise ValueError("FP8 dispatch carries no gradient to x (the rows are quantized); "
                              "dispatch in the Buffer's dtype for training, or pass x.detach()")
-    if mode and hidden % 128:
-        raise ValueError(f"FP8 dispatch needs hidden % 128 == 0, got hidden={hidden}")
+    if mx and col_major_scales:
+        raise ValueError("MXFP8 scales come row-major [rows, H/32]; for the 128x4 layout of "
+                         "block-scaled GEMMs use moe_comm.microscale.swizzle_128x4")
+    if mode and hidden % group:
+        raise ValueError(f"{'MXFP8' if mx else 'FP8'} dispatch needs hidden % {group} == 0, "
+                         f"got hidden={hidden}")
     return rows, scales, mode

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import moe_comm
 from cases import Case, expert_fn, make_inputs
 from ll_jobs import _all_ys, check_out, check_recv, new_ll_buffer
-from moe_comm import reference
+from moe_comm import microscale, reference
 from moe_comm.workspace import low_latency_slot_bytes
 
 
@@ -25,7 +25,8 @@ def new_buffer(case: Case, ranks_per_node: int, hierarchical: bool, **kwargs):
 
 def nodes_case(rank, world_size, case: Case, ranks_per_node: int, hierarchical: bool,
                iterations: int = 2, straggle_s: float = 0.0, fp8: bool = False,
-               ue8m0: bool = False, **buffer_kwargs) -> dict:
+               ue8m0: bool = False, dispatch_dtype: str | None = None,
+               **buffer_kwargs) -> dict:
     """Dispatch + combine ``iterations`` times against the reference (bit for bit); returns
     what the proxy and kernels counted."""
     delay = random.Random(1000 * case.seed + rank)
@@ -37,21 +38,25 @@ def nodes_case(rank, world_size, case: Case, ranks_per_node: int, hierarchical: 
             if straggle_s:
                 time.sleep(delay.uniform(0, straggle_s))
             res = buf.dispatch(xs[rank], idxs[rank], ws[rank] if ws else None,
-                               expert_alignment=case.alignment, fp8=fp8, ue8m0=ue8m0)
+                               expert_alignment=case.alignment, fp8=fp8, ue8m0=ue8m0,
+                               dispatch_dtype=dispatch_dtype)
             want = reference.dispatch_all(xs, idxs, ws, num_experts=case.num_experts,
-                                          expert_alignment=case.alignment, fp8=fp8, ue8m0=ue8m0)
+                                          expert_alignment=case.alignment, fp8=fp8, ue8m0=ue8m0,
+                                          dispatch_dtype=dispatch_dtype)
             for field in ("x", "x_scales", "weights", "src_rank", "src_token",
                           "tokens_per_expert", "expert_offsets"):
                 a, b = getattr(res, field, None), getattr(want[rank], field, None)
                 if b is None:
                     assert a is None, (rank, field)
                     continue
-                if a.dtype == torch.float8_e4m3fn:
+                if a.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu):
                     a, b = a.view(torch.uint8), b.view(torch.uint8)
                 assert torch.equal(a, b), f"rank {rank}: {field} differs in iteration {it}"
             if straggle_s:
                 time.sleep(delay.uniform(0, straggle_s))
-            if fp8:
+            if dispatch_dtype == "mxfp8":
+                ys = [microscale.dequantize_mxfp8(w.x, w.x_scales).to(case.dtype) for w in want]
+            elif fp8:
                 scales = [reference.unpack_ue8m0(w.x_scales, case.hidden // 128) if ue8m0
                           else w.x_scales for w in want]
                 ys = [reference.dequantize_fp8(w.x, s).to(case.dtype)

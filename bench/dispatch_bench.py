@@ -35,6 +35,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -105,19 +106,22 @@ def _normal_call(buf, x, idx, w, fmt: str):
     return t1 - t0, t3 - t2, (res, y, out)
 
 
-def _low_latency_call(buf, x, idx, w, fmt: str):
-    from moe_comm import reference
+def _ll_dequantized(recv, fmt: str, dtype):
+    """A low-latency receive's [L, rows, H] rows as the expert (the identity) sees them."""
+    if not fmt:
+        return recv.x
+    L, rows, H = recv.x.shape
+    flat = SimpleNamespace(x=recv.x.reshape(L * rows, H),
+                           x_scales=recv.x_scales.reshape(L * rows, -1))
+    return _dequantized(flat, fmt, dtype).reshape(L, rows, H)
 
-    fp8 = fmt == "fp8"
+
+def _low_latency_call(buf, x, idx, w, fmt: str):
     t0 = time.perf_counter()
-    recv, _ = buf.low_latency_dispatch(x, idx, fp8=fp8)
+    recv, _ = buf.low_latency_dispatch(x, idx, fp8=bool(fmt),
+                                       dispatch_dtype="mxfp8" if fmt == "mxfp8" else None)
     t1 = time.perf_counter()
-    y = recv.x
-    if fp8:
-        L, rows, H = recv.x.shape
-        y = reference.dequantize_fp8(recv.x.reshape(L * rows, H),
-                                     recv.x_scales.reshape(L * rows, -1)).reshape(L, rows, H)
-        y = y.to(x.dtype)
+    y = _ll_dequantized(recv, fmt, x.dtype)
     t2 = time.perf_counter()
     out, _ = buf.low_latency_combine(y, idx, w, recv.handle)
     t3 = time.perf_counter()
@@ -139,19 +143,13 @@ def _agrees(mode, rank, result, xs, idxs, ws, cfg, tokens, fmt) -> bool:
         return bool(same_rows and torch.equal(out, ref_out[rank]))
     recv, y, out = result
     ref = reference.low_latency_dispatch_all(xs, idxs, num_experts=cfg.experts,
-                                             max_tokens=tokens, fp8=fp8)
+                                             max_tokens=tokens, fp8=fp8,
+                                             dispatch_dtype="mxfp8" if fmt == "mxfp8" else None)
     ok = torch.equal(recv.count, ref[rank].count)
     for e, n in enumerate(ref[rank].count.tolist()):
         ok = ok and torch.equal(recv.x[e, :n].view(torch.uint8), ref[rank].x[e, :n].view(
             torch.uint8))
-    ys = []
-    for r in ref:
-        yr = r.x
-        if fp8:
-            L, rows, H = r.x.shape
-            yr = reference.dequantize_fp8(r.x.reshape(L * rows, H),
-                                          r.x_scales.reshape(L * rows, -1)).reshape(L, rows, H)
-        ys.append(yr.to(xs[0].dtype))
+    ys = [_ll_dequantized(r, fmt, xs[0].dtype).to(xs[0].dtype) for r in ref]
     for e, n in enumerate(ref[rank].count.tolist()):  # rows past count are never read
         ys[rank][e, :n] = y[e, :n]
     ref_out = reference.low_latency_combine_all(ys, idxs, ws, ref, tokens)
@@ -292,8 +290,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fp8", action="store_true", help="FP8 dispatch (combine stays in "
                         "--dtype): the same as --dispatch-dtype fp8")
     parser.add_argument("--dispatch-dtype", choices=["fp8", "mxfp8"], default=None,
-                        help="quantize the dispatch in the send kernel: fp8 (per 128 channels, "
-                             "both modes) or mxfp8 (E8M0 per 32, normal mode); default --dtype")
+                        help="quantize the dispatch in the send kernel: fp8 (per 128 channels) "
+                             "or mxfp8 (E8M0 per 32); default --dtype")
     parser.add_argument("--tokens", type=int, default=128,
                         help="tokens per rank (128: a decode batch)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -330,9 +328,6 @@ def main(argv=None) -> int:
     configs = [c for c in CONFIGS if c.name in args.configs]
     if args.fp8:
         args.dispatch_dtype = "fp8"
-    if args.dispatch_dtype == "mxfp8" and args.mode != "normal":
-        parser.error("--dispatch-dtype mxfp8 runs in normal mode only (the low-latency mode "
-                     "takes FP8)")
     if args.dispatch_dtype:  # FP8 needs hidden % 128 == 0, MXFP8 hidden % 32 == 0
         group = 128 if args.dispatch_dtype == "fp8" else 32
         skipped = [c.name for c in configs if c.hidden % group]

@@ -61,7 +61,7 @@ from .layout import checked_ids, record_first_bad
 from .numerics import cast_rne, channel_tile
 from .nvshmem import int_p, put_bytes, quiet, signal_set
 from .proxy import post_signal, post_signal_to_remote, post_transfer
-from .quant import quantize_tile, row_payload, store_fp8_rows
+from .quant import quantize_tile, row_payload, scale_group, store_fp8_rows
 from .tiles import even, persistent_programs, tiles
 
 META_K_BITS = 32  # meta word = token * 32 + choice
@@ -149,6 +149,7 @@ def ll_dispatch_send_kernel(
     T: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, E: tl.int32,
     me: tl.int32, TMAX: tl.int32, KMAX: tl.int32, SLOT_BYTES: tl.int64,
     FP8: tl.constexpr, UE8M0: tl.constexpr,
+    GS: tl.constexpr,  # channels per scale: 128, or 32 (MXFP8, with UE8M0)
     FT: tl.constexpr,  # fault tolerance: no pair goes to an excluded rank
     TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; where a pointer is 0:
     # 1 NVSHMEM puts, 2 the proxy (one descriptor per pair, then one fenced signal per expert)
@@ -170,7 +171,7 @@ def ll_dispatch_send_kernel(
     meta_base = meta_off + parity * meta_parity_stride
     to_peers = tl.zeros([1], tl.int64)
     to_self = tl.zeros([1], tl.int64)
-    payload = row_payload(x, H, FP8, UE8M0)
+    payload = row_payload(x, H, FP8, UE8M0, GS)
     lane = tl.arange(0, BLOCK_E)
     if ok:  # after a failed wait nothing is written: a peer may still read this parity
         for t0 in range(pid * BLOCK_T, T, tl.num_programs(0) * BLOCK_T):  # persistent grid
@@ -203,14 +204,15 @@ def ll_dispatch_send_kernel(
                 h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
                 m = tm[:, None] & hm[None, :]
                 v = tl.load(x + t64[:, None] * H + h[None, :], mask=m, other=0.0)
-                if FP8:  # FP8 needs H % 128 == 0, so EVEN_H and every group of the tile is real
-                    codes, scales, exps = quantize_tile(v.to(tl.float32), BLOCK_T, BLOCK_H, UE8M0)
-                    g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+                if FP8:  # groups past H // GS (MXFP8 with H % 128 != 0) are not stored
+                    codes, scales, exps = quantize_tile(v.to(tl.float32), BLOCK_T, BLOCK_H,
+                                                        UE8M0, GS)
+                    g = h0 // GS + tl.arange(0, BLOCK_H // GS)
                 if TRANSPORT != 0:  # each token's row once into the outbox, for the puts
                     box = local_ptr(local_base, outbox_off + parity * outbox_parity_stride,
                                     tl.uint8, 16) + t64 * SLOT_BYTES
                     if FP8:
-                        store_fp8_rows(box, h, g, H, codes, scales, exps, tm, hm, UE8M0)
+                        store_fp8_rows(box, h, g, H, codes, scales, exps, tm, hm, UE8M0, GS)
                     else:
                         boxx = box.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
                         tl.store(boxx[:, None] + h[None, :], v, mask=m)  # gate: row
@@ -224,7 +226,8 @@ def ll_dispatch_send_kernel(
                     block = (((e - d * L) * R + me) * TMAX + j).to(tl.int64)
                     row8 = peer_ptr(peer_ptrs, d, rows_base, tl.uint8, 16) + block * SLOT_BYTES
                     if FP8:
-                        store_fp8_rows(row8, h, g, H, codes, scales, exps, valid, hm, UE8M0)
+                        store_fp8_rows(row8, h, g, H, codes, scales, exps, valid, hm, UE8M0,
+                                       GS)
                     else:
                         rowx = row8.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
                         tl.store(rowx[:, None] + h[None, :], v,  # gate: row
@@ -324,7 +327,7 @@ def ll_dispatch_recv_kernel(
     H: tl.int32, R: tl.int32, L: tl.int32, me: tl.int32, TMAX: tl.int32,
     SLOT_ELEMS: tl.int64,  # staging slot stride in elements of `staging`
     SCALE_ROW_STRIDE: tl.int64, SCALE_GROUP_STRIDE: tl.int64, SCALE_EXPERT_STRIDE: tl.int64,
-    FP8: tl.constexpr, UE8M0: tl.constexpr, HAS_STATS: tl.constexpr,
+    FP8: tl.constexpr, UE8M0: tl.constexpr, GS: tl.constexpr, HAS_STATS: tl.constexpr,
     TRANSPORT: tl.constexpr, DEVICE_WAIT: tl.constexpr, FT: tl.constexpr, EVEN_H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
     NUM_THREADS: tl.constexpr,
@@ -354,7 +357,7 @@ def ll_dispatch_recv_kernel(
                 old = tl.load(recv_stats + e + tl.arange(0, 1))
                 tl.store(recv_stats + e + tl.arange(0, 1), old + total)
         block0 = ((parity * L + e) * R + s).to(tl.int64) * TMAX
-        G = H // 128
+        G = H // GS
         for j0 in range(0, n, BLOCK_T):
             j = j0 + tl.arange(0, BLOCK_T)
             jm = j < n
@@ -569,7 +572,7 @@ def ll_combine_recv_kernel(
 
 def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, rank: int,
                      num_local_experts: int, num_experts: int, max_tokens: int, max_topk: int,
-                     slot_bytes: int, fp8: bool, ue8m0: bool, num_sms: int | None = None,
+                     slot_bytes: int, fp8: bool, ue8m0: int, num_sms: int | None = None,
                      flavour: Flavour = CPU_RANKS) -> bool:
     """Launches ``min(cdiv(max_tokens, block_t), num_sms)`` persistent send programs (the
     grid depends on the Buffer alone). ``offsets``: rows / meta / signals / acks / outbox ->
@@ -585,7 +588,8 @@ def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, ran
         offsets.get("meta_table", 0), flavour.ring_addr, flavour.ring_slots, flavour.mask_off,
         *flavour.args(),
         T, H, K, R, num_local_experts, num_experts, rank, max_tokens, max_topk, slot_bytes,
-        FP8=fp8, UE8M0=ue8m0, FT=flavour.fault_tolerant, TRANSPORT=flavour.transport,
+        FP8=fp8, UE8M0=bool(ue8m0), GS=scale_group(ue8m0), FT=flavour.fault_tolerant,
+        TRANSPORT=flavour.transport,
         DEVICE_WAIT=flavour.device_wait,
         EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t, BLOCK_H=tile.block_h,
         BLOCK_K=triton.next_power_of_2(max(K, 1)),
@@ -597,7 +601,7 @@ def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, ran
 
 def ll_dispatch_recv(staging, meta, signals, peer_ptrs, state, out, out_scales, count,
                      src_info, src_k, layout, recv_stats, *, acks: tuple, rank: int,
-                     scale_strides: tuple, ue8m0: bool, flavour: Flavour = CPU_RANKS) -> bool:
+                     scale_strides: tuple, ue8m0: int, flavour: Flavour = CPU_RANKS) -> bool:
     """Launches ``L x R`` receive programs. ``staging``: the ll_dispatch_rows region viewed as
     uint8 (FP8) or as ``out``'s dtype, [P, L, R, TMAX, slot]; ``out_scales``: contiguous scale
     memory with (expert, row, group) strides ``scale_strides``; ``acks``: (offset, parity
@@ -616,10 +620,12 @@ def ll_dispatch_recv(staging, meta, signals, peer_ptrs, state, out, out_scales, 
         recv_stats if recv_stats is not None else dummy, *acks, flavour.ring_addr,
         flavour.ring_slots, flavour.mask_off, *flavour.args(), H, R, L, rank, TMAX, slot,
         scale_strides[1], scale_strides[2], scale_strides[0],
-        FP8=fp8, UE8M0=fp8 and ue8m0, HAS_STATS=recv_stats is not None,
+        FP8=fp8, UE8M0=bool(fp8 and ue8m0), GS=scale_group(ue8m0),
+        HAS_STATS=recv_stats is not None,
         TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait, FT=flavour.fault_tolerant,
         EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t, BLOCK_H=tile.block_h,
-        BLOCK_R=triton.next_power_of_2(R), BLOCK_G=triton.next_power_of_2(max(H // 128, 1)),
+        BLOCK_R=triton.next_power_of_2(R),
+        BLOCK_G=triton.next_power_of_2(max(H // scale_group(ue8m0), 1)),
         NUM_THREADS=tile.num_threads, **flavour.launch_options(tile))
     return True
 

@@ -203,6 +203,8 @@ def drive_low_latency(bufs, cfg: GateConfig, dtype) -> None:
     xs, idxs, ws = _inputs(cfg, dtype)
     fp8_ok = dtype != torch.float64 and cfg.hidden % 128 == 0
     modes = [dict(fp8=False)] + ([dict(fp8=True), dict(fp8=True, ue8m0=True)] if fp8_ok else [])
+    if fp8_ok and dtype == torch.bfloat16 and bufs[0].kernel_impl == "triton":
+        modes.insert(1, dict(dispatch_dtype="mxfp8"))   # MXFP8: 32-channel groups
     for mode in modes:
         for _ in range(2):
             recvs = lockstep.low_latency_dispatch(bufs, xs, idxs, **mode)

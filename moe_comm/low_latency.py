@@ -40,8 +40,8 @@ from .kernels.low_latency import (
     ll_dispatch_recv,
     ll_dispatch_send,
 )
-from .kernels.tiles import GROUP
-from .validation import check_dispatch_inputs, check_tensor
+from .kernels.quant import MXFP8, scale_group
+from .validation import check_dispatch_inputs, check_tensor, scale_code
 from .workspace import COMBINE, DISPATCH
 
 IN_FLIGHT = 2  # staging parities per channel
@@ -102,11 +102,16 @@ class _Hook:
         return result
 
 
-def _ll_scales_out(L: int, rows: int, groups: int, ue8m0: bool, col_major: bool, device):
+def _ll_scales_out(L: int, rows: int, groups: int, ue8m0: int, col_major: bool, device):
     """Scales of a low-latency receive: (public [L, rows, width], memory, (expert, row, group)
-    strides in elements)."""
+    strides in elements). MXFP8 (``ue8m0 == 2``): public E8M0 bytes [L, rows, groups], the
+    bytes of packed int32 words (a view with padding bytes unless groups % 4 == 0)."""
     width = (groups + 3) // 4 if ue8m0 else groups
     dtype = torch.int32 if ue8m0 else torch.float32
+    if ue8m0 == MXFP8:
+        memory = torch.empty((L, rows, width), dtype=dtype, device=device)
+        public = memory.view(torch.uint8)[..., :groups].view(torch.float8_e8m0fnu)
+        return public, memory, (rows * width, width, 1)
     if col_major:
         memory = torch.empty((L, width, rows), dtype=dtype, device=device)
         return memory.transpose(1, 2), memory, (width * rows, 1, rows)
@@ -209,12 +214,14 @@ class LowLatencyMode:
     def low_latency_dispatch(self, x, topk_idx: torch.Tensor, *, fp8: bool = True,
                              ue8m0: bool = False, col_major_scales: bool = False,
                              cumulative_local_expert_recv_stats: torch.Tensor | None = None,
-                             return_hook: bool = False):
+                             return_hook: bool = False, dispatch_dtype: str | None = None):
         """Puts every (token, expert) pair into the expert's slot; returns ``(recv, hook)``.
 
         ``x`` [T, H] of the Buffer's dtype (T <= max_tokens_per_rank); ``topk_idx`` [T, K]
         int64 in ``[0, E)`` or -1. ``fp8`` quantizes in the send kernel (H % 128 == 0), with
-        ``ue8m0`` / ``col_major_scales`` as in ``Buffer.dispatch``.
+        ``ue8m0`` / ``col_major_scales`` as in ``Buffer.dispatch``; ``dispatch_dtype="mxfp8"``:
+        MXFP8 (E8M0 per 32 channels, H % 32 == 0; ``recv.x_scales`` float8_e8m0fnu
+        [L, R * T_max, H/32]), Triton kernels only.
         ``cumulative_local_expert_recv_stats`` [L] int32/int64: the receive adds each local
         expert's rows to it. With ``return_hook`` the call returns after the send launch and
         ``hook()`` receives; otherwise the call receives and ``hook`` is None.
@@ -227,9 +234,21 @@ class LowLatencyMode:
             check_dispatch_inputs(x, topk_idx, None, 1, hidden=self.hidden,
                                   max_tokens=self.max_tokens_per_rank, max_topk=self.max_topk,
                                   dtype=self.dtype, device=self.device)
-        if fp8 and (self.hidden % GROUP or self.dtype == torch.float64):
-            raise ValueError(f"FP8 dispatch needs hidden % 128 == 0 and a 16/32-bit dtype, "
-                             f"got hidden={self.hidden}, dtype={self.dtype}")
+        ue8m0 = scale_code(dispatch_dtype, ue8m0)
+        group = scale_group(ue8m0)
+        if ue8m0 == MXFP8:
+            if not fp8:
+                raise ValueError("dispatch_dtype='mxfp8' quantizes; it cannot go with fp8=False")
+            if col_major_scales:
+                raise ValueError("MXFP8 scales come row-major; for the 128x4 layout of "
+                                 "block-scaled GEMMs use moe_comm.microscale.swizzle_128x4")
+            if self.kernel_impl == "cuda":
+                raise ValueError("kernel_impl='cuda' sends FP8 per 128 channels only; MXFP8 "
+                                 "runs on the Triton kernels")
+        if fp8 and (self.hidden % group or self.dtype == torch.float64):
+            raise ValueError(f"{'MXFP8' if ue8m0 == MXFP8 else 'FP8'} dispatch needs hidden % "
+                             f"{group} == 0 and a 16/32-bit dtype, got hidden={self.hidden}, "
+                             f"dtype={self.dtype}")
         if not fp8 and (ue8m0 or col_major_scales):
             raise ValueError("ue8m0 and col_major_scales shape FP8 scales; pass fp8=True")
         stats = cumulative_local_expert_recv_stats
@@ -258,8 +277,8 @@ class LowLatencyMode:
                              dtype=torch.float8_e4m3fn if fp8 else self.dtype)
         scales, scale_memory, scale_strides = None, None, (0, 0, 0)
         if fp8:
-            scales, scale_memory, scale_strides = _ll_scales_out(L, rows, H // GROUP, ue8m0,
-                                                                 col_major, dev)
+            scales, scale_memory, scale_strides = _ll_scales_out(
+                L, rows, H // scale_group(ue8m0), ue8m0, col_major, dev)
             if ue8m0:
                 scale_memory.zero_()  # padding bytes of the packed words
         count = torch.empty(L, dtype=torch.int32, device=dev)

@@ -347,12 +347,16 @@ class RefLowLatency:
 
 def low_latency_dispatch_all(xs, topk_idxs, *, num_experts: int, max_tokens: int,
                              fp8: bool = False, ue8m0: bool = False,
-                             col_major_scales: bool = False) -> list[RefLowLatency]:
+                             col_major_scales: bool = False,
+                             dispatch_dtype: str | None = None) -> list[RefLowLatency]:
     """Reference ``low_latency_dispatch`` of every rank at once: each (token, expert) pair
-    becomes a row of its expert, ordered by source rank, then token."""
+    becomes a row of its expert, ordered by source rank, then token (``dispatch_dtype=
+    "mxfp8"``: MXFP8 rows and E8M0 scales [L, R * T, H/32])."""
     R = len(xs)
     L, H, T = num_experts // R, xs[0].shape[1], max_tokens
-    rows = [_fp8_payload(x, ue8m0) if fp8 else x for x in xs]
+    code = _scale_code(dispatch_dtype, ue8m0)
+    fp8 = fp8 or code == MXFP8_CODE
+    rows = [_fp8_payload(x, code) if fp8 else x for x in xs]
     out = []
     for d in range(R):
         x_out = rows[0].new_zeros((L, R * T, rows[0].shape[1]))
@@ -374,6 +378,10 @@ def low_latency_dispatch_all(xs, topk_idxs, *, num_experts: int, max_tokens: int
         if fp8:
             payload = x_out.reshape(L * R * T, -1)
             x_out = _dense(payload[:, :H]).view(torch.float8_e4m3fn).reshape(L, R * T, H)
+            if code == MXFP8_CODE:
+                scales = _dense(payload[:, H:]).view(torch.float8_e8m0fnu).reshape(L, R * T, -1)
+                out.append(RefLowLatency(x_out, scales, count, src_info, src_k))
+                continue
             scales = _dense(payload[:, H:]).view(torch.float32)
             scales = (pack_ue8m0(scales) if ue8m0 else scales).reshape(L, R * T, -1)
             if col_major_scales:

@@ -170,14 +170,16 @@ def vanished_peer(rank, world_size, case: Case, ranks_per_node: int, victim: int
 
 
 def ll_nodes_case(rank, world_size, case: Case, ranks_per_node: int, iterations: int = 3,
-                  straggle_s: float = 0.0, fp8: bool = False, ue8m0: bool = False) -> dict:
+                  straggle_s: float = 0.0, fp8: bool = False, ue8m0: bool = False,
+                  dispatch_dtype: str | None = None) -> dict:
     """Low-latency dispatch + combine across nodes through the proxy, ``iterations`` times,
     each against the reference bit for bit; returns the bytes the transport was asked to move
     and the minimum: every pair to an expert on another node (row and meta word) out, every
     pair from a source on another node (one combined row) back."""
     delay = random.Random(2000 * case.seed + rank)
     N, L, H = ranks_per_node, case.num_experts // world_size, case.hidden
-    payload = (H + (H // 128) * (1 if ue8m0 else 4) if fp8
+    payload = (H + H // 32 if dispatch_dtype == "mxfp8"
+               else H + (H // 128) * (1 if ue8m0 else 4) if fp8
                else H * torch.empty((), dtype=case.dtype).element_size())
     assert payload <= low_latency_slot_bytes(H, case.dtype)
     row = H * torch.empty((), dtype=torch.bfloat16).element_size()  # ys are bf16
@@ -188,11 +190,13 @@ def ll_nodes_case(rank, world_size, case: Case, ranks_per_node: int, iterations:
             xs, idxs, ws = make_inputs(case, it)
             time.sleep(delay.uniform(0, straggle_s))
             recv, hook = buf.low_latency_dispatch(xs[rank], idxs[rank], fp8=fp8, ue8m0=ue8m0,
-                                                  return_hook=True)
+                                                  return_hook=True,
+                                                  dispatch_dtype=dispatch_dtype)
             time.sleep(delay.uniform(0, straggle_s))
             hook()
-            check_recv(rank, case, it, recv, xs, idxs, fp8, ue8m0)
-            ys, refs = _all_ys(case, xs, idxs, fp8, it)
+            check_recv(rank, case, it, recv, xs, idxs, fp8, ue8m0,
+                       dispatch_dtype=dispatch_dtype)
+            ys, refs = _all_ys(case, xs, idxs, fp8, it, dispatch_dtype)
             y = ys[rank]
             if it == iterations - 1:  # the proxy reads y where the caller wrote it: no copy
                 y = buf.low_latency_combine_buffer()

@@ -24,16 +24,20 @@ def expert_outputs(recv, seed: int) -> torch.Tensor:
     return torch.randn(recv.x.shape, generator=g).to(torch.bfloat16)
 
 
-def check_recv(rank, case, it, recv, xs, idxs, fp8, ue8m0=False, col_major=False):
+def check_recv(rank, case, it, recv, xs, idxs, fp8, ue8m0=False, col_major=False,
+               dispatch_dtype=None):
     want = reference.low_latency_dispatch_all(
         xs, idxs, num_experts=case.num_experts, max_tokens=case.max_tokens, fp8=fp8,
-        ue8m0=ue8m0, col_major_scales=col_major)[rank]
+        ue8m0=ue8m0, col_major_scales=col_major, dispatch_dtype=dispatch_dtype)[rank]
     assert torch.equal(recv.count, want.count), f"rank {rank} iteration {it}: counts"
     for e, n in enumerate(want.count.tolist()):
         a, b = recv.x[e, :n], want.x[e, :n]
-        if fp8:
+        if fp8 or dispatch_dtype:
             a, b = a.view(torch.uint8), b.view(torch.uint8)
-            assert torch.equal(recv.x_scales[e, :n], want.x_scales[e, :n]), (rank, it, e)
+            sa, sb = recv.x_scales[e, :n], want.x_scales[e, :n]
+            if sa.dtype == torch.float8_e8m0fnu:
+                sa, sb = sa.contiguous().view(torch.uint8), sb.contiguous().view(torch.uint8)
+            assert torch.equal(sa, sb), (rank, it, e)
         assert torch.equal(a, b), f"rank {rank} iteration {it}: rows of expert {e}"
         assert torch.equal(recv.src_info[e, :n], want.src_info[e, :n]), (rank, it, e)
     return want
@@ -45,9 +49,10 @@ def check_out(rank, case, it, out, recvs_all_ranks_ys, idxs, ws):
     assert torch.equal(out, want), f"rank {rank} iteration {it}: combine"
 
 
-def _all_ys(case, xs, idxs, fp8, seed):
+def _all_ys(case, xs, idxs, fp8, seed, dispatch_dtype=None):
     refs = reference.low_latency_dispatch_all(xs, idxs, num_experts=case.num_experts,
-                                              max_tokens=case.max_tokens, fp8=fp8)
+                                              max_tokens=case.max_tokens, fp8=fp8,
+                                              dispatch_dtype=dispatch_dtype)
     ys = []
     for r, ref in enumerate(refs):
         g = torch.Generator().manual_seed(seed * 100 + r)

@@ -1,9 +1,10 @@
 """MXFP8 and NVFP4 encoders for the send kernels; the same bits as ``moe_comm.microscale``.
 
-MXFP8: e4m3 codes (``quant.e4m3_bits``) and per 32 channels the smallest power of two
->= amax / 448 as an E8M0 byte (``quant.ue8m0_scale``). NVFP4: e2m1 codes packed two per byte
-(low nibble first), per 16 channels an e4m3 scale of ``amax / (global * 6)``, values
-``x / (scale * global)``; ``global`` is one float32 per call, read from device memory.
+MXFP8: ``quant.quantize_tile`` with 32-channel groups and UE8M0 scales (e4m3 codes, per 32
+channels the smallest power of two >= amax / 448 as an E8M0 byte), as the send kernels do.
+NVFP4: e2m1 codes packed two per byte (low nibble first), per 16 channels an e4m3 scale of
+``amax / (global * 6)``, values ``x / (scale * global)``; ``global`` is one float32 per call,
+read from device memory.
 
 ``e2m1_code`` rounds to nearest even with the magic-number trick on three ranges of the
 magnitude (steps 0.5 below 2, 1 below 4, 2 up to 6), saturating at 6; every quotient is
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import e4m3_bits, ue8m0_scale
+from .quant import e4m3_bits, quantize_tile
 
 MX_GROUP = 32
 NVFP4_GROUP = 16
@@ -53,19 +54,6 @@ def e4m3_value(code):
     sub = tl.where(sign != 0, -sub, sub)
     v = tl.where(e == 0, sub, normal)
     return tl.where((c & 127) == 127, float("nan"), v)
-
-
-@triton.jit
-def mx_quantize_tile(v, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    """``v`` [BLOCK_T, BLOCK_H] fp32 (BLOCK_H a multiple of 32) -> (e4m3 codes [BLOCK_T,
-    BLOCK_H] uint8, E8M0 bytes [BLOCK_T, BLOCK_H // 32] uint8). A NaN in a block gives it
-    code 255 (as an infinite amax would)."""
-    v3 = tl.reshape(v, [BLOCK_T, BLOCK_H // 32, 32])
-    has_nan = tl.max((v3 != v3).to(tl.int32), axis=2) > 0
-    amax = tl.where(has_nan, float("nan"), tl.maximum(tl.max(tl.abs(v3), axis=2), 1e-4))
-    scale, exps = ue8m0_scale(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
-    q = tl.math.div_rn(v3, tl.broadcast_to(scale[:, :, None], v3.shape))
-    return e4m3_bits(tl.reshape(q, [BLOCK_T, BLOCK_H])), exps
 
 
 @triton.jit
@@ -110,7 +98,7 @@ def microscale_quantize_kernel(
             gi = h0 // 16 + tl.arange(0, BLOCK_H // 16)
             tl.store(scales + t64[:, None] * (H // 16) + gi[None, :], s, mask=tm[:, None])
         else:
-            codes, exps = mx_quantize_tile(v, BLOCK_T, BLOCK_H)
+            codes, _, exps = quantize_tile(v, BLOCK_T, BLOCK_H, True, 32)
             tl.store(values + t64[:, None] * H + h[None, :], codes, mask=tm[:, None])
             gi = h0 // 32 + tl.arange(0, BLOCK_H // 32)
             tl.store(scales + t64[:, None] * (H // 32) + gi[None, :], exps, mask=tm[:, None])

@@ -75,9 +75,7 @@ def quantize_fp8(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, to
     # a multiplication by its rounded reciprocal, which can miss the IEEE quotient by an ulp
     scale = amax / torch.full_like(amax, 448.0)
     if ue8m0:  # NaN and infinity: exponent 255 (E8M0's NaN), an infinite scale
-        bits = scale.view(torch.int32)
-        exponent = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-        scale = (exponent.clamp(max=255) << 23).view(torch.float32)
+        scale = microscale.ue8m0_ceil(scale)
     q = (g / scale[..., None]).reshape(T, H).to(torch.float8_e4m3fn)
     return q, scale
 
@@ -92,7 +90,7 @@ def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
     """Power-of-two fp32 scales [N, G] -> biased exponents packed 4 per int32 [N, ceil(G/4)]
     (group 4i + j in byte j of word i, little-endian; padding bytes 0)."""
     N, G = scales.shape
-    exps = (_dense(scales).view(torch.int32) >> 23).to(torch.uint8)
+    exps = microscale.e8m0_codes(scales)
     padded = torch.zeros((N, (G + 3) // 4 * 4), dtype=torch.uint8, device=scales.device)
     padded[:, :G] = exps
     return padded.view(torch.int32)

@@ -41,7 +41,7 @@ from .kernels.low_latency import (
     ll_dispatch_send,
 )
 from .kernels.quant import MXFP8, scale_group
-from .validation import check_dispatch_inputs, check_tensor, scale_code
+from .validation import check_dispatch_inputs, check_mxfp8_options, check_tensor, scale_code
 from .workspace import COMBINE, DISPATCH
 
 IN_FLIGHT = 2  # staging parities per channel
@@ -237,11 +237,7 @@ class LowLatencyMode:
         ue8m0 = scale_code(dispatch_dtype, ue8m0)
         group = scale_group(ue8m0)
         if ue8m0 == MXFP8:
-            if not fp8:
-                raise ValueError("dispatch_dtype='mxfp8' quantizes; it cannot go with fp8=False")
-            if col_major_scales:
-                raise ValueError("MXFP8 scales come row-major; for the 128x4 layout of "
-                                 "block-scaled GEMMs use moe_comm.microscale.swizzle_128x4")
+            check_mxfp8_options(fp8, col_major_scales)
             if self.kernel_impl == "cuda":
                 raise ValueError("kernel_impl='cuda' sends FP8 per 128 channels only; MXFP8 "
                                  "runs on the Triton kernels")

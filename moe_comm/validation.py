@@ -102,6 +102,15 @@ def scale_code(dispatch_dtype: str | None, ue8m0: bool) -> int:
     return int(bool(ue8m0))
 
 
+def check_mxfp8_options(quantizes: bool, col_major_scales: bool) -> None:
+    """The options MXFP8 refuses, in both modes: no quantization, column-major scales."""
+    if not quantizes:
+        raise ValueError("dispatch_dtype='mxfp8' quantizes; it cannot go with fp8=False")
+    if col_major_scales:
+        raise ValueError("MXFP8 scales come row-major [rows, H/32]; for the 128x4 layout of "
+                         "block-scaled GEMMs use moe_comm.microscale.swizzle_128x4")
+
+
 def resolve_fp8(x, fp8, ue8m0: int, col_major_scales: bool, *, default_fp8: bool, hidden: int,
                 device: torch.device):
     """Splits the FP8 options of ``dispatch``: returns ``(rows, scales or None, mode)`` with
@@ -130,19 +139,18 @@ def resolve_fp8(x, fp8, ue8m0: int, col_major_scales: bool, *, default_fp8: bool
             raise ValueError("ue8m0 rounds scales when the kernel quantizes; a quantized pair "
                              "travels with its own float32 scales")
         mode = 2
+        if mx:
+            check_mxfp8_options(True, col_major_scales)
     else:
         rows, scales = x, None
         mode = int(default_fp8 or mx if fp8 is None else bool(fp8))
-        if mx and mode == 0:
-            raise ValueError("dispatch_dtype='mxfp8' quantizes; it cannot go with fp8=False")
+        if mx:
+            check_mxfp8_options(mode != 0, col_major_scales)
         if mode == 0 and (ue8m0 or col_major_scales):
             raise ValueError("ue8m0 and col_major_scales shape FP8 scales; pass fp8=True")
         if mode == 1 and isinstance(rows, torch.Tensor) and rows.requires_grad:
             raise ValueError("FP8 dispatch carries no gradient to x (the rows are quantized); "
                              "dispatch in the Buffer's dtype for training, or pass x.detach()")
-    if mx and col_major_scales:
-        raise ValueError("MXFP8 scales come row-major [rows, H/32]; for the 128x4 layout of "
-                         "block-scaled GEMMs use moe_comm.microscale.swizzle_128x4")
     if mode and hidden % group:
         raise ValueError(f"{'MXFP8' if mx else 'FP8'} dispatch needs hidden % {group} == 0, "
                          f"got hidden={hidden}")

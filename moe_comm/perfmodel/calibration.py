@@ -159,9 +159,12 @@ def rows(name: str | None = None) -> list[Row]:
     return [Row(c, *times(c)) for c in CASES if name is None or c.implementation == name]
 
 
-def validation_summary(name: str) -> tuple[float, float, int]:
-    """(median |error|, largest |error|, cases) over the validation cases of `name`."""
-    errs = [abs(r.error) for r in rows(name) if r.case.role == "validation"]
+def validation_summary(name: str, computed: list[Row] | None = None
+                       ) -> tuple[float, float, int]:
+    """(median |error|, largest |error|, cases) over the validation cases of `name`
+    (``computed``: its rows() when the caller has them already)."""
+    computed = rows(name) if computed is None else computed
+    errs = [abs(r.error) for r in computed if r.case.role == "validation"]
     return statistics.median(errs), max(errs), len(errs)
 
 
@@ -182,8 +185,9 @@ def report() -> str:
     """Per implementation: fitted constants and the validation error, as text."""
     out = []
     for name in FREE:
-        med, worst, n = validation_summary(name)
-        fit_err = [abs(r.error) for r in rows(name) if r.case.role == "fit"]
+        computed = rows(name)
+        med, worst, n = validation_summary(name, computed)
+        fit_err = [abs(r.error) for r in computed if r.case.role == "fit"]
         out.append(f"{name}: {len(fit_err)} fit cases (largest error {100 * max(fit_err):.1f}%),"
                    f" {n} validation cases: median {100 * med:.1f}%, largest {100 * worst:.1f}%")
         out.append("    " + ", ".join(f"{k}={v:.4g}" for k, v in

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from .model import predict
-from .systems import SYSTEMS, System, get_system, with_nic
+from .systems import System, with_nic
 
 
 @dataclass(frozen=True)
@@ -353,5 +353,4 @@ def main(argv=None) -> int:
     return 0
 
 
-__all__ = ["MODELS", "MoEShape", "compute_us", "comm_us", "experts_for", "main", "run",
-           "SYSTEMS", "get_system"]
+__all__ = ["MODELS", "MoEShape", "compute_us", "comm_us", "experts_for", "main", "run"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .formats import MOE_COMM, payload_bytes
+from .formats import MOE_COMM
 
 STAT_KEYS = ("dispatch_bytes_to_peers", "dispatch_bytes_to_self", "combine_bytes_to_peers",
              "combine_bytes_to_self")
@@ -54,7 +54,8 @@ def moe_comm_counters(ids, *, ep: int, num_experts: int, hidden: int, gpus_per_n
 
     ids: [ep*T, K] integer expert ids. gpus_per_node: ranks per node (= ep for one node).
     max_topk: the Buffer's max_topk (metadata has 3 words per slot of it; default K).
-    dispatch_dtype: "bf16" | "fp16" | "fp32" | "fp8" (one fp32 scale per 128 elements);
+    dispatch_dtype: "bf16" | "fp16" | "fp32" | "fp8" (one fp32 scale per 128 elements) |
+    "fp8-ue8m0" | "mxfp8" | "nvfp4" (``formats.MOE_COMM.payload``);
     combine_dtype: the Buffer's dtype.
     """
     ids = np.asarray(ids, dtype=np.int64)
@@ -65,8 +66,8 @@ def moe_comm_counters(ids, *, ep: int, num_experts: int, hidden: int, gpus_per_n
     nodes = ep // gpn
     fmt = MOE_COMM
     k = K if max_topk is None else max_topk
-    P = payload_bytes(dispatch_dtype, hidden)
-    C = payload_bytes(combine_dtype, hidden)
+    P = fmt.payload(dispatch_dtype, hidden)
+    C = fmt.payload(combine_dtype, hidden)
     src = np.repeat(np.arange(ep), T)
     node_of = np.arange(ep) // gpn
     if mode == "low_latency":

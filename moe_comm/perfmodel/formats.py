@@ -13,7 +13,9 @@ Payload of one token row of `hidden` elements:
 | nvfp4        | e2m1, 4 bits   | e4m3 byte per 16 elements (+ one fp32    | ceil(H/2) +         |
 |              |                | per-tensor scale, not per row)           | ceil(H/16)          |
 
-The per-tensor fp32 of NVFP4 travels once per call, not per row, and is left out.
+The per-tensor fp32 of NVFP4 travels once per call in most implementations and is left out
+here; a message format that carries it in every row says so (``nvfp4_global_bytes``: this
+package's rows hold their source's global scale, 4 bytes).
 """
 from __future__ import annotations
 
@@ -80,6 +82,13 @@ class MessageFormat:
     count_bytes_per_expert: int
     epoch_signal_bytes: int
     node_slot_bytes: int
+    nvfp4_global_bytes: int = 0  # NVFP4's global scale, where it travels in every row
+
+    def payload(self, dtype: str, hidden: int) -> int:
+        """Bytes of one row's payload in this format: :func:`payload_bytes`, with NVFP4's
+        global scale where every row carries it."""
+        return payload_bytes(dtype, hidden) + (self.nvfp4_global_bytes if dtype == "nvfp4"
+                                               else 0)
 
     def normal_meta_bytes(self, topk: int) -> int:
         return self.meta_base_bytes + self.meta_per_topk_bytes * topk
@@ -95,10 +104,11 @@ class MessageFormat:
 
 # This package (kernels/, moe_comm/workspace.py): int32 words of metadata per row (source
 # token, and per top-k slot expert, weight and slot), an int32 source index per low-latency
-# message, int32 counts, int64 epoch signals. Checked against the kernels' own counters.
+# message, int32 counts, int64 epoch signals; NVFP4 rows carry their float32 global scale.
+# Checked against the kernels' own counters.
 MOE_COMM = MessageFormat("moe_comm", ll_header_bytes=4, ll_count_bytes=8, meta_base_bytes=4,
                          meta_per_topk_bytes=12, count_bytes_per_expert=4,
-                         epoch_signal_bytes=8, node_slot_bytes=4)
+                         epoch_signal_bytes=8, node_slot_bytes=4, nvfp4_global_bytes=4)
 
 # DeepEP V1 (csrc/kernels/internode_ll.cu, internode.cu): a 16-byte header per low-latency
 # message (source token index, padded to 16), per normal row an int64 source index (8) and per

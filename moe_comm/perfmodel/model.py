@@ -298,9 +298,9 @@ def _low_latency(c: _Costs, L: Layout, loads: Loads, T: int, H: int, k: int, d_d
     conv_header = FP8_LL_CONVENTION_HEADER if d_dtype == "fp8" else 0
     out = []
     for i, (phase, msg, logical_msg) in enumerate((
-            ("dispatch", payload_bytes(d_dtype, H) + fmt.ll_header_bytes,
+            ("dispatch", fmt.payload(d_dtype, H) + fmt.ll_header_bytes,
              payload_bytes(d_dtype, H) + conv_header),
-            ("combine", payload_bytes(c_dtype, H), payload_bytes(c_dtype, H)))):
+            ("combine", fmt.payload(c_dtype, H), payload_bytes(c_dtype, H)))):
         # combine sends back what dispatch delivered: the send and receive roles swap
         snd_nvl, rcv_nvl = (s_nvl, r_nvl) if phase == "dispatch" else (r_nvl, s_nvl)
         snd_rdma, rcv_rdma = (s_rdma, r_rdma) if phase == "dispatch" else (r_rdma, s_rdma)
@@ -374,7 +374,7 @@ def _normal(c: _Costs, L: Layout, loads: Loads, T: int, H: int, k: int, d_dtype:
     for i, phase in enumerate(("dispatch", "combine")):
         dtype = d_dtype if phase == "dispatch" else c_dtype
         elem = element_bytes(dtype)
-        P = payload_bytes(dtype, H)
+        P = fmt.payload(dtype, H)
         row = P + (meta if phase == "dispatch" else 0)
         net_row = row + (fmt.node_slot_bytes * L.gpn if hier and phase == "dispatch" else 0)
         if hier:   # NVLink carries the forwarded rows (the direct ones of the sender's node too)

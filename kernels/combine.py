@@ -17,6 +17,13 @@ dispatch.
 
 **Reduce** (``combine_reduce_kernel``, on the home rank, after every epoch arrived): one program
 per token tile sums the partials of ranks ``0..R-1`` in that order (bit-reproducible).
+
+**FP8** (``FP8``): the fp32 partial is quantized per 128 channels as a dispatch quantizes
+(``quant.quantize_tile``: e4m3 codes, one float32 scale per 128 channels) and travels as
+``[H codes][H/128 scales]`` in the row's slot (its stride stays ``H * elem``); the reduce
+dequantizes each partial (``code * scale`` in fp32) before it adds it::
+
+    out[t] = sum(dequantize_fp8(*quantize_fp8(partial_d[s, slot_of[t, d]])) for d in order)
 """
 from __future__ import annotations
 
@@ -51,8 +58,11 @@ from .internode import (
     _off,
     post_combine_flat,
 )
+from .microscale import e4m3_value
 from .numerics import acc_zeros, cast_rne, channel_tile
 from .nvshmem import put_bytes, quiet
+from .quant import quantize_tile
+from .rows import store_rows
 from .tiles import even, per_source_programs, tiles
 
 _SEND_PER_CALL = ["rows_off", "meta_off", "signal_off", "local_base", "errors_addr", "me"]
@@ -83,6 +93,7 @@ def combine_send_kernel(
     N: tl.int32, RING_SLOTS: tl.int32,  # TRANSPORT 2: ranks per node, ring slots
     KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr,
     ACC_FP64: tl.constexpr,
+    FP8: tl.constexpr,  # partials travel as FP8 per 128 channels (not with ACC_FP64, HIER)
     TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; where the pointer is 0,
                               # 1: NVSHMEM; 2: the proxy (flat: an outbox; HIER: the forwarder)
     HIER: tl.constexpr,
@@ -101,7 +112,10 @@ def combine_send_kernel(
     box_meta_off += parity * box_meta_parity
     n = tl.load(slot_counts + s)
     remote = tl.load(peer_ptrs + s) == 0  # home rank s reached only by NVSHMEM (TRANSPORT 1)
-    payload = H * y.dtype.element_ty.primitive_bitwidth // 8
+    stride = H * y.dtype.element_ty.primitive_bitwidth // 8  # bytes between partial rows
+    payload = stride
+    if FP8:
+        payload = H + 4 * (H // 128)
     row_bytes = payload + HAS_PAIR * 4 * K
     dst = peer_ptr(peer_ptrs, s, rows_off, y.dtype.element_ty, ALIGN)
     dst_meta = peer_ptr(peer_ptrs, s, meta_off, tl.float32, 4)
@@ -143,12 +157,23 @@ def combine_send_kernel(
                 if HAS_WEIGHTS:
                     v = v * tl.load(weights + row, mask=rm, other=0.0).to(acc.dtype)[:, None]
                 acc += v
-            partial = cast_rne(acc, y.dtype.element_ty)
-            tl.store(dst + j64[:, None] * H + h[None, :], partial,  # gate: row
-                     mask=via_stores[:, None] & hm[None, :])
-            if TRANSPORT == 1:
-                tl.store(box + staged[:, None] * H + h[None, :], partial,  # gate: row
-                         mask=(jm & ~via_stores)[:, None] & hm[None, :])
+            if FP8:
+                codes, scales, _ = quantize_tile(acc, BLOCK_T, BLOCK_H, False)
+                g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+                dst8 = dst.to(tl.pointer_type(tl.uint8), bitcast=True) + j64 * stride
+                store_rows(dst8, h0, h, g, H, codes, scales, codes, via_stores, hm, False, 128,
+                           EVEN_H)
+                if TRANSPORT == 1:
+                    box8 = box.to(tl.pointer_type(tl.uint8), bitcast=True) + staged * stride
+                    store_rows(box8, h0, h, g, H, codes, scales, codes, jm & ~via_stores, hm,
+                               False, 128, EVEN_H)
+            else:
+                partial = cast_rne(acc, y.dtype.element_ty)
+                tl.store(dst + j64[:, None] * H + h[None, :], partial,  # gate: row
+                         mask=via_stores[:, None] & hm[None, :])
+                if TRANSPORT == 1:
+                    tl.store(box + staged[:, None] * H + h[None, :], partial,  # gate: row
+                             mask=(jm & ~via_stores)[:, None] & hm[None, :])
         if HAS_PAIR:
             kk = tl.arange(0, BLOCK_K)
             m2 = jm[:, None] & (kk < K)[None, :]
@@ -166,8 +191,8 @@ def combine_send_kernel(
                 for i in range(BLOCK_T):
                     if j0 + i < n:
                         jj = (j0 + i).to(tl.int64)
-                        put_bytes(local_base, rows_off + jj * payload,
-                                  box_rows_off + (s.to(tl.int64) * TMAX + jj) * payload, payload,
+                        put_bytes(local_base, rows_off + jj * stride,
+                                  box_rows_off + (s.to(tl.int64) * TMAX + jj) * stride, payload,
                                   s)
                         if HAS_PAIR:
                             put_bytes(local_base, meta_off + jj * (4 * KMAX),
@@ -197,8 +222,8 @@ def combine_send_kernel(
                         publish_epoch(peer_ptrs, (me // N) * N + f,
                                       _at(plan, HC_SIGNALS) + (me % N) * 8, epoch)
                 elif one_thread():
-                    post_combine_flat(plan, slot_counts, R, N, me, epoch, parity, payload, K,
-                                      KMAX, HAS_PAIR, ring_addr, RING_SLOTS, errors_addr,
+                    post_combine_flat(plan, slot_counts, R, N, me, epoch, parity, payload,
+                                      stride, K, KMAX, HAS_PAIR, ring_addr, RING_SLOTS, errors_addr,
                                       timeout_ns)
             signal_bytes = 8 + tl.zeros([1], tl.int64)
             tl.atomic_add(stats + 2 + tl.arange(0, 1), (reached - 1) * signal_bytes,
@@ -219,6 +244,28 @@ def _add_partials(acc, staging, slot_of, t, tm, d0, d1, R, TMAX, cols, cm, ROW: 
         staged = d * TMAX + slot
         acc += tl.load(staging + staged[:, None] * ROW + cols[None, :],
                        mask=(slot >= 0)[:, None] & cm[None, :], other=0.0).to(acc.dtype)
+    return acc
+
+
+@triton.jit
+def _add_fp8_partials(acc, staging8, slot_of, t, tm, R, TMAX, h0, h, hm, H,
+                      ROW_BYTES: tl.int64, live, LIVE: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_H: tl.constexpr):
+    """:func:`_add_partials` over every rank in order for FP8 partials: each row's codes
+    ``h`` dequantized with their scales (``code * scale`` in fp32) before they are added."""
+    g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+    for d in range(R):
+        slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
+        if LIVE:
+            slot = tl.where(tl.load(live + d) != 0, slot, -1)
+        row8 = staging8 + (d * TMAX + slot) * ROW_BYTES
+        sm = slot >= 0
+        codes = tl.load(row8[:, None] + h[None, :], mask=sm[:, None] & hm[None, :], other=0)
+        scales8 = (row8 + H).to(tl.pointer_type(tl.float32), bitcast=True)
+        sc = tl.load(scales8[:, None] + g[None, :], mask=sm[:, None] & (g < H // 128)[None, :],
+                     other=0.0)
+        v = tl.reshape(e4m3_value(codes), [BLOCK_T, BLOCK_H // 128, 128]) * sc[:, :, None]
+        acc += tl.reshape(v, [BLOCK_T, BLOCK_H])
     return acc
 
 
@@ -261,6 +308,8 @@ def combine_reduce_kernel(
     NODE_PARITY: tl.int64, NODE_META_PARITY: tl.int64,
     KMAX: tl.constexpr, HAS_PAIR: tl.constexpr, ACC_FP64: tl.constexpr, EVEN_H: tl.constexpr,
     HIER: tl.constexpr, LIVE: tl.constexpr,
+    FP8: tl.constexpr,  # staging (uint8) holds FP8 partials, rows ROW_BYTES apart (flat only)
+    ROW_BYTES: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Sums in rank order; with HIER in node order: this node's ranks one by one, every other
@@ -275,8 +324,14 @@ def combine_reduce_kernel(
     t64 = t.to(tl.int64)
     for h0 in range(0, H, BLOCK_H):
         h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
-        acc = _sum_in_order(acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64), staging, node_rows, slot_of,
-                            node_slot_of, t, tm, me, R, N, TMAX, h, hm, H, HIER, live, LIVE)
+        if FP8:
+            acc = _add_fp8_partials(acc_zeros(BLOCK_T, BLOCK_H, False), staging, slot_of, t, tm,
+                                    R, TMAX, h0, h, hm, H, ROW_BYTES, live, LIVE, BLOCK_T,
+                                    BLOCK_H)
+        else:
+            acc = _sum_in_order(acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64), staging, node_rows,
+                                slot_of, node_slot_of, t, tm, me, R, N, TMAX, h, hm, H, HIER,
+                                live, LIVE)
         result = cast_rne(acc, out.dtype.element_ty)
         tl.store(out + t64[:, None] * H + h[None, :], result,  # gate: row
                  mask=tm[:, None] & hm[None, :])
@@ -300,14 +355,16 @@ def send_grid(world_size: int, max_tokens: int, hidden: int, flavour: Flavour,
 def combine_send(y, weights, pair_values, slot_rows, slot_counts, slot_offsets, peer_ptrs, stats,
                  tickets, epochs, *, offsets: dict, rank: int, topk: int, max_topk: int,
                  max_tokens: int, flavour: Flavour = CPU_RANKS,
-                 box_offsets: tuple = ((0, 0),) * 2, xstats=None, plan=None) -> bool:
+                 box_offsets: tuple = ((0, 0),) * 2, xstats=None, plan=None,
+                 fp8: bool = False) -> bool:
     """Launches the ``(R, P)`` send programs of :func:`send_grid` (every rank is signalled).
 
     ``offsets``: rows / meta -> (byte offset of this rank's slice of parity 0, bytes per
     parity), signal -> byte offset; the epoch and parity come from ``epochs`` on the device.
     Across nodes (``flavour.transport == 1``) ``box_offsets`` are (offset, parity stride) of the
     rdma_combine_rows / rdma_combine_meta outboxes; through the proxy (``transport == 2``)
-    ``xstats`` and ``plan`` (``kernels.internode``) say where partials for other nodes go."""
+    ``xstats`` and ``plan`` (``kernels.internode``) say where partials for other nodes go.
+    ``fp8``: the partials travel quantized (module docstring; not hierarchical, not fp64)."""
     H = y.shape[1]
     R = peer_ptrs.numel()
     tile = tiles("combine_send", flavour.compiled, H, max(4, y.element_size()))
@@ -323,7 +380,7 @@ def combine_send(y, weights, pair_values, slot_rows, slot_counts, slot_offsets, 
         flavour.ring_addr, flavour.timeout_ns, H, topk, R, rank, max_tokens,
         flavour.ranks_per_node or R, flavour.ring_slots, KMAX=max_topk,
         HAS_WEIGHTS=weights is not None, HAS_PAIR=pair_values is not None,
-        ACC_FP64=y.dtype == torch.float64, TRANSPORT=flavour.transport,
+        ACC_FP64=y.dtype == torch.float64, FP8=fp8, TRANSPORT=flavour.transport,
         HIER=flavour.hierarchical,
         ALIGN=flavour.row_align, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
         BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),
@@ -333,12 +390,13 @@ def combine_send(y, weights, pair_values, slot_rows, slot_counts, slot_offsets, 
 
 def combine_reduce(staging, meta, epochs, slot_of, out, pair_out, *, topk: int, max_topk: int,
                    flavour: Flavour = CPU_RANKS, rank: int = 0, node_rows=None, node_meta=None,
-                   node_slot_of=None, live=None) -> bool:
+                   node_slot_of=None, live=None, fp8: bool = False) -> bool:
     """Launches ``cdiv(T, block_t)`` reduce programs (none for ``T == 0``); ``staging`` /
     ``meta``: the whole combine_rows / combine_meta regions, the parity read from ``epochs``;
     hierarchical (``flavour.hierarchical``): ``node_rows`` / ``node_meta`` the whole hcomb
     regions and ``node_slot_of`` [T, M] from the dispatch; ``live`` [R] int32 (fault
-    tolerance): the ranks whose partials arrived (the others' are left out)."""
+    tolerance): the ranks whose partials arrived (the others' are left out); ``fp8``: the
+    partials are FP8 (flat only)."""
     T, H = out.shape
     R, TMAX = staging.shape[1:3]
     if T == 0:
@@ -346,13 +404,17 @@ def combine_reduce(staging, meta, epochs, slot_of, out, pair_out, *, topk: int, 
     tile = tiles("combine_reduce", flavour.compiled, H, max(4, out.element_size()))
     has_pair = pair_out is not None
     hier = flavour.hierarchical
+    row_bytes = staging.stride(2) * staging.element_size()
+    if fp8:
+        staging = staging.view(torch.uint8)
     combine_reduce_kernel[(triton.cdiv(T, tile.block_t),)](
         staging, meta, node_rows if hier else staging, node_meta if hier else meta, epochs,
         slot_of, node_slot_of if hier else slot_of, out, pair_out if has_pair else out,
         slot_of if live is None else live, T, H,
         topk, R, TMAX, flavour.ranks_per_node or R, rank, staging.stride(0), meta.stride(0),
         node_rows.stride(0) if hier else 0, node_meta.stride(0) if hier else 0,
-        KMAX=max_topk, HAS_PAIR=has_pair, HIER=hier, LIVE=live is not None,
+        KMAX=max_topk, HAS_PAIR=has_pair, HIER=hier, LIVE=live is not None, FP8=fp8,
+        ROW_BYTES=row_bytes,
         ACC_FP64=out.dtype == torch.float64, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
         BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)), **tile.launch_options())
     return True

@@ -27,13 +27,14 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
-GATE_TAGS = ("row", "scales", "exponents", "tail", "publish", "acquire")
+GATE_TAGS = ("row", "scales", "exponents", "scalebytes", "tail", "publish", "acquire")
 # Narrowest store (bits) each kind of row data may use where rows are 16-byte aligned. FP8
 # scales are one float (UE8M0: one byte) per 128 channels: a tile of BLOCK_H channels of a token
 # has BLOCK_H / 128 of them (32 bytes at BLOCK_H = 1024), spread over the threads that hold the
 # tile's codes, so one thread holds one scale, not four; they are 3% (1%) of an FP8 row's bytes.
+# "scalebytes": NVFP4's e4m3 scale per 16 channels (one byte per 8 bytes of packed values).
 # "tail": the last (payload % 16) bytes of a row copied as raw bytes (UE8M0 exponents).
-MIN_STORE_BITS = {"row": 128, "scales": 32, "exponents": 8, "tail": 8}
+MIN_STORE_BITS = {"row": 128, "scales": 32, "exponents": 8, "scalebytes": 8, "tail": 8}
 _MARKER = re.compile(r"#\s*gate:\s*([a-z]+)\s*$")
 _STORE = re.compile(r"\b(st|atom|red)\.((?:[a-zA-Z0-9_:]+\.)*[a-zA-Z0-9_:]+)")
 

@@ -49,7 +49,8 @@ from .comm import (
 )
 from .numerics import channel_tile
 from .nvshmem import put_bytes, quiet
-from .quant import load_send_tile, row_payload, scale_group, store_fp8_rows
+from .quant import NVFP4, scale_group
+from .rows import load_send_tile, row_payload, sent_elem_bytes, store_rows
 from .tiles import even, per_source_programs, persistent_programs, tiles
 
 _SEND_PER_CALL = ["rows_off", "meta_off", "counts_off", "signal_off", "local_base",
@@ -59,7 +60,8 @@ _SEND_PER_CALL = ["rows_off", "meta_off", "counts_off", "signal_off", "local_bas
 @triton.jit(do_not_specialize=_SEND_PER_CALL)
 def dispatch_send_kernel(
     x,  # [T, H] rows to send (FP8 == 2: uint8 view of float8_e4m3fn rows)
-    x_scales,  # [T, H // 128] float32 (FP8 == 2)
+    x_scales,  # FP8 == 2: [T, H // GS] scales (NVFP4: bytes, rows.load_send_tile); NVFP4 and
+               # FP8 == 1: [1] float32, the global scale
     topk_idx,  # [T, K] int64 (SEND_META)
     topk_weights,  # [T, K] float32 (SEND_META and HAS_WEIGHTS)
     slot_of,  # [T, R] int32: slot on rank d, -1 if not sent there
@@ -83,7 +85,7 @@ def dispatch_send_kernel(
     SEND_META: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     FP8: tl.constexpr,  # 0: copy rows as they are; 1: quantize here; 2: rows come quantized
     UE8M0: tl.constexpr,  # power-of-two scales, sent as exponent bytes
-    GS: tl.constexpr,  # channels per scale: 128, or 32 (MXFP8, with UE8M0)
+    GS: tl.constexpr,  # channels per scale: 128, 32 (MXFP8, with UE8M0) or 16 (NVFP4)
     TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; where the pointer is 0,
                               # 1: NVSHMEM; 2: nothing here (kernels.internode, the proxy)
     ALIGN: tl.constexpr,  # bytes every staging row address is a multiple of
@@ -112,15 +114,17 @@ def dispatch_send_kernel(
             h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
             m = tm[:, None] & hm[None, :]
             g = h0 // GS + tl.arange(0, BLOCK_H // GS)
-            tile, codes, scales, exps = load_send_tile(x, x_scales, t64, tm, h, hm, g, H,
-                                                       BLOCK_T, BLOCK_H, FP8, UE8M0, GS)
+            tile, codes, scales, exps = load_send_tile(x, x_scales, t64, tm, h0, h, hm, g, H,
+                                                       BLOCK_T, BLOCK_H, FP8, UE8M0, GS,
+                                                       EVEN_H)
             if TRANSPORT == 1:  # each token's row once into the outbox, for the NVSHMEM puts
                 box8 = local_ptr(local_base, box_rows_off, tl.uint8, ALIGN) + t64 * ROW_BYTES
                 if FP8 == 0:
                     boxx = box8.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
                     tl.store(boxx[:, None] + h[None, :], tile, mask=m)  # gate: row
                 else:
-                    store_fp8_rows(box8, h, g, H, codes, scales, exps, tm, hm, UE8M0, GS)
+                    store_rows(box8, h0, h, g, H, codes, scales, exps, tm, hm, UE8M0, GS,
+                               EVEN_H)
             for d in range(R):
                 slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
                 sm = by_stores(peer_ptrs, d + tl.zeros([BLOCK_T], tl.int32), slot >= 0,
@@ -131,7 +135,8 @@ def dispatch_send_kernel(
                     tl.store(rowx[:, None] + h[None, :], tile,  # gate: row
                              mask=sm[:, None] & hm[None, :])
                 else:
-                    store_fp8_rows(row8, h, g, H, codes, scales, exps, sm, hm, UE8M0, GS)
+                    store_rows(row8, h0, h, g, H, codes, scales, exps, sm, hm, UE8M0, GS,
+                               EVEN_H)
         if SEND_META:
             kk = tl.arange(0, BLOCK_K)
             m2 = tm[:, None] & (kk < K)[None, :]
@@ -233,20 +238,23 @@ def dispatch_expand_kernel(
     tokens_per_expert,  # [L] int64: rows of each local expert, without padding
     expert_offsets,  # [L + 1] int64: first row of each local expert's padded group
     slot_rows,  # [R * TMAX, K] int32: output row of (slot, choice) or -1; written, or read
-    out,  # [max_rows, H] (FP8: uint8 view of float8_e4m3fn)
+    out,  # [max_rows, H] (FP8: uint8 view of float8_e4m3fn; NVFP4: H is half the channels)
     out_scales,  # FP8: [rows, G] float32, or UE8M0: uint8 view of packed int32 [rows, G/4]
+    out_global,  # NVFP4 (GLOBAL): [rows] float32, each row's global scale
     out_weights,  # [rows] float32 (not CACHED, HAS_WEIGHTS)
     out_src_rank, out_src_token,  # [rows] int64 (not CACHED)
     errors_addr: tl.int64,  # input record: more rows arrived than `out` holds
     max_rows: tl.int64,  # rows of `out`
     TMAX: tl.int32, H: tl.int32, K: tl.int32, L: tl.int32, me: tl.int32,
+    G: tl.int32,  # FP8: scales per row
     ROW_ELEMS: tl.int64,  # staging row stride in elements of `staging`
     STAGING_PARITY: tl.int64, META_PARITY: tl.int64,  # elements between the two parities
     SCALE_ROW_STRIDE: tl.int64, SCALE_GROUP_STRIDE: tl.int64,  # out_scales strides (elements;
                                                                # int32 words for UE8M0)
     META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
-    CACHED: tl.constexpr, HAS_WEIGHTS: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr,
-    GS: tl.constexpr,  # channels per scale (128; MXFP8 32)
+    CACHED: tl.constexpr, HAS_WEIGHTS: tl.constexpr, FP8: tl.constexpr,
+    UE8M0: tl.constexpr,  # byte scales: exponents, MXFP8's E8M0 or NVFP4's e4m3
+    GLOBAL: tl.constexpr,  # NVFP4: a float32 global scale between the codes and the scales
     EVEN_H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
@@ -297,16 +305,20 @@ def dispatch_expand_kernel(
                 dst_row = tl.load(slot_rows + first_row * K + k, mask=jm, other=-1).to(tl.int64)
                 tl.store(out + dst_row[:, None] * H + h[None, :], tile,  # gate: row
                          mask=(dst_row >= 0)[:, None] & hm[None, :])
-        if FP8:  # the scales follow the H code bytes of each staging row
+        if FP8:  # the scales follow the H code bytes of each staging row (kernels.rows)
             g = tl.arange(0, BLOCK_G)
-            gm = jm[:, None] & (g < H // GS)[None, :]
+            gm = jm[:, None] & (g < G)[None, :]
+            codes_end = staged * ROW_ELEMS + H
             if UE8M0:
-                sc = tl.load(staging + staged[:, None] * ROW_ELEMS + H + g[None, :], mask=gm)
+                sc = tl.load(staging + codes_end[:, None] + 4 * GLOBAL + g[None, :], mask=gm)
             else:
-                sc = tl.load(staging_f32 + (staged[:, None] * ROW_ELEMS + H) // 4 + g[None, :],
-                             mask=gm)
+                sc = tl.load(staging_f32 + codes_end[:, None] // 4 + g[None, :], mask=gm)
+            if GLOBAL:
+                glob = tl.load(staging_f32 + codes_end // 4, mask=jm)
             for k in range(K):
                 dst_row = tl.load(slot_rows + first_row * K + k, mask=jm, other=-1).to(tl.int64)
+                if GLOBAL:
+                    tl.store(out_global + dst_row, glob, mask=dst_row >= 0)
                 dm = gm & (dst_row >= 0)[:, None]
                 if UE8M0:  # byte g % 4 of int32 word g // 4
                     word = (g // 4)[None, :] * SCALE_GROUP_STRIDE \
@@ -346,15 +358,21 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
     channel's device word) and its parity from the epoch, so nothing here changes per call.
     With ``topk_idx=None`` (the cached form) only rows and the epoch are sent. ``fp8``: 0 sends
     rows as they are, 1 quantizes them, 2 sends the given float8 rows (``x``) and ``x_scales``
-    (float32; E8M0 bytes for MXFP8). ``ue8m0``: 0 float32 scales per 128 channels, 1
-    power-of-two scales per 128 sent as exponent bytes, 2 MXFP8 (the same per 32 channels).
+    (float32; E8M0 bytes for MXFP8; NVFP4: ``x`` [T, H/2] packed, ``x_scales`` [T, H/16 + 4]
+    bytes as ``rows.load_send_tile`` reads them). NVFP4 with ``fp8 == 1``: ``x_scales`` is
+    the global scale [1] float32. ``ue8m0``: 0 float32 scales per 128 channels, 1
+    power-of-two scales per 128 sent as exponent bytes, 2 MXFP8 (the same per 32 channels),
+    3 NVFP4 (``kernels.rows``).
     ``row_bytes``: staging row stride.
     Across nodes (``flavour.transport == 1``) ``box_offsets`` are (offset, parity stride) of
     the rdma_rows / rdma_meta / rdma_counts outboxes.
     """
     T, H = x.shape
+    if fp8 == 2 and ue8m0 == NVFP4:  # x: two e2m1 codes per byte
+        H *= 2
     R = peer_ptrs.numel()
-    tile = tiles("dispatch_send", flavour.compiled, H, 1 if fp8 else x.element_size())
+    tile = tiles("dispatch_send", flavour.compiled, H,
+                 sent_elem_bytes(fp8, ue8m0, x.element_size()))
     send_meta = topk_idx is not None
     has_weights = topk_weights is not None
     dummy = slot_of
@@ -362,7 +380,7 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
         x = x.view(torch.uint8)
         x_scales = x_scales.view(torch.uint8) if ue8m0 else x_scales
     dispatch_send_kernel[(grid,)](
-        x, x_scales if fp8 == 2 else dummy, topk_idx if send_meta else dummy,
+        x, dummy if x_scales is None else x_scales, topk_idx if send_meta else dummy,
         topk_weights if has_weights else dummy, slot_of, pair_pos if send_meta else dummy,
         counts if send_meta else dummy, peer_ptrs, stats, tickets, epochs, offsets["rows"][0],
         offsets["meta"][0], offsets["counts"][0], offsets["signal"], offsets["rows"][1],
@@ -398,21 +416,26 @@ def dispatch_expand(staging, meta, epochs, slot_counts, slot_offsets, row_base,
                     tokens_per_expert, expert_offsets, slot_rows, out, out_weights, out_src_rank,
                     out_src_token, *, rank: int, topk: int, num_local_experts: int,
                     meta_stride: int, max_topk: int, flavour: Flavour = CPU_RANKS,
-                    out_scales=None, scale_strides=(0, 0), ue8m0: int = 0) -> bool:
+                    out_scales=None, scale_strides=(0, 0), ue8m0: int = 0,
+                    out_global=None) -> bool:
     """Launches the ``(R, P)`` expand programs of :func:`expand_grid`.
 
     ``staging`` / ``meta``: the whole dispatch_rows / dispatch_meta regions [P, R, TMAX, ...];
     the kernel reads the parity from ``epochs`` (the dispatch channel's device epoch).
     With ``meta=None`` (the cached form) rows are placed by the given ``slot_rows`` alone.
-    FP8 rows (``out`` float8): ``staging`` is the uint8 view, ``out_scales`` the contiguous
-    memory of the scales (float32, or int32 words of packed exponents with ``ue8m0``: per
-    128 channels, or per 32 for MXFP8, ``ue8m0 == 2``) and ``scale_strides`` its (row, group)
-    strides in elements. Rows that would land past
-    ``out``'s end are dropped and recorded in the error record (TOO_MANY_ROWS).
+    Quantized rows (``out_scales`` given; ``out`` float8, or uint8 [rows, H/2] for NVFP4):
+    ``staging`` is the uint8 view, ``out_scales`` the contiguous memory of the scales
+    (float32, or int32 words of byte scales with ``ue8m0``: exponents per 128 channels, E8M0
+    per 32 for MXFP8 (``ue8m0 == 2``), e4m3 per 16 for NVFP4 (3), whose rows' global scales
+    go to ``out_global`` [rows] float32) and ``scale_strides`` its (row, group) strides in
+    elements. Rows that would land past ``out``'s end are dropped and recorded in the error
+    record (TOO_MANY_ROWS).
     """
     R, TMAX = staging.shape[1:3]
     H = out.shape[1]
-    fp8 = out.dtype == torch.float8_e4m3fn
+    fp8 = out_scales is not None
+    nvfp4 = fp8 and ue8m0 == NVFP4
+    groups = (2 * H if nvfp4 else H) // scale_group(ue8m0) if fp8 else 0
     tile = tiles("dispatch_expand", flavour.compiled, H, out.element_size())
     cached = meta is None
     has_weights = out_weights is not None
@@ -424,12 +447,13 @@ def dispatch_expand(staging, meta, epochs, slot_counts, slot_offsets, row_base,
         staging, staging.view(torch.float32) if fp8 else dummy, dummy if cached else meta,
         epochs, slot_counts, slot_offsets, dummy if cached else row_base, tokens_per_expert,
         expert_offsets, slot_rows, out, out_scales if fp8 else dummy,
+        out_global if nvfp4 else dummy,
         out_weights if has_weights else dummy, dummy if cached else out_src_rank,
         dummy if cached else out_src_token, flavour.errors_addr, out.shape[0],
-        TMAX, H, topk, num_local_experts, rank, staging.stride(2), staging.stride(0),
+        TMAX, H, topk, num_local_experts, rank, groups, staging.stride(2), staging.stride(0),
         0 if cached else meta.stride(0), scale_strides[0], scale_strides[1],
         META_STRIDE=meta_stride, KMAX=max_topk, CACHED=cached, HAS_WEIGHTS=has_weights,
-        FP8=fp8, UE8M0=bool(fp8 and ue8m0), GS=scale_group(ue8m0), EVEN_H=even(H, tile.block_h),
+        FP8=fp8, UE8M0=bool(fp8 and ue8m0), GLOBAL=nvfp4, EVEN_H=even(H, tile.block_h),
         BLOCK_T=tile.block_t, BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),
-        BLOCK_G=triton.next_power_of_2(max(H // scale_group(ue8m0), 1)), **tile.launch_options())
+        BLOCK_G=triton.next_power_of_2(max(groups, 1)), **tile.launch_options())
     return True

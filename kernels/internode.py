@@ -46,7 +46,8 @@ from .comm import (
 )
 from .numerics import acc_zeros, cast_rne, channel_tile
 from .proxy import post_transfer
-from .quant import load_send_tile, row_payload, scale_group, store_fp8_rows
+from .quant import NVFP4, scale_group
+from .rows import load_send_tile, row_payload, sent_elem_bytes, store_rows
 from .tiles import even, persistent_programs, tiles
 
 PLAN_FIELDS = (
@@ -185,8 +186,9 @@ def outbox_dispatch_kernel(
         for h0 in range(0, H, BLOCK_H):
             h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
             g = h0 // GS + tl.arange(0, BLOCK_H // GS)
-            tile, codes, scales, exps = load_send_tile(x, x_scales, t64, tm, h, hm, g, H,
-                                                       BLOCK_T, BLOCK_H, FP8, UE8M0, GS)
+            tile, codes, scales, exps = load_send_tile(x, x_scales, t64, tm, h0, h, hm, g, H,
+                                                       BLOCK_T, BLOCK_H, FP8, UE8M0, GS,
+                                                       EVEN_H)
             for tgt in range(NT):
                 if _target_is_remote(tgt, my_node, N, HIER):
                     slot = _target_slot(slot_of, node_slot_of, t, tgt, tm, R, M, HIER)
@@ -197,8 +199,8 @@ def outbox_dispatch_kernel(
                         tl.store(rowx[:, None] + h[None, :], tile,  # gate: row
                                  mask=(slot >= 0)[:, None] & hm[None, :])
                     else:
-                        store_fp8_rows(row8, h, g, H, codes, scales, exps, slot >= 0, hm, UE8M0,
-                                       GS)
+                        store_rows(row8, h0, h, g, H, codes, scales, exps, slot >= 0, hm,
+                                   UE8M0, GS, EVEN_H)
         if SEND_META:
             kk = tl.arange(0, BLOCK_K)
             m2 = tm[:, None] & (kk < K)[None, :]
@@ -459,18 +461,19 @@ def forward_combine_kernel(
 
 
 @triton.jit
-def post_combine_flat(plan, slot_counts, R, N, me, epoch, parity, row_bytes, K,
+def post_combine_flat(plan, slot_counts, R, N, me, epoch, parity, row_bytes, row_stride, K,
                       KMAX: tl.constexpr, HAS_PAIR: tl.constexpr, ring_addr, RING_SLOTS,
                       errors_addr, timeout_ns):
     """Flat combine: one transfer per home rank on another node, from the outbox slice the
-    combine send filled (call from one thread of the last program)."""
+    combine send filled (call from one thread of the last program): ``row_bytes`` of each
+    partial row (FP8 partials fill part of theirs), rows ``row_stride`` bytes apart."""
     for s in range(R):
         if s // N != me // N:
             n = tl.load(slot_counts + s).to(tl.int64)
             post_transfer(
                 ring_addr, RING_SLOTS, s, _at(plan, COMB_SIGNAL), epoch, 1 + HAS_PAIR,
                 _off(plan, PXC_ROWS, parity, s),
-                _at(plan, COMB_ROWS) + parity * _at(plan, COMB_ROWS_PAR), row_bytes, row_bytes,
+                _at(plan, COMB_ROWS) + parity * _at(plan, COMB_ROWS_PAR), row_bytes, row_stride,
                 n,
                 _off(plan, PXC_META, parity, s),
                 _at(plan, COMB_META) + parity * _at(plan, COMB_META_PAR), 4 * K, 4 * KMAX, n,
@@ -491,7 +494,10 @@ def outbox_dispatch(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, node
                     row_bytes: int, fp8: int = 0, ue8m0: int = 0, flavour: Flavour) -> bool:
     """Launches :func:`outbox_dispatch_kernel` (``topk_idx=None``: the cached form, rows only)."""
     T, H = x.shape
-    tile = tiles("dispatch_send", flavour.compiled, H, 1 if fp8 else x.element_size())
+    if fp8 == 2 and ue8m0 == NVFP4:  # x: two e2m1 codes per byte
+        H *= 2
+    tile = tiles("dispatch_send", flavour.compiled, H,
+                 sent_elem_bytes(fp8, ue8m0, x.element_size()))
     send_meta = topk_idx is not None
     dummy = slot_of
     N = flavour.ranks_per_node
@@ -499,7 +505,7 @@ def outbox_dispatch(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, node
         x = x.view(torch.uint8)
         x_scales = x_scales.view(torch.uint8) if ue8m0 else x_scales
     outbox_dispatch_kernel[(grid,)](
-        x, x_scales if fp8 == 2 else dummy, topk_idx if send_meta else dummy,
+        x, dummy if x_scales is None else x_scales, topk_idx if send_meta else dummy,
         topk_weights if topk_weights is not None else dummy, pair_pos if send_meta else dummy,
         slot_of, node_slot_of if flavour.hierarchical else dummy,
         counts if send_meta else dummy, target_counts, plan, xstats, tickets, epochs,

@@ -58,10 +58,12 @@ from .comm import (
     wait_or_exclude,
 )
 from .layout import checked_ids, record_first_bad
+from .microscale import e4m3_value
 from .numerics import cast_rne, channel_tile
 from .nvshmem import int_p, put_bytes, quiet, signal_set
 from .proxy import post_signal, post_signal_to_remote, post_transfer
-from .quant import quantize_tile, row_payload, scale_group, store_fp8_rows
+from .quant import NVFP4, quantize_tile, scale_group
+from .rows import NVFP4_GS, quantize_row_tile, row_payload, sent_elem_bytes, store_rows
 from .tiles import even, persistent_programs, tiles
 
 META_K_BITS = 32  # meta word = token * 32 + choice
@@ -133,6 +135,7 @@ def _excluded(peer, valid, mask_off, local_base, FT: tl.constexpr):
 @triton.jit(do_not_specialize=_GPU_PER_RANK + ["T"])
 def ll_dispatch_send_kernel(
     x,  # [T, H] bf16/fp16/fp32
+    global_scale,  # [1] float32: NVFP4's global scale (GS == 16)
     topk_idx,  # [T, K] int64
     peer_ptrs,  # [R] int64
     state,  # [8] int64 local: epochs and tickets
@@ -149,7 +152,7 @@ def ll_dispatch_send_kernel(
     T: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, E: tl.int32,
     me: tl.int32, TMAX: tl.int32, KMAX: tl.int32, SLOT_BYTES: tl.int64,
     FP8: tl.constexpr, UE8M0: tl.constexpr,
-    GS: tl.constexpr,  # channels per scale: 128, or 32 (MXFP8, with UE8M0)
+    GS: tl.constexpr,  # channels per scale: 128, 32 (MXFP8, with UE8M0) or 16 (NVFP4)
     FT: tl.constexpr,  # fault tolerance: no pair goes to an excluded rank
     TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; where a pointer is 0:
     # 1 NVSHMEM puts, 2 the proxy (one descriptor per pair, then one fenced signal per expert)
@@ -205,14 +208,18 @@ def ll_dispatch_send_kernel(
                 m = tm[:, None] & hm[None, :]
                 v = tl.load(x + t64[:, None] * H + h[None, :], mask=m, other=0.0)
                 if FP8:  # groups past H // GS (MXFP8 with H % 128 != 0) are not stored
-                    codes, scales, exps = quantize_tile(v.to(tl.float32), BLOCK_T, BLOCK_H,
-                                                        UE8M0, GS)
+                    gs = 0.0
+                    if GS == NVFP4_GS:
+                        gs = tl.load(global_scale)
+                    codes, scales, exps = quantize_row_tile(v.to(tl.float32), gs, BLOCK_T,
+                                                            BLOCK_H, UE8M0, GS)
                     g = h0 // GS + tl.arange(0, BLOCK_H // GS)
                 if TRANSPORT != 0:  # each token's row once into the outbox, for the puts
                     box = local_ptr(local_base, outbox_off + parity * outbox_parity_stride,
                                     tl.uint8, 16) + t64 * SLOT_BYTES
                     if FP8:
-                        store_fp8_rows(box, h, g, H, codes, scales, exps, tm, hm, UE8M0, GS)
+                        store_rows(box, h0, h, g, H, codes, scales, exps, tm, hm, UE8M0, GS,
+                                   EVEN_H)
                     else:
                         boxx = box.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
                         tl.store(boxx[:, None] + h[None, :], v, mask=m)  # gate: row
@@ -226,8 +233,8 @@ def ll_dispatch_send_kernel(
                     block = (((e - d * L) * R + me) * TMAX + j).to(tl.int64)
                     row8 = peer_ptr(peer_ptrs, d, rows_base, tl.uint8, 16) + block * SLOT_BYTES
                     if FP8:
-                        store_fp8_rows(row8, h, g, H, codes, scales, exps, valid, hm, UE8M0,
-                                       GS)
+                        store_rows(row8, h0, h, g, H, codes, scales, exps, valid, hm, UE8M0,
+                                   GS, EVEN_H)
                     else:
                         rowx = row8.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
                         tl.store(rowx[:, None] + h[None, :], v,  # gate: row
@@ -313,8 +320,9 @@ def ll_dispatch_recv_kernel(
     signals,  # [P, L, R] int64 local ll_dispatch_signals
     peer_ptrs,  # [R] int64
     state,  # [8] int64 local
-    out,  # [L, R * TMAX, H] (FP8: uint8 view)
+    out,  # [L, R * TMAX, H] (FP8: uint8 view; NVFP4: H is half the channels)
     out_scales,  # FP8: float32 memory, or uint8 view of packed int32 words (UE8M0)
+    out_global,  # NVFP4 (GLOBAL): [L, R * TMAX] float32, each row's global scale
     count,  # [L] int32 out
     src_info,  # [L, R * TMAX] int32 out: source rank * TMAX + source token
     src_k,  # [L, R * TMAX] int32 out: top-k choice of the pair at its home
@@ -325,9 +333,13 @@ def ll_dispatch_recv_kernel(
     mask_off: tl.int64,  # the mask words (FT)
     local_base: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
     H: tl.int32, R: tl.int32, L: tl.int32, me: tl.int32, TMAX: tl.int32,
+    G: tl.int32,  # FP8: scales per row
     SLOT_ELEMS: tl.int64,  # staging slot stride in elements of `staging`
     SCALE_ROW_STRIDE: tl.int64, SCALE_GROUP_STRIDE: tl.int64, SCALE_EXPERT_STRIDE: tl.int64,
-    FP8: tl.constexpr, UE8M0: tl.constexpr, GS: tl.constexpr, HAS_STATS: tl.constexpr,
+    FP8: tl.constexpr,
+    UE8M0: tl.constexpr,  # byte scales: exponents, MXFP8's E8M0 or NVFP4's e4m3
+    GLOBAL: tl.constexpr,  # NVFP4: a float32 global scale between the codes and the scales
+    HAS_STATS: tl.constexpr,
     TRANSPORT: tl.constexpr, DEVICE_WAIT: tl.constexpr, FT: tl.constexpr, EVEN_H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
     NUM_THREADS: tl.constexpr,
@@ -357,7 +369,6 @@ def ll_dispatch_recv_kernel(
                 old = tl.load(recv_stats + e + tl.arange(0, 1))
                 tl.store(recv_stats + e + tl.arange(0, 1), old + total)
         block0 = ((parity * L + e) * R + s).to(tl.int64) * TMAX
-        G = H // GS
         for j0 in range(0, n, BLOCK_T):
             j = j0 + tl.arange(0, BLOCK_T)
             jm = j < n
@@ -375,14 +386,17 @@ def ll_dispatch_recv_kernel(
                 g = tl.arange(0, BLOCK_G)
                 gm = jm[:, None] & (g < G)[None, :]
                 out_row = (first + j).to(tl.int64)
+                codes_end = slot * SLOT_ELEMS + H
+                if GLOBAL:
+                    glob = tl.load(staging_f32 + codes_end // 4, mask=jm)
+                    tl.store(out_global + e * R * TMAX + out_row, glob, mask=jm)
                 if UE8M0:
-                    sc = tl.load(staging + slot[:, None] * SLOT_ELEMS + H + g[None, :], mask=gm)
+                    sc = tl.load(staging + codes_end[:, None] + 4 * GLOBAL + g[None, :], mask=gm)
                     word4 = e * SCALE_EXPERT_STRIDE + (g // 4)[None, :] * SCALE_GROUP_STRIDE \
                         + out_row[:, None] * SCALE_ROW_STRIDE
                     tl.store(out_scales + word4 * 4 + (g % 4)[None, :], sc, mask=gm)
                 else:
-                    sc = tl.load(staging_f32 + (slot[:, None] * SLOT_ELEMS + H) // 4
-                                 + g[None, :], mask=gm)
+                    sc = tl.load(staging_f32 + codes_end[:, None] // 4 + g[None, :], mask=gm)
                     tl.store(out_scales + e * SCALE_EXPERT_STRIDE
                              + g[None, :] * SCALE_GROUP_STRIDE
                              + out_row[:, None] * SCALE_ROW_STRIDE, sc, mask=gm)
@@ -419,6 +433,7 @@ def ll_combine_send_kernel(
     TRANSPORT: tl.constexpr, DEVICE_WAIT: tl.constexpr,
     FT: tl.constexpr,  # fault tolerance: no row goes to an excluded home rank
     ZERO_COPY: tl.constexpr,  # y lies in symmetric memory already: put from there, no copy
+    FP8: tl.constexpr,  # rows travel as FP8 per 128 channels (kernels.rows; not ZERO_COPY)
     ALIGN: tl.constexpr, EVEN_H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
     NUM_THREADS: tl.constexpr,
@@ -436,12 +451,16 @@ def ll_combine_send_kernel(
     n = tl.load(layout + (e * R + s) * 2 + 1)
     if _excluded(s, True, mask_off, local_base, FT):
         n = 0
-    row_bytes = H * y.dtype.element_ty.primitive_bitwidth // 8
+    stride = H * y.dtype.element_ty.primitive_bitwidth // 8  # bytes between staging rows
+    row_bytes = stride
+    if FP8:
+        row_bytes = H + 4 * (H // 128)
     if ok:  # after a failed wait nothing is written: the home rank may still read this parity
         first = tl.load(layout + (e * R + s) * 2)
         dst_base = peer_ptr(peer_ptrs, s, rows_off + parity * rows_parity_stride,
                             y.dtype.element_ty, ALIGN)
-        via_stores = (tl.load(peer_ptrs + s + tl.zeros([BLOCK_T], tl.int32)) != 0)[:, None]
+        via = tl.load(peer_ptrs + s + tl.zeros([BLOCK_T], tl.int32)) != 0
+        via_stores = via[:, None]
         if ZERO_COPY:  # the puts read y where it lies (its offset does not follow the parity)
             src_off = y_box_off
         else:
@@ -458,12 +477,24 @@ def ll_combine_send_kernel(
                 h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
                 m = jm[:, None] & hm[None, :]
                 tile = tl.load(y + row[:, None] * H + h[None, :], mask=m)
-                tl.store(dst_base + slot[:, None] * H + h[None, :], tile,  # gate: row
-                         mask=m & via_stores)
-                if TRANSPORT != 0:
-                    if not ZERO_COPY:
-                        tl.store(box + row[:, None] * H + h[None, :], tile,  # gate: row
-                                 mask=m & ~via_stores)
+                if FP8:
+                    codes, scales, _ = quantize_tile(tile.to(tl.float32), BLOCK_T, BLOCK_H,
+                                                     False)
+                    g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+                    dst8 = dst_base.to(tl.pointer_type(tl.uint8), bitcast=True) + slot * stride
+                    store_rows(dst8, h0, h, g, H, codes, scales, codes, jm & via,
+                               hm, False, 128, EVEN_H)
+                    if TRANSPORT != 0:
+                        box8 = box.to(tl.pointer_type(tl.uint8), bitcast=True) + row * stride
+                        store_rows(box8, h0, h, g, H, codes, scales, codes,
+                                   jm & ~via, hm, False, 128, EVEN_H)
+                else:
+                    tl.store(dst_base + slot[:, None] * H + h[None, :], tile,  # gate: row
+                             mask=m & via_stores)
+                    if TRANSPORT != 0:
+                        if not ZERO_COPY:
+                            tl.store(box + row[:, None] * H + h[None, :], tile,  # gate: row
+                                     mask=m & ~via_stores)
             if TRANSPORT != 0:
                 if tl.load(peer_ptrs + s) == 0:  # one put (or descriptor) per row
                     tl.debug_barrier()
@@ -472,14 +503,13 @@ def ll_combine_send_kernel(
                             r = (e * R * TMAX + first + j0 + i).to(tl.int64)
                             tok = tl.load(src_info + r) - s * TMAX
                             dst = (rows_off + parity * rows_parity_stride
-                                   + (tok * KMAX + tl.load(src_k + r)).to(tl.int64) * row_bytes)
+                                   + (tok * KMAX + tl.load(src_k + r)).to(tl.int64) * stride)
                             if TRANSPORT == 1:
-                                put_bytes(local_base, dst, src_off + r * row_bytes, row_bytes,
-                                          s)
+                                put_bytes(local_base, dst, src_off + r * stride, row_bytes, s)
                             elif one_thread():  # a no-op signal: the epoch follows, fenced
                                 post_transfer(ring_addr, RING_SLOTS, s, signals_off + parity
                                               * signals_parity_stride + me * 8, 0, 1,
-                                              src_off + r * row_bytes, dst, row_bytes,
+                                              src_off + r * stride, dst, row_bytes,
                                               row_bytes, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                                               errors, timeout_ns)
         if TRANSPORT == 1:  # this program's puts complete before its ticket
@@ -523,6 +553,8 @@ def ll_combine_recv_kernel(
     TMAX: tl.int32, KMAX: tl.int32,
     HAS_WEIGHTS: tl.constexpr, TRANSPORT: tl.constexpr, DEVICE_WAIT: tl.constexpr,
     FT: tl.constexpr,
+    FP8: tl.constexpr,  # staging (uint8) holds FP8 rows, ROW_BYTES apart: dequantized here
+    ROW_BYTES: tl.constexpr,
     EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr,
 ):
@@ -550,8 +582,19 @@ def ll_combine_recv_kernel(
             d = tl.where(valid, e // L, 0)
             valid = valid & (tl.load(signals + parity * R + d, mask=valid, other=0) >= epoch)
             slot = (parity * TMAX + t64) * KMAX + k
-            v = tl.load(staging + slot[:, None] * H + h[None, :],
-                        mask=valid[:, None] & hm[None, :], other=0.0).to(tl.float32)
+            if FP8:  # codes times their group's scale (kernels.rows layout)
+                row8 = staging + slot * ROW_BYTES
+                codes = tl.load(row8[:, None] + h[None, :], mask=valid[:, None] & hm[None, :],
+                                other=0)
+                g = tl.program_id(1) * (BLOCK_H // 128) + tl.arange(0, BLOCK_H // 128)
+                scales8 = (row8 + H).to(tl.pointer_type(tl.float32), bitcast=True)
+                sc = tl.load(scales8[:, None] + g[None, :],
+                             mask=valid[:, None] & (g < H // 128)[None, :], other=0.0)
+                v = tl.reshape(e4m3_value(codes), [BLOCK_T, BLOCK_H // 128, 128]) * sc[:, :, None]
+                v = tl.reshape(v, [BLOCK_T, BLOCK_H])
+            else:
+                v = tl.load(staging + slot[:, None] * H + h[None, :],
+                            mask=valid[:, None] & hm[None, :], other=0.0).to(tl.float32)
             if HAS_WEIGHTS:
                 v = v * tl.load(topk_weights + t64 * K + k, mask=valid, other=0.0)[:, None]
             acc += v
@@ -573,17 +616,21 @@ def ll_combine_recv_kernel(
 def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, rank: int,
                      num_local_experts: int, num_experts: int, max_tokens: int, max_topk: int,
                      slot_bytes: int, fp8: bool, ue8m0: int, num_sms: int | None = None,
-                     flavour: Flavour = CPU_RANKS) -> bool:
+                     flavour: Flavour = CPU_RANKS, global_scale=None) -> bool:
     """Launches ``min(cdiv(max_tokens, block_t), num_sms)`` persistent send programs (the
     grid depends on the Buffer alone). ``offsets``: rows / meta / signals / acks / outbox ->
-    (byte offset of parity 0, bytes per parity); ``meta_table`` -> byte offset (the proxy)."""
+    (byte offset of parity 0, bytes per parity); ``meta_table`` -> byte offset (the proxy).
+    NVFP4 (``ue8m0 == 3``): ``global_scale`` [1] float32."""
     T, H = x.shape
     K = topk_idx.shape[1]
     R = peer_ptrs.numel()
-    tile = tiles("ll_dispatch_send", flavour.compiled, H, 1 if fp8 else x.element_size())
+    kernel = "ll_dispatch_send_nvfp4" if fp8 and ue8m0 == NVFP4 else "ll_dispatch_send"
+    tile = tiles(kernel, flavour.compiled, H,
+                 sent_elem_bytes(fp8, ue8m0, x.element_size()))
     programs = persistent_programs(triton.cdiv(max_tokens, tile.block_t), num_sms)
     ll_dispatch_send_kernel[(programs,)](
-        x, topk_idx, peer_ptrs, state, stats, *offsets["rows"], *offsets["meta"],
+        x, stats if global_scale is None else global_scale, topk_idx, peer_ptrs, state, stats,
+        *offsets["rows"], *offsets["meta"],
         *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)),
         offsets.get("meta_table", 0), flavour.ring_addr, flavour.ring_slots, flavour.mask_off,
         *flavour.args(),
@@ -601,14 +648,19 @@ def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, ran
 
 def ll_dispatch_recv(staging, meta, signals, peer_ptrs, state, out, out_scales, count,
                      src_info, src_k, layout, recv_stats, *, acks: tuple, rank: int,
-                     scale_strides: tuple, ue8m0: int, flavour: Flavour = CPU_RANKS) -> bool:
+                     scale_strides: tuple, ue8m0: int, flavour: Flavour = CPU_RANKS,
+                     out_global=None) -> bool:
     """Launches ``L x R`` receive programs. ``staging``: the ll_dispatch_rows region viewed as
-    uint8 (FP8) or as ``out``'s dtype, [P, L, R, TMAX, slot]; ``out_scales``: contiguous scale
-    memory with (expert, row, group) strides ``scale_strides``; ``acks``: (offset, parity
-    stride) of ll_acks[DISPATCH]."""
+    uint8 (quantized) or as ``out``'s dtype, [P, L, R, TMAX, slot]; ``out_scales`` (given for
+    quantized rows): contiguous scale memory with (expert, row, group) strides
+    ``scale_strides``; NVFP4 (``ue8m0 == 3``): ``out`` [L, R * TMAX, H/2] uint8 and
+    ``out_global`` [L, R * TMAX] float32; ``acks``: (offset, parity stride) of
+    ll_acks[DISPATCH]."""
     P, L, R, TMAX, slot = staging.shape
     H = out.shape[2]
-    fp8 = out.dtype == torch.float8_e4m3fn
+    fp8 = out_scales is not None
+    nvfp4 = fp8 and ue8m0 == NVFP4
+    groups = (2 * H if nvfp4 else H) // scale_group(ue8m0) if fp8 else 0
     tile = tiles("ll_dispatch_recv", flavour.compiled, H, out.element_size())
     if fp8:
         out = out.view(torch.uint8)
@@ -616,37 +668,39 @@ def ll_dispatch_recv(staging, meta, signals, peer_ptrs, state, out, out_scales, 
     dummy = count
     ll_dispatch_recv_kernel[(L, R)](
         staging, staging.view(torch.float32) if fp8 else dummy, meta, signals, peer_ptrs, state,
-        out, out_scales if fp8 else dummy, count, src_info, src_k, layout,
-        recv_stats if recv_stats is not None else dummy, *acks, flavour.ring_addr,
-        flavour.ring_slots, flavour.mask_off, *flavour.args(), H, R, L, rank, TMAX, slot,
-        scale_strides[1], scale_strides[2], scale_strides[0],
-        FP8=fp8, UE8M0=bool(fp8 and ue8m0), GS=scale_group(ue8m0),
+        out, out_scales if fp8 else dummy, out_global if nvfp4 else dummy, count, src_info,
+        src_k, layout, recv_stats if recv_stats is not None else dummy, *acks,
+        flavour.ring_addr, flavour.ring_slots, flavour.mask_off, *flavour.args(), H, R, L,
+        rank, TMAX, groups, slot, scale_strides[1], scale_strides[2], scale_strides[0],
+        FP8=fp8, UE8M0=bool(fp8 and ue8m0), GLOBAL=nvfp4,
         HAS_STATS=recv_stats is not None,
         TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait, FT=flavour.fault_tolerant,
         EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t, BLOCK_H=tile.block_h,
         BLOCK_R=triton.next_power_of_2(R),
-        BLOCK_G=triton.next_power_of_2(max(H // scale_group(ue8m0), 1)),
+        BLOCK_G=triton.next_power_of_2(max(groups, 1)),
         NUM_THREADS=tile.num_threads, **flavour.launch_options(tile))
     return True
 
 
 def ll_combine_send(y, layout, src_info, src_k, peer_ptrs, state, stats, *, offsets: dict,
                     rank: int, max_tokens: int, max_topk: int, flavour: Flavour = CPU_RANKS,
-                    y_box_offset: int | None = None) -> bool:
+                    y_box_offset: int | None = None, fp8: bool = False) -> bool:
     """Launches ``L x R`` send programs; ``offsets``: rows / signals / acks / outbox ->
     (offset, parity stride). ``y_box_offset``: where ``y`` lies in this rank's segment when it
-    is symmetric memory already (the NVSHMEM puts read it there: no copy)."""
+    is symmetric memory already (the NVSHMEM puts read it there: no copy; not with ``fp8``,
+    whose rows are quantized into the outbox)."""
     L, _, H = y.shape
     R = peer_ptrs.numel()
-    tile = tiles("ll_combine_send", flavour.compiled, H, y.element_size())
-    zero_copy = y_box_offset is not None
+    # FP8 quantizes in fp32 (4 bytes a channel: half the tile, no spills)
+    tile = tiles("ll_combine_send", flavour.compiled, H, 4 if fp8 else y.element_size())
+    zero_copy = y_box_offset is not None and not fp8
     ll_combine_send_kernel[(L, R)](
         y, layout, src_info, src_k, peer_ptrs, state, stats, *offsets["rows"],
         *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)),
         y_box_offset if zero_copy else 0, flavour.ring_addr, flavour.ring_slots,
         flavour.mask_off, *flavour.args(), H, R, L, rank, max_tokens, max_topk,
         TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait, FT=flavour.fault_tolerant,
-        ZERO_COPY=zero_copy,
+        ZERO_COPY=zero_copy, FP8=fp8,
         ALIGN=flavour.row_align, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
         BLOCK_H=tile.block_h, BLOCK_R=triton.next_power_of_2(R), NUM_THREADS=tile.num_threads,
         **flavour.launch_options(tile))
@@ -655,11 +709,14 @@ def ll_combine_send(y, layout, src_info, src_k, peer_ptrs, state, stats, *, offs
 
 def ll_combine_recv(staging, topk_idx, topk_weights, out, peer_ptrs, state, signals, *,
                     acks: tuple, rank: int, num_experts: int,
-                    flavour: Flavour = CPU_RANKS) -> bool:
+                    flavour: Flavour = CPU_RANKS, fp8: bool = False) -> bool:
     """Launches ``cdiv(TMAX, block_t) x cdiv(H, block_h)`` receive programs (the grid depends
     on the Buffer alone); ``staging`` [P, TMAX, KMAX, H]; ``signals``: the local
-    ll_combine_signals [P, R]."""
+    ll_combine_signals [P, R]; ``fp8``: the rows arrived as FP8."""
     P, TMAX, KMAX, H = staging.shape
+    row_bytes = staging.stride(2) * staging.element_size()
+    if fp8:
+        staging = staging.view(torch.uint8)
     T, K = topk_idx.shape
     R = peer_ptrs.numel()
     tile = tiles("ll_combine_recv", flavour.compiled, H, 4)  # fp32 sums
@@ -669,8 +726,8 @@ def ll_combine_recv(staging, topk_idx, topk_weights, out, peer_ptrs, state, sign
         peer_ptrs, state, *acks, signals, flavour.ring_addr, flavour.ring_slots,
         flavour.mask_off, *flavour.args(), T, H, K, R, num_experts, rank, TMAX,
         KMAX, HAS_WEIGHTS=topk_weights is not None, TRANSPORT=flavour.transport,
-        DEVICE_WAIT=flavour.device_wait, FT=flavour.fault_tolerant,
-        EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
+        DEVICE_WAIT=flavour.device_wait, FT=flavour.fault_tolerant, FP8=fp8,
+        ROW_BYTES=row_bytes, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
         BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(K, 1)),
         BLOCK_R=triton.next_power_of_2(R), NUM_THREADS=tile.num_threads,
         **flavour.launch_options(tile))

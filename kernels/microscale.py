@@ -67,7 +67,7 @@ def nvfp4_quantize_tile(v, gs, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     s_code = e4m3_bits(tl.math.div_rn(amax, tl.full(amax.shape, 1.0, tl.float32) * denom))
     step = e4m3_value(s_code) * gs
     step3 = tl.broadcast_to(step[:, :, None], v3.shape)
-    q = tl.where(step3 != 0.0, tl.math.div_rn(v3, step3), 0.0)
+    q = tl.where(step3 != 0.0, tl.math.div_rn(v3, tl.where(step3 != 0.0, step3, 1.0)), 0.0)
     codes = e2m1_code(tl.reshape(q, [BLOCK_T, BLOCK_H]))
     pairs = tl.reshape(codes.to(tl.int32), [BLOCK_T, BLOCK_H // 2, 2])
     nibble = tl.arange(0, 2)

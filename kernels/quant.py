@@ -28,11 +28,12 @@ from .tiles import GROUP, tiles
 E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
 MXFP8 = 2  # the ``ue8m0`` value of MXFP8: exponent bytes per 32 channels
+NVFP4 = 3  # the ``ue8m0`` value of NVFP4: packed e2m1 values, e4m3 bytes per 16 channels
 
 
 def scale_group(ue8m0: int) -> int:
-    """Channels per scale: 32 for MXFP8 (``ue8m0 == 2``), else 128."""
-    return 32 if ue8m0 == MXFP8 else 128
+    """Channels per scale: 32 for MXFP8 (``ue8m0 == 2``), 16 for NVFP4 (3), else 128."""
+    return {MXFP8: 32, NVFP4: 16}.get(ue8m0, 128)
 
 
 @triton.jit
@@ -79,66 +80,6 @@ def quantize_tile(v, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, UE8M0: tl.con
     q = tl.math.div_rn(v3, tl.broadcast_to(scale[:, :, None], v3.shape))
     codes = e4m3_bits(tl.reshape(q, [BLOCK_T, BLOCK_H]))
     return codes, scale, exps
-
-
-@triton.jit
-def store_fp8_rows(row8, h, g, H, codes, scales, exps, rows, hm, UE8M0: tl.constexpr,
-                   GS: tl.constexpr = 128):
-    """Stores a channel tile of FP8 token rows laid out as [H code bytes][scales]: ``row8``
-    [BLOCK_T] uint8 pointers to each row's start, ``codes`` at bytes ``h``, fp32 ``scales`` at
-    byte ``H + 4 g`` or, with UE8M0, exponent bytes ``exps`` at ``H + g`` (``g``: groups of
-    ``GS`` channels); ``rows`` [BLOCK_T] masks tokens, ``hm`` channels, groups past H // GS
-    are not stored (FP8 per 128 needs H % 128 == 0, MXFP8 H % 32 == 0)."""
-    tl.store(row8[:, None] + h[None, :], codes, mask=rows[:, None] & hm[None, :])  # gate: row
-    if UE8M0:
-        gm = rows[:, None] & (g < H // GS)[None, :]
-        tl.store(row8[:, None] + H + g[None, :], exps, mask=gm)  # gate: exponents
-    else:
-        scales8 = row8.to(tl.pointer_type(tl.float32), bitcast=True) + H // 4
-        tl.store(scales8[:, None] + g[None, :], scales, mask=rows[:, None])  # gate: scales
-
-
-@triton.jit
-def row_payload(x, H, FP8: tl.constexpr, UE8M0: tl.constexpr, GS: tl.constexpr = 128):
-    """Bytes of one token row as sent: ``H`` elements of ``x``, or with FP8 (``FP8`` 1:
-    quantized here, 2: given) ``H`` codes and per ``GS`` channels a float scale (UE8M0: one
-    exponent byte)."""
-    if FP8 == 0:
-        payload = H * x.dtype.element_ty.primitive_bitwidth // 8
-    else:
-        payload = H + (H // GS) * (4 - 3 * UE8M0)
-    return payload
-
-
-@triton.jit
-def load_send_tile(x, x_scales, t64, tm, h, hm, g, H, BLOCK_T: tl.constexpr,
-                   BLOCK_H: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr,
-                   GS: tl.constexpr = 128):
-    """A send kernel's tile of tokens ``t64`` and channels ``h`` (groups ``g`` of ``GS``) as
-    it is stored: ``(tile, codes, scales, exps)``. ``FP8`` 0: ``tile`` holds the rows (the
-    rest alias it); 1: ``x`` quantized here; 2: ``x`` holds e4m3 codes and ``x_scales``
-    [T, H/GS] their float32 scales, or with UE8M0 their exponent bytes (a quantized pair).
-    Where FP8 is on, ``tile`` aliases the codes."""
-    m = tm[:, None] & hm[None, :]
-    if FP8 == 0:
-        tile = tl.load(x + t64[:, None] * H + h[None, :], mask=m)
-        codes, scales, exps = tile, tile, tile
-    elif FP8 == 1:
-        v = tl.load(x + t64[:, None] * H + h[None, :], mask=m, other=0.0).to(tl.float32)
-        codes, scales, exps = quantize_tile(v, BLOCK_T, BLOCK_H, UE8M0, GS)
-        tile = codes
-    else:
-        codes = tl.load(x + t64[:, None] * H + h[None, :], mask=m)
-        gm = tm[:, None] & (g < H // GS)[None, :]
-        if UE8M0:
-            exps = tl.load(x_scales + t64[:, None] * (H // GS) + g[None, :], mask=gm, other=0)
-            scales = exps
-        else:
-            scales = tl.load(x_scales + t64[:, None] * (H // GS) + g[None, :], mask=gm,
-                             other=0.0)
-            exps = codes
-        tile = codes
-    return tile, codes, scales, exps
 
 
 @triton.jit(do_not_specialize=["T"])

@@ -16,6 +16,7 @@ lower target for 512-thread programs and spills.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import triton
@@ -77,6 +78,9 @@ _GPU = {
     "combine_send": (8, 1024, 8, 2),
     "combine_reduce": (8, 1024, 8, 2),
     "ll_dispatch_send": (4, 1024, 8, 2),
+    # NVFP4: 16-byte stores of packed codes need 32 values a thread; one program per SM (the
+    # grid is persistent) lets it keep them in registers
+    "ll_dispatch_send_nvfp4": (4, 1024, 8, 1),
     "ll_dispatch_recv": (8, 1024, 8, 2),
     "ll_combine_send": (8, 1024, 8, 2),
     "ll_combine_recv": (4, 1024, 8, 2),
@@ -85,10 +89,10 @@ _GPU = {
 _INTERPRETER_ROWS = {"ll_dispatch_recv": 16, "ll_combine_send": 16}
 
 
-def tiles(kernel: str, compiled: bool, hidden: int, elem_bytes: int = 2) -> Tiles:
+def tiles(kernel: str, compiled: bool, hidden: int, elem_bytes: float = 2) -> Tiles:
     """The tiles ``kernel`` is launched with: ``compiled`` for GPUs, else for the interpreter.
-    ``elem_bytes``: the row element the launch holds per channel (1 for FP8 bytes, 8 for fp64;
-    4 where it sums in fp32)."""
+    ``elem_bytes``: the row element the launch holds per channel (1 for FP8 bytes, 0.5 for
+    NVFP4's packed codes, 8 for fp64; 4 where it sums in fp32)."""
     if kernel not in _GPU:
         raise KeyError(f"no tiles for kernel {kernel!r}; known: {sorted(_GPU)}")
     if not compiled:
@@ -96,11 +100,11 @@ def tiles(kernel: str, compiled: bool, hidden: int, elem_bytes: int = 2) -> Tile
     block_t, cap, num_warps, per_sm = _GPU[kernel]
     threads = 32 * num_warps
     if cap:  # at most 64 bytes of a row tile per thread (fp32: 16 values; fp64 accumulates)
-        cap = min(cap, max(GROUP, TILE_BYTES_PER_THREAD * threads // (block_t * elem_bytes)))
+        cap = min(cap, max(GROUP, int(TILE_BYTES_PER_THREAD * threads // (block_t * elem_bytes))))
     block_h = block_h_for(hidden, cap) if cap else 0
     if block_h:  # 16 bytes of row data per thread, for 16-byte stores
-        block_t = max(block_t, triton.cdiv(16 * threads, block_h * elem_bytes))
-    maxnreg = min(128, REGISTERS_PER_SM // (threads * per_sm)) // 8 * 8
+        block_t = max(block_t, math.ceil(16 * threads / (block_h * elem_bytes)))
+    maxnreg = min(128 if per_sm > 1 else 255, REGISTERS_PER_SM // (threads * per_sm)) // 8 * 8
     return Tiles(block_t, block_h, num_warps, maxnreg)
 
 

@@ -36,6 +36,7 @@ from .kernels.comm import (
 from .kernels.nvshmem import device_bitcode, install_module_init_hook
 from .kernels.tiles import tiles
 from .low_latency import LowLatencyMode
+from .microscale import swizzle_128x4
 from .nodes import NEVER, Nodes, internode_peers, never_signalled, plan_values, signal_labels
 from .normal_mode import NormalMode, PendingSend
 from .ops import combine_autograd, dispatch_autograd
@@ -48,8 +49,11 @@ from .validation import (
     FLOAT_DTYPES,
     check_combine_inputs,
     check_dispatch_inputs,
+    check_scale_layout,
+    combine_is_fp8,
     resolve_fp8,
     scale_code,
+    sent_rows_check,
 )
 from .workspace import COMBINE, DISPATCH, WorkspaceLayout
 
@@ -335,7 +339,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                  topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None,
                  expert_alignment: int = 1, *, fp8: bool | None = None, ue8m0: bool = False,
                  col_major_scales: bool = False, max_recv_rows: int | None = None,
-                 dispatch_dtype: str | None = None) -> DispatchResult:
+                 dispatch_dtype: str | None = None, global_scale: torch.Tensor | None = None,
+                 scale_layout: str = "row_major") -> DispatchResult:
         """Sends each token to the ranks of its top-k experts; returns the rows this rank got.
 
         ``x`` [T, H] of ``dtype`` (T <= max_tokens_per_rank, may be 0); ``topk_idx`` [T, K]
@@ -371,29 +376,44 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         (``microscale.swizzle_128x4`` gives the layout of block-scaled GEMMs); ``x`` may be a
         pair ``(x_fp8, scales [T, H/32] float8_e8m0fnu)``; needs H % 32 == 0. A row costs
         H + H/32 bytes plus metadata on the link.
+
+        NVFP4 (``dispatch_dtype="nvfp4"``): e2m1 values, one e4m3 scale per 16 channels and a
+        float32 global scale (``moe_comm.microscale.quantize_nvfp4``): ``global_scale`` [1]
+        float32, or computed on the device from this rank's ``x`` (no host read). ``res.x``
+        [rows, H/2] uint8, two codes per byte, low nibble first (``.view(
+        torch.float4_e2m1fn_x2)`` for PyTorch), ``res.x_scales`` float8_e4m3fn [rows, H/16],
+        ``res.x_global_scale`` [rows] float32: each row's source's global scale. ``x`` may be
+        a triple ``(values [T, H/2], scales [T, H/16], global [1] or [T])``; needs
+        H % 16 == 0. A row costs H/2 + H/16 + 4 bytes plus metadata on the link.
+        ``scale_layout="swizzled"`` (MXFP8, NVFP4): ``res.x_scales`` flat in the 128x4 layout
+        of block-scaled GEMMs (``microscale.swizzle_128x4``). Quantized dispatches carry no
+        gradient to ``x``; the router weights' gradient flows as with any dispatch.
         """
         self._check_usable()
         self._raise_input_errors("an earlier call")
         ue8m0 = scale_code(dispatch_dtype, ue8m0)
+        check_scale_layout(scale_layout, ue8m0)
         rows, scales, mode = resolve_fp8(
             x, fp8, ue8m0, col_major_scales, default_fp8=self.dispatch_dtype != self.dtype,
-            hidden=self.hidden, device=self.device)
+            hidden=self.hidden, device=self.device, global_scale=global_scale)
         if env.check_inputs():
+            dtype, width = sent_rows_check(mode, ue8m0, self.hidden, self.dtype)
             check_dispatch_inputs(rows, topk_idx, topk_weights, expert_alignment,
-                                  hidden=self.hidden, max_tokens=self.max_tokens_per_rank,
-                                  max_topk=self.max_topk,
-                                  dtype=torch.float8_e4m3fn if mode == 2 else self.dtype,
+                                  hidden=width, max_tokens=self.max_tokens_per_rank,
+                                  max_topk=self.max_topk, dtype=dtype,
                                   device=self.device, max_recv_rows=max_recv_rows)
         res = dispatch_autograd(self, rows, scales, topk_idx, topk_weights, expert_alignment,
                                 mode, ue8m0, col_major_scales, max_recv_rows)
+        if scale_layout == "swizzled":
+            res = dataclasses.replace(res, x_scales=swizzle_128x4(res.x_scales))
         if self.fault_tolerant:  # for combine(..., renormalize=True)
             res = dataclasses.replace(res, handle=dataclasses.replace(
                 res.handle, topk_idx=topk_idx, topk_weights=topk_weights))
         return res
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle,
-                weights: torch.Tensor | None = None, *, renormalize: bool = False
-                ) -> torch.Tensor:
+                weights: torch.Tensor | None = None, *, renormalize: bool = False,
+                combine_dtype: str | torch.dtype | None = None) -> torch.Tensor:
         """Sums each token's expert rows back on its home rank: ``out`` [T, H] of ``y.dtype``.
 
         ``y`` [rows, H] in the row order of the dispatch that made ``handle``. Equivalent to::
@@ -404,6 +424,17 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         ranks are summed in order 0..R-1. Differentiable in ``y`` and ``weights``. No host
         synchronisation.
 
+        ``combine_dtype="fp8"``: each fp32 partial travels quantized per 128 channels (e4m3
+        codes and a float32 scale, ``reference.quantize_fp8``: H + H/32 bytes instead of 2H)
+        and is dequantized at home before the fp32 sum::
+
+            out[t] = sum(dequantize_fp8(*quantize_fp8(partial_d)) for d in order)
+
+        Error: each partial's element is off by at most 2**-4 of itself, or 2**-10 * amax / 448
+        of its 128-channel group where it falls in e4m3's subnormal range; the errors of the
+        ranks add. The backward is that of the exact combine (straight through). Needs
+        H % 128 == 0; not through hierarchical forwarders.
+
         Fault tolerance: the rows of excluded expert ranks are left out (``moe_comm.fault``);
         ``renormalize=True`` then scales each token by the dispatch's ``sum_k topk_weights[t, k]
         / sum of the weights whose expert rank contributed`` (0 where none did), computed on the
@@ -411,11 +442,13 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         """
         self._check_usable()
         self._raise_input_errors("an earlier call")
+        fp8 = combine_is_fp8(combine_dtype, dtype=self.dtype, hidden=self.hidden,
+                             hierarchical=self.hierarchical)
         if env.check_inputs():
             check_combine_inputs(y, handle, weights, buffer_id=self.id,
                                  latest_serial=self.dispatch_serial, hidden=self.hidden,
                                  dtype=self.dtype, device=self.device)
-        out = combine_autograd(self, y, handle, weights)
+        out = combine_autograd(self, y, handle, weights, fp8)
         if renormalize:
             self._ft_require("renormalize=True")
             if handle.topk_weights is None:

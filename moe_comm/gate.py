@@ -4,11 +4,11 @@
 
 Virtual ranks on the ``meta`` device (no memory, no GPU) drive the public ops with the GPU
 flavours (in-kernel waits; across nodes also NVSHMEM puts): normal-mode dispatch in every FP8
-mode (MXFP8 in bf16), combine, their backward (cached dispatch, combine with router-weight
-gradients), and the low-latency pair, for a small size and DeepSeek-V3 prefill and decode
-sizes, every dtype the ops take. Triton's own launch path records each launch
-(``kernels.recording``): the specialisation is the one a GPU run would compile, chosen by the
-same code. Each distinct variant is compiled
+mode (MXFP8 and NVFP4 in bf16), combine (also with FP8 partials), their backward (cached
+dispatch, combine with router-weight gradients), and the low-latency pair, for a small size
+and DeepSeek-V3 prefill and decode sizes, every dtype the ops take. Triton's own launch path
+records each launch (``kernels.recording``): the specialisation is the one a GPU run would
+compile, chosen by the same code. Each distinct variant is compiled
 for every ``--arch`` and read (``kernels.compiled``); the gate fails when a variant
 
 * specialises differently on two ranks or two calls (a rank that recompiles makes its peers
@@ -148,26 +148,40 @@ def drive_normal(bufs, cfg: GateConfig, dtype) -> None:
     if fp8_ok:
         modes += [dict(weights=True, fp8=True), dict(weights=True, fp8=True, ue8m0=True),
                   dict(weights=True, pair=True)]
-    if fp8_ok and dtype == torch.bfloat16:  # MXFP8: the same kernels with 32-channel groups
-        modes += [dict(weights=True, mxfp8=True), dict(weights=True, pair=True, mxfp8=True)]
+    if fp8_ok and dtype == torch.bfloat16:  # MXFP8 and NVFP4: 32- and 16-channel groups
+        for fmt in ("mxfp8", "nvfp4"):
+            modes += [dict(weights=True, fmt=fmt), dict(weights=True, pair=True, fmt=fmt)]
     for i, mode in enumerate(modes):
-        mx = mode.get("mxfp8", False)
+        fmt = mode.get("fmt")
         for _ in range(2):
             if mode.get("pair"):
-                pairs = [(torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="meta"),
-                          torch.empty((x.shape[0], cfg.hidden // (32 if mx else 128)),
-                                      dtype=torch.float8_e8m0fnu if mx else torch.float32,
-                                      device="meta"))
-                         for x in xs]
+                pairs = [_quantized_meta(x.shape, cfg.hidden, fmt) for x in xs]
                 res = lockstep.dispatch(bufs, pairs, idxs, ws, max_recv_rows=rows,
-                                        dispatch_dtype="mxfp8" if mx else None)
+                                        dispatch_dtype=fmt)
             else:
                 res = lockstep.dispatch(bufs, xs, idxs, ws if mode["weights"] else None,
-                                        fp8=None if mx else mode.get("fp8", False),
+                                        fp8=None if fmt else mode.get("fp8", False),
                                         ue8m0=mode.get("ue8m0", False), max_recv_rows=rows,
-                                        dispatch_dtype="mxfp8" if mx else None)
+                                        dispatch_dtype=fmt)
         if i == 0:  # combine and both backward ops follow the weighted bf16 dispatch
             _drive_combines(bufs, cfg, dtype, xs, res, rows)
+
+
+def _quantized_meta(shape, hidden: int, fmt: str | None) -> tuple:
+    """A quantized input on the meta device: (x_fp8, scales) per 128 channels or MXFP8's, or
+    NVFP4's (values, scales, global scale)."""
+    import torch
+
+    def meta(size, dt):
+        return torch.empty(size, dtype=dt, device="meta")
+
+    T = shape[0]
+    if fmt == "nvfp4":
+        return (meta((T, hidden // 2), torch.uint8), meta((T, hidden // 16), torch.float8_e4m3fn),
+                meta((1,), torch.float32))
+    if fmt == "mxfp8":
+        return meta(shape, torch.float8_e4m3fn), meta((T, hidden // 32), torch.float8_e8m0fnu)
+    return meta(shape, torch.float8_e4m3fn), meta((T, hidden // 128), torch.float32)
 
 
 def _drive_combines(bufs, cfg: GateConfig, dtype, xs, res, rows: int) -> None:
@@ -180,6 +194,9 @@ def _drive_combines(bufs, cfg: GateConfig, dtype, xs, res, rows: int) -> None:
     for weights in ([r.weights for r in res], None):
         for _ in range(2):
             lockstep.combine(bufs, ys, handles, weights)
+    if _fp8_combine_ok(bufs, cfg, dtype):  # FP8 partials: quantized sends, dequantizing sums
+        for _ in range(2):
+            lockstep.combine(bufs, ys, handles, [r.weights for r in res], combine_dtype="fp8")
     for _ in range(2):  # the backward of combine: a dispatch of the cached layout
         pending = [b.dispatch_cached_send(x, h.slot_of, h.node_tensors()[0])
                    for b, x, h in zip(bufs, xs, handles)]
@@ -194,6 +211,15 @@ def _drive_combines(bufs, cfg: GateConfig, dtype, xs, res, rows: int) -> None:
             b.combine_recv(p, h.slot_of, want_pair=True, node_slot_of=h.node_tensors()[0])
 
 
+def _fp8_combine_ok(bufs, cfg: GateConfig, dtype) -> bool:
+    """Where a combine may send FP8: H % 128 == 0, 16/32-bit rows, Triton kernels, no
+    hierarchical forwarders."""
+    import torch
+
+    return (cfg.hidden % 128 == 0 and dtype != torch.float64 and not bufs[0].hierarchical
+            and bufs[0].kernel_impl == "triton")
+
+
 def drive_low_latency(bufs, cfg: GateConfig, dtype) -> None:
     """Every low-latency launch, two calls each (both parities)."""
     import torch
@@ -204,7 +230,7 @@ def drive_low_latency(bufs, cfg: GateConfig, dtype) -> None:
     fp8_ok = dtype != torch.float64 and cfg.hidden % 128 == 0
     modes = [dict(fp8=False)] + ([dict(fp8=True), dict(fp8=True, ue8m0=True)] if fp8_ok else [])
     if fp8_ok and dtype == torch.bfloat16 and bufs[0].kernel_impl == "triton":
-        modes.insert(1, dict(dispatch_dtype="mxfp8"))   # MXFP8: 32-channel groups
+        modes[1:1] = [dict(dispatch_dtype="mxfp8"), dict(dispatch_dtype="nvfp4")]
     for mode in modes:
         for _ in range(2):
             recvs = lockstep.low_latency_dispatch(bufs, xs, idxs, **mode)
@@ -213,6 +239,11 @@ def drive_low_latency(bufs, cfg: GateConfig, dtype) -> None:
             ys = [b.low_latency_combine_buffer() if zero_copy else
                   torch.empty(r.x.shape, dtype=dtype, device="meta") for b, r in zip(bufs, recvs)]
             lockstep.low_latency_combine(bufs, ys, idxs, ws, [r.handle for r in recvs])
+    if _fp8_combine_ok(bufs, cfg, dtype):
+        for _ in range(2):
+            ys = [torch.empty(r.x.shape, dtype=dtype, device="meta") for r in recvs]
+            lockstep.low_latency_combine(bufs, ys, idxs, ws, [r.handle for r in recvs],
+                                         combine_dtype="fp8")
 
 
 def drive_quantize(cfg: GateConfig, dtype) -> None:

@@ -10,13 +10,20 @@ import torch
 
 from .ops import wrap_dispatch_outputs
 from .types import DispatchResult
-from .validation import check_combine_inputs, check_dispatch_inputs, resolve_fp8, scale_code
+from .validation import (
+    check_combine_inputs,
+    check_dispatch_inputs,
+    combine_is_fp8,
+    resolve_fp8,
+    scale_code,
+    sent_rows_check,
+)
 
 
 def dispatch(buffers, xs, topk_idxs, topk_weights=None, expert_alignment: int = 1, *,
              fp8: bool | None = None, ue8m0: bool = False, col_major_scales: bool = False,
-             max_recv_rows: int | None = None, dispatch_dtype: str | None = None
-             ) -> list[DispatchResult]:
+             max_recv_rows: int | None = None, dispatch_dtype: str | None = None,
+             global_scale=None) -> list[DispatchResult]:
     """``[buf.dispatch(x, idx, w, expert_alignment, ...) for each virtual rank]``, in lockstep."""
     topk_weights = topk_weights if topk_weights is not None else [None] * len(buffers)
     ue8m0 = scale_code(dispatch_dtype, ue8m0)
@@ -26,18 +33,18 @@ def dispatch(buffers, xs, topk_idxs, topk_weights=None, expert_alignment: int = 
         buf._raise_input_errors("an earlier call")
         rows, scales, mode = resolve_fp8(
             x, fp8, ue8m0, col_major_scales, default_fp8=buf.dispatch_dtype != buf.dtype,
-            hidden=buf.hidden, device=buf.device)
-        check_dispatch_inputs(rows, idx, w, expert_alignment, hidden=buf.hidden,
+            hidden=buf.hidden, device=buf.device, global_scale=global_scale)
+        dtype, width = sent_rows_check(mode, ue8m0, buf.hidden, buf.dtype)
+        check_dispatch_inputs(rows, idx, w, expert_alignment, hidden=width,
                               max_tokens=buf.max_tokens_per_rank, max_topk=buf.max_topk,
-                              device=buf.device, max_recv_rows=max_recv_rows,
-                              dtype=torch.float8_e4m3fn if mode == 2 else buf.dtype)
+                              device=buf.device, max_recv_rows=max_recv_rows, dtype=dtype)
         prepared.append((rows, scales, mode))
     pending = [buf.dispatch_send(rows, idx, w, scales, mode, ue8m0)
                for buf, (rows, scales, mode), idx, w
                in zip(buffers, prepared, topk_idxs, topk_weights)]
     results = [wrap_dispatch_outputs(buf, buf.dispatch_recv(p, expert_alignment,
                                                             col_major_scales, max_recv_rows),
-                                     idx.shape[1], w is not None, mode)
+                                     idx.shape[1], w is not None, mode, ue8m0)
                for buf, p, idx, w, (_, _, mode)
                in zip(buffers, pending, topk_idxs, topk_weights, prepared)]
     errors = []
@@ -51,16 +58,18 @@ def dispatch(buffers, xs, topk_idxs, topk_weights=None, expert_alignment: int = 
     return results
 
 
-def combine(buffers, ys, handles, weights=None) -> list[torch.Tensor]:
-    """``[buf.combine(y, handle, w) for each virtual rank]``, run in lockstep."""
+def combine(buffers, ys, handles, weights=None, *, combine_dtype=None) -> list[torch.Tensor]:
+    """``[buf.combine(y, handle, w, combine_dtype=...) for each virtual rank]``, in lockstep."""
     weights = weights if weights is not None else [None] * len(buffers)
+    fp8 = combine_is_fp8(combine_dtype, dtype=buffers[0].dtype, hidden=buffers[0].hidden,
+                         hierarchical=buffers[0].hierarchical)
     for buf, y, h, w in zip(buffers, ys, handles, weights, strict=True):
         buf._check_usable()
         buf._raise_input_errors("an earlier call")
         check_combine_inputs(y, h, w, buffer_id=buf.id, latest_serial=buf.dispatch_serial,
                              hidden=buf.hidden, dtype=buf.dtype, device=buf.device)
     pending = [buf.combine_send(y, w, None, h.slot_rows, h.recv_slot_offsets,
-                                *h.node_tensors()[1:])
+                                *h.node_tensors()[1:], fp8=fp8)
                for buf, y, h, w in zip(buffers, ys, handles, weights)]
     return [buf.combine_recv(p, h.slot_of, want_pair=False, node_slot_of=h.node_tensors()[0])[0]
             for buf, p, h in zip(buffers, pending, handles)]
@@ -75,10 +84,11 @@ def low_latency_dispatch(buffers, xs, topk_idxs, **kwargs) -> list:
     return [recv for recv, _ in sent]
 
 
-def low_latency_combine(buffers, ys, topk_idxs, topk_weights, handles) -> list[torch.Tensor]:
+def low_latency_combine(buffers, ys, topk_idxs, topk_weights, handles, **kwargs
+                        ) -> list[torch.Tensor]:
     """Every virtual rank's ``low_latency_combine`` (sends first, then the hooks)."""
     topk_weights = topk_weights if topk_weights is not None else [None] * len(buffers)
-    sent = [buf.low_latency_combine(y, idx, w, h, return_hook=True)
+    sent = [buf.low_latency_combine(y, idx, w, h, return_hook=True, **kwargs)
             for buf, y, idx, w, h in zip(buffers, ys, topk_idxs, topk_weights, handles,
                                          strict=True)]
     for _, hook in sent:

@@ -40,8 +40,17 @@ from .kernels.low_latency import (
     ll_dispatch_recv,
     ll_dispatch_send,
 )
-from .kernels.quant import MXFP8, scale_group
-from .validation import check_dispatch_inputs, check_mxfp8_options, check_tensor, scale_code
+from .kernels.quant import MXFP8, NVFP4, scale_group
+from .microscale import swizzle_128x4
+from .validation import (
+    check_block_scaled_options,
+    check_dispatch_inputs,
+    check_scale_layout,
+    check_tensor,
+    combine_is_fp8,
+    nvfp4_send_global,
+    scale_code,
+)
 from .workspace import COMBINE, DISPATCH
 
 IN_FLIGHT = 2  # staging parities per channel
@@ -68,9 +77,12 @@ class LowLatencyHandle:
 class LowLatencyRecv:
     """Rows this rank's experts received; valid once the dispatch's hook has returned.
 
-    ``x`` [L, R * T_max, H] (float8_e4m3fn with FP8) with rows ``[0, count[e])`` of expert
-    ``e`` valid, ordered by source rank then source token; ``x_scales`` [L, R * T_max, H/128]
-    float32 (or packed UE8M0 int32 [L, R * T_max, ceil(H/512)]) or None; ``count`` [L] int32;
+    ``x`` [L, R * T_max, H] (float8_e4m3fn with FP8; NVFP4: [L, R * T_max, H/2] uint8) with
+    rows ``[0, count[e])`` of expert ``e`` valid, ordered by source rank then source token;
+    ``x_scales`` [L, R * T_max, H/128] float32 (or packed UE8M0 int32 [L, R * T_max,
+    ceil(H/512)]; MXFP8 / NVFP4: their byte scales, see ``low_latency_dispatch``) or None;
+    ``x_global_scale`` (NVFP4) [L, R * T_max] float32: each row's global scale; ``count`` [L]
+    int32;
     ``src_info`` [L, R * T_max] int32 = source rank * T_max + source token;
     ``source_wait_s``: seconds the hook waited for each source (measured on CPU ranks; None
     for a source that did not arrive: excluded, with ``fault_tolerant=True``)."""
@@ -81,6 +93,7 @@ class LowLatencyRecv:
     src_info: torch.Tensor
     handle: LowLatencyHandle
     source_wait_s: list[float] | None = field(default=None)
+    x_global_scale: torch.Tensor | None = None
 
 
 class _Hook:
@@ -104,13 +117,15 @@ class _Hook:
 
 def _ll_scales_out(L: int, rows: int, groups: int, ue8m0: int, col_major: bool, device):
     """Scales of a low-latency receive: (public [L, rows, width], memory, (expert, row, group)
-    strides in elements). MXFP8 (``ue8m0 == 2``): public E8M0 bytes [L, rows, groups], the
-    bytes of packed int32 words (a view with padding bytes unless groups % 4 == 0)."""
+    strides in elements). MXFP8 (``ue8m0 == 2``) / NVFP4 (3): public E8M0 / e4m3 bytes
+    [L, rows, groups], the bytes of packed int32 words (a view with padding bytes unless
+    groups % 4 == 0)."""
     width = (groups + 3) // 4 if ue8m0 else groups
     dtype = torch.int32 if ue8m0 else torch.float32
-    if ue8m0 == MXFP8:
+    if ue8m0 >= MXFP8:
         memory = torch.empty((L, rows, width), dtype=dtype, device=device)
-        public = memory.view(torch.uint8)[..., :groups].view(torch.float8_e8m0fnu)
+        byte_dtype = torch.float8_e8m0fnu if ue8m0 == MXFP8 else torch.float8_e4m3fn
+        public = memory.view(torch.uint8)[..., :groups].view(byte_dtype)
         return public, memory, (rows * width, width, 1)
     if col_major:
         memory = torch.empty((L, width, rows), dtype=dtype, device=device)
@@ -214,14 +229,20 @@ class LowLatencyMode:
     def low_latency_dispatch(self, x, topk_idx: torch.Tensor, *, fp8: bool = True,
                              ue8m0: bool = False, col_major_scales: bool = False,
                              cumulative_local_expert_recv_stats: torch.Tensor | None = None,
-                             return_hook: bool = False, dispatch_dtype: str | None = None):
+                             return_hook: bool = False, dispatch_dtype: str | None = None,
+                             global_scale: torch.Tensor | None = None,
+                             scale_layout: str = "row_major"):
         """Puts every (token, expert) pair into the expert's slot; returns ``(recv, hook)``.
 
         ``x`` [T, H] of the Buffer's dtype (T <= max_tokens_per_rank); ``topk_idx`` [T, K]
         int64 in ``[0, E)`` or -1. ``fp8`` quantizes in the send kernel (H % 128 == 0), with
         ``ue8m0`` / ``col_major_scales`` as in ``Buffer.dispatch``; ``dispatch_dtype="mxfp8"``:
         MXFP8 (E8M0 per 32 channels, H % 32 == 0; ``recv.x_scales`` float8_e8m0fnu
-        [L, R * T_max, H/32]), Triton kernels only.
+        [L, R * T_max, H/32]); ``"nvfp4"``: NVFP4 as in ``Buffer.dispatch`` (``global_scale``
+        [1] float32 or computed on the device; ``recv.x`` [L, R * T_max, H/2] uint8,
+        ``recv.x_scales`` float8_e4m3fn [L, R * T_max, H/16], ``recv.x_global_scale``
+        [L, R * T_max]); both on the Triton kernels only. ``scale_layout="swizzled"``: each
+        expert's block scales in the 128x4 layout (``recv.x_scales`` [L, bytes]).
         ``cumulative_local_expert_recv_stats`` [L] int32/int64: the receive adds each local
         expert's rows to it. With ``return_hook`` the call returns after the send launch and
         ``hook()`` receives; otherwise the call receives and ``hook`` is None.
@@ -235,16 +256,18 @@ class LowLatencyMode:
                                   max_tokens=self.max_tokens_per_rank, max_topk=self.max_topk,
                                   dtype=self.dtype, device=self.device)
         ue8m0 = scale_code(dispatch_dtype, ue8m0)
+        check_scale_layout(scale_layout, ue8m0)
         group = scale_group(ue8m0)
-        if ue8m0 == MXFP8:
-            check_mxfp8_options(fp8, col_major_scales)
+        name = {MXFP8: "MXFP8", NVFP4: "NVFP4"}.get(ue8m0, "FP8")
+        if ue8m0 >= MXFP8:
+            check_block_scaled_options(ue8m0, fp8, col_major_scales)
             if self.kernel_impl == "cuda":
-                raise ValueError("kernel_impl='cuda' sends FP8 per 128 channels only; MXFP8 "
+                raise ValueError(f"kernel_impl='cuda' sends FP8 per 128 channels only; {name} "
                                  "runs on the Triton kernels")
         if fp8 and (self.hidden % group or self.dtype == torch.float64):
-            raise ValueError(f"{'MXFP8' if ue8m0 == MXFP8 else 'FP8'} dispatch needs hidden % "
-                             f"{group} == 0 and a 16/32-bit dtype, got hidden={self.hidden}, "
-                             f"dtype={self.dtype}")
+            raise ValueError(f"{name} dispatch needs hidden % {group} == 0 and a 16/32-bit "
+                             f"dtype, got hidden={self.hidden}, dtype={self.dtype}")
+        glob = nvfp4_send_global(x, global_scale, ue8m0, self.device)
         if not fp8 and (ue8m0 or col_major_scales):
             raise ValueError("ue8m0 and col_major_scales shape FP8 scales; pass fp8=True")
         stats = cumulative_local_expert_recv_stats
@@ -257,20 +280,25 @@ class LowLatencyMode:
                 raise ValueError(f"cumulative_local_expert_recv_stats must have shape "
                                  f"[{self.num_local_experts}] on {self.device}")
         recv, hook = self._ll_dispatch_send(x.contiguous(), topk_idx.contiguous(), fp8, ue8m0,
-                                            col_major_scales, stats)
+                                            col_major_scales, stats, glob,
+                                            scale_layout == "swizzled")
         if return_hook:
             return recv, hook
         hook()
         return recv, None
 
     @poisons_buffer_on_error("low-latency dispatch")
-    def _ll_dispatch_send(self, x, topk_idx, fp8, ue8m0, col_major, stats):
+    def _ll_dispatch_send(self, x, topk_idx, fp8, ue8m0, col_major, stats, global_scale=None,
+                          swizzle=False):
         epoch = self._ll_begin(DISPATCH, "dispatch")
         L, R, T, H, dev = (self.num_local_experts, self.world_size, self.max_tokens_per_rank,
                            self.hidden, self.device)
         rows = R * T
-        recv_x = torch.empty((L, rows, H), device=dev,
-                             dtype=torch.float8_e4m3fn if fp8 else self.dtype)
+        nvfp4 = fp8 and ue8m0 == NVFP4
+        recv_x = (torch.empty((L, rows, H // 2), device=dev, dtype=torch.uint8) if nvfp4 else
+                  torch.empty((L, rows, H), device=dev,
+                              dtype=torch.float8_e4m3fn if fp8 else self.dtype))
+        out_global = torch.zeros((L, rows), dtype=torch.float32, device=dev) if nvfp4 else None
         scales, scale_memory, scale_strides = None, None, (0, 0, 0)
         if fp8:
             scales, scale_memory, scale_strides = _ll_scales_out(
@@ -294,12 +322,15 @@ class LowLatencyMode:
         else:
             self.launches["ll_dispatch_send"] += ll_dispatch_send(
                 x, topk_idx, self.heap.peer_ptrs, self._ll_state, self._stats, offsets=offsets,
-                num_sms=self.num_sms, flavour=self.flavour, max_topk=self.max_topk, **common)
-        recv = LowLatencyRecv(recv_x, scales, count, src_info, handle)
+                num_sms=self.num_sms, flavour=self.flavour, max_topk=self.max_topk,
+                global_scale=global_scale, **common)
+        recv = LowLatencyRecv(recv_x, scales, count, src_info, handle, x_global_scale=out_global)
         self._ll_pending[DISPATCH] += 1
 
         def receive():
             self._ll_dispatch_recv(epoch, recv, scale_memory, scale_strides, ue8m0, stats)
+            if swizzle:
+                recv.x_scales = torch.stack([swizzle_128x4(s) for s in recv.x_scales])
 
         return recv, _Hook(self, DISPATCH, receive)
 
@@ -318,7 +349,7 @@ class LowLatencyMode:
                     self._checking_transport(observed), epoch, timeout_s=self.timeout_s,
                     rank=self.rank, channel="low-latency dispatch")
         staging = self.layout.view(self.heap, "ll_dispatch_rows")
-        if recv.x.dtype != torch.float8_e4m3fn:
+        if scale_memory is None:  # rows as they are
             staging = staging.view(self.dtype)
         args = (staging, self.layout.view(self.heap, "ll_dispatch_meta"),
                 self.layout.view(self.heap, "ll_dispatch_signals"), self.heap.peer_ptrs,
@@ -330,21 +361,25 @@ class LowLatencyMode:
             self.launches["ll_dispatch_recv"] += self._csrc().ll_dispatch_recv(
                 *args, error=self.errors.timeout_part, **common)
         else:
-            self.launches["ll_dispatch_recv"] += ll_dispatch_recv(*args, flavour=self.flavour,
-                                                                   **common)
+            self.launches["ll_dispatch_recv"] += ll_dispatch_recv(
+                *args, flavour=self.flavour, out_global=recv.x_global_scale, **common)
         recv.handle.received = True
 
     # ----------------------------------------------------------------- combine
     def low_latency_combine(self, y: torch.Tensor, topk_idx: torch.Tensor,
                             topk_weights: torch.Tensor | None, handle: LowLatencyHandle, *,
-                            return_hook: bool = False, renormalize: bool = False):
+                            return_hook: bool = False, renormalize: bool = False,
+                            combine_dtype: str | torch.dtype | None = None):
         """Sends each expert row home and sums ``w[t, k] * row`` there; returns ``(out, hook)``.
 
         ``y`` [L, R * T_max, H] of the Buffer's dtype, rows as in the dispatch's ``recv.x``;
         ``topk_idx``, ``topk_weights`` [T, K]: the dispatch's routing on this rank. Equivalent
         to ``out[t] = sum_k topk_weights[t, k] * y_row(t, k)`` in fp32, rounded to the dtype.
         Fault tolerance: rows of excluded expert ranks are left out; ``renormalize`` as in
-        ``Buffer.combine`` (needs ``topk_weights``).
+        ``Buffer.combine`` (needs ``topk_weights``). ``combine_dtype="fp8"``: each row travels
+        quantized per 128 channels and is dequantized at home before it is weighted
+        (``out[t] = sum_k w[t, k] * dequantize_fp8(*quantize_fp8(y_row(t, k)))``; error bound
+        as in ``Buffer.combine``), Triton kernels only.
         """
         self._check_usable()
         self._raise_input_errors("an earlier call")
@@ -358,6 +393,10 @@ class LowLatencyMode:
             raise RuntimeError("the dispatch of this handle has not been received; call its "
                                "hook first")
         self._ll_check_in_flight(COMBINE, "combine")
+        fp8 = combine_is_fp8(combine_dtype, dtype=self.dtype, hidden=self.hidden)
+        if fp8 and self.kernel_impl == "cuda":
+            raise ValueError("kernel_impl='cuda' combines in the Buffer's dtype only; an FP8 "
+                             "combine runs on the Triton kernels")
         if renormalize:
             self._ft_require("renormalize=True")
             if topk_weights is None:
@@ -378,7 +417,7 @@ class LowLatencyMode:
                 raise ValueError("topk_weights and topk_idx shapes differ")
             topk_weights = topk_weights.contiguous()
         out, hook = self._ll_combine_send(y.contiguous(), topk_idx.contiguous(), topk_weights,
-                                          handle, renormalize)
+                                          handle, renormalize, fp8)
         if return_hook:
             return out, hook
         hook()
@@ -397,7 +436,9 @@ class LowLatencyMode:
         return None
 
     @poisons_buffer_on_error("low-latency combine")
-    def _ll_combine_send(self, y, topk_idx, topk_weights, handle, renormalize=False):
+    def _ll_combine_send(self, y, topk_idx, topk_weights, handle, renormalize=False, fp8=False):
+        if fp8 and self._combine_outbox_offset(y) is not None:
+            y = y.clone()  # FP8 rows are quantized into the outbox that y lies in
         epoch = self._ll_begin(COMBINE, "combine")
         out = torch.empty((topk_idx.shape[0], self.hidden), dtype=self.dtype, device=self.device)
         args = (y, handle.layout, handle.src_info, handle.src_k, self.heap.peer_ptrs,
@@ -412,11 +453,11 @@ class LowLatencyMode:
         else:
             self.launches["ll_combine_send"] += ll_combine_send(
                 *args, flavour=self.flavour, y_box_offset=self._combine_outbox_offset(y),
-                **common)
+                fp8=fp8, **common)
         self._ll_pending[COMBINE] += 1
 
         def receive():
-            self._ll_combine_recv(epoch, topk_idx, topk_weights, out)
+            self._ll_combine_recv(epoch, topk_idx, topk_weights, out, fp8)
             if renormalize:  # the expert ranks whose rows of this call arrived
                 signals = self.layout.view(self.heap, "ll_combine_signals")[epoch % 2]
                 reached = self._reached(topk_idx, signals >= epoch)
@@ -426,7 +467,7 @@ class LowLatencyMode:
         return out, _Hook(self, COMBINE, receive)
 
     @poisons_buffer_on_error("low-latency combine")
-    def _ll_combine_recv(self, epoch, topk_idx, topk_weights, out):
+    def _ll_combine_recv(self, epoch, topk_idx, topk_weights, out, fp8=False):
         if not self.flavour.device_wait:  # GPUs wait in the receive kernel itself
             words = self.layout.view(self.heap, "ll_combine_signals")[epoch % 2].numpy()
             if self.fault_tolerant:  # an expert rank that stays silent is excluded
@@ -445,4 +486,4 @@ class LowLatencyMode:
         else:
             self.launches["ll_combine_recv"] += ll_combine_recv(
                 staging, topk_idx, topk_weights, out, self.heap.peer_ptrs, self._ll_state,
-                signals, num_experts=self.num_experts, flavour=self.flavour, **common)
+                signals, num_experts=self.num_experts, flavour=self.flavour, fp8=fp8, **common)

@@ -107,7 +107,7 @@ def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     p = packed.contiguous().view(torch.uint8)
-    return torch.stack((p & 15, p >> 4), dim=-1).reshape(p.shape[0], -1)
+    return torch.stack((p & 15, p >> 4), dim=-1).reshape(p.shape[0], 2 * p.shape[1])
 
 
 def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
@@ -142,7 +142,7 @@ def dequantize_nvfp4(q: torch.Tensor, scales: torch.Tensor, global_scale) -> tor
     T, H = codes.shape
     v = e2m1_values(codes).reshape(T, H // NVFP4_GROUP, NVFP4_GROUP)
     gs = torch.as_tensor(global_scale, dtype=torch.float32, device=q.device)
-    gs = gs.reshape(-1, 1, 1) if gs.numel() > 1 else gs.reshape(1, 1, 1)
+    gs = gs.reshape(-1, 1, 1) if gs.numel() != 1 else gs.reshape(1, 1, 1)  # [T] or [1]
     return (v * scales.float()[..., None] * gs).reshape(T, H)
 
 

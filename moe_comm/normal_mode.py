@@ -26,7 +26,8 @@ from .kernels import combine as combine_kernels
 from .kernels import dispatch as dispatch_kernels
 from .kernels import internode
 from .kernels.layout import routing_layout
-from .kernels.quant import MXFP8, scale_group
+from .kernels.quant import MXFP8, NVFP4, scale_group
+from .kernels.rows import payload_bytes, sent_elem_bytes
 from .workspace import COMBINE, DISPATCH
 
 
@@ -40,7 +41,7 @@ class PendingSend:
     topk: int = 0
     has_weights: bool = False
     fp8: int = 0  # 0 rows as they are, 1 quantized by the send, 2 sent quantized
-    ue8m0: int = 0  # 1 power-of-two scales as exponent bytes per 128, 2 MXFP8 (per 32)
+    ue8m0: int = 0  # 1 power-of-two scales as exponent bytes per 128, 2 MXFP8, 3 NVFP4
     node_slot_of: torch.Tensor | None = None  # [T, M] int32 (hierarchical): row per node
     # fault tolerance (``moe_comm.fault``): which sources' epochs arrived ([R] bool or int32;
     # None: all), and a dispatch's counts with the others zeroed (in-kernel waits)
@@ -51,16 +52,18 @@ class PendingSend:
 def fp8_scales_out(rows: int, groups: int, ue8m0: int, col_major: bool, device):
     """Zeroed scales output: ``(public tensor [rows, G or ceil(G/4)], contiguous memory,
     (row stride, group stride))``; column-major means the rows index is the fast one.
-    MXFP8 (``ue8m0 == 2``): E8M0 bytes [rows, G] (float8_e8m0fnu), row-major, written as
-    the bytes of int32 words (byte g % 4 of word g // 4 is byte g of the row)."""
+    MXFP8 (``ue8m0 == 2``): E8M0 bytes [rows, G] (float8_e8m0fnu), NVFP4 (3): e4m3 bytes
+    [rows, G] (float8_e4m3fn), row-major, written as the bytes of int32 words (byte g % 4 of
+    word g // 4 is byte g of the row)."""
     width = (groups + 3) // 4 if ue8m0 else groups
     dtype = torch.int32 if ue8m0 else torch.float32
-    if col_major and ue8m0 != MXFP8:
+    if col_major and ue8m0 < MXFP8:
         memory = torch.zeros((width, rows), dtype=dtype, device=device)
         return memory.t(), memory, (1, rows)
     memory = torch.zeros((rows, width), dtype=dtype, device=device)
-    if ue8m0 == MXFP8:
-        public = memory.view(torch.uint8)[:, :groups].view(torch.float8_e8m0fnu)
+    if ue8m0 >= MXFP8:
+        byte_dtype = torch.float8_e8m0fnu if ue8m0 == MXFP8 else torch.float8_e4m3fn
+        public = memory.view(torch.uint8)[:, :groups].view(byte_dtype)
         return public, memory, (width, 1)
     return memory, memory, (width, 1)
 
@@ -89,15 +92,18 @@ class NormalMode:
                                                    self.rank)
         self.launches["layout"] += 1
         grid = dispatch_kernels.send_grid(self.max_tokens_per_rank, self.hidden, self.num_sms,
-                                          self.flavour, 1 if fp8 else x.element_size())
+                                          self.flavour,
+                                          sent_elem_bytes(fp8, ue8m0, x.element_size()))
+        if x_scales is not None:
+            x_scales = x_scales.contiguous()
         self.launches["dispatch_send"] += dispatch_kernels.dispatch_send(
             x, topk_idx, topk_weights, slot_of, pair_pos, counts, self.heap.peer_ptrs,
             self._stats, *self._channel_words(DISPATCH), offsets=self._send_offsets(DISPATCH),
             rank=self.rank, num_local_experts=self.num_local_experts,
             meta_stride=self.layout.meta_stride, max_topk=self.max_topk, grid=grid,
             topk=topk_idx.shape[1], row_bytes=self._row_bytes, fp8=fp8,
-            x_scales=None if x_scales is None else x_scales.contiguous(), ue8m0=ue8m0,
-            flavour=self.flavour, box_offsets=self._rdma_offsets(DISPATCH))
+            x_scales=x_scales, ue8m0=ue8m0, flavour=self.flavour,
+            box_offsets=self._rdma_offsets(DISPATCH))
         node_slot_of = self._send_other_nodes(x, x_scales, topk_idx, topk_weights, pair_pos,
                                               slot_of, counts, fp8, ue8m0)
         return PendingSend(DISPATCH, epoch, slot_of, topk_idx.shape[1], topk_weights is not None,
@@ -125,7 +131,8 @@ class NormalMode:
             node_slot_of = self._empty_int()
             target_counts = (slot_of >= 0).sum(0, dtype=torch.int32)
         grid = internode.outbox_grid(self.max_tokens_per_rank, self.hidden, self.num_sms,
-                                     self.flavour, 1 if fp8 else x.element_size())
+                                     self.flavour,
+                                     sent_elem_bytes(fp8, ue8m0, x.element_size()))
         self.launches["dispatch_outbox"] += internode.outbox_dispatch(
             x, None if x_scales is None else x_scales.contiguous(), topk_idx, topk_weights,
             pair_pos, slot_of, node_slot_of, counts, target_counts, self._plan, self._xstats,
@@ -211,9 +218,8 @@ class NormalMode:
         dispatch goes away (CUDA-graph capturable); rows past the count are zero padding."""
         fwd_slots, fwd_n = self._empty_int(), self._empty_int()
         if self.hierarchical:
-            groups = self.hidden // scale_group(pending.ue8m0)
-            payload = (self.hidden + groups * (1 if pending.ue8m0 else 4) if pending.fp8
-                       else self._row_bytes)
+            payload = (payload_bytes(self.hidden, 1, pending.fp8, pending.ue8m0)
+                       if pending.fp8 else self._row_bytes)
             fwd_slots, fwd_n = self._forward_dispatch(pending.epoch, payload)
         self._wait(pending)
         L, dev = self.num_local_experts, self.device
@@ -226,8 +232,11 @@ class NormalMode:
         else:
             rows = max_recv_rows
         fp8 = pending.fp8 != 0
-        out = torch.empty((rows, self.hidden), device=dev,
-                          dtype=torch.float8_e4m3fn if fp8 else self.dtype)
+        nvfp4 = fp8 and pending.ue8m0 == NVFP4
+        out = (torch.empty((rows, self.hidden // 2), device=dev, dtype=torch.uint8) if nvfp4
+               else torch.empty((rows, self.hidden), device=dev,
+                                dtype=torch.float8_e4m3fn if fp8 else self.dtype))
+        global_scale = torch.zeros(rows if nvfp4 else 0, dtype=torch.float32, device=dev)
         scales, scale_memory, scale_strides = (torch.empty(0, device=dev), None, (0, 0))
         if fp8:
             scales, scale_memory, scale_strides = fp8_scales_out(
@@ -247,15 +256,15 @@ class NormalMode:
             out_weights if pending.has_weights else None, src_rank, src_token, rank=self.rank,
             topk=pending.topk, num_local_experts=L, meta_stride=self.layout.meta_stride,
             max_topk=self.max_topk, flavour=self.flavour, out_scales=scale_memory,
-            scale_strides=scale_strides, ue8m0=pending.ue8m0)
-        if pending.ue8m0 == MXFP8:  # rows of G bytes (contiguous unless G % 4)
+            scale_strides=scale_strides, ue8m0=pending.ue8m0, out_global=global_scale)
+        if pending.ue8m0 >= MXFP8:  # rows of G bytes (contiguous unless G % 4)
             scales = scales.contiguous()
         self._dispatch_serial += 1
         node_slot_of = pending.node_slot_of if pending.node_slot_of is not None \
             else self._empty_int()
         return (out, scales, out_weights, src_rank, src_token, tokens_per_expert,
                 expert_offsets, pending.slot_of, slot_rows, slot_offsets, node_slot_of,
-                fwd_slots, fwd_n)
+                fwd_slots, fwd_n, global_scale)
 
     @poisons_buffer_on_error("dispatch")
     def dispatch_cached_send(self, x, slot_of, node_slot_of=None) -> PendingSend:
@@ -300,10 +309,11 @@ class NormalMode:
 
     @poisons_buffer_on_error("combine")
     def combine_send(self, y, weights, pair_values, slot_rows, slot_offsets, fwd_slots=None,
-                     fwd_n=None) -> PendingSend:
+                     fwd_n=None, fp8: bool = False) -> PendingSend:
         """Send phase of combine: reduce each received token's rows, put the partial home
         (hierarchical: partials for other nodes to this node's forwarders, which sum and send
-        them; ``fwd_slots`` / ``fwd_n`` from the dispatch)."""
+        them; ``fwd_slots`` / ``fwd_n`` from the dispatch). ``fp8``: partials travel as FP8
+        per 128 channels (``kernels.combine``)."""
         epoch = self._start(COMBINE)
         topk = slot_rows.shape[1]
         self.launches["combine_send"] += combine_kernels.combine_send(
@@ -311,10 +321,11 @@ class NormalMode:
             slot_offsets, self.heap.peer_ptrs, self._stats, *self._channel_words(COMBINE),
             offsets=self._send_offsets(COMBINE), rank=self.rank, topk=topk,
             max_topk=self.max_topk, max_tokens=self.max_tokens_per_rank, flavour=self.flavour,
-            box_offsets=self._rdma_offsets(COMBINE), xstats=self._xstats, plan=self._plan)
+            box_offsets=self._rdma_offsets(COMBINE), xstats=self._xstats, plan=self._plan,
+            fp8=fp8)
         if self.hierarchical:
             self._forward_combine(epoch, fwd_slots, fwd_n, topk, pair_values is not None)
-        return PendingSend(COMBINE, epoch, topk=topk)
+        return PendingSend(COMBINE, epoch, topk=topk, fp8=int(fp8))
 
     @poisons_buffer_on_error("combine")
     def combine_recv(self, pending: PendingSend, slot_of, want_pair: bool, node_slot_of=None
@@ -333,5 +344,5 @@ class NormalMode:
             flavour=self.flavour, rank=self.rank,
             node_rows=self.layout.view(self.heap, "hcomb_rows") if self.hierarchical else None,
             node_meta=self.layout.view(self.heap, "hcomb_meta") if self.hierarchical else None,
-            node_slot_of=node_slot_of, live=pending.live)
+            node_slot_of=node_slot_of, live=pending.live, fp8=pending.fp8 != 0)
         return out, pair_out

@@ -5,16 +5,18 @@ Ops (each one collective over the Buffer's ranks; ``buffer_id`` names the Buffer
 * ``moe_comm::dispatch(buffer_id, x, x_scales?, topk_idx, topk_weights?, expert_alignment, fp8,
   ue8m0, col_major_scales, max_recv_rows?)`` -> received rows, their FP8 scales (empty unless
   fp8; ``ue8m0`` 0 float32 per 128 channels, 1 packed exponents per 128, 2 MXFP8 E8M0 per
-  32), weights, src_rank, src_token, tokens_per_expert, expert_offsets and the handle tensors
-  (slot_of, slot_rows, recv_slot_offsets, and for the hierarchical mode node_slot_of,
-  fwd_slots, fwd_n: empty otherwise). With ``max_recv_rows`` the output shapes are static
-  (no host synchronisation). ``dispatch_cached`` and ``combine`` take the three node tensors
-  last (optional).
+  32, 3 NVFP4 e4m3 per 16 with the rows packed [rows, H/2] uint8), weights, src_rank,
+  src_token, tokens_per_expert, expert_offsets, the handle tensors (slot_of, slot_rows,
+  recv_slot_offsets, and for the hierarchical mode node_slot_of, fwd_slots, fwd_n: empty
+  otherwise), then the NVFP4 rows' global scales [rows] float32 (empty otherwise). With
+  ``max_recv_rows`` the output shapes are static (no host synchronisation).
+  ``dispatch_cached`` and ``combine`` take the three node tensors last (optional).
 * ``moe_comm::dispatch_cached(buffer_id, x, slot_of, slot_rows, recv_slot_offsets,
   tokens_per_expert, expert_offsets, num_rows)`` -> rows: the same movement as an earlier
   dispatch, data only (backward of combine).
 * ``moe_comm::combine(buffer_id, y, weights?, pair_values?, slot_of, slot_rows,
-  recv_slot_offsets)`` -> (out [T, H], pair_out [T, K] or [0]).
+  recv_slot_offsets, ..., fp8=False)`` -> (out [T, H], pair_out [T, K] or [0]); ``fp8``: the
+  partials travel as FP8 per 128 channels.
 
 Backward: dispatch's is ``combine(grad_rows)`` with the row-weight gradients riding along as
 ``pair_values`` (each (token, choice) lives on exactly one rank, so summing over ranks returns
@@ -29,6 +31,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ._registry import lookup
+from .kernels.quant import NVFP4
 from .types import DispatchHandle, DispatchResult
 
 
@@ -37,7 +40,7 @@ def dispatch_op(buffer_id: int, x: Tensor, x_scales: Optional[Tensor], topk_idx:
                 topk_weights: Optional[Tensor], expert_alignment: int, fp8: int, ue8m0: int,
                 col_major_scales: bool, max_recv_rows: Optional[int]
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                           Tensor, Tensor, Tensor, Tensor, Tensor]:
+                           Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     buf = lookup(buffer_id)
     pending = buf.dispatch_send(x, topk_idx, topk_weights, x_scales, fp8, ue8m0)
     outs = buf.dispatch_recv(pending, expert_alignment, col_major_scales, max_recv_rows)
@@ -55,8 +58,13 @@ def _(buffer_id, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8, ue8
     T, K = topk_idx.shape
     R, L, H = buf.world_size, buf.num_local_experts, x.shape[1]
     i64, i32 = torch.int64, torch.int32
+    nvfp4 = bool(fp8) and ue8m0 == NVFP4
+    if fp8 == 2 and nvfp4:  # x: packed values
+        H *= 2
     if fp8 and ue8m0 == 2:  # MXFP8: E8M0 bytes per 32 channels
         scales = x.new_empty((rows, H // 32), dtype=torch.float8_e8m0fnu)
+    elif nvfp4:  # NVFP4: e4m3 bytes per 16 channels
+        scales = x.new_empty((rows, H // 16), dtype=torch.float8_e4m3fn)
     elif fp8:
         groups = H // 128
         width = (groups + 3) // 4 if ue8m0 else groups
@@ -65,12 +73,15 @@ def _(buffer_id, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8, ue8
                   else x.new_empty((rows, width), dtype=sdt))
     else:
         scales = x.new_empty((0,), dtype=torch.float32)
-    return (x.new_empty((rows, H), dtype=torch.float8_e4m3fn if fp8 else buf.dtype), scales,
+    recv_x = (x.new_empty((rows, H // 2), dtype=torch.uint8) if nvfp4 else
+              x.new_empty((rows, H), dtype=torch.float8_e4m3fn if fp8 else buf.dtype))
+    return (recv_x, scales,
             x.new_empty((rows if topk_weights is not None else 0,), dtype=torch.float32),
             x.new_empty((rows,), dtype=i64), x.new_empty((rows,), dtype=i64),
             x.new_empty((L,), dtype=i64), x.new_empty((L + 1,), dtype=i64),
             x.new_empty((T, R), dtype=i32), x.new_empty((slots, K), dtype=i32),
-            x.new_empty((R + 1,), dtype=i64), *_node_fakes(buf, x, T))
+            x.new_empty((R + 1,), dtype=i64), *_node_fakes(buf, x, T),
+            x.new_empty((rows if nvfp4 else 0,), dtype=torch.float32))
 
 
 def _node_fakes(buf, x, T):
@@ -106,18 +117,18 @@ def _(buffer_id, x, slot_of, slot_rows, recv_slot_offsets, tokens_per_expert, ex
 def combine_op(buffer_id: int, y: Tensor, weights: Optional[Tensor],
                pair_values: Optional[Tensor], slot_of: Tensor, slot_rows: Tensor,
                recv_slot_offsets: Tensor, node_slot_of: Optional[Tensor] = None,
-               fwd_slots: Optional[Tensor] = None, fwd_n: Optional[Tensor] = None
-               ) -> tuple[Tensor, Tensor]:
+               fwd_slots: Optional[Tensor] = None, fwd_n: Optional[Tensor] = None,
+               fp8: bool = False) -> tuple[Tensor, Tensor]:
     buf = lookup(buffer_id)
     pending = buf.combine_send(y, weights, pair_values, slot_rows, recv_slot_offsets, fwd_slots,
-                               fwd_n)
+                               fwd_n, fp8)
     return buf.combine_recv(pending, slot_of, want_pair=pair_values is not None,
                             node_slot_of=node_slot_of)
 
 
 @combine_op.register_fake
 def _(buffer_id, y, weights, pair_values, slot_of, slot_rows, recv_slot_offsets,
-      node_slot_of=None, fwd_slots=None, fwd_n=None):
+      node_slot_of=None, fwd_slots=None, fwd_n=None, fp8=False):
     T, K = slot_of.shape[0], slot_rows.shape[1]
     pair_shape = (T, K) if pair_values is not None else (0,)
     return y.new_empty((T, y.shape[1])), y.new_empty(pair_shape, dtype=torch.float32)
@@ -135,11 +146,12 @@ class _Dispatch(torch.autograd.Function):
                                            expert_alignment, fp8, ue8m0, col_major_scales,
                                            max_recv_rows)
         recv_x, scales, recv_w, src_rank, src_token, tpe, offsets, slot_of, slot_rows, slot_off, \
-            *nodes = outs
-        ctx.buffer_id, ctx.num_rows, ctx.hidden = buffer_id, recv_x.shape[0], x.shape[1]
+            *nodes, global_scale = outs
+        ctx.buffer_id, ctx.num_rows = buffer_id, recv_x.shape[0]
         ctx.save_for_backward(slot_of, slot_rows, slot_off, *nodes)
         ctx.mark_non_differentiable(scales, src_rank, src_token, tpe, offsets, slot_of,
-                                    slot_rows, slot_off, *nodes)
+                                    slot_rows, slot_off, *nodes, global_scale)
+        ctx.fp8 = bool(fp8)
         if fp8:  # quantized rows carry no gradient to x
             ctx.mark_non_differentiable(recv_x)
         return outs
@@ -148,9 +160,9 @@ class _Dispatch(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_x, _grad_scales, grad_w, *_):
         slot_of, slot_rows, slot_off, *nodes = ctx.saved_tensors
-        if grad_x is None or grad_x.dtype == torch.float8_e4m3fn:
-            dtype = lookup(ctx.buffer_id).dtype
-            grad_x = slot_of.new_zeros((ctx.num_rows, ctx.hidden), dtype=dtype)
+        if grad_x is None or ctx.fp8:
+            buf = lookup(ctx.buffer_id)
+            grad_x = slot_of.new_zeros((ctx.num_rows, buf.hidden), dtype=buf.dtype)
         # Router-weight gradients always travel (zeros when unused) so that every rank runs the
         # same protocol whatever its own requires_grad flags.
         if grad_w is None or grad_w.numel() != ctx.num_rows:
@@ -165,9 +177,9 @@ class _Dispatch(torch.autograd.Function):
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, buffer_id, y, weights, slot_of, slot_rows, slot_off, tokens_per_expert,
-                expert_offsets, node_slot_of, fwd_slots, fwd_n):
+                expert_offsets, node_slot_of, fwd_slots, fwd_n, fp8):
         out, _ = torch.ops.moe_comm.combine(buffer_id, y, weights, None, slot_of, slot_rows,
-                                            slot_off, node_slot_of, fwd_slots, fwd_n)
+                                            slot_off, node_slot_of, fwd_slots, fwd_n, fp8)
         ctx.buffer_id = buffer_id
         ctx.save_for_backward(y, weights, slot_of, slot_rows, slot_off, tokens_per_expert,
                               expert_offsets, node_slot_of, fwd_slots, fwd_n)
@@ -190,7 +202,7 @@ class _Combine(torch.autograd.Function):
             grad_w = None
             if ctx.needs_input_grad[2]:
                 grad_w = (grad_rows.to(acc) * y.to(acc)).sum(-1).to(torch.float32)
-        return None, grad_y, grad_w, None, None, None, None, None, None, None, None
+        return None, grad_y, grad_w, None, None, None, None, None, None, None, None, None
 
 
 def dispatch_autograd(buf, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8=0,
@@ -198,21 +210,25 @@ def dispatch_autograd(buf, x, x_scales, topk_idx, topk_weights, expert_alignment
     """Runs ``moe_comm::dispatch`` under autograd and wraps the outputs."""
     outs = _Dispatch.apply(buf.id, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8,
                            int(ue8m0), col_major_scales, max_recv_rows)
-    return wrap_dispatch_outputs(buf, outs, topk_idx.shape[1], topk_weights is not None, fp8)
+    return wrap_dispatch_outputs(buf, outs, topk_idx.shape[1], topk_weights is not None, fp8,
+                                 int(ue8m0))
 
 
-def wrap_dispatch_outputs(buf, outs, topk: int, has_weights: bool, fp8: int) -> DispatchResult:
+def wrap_dispatch_outputs(buf, outs, topk: int, has_weights: bool, fp8: int, ue8m0: int = 0
+                          ) -> DispatchResult:
     """The tensors of ``moe_comm::dispatch`` as a DispatchResult with its handle."""
     recv_x, scales, recv_w, src_rank, src_token, tpe, offsets, slot_of, slot_rows, slot_off, \
-        node_slot_of, fwd_slots, fwd_n = outs
+        node_slot_of, fwd_slots, fwd_n, global_scale = outs
     handle = DispatchHandle(buf.id, buf.dispatch_serial, slot_of, slot_rows, slot_off,
                             recv_x.shape[0], topk, tpe, offsets, node_slot_of, fwd_slots, fwd_n)
     return DispatchResult(recv_x, scales if fp8 else None, recv_w if has_weights else None,
-                          src_rank, src_token, tpe, offsets, handle)
+                          src_rank, src_token, tpe, offsets, handle,
+                          global_scale if fp8 and ue8m0 == NVFP4 else None)
 
 
-def combine_autograd(buf, y, handle: DispatchHandle, weights) -> Tensor:
-    """Runs ``moe_comm::combine`` under autograd with the tensors of ``handle``."""
+def combine_autograd(buf, y, handle: DispatchHandle, weights, fp8: bool = False) -> Tensor:
+    """Runs ``moe_comm::combine`` under autograd with the tensors of ``handle``; the backward
+    of an FP8 combine is that of the exact one (straight through the quantization)."""
     return _Combine.apply(buf.id, y, weights, handle.slot_of, handle.slot_rows,
                           handle.recv_slot_offsets, handle.tokens_per_expert,
-                          handle.expert_offsets, *handle.node_tensors())
+                          handle.expert_offsets, *handle.node_tensors(), fp8)

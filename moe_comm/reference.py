@@ -45,6 +45,7 @@ class RefDispatch:
     expert_offsets: torch.Tensor
     handle: RefHandle
     x_scales: torch.Tensor | None = None
+    x_global_scale: torch.Tensor | None = None
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -54,6 +55,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # ------------------------------------------------------------------ FP8 (e4m3fn), per 128 channels
 FP8_GROUP = 128
 MXFP8_CODE = 2  # the ``ue8m0`` code of MXFP8 in the ops (validation.MXFP8)
+NVFP4_CODE = 3  # and of NVFP4
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -104,14 +106,23 @@ def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def _scale_code(dispatch_dtype: str | None, ue8m0: bool) -> int:
-    """0 float32 scales per 128, 1 power-of-two per 128 (``ue8m0``), 2 MXFP8 (E8M0 per 32)."""
-    return MXFP8_CODE if dispatch_dtype == "mxfp8" else int(bool(ue8m0))
+    """0 float32 scales per 128, 1 power-of-two per 128 (``ue8m0``), 2 MXFP8 (E8M0 per 32),
+    3 NVFP4 (e4m3 per 16 and a global scale)."""
+    codes = {"mxfp8": MXFP8_CODE, "nvfp4": NVFP4_CODE}
+    return codes[dispatch_dtype] if dispatch_dtype in codes else int(bool(ue8m0))
 
 
-def _fp8_payload(x, code: int) -> torch.Tensor:
+def _fp8_payload(x, code: int, global_scale=None) -> torch.Tensor:
     """Rows to send in an FP8 dispatch, as bytes: [T, H] codes then the scales ([T, H/128]
-    fp32, or MXFP8 [T, H/32] E8M0 bytes). ``x`` is a tensor (quantized here) or an already
-    quantized ``(q, scales)`` pair."""
+    fp32, or MXFP8 [T, H/32] E8M0 bytes; NVFP4: [T, H/2] packed codes, [T, H/16] e4m3
+    scales, then each row's global scale). ``x`` is a tensor (quantized here; NVFP4 with
+    ``global_scale`` or its own) or an already quantized tuple."""
+    if code == NVFP4_CODE:
+        q, scales, gs = x if isinstance(x, (tuple, list)) else \
+            microscale.quantize_nvfp4(x, global_scale)
+        per_row = torch.zeros(q.shape[0], device=q.device) + gs.float().reshape(-1)
+        return torch.cat([_dense(q).view(torch.uint8), _dense(scales).view(torch.uint8),
+                          per_row.view(torch.uint8).reshape(-1, 4)], dim=1)
     if code == MXFP8_CODE:
         q, scales = x if isinstance(x, (tuple, list)) else microscale.quantize_mxfp8(x)
     else:
@@ -119,8 +130,18 @@ def _fp8_payload(x, code: int) -> torch.Tensor:
     return torch.cat([_dense(q).view(torch.uint8), _dense(scales).view(torch.uint8)], dim=1)
 
 
+def _split_nvfp4(payload: torch.Tensor, hidden: int):
+    """NVFP4 payload rows -> (values [N, H/2] uint8, scales [N, H/16] e4m3, global [N])."""
+    half, groups = hidden // 2, hidden // microscale.NVFP4_GROUP
+    return (_dense(payload[:, :half]), _dense(payload[:, half:half + groups]).view(
+        torch.float8_e4m3fn), _dense(payload[:, half + groups:]).view(torch.float32).reshape(-1))
+
+
 def _split_fp8(res: RefDispatch, hidden: int, code: int, col_major: bool) -> RefDispatch:
     payload = res.x
+    if code == NVFP4_CODE:
+        res.x, res.x_scales, res.x_global_scale = _split_nvfp4(payload, hidden)
+        return res
     res.x = _dense(payload[:, :hidden]).view(torch.float8_e4m3fn)
     if code == MXFP8_CODE:
         res.x_scales = _dense(payload[:, hidden:]).view(torch.float8_e8m0fnu)
@@ -181,10 +202,11 @@ def expand(recv_x: list[torch.Tensor], recv_tok: list[torch.Tensor], recv_local:
     return RefDispatch(x_out, w_out, src_rank, src_token, tokens_per_expert, offsets, handle)
 
 
-def partials(y: torch.Tensor, weights: torch.Tensor | None, recv_rows: list[torch.Tensor]
-             ) -> list[torch.Tensor]:
+def partials(y: torch.Tensor, weights: torch.Tensor | None, recv_rows: list[torch.Tensor],
+             fp8: bool = False) -> list[torch.Tensor]:
     """Per source s: for each of its tokens here, sum over choices of ``w * y[row]`` in choice
-    order, accumulated in fp32 (fp64 for fp64) and rounded to ``y.dtype``."""
+    order, accumulated in fp32 (fp64 for fp64) and rounded to ``y.dtype``; with ``fp8``
+    quantized from fp32 per 128 channels and dequantized (fp32): what arrives at home."""
     acc = _acc_dtype(y.dtype)
     out = []
     for rows in recv_rows:
@@ -195,14 +217,15 @@ def partials(y: torch.Tensor, weights: torch.Tensor | None, recv_rows: list[torc
             if weights is not None:
                 v = v * weights[r.clamp(min=0)].to(acc)[:, None]
             total = total + torch.where((r >= 0)[:, None], v, 0)
-        out.append(total.to(y.dtype))
+        out.append(dequantize_fp8(*quantize_fp8(total)) if fp8 else total.to(y.dtype))
     return out
 
 
-def sum_home(back: list[torch.Tensor], send_tokens: list[torch.Tensor], num_tokens: int
-             ) -> torch.Tensor:
-    """``out[t] = sum over d in order of back[d][position of t]``, in fp32 (fp64 for fp64)."""
-    dtype = back[0].dtype
+def sum_home(back: list[torch.Tensor], send_tokens: list[torch.Tensor], num_tokens: int,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``out[t] = sum over d in order of back[d][position of t]``, in fp32 (fp64 for fp64),
+    rounded to ``dtype`` (default: the partials')."""
+    dtype = back[0].dtype if dtype is None else dtype
     out = back[0].new_zeros((num_tokens, back[0].shape[1]), dtype=_acc_dtype(dtype))
     for d, toks in enumerate(send_tokens):
         out = out.index_add(0, toks, back[d].to(out.dtype))
@@ -239,13 +262,14 @@ def _exchange(chunks: list[torch.Tensor], group) -> list[torch.Tensor]:
 
 def dispatch(x, topk_idx, topk_weights, num_experts: int, group=None,
              expert_alignment: int = 1, *, fp8: bool = False, ue8m0: bool = False,
-             col_major_scales: bool = False, dispatch_dtype: str | None = None) -> RefDispatch:
+             col_major_scales: bool = False, dispatch_dtype: str | None = None,
+             global_scale=None) -> RefDispatch:
     """Reference ``Buffer.dispatch`` for this rank of ``group`` (``x`` may be a (q, scales)
-    pair with ``fp8``; ``dispatch_dtype="mxfp8"``: MXFP8)."""
+    pair with ``fp8``; ``dispatch_dtype="mxfp8"`` / ``"nvfp4"``: MXFP8 / NVFP4)."""
     R = dist.get_world_size(group)
     code = _scale_code(dispatch_dtype, ue8m0)
-    fp8 = fp8 or code == MXFP8_CODE
-    rows = _fp8_payload(x, code) if fp8 else x
+    fp8 = fp8 or code >= MXFP8_CODE
+    rows = _fp8_payload(x, code, global_scale) if fp8 else x
     tokens, local = route(topk_idx, R, num_experts)
     recv_x = _exchange([rows[t] for t in tokens], group)
     recv_tok = _exchange(tokens, group)
@@ -267,13 +291,14 @@ def combine(y, handle: RefHandle, weights=None, group=None) -> torch.Tensor:
 # ------------------------------------------------------------------ all ranks in one process
 def dispatch_all(xs, topk_idxs, topk_weights=None, *, num_experts: int,
                  expert_alignment: int = 1, fp8: bool = False, ue8m0: bool = False,
-                 col_major_scales: bool = False, dispatch_dtype: str | None = None
-                 ) -> list[RefDispatch]:
-    """Reference dispatch of every rank at once: ``xs[r]``, ``topk_idxs[r]`` are rank r's inputs."""
+                 col_major_scales: bool = False, dispatch_dtype: str | None = None,
+                 global_scale=None) -> list[RefDispatch]:
+    """Reference dispatch of every rank at once: ``xs[r]``, ``topk_idxs[r]`` are rank r's inputs
+    (NVFP4: every rank quantizes with ``global_scale`` if given, else with its own)."""
     R = len(xs)
     code = _scale_code(dispatch_dtype, ue8m0)
-    fp8 = fp8 or code == MXFP8_CODE
-    rows = [_fp8_payload(x, code) if fp8 else x for x in xs]
+    fp8 = fp8 or code >= MXFP8_CODE
+    rows = [_fp8_payload(x, code, global_scale) if fp8 else x for x in xs]
     routes = [route(idx, R, num_experts) for idx in topk_idxs]
     results = []
     for d in range(R):
@@ -291,21 +316,25 @@ def dispatch_all(xs, topk_idxs, topk_weights=None, *, num_experts: int,
 
 
 def _hidden(x) -> int:
-    return (x[0] if isinstance(x, (tuple, list)) else x).shape[1]
+    if isinstance(x, (tuple, list)):  # a quantized tuple: NVFP4's values hold two per byte
+        return x[0].shape[1] * (2 if len(x) == 3 else 1)
+    return x.shape[1]
 
 
 def combine_all(ys, handles: list[RefHandle], weights=None, *,
-                hierarchical_nodes: int | None = None) -> list[torch.Tensor]:
+                hierarchical_nodes: int | None = None, combine_dtype=None) -> list[torch.Tensor]:
     """Reference combine of every rank at once. ``hierarchical_nodes=N`` (ranks per node): the
     order of the hierarchical mode: each other node's partials of a token are summed first (in
     rank order, fp32, rounded to the dtype once), then the home sums in node order: its own
-    node's partials one by one, every other node's sum as one term."""
+    node's partials one by one, every other node's sum as one term. ``combine_dtype="fp8"``:
+    the partials travel as FP8 (``partials(..., fp8=True)``; flat only)."""
     R = len(ys)
     weights = weights if weights is not None else [None] * R
-    parts = [partials(ys[d], weights[d], handles[d].recv_rows) for d in range(R)]
+    fp8 = combine_dtype in ("fp8", torch.float8_e4m3fn)
+    parts = [partials(ys[d], weights[d], handles[d].recv_rows, fp8) for d in range(R)]
     if hierarchical_nodes is None:
         return [sum_home([parts[d][s] for d in range(R)], handles[s].send_tokens,
-                         handles[s].num_tokens) for s in range(R)]
+                         handles[s].num_tokens, ys[0].dtype) for s in range(R)]
     N = hierarchical_nodes
     outs = []
     for s in range(R):
@@ -334,27 +363,31 @@ def combine_all(ys, handles: list[RefHandle], weights=None, *,
 @dataclass
 class RefLowLatency:
     """One rank's low-latency receive: ``x`` [L, R*T_max, H] (valid rows [0, count[e])),
-    ``x_scales`` or None, ``count`` [L], ``src_info`` / ``src_k`` [L, R*T_max] (-1 past count)."""
+    ``x_scales`` or None, ``count`` [L], ``src_info`` / ``src_k`` [L, R*T_max] (-1 past count),
+    ``x_global_scale`` (NVFP4) [L, R*T_max]."""
 
     x: torch.Tensor
     x_scales: torch.Tensor | None
     count: torch.Tensor
     src_info: torch.Tensor
     src_k: torch.Tensor
+    x_global_scale: torch.Tensor | None = None
 
 
 def low_latency_dispatch_all(xs, topk_idxs, *, num_experts: int, max_tokens: int,
                              fp8: bool = False, ue8m0: bool = False,
                              col_major_scales: bool = False,
-                             dispatch_dtype: str | None = None) -> list[RefLowLatency]:
+                             dispatch_dtype: str | None = None,
+                             global_scale=None) -> list[RefLowLatency]:
     """Reference ``low_latency_dispatch`` of every rank at once: each (token, expert) pair
     becomes a row of its expert, ordered by source rank, then token (``dispatch_dtype=
-    "mxfp8"``: MXFP8 rows and E8M0 scales [L, R * T, H/32])."""
+    "mxfp8"``: MXFP8 rows and E8M0 scales [L, R * T, H/32]; ``"nvfp4"``: packed rows
+    [L, R * T, H/2], e4m3 scales [L, R * T, H/16] and global scales [L, R * T])."""
     R = len(xs)
     L, H, T = num_experts // R, xs[0].shape[1], max_tokens
     code = _scale_code(dispatch_dtype, ue8m0)
-    fp8 = fp8 or code == MXFP8_CODE
-    rows = [_fp8_payload(x, code) if fp8 else x for x in xs]
+    fp8 = fp8 or code >= MXFP8_CODE
+    rows = [_fp8_payload(x, code, global_scale) if fp8 else x for x in xs]
     out = []
     for d in range(R):
         x_out = rows[0].new_zeros((L, R * T, rows[0].shape[1]))
@@ -373,6 +406,11 @@ def low_latency_dispatch_all(xs, topk_idxs, *, num_experts: int, max_tokens: int
                 src_k[le, first:first + n] = k[sel].to(torch.int32)
                 count[le] += n
         scales = None
+        if fp8 and code == NVFP4_CODE:
+            q, scales, gs = _split_nvfp4(x_out.reshape(L * R * T, -1), H)
+            out.append(RefLowLatency(q.reshape(L, R * T, -1), scales.reshape(L, R * T, -1),
+                                     count, src_info, src_k, gs.reshape(L, R * T)))
+            continue
         if fp8:
             payload = x_out.reshape(L * R * T, -1)
             x_out = _dense(payload[:, :H]).view(torch.float8_e4m3fn).reshape(L, R * T, H)
@@ -389,9 +427,11 @@ def low_latency_dispatch_all(xs, topk_idxs, *, num_experts: int, max_tokens: int
 
 
 def low_latency_combine_all(ys, topk_idxs, topk_weights, received: list[RefLowLatency],
-                            max_tokens: int) -> list[torch.Tensor]:
+                            max_tokens: int, combine_dtype=None) -> list[torch.Tensor]:
     """Reference ``low_latency_combine`` of every rank: ``out[t] = sum_k w[t, k] * row(t, k)``
-    accumulated in fp32 in choice order, rounded to the rows' dtype."""
+    accumulated in fp32 in choice order, rounded to the rows' dtype (``combine_dtype="fp8"``:
+    each row quantized per 128 channels and dequantized first)."""
+    fp8 = combine_dtype in ("fp8", torch.float8_e4m3fn)
     R = len(ys)
     L = ys[0].shape[0]
     outs = []
@@ -408,6 +448,8 @@ def low_latency_combine_all(ys, topk_idxs, topk_weights, received: list[RefLowLa
                 hit = ((received[d].src_info[le] == s * max_tokens + t)
                        & (received[d].src_k[le] == k)).nonzero()
                 v = ys[d][le, int(hit[0])].float()
+                if fp8:
+                    v = dequantize_fp8(*quantize_fp8(v[None]))[0]
                 if topk_weights is not None:
                     v = v * topk_weights[s][t, k]
                 acc[t] += v

@@ -56,8 +56,10 @@ class DispatchHandle:
 class DispatchResult:
     """Rows received by this rank, grouped by local expert (see ``Buffer.dispatch``).
 
-    ``x`` [rows, H] (float8_e4m3fn after an FP8 dispatch); ``x_scales``: FP8 scales per 128
-    channels (see ``Buffer.dispatch``) or None; ``weights`` [rows] float32 or None;
+    ``x`` [rows, H] (float8_e4m3fn after an FP8 dispatch; NVFP4: [rows, H/2] uint8, two
+    e2m1 codes per byte); ``x_scales``: its scales (see ``Buffer.dispatch``) or None;
+    ``x_global_scale``: NVFP4's float32 global scale of each row [rows] (0 in padding), else
+    None; ``weights`` [rows] float32 or None;
     ``src_rank``, ``src_token`` [rows] int64 (-1 in padding); ``tokens_per_expert`` [L] int64
     without padding; ``expert_offsets`` [L + 1] int64, start of each padded group, last = the
     rows received (= rows, unless ``max_recv_rows`` sized the output: the rows past it are zero
@@ -72,3 +74,4 @@ class DispatchResult:
     tokens_per_expert: torch.Tensor
     expert_offsets: torch.Tensor
     handle: DispatchHandle
+    x_global_scale: torch.Tensor | None = None

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernels.quant import MXFP8  # the ``ue8m0`` code of MXFP8: E8M0 bytes per 32 channels
+from .kernels.quant import MXFP8, NVFP4  # the ``ue8m0`` codes of the block-scaled formats
+from .microscale import nvfp4_global_scale
 from .types import DispatchHandle
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -86,72 +87,167 @@ def check_combine_inputs(y, handle, weights, *, buffer_id: int, latest_serial: i
                              "rows")
 
 
-SCALE_FORMATS = {"fp8": None, "mxfp8": MXFP8}
+def combine_is_fp8(combine_dtype, *, dtype: torch.dtype, hidden: int,
+                   hierarchical: bool = False) -> bool:
+    """Whether a combine sends FP8 partials: ``combine_dtype`` None or the Buffer's dtype (the
+    partials travel in it), or ``"fp8"`` / ``torch.float8_e4m3fn`` (per token and 128
+    channels; needs hidden % 128 == 0, a 16/32-bit dtype, and no hierarchical forwarders,
+    which sum partials)."""
+    if combine_dtype is None or combine_dtype == dtype:
+        return False
+    if combine_dtype not in ("fp8", torch.float8_e4m3fn):
+        raise ValueError(f"combine_dtype must be None, the Buffer's dtype ({dtype}) or 'fp8', "
+                         f"got {combine_dtype!r}")
+    if hidden % 128 or dtype == torch.float64:
+        raise ValueError(f"an FP8 combine needs hidden % 128 == 0 and a 16/32-bit dtype, got "
+                         f"hidden={hidden}, dtype={dtype}")
+    if hierarchical:
+        raise ValueError("an FP8 combine is not available through hierarchical forwarders (they "
+                         "sum partials); build the Buffer with hierarchical=False")
+    return True
+
+
+SCALE_FORMATS = {"fp8": None, "mxfp8": MXFP8, "nvfp4": NVFP4}
+_BLOCK_SCALED = {MXFP8: ("MXFP8", 32, "E8M0", torch.float8_e8m0fnu),
+                 NVFP4: ("NVFP4", 16, "e4m3", torch.float8_e4m3fn)}
 
 
 def scale_code(dispatch_dtype: str | None, ue8m0: bool) -> int:
     """The kernels' scale code of a dispatch: 0 float32 per 128 channels, 1 power-of-two per
-    128 (``ue8m0``), 2 MXFP8 (``dispatch_dtype="mxfp8"``: E8M0 per 32)."""
+    128 (``ue8m0``), 2 MXFP8 (``dispatch_dtype="mxfp8"``: E8M0 per 32), 3 NVFP4 (e4m3 per 16
+    and a float32 global scale)."""
     if dispatch_dtype is not None and dispatch_dtype not in SCALE_FORMATS:
         raise ValueError(f"dispatch_dtype must be one of {tuple(SCALE_FORMATS)} or None, got "
-                         f"{dispatch_dtype!r} (NVFP4 dispatch is not available yet)")
-    if dispatch_dtype == "mxfp8":
+                         f"{dispatch_dtype!r}")
+    code = SCALE_FORMATS.get(dispatch_dtype)
+    if code is not None:
+        name, _, scale, _ = _BLOCK_SCALED[code]
         if ue8m0:
-            raise ValueError("MXFP8 scales are E8M0 by definition; drop ue8m0=True")
-        return MXFP8
+            raise ValueError(f"{name} scales are {scale} by definition; drop ue8m0=True")
+        return code
     return int(bool(ue8m0))
 
 
-def check_mxfp8_options(quantizes: bool, col_major_scales: bool) -> None:
-    """The options MXFP8 refuses, in both modes: no quantization, column-major scales."""
+def check_block_scaled_options(code: int, quantizes: bool, col_major_scales: bool) -> None:
+    """The options MXFP8 and NVFP4 refuse, in both modes: no quantization, column-major
+    scales."""
+    name, group, _, _ = _BLOCK_SCALED[code]
     if not quantizes:
-        raise ValueError("dispatch_dtype='mxfp8' quantizes; it cannot go with fp8=False")
+        raise ValueError(f"dispatch_dtype={name.lower()!r} quantizes; it cannot go with "
+                         "fp8=False")
     if col_major_scales:
-        raise ValueError("MXFP8 scales come row-major [rows, H/32]; for the 128x4 layout of "
-                         "block-scaled GEMMs use moe_comm.microscale.swizzle_128x4")
+        raise ValueError(f"{name} scales come row-major [rows, H/{group}], or with "
+                         "scale_layout='swizzled' in the 128x4 layout of block-scaled GEMMs "
+                         "(moe_comm.microscale.swizzle_128x4)")
+
+
+def check_scale_layout(scale_layout: str, code: int) -> None:
+    if scale_layout not in ("row_major", "swizzled"):
+        raise ValueError(f"scale_layout must be 'row_major' or 'swizzled', got "
+                         f"{scale_layout!r}")
+    if scale_layout == "swizzled" and code not in _BLOCK_SCALED:
+        raise ValueError("scale_layout='swizzled' is for the block scales of "
+                         "dispatch_dtype='mxfp8' or 'nvfp4'")
+
+
+def sent_rows_check(mode: int, code: int, hidden: int, dtype: torch.dtype):
+    """``(dtype, width)`` the rows handed to the send must have: the Buffer's, float8 for a
+    quantized pair, uint8 [T, H/2] for quantized NVFP4."""
+    if mode != 2:
+        return dtype, hidden
+    if code == NVFP4:
+        return torch.uint8, hidden // 2
+    return torch.float8_e4m3fn, hidden
+
+
+def _nvfp4_global(g, device: torch.device, tokens: int | None) -> torch.Tensor:
+    """A given NVFP4 global scale: float32 [1] (or, in a quantized x, [T]: one per row)."""
+    ndim = g.dim() if isinstance(g, torch.Tensor) else 1
+    check_tensor("global_scale", g, dtype=torch.float32, ndim=ndim, device=device)
+    if g.numel() != 1 and (tokens is None or g.numel() != tokens):
+        per_row = "" if tokens is None else f" or {tokens} (one per row)"
+        raise ValueError(f"an NVFP4 global scale has 1 element{per_row}, got shape "
+                         f"{tuple(g.shape)}")
+    return g.reshape(-1)
+
+
+def nvfp4_send_global(x, global_scale, code: int, device: torch.device):
+    """NVFP4 (``code == 3``): the global scale [1] float32 a send reads, ``global_scale`` checked
+    or computed from ``x`` on its device (no host read); else None (and ``global_scale`` must
+    be None)."""
+    if code != NVFP4:
+        if global_scale is not None:
+            raise ValueError("global_scale is NVFP4's; pass dispatch_dtype='nvfp4'")
+        return None
+    if global_scale is not None:
+        return _nvfp4_global(global_scale, device, None)
+    return nvfp4_global_scale(x)
 
 
 def resolve_fp8(x, fp8, ue8m0: int, col_major_scales: bool, *, default_fp8: bool, hidden: int,
-                device: torch.device):
+                device: torch.device, global_scale=None):
     """Splits the FP8 options of ``dispatch``: returns ``(rows, scales or None, mode)`` with
-    mode 0 (rows as they are), 1 (the send kernel quantizes), 2 (``x`` is a quantized pair).
-    ``ue8m0``: a :func:`scale_code` (MXFP8 == 2: one E8M0 scale per 32 channels)."""
-    mx = ue8m0 == MXFP8
-    group = 32 if mx else 128
+    mode 0 (rows as they are), 1 (the send kernel quantizes), 2 (``x`` is quantized).
+    ``ue8m0``: a :func:`scale_code`. NVFP4 (3): ``scales`` is what the send kernel reads
+    (``kernels.rows``): with mode 1 the global scale [1] float32 (``global_scale``, or
+    computed on the device from ``x``: ``microscale.nvfp4_global_scale``); with mode 2, for
+    ``x = (values [T, H/2], scales [T, H/16] e4m3, global [1] or [T] float32)``, each row's
+    scale bytes followed by its global scale's four bytes, [T, H/16 + 4] uint8. Building those
+    launches small PyTorch ops after every check passed; nothing is read back."""
+    block = _BLOCK_SCALED.get(ue8m0)
+    name, group, _, scale_dtype = block if block else ("FP8", 128, None, torch.float32)
+    nv = ue8m0 == NVFP4
+    if global_scale is not None and not nv:
+        nvfp4_send_global(x, global_scale, ue8m0, device)  # raises
     if isinstance(x, (tuple, list)):
-        if len(x) != 2:
-            raise TypeError("a quantized x is a pair (x_fp8 [T, H] float8_e4m3fn, "
-                            + ("scales [T, H/32] float8_e8m0fnu)" if mx
-                               else "scales [T, H/128] float32)"))
-        rows, scales = x
-        check_tensor("x[0]", rows, dtype=torch.float8_e4m3fn, ndim=2, device=device)
-        if mx:
-            check_tensor("x[1] (scales)", scales, dtype=(torch.float8_e8m0fnu, torch.uint8),
+        want = ("(values [T, H/2] uint8 or float4_e2m1fn_x2, scales [T, H/16] float8_e4m3fn, "
+                "global_scale [1] float32)" if nv else
+                f"(x_fp8 [T, H] float8_e4m3fn, scales [T, H/{group}] {scale_dtype})")
+        if len(x) != (3 if nv else 2):
+            raise TypeError(f"a quantized {name} x is {want}")
+        rows, scales = x[0], x[1]
+        if nv:
+            check_tensor("x[0] (values)", rows, dtype=(torch.uint8, torch.float4_e2m1fn_x2),
                          ndim=2, device=device)
+            rows = rows.view(torch.uint8)
+            if rows.shape[1] * 2 != hidden:
+                raise ValueError(f"x[0] has {rows.shape[1]} bytes per row; NVFP4 rows of "
+                                 f"hidden={hidden} have {hidden // 2}")
+            if global_scale is not None:
+                raise ValueError("a quantized NVFP4 x carries its global scale (x[2]); drop "
+                                 "global_scale")
         else:
-            check_tensor("x[1] (scales)", scales, dtype=torch.float32, ndim=2, device=device)
+            check_tensor("x[0]", rows, dtype=torch.float8_e4m3fn, ndim=2, device=device)
+        allowed = (scale_dtype, torch.uint8) if block else scale_dtype
+        check_tensor("x[1] (scales)", scales, dtype=allowed, ndim=2, device=device)
         if scales.shape != (rows.shape[0], hidden // group):
             raise ValueError(f"scales have shape {tuple(scales.shape)}; expected "
                              f"[{rows.shape[0]}, {hidden // group}] (one per {group} channels)")
         if fp8 is False:
-            raise ValueError("a quantized (x_fp8, scales) pair was passed with fp8=False")
-        if ue8m0 and not mx:
+            raise ValueError("a quantized x was passed with fp8=False")
+        if ue8m0 == 1:
             raise ValueError("ue8m0 rounds scales when the kernel quantizes; a quantized pair "
                              "travels with its own float32 scales")
         mode = 2
-        if mx:
-            check_mxfp8_options(True, col_major_scales)
+        if block:
+            check_block_scaled_options(ue8m0, True, col_major_scales)
+        if nv:
+            glob = _nvfp4_global(x[2], device, rows.shape[0])
     else:
         rows, scales = x, None
-        mode = int(default_fp8 or mx if fp8 is None else bool(fp8))
-        if mx:
-            check_mxfp8_options(mode != 0, col_major_scales)
+        mode = int(default_fp8 or bool(block) if fp8 is None else bool(fp8))
+        if block:
+            check_block_scaled_options(ue8m0, mode != 0, col_major_scales)
         if mode == 0 and (ue8m0 or col_major_scales):
             raise ValueError("ue8m0 and col_major_scales shape FP8 scales; pass fp8=True")
         if mode == 1 and isinstance(rows, torch.Tensor) and rows.requires_grad:
             raise ValueError("FP8 dispatch carries no gradient to x (the rows are quantized); "
                              "dispatch in the Buffer's dtype for training, or pass x.detach()")
     if mode and hidden % group:
-        raise ValueError(f"{'MXFP8' if mx else 'FP8'} dispatch needs hidden % {group} == 0, "
-                         f"got hidden={hidden}")
+        raise ValueError(f"{name} dispatch needs hidden % {group} == 0, got hidden={hidden}")
+    if nv and mode == 2:  # each row's scale bytes, then its global scale's
+        per_row = (torch.zeros(rows.shape[0], device=device) + glob).view(torch.uint8)
+        scales = torch.cat([scales.view(torch.uint8), per_row.reshape(-1, 4)], dim=1)
+    elif nv and mode == 1:
+        scales = nvfp4_send_global(rows, global_scale, ue8m0, device)
     return rows, scales, mode

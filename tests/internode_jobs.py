@@ -26,7 +26,7 @@ def new_buffer(case: Case, ranks_per_node: int, hierarchical: bool, **kwargs):
 def nodes_case(rank, world_size, case: Case, ranks_per_node: int, hierarchical: bool,
                iterations: int = 2, straggle_s: float = 0.0, fp8: bool = False,
                ue8m0: bool = False, dispatch_dtype: str | None = None,
-               **buffer_kwargs) -> dict:
+               combine_dtype: str | None = None, **buffer_kwargs) -> dict:
     """Dispatch + combine ``iterations`` times against the reference (bit for bit); returns
     what the proxy and kernels counted."""
     delay = random.Random(1000 * case.seed + rank)
@@ -43,8 +43,8 @@ def nodes_case(rank, world_size, case: Case, ranks_per_node: int, hierarchical: 
             want = reference.dispatch_all(xs, idxs, ws, num_experts=case.num_experts,
                                           expert_alignment=case.alignment, fp8=fp8, ue8m0=ue8m0,
                                           dispatch_dtype=dispatch_dtype)
-            for field in ("x", "x_scales", "weights", "src_rank", "src_token",
-                          "tokens_per_expert", "expert_offsets"):
+            for field in ("x", "x_scales", "x_global_scale", "weights", "src_rank",
+                          "src_token", "tokens_per_expert", "expert_offsets"):
                 a, b = getattr(res, field, None), getattr(want[rank], field, None)
                 if b is None:
                     assert a is None, (rank, field)
@@ -56,6 +56,9 @@ def nodes_case(rank, world_size, case: Case, ranks_per_node: int, hierarchical: 
                 time.sleep(delay.uniform(0, straggle_s))
             if dispatch_dtype == "mxfp8":
                 ys = [microscale.dequantize_mxfp8(w.x, w.x_scales).to(case.dtype) for w in want]
+            elif dispatch_dtype == "nvfp4":
+                ys = [microscale.dequantize_nvfp4(w.x, w.x_scales, w.x_global_scale)
+                      .to(case.dtype) for w in want]
             elif fp8:
                 scales = [reference.unpack_ue8m0(w.x_scales, case.hidden // 128) if ue8m0
                           else w.x_scales for w in want]
@@ -63,9 +66,11 @@ def nodes_case(rank, world_size, case: Case, ranks_per_node: int, hierarchical: 
                       for w, s in zip(want, scales)]
             else:
                 ys = [expert_fn(w.x, w.expert_offsets) for w in want]
-            out = buf.combine(ys[rank], res.handle, weights=res.weights)
+            out = buf.combine(ys[rank], res.handle, weights=res.weights,
+                              combine_dtype=combine_dtype)
             ref = reference.combine_all(ys, [w.handle for w in want], [w.weights for w in want],
-                                        hierarchical_nodes=N if hierarchical else None)
+                                        hierarchical_nodes=N if hierarchical else None,
+                                        combine_dtype=combine_dtype)
             assert torch.equal(out, ref[rank]), f"rank {rank}: combine differs in iteration {it}"
         report = {"stats": buf.stats(), "internode": buf.internode_bytes(),
                   "launches": dict(buf.launches), "peer_ptrs": buf.heap.peer_ptrs.tolist()}
@@ -171,7 +176,7 @@ def vanished_peer(rank, world_size, case: Case, ranks_per_node: int, victim: int
 
 def ll_nodes_case(rank, world_size, case: Case, ranks_per_node: int, iterations: int = 3,
                   straggle_s: float = 0.0, fp8: bool = False, ue8m0: bool = False,
-                  dispatch_dtype: str | None = None) -> dict:
+                  dispatch_dtype: str | None = None, combine_dtype: str | None = None) -> dict:
     """Low-latency dispatch + combine across nodes through the proxy, ``iterations`` times,
     each against the reference bit for bit; returns the bytes the transport was asked to move
     and the minimum: every pair to an expert on another node (row and meta word) out, every
@@ -179,10 +184,12 @@ def ll_nodes_case(rank, world_size, case: Case, ranks_per_node: int, iterations:
     delay = random.Random(2000 * case.seed + rank)
     N, L, H = ranks_per_node, case.num_experts // world_size, case.hidden
     payload = (H + H // 32 if dispatch_dtype == "mxfp8"
+               else H // 2 + H // 16 + 4 if dispatch_dtype == "nvfp4"
                else H + (H // 128) * (1 if ue8m0 else 4) if fp8
                else H * torch.empty((), dtype=case.dtype).element_size())
     assert payload <= low_latency_slot_bytes(H, case.dtype)
-    row = H * torch.empty((), dtype=torch.bfloat16).element_size()  # ys are bf16
+    row = (H + H // 32 if combine_dtype == "fp8"  # ys are bf16
+           else H * torch.empty((), dtype=torch.bfloat16).element_size())
     want_out = want_in = 0
     with new_ll_buffer(case, ranks_per_node=N, transport="nixl") as buf:
         assert buf.transport == "nixl"
@@ -201,8 +208,9 @@ def ll_nodes_case(rank, world_size, case: Case, ranks_per_node: int, iterations:
             if it == iterations - 1:  # the proxy reads y where the caller wrote it: no copy
                 y = buf.low_latency_combine_buffer()
                 y.copy_(ys[rank])
-            out, _ = buf.low_latency_combine(y, idxs[rank], ws[rank], recv.handle)
-            check_out(rank, case, it, out, (ys, refs), idxs, ws)
+            out, _ = buf.low_latency_combine(y, idxs[rank], ws[rank], recv.handle,
+                                             combine_dtype=combine_dtype)
+            check_out(rank, case, it, out, (ys, refs), idxs, ws, combine_dtype)
             node_of = [(i // L) // N for i in range(case.num_experts)]
             mine = idxs[rank][idxs[rank] >= 0].tolist()
             want_out += sum(node_of[e] != rank // N for e in mine) * (payload + 4)

@@ -35,17 +35,20 @@ def check_recv(rank, case, it, recv, xs, idxs, fp8, ue8m0=False, col_major=False
         if fp8 or dispatch_dtype:
             a, b = a.view(torch.uint8), b.view(torch.uint8)
             sa, sb = recv.x_scales[e, :n], want.x_scales[e, :n]
-            if sa.dtype == torch.float8_e8m0fnu:
+            if sa.dtype in (torch.float8_e8m0fnu, torch.float8_e4m3fn):
                 sa, sb = sa.contiguous().view(torch.uint8), sb.contiguous().view(torch.uint8)
             assert torch.equal(sa, sb), (rank, it, e)
+            if want.x_global_scale is not None:
+                assert torch.equal(recv.x_global_scale[e, :n], want.x_global_scale[e, :n])
         assert torch.equal(a, b), f"rank {rank} iteration {it}: rows of expert {e}"
         assert torch.equal(recv.src_info[e, :n], want.src_info[e, :n]), (rank, it, e)
     return want
 
 
-def check_out(rank, case, it, out, recvs_all_ranks_ys, idxs, ws):
+def check_out(rank, case, it, out, recvs_all_ranks_ys, idxs, ws, combine_dtype=None):
     ys, refs = recvs_all_ranks_ys
-    want = reference.low_latency_combine_all(ys, idxs, ws, refs, case.max_tokens)[rank]
+    want = reference.low_latency_combine_all(ys, idxs, ws, refs, case.max_tokens,
+                                             combine_dtype)[rank]
     assert torch.equal(out, want), f"rank {rank} iteration {it}: combine"
 
 
@@ -56,7 +59,8 @@ def _all_ys(case, xs, idxs, fp8, seed, dispatch_dtype=None):
     ys = []
     for r, ref in enumerate(refs):
         g = torch.Generator().manual_seed(seed * 100 + r)
-        ys.append(torch.randn(ref.x.shape, generator=g).to(torch.bfloat16))
+        shape = (*ref.x.shape[:2], case.hidden)  # (NVFP4 rows hold two values per byte)
+        ys.append(torch.randn(shape, generator=g).to(torch.bfloat16))
     return ys, refs
 
 

@@ -98,7 +98,6 @@ def test_mxfp8_errors_before_any_kernel():
     for kwargs, match in ((dict(fp8=False), "cannot go with fp8=False"),
                           (dict(ue8m0=True), "E8M0 by definition"),
                           (dict(col_major_scales=True), "swizzle_128x4"),
-                          (dict(dispatch_dtype="nvfp4"), "not available yet"),
                           (dict(dispatch_dtype="int4"), "dispatch_dtype must be")):
         kwargs.setdefault("dispatch_dtype", "mxfp8")
         with pytest.raises(ValueError, match=match):

@@ -3,6 +3,7 @@
     python bench/dispatch_bench.py --ranks 4 --tokens 128 --system h800
     python bench/dispatch_bench.py --mode low_latency --fp8      # decode: 128 tokens per rank
     python bench/dispatch_bench.py --dispatch-dtype mxfp8       # MXFP8 rows (E8M0 per 32)
+    python bench/dispatch_bench.py --dispatch-dtype nvfp4       # NVFP4 rows (e2m1, e4m3 per 16)
 
 Prints one table, one row per model config (real hidden sizes, expert counts and top-k):
 
@@ -11,7 +12,8 @@ Prints one table, one row per model config (real hidden sizes, expert counts and
   counts, signals; measured by the kernels' counters, summed over ranks), next to the minimum
   payload: normal mode, each token's row once per distinct other destination rank;
   low-latency mode, each (token, expert) pair on another rank; a row is H*b bytes, or
-  H + 4*H/128 with FP8; overhead = link / min - 1 (metadata and signals);
+  H + 4*H/128 with FP8, H + H/32 with MXFP8, H/2 + H/16 + 4 with NVFP4; overhead =
+  link / min - 1 (metadata and signals);
 * launches: kernel launches of one dispatch / one combine on rank 0; syncs: host reads of
   device data in one dispatch + combine on rank 0 (``buf.host_syncs``; on a GPU each stalls
   the host until the stream reaches it);
@@ -74,14 +76,29 @@ def make_routing(cfg: ModelConfig, world_size: int, tokens: int, routing: str, s
     return xs, idxs, ws
 
 
+GROUP = {"fp8": 128, "mxfp8": 32, "nvfp4": 16}  # channels per scale of each link format
+
+
 def _payload_bytes(hidden: int, elem: int, fmt: str) -> int:
     """Bytes of one row on the link: FP8 codes plus one fp32 scale per 128 channels, MXFP8
-    codes plus one E8M0 byte per 32, or H*b."""
+    codes plus one E8M0 byte per 32, NVFP4 packed codes plus one e4m3 byte per 16 and the
+    row's fp32 global scale, or H*b."""
     if fmt == "fp8":
         return hidden + 4 * (hidden // 128)
     if fmt == "mxfp8":
         return hidden + hidden // 32
+    if fmt == "nvfp4":
+        return hidden // 2 + hidden // 16 + 4
     return hidden * elem
+
+
+def _format_kwargs(fmt: str, mode: str) -> dict:
+    """The dispatch keywords of a link format ("" for the rows as they are)."""
+    if fmt in ("mxfp8", "nvfp4"):
+        return {"dispatch_dtype": fmt}
+    if mode == "normal":
+        return {"fp8": fmt == "fp8" or None}
+    return {"fp8": fmt == "fp8"}
 
 
 def _dequantized(res, fmt: str, dtype):
@@ -90,18 +107,19 @@ def _dequantized(res, fmt: str, dtype):
 
     if fmt == "mxfp8":
         return microscale.dequantize_mxfp8(res.x, res.x_scales).to(dtype)
+    if fmt == "nvfp4":
+        return microscale.dequantize_nvfp4(res.x, res.x_scales, res.x_global_scale).to(dtype)
     return reference.dequantize_fp8(res.x, res.x_scales).to(dtype) if fmt else res.x
 
 
-def _normal_call(buf, x, idx, w, fmt: str):
+def _normal_call(buf, x, idx, w, fmt: str, combine_fmt: str = ""):
     """One dispatch + combine; the expert is the identity (on dequantized rows with FP8)."""
     t0 = time.perf_counter()
-    res = buf.dispatch(x, idx, w, fp8=fmt == "fp8" or None,
-                       dispatch_dtype="mxfp8" if fmt == "mxfp8" else None)
+    res = buf.dispatch(x, idx, w, **_format_kwargs(fmt, "normal"))
     t1 = time.perf_counter()
     y = _dequantized(res, fmt, x.dtype)
     t2 = time.perf_counter()
-    out = buf.combine(y, res.handle, weights=res.weights)
+    out = buf.combine(y, res.handle, weights=res.weights, combine_dtype=combine_fmt or None)
     t3 = time.perf_counter()
     return t1 - t0, t3 - t2, (res, y, out)
 
@@ -110,41 +128,43 @@ def _ll_dequantized(recv, fmt: str, dtype):
     """A low-latency receive's [L, rows, H] rows as the expert (the identity) sees them."""
     if not fmt:
         return recv.x
-    L, rows, H = recv.x.shape
-    flat = SimpleNamespace(x=recv.x.reshape(L * rows, H),
-                           x_scales=recv.x_scales.reshape(L * rows, -1))
-    return _dequantized(flat, fmt, dtype).reshape(L, rows, H)
+    L, rows = recv.x.shape[:2]
+    glob = getattr(recv, "x_global_scale", None)
+    flat = SimpleNamespace(x=recv.x.reshape(L * rows, -1),
+                           x_scales=recv.x_scales.reshape(L * rows, -1),
+                           x_global_scale=None if glob is None else glob.reshape(-1))
+    return _dequantized(flat, fmt, dtype).reshape(L, rows, -1)
 
 
-def _low_latency_call(buf, x, idx, w, fmt: str):
+def _low_latency_call(buf, x, idx, w, fmt: str, combine_fmt: str = ""):
     t0 = time.perf_counter()
-    recv, _ = buf.low_latency_dispatch(x, idx, fp8=bool(fmt),
-                                       dispatch_dtype="mxfp8" if fmt == "mxfp8" else None)
+    recv, _ = buf.low_latency_dispatch(x, idx, **_format_kwargs(fmt, "low_latency"))
     t1 = time.perf_counter()
     y = _ll_dequantized(recv, fmt, x.dtype)
     t2 = time.perf_counter()
-    out, _ = buf.low_latency_combine(y, idx, w, recv.handle)
+    out, _ = buf.low_latency_combine(y, idx, w, recv.handle, combine_dtype=combine_fmt or None)
     t3 = time.perf_counter()
     return t1 - t0, t3 - t2, (recv, y, out)
 
 
-def _agrees(mode, rank, result, xs, idxs, ws, cfg, tokens, fmt) -> bool:
+def _agrees(mode, rank, result, xs, idxs, ws, cfg, tokens, fmt, combine_fmt="") -> bool:
     """Bit-for-bit agreement of this rank's dispatch and combine with the reference."""
     from moe_comm import reference
 
     fp8 = fmt == "fp8"
+    block = fmt if fmt in ("mxfp8", "nvfp4") else None
     if mode == "normal":
         res, y, out = result
         ref = reference.dispatch_all(xs, idxs, ws, num_experts=cfg.experts, fp8=fp8,
-                                     dispatch_dtype="mxfp8" if fmt == "mxfp8" else None)
+                                     dispatch_dtype=block)
         ys = [_dequantized(r, fmt, xs[0].dtype) for r in ref]
-        ref_out = reference.combine_all(ys, [r.handle for r in ref], [r.weights for r in ref])
+        ref_out = reference.combine_all(ys, [r.handle for r in ref], [r.weights for r in ref],
+                                        combine_dtype=combine_fmt or None)
         same_rows = torch.equal(res.x.view(torch.uint8), ref[rank].x.view(torch.uint8))
         return bool(same_rows and torch.equal(out, ref_out[rank]))
     recv, y, out = result
     ref = reference.low_latency_dispatch_all(xs, idxs, num_experts=cfg.experts,
-                                             max_tokens=tokens, fp8=fp8,
-                                             dispatch_dtype="mxfp8" if fmt == "mxfp8" else None)
+                                             max_tokens=tokens, fp8=fp8, dispatch_dtype=block)
     ok = torch.equal(recv.count, ref[rank].count)
     for e, n in enumerate(ref[rank].count.tolist()):
         ok = ok and torch.equal(recv.x[e, :n].view(torch.uint8), ref[rank].x[e, :n].view(
@@ -152,13 +172,13 @@ def _agrees(mode, rank, result, xs, idxs, ws, cfg, tokens, fmt) -> bool:
     ys = [_ll_dequantized(r, fmt, xs[0].dtype).to(xs[0].dtype) for r in ref]
     for e, n in enumerate(ref[rank].count.tolist()):  # rows past count are never read
         ys[rank][e, :n] = y[e, :n]
-    ref_out = reference.low_latency_combine_all(ys, idxs, ws, ref, tokens)
+    ref_out = reference.low_latency_combine_all(ys, idxs, ws, ref, tokens, combine_fmt or None)
     return bool(ok and torch.equal(out, ref_out[rank]))
 
 
 def bench_job(rank, world_size, cfg: ModelConfig, tokens: int, dtype_name: str, iters: int,
               warmup: int, routing: str, seed: int, mode: str = "normal",
-              fmt: str = "") -> dict:
+              fmt: str = "", combine_fmt: str = "") -> dict:
     """Runs on every rank: timed moe_comm and reference calls, counters and agreement."""
     import torch.distributed as dist
 
@@ -171,11 +191,17 @@ def bench_job(rank, world_size, cfg: ModelConfig, tokens: int, dtype_name: str, 
     x, idx, w = xs[rank], idxs[rank], ws[rank]
     L = cfg.experts // world_size
     payload = _payload_bytes(cfg.hidden, x.element_size(), fmt)
+    back = _payload_bytes(cfg.hidden, x.element_size(), combine_fmt)
     if mode == "normal":  # each token once per distinct other destination rank
         dests = [{int(e) // L for e in row if e >= 0} for row in idx.tolist()]
-        min_link_bytes = sum(len(d - {rank}) for d in dests) * payload
+        remote = sum(len(d - {rank}) for d in dests)
     else:  # each (token, expert) pair whose expert is on another rank
-        min_link_bytes = int(((idx >= 0) & (idx // L != rank)).sum()) * payload
+        remote = int(((idx >= 0) & (idx // L != rank)).sum())
+    min_link_bytes = remote * payload
+    min_combine_bytes = sum(  # the rows this rank sends home to other ranks
+        len({int(e) // L for e in row if e >= 0} & {rank}) if mode == "normal"
+        else int((torch.tensor(row) // L == rank).sum())
+        for s in range(world_size) if s != rank for row in idxs[s].tolist()) * back
 
     buf = moe_comm.Buffer(dist.group.WORLD, hidden=cfg.hidden, num_experts=cfg.experts,
                           max_tokens_per_rank=tokens, dtype=dtype,
@@ -185,7 +211,7 @@ def bench_job(rank, world_size, cfg: ModelConfig, tokens: int, dtype_name: str, 
     for it in range(warmup + iters):
         dist.barrier()
         stats0, launches0, syncs0 = buf.stats(), dict(buf.launches), sum(buf.host_syncs.values())
-        t_dispatch, t_combine, result = call(buf, x, idx, w, fmt)
+        t_dispatch, t_combine, result = call(buf, x, idx, w, fmt, combine_fmt)
         stats1, launches1, syncs1 = buf.stats(), dict(buf.launches), sum(buf.host_syncs.values())
         dist.barrier()
         t3 = time.perf_counter()
@@ -199,7 +225,7 @@ def bench_job(rank, world_size, cfg: ModelConfig, tokens: int, dtype_name: str, 
             ref_d.append(t4 - t3)
             ref_c.append(t5 - t4)
     rows = result[0].x.shape[0] if mode == "normal" else int(result[0].count.sum())
-    agrees = _agrees(mode, rank, result, xs, idxs, ws, cfg, tokens, fmt)
+    agrees = _agrees(mode, rank, result, xs, idxs, ws, cfg, tokens, fmt, combine_fmt)
     buf.close()
     launches = {k: launches1.get(k, 0) - launches0.get(k, 0) for k in launches1}
     return {
@@ -208,6 +234,7 @@ def bench_job(rank, world_size, cfg: ModelConfig, tokens: int, dtype_name: str, 
         "combine_link_bytes": stats1["combine_bytes_to_peers"]
         - stats0["combine_bytes_to_peers"],
         "min_link_bytes": min_link_bytes,
+        "min_combine_link_bytes": min_combine_bytes,
         "dispatch_launches": sum(n for k, n in launches.items() if "combine" not in k),
         "combine_launches": sum(n for k, n in launches.items() if "combine" in k),
         "host_syncs": syncs1 - syncs0,
@@ -232,10 +259,12 @@ def summarize(cfg: ModelConfig, args, per_rank: list[dict]) -> dict:
     row = {"config": cfg.name, **asdict(cfg), "ranks": args.ranks, "tokens_per_rank": args.tokens,
            "dtype": args.dtype, "routing": args.routing, "mode": args.mode,
            "dispatch_dtype": args.dispatch_dtype or args.dtype,
+           "combine_dtype": args.combine_dtype or args.dtype,
            "rows": sum(r["rows"] for r in per_rank),
            "link_bytes": sum(r["link_bytes"] for r in per_rank),
            "combine_link_bytes": sum(r["combine_link_bytes"] for r in per_rank),
            "min_link_bytes": sum(r["min_link_bytes"] for r in per_rank),
+           "min_combine_link_bytes": sum(r["min_combine_link_bytes"] for r in per_rank),
            "dispatch_launches": per_rank[0]["dispatch_launches"],
            "combine_launches": per_rank[0]["combine_launches"],
            "host_syncs": per_rank[0]["host_syncs"],
@@ -248,7 +277,8 @@ def summarize(cfg: ModelConfig, args, per_rank: list[dict]) -> dict:
         _, idxs, _ = make_routing(cfg, args.ranks, args.tokens, args.routing, args.seed)
         p = predict(args.system, args.mode, ep=args.ranks, tokens_per_rank=args.tokens,
                     hidden=cfg.hidden, topk=cfg.topk, num_experts=cfg.experts,
-                    dispatch_dtype=args.dispatch_dtype or args.dtype, combine_dtype=args.dtype,
+                    dispatch_dtype=args.dispatch_dtype or args.dtype,
+                    combine_dtype=args.combine_dtype or args.dtype,
                     routing=torch.cat(idxs))
         row.update(system=args.system, pred_dispatch_us=p.dispatch_us,
                    pred_combine_us=p.combine_us, pred_bottleneck=p.bottleneck,
@@ -258,7 +288,8 @@ def summarize(cfg: ModelConfig, args, per_rank: list[dict]) -> dict:
 
 def format_table(rows: list[dict], system: str | None) -> str:
     header = ["config", "H", "E", "K", "tok/rank", "rows", "link MB", "min MB", "overhead",
-              "launches d/c", "syncs", "ref", "cpu ms dispatch", "cpu ms combine", "ref cpu ms d/c"]
+              "combine MB/min", "launches d/c", "syncs", "ref", "cpu ms dispatch",
+              "cpu ms combine", "ref cpu ms d/c"]
     if system:
         header += [f"pred us d/c ({system})", "bound", "model min MB/rank"]
     cells = [header]
@@ -267,6 +298,7 @@ def format_table(rows: list[dict], system: str | None) -> str:
                 str(r["tokens_per_rank"]), str(r["rows"]), f"{r['link_bytes'] / 1e6:.3f}",
                 f"{r['min_link_bytes'] / 1e6:.3f}",
                 f"{r['link_bytes'] / max(r['min_link_bytes'], 1) - 1:+.1%}",
+                f"{r['combine_link_bytes'] / 1e6:.3f}/{r['min_combine_link_bytes'] / 1e6:.3f}",
                 f"{r['dispatch_launches']}/{r['combine_launches']}", str(r["host_syncs"]),
                 "exact" if r["matches_reference"] else "DIFFERS",
                 _ms(r["cpu_dispatch_s"]), _ms(r["cpu_combine_s"]),
@@ -289,9 +321,16 @@ def main(argv=None) -> int:
     parser.add_argument("--mode", choices=["normal", "low_latency"], default="normal")
     parser.add_argument("--fp8", action="store_true", help="FP8 dispatch (combine stays in "
                         "--dtype): the same as --dispatch-dtype fp8")
-    parser.add_argument("--dispatch-dtype", choices=["fp8", "mxfp8"], default=None,
-                        help="quantize the dispatch in the send kernel: fp8 (per 128 channels) "
-                             "or mxfp8 (E8M0 per 32); default --dtype")
+    parser.add_argument("--dispatch-dtype", choices=["bf16", "fp8", "mxfp8", "nvfp4"],
+                        default=None,
+                        help="what the dispatch sends: bf16 (the rows as they are, with --dtype "
+                             "bf16) or quantized in the send kernel: fp8 (per 128 channels), "
+                             "mxfp8 (E8M0 per 32), nvfp4 (e2m1, e4m3 per 16, a global scale); "
+                             "default --dtype")
+    parser.add_argument("--combine-dtype", choices=["bf16", "fp8"], default=None,
+                        help="what the combine sends: bf16 (the rows' dtype, with --dtype bf16) "
+                             "or fp8 (e4m3 per 128 channels, dequantized at home); default "
+                             "--dtype")
     parser.add_argument("--tokens", type=int, default=128,
                         help="tokens per rank (128: a decode batch)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -328,8 +367,19 @@ def main(argv=None) -> int:
     configs = [c for c in CONFIGS if c.name in args.configs]
     if args.fp8:
         args.dispatch_dtype = "fp8"
-    if args.dispatch_dtype:  # FP8 needs hidden % 128 == 0, MXFP8 hidden % 32 == 0
-        group = 128 if args.dispatch_dtype == "fp8" else 32
+    if args.combine_dtype == "bf16":  # the rows' own dtype
+        if args.dtype != "bf16":
+            parser.error(f"--combine-dtype bf16 needs --dtype bf16, got --dtype {args.dtype}")
+        args.combine_dtype = None
+    if args.combine_dtype:  # FP8 partials need hidden % 128 == 0
+        configs = [c for c in configs if c.hidden % 128 == 0]
+    if args.dispatch_dtype == "bf16":  # the rows as they are
+        if args.dtype != "bf16":
+            parser.error(f"--dispatch-dtype bf16 sends the rows as they are: it needs --dtype "
+                         f"bf16, got --dtype {args.dtype}")
+        args.dispatch_dtype = None
+    if args.dispatch_dtype:  # FP8 needs hidden % 128 == 0, MXFP8 % 32, NVFP4 % 16
+        group = GROUP[args.dispatch_dtype]
         skipped = [c.name for c in configs if c.hidden % group]
         configs = [c for c in configs if c.hidden % group == 0]
         if skipped:
@@ -346,7 +396,8 @@ def main(argv=None) -> int:
     with RankPool(args.ranks) as pool:
         for i, cfg in enumerate(configs, 1):
             per_rank = pool.run(bench_job, cfg, args.tokens, args.dtype, args.iters, args.warmup,
-                                args.routing, args.seed, args.mode, args.dispatch_dtype)
+                                args.routing, args.seed, args.mode, args.dispatch_dtype or "",
+                                args.combine_dtype or "")
             rows.append(summarize(cfg, args, per_rank))
             print(f"[{i}/{len(configs)}] {cfg.name} done, {time.perf_counter() - start:.0f} s "
                   "elapsed", file=sys.stderr, flush=True)
@@ -362,6 +413,7 @@ def main(argv=None) -> int:
                   file=sys.stderr, flush=True)
     print(f"\nmoe_comm {args.mode} dispatch/combine, {args.ranks} CPU ranks, {args.tokens} tokens "
           f"per rank, {args.dispatch_dtype.upper() + ' dispatch, ' if args.dispatch_dtype else ''}"
+          f"{args.combine_dtype.upper() + ' combine, ' if args.combine_dtype else ''}"
           f"{args.dtype}, {args.routing} "
           "routing; MB = 1e6 bytes, summed over ranks\n")
     print(format_table(rows, args.system))

@@ -48,3 +48,26 @@ def test_benchmark_prints_one_table_and_agrees(tmp_path):
         assert (r["dispatch_launches"], r["combine_launches"]) == (3, 2)
         assert r["host_syncs"] == 1  # the dispatch's received-row count, per rank and iteration
         assert r["pred_dispatch_us"] > 0 and r["pred_combine_us"] > 0
+
+
+@pytest.mark.slow
+def test_benchmark_counts_the_bytes_of_the_link_formats(tmp_path):
+    """NVFP4 dispatch and FP8 combine: the bytes the kernels stored, against the formulas."""
+    out = tmp_path / "bench.json"
+    proc = _run("bench/dispatch_bench.py", "--ranks", "2", "--tokens", "16", "--iters", "1",
+                "--configs", "Mixtral-8x7B", "--dispatch-dtype", "nvfp4", "--combine-dtype",
+                "fp8", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "NVFP4 dispatch, FP8 combine" in proc.stdout
+    (r,) = json.loads(out.read_text())
+    assert r["matches_reference"] and (r["dispatch_dtype"], r["combine_dtype"]) == ("nvfp4", "fp8")
+    H, K, L, R = 4096, 2, 4, 2
+    rows = r["min_link_bytes"] // (H // 2 + H // 16 + 4)          # NVFP4 rows to the other rank
+    assert rows > 0 and r["min_link_bytes"] == rows * (H // 2 + H // 16 + 4)
+    # each row's metadata (source token; expert, slot, weight per choice), then per peer the
+    # counts of its experts and the epoch
+    assert r["link_bytes"] == r["min_link_bytes"] + rows * 4 * (1 + 3 * K) \
+        + R * (4 * (L + 1) + 8)
+    # the FP8 partials back: H + H/32 bytes a row, then one epoch per peer
+    assert r["min_combine_link_bytes"] == rows * (H + H // 32)
+    assert r["combine_link_bytes"] == r["min_combine_link_bytes"] + R * 8

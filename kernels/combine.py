@@ -68,6 +68,35 @@ from .tiles import even, per_source_programs, tiles
 _SEND_PER_CALL = ["rows_off", "meta_off", "signal_off", "local_base", "errors_addr", "me"]
 
 
+@triton.jit
+def _store_partials(dst, box, acc, j64, staged, jm, via_stores, h, hm, H,
+                    TRANSPORT: tl.constexpr):
+    """Partial rows ``j64`` (channels ``h``) in ``dst``'s dtype, rounded once; those for an
+    NVSHMEM-only home (TRANSPORT 1) into the outbox ``box`` at ``staged``."""
+    partial = cast_rne(acc, dst.dtype.element_ty)
+    tl.store(dst + j64[:, None] * H + h[None, :], partial,  # gate: row
+             mask=via_stores[:, None] & hm[None, :])
+    if TRANSPORT == 1:
+        tl.store(box + staged[:, None] * H + h[None, :], partial,  # gate: row
+                 mask=(jm & ~via_stores)[:, None] & hm[None, :])
+
+
+@triton.jit
+def _store_fp8_partials(dst, box, acc, j64, staged, jm, via_stores, h0, h, hm, H, stride,
+                        TRANSPORT: tl.constexpr, EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_H: tl.constexpr):
+    """:func:`_store_partials` for FP8 partials: quantized from fp32 per 128 channels, in the
+    layout of ``kernels.rows`` in rows ``stride`` bytes apart."""
+    codes, scales, _ = quantize_tile(acc, BLOCK_T, BLOCK_H, False)
+    g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+    dst8 = dst.to(tl.pointer_type(tl.uint8), bitcast=True) + j64 * stride
+    store_rows(dst8, h0, h, g, H, codes, scales, codes, via_stores, hm, False, 128, EVEN_H)
+    if TRANSPORT == 1:
+        box8 = box.to(tl.pointer_type(tl.uint8), bitcast=True) + staged * stride
+        store_rows(box8, h0, h, g, H, codes, scales, codes, jm & ~via_stores, hm, False, 128,
+                   EVEN_H)
+
+
 @triton.jit(do_not_specialize=_SEND_PER_CALL)
 def combine_send_kernel(
     y,  # [rows, H] expert outputs
@@ -93,7 +122,8 @@ def combine_send_kernel(
     N: tl.int32, RING_SLOTS: tl.int32,  # TRANSPORT 2: ranks per node, ring slots
     KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr,
     ACC_FP64: tl.constexpr,
-    FP8: tl.constexpr,  # partials travel as FP8 per 128 channels (not with ACC_FP64, HIER)
+    FP8: tl.constexpr,  # partials travel as FP8 per 128 channels (not with ACC_FP64; with HIER
+                        # those for other nodes go to the forwarder as they are, it sends FP8)
     TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; where the pointer is 0,
                               # 1: NVSHMEM; 2: the proxy (flat: an outbox; HIER: the forwarder)
     HIER: tl.constexpr,
@@ -116,6 +146,10 @@ def combine_send_kernel(
     payload = stride
     if FP8:
         payload = H + 4 * (H // 128)
+        fp8_rows = True
+        if HIER:  # FP8 only for homes on this node (the forwarders sum the others' as they are)
+            fp8_rows = tl.load(peer_ptrs + s) != 0
+            payload = tl.where(fp8_rows, payload, stride)
     row_bytes = payload + HAS_PAIR * 4 * K
     dst = peer_ptr(peer_ptrs, s, rows_off, y.dtype.element_ty, ALIGN)
     dst_meta = peer_ptr(peer_ptrs, s, meta_off, tl.float32, 4)
@@ -134,6 +168,7 @@ def combine_send_kernel(
                 dst = local_ptr(local_base, _off(plan, PXC_ROWS, parity, s), y.dtype.element_ty,
                                 ALIGN)
                 dst_meta = local_ptr(local_base, _off(plan, PXC_META, parity, s), tl.float32, 4)
+    box = dst  # (unused but with TRANSPORT 1: the outbox)
     if TRANSPORT == 1:
         box = local_ptr(local_base, box_rows_off, y.dtype.element_ty, ALIGN)
     rows_done = tl.zeros([1], tl.int64)
@@ -157,23 +192,15 @@ def combine_send_kernel(
                 if HAS_WEIGHTS:
                     v = v * tl.load(weights + row, mask=rm, other=0.0).to(acc.dtype)[:, None]
                 acc += v
-            if FP8:
-                codes, scales, _ = quantize_tile(acc, BLOCK_T, BLOCK_H, False)
-                g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-                dst8 = dst.to(tl.pointer_type(tl.uint8), bitcast=True) + j64 * stride
-                store_rows(dst8, h0, h, g, H, codes, scales, codes, via_stores, hm, False, 128,
-                           EVEN_H)
-                if TRANSPORT == 1:
-                    box8 = box.to(tl.pointer_type(tl.uint8), bitcast=True) + staged * stride
-                    store_rows(box8, h0, h, g, H, codes, scales, codes, jm & ~via_stores, hm,
-                               False, 128, EVEN_H)
+            if FP8:  # (fp8_rows: a runtime flag with HIER)
+                if fp8_rows:
+                    _store_fp8_partials(dst, box, acc, j64, staged, jm, via_stores, h0, h, hm,
+                                        H, stride, TRANSPORT, EVEN_H, BLOCK_T, BLOCK_H)
+                else:
+                    _store_partials(dst, box, acc, j64, staged, jm, via_stores, h, hm, H,
+                                    TRANSPORT)
             else:
-                partial = cast_rne(acc, y.dtype.element_ty)
-                tl.store(dst + j64[:, None] * H + h[None, :], partial,  # gate: row
-                         mask=via_stores[:, None] & hm[None, :])
-                if TRANSPORT == 1:
-                    tl.store(box + staged[:, None] * H + h[None, :], partial,  # gate: row
-                             mask=(jm & ~via_stores)[:, None] & hm[None, :])
+                _store_partials(dst, box, acc, j64, staged, jm, via_stores, h, hm, H, TRANSPORT)
         if HAS_PAIR:
             kk = tl.arange(0, BLOCK_K)
             m2 = jm[:, None] & (kk < K)[None, :]
@@ -248,13 +275,14 @@ def _add_partials(acc, staging, slot_of, t, tm, d0, d1, R, TMAX, cols, cm, ROW: 
 
 
 @triton.jit
-def _add_fp8_partials(acc, staging8, slot_of, t, tm, R, TMAX, h0, h, hm, H,
+def _add_fp8_partials(acc, staging8, slot_of, t, tm, d0, d1, R, TMAX, h0, h, hm, H,
                       ROW_BYTES: tl.int64, live, LIVE: tl.constexpr, BLOCK_T: tl.constexpr,
                       BLOCK_H: tl.constexpr):
-    """:func:`_add_partials` over every rank in order for FP8 partials: each row's codes
-    ``h`` dequantized with their scales (``code * scale`` in fp32) before they are added."""
+    """:func:`_add_partials` for FP8 partials (ranks ``d0 <= d < d1`` in order): each row's
+    codes ``h`` dequantized with their scales (``code * scale`` in fp32) before they are
+    added."""
     g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-    for d in range(R):
+    for d in range(d0, d1):
         slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
         if LIVE:
             slot = tl.where(tl.load(live + d) != 0, slot, -1)
@@ -308,8 +336,8 @@ def combine_reduce_kernel(
     NODE_PARITY: tl.int64, NODE_META_PARITY: tl.int64,
     KMAX: tl.constexpr, HAS_PAIR: tl.constexpr, ACC_FP64: tl.constexpr, EVEN_H: tl.constexpr,
     HIER: tl.constexpr, LIVE: tl.constexpr,
-    FP8: tl.constexpr,  # staging (uint8) holds FP8 partials, rows ROW_BYTES apart (flat only)
-    ROW_BYTES: tl.constexpr,
+    FP8: tl.constexpr,  # staging (and node_rows) hold FP8 partials (uint8), ROW_BYTES apart
+    ROW_BYTES: tl.int64,  # (a runtime value: no variant per Buffer size)
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Sums in rank order; with HIER in node order: this node's ranks one by one, every other
@@ -324,9 +352,20 @@ def combine_reduce_kernel(
     t64 = t.to(tl.int64)
     for h0 in range(0, H, BLOCK_H):
         h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
-        if FP8:
+        if FP8 and HIER:  # this node's partials one by one, every other node's sum as one
+            acc = acc_zeros(BLOCK_T, BLOCK_H, False)
+            for b in range(R // N):
+                if b == me // N:
+                    acc = _add_fp8_partials(acc, staging, slot_of, t, tm, b * N, b * N + N, R,
+                                            TMAX, h0, h, hm, H, ROW_BYTES, live, False, BLOCK_T,
+                                            BLOCK_H)
+                else:
+                    acc = _add_fp8_partials(acc, node_rows, node_slot_of, t, tm, b, b + 1,
+                                            R // N, TMAX, h0, h, hm, H, ROW_BYTES, live, False,
+                                            BLOCK_T, BLOCK_H)
+        elif FP8:
             acc = _add_fp8_partials(acc_zeros(BLOCK_T, BLOCK_H, False), staging, slot_of, t, tm,
-                                    R, TMAX, h0, h, hm, H, ROW_BYTES, live, LIVE, BLOCK_T,
+                                    0, R, R, TMAX, h0, h, hm, H, ROW_BYTES, live, LIVE, BLOCK_T,
                                     BLOCK_H)
         else:
             acc = _sum_in_order(acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64), staging, node_rows,
@@ -364,7 +403,8 @@ def combine_send(y, weights, pair_values, slot_rows, slot_counts, slot_offsets, 
     Across nodes (``flavour.transport == 1``) ``box_offsets`` are (offset, parity stride) of the
     rdma_combine_rows / rdma_combine_meta outboxes; through the proxy (``transport == 2``)
     ``xstats`` and ``plan`` (``kernels.internode``) say where partials for other nodes go.
-    ``fp8``: the partials travel quantized (module docstring; not hierarchical, not fp64)."""
+    ``fp8``: the partials travel quantized (module docstring; not fp64); hierarchical: those
+    for other nodes go to the forwarders unquantized, which send FP8 sums."""
     H = y.shape[1]
     R = peer_ptrs.numel()
     tile = tiles("combine_send", flavour.compiled, H, max(4, y.element_size()))
@@ -396,7 +436,7 @@ def combine_reduce(staging, meta, epochs, slot_of, out, pair_out, *, topk: int, 
     hierarchical (``flavour.hierarchical``): ``node_rows`` / ``node_meta`` the whole hcomb
     regions and ``node_slot_of`` [T, M] from the dispatch; ``live`` [R] int32 (fault
     tolerance): the ranks whose partials arrived (the others' are left out); ``fp8``: the
-    partials are FP8 (flat only)."""
+    partials (and the node sums) are FP8."""
     T, H = out.shape
     R, TMAX = staging.shape[1:3]
     if T == 0:
@@ -407,6 +447,7 @@ def combine_reduce(staging, meta, epochs, slot_of, out, pair_out, *, topk: int, 
     row_bytes = staging.stride(2) * staging.element_size()
     if fp8:
         staging = staging.view(torch.uint8)
+        node_rows = node_rows.view(torch.uint8) if hier else None
     combine_reduce_kernel[(triton.cdiv(T, tile.block_t),)](
         staging, meta, node_rows if hier else staging, node_meta if hier else meta, epochs,
         slot_of, node_slot_of if hier else slot_of, out, pair_out if has_pair else out,

@@ -46,7 +46,7 @@ from .comm import (
 )
 from .numerics import acc_zeros, cast_rne, channel_tile
 from .proxy import post_transfer
-from .quant import NVFP4, scale_group
+from .quant import NVFP4, quantize_tile, scale_group
 from .rows import load_send_tile, row_payload, sent_elem_bytes, store_rows
 from .tiles import even, persistent_programs, tiles
 
@@ -392,12 +392,14 @@ def forward_combine_kernel(
     HC_PARITY: tl.int64, HC_META_PARITY: tl.int64,  # elements between parities
     BOX_PARITY: tl.int64, BOX_META_PARITY: tl.int64,
     KMAX: tl.constexpr, HAS_PAIR: tl.constexpr, ACC_FP64: tl.constexpr, EVEN_H: tl.constexpr,
+    FP8: tl.constexpr,  # the sums travel as FP8 per 128 channels (kernels.rows layout)
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_THREADS: tl.constexpr,
 ):
     """Program ``(a, p)``: for each node row from node ``a``, the sum in local-rank order of
-    this node's partials (fp32, rounded once) into the outbox; the last program posts one
-    transfer per source node to the source (this local index there)."""
+    this node's partials (fp32, rounded once; with FP8 quantized from fp32) into the outbox;
+    the last program posts one transfer per source node to the source (this local index
+    there)."""
     a = tl.program_id(0)
     p = tl.program_id(1)
     P = tl.num_programs(1)
@@ -406,6 +408,7 @@ def forward_combine_kernel(
     parity = epoch % 2
     my_node = me // N
     summed = tl.zeros([1], tl.int64)
+    stride = H * box_rows.dtype.element_ty.primitive_bitwidth // 8  # bytes between rows
     if a != my_node:
         n = tl.load(fwd_n + a)
         hc = hc_rows + parity * HC_PARITY + a.to(tl.int64) * N * TMAX * H
@@ -423,8 +426,16 @@ def forward_combine_kernel(
                     v = tl.load(hc + (dl * TMAX + slot)[:, None] * H + h[None, :],
                                 mask=(slot >= 0)[:, None] & hm[None, :], other=0.0)
                     acc += v.to(acc.dtype)
-                tl.store(box + j64[:, None] * H + h[None, :],  # gate: row
-                         cast_rne(acc, box_rows.dtype.element_ty), mask=jm[:, None] & hm[None, :])
+                if FP8:
+                    codes, scales, _ = quantize_tile(acc, BLOCK_T, BLOCK_H, False)
+                    g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+                    box8 = box.to(tl.pointer_type(tl.uint8), bitcast=True) + j64 * stride
+                    store_rows(box8, h0, h, g, H, codes, scales, codes, jm, hm, False, 128,
+                               EVEN_H)
+                else:
+                    tl.store(box + j64[:, None] * H + h[None, :],  # gate: row
+                             cast_rne(acc, box_rows.dtype.element_ty),
+                             mask=jm[:, None] & hm[None, :])
             if HAS_PAIR:
                 kk = tl.arange(0, BLOCK_K)
                 m2 = jm[:, None] & (kk < K)[None, :]
@@ -438,7 +449,9 @@ def forward_combine_kernel(
                 bm_ = box_meta + parity * BOX_META_PARITY + a.to(tl.int64) * TMAX * KMAX
                 tl.store(bm_ + j64[:, None] * KMAX + kk[None, :], pacc, mask=m2)
             summed += tl.sum(jm.to(tl.int64), axis=0)
-    row_bytes = H * box_rows.dtype.element_ty.primitive_bitwidth // 8
+    row_bytes = stride
+    if FP8:
+        row_bytes = H + 4 * (H // 128)
     tl.atomic_add(xstats + 1 + tl.arange(0, 1), summed * (row_bytes + HAS_PAIR * 4 * K),
                   sem="relaxed")
     if draw_last_of(tickets, tl.num_programs(0) * P):
@@ -452,7 +465,7 @@ def forward_combine_kernel(
                             1 + HAS_PAIR,
                             _off(plan, PXC_ROWS, parity, a2),
                             _at(plan, HCOMB_ROWS) + parity * _at(plan, HCOMB_ROWS_PAR),
-                            row_bytes, row_bytes, n2,
+                            row_bytes, stride, n2,
                             _off(plan, PXC_META, parity, a2),
                             _at(plan, HCOMB_META) + parity * _at(plan, HCOMB_META_PAR),
                             4 * K, 4 * KMAX, n2,
@@ -546,8 +559,8 @@ def forward_dispatch(plan, peer_ptrs, fwd_slots, fwd_n, xstats, tickets, epochs,
 
 def forward_combine(hc_rows, hc_meta, box_rows, box_meta, fwd_slots, fwd_n, plan, xstats,
                     tickets, epochs, *, rank: int, world_size: int, topk: int, max_topk: int,
-                    has_pair: bool, flavour: Flavour) -> bool:
-    """Launches :func:`forward_combine_kernel` on grid ``(M, P)``."""
+                    has_pair: bool, flavour: Flavour, fp8: bool = False) -> bool:
+    """Launches :func:`forward_combine_kernel` on grid ``(M, P)`` (``fp8``: FP8 sums)."""
     P_, M, N, TMAX, H = hc_rows.shape
     tile = tiles("combine_send", flavour.compiled, H, max(4, hc_rows.element_size()))
     P = 1 if not flavour.compiled else max(1, min(triton.cdiv(TMAX, tile.block_t), 32))
@@ -556,7 +569,7 @@ def forward_combine(hc_rows, hc_meta, box_rows, box_meta, fwd_slots, fwd_n, plan
         flavour.local_base, flavour.ring_addr, flavour.errors_addr, flavour.timeout_ns,
         TMAX, H, topk, world_size, N, rank, flavour.ring_slots, hc_rows.stride(0),
         hc_meta.stride(0), box_rows.stride(0), box_meta.stride(0), KMAX=max_topk,
-        HAS_PAIR=has_pair, ACC_FP64=hc_rows.dtype == torch.float64,
+        HAS_PAIR=has_pair, ACC_FP64=hc_rows.dtype == torch.float64, FP8=fp8,
         EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t, BLOCK_H=tile.block_h,
         BLOCK_K=triton.next_power_of_2(max(topk, 1)), NUM_THREADS=tile.num_threads,
         **tile.launch_options())

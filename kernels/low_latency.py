@@ -554,7 +554,7 @@ def ll_combine_recv_kernel(
     HAS_WEIGHTS: tl.constexpr, TRANSPORT: tl.constexpr, DEVICE_WAIT: tl.constexpr,
     FT: tl.constexpr,
     FP8: tl.constexpr,  # staging (uint8) holds FP8 rows, ROW_BYTES apart: dequantized here
-    ROW_BYTES: tl.constexpr,
+    ROW_BYTES: tl.int64,  # (a runtime value: no variant per Buffer size)
     EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr,
 ):

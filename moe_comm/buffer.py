@@ -433,7 +433,9 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         Error: each partial's element is off by at most 2**-4 of itself, or 2**-10 * amax / 448
         of its 128-channel group where it falls in e4m3's subnormal range; the errors of the
         ranks add. The backward is that of the exact combine (straight through). Needs
-        H % 128 == 0; not through hierarchical forwarders.
+        H % 128 == 0. Hierarchical mode: partials for other nodes reach this node's forwarders
+        as they are (NVLink) and the forwarders send their fp32 sums as FP8 (the link across
+        nodes carries FP8 only).
 
         Fault tolerance: the rows of excluded expert ranks are left out (``moe_comm.fault``);
         ``renormalize=True`` then scales each token by the dispatch's ``sum_k topk_weights[t, k]
@@ -442,8 +444,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         """
         self._check_usable()
         self._raise_input_errors("an earlier call")
-        fp8 = combine_is_fp8(combine_dtype, dtype=self.dtype, hidden=self.hidden,
-                             hierarchical=self.hierarchical)
+        fp8 = combine_is_fp8(combine_dtype, dtype=self.dtype, hidden=self.hidden)
         if env.check_inputs():
             check_combine_inputs(y, handle, weights, buffer_id=self.id,
                                  latest_serial=self.dispatch_serial, hidden=self.hidden,

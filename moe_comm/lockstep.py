@@ -61,8 +61,7 @@ def dispatch(buffers, xs, topk_idxs, topk_weights=None, expert_alignment: int = 
 def combine(buffers, ys, handles, weights=None, *, combine_dtype=None) -> list[torch.Tensor]:
     """``[buf.combine(y, handle, w, combine_dtype=...) for each virtual rank]``, in lockstep."""
     weights = weights if weights is not None else [None] * len(buffers)
-    fp8 = combine_is_fp8(combine_dtype, dtype=buffers[0].dtype, hidden=buffers[0].hidden,
-                         hierarchical=buffers[0].hierarchical)
+    fp8 = combine_is_fp8(combine_dtype, dtype=buffers[0].dtype, hidden=buffers[0].hidden)
     for buf, y, h, w in zip(buffers, ys, handles, weights, strict=True):
         buf._check_usable()
         buf._raise_input_errors("an earlier call")

@@ -167,9 +167,10 @@ class NormalMode:
             node_meta_stride=self.layout.node_meta_stride, cached=cached, flavour=self.flavour)
         return fwd_slots, fwd_n
 
-    def _forward_combine(self, epoch: int, fwd_slots, fwd_n, topk: int, has_pair: bool) -> None:
+    def _forward_combine(self, epoch: int, fwd_slots, fwd_n, topk: int, has_pair: bool,
+                         fp8: bool = False) -> None:
         """Hierarchical: waits for this node's partials for other nodes' tokens, sums them per
-        node row and sends one row per token home (``kernels.internode``)."""
+        node row and sends one row per token home (``kernels.internode``; ``fp8``: as FP8)."""
         N = self.ranks_per_node
         node = self.rank // N
         self._wait_words(self.layout.view(self.heap, "hc_signals"), epoch,
@@ -181,7 +182,7 @@ class NormalMode:
             self._ticket_words[internode.FORWARD_COMBINE_TICKET:
                                internode.FORWARD_COMBINE_TICKET + 1],
             self._channel_words(COMBINE)[1], rank=self.rank, world_size=self.world_size,
-            topk=topk, max_topk=self.max_topk, has_pair=has_pair, flavour=self.flavour)
+            topk=topk, max_topk=self.max_topk, has_pair=has_pair, flavour=self.flavour, fp8=fp8)
 
     def _received_layout(self, expert_alignment: int, pending: PendingSend):
         """From the counts every source published (device tensors, no host read):
@@ -324,7 +325,7 @@ class NormalMode:
             box_offsets=self._rdma_offsets(COMBINE), xstats=self._xstats, plan=self._plan,
             fp8=fp8)
         if self.hierarchical:
-            self._forward_combine(epoch, fwd_slots, fwd_n, topk, pair_values is not None)
+            self._forward_combine(epoch, fwd_slots, fwd_n, topk, pair_values is not None, fp8)
         return PendingSend(COMBINE, epoch, topk=topk, fp8=int(fp8))
 
     @poisons_buffer_on_error("combine")

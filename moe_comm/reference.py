@@ -327,7 +327,8 @@ def combine_all(ys, handles: list[RefHandle], weights=None, *,
     order of the hierarchical mode: each other node's partials of a token are summed first (in
     rank order, fp32, rounded to the dtype once), then the home sums in node order: its own
     node's partials one by one, every other node's sum as one term. ``combine_dtype="fp8"``:
-    the partials travel as FP8 (``partials(..., fp8=True)``; flat only)."""
+    the partials travel as FP8 (``partials(..., fp8=True)``); hierarchical: the partials of
+    other nodes' tokens as they are, their fp32 node sums as FP8."""
     R = len(ys)
     weights = weights if weights is not None else [None] * R
     fp8 = combine_dtype in ("fp8", torch.float8_e4m3fn)
@@ -336,11 +337,13 @@ def combine_all(ys, handles: list[RefHandle], weights=None, *,
         return [sum_home([parts[d][s] for d in range(R)], handles[s].send_tokens,
                          handles[s].num_tokens, ys[0].dtype) for s in range(R)]
     N = hierarchical_nodes
+    plain = [partials(ys[d], weights[d], handles[d].recv_rows) for d in range(R)] if fp8 \
+        else parts  # what reaches the forwarders
     outs = []
     for s in range(R):
         toks, T = handles[s].send_tokens, handles[s].num_tokens
-        dtype = parts[0][s].dtype
-        out = parts[0][s].new_zeros((T, parts[0][s].shape[1]), dtype=_acc_dtype(dtype))
+        dtype = ys[0].dtype
+        out = ys[0].new_zeros((T, ys[0].shape[1]), dtype=_acc_dtype(dtype))
         for b in range(R // N):
             node = range(b * N, b * N + N)
             if b == s // N:
@@ -349,12 +352,14 @@ def combine_all(ys, handles: list[RefHandle], weights=None, *,
                 continue
             node_sum = torch.zeros_like(out)
             for d in node:
-                node_sum = node_sum.index_add(0, toks[d], parts[d][s].to(out.dtype))
+                node_sum = node_sum.index_add(0, toks[d], plain[d][s].to(out.dtype))
             hit = torch.zeros(T, dtype=torch.bool)
             for d in node:
                 hit[toks[d]] = True
             rows = hit.nonzero().flatten()
-            out = out.index_add(0, rows, node_sum[rows].to(dtype).to(out.dtype))
+            sent = dequantize_fp8(*quantize_fp8(node_sum[rows])) if fp8 else \
+                node_sum[rows].to(dtype)
+            out = out.index_add(0, rows, sent.to(out.dtype))
         outs.append(out.to(dtype))
     return outs
 

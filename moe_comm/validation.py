@@ -87,12 +87,10 @@ def check_combine_inputs(y, handle, weights, *, buffer_id: int, latest_serial: i
                              "rows")
 
 
-def combine_is_fp8(combine_dtype, *, dtype: torch.dtype, hidden: int,
-                   hierarchical: bool = False) -> bool:
+def combine_is_fp8(combine_dtype, *, dtype: torch.dtype, hidden: int) -> bool:
     """Whether a combine sends FP8 partials: ``combine_dtype`` None or the Buffer's dtype (the
     partials travel in it), or ``"fp8"`` / ``torch.float8_e4m3fn`` (per token and 128
-    channels; needs hidden % 128 == 0, a 16/32-bit dtype, and no hierarchical forwarders,
-    which sum partials)."""
+    channels; needs hidden % 128 == 0 and a 16/32-bit dtype)."""
     if combine_dtype is None or combine_dtype == dtype:
         return False
     if combine_dtype not in ("fp8", torch.float8_e4m3fn):
@@ -101,9 +99,6 @@ def combine_is_fp8(combine_dtype, *, dtype: torch.dtype, hidden: int,
     if hidden % 128 or dtype == torch.float64:
         raise ValueError(f"an FP8 combine needs hidden % 128 == 0 and a 16/32-bit dtype, got "
                          f"hidden={hidden}, dtype={dtype}")
-    if hierarchical:
-        raise ValueError("an FP8 combine is not available through hierarchical forwarders (they "
-                         "sum partials); build the Buffer with hierarchical=False")
     return True
 
 
@@ -248,6 +243,6 @@ def resolve_fp8(x, fp8, ue8m0: int, col_major_scales: bool, *, default_fp8: bool
     if nv and mode == 2:  # each row's scale bytes, then its global scale's
         per_row = (torch.zeros(rows.shape[0], device=device) + glob).view(torch.uint8)
         scales = torch.cat([scales.view(torch.uint8), per_row.reshape(-1, 4)], dim=1)
-    elif nv and mode == 1:
+    elif nv and mode == 1 and isinstance(rows, torch.Tensor):  # (else the input checks raise)
         scales = nvfp4_send_global(rows, global_scale, ue8m0, device)
     return rows, scales, mode

@@ -17,7 +17,8 @@ def _peer_delta(after: dict, before: dict) -> dict:
 
 
 def link_bytes(rank, world_size, ids: torch.Tensor, hidden: int, num_experts: int,
-               ranks_per_node: int, hierarchical: bool, low_latency: bool, fp8: bool) -> dict:
+               ranks_per_node: int, hierarchical: bool, low_latency: bool, fp8: bool,
+               dispatch_dtype: str | None = None, combine_dtype: str | None = None) -> dict:
     """One dispatch and one combine of this rank's rows of the global routing ``ids``
     [world_size * T, K]; what the kernels and the transport counted in each phase:
     {"dispatch": {...}, "combine": {...}}, each the stats() delta plus ``per_peer`` (the
@@ -36,17 +37,18 @@ def link_bytes(rank, world_size, ids: torch.Tensor, hidden: int, num_experts: in
     with moe_comm.Buffer(dist.group.WORLD, **kwargs) as buf:
         s0, p0 = buf.stats(), buf.internode_bytes()
         if low_latency:
-            recv, hook = buf.low_latency_dispatch(x, idx, fp8=fp8, return_hook=True)
+            recv, hook = buf.low_latency_dispatch(x, idx, fp8=fp8, return_hook=True,
+                                                  dispatch_dtype=dispatch_dtype)
             hook()
         else:
-            res = buf.dispatch(x, idx, w, fp8=fp8)
+            res = buf.dispatch(x, idx, w, fp8=fp8 or None, dispatch_dtype=dispatch_dtype)
         s1, p1 = buf.stats(), buf.internode_bytes()
         if low_latency:
-            y = torch.zeros(recv.x.shape, dtype=torch.bfloat16)
-            buf.low_latency_combine(y, idx, w, recv.handle)
+            y = torch.zeros((*recv.x.shape[:2], hidden), dtype=torch.bfloat16)
+            buf.low_latency_combine(y, idx, w, recv.handle, combine_dtype=combine_dtype)
         else:
             buf.combine(torch.zeros((res.x.shape[0], hidden), dtype=torch.bfloat16),
-                        res.handle, res.weights)
+                        res.handle, res.weights, combine_dtype=combine_dtype)
         s2, p2 = buf.stats(), buf.internode_bytes()
         dist.barrier()
     return {"dispatch": {**_delta(s1, s0), "per_peer": _peer_delta(p1, p0)},

@@ -139,3 +139,21 @@ def test_counters_equal_kernels_and_transport_across_nodes(ranks, setup):
             nvlink = [n - r - signals for n, r in zip(nvlink, rdma, strict=True)]
         assert getattr(p, phase).bytes.sent_rdma_bytes == max(rdma), (phase, setup)
         assert getattr(p, phase).bytes.sent_nvlink_bytes == max(nvlink), (phase, setup)
+
+
+@pytest.mark.parametrize("mode", ["flat", "hier", "ll"])
+def test_counters_of_nvfp4_dispatch_and_fp8_combine_across_nodes(ranks, mode):
+    """NVFP4 rows (H/2 + H/16 + 4 bytes) out, FP8 partials (H + H/32) back; hierarchical:
+    the partials reach the forwarders in bf16 and cross the nodes as FP8."""
+    pytest.importorskip("nixl_cu13")
+    M, N, E, H, K, T = 2, 2, 16, 256, 4, 5
+    R = M * N
+    ids = _routing("skew", R, T, E, K, seed=31)
+    hier, ll = mode == "hier", mode == "ll"
+    got = ranks(R).run(link_bytes, torch.from_numpy(ids), H, E, N, hier, ll, ll,
+                       dispatch_dtype="nvfp4", combine_dtype="fp8")
+    want = moe_comm_counters(ids, ep=R, num_experts=E, hidden=H, gpus_per_node=N,
+                             mode="low_latency" if ll else "normal", hierarchical=hier,
+                             dispatch_dtype="nvfp4", combine_dtype="fp8")
+    _check(got, want, mode)
+    assert sum(sum(g["combine"]["per_peer"]["ll_combine" if ll else "combine"]) for g in got)

@@ -49,14 +49,16 @@ def _pairs(ids: np.ndarray, ep: int, m: int) -> np.ndarray:
 def moe_comm_counters(ids, *, ep: int, num_experts: int, hidden: int, gpus_per_node: int,
                       mode: str = "normal", hierarchical: bool = False,
                       dispatch_dtype: str = "bf16", combine_dtype: str = "bf16",
-                      max_topk: int | None = None) -> list[dict]:
+                      max_topk: int | None = None, dtype: str | None = None) -> list[dict]:
     """Per rank: {"dispatch": {counter: bytes, "per_peer": {channel: [ep]}}, "combine": ...}.
 
     ids: [ep*T, K] integer expert ids. gpus_per_node: ranks per node (= ep for one node).
     max_topk: the Buffer's max_topk (metadata has 3 words per slot of it; default K).
     dispatch_dtype: "bf16" | "fp16" | "fp32" | "fp8" (one fp32 scale per 128 elements) |
     "fp8-ue8m0" | "mxfp8" | "nvfp4" (``formats.MOE_COMM.payload``);
-    combine_dtype: the Buffer's dtype.
+    combine_dtype: the Buffer's dtype, or "fp8" (``combine_dtype="fp8"``; hierarchical: the
+    partials reach the forwarders in ``dtype``, the Buffer's, default bf16, and cross nodes
+    as FP8).
     """
     ids = np.asarray(ids, dtype=np.int64)
     N, K = ids.shape
@@ -68,6 +70,7 @@ def moe_comm_counters(ids, *, ep: int, num_experts: int, hidden: int, gpus_per_n
     k = K if max_topk is None else max_topk
     P = fmt.payload(dispatch_dtype, hidden)
     C = fmt.payload(combine_dtype, hidden)
+    C_fwd = fmt.payload(dtype or ("bf16" if combine_dtype == "fp8" else combine_dtype), hidden)
     src = np.repeat(np.arange(ep), T)
     node_of = np.arange(ep) // gpn
     if mode == "low_latency":
@@ -95,7 +98,7 @@ def moe_comm_counters(ids, *, ep: int, num_experts: int, hidden: int, gpus_per_n
             d_peer, c_peer = np.zeros(ep, dtype=np.int64), np.zeros(ep, dtype=np.int64)
             if hierarchical:
                 _hierarchical_rank(r, ids, hit, src, T, m, gpn, nodes, P, C, meta, d, c,
-                                   d_peer, c_peer)
+                                   d_peer, c_peer, C_fwd)
             else:
                 d["dispatch_bytes_to_outbox"] = int(rows[r, other].sum()) * (P + meta)
                 c["combine_bytes_to_outbox"] = int(rows[other, r].sum()) * C
@@ -108,11 +111,12 @@ def moe_comm_counters(ids, *, ep: int, num_experts: int, hidden: int, gpus_per_n
     return out
 
 
-def _hierarchical_rank(r, ids, hit, src, T, m, gpn, nodes, P, C, meta, d, c, d_peer, c_peer):
+def _hierarchical_rank(r, ids, hit, src, T, m, gpn, nodes, P, C, meta, d, c, d_peer, c_peer,
+                       C_fwd):
     """Rank r across nodes, hierarchical: one row per (token, other node) to the rail peer
     there, with the node's slots; the forwarder stores it into each picked rank of its node.
-    Combine: expert ranks send rows of remote tokens to their forwarder, which reduces them
-    per (token, node) and sends one row home."""
+    Combine: expert ranks send rows of remote tokens to their forwarder (``C_fwd`` bytes
+    each), which reduces them per (token, node) and sends one row home (``C``)."""
     fmt = MOE_COMM
     ep = hit.shape[1]
     my_node, lane = r // gpn, r % gpn
@@ -132,7 +136,7 @@ def _hierarchical_rank(r, ids, hit, src, T, m, gpn, nodes, P, C, meta, d, c, d_p
         * (P + meta)
     # combine: rows this rank's experts hold for tokens of other nodes go to their forwarder
     remote = src // gpn != my_node
-    c["combine_bytes_to_forwarders"] = int(hit[remote, r].sum()) * C
+    c["combine_bytes_to_forwarders"] = int(hit[remote, r].sum()) * C_fwd
     back = node_hit[rail, my_node]                                 # one row per token home
     home = src[rail][back]
     for s in range(ep):

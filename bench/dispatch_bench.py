@@ -372,7 +372,10 @@ def main(argv=None) -> int:
             parser.error(f"--combine-dtype bf16 needs --dtype bf16, got --dtype {args.dtype}")
         args.combine_dtype = None
     if args.combine_dtype:  # FP8 partials need hidden % 128 == 0
+        skipped = [c.name for c in configs if c.hidden % 128]
         configs = [c for c in configs if c.hidden % 128 == 0]
+        if skipped:
+            print(f"fp8 combine skips {skipped} (hidden not a multiple of 128)", file=sys.stderr)
     if args.dispatch_dtype == "bf16":  # the rows as they are
         if args.dtype != "bf16":
             parser.error(f"--dispatch-dtype bf16 sends the rows as they are: it needs --dtype "

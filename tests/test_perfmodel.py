@@ -1,10 +1,12 @@
 """Tests of moe_comm.perfmodel: closed forms, simulators, profiles, calibration and validation
 against published numbers, the lower bound, formats, scale, CLI, the study, errors."""
 import dataclasses
+import functools
 import io
 import itertools
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -229,16 +231,35 @@ def test_bandwidth_conventions():
 
 
 # ---------------------------------------------------------------- profiles, fit and validation
-VALIDATION_MEDIAN, VALIDATION_MAX = 0.15, 0.35
+# (median |error|, largest |error|) of each profile's validation cases, pinned a little above
+# what the model reaches (docs/PERFMODEL.md section 6: 2.4%/14.0%, 7.4%/11.8%, 3.3%/3.7%,
+# 5.8%/28.2%; all 114 cases: median 5.4%), so that a regression of a point or two fails.
+# Lower them when the model gets better.
+VALIDATION_PINS = {"deepep-v1": (0.030, 0.150), "deepep-v2": (0.080, 0.125),
+                   "nccl-ep": (0.040, 0.045), "trtllm-onesided": (0.065, 0.290)}
+VALIDATION_MEDIAN_ALL = 0.060
+
+
+@functools.cache
+def _rows(name: str) -> list:
+    return calibration.rows(name)
+
+
+def test_every_profile_is_pinned_and_all_cases_together():
+    assert set(VALIDATION_PINS) == set(calibration.FREE)
+    errors = [abs(r.error) for name in sorted(calibration.FREE) for r in _rows(name)
+              if r.case.role == "validation"]
+    assert len(errors) == 114 and statistics.median(errors) <= VALIDATION_MEDIAN_ALL
 
 
 @pytest.mark.parametrize("name", sorted(calibration.FREE))
 def test_validation_cases_within_bounds(name):
-    """Numbers no constant was fitted to: median |error| <= 15%, every one <= 35%."""
-    computed = calibration.rows(name)
+    """Numbers no constant was fitted to: median and largest |error| at most their pins."""
+    computed = _rows(name)
     med, worst, n = calibration.validation_summary(name, computed)
     assert n >= 4, name
-    assert med <= VALIDATION_MEDIAN and worst <= VALIDATION_MAX, (name, med, worst)
+    pin_med, pin_worst = VALIDATION_PINS[name]
+    assert med <= pin_med and worst <= pin_worst, (name, med, worst)
     for row in computed:
         if row.case.role == "fit":
             assert abs(row.error) <= 0.10, (row.case.label, row.error)

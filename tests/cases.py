@@ -77,3 +77,16 @@ def expert_fn(x: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
     counts = expert_offsets.diff()
     e = torch.repeat_interleave(torch.arange(counts.numel()), counts).to(torch.float32)
     return (x.float() * (1 + e[:, None] / 8) + e[:, None]).to(x.dtype)
+
+
+def nvfp4_global_scale_oracle(x: torch.Tensor) -> torch.Tensor:
+    """NVFP4's documented global scale written from the README alone, element by element in
+    Python and numpy's float32 (no code shared with the product): ``max(amax of the finite |x|,
+    1e-4) / (448 * 6)`` as one IEEE float32 division; [1] float32."""
+    import math
+
+    import numpy as np
+
+    amax = max((abs(v) for v in x.double().flatten().tolist() if math.isfinite(v)), default=0.0)
+    amax = max(np.float32(amax), np.float32(1e-4))
+    return torch.tensor([np.float32(amax) / np.float32(448 * 6)], dtype=torch.float32)

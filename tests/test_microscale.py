@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cases import nvfp4_global_scale_oracle
 from kernels import microscale as kms
 from moe_comm import microscale as ref
 
@@ -113,11 +114,11 @@ def test_mxfp8_kernel_equals_reference(H, dtype):
 @pytest.mark.parametrize("given", [False, True])
 def test_nvfp4_kernel_equals_reference(H, given):
     x = _adversarial(20, H, seed=7 * H)
-    gs = torch.tensor([0.01]) if given else ref.nvfp4_global_scale(x)
-    assert not given or gs.item() == pytest.approx(0.01)
+    # the scale the kernel gets: given, or the documented one computed independently
+    gs = torch.tensor([0.01]) if given else nvfp4_global_scale_oracle(x)
     q, s = kms.quantize_nvfp4(x, gs)
     rq, rs, rgs = ref.quantize_nvfp4(x, gs if given else None)
-    assert torch.equal(rgs, gs)
+    assert torch.equal(rgs, gs)   # the reference's own scale is the documented one
     assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8))
     assert q.shape == (20, H // 2) and s.shape == (20, H // 16)
     deq = ref.dequantize_nvfp4(rq, rs, rgs)
@@ -136,8 +137,44 @@ def test_nvfp4_kernel_equals_reference(H, given):
         bound = torch.where(scale >= 2 ** -6, sq, torch.maximum(sq, xf.abs()))
         assert (err <= bound * (1 + 1e-6))[finite].all()
         assert (scale >= 2 ** -6).float().mean() > 0.3          # the bound is not vacuous
+    # an infinity saturates at +-6 s g (README), its block's scale is finite
+    inf = torch.isinf(xf) & ~nan_block.repeat_interleave(16, dim=1)
+    assert inf.any() and torch.isfinite(scale[inf]).all()
+    assert torch.equal(deq[inf], torch.sign(xf[inf]) * 6 * scale[inf] * rgs)
     if not given:   # the global scale ignores NaN and infinity
         assert rgs.item() == pytest.approx(xf[torch.isfinite(xf)].abs().max().item() / 2688)
+
+
+def _global_scale_inputs():
+    """Whole tensors at the edges of the global scale: zeros, tiny (below the 1e-4 floor, fp32
+    subnormals), at the floor, only NaN / infinity, NaN and infinity beside finite values,
+    huge, no rows."""
+    tiny = torch.full((3, 32), 1e-30)
+    tiny[1, 5] = -3e-41                                       # an fp32 subnormal
+    mixed = torch.linspace(-2, 5, 64).reshape(2, 32)
+    mixed[0, 3], mixed[1, 8] = math.nan, -math.inf
+    return {"zeros": torch.zeros(4, 16), "tiny": tiny, "floor": torch.full((1, 16), 1e-4),
+            "just_above_floor": torch.full((1, 16), 1.5e-4), "nan": torch.full((2, 16), math.nan),
+            "inf": torch.full((2, 16), math.inf), "mixed": mixed,
+            "huge": torch.full((1, 16), -3e38), "bf16": mixed.to(torch.bfloat16),
+            "empty": torch.zeros(0, 48)}
+
+
+@pytest.mark.parametrize("kind", sorted(_global_scale_inputs()))
+def test_nvfp4_global_scale_against_an_independent_oracle(kind):
+    x = _global_scale_inputs()[kind]
+    want = nvfp4_global_scale_oracle(x)
+    got = ref.nvfp4_global_scale(x)
+    assert got.dtype == torch.float32 and got.shape == (1,)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (kind, got, want)
+    if kind in ("zeros", "tiny", "floor", "nan", "inf", "empty"):   # the floor, exactly
+        assert want.item() == torch.tensor(1e-4 / 2688, dtype=torch.float32).item()
+    if x.numel():   # the kernel with that scale: every block of zeros and tinies is code 0
+        q, s = kms.quantize_nvfp4(x, want)
+        rq, rs, _ = ref.quantize_nvfp4(x)
+        assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8))
+        if kind in ("zeros", "tiny"):
+            assert not q.any() and not s.view(torch.uint8).any()
 
 
 def test_nvfp4_bytes_per_row_and_global_scale_without_sync():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import moe_comm
-from cases import Case, make_inputs
+from cases import Case, make_inputs, nvfp4_global_scale_oracle
 from moe_comm import lockstep, microscale, reference
 from moe_comm.perfmodel import moe_comm_counters
 
@@ -15,7 +15,8 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _adversarial(xs):
-    """NaN, infinity, an all-zero token, tiny values and one huge token (global scale)."""
+    """NaN, infinity, an all-zero token, tiny values and one huge token (global scale); rank
+    1's whole batch tiny (below the global scale's floor; zero in fp16)."""
     xs = [x.clone() for x in xs]
     for r, x in enumerate(xs):
         if x.shape[0] > 3:
@@ -24,6 +25,8 @@ def _adversarial(xs):
             x[2] = 0.0
             x[3] *= 300.0
             x[-1] *= 1e-6
+        if r == 1:
+            x.mul_(1e-30)
     return xs
 
 
@@ -72,7 +75,7 @@ def test_nvfp4_dispatch_matches_reference(case):
                 for s in range(R):
                     mine = got[r].src_rank == s
                     if mine.any():
-                        expect = microscale.nvfp4_global_scale(xs[s])
+                        expect = nvfp4_global_scale_oracle(xs[s])
                         assert torch.equal(got[r].x_global_scale[mine],
                                            expect.expand(int(mine.sum())))
         ys = [microscale.dequantize_nvfp4(g.x, g.x_scales, g.x_global_scale).nan_to_num()

@@ -212,8 +212,10 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                  dtype: torch.dtype = torch.bfloat16, *, max_topk: int | None = None,
                  dispatch_dtype: torch.dtype | None = None, low_latency: bool = False,
                  timeout_s: float | None = None, device="cpu", num_sms: int | None = None,
-                 kernel_impl: str = "triton") -> list[Buffer]:
-        """``world_size`` virtual ranks in this process; drive them with ``moe_comm.lockstep``."""
+                 kernel_impl: str = "triton", fault_tolerant: bool = False) -> list[Buffer]:
+        """``world_size`` virtual ranks in this process; drive them with ``moe_comm.lockstep``
+        (``fault_tolerant``: as ``Buffer(..., fault_tolerant=True)``; ``clean_mask`` needs
+        every rank at once, which one thread cannot give)."""
         if max_topk is None and isinstance(num_experts, int):
             max_topk = min(16, num_experts)
         _check_config(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk,
@@ -225,7 +227,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         for heap in heaps:
             buf = cls.__new__(cls)
             buf._setup(heap, layout, num_experts, timeout_s, dispatch_dtype, num_sms,
-                       kernel_impl)
+                       kernel_impl, fault_tolerant=fault_tolerant)
             buf.backend, buf.transport = "loopback", None
             buffers.append(buf)
         return buffers

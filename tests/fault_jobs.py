@@ -7,6 +7,9 @@
   before it receives;
 * ``in_combine``: normal mode: inside combine, before its partials are sent; low-latency mode:
   after its combine rows were sent, before its receive (the survivors learn at the next call).
+  In the normal mode each survivor first fills its combine staging slice of that rank with
+  garbage (both parities; at call 1 and later it also holds the rank's stale partials): a sum
+  that does not leave the rank out shows.
 
 Every surviving rank checks every call against the reference computed over the survivors:
 sources that died before sending left out, choices of experts whose rank did not contribute set
@@ -69,7 +72,11 @@ def _renormalised(out, idx_all, idx_kept, w):
 
 
 def _doom(buf, kills: dict, rank: int, it: int) -> None:
-    """Arms this rank's death at call ``it`` (normal mode)."""
+    """Arms this rank's death at call ``it`` (normal mode); on the others, garbage where the
+    partials of a rank dying inside this call's combine would be."""
+    for r, (k, point) in kills.items():
+        if r != rank and (k, point) == (it, "in_combine"):
+            buf.layout.view(buf.heap, "combine_rows")[:, r].view(torch.uint8).fill_(0xFF)
     if kills.get(rank, (None,))[0] != it:
         return
     point = kills[rank][1]
@@ -127,7 +134,8 @@ def normal_mode_with_failures(rank, world_size, case: Case, kills: dict, calls: 
         if pin is not None and pin in no_expert and out.shape[0]:
             assert not out[0].any(), f"rank {rank} call {it}: a token of a dead rank's experts"
     report = dict(seconds=seconds, active=buf.active_ranks().tolist(),
-                  excluded=sorted({r for r, _, _ in buf.exclusions}))
+                  excluded=sorted({r for r, _, _ in buf.exclusions}),
+                  waited=[w for _, _, w in buf.exclusions])
     if clean_after:
         report["cleaned"] = buf.clean_mask().tolist()
         _checked_call(buf, case, rank, calls, set(kills))

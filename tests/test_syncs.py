@@ -1,12 +1,18 @@
 """Host synchronisations per op, padding, and the fixed-size dispatch (``max_recv_rows``).
 
 Every host read of tensor data in the torch layer goes through one counted helper
-(``moe_comm.host_sync``); ``ReadCounter`` catches any read that bypasses it (``.item()``,
-``.tolist()``, ``int(t)``, ``bool(t)``, ... on any tensor during the op). Budgets per call:
-low-latency dispatch and combine 0, normal combine 0, normal dispatch 1 (the row count) and 0
-with ``max_recv_rows``.
+(``moe_comm.host_sync``). Two guards catch a read that bypasses it: on CPU ranks
+``ReadCounter`` counts the reads made through torch's Python API (``.item()``, ``.tolist()``,
+``int(t)``, ``bool(t)``, ...); and the GPU flavours' ops run on the ``meta`` device
+(``sync_jobs``), where a read of data by any route (``torch.equal``, ``.cpu()``, ``.numpy()``,
+a copy into a host tensor, a boolean index) raises. Budgets per call: low-latency dispatch and
+combine 0, normal combine 0, normal dispatch 1 (the row count) and 0 with ``max_recv_rows``.
 """
 import contextlib
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -51,6 +57,20 @@ def test_normal_mode_reads_once_per_dispatch_and_never_in_combine(monkeypatch):
     lockstep.combine(bufs, ys, [g.handle for g in got], [g.weights for g in got])
     lockstep.dispatch(bufs, xs, idxs, ws, CASE.alignment, max_recv_rows=200)
     assert reads.count == _syncs(bufs) == 4  # combine and the fixed-size dispatch: none
+
+
+def test_gpu_flavours_read_nothing_else_on_the_meta_device():
+    """Every op of every GPU flavour on meta tensors: only the counted helper reads (once per
+    rank and dispatch without ``max_recv_rows``; the gate's drivers pass it everywhere else)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, os.path.join(here, "sync_jobs.py")],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reads = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(reads) == 9
+    for flavour, count in reads.items():
+        assert count == (0 if flavour.endswith("_ll") else 4), (flavour, count)
 
 
 def test_low_latency_reads_nothing(monkeypatch):

@@ -1,6 +1,6 @@
 """The static gate: every kernel as the Buffer launches it on a GPU, compiled and read.
 
-    python -m moe_comm.gate [--arch 90 100] [--jobs N] [--out bench/results/gpu_gate.tsv]
+    python -m moe_comm.gate [--arch 90 100] [--jobs N] [--out bench/results/gpu_gate.tsv] [--list]
 
 Virtual ranks on the ``meta`` device (no memory, no GPU) drive the public ops with the GPU
 flavours (in-kernel waits; across nodes also NVSHMEM puts): normal-mode dispatch in every FP8
@@ -329,13 +329,31 @@ def _specialisation_problems(launches, world_size: int) -> list[str]:
     return problems
 
 
+def variant_list(configs=CONFIGS, arch: int = 90) -> list[str]:
+    """What the drivers launch at each config, one line per distinct ``config kernel dtype
+    flags`` (tiles and warps left out: they follow from the sizes), sorted; recorded, not
+    compiled (``--list``). ``tests/gate_variants.txt`` holds the list the tests expect, so a
+    format, flavour or op that drops out of a driver fails them."""
+    lines = set()
+    for cfg in configs:
+        for key, v in record_config(cfg, arch).items():
+            if not key.startswith("problem:"):
+                lines.add(f"{cfg.name} {v.launch.name} {_variant_flags(v.launch, v.dtype)}")
+    return sorted(lines)
+
+
 # ------------------------------------------------------------------------------ compiling
+def _variant_flags(launch, dtype: str) -> str:
+    shown = [f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in launch.flags().items()
+             if not k.startswith("BLOCK_") and k not in ("NUM_THREADS", "KMAX", "META_STRIDE")]
+    return " ".join([dtype, *shown])
+
+
 def _variant_text(launch, dtype: str) -> str:
     flags = launch.flags()
-    shown = [f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in flags.items()
-             if not k.startswith("BLOCK_") and k not in ("NUM_THREADS", "KMAX", "META_STRIDE")]
     tiles = "x".join(str(flags[k]) for k in ("BLOCK_T", "BLOCK_H") if k in flags)
-    return f"{dtype} {' '.join(shown)} tile={tiles} warps={launch.options.get('num_warps')}"
+    return (f"{_variant_flags(launch, dtype)} tile={tiles} "
+            f"warps={launch.options.get('num_warps')}")
 
 
 def _compile_job(job):
@@ -446,11 +464,16 @@ def main(argv=None) -> int:
     parser.add_argument("--config", nargs="+", choices=[c.name for c in CONFIGS],
                         default=[c.name for c in CONFIGS])
     parser.add_argument("--out", default="bench/results/gpu_gate.tsv")
+    parser.add_argument("--list", action="store_true",
+                        help="print the variants the drivers launch per config, compile nothing")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("the gate compiles for GPUs: run it with TRITON_INTERPRET=0", file=sys.stderr)
         return 2
     configs = [c for c in CONFIGS if c.name in args.config]
+    if args.list:
+        print("\n".join(variant_list(configs, args.arch[0])))
+        return 0
     return run(args.arch, args.jobs, args.out, configs)
 
 

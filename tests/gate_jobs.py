@@ -4,8 +4,10 @@
 
 Copies ``kernels/`` to ``WORKDIR``, breaks one habit the gate enforces (``MUTATIONS``), records
 a GPU launch of the broken copy's dispatch send at DeepSeek-V3 sizes with the same recorder the
-gate uses, compiles it for sm_90 and prints, as JSON, the gate's violations and whether ranks 0
-and 1 got different specialisations. ``none`` breaks nothing (the control).
+gate uses, compiles it for sm_90 and prints, as JSON, the gate's violations, whether ranks 0
+and 1 got different specialisations, and what the gate's specialisation rule
+(``gate._specialisation_problems``) says of the launches of all 8 ranks, two calls each (as the
+gate's drivers make them). ``none`` breaks nothing (the control).
 """
 from __future__ import annotations
 
@@ -36,7 +38,11 @@ MUTATIONS = {
         'tl.cast(epoch, tl.int64), sem="relaxed", scope="sys")  # gate: publish', 0),
     "specialised_rank": (  # per-rank scalars specialised: rank 0 and rank 1 compile apart
         "dispatch.py", "@triton.jit(do_not_specialize=_SEND_PER_CALL)", "@triton.jit", 0),
+    "rank_constexpr": (  # a constexpr the launcher derives from the rank
+        "dispatch.py", "        EVEN_H=even(H, tile.block_h),\n",
+        "        EVEN_H=even(H, tile.block_h) and rank % 2 == 0,\n", 0),
 }
+RANKS = 8
 
 
 def broken_copy(name: str, workdir: str):
@@ -65,7 +71,7 @@ def record_send(pkg, transport: int, rank: int):
     recording = importlib.import_module(pkg.__name__ + ".recording")
     dispatch = importlib.import_module(pkg.__name__ + ".dispatch")
     comm = importlib.import_module(pkg.__name__ + ".comm")
-    R, T, H, K, L = 8, 4096, 7168, 8, 32
+    R, T, H, K, L = RANKS, 4096, 7168, 8, 32
 
     def meta(*shape, dtype=torch.int32):
         return torch.empty(shape, dtype=dtype, device="meta")
@@ -88,14 +94,16 @@ def record_send(pkg, transport: int, rank: int):
 
 
 def main(name: str, workdir: str) -> dict:
+    from moe_comm.gate import _specialisation_problems
     from moe_comm.kernels.compiled import inspect_launch, violations
 
     pkg = broken_copy(name, workdir)
     transport = MUTATIONS[name][3]
-    launches = [record_send(pkg, transport, rank) for rank in (0, 1)]
+    launches = [record_send(pkg, transport, rank) for _ in range(2) for rank in range(RANKS)]
     facts = inspect_launch(launches[1], 90, "dsv3", name)
     return {"violations": violations(facts, rows_aligned=True),
             "keys_differ": launches[0].key != launches[1].key,
+            "specialisation_problems": _specialisation_problems(launches, RANKS),
             "stack_bytes": facts.stack_bytes, "row_store_bits": facts.row_store_bits,
             "nvshmem_issuers": facts.nvshmem_issuers}
 

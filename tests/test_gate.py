@@ -26,6 +26,32 @@ ROW_KERNELS = {"dispatch_send_kernel", "dispatch_expand_kernel", "combine_send_k
                "outbox_dispatch_kernel", "forward_dispatch_kernel", "forward_combine_kernel"}
 
 
+VARIANTS_FILE = os.path.join(HERE, "gate_variants.txt")
+
+
+def _listed_variants() -> set[str]:
+    with open(VARIANTS_FILE) as f:
+        return {line.strip() for line in f if line.strip()}
+
+
+def test_gate_drivers_launch_the_listed_variants():
+    """The variants the gate's drivers launch at each config (recorded, not compiled) are
+    exactly those of tests/gate_variants.txt: a format, flavour, dtype or op that drops out of
+    a driver, or one added without a look at what it compiles, fails here. After a deliberate
+    change: python -m moe_comm.gate --list > tests/gate_variants.txt (TRITON_INTERPRET=0)."""
+    proc = subprocess.run([sys.executable, "-m", "moe_comm.gate", "--list"],
+                          capture_output=True, text=True, env=COMPILED_ENV, cwd=ROOT,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = {line.strip() for line in proc.stdout.splitlines() if line.strip()}
+    want = _listed_variants()
+    assert got == want, (f"missing: {sorted(want - got)[:20]}", f"new: {sorted(got - want)[:20]}")
+    for what in (" FP8=1", " FP8=2", " GS=32", " GS=16", " UE8M0=1", " TRANSPORT=1",
+                 " TRANSPORT=2", " HIER=1", " FT=1", " LIVE=1", " float64", " float16",
+                 " float32"):   # formats, flavours and dtypes are in the list itself
+        assert any(what in line for line in want), what
+
+
 @pytest.mark.slow
 def test_gate_passes_at_the_runtime_configurations():
     out = os.path.join(ROOT, "bench", "results", "gpu_gate.tsv")
@@ -47,6 +73,9 @@ def test_gate_passes_at_the_runtime_configurations():
             assert int(bits["row"]) == 128, r
     configs = {c for r in rows for c in r["config"].split("+")}
     assert configs == {"small", "dsv3-prefill", "dsv3-decode"}
+    compiled = {f"{c} {r['kernel']} {r['variant'].split(' tile=')[0]}"
+                for r in rows for c in r["config"].split("+")}
+    assert compiled == _listed_variants()   # every listed variant compiled, nothing else
     nvshmem = [r for r in rows if r["nvshmem_issuers"] != "-"]
     assert {r["kernel"] for r in nvshmem} == {"dispatch_send_kernel", "combine_send_kernel",
                                               "ll_dispatch_send_kernel",
@@ -77,6 +106,7 @@ def _mutation(name: str, tmp_path) -> dict:
     ("spilling_tile", "spills or uses local memory"),
     ("relaxed_publish", "signal without release/acquire ordering"),
     ("specialised_rank", None),
+    ("rank_constexpr", None),
 ])
 def test_each_rule_fails_on_its_mutation(name, expect, tmp_path):
     report = _mutation(name, tmp_path)
@@ -85,7 +115,12 @@ def test_each_rule_fails_on_its_mutation(name, expect, tmp_path):
         assert found == [], report
     else:
         assert any(expect in v for v in found), report
-    assert report["keys_differ"] == (name == "specialised_rank"), report
+    apart = name in ("specialised_rank", "rank_constexpr")
+    assert report["keys_differ"] == apart, report
+    # the gate's own rule: ranks 0..7 launching one op twice must agree
+    assert report["specialisation_problems"] == (
+        ["dispatch_send_kernel specialises differently on different ranks"] if apart else []), \
+        report
 
 
 def test_markers_must_sit_on_the_line_where_the_store_starts(tmp_path):

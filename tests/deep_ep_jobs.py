@@ -110,6 +110,11 @@ def normal_mode(rank, world_size, case: Case, iterations: int = 2, fp8: bool = F
         padded_rows = padded_x[0] if fp8 else padded_x
         assert padded_rows.shape[0] == worst and torch.equal(padded_idx[:n], want_idx)
         assert (padded_idx[n:] == -1).all() and not padded_w[n:].any()
+        assert torch.equal(padded_rows[:n].view(torch.uint8), (recv_x[0] if fp8 else recv_x)
+                           .view(torch.uint8)), f"rank {rank} call {it}: padded recv_x"
+        assert not padded_rows[n:].view(torch.uint8).any(), "padding rows are not zero"
+        if fp8:
+            assert torch.equal(padded_x[1][:n], recv_x[1]) and not padded_x[1][n:].any()
     buf.destroy()
 
 
@@ -160,38 +165,49 @@ def deepep_low_latency_model(xs, idxs, rank: int, num_experts: int):
     return blocks
 
 
-def low_latency(rank, world_size, case: Case, iterations: int = 2, fp8: bool = False) -> None:
-    """low_latency_dispatch (bf16; FP8 with column-major scales) with a hook, then
-    low_latency_combine into ``out=`` and into the zero-copy buffer, against the model."""
+def low_latency(rank, world_size, case: Case, iterations: int = 2, fp8: bool = False,
+                ue8m0: bool = False) -> None:
+    """low_latency_dispatch (bf16; FP8 with column-major scales; with ``ue8m0`` power-of-two
+    scales packed four exponents per int32, DeepEP's ``round_scale=True, use_ue8m0=True``)
+    with a hook and ``cumulative_local_expert_recv_stats``, then low_latency_combine into
+    ``out=`` and into the zero-copy buffer, against the model."""
     T = case.max_tokens
     R, E, H = world_size, case.num_experts, case.hidden
     L = E // R
     buf = deep_ep.Buffer(dist.group.WORLD, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(
         T, H, R, E), low_latency_mode=True, num_qps_per_rank=L)
-    stats = torch.zeros(L, dtype=torch.int32)
+    stats = torch.full((L,), 3, dtype=torch.int32)   # counts are added to what is there
+    want_stats = stats.clone()
     for it in range(iterations):
         xs, idxs, ws = make_inputs(case, it)
         recv_x, count, handle, event, hook = buf.low_latency_dispatch(
             xs[rank], idxs[rank], T, E, cumulative_local_expert_recv_stats=stats, use_fp8=fp8,
-            return_recv_hook=True)
+            round_scale=ue8m0, use_ue8m0=ue8m0, return_recv_hook=True)
         hook()
         rows = recv_x[0] if fp8 else recv_x
         assert rows.shape == (L, R * T, H)
-        if fp8:
+        if ue8m0:
+            assert recv_x[1].dtype == torch.int32 and recv_x[1].shape == (L, R * T, H // 512)
+        elif fp8:
             assert recv_x[1].shape == (L, R * T, H // 128) and recv_x[1].stride(1) == 1
         sent = xs
         if fp8:
-            sent = [reference.dequantize_fp8(*reference.quantize_fp8(x)).to(case.dtype)
-                    for x in xs]
+            sent = [reference.dequantize_fp8(*reference.quantize_fp8(x, ue8m0=ue8m0))
+                    .to(case.dtype) for x in xs]
         blocks = deepep_low_latency_model(sent, idxs, rank, E)
         for e, (want_rows, _) in enumerate(blocks):
             n = len(want_rows)
             assert int(count[e]) == n, f"rank {rank} call {it}: count of expert {e}"
+            want_stats[e] += n
             got = rows[e, :n]
             if fp8:
-                got = reference.dequantize_fp8(got, recv_x[1][e, :n]).to(case.dtype)
+                scales = recv_x[1][e, :n]
+                if ue8m0:   # exponent bytes back to power-of-two scales
+                    scales = reference.unpack_ue8m0(scales, H // 128)
+                got = reference.dequantize_fp8(got, scales).to(case.dtype)
             if n:
                 assert torch.equal(got, torch.stack(want_rows)), f"rank {rank}: expert {e}"
+        assert torch.equal(stats, want_stats), f"rank {rank} call {it}: recv stats {stats}"
         # combine: every rank's expert outputs, from one seed
         ys = []
         for r in range(R):
@@ -241,6 +257,7 @@ def shrink_masks(rank, world_size, case: Case) -> list:
     buf.low_latency_update_mask_buffer(R - 1, True)
     dist.barrier()
     query()
+    _call_while_masked(buf, case, rank, R - 1)
     buf.low_latency_clean_mask_buffer()
     query()
     recv_x, count, _, _, _ = buf.low_latency_dispatch(xs[rank], idxs[rank], T, E, use_fp8=False)
@@ -248,3 +265,43 @@ def shrink_masks(rank, world_size, case: Case) -> list:
     assert count.tolist() == [len(rows) for rows, _ in blocks]
     buf.destroy()
     return statuses
+
+
+def _call_while_masked(buf, case: Case, rank: int, masked: int) -> None:
+    """One low-latency dispatch and combine while ``masked`` is masked: its own call is refused
+    (RankExcludedError), the others' leave it out as a source and as an expert rank."""
+    from moe_comm.fault import RankExcludedError
+
+    T, R, E, H = case.max_tokens, case.world_size, case.num_experts, case.hidden
+    L = E // R
+    xs, idxs, ws = make_inputs(case, 1)
+    if rank == masked:
+        try:
+            buf.low_latency_dispatch(xs[rank], idxs[rank], T, E, use_fp8=False)
+        except RankExcludedError as error:
+            assert f"rank {masked} was excluded" in str(error), error
+            return
+        raise AssertionError(f"rank {masked} is masked, yet its call was not refused")
+    sent = [x[:0] if s == masked else x for s, x in enumerate(xs)]
+    kept = [i[:0] if s == masked else torch.where(i // L == masked, -1, i)
+            for s, i in enumerate(idxs)]
+    recv_x, count, handle, _, _ = buf.low_latency_dispatch(xs[rank], idxs[rank], T, E,
+                                                            use_fp8=False)
+    blocks = deepep_low_latency_model(sent, kept, rank, E)
+    for e, (want_rows, _) in enumerate(blocks):
+        assert int(count[e]) == len(want_rows), f"rank {rank}: count of expert {e} while masked"
+        if want_rows:
+            assert torch.equal(recv_x[e, :len(want_rows)], torch.stack(want_rows))
+    g = torch.Generator().manual_seed(7)
+    ys = [torch.randn((L, R * T, H), generator=g).to(case.dtype) for _ in range(R)]
+    out, _, _ = buf.low_latency_combine(ys[rank], idxs[rank], ws[rank], handle)
+    want = torch.zeros((xs[rank].shape[0], H))
+    for t in range(xs[rank].shape[0]):
+        for k in range(case.topk):
+            e = int(kept[rank][t, k])
+            if e >= 0:
+                owner = e // L
+                origin = deepep_low_latency_model(sent, kept, owner, E)[e - owner * L][1]
+                row = ys[owner][e - owner * L, origin.index((rank, t))]
+                want[t] += ws[rank][t, k] * row.float()
+    assert torch.equal(out, want.to(case.dtype)), f"rank {rank}: combine while masked"

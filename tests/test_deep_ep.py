@@ -23,10 +23,11 @@ def test_normal_mode_fp8_pairs(ranks):
     ranks(2).run(deep_ep_jobs.normal_mode, case, fp8=True)
 
 
-@pytest.mark.parametrize("R,fp8", [(2, False), (4, True), (8, False)])
-def test_low_latency_matches_deepep_semantics(ranks, R, fp8):
-    case = Case(R, 2 * R, 256, 2, tuple(4 + r for r in range(R)), seed=5 + R)
-    ranks(R).run(deep_ep_jobs.low_latency, case, fp8=fp8)
+@pytest.mark.parametrize("R,fp8,ue8m0", [(2, False, False), (4, True, False), (8, False, False),
+                                         (2, True, True)])
+def test_low_latency_matches_deepep_semantics(ranks, R, fp8, ue8m0):
+    case = Case(R, 2 * R, 512 if ue8m0 else 256, 2, tuple(4 + r for r in range(R)), seed=5 + R)
+    ranks(R).run(deep_ep_jobs.low_latency, case, fp8=fp8, ue8m0=ue8m0)
 
 
 def test_what_cannot_be_honoured_raises_with_a_sentence(ranks):
@@ -62,5 +63,5 @@ def test_check_prints_the_feature_table():
 def test_shrink_mask_calls(ranks):
     R = 4
     case = Case(R, 2 * R, 128, 2, (4, 5, 3, 4), seed=13)
-    for statuses in ranks(R).run(deep_ep_jobs.shrink_masks, case):
+    for statuses in ranks(R).run(deep_ep_jobs.shrink_masks, case):   # a call while masked
         assert statuses == [[0] * R, [0] * (R - 1) + [1], [0] * R], statuses

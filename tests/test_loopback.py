@@ -90,3 +90,45 @@ def test_workspace_formula():
     assert formula <= got <= formula + (13 + 5) * 128
     assert moe_comm.Buffer.loopback(R, H, E, T, torch.bfloat16, max_topk=K)[0].workspace_bytes \
         == got
+
+
+def _order_values(n: int) -> torch.Tensor:
+    """1, 2**-24, 2**-24, 0, ...: summed in fp32 from the first, the small ones vanish (1 +
+    2**-24 rounds to 1); from the last, they add up to 2**-23 first and survive."""
+    return torch.tensor([1.0, 2.0 ** -24, 2.0 ** -24] + [0.0] * (n - 3))
+
+
+def test_home_rank_sums_partials_in_rank_order():
+    """Each token picks one expert on each of 4 ranks; rank d's expert rows hold
+    ``_order_values(4)[d]``: the documented order 0..R-1 gives exactly 1.0."""
+    R, H = 4, 64
+    bufs = moe_comm.Buffer.loopback(R, H, R, 3, torch.float32)
+    xs = [torch.randn(3, H) for _ in range(R)]
+    idxs = [torch.arange(R).repeat(3, 1) for _ in range(R)]
+    got = lockstep.dispatch(bufs, xs, idxs)
+    ys = [torch.full_like(g.x, float(_order_values(R)[r])) for r, g in enumerate(got)]
+    for out in lockstep.combine(bufs, ys, [g.handle for g in got]):
+        assert torch.equal(out, torch.ones(3, H)), out[:, 0]
+
+
+def test_low_latency_combine_sums_in_choice_order():
+    """The same for the choices of a token in the low-latency combine: ``out[t] = sum over k =
+    0, 1, ... of w[t, k] * y_row(t, k)``, from choice 0."""
+    R, H, K = 2, 64, 4
+    bufs = moe_comm.Buffer.loopback(R, H, 4 * R, 2, torch.float32, low_latency=True)
+    xs = [torch.randn(2, H) for _ in range(R)]
+    idxs = [torch.tensor([[0, 4, 5, 1], [6, 2, 3, 7]]) for _ in range(R)]
+    ws = [torch.ones(2, K) for _ in range(R)]
+    recvs = lockstep.low_latency_dispatch(bufs, xs, idxs, fp8=False)
+    # y_row(t, k) = _order_values(K)[k]: the expert row of every (token, choice) by its choice
+    ys = []
+    for r, recv in enumerate(recvs):
+        y = torch.zeros_like(recv.x)
+        for e in range(recv.x.shape[0]):
+            for i in range(int(recv.count[e])):
+                src, t = divmod(int(recv.src_info[e, i]), 2)
+                k = int((idxs[src][t] == r * 4 + e).nonzero())
+                y[e, i] = _order_values(K)[k]
+        ys.append(y)
+    for out in lockstep.low_latency_combine(bufs, ys, idxs, ws, [g.handle for g in recvs]):
+        assert torch.equal(out, torch.ones(2, H)), out[:, 0]

@@ -17,7 +17,7 @@ export TRITON_CACHE_DIR ?= $(HOME)/.cache/moe_comm/triton
 export MOE_COMM_CACHE_DIR ?= $(HOME)/.cache/moe_comm
 export TRITON_DEFAULT_FP_FUSION ?= 1
 
-.PHONY: bench test test-quick gpu-gate gpu-gate-triton36 lint clean
+.PHONY: bench test test-quick mutants gpu-gate gpu-gate-triton36 lint clean
 
 $(STAMP): setup.py pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,9 @@ test: $(STAMP) $(STAMP36)  ## the whole suite (CI), then the static gate under T
 
 test-quick: $(STAMP)  ## the suite without the cases marked slow
 	$(BIN)/python -m pytest -q -m "not slow"
+
+mutants: $(STAMP)  ## one-line mutations of the product, each caught by its tests (not in test)
+	$(BIN)/python tests/mutants.py
 
 gpu-gate: $(STAMP)  ## every kernel as launched on a GPU, compiled for sm_90/sm_100 and read
 	TRITON_INTERPRET=0 $(BIN)/python -m moe_comm.gate --arch 90 100

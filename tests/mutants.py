@@ -1,0 +1,303 @@
+"""One-line mutations of the product, each with the tests that must catch it (``make mutants``).
+
+    python tests/mutants.py [--list] [--only NAME ...] [--timeout S]
+
+Each entry of ``MUTANTS`` breaks one promise of the README with a one-line change of the
+product and names the tests that hold that promise. The runner copies the tree (the files git
+tracks, and untracked ones it does not ignore) into a temporary folder, runs every named test
+there unchanged first (the control: a test that fails without a mutation catches nothing),
+then applies each mutation alone, runs its tests (``pytest -x``) and puts the file back. A
+mutation is caught when its tests fail (pytest's exit status 1) or hang past ``--timeout``. It
+prints one row per mutation and exits 1 if any is not caught, or if the control fails. The
+copy imports its own ``moe_comm`` (``PYTHONPATH``, checked before anything runs); nothing in
+the checkout changes. About 25 minutes on 2 cores.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    promise: str  # what the README promises that the mutation breaks
+    path: str  # relative to the tree
+    old: str  # text within one line of the product
+    new: str
+    tests: tuple[str, ...]  # pytest node ids that must fail
+    nth: int = 0  # which occurrence of ``old`` (where it occurs more than once)
+
+
+F = "tests/test_fault.py::"
+FL = "tests/test_fault_layers.py::"
+
+MUTANTS = (
+    # ---- fault tolerance: each exclusion layer alone
+    Mutant("combine_sums_excluded_partials",
+           "combine leaves out the partials of excluded expert ranks",
+           "kernels/combine.py", "slot = tl.where(tl.load(live + d) != 0, slot, -1)",
+           "slot = slot", (FL + "test_combine_leaves_out_a_rank_excluded_after_its_rows_were_"
+                           "sent[None-host_waits]",
+                           F + "test_kill_one_rank_normal_mode_4_ranks[in_combine]")),
+    Mutant("fp8_combine_sums_excluded_partials",
+           "the FP8 combine leaves out the partials of excluded expert ranks",
+           "kernels/combine.py", "slot = tl.where(tl.load(live + d) != 0, slot, -1)",
+           "slot = slot", (FL + "test_combine_leaves_out_a_rank_excluded_after_its_rows_were_"
+                           "sent[fp8-kernel_waits]",), nth=1),
+    Mutant("layout_sends_to_excluded_ranks",
+           "dispatch sends nothing to an excluded rank",
+           "kernels/layout.py",
+           "live = ((tl.load(mask + d + lanes) == 0) & (tl.load(mask + me + lanes) == 0))",
+           "live = ((tl.load(mask + me + lanes) == 0))",
+           (FL + "test_layout_sends_nothing_to_or_from_an_excluded_rank[host_waits]",)),
+    Mutant("layout_without_self_fence",
+           "an excluded rank writes no row (the device-side fence of GPUs)",
+           "kernels/layout.py",
+           "live = ((tl.load(mask + d + lanes) == 0) & (tl.load(mask + me + lanes) == 0))",
+           "live = ((tl.load(mask + d + lanes) == 0))",
+           (FL + "test_layout_sends_nothing_to_or_from_an_excluded_rank[kernel_waits]",)),
+    Mutant("mask_polarity", "active_ranks(): True = active",
+           "moe_comm/fault.py", "return self._mask == 0", "return self._mask != 0",
+           (F + "test_fault_tolerance_arguments",)),
+    Mutant("renormalize_by_survivors", "renormalize=True rescales by total / surviving weight",
+           "moe_comm/fault.py", "total / torch.where(surviving != 0, surviving, 1)",
+           "surviving / torch.where(surviving != 0, total, 1)",
+           (F + "test_kill_one_rank_normal_mode_4_ranks[in_combine]",)),
+    Mutant("dead_process_not_noticed",
+           "a peer process of this node that has ended is excluded at once",
+           "moe_comm/fault.py", "if self._mask_words[peer] == 0 and not pid_alive(pid):",
+           "if self._mask_words[peer] == 0 and not pid_alive(pid) and False:",
+           (F + "test_kill_one_rank_normal_mode_4_ranks[between]",)),
+    # ---- the DeepEP facade
+    Mutant("deep_ep_padding_not_zero", "num_worst_tokens pads recv_x with zero rows",
+           "moe_comm/deep_ep/buffer.py", "recv_x = pad(recv_x, 0)", "recv_x = pad(recv_x, 7)",
+           ("tests/test_deep_ep.py::test_normal_mode_matches_deepep_semantics[2-1]",)),
+    # ---- host reads
+    Mutant("host_read_in_combine_by_torch_equal",
+           "combine reads nothing on the host",
+           "moe_comm/normal_mode.py", "T, dev = slot_of.shape[0], self.device",
+           "T, dev = slot_of.shape[0], self.device if torch.equal(slot_of, slot_of) else None",
+           ("tests/test_syncs.py::test_gpu_flavours_read_nothing_else_on_the_meta_device",)),
+    Mutant("host_read_in_low_latency_combine_by_cpu",
+           "the low-latency ops read nothing on the host",
+           "moe_comm/low_latency.py", "out = torch.empty((topk_idx.shape[0], self.hidden),",
+           "out = torch.empty((topk_idx.cpu().shape[0], self.hidden),",
+           ("tests/test_syncs.py::test_gpu_flavours_read_nothing_else_on_the_meta_device",)),
+    # ---- the static gate
+    Mutant("gate_drops_mxfp8", "the gate compiles every dispatch format",
+           "moe_comm/gate.py", 'for fmt in ("mxfp8", "nvfp4"):', 'for fmt in ("nvfp4",):',
+           ("tests/test_gate.py::test_gate_drivers_launch_the_listed_variants",)),
+    Mutant("gate_drops_fault_tolerant_low_latency",
+           "the gate compiles the fault-tolerant flavour in both modes",
+           "moe_comm/gate.py", "(name, dtype, 0, True, False, True)]", "]",
+           ("tests/test_gate.py::test_gate_drivers_launch_the_listed_variants",)),
+    Mutant("gate_specialisation_rule_off",
+           "the gate fails when ranks specialise apart",
+           "moe_comm/gate.py", "if any(len(set(g)) > 1 for g in groups):", "if False:",
+           ("tests/test_gate.py::test_each_rule_fails_on_its_mutation[specialised_rank-None]",)),
+    # ---- formats
+    Mutant("nvfp4_global_scale_keeps_infinity",
+           "NVFP4's global scale is taken over the finite |x|",
+           "moe_comm/microscale.py",
+           "a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))",
+           "a = torch.where(torch.isnan(a), torch.zeros_like(a), a)",
+           ("tests/test_microscale.py::test_nvfp4_global_scale_against_an_independent_oracle",)),
+    Mutant("amax_floor", "scales floor amax at 1e-4 (MXFP8, NVFP4)",
+           "moe_comm/microscale.py", "AMAX_FLOOR = 1e-4", "AMAX_FLOOR = 1e-5",
+           ("tests/test_microscale.py::test_nvfp4_global_scale_against_an_independent_oracle",)),
+    Mutant("fp8_scale_floor", "FP8 scale = max(amax, 1e-4) / 448",
+           "kernels/quant.py", "tl.maximum(tl.max(tl.abs(v3), axis=2), 1e-4)",
+           "tl.maximum(tl.max(tl.abs(v3), axis=2), 1e-5)",
+           ("tests/test_fp8.py::test_quantize_matches_reference_and_error_bound",)),
+    Mutant("ue8m0_rounds_down", "UE8M0 rounds scales up to powers of two",
+           "kernels/quant.py", "exponent = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.uint32)",
+           "exponent = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.uint32) * 0",
+           ("tests/test_fp8.py::test_quantize_matches_reference_and_error_bound",)),
+    Mutant("nan_lost_in_bf16_rounding", "a payload NaN (0x7FFFFFFF) stays NaN through bf16",
+           "kernels/numerics.py",
+           "rounded = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rounded)",
+           "rounded = rounded",
+           ("tests/test_nan.py::test_payload_nan_weight_and_nan_rows_reach_the_output",)),
+    # ---- the protocol and the data path
+    Mutant("combine_rank_order_reversed", "the home rank sums the partials in rank order 0..R-1",
+           "kernels/combine.py", "for d in range(d0, d1):",
+           "for d in range(d1 - 1, d0 - 1, -1):",
+           ("tests/test_loopback.py::test_home_rank_sums_partials_in_rank_order",)),
+    Mutant("low_latency_choice_order_reversed",
+           "the low-latency combine sums a token's choices in order k = 0, 1, ...",
+           "kernels/low_latency.py", "\n        for k in range(K):\n",
+           "\n        for k in range(K - 1, -1, -1):\n",
+           ("tests/test_loopback.py::test_low_latency_combine_sums_in_choice_order",)),
+    Mutant("one_staging_parity", "staging is double-buffered by epoch parity",
+           "kernels/dispatch.py", "parity = epoch % 2", "parity = epoch * 0",
+           ("tests/test_ranks.py::test_stragglers_back_to_back_bit_identical",)),
+    Mutant("padding_not_zeroed", "padding rows are zero",
+           "kernels/dispatch.py", "tl.zeros([BLOCK_T, BLOCK_H], out.dtype.element_ty),",
+           "tl.full([BLOCK_T, BLOCK_H], 7, out.dtype.element_ty),",
+           ("tests/test_syncs.py::test_only_padding_rows_are_zeroed_and_they_all_are",)),
+    Mutant("bad_expert_id_not_recorded",
+           "a row with a bad expert id raises ValueError after the call",
+           "kernels/layout.py", "        if d == 0:\n", "        if d == -1:\n",
+           ("tests/test_ranks.py::test_a_bad_expert_row_goes_nowhere_and_raises_after_the_call",)),
+    Mutant("too_many_rows_not_recorded",
+           "more rows than max_recv_rows raise RuntimeError",
+           "kernels/dispatch.py", "        if total > max_rows:", "        if total < 0:",
+           ("tests/test_syncs.py::test_too_few_max_recv_rows_raise_after_the_call_and_the_"
+            "buffer_goes_on",)),
+    Mutant("signal_bytes_not_counted", "bytes per combine: n_d * H * b + 8",
+           "kernels/combine.py", "signal_bytes = 8 + tl.zeros([1], tl.int64)",
+           "signal_bytes = 0 + tl.zeros([1], tl.int64)",
+           ("tests/test_loopback.py::test_launch_counts",
+            "tests/test_ranks.py::test_bytes_on_the_link_are_the_minimum_and_launches_as_"
+            "documented")),
+    Mutant("metadata_bytes_miscounted", "bytes per dispatch: n_d * (H * b + 4 * (1 + 3K)) + ...",
+           "kernels/dispatch.py", "row_bytes += 4 * (1 + 3 * K)", "row_bytes += 4 * (1 + 2 * K)",
+           ("tests/test_ranks.py::test_bytes_on_the_link_are_the_minimum_and_launches_as_"
+            "documented",)),
+    Mutant("timeout_names_this_rank", "a timeout names the peer that did not arrive",
+           "kernels/comm.py",
+           "raise PeerTimeoutError(rank, s, channel, expected, int(observe()[s]), timeout_s)",
+           "raise PeerTimeoutError(rank, rank, channel, expected, int(observe()[s]), timeout_s)",
+           ("tests/test_ranks.py::test_peer_that_skips_a_call_is_named_within_the_timeout"
+            "[host-waits]",)),
+    Mutant("wait_not_bounded_by_timeout", "every wait for a peer ends after MOE_COMM_TIMEOUT_S",
+           "kernels/comm.py", "deadline = start + timeout_s", "deadline = start + 10 * timeout_s",
+           ("tests/test_ranks.py::test_peer_that_skips_a_call_is_named_within_the_timeout"
+            "[host-waits]",)),
+    Mutant("third_low_latency_send_allowed",
+           "a third low-latency send before the oldest hook raises",
+           "moe_comm/low_latency.py", "if self._ll_pending[channel] >= IN_FLIGHT:",
+           "if self._ll_pending[channel] > IN_FLIGHT:",
+           ("tests/test_low_latency.py::test_misuse_raises_clear_errors",)),
+    # ---- the performance model
+    Mutant("perfmodel_regression", "the model predicts the published numbers (pinned accuracy)",
+           "moe_comm/perfmodel/implementations.py", "per_peer_us=0.114,", "per_peer_us=0.150,",
+           ("tests/test_perfmodel.py::test_validation_cases_within_bounds",)),
+)
+
+
+def _files(root: str) -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         cwd=root, capture_output=True, check=True).stdout.decode()
+    return [f for f in out.split("\0") if f and os.path.isfile(os.path.join(root, f))]
+
+
+def copy_tree(root: str, dest: str) -> None:
+    """The checkout's files into ``dest``, with ``moe_comm/kernels`` pointing at ``kernels``
+    (what the editable install maps), so that ``PYTHONPATH=dest`` imports the copy."""
+    for rel in _files(root):
+        os.makedirs(os.path.dirname(os.path.join(dest, rel)) or dest, exist_ok=True)
+        shutil.copy2(os.path.join(root, rel), os.path.join(dest, rel))
+    os.symlink(os.path.join("..", "kernels"), os.path.join(dest, "moe_comm", "kernels"))
+
+
+def _env(tree: str) -> dict:
+    return {**os.environ, "PYTHONPATH": tree, "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def check_imports(tree: str) -> None:
+    probe = ("import moe_comm, moe_comm.kernels.combine as c; "
+             "print(moe_comm.__file__); print(c.__file__)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tree, env=_env(tree),
+                         capture_output=True, text=True, check=True).stdout.split()
+    real = os.path.realpath(tree)
+    if not all(os.path.realpath(p).startswith(real + os.sep) for p in out):
+        raise SystemExit(f"the copy imports {out}, not its own files under {tree}")
+
+
+def run_tests(tree: str, tests, timeout_s: float) -> tuple[str, float]:
+    """('passed' | 'failed' | 'timed out' | 'error <status>', seconds)."""
+    start = time.monotonic()
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    try:
+        proc = subprocess.run(cmd, cwd=tree, env=_env(tree), capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return "timed out", time.monotonic() - start
+    status = {0: "passed", 1: "failed"}.get(proc.returncode, f"error {proc.returncode}")
+    if status.startswith("error"):
+        print(proc.stdout[-2000:], proc.stderr[-2000:], sep="\n", file=sys.stderr)
+    return status, time.monotonic() - start
+
+
+def mutate(tree: str, m: Mutant) -> str:
+    """Applies ``m`` in ``tree``; returns the original text of the file."""
+    path = os.path.join(tree, m.path)
+    with open(path) as f:
+        source = f.read()
+    if "\n" in m.old.strip("\n") or "\n" in m.new.strip("\n"):
+        raise SystemExit(f"{m.name}: a mutation changes one line")
+    at = -1
+    for _ in range(m.nth + 1):
+        at = source.find(m.old, at + 1)
+        if at < 0:
+            raise SystemExit(f"{m.name}: occurrence {m.nth} of {m.old!r} not in {m.path}")
+    with open(path, "w") as f:
+        f.write(source[:at] + m.new + source[at + len(m.old):])
+    return source
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--list", action="store_true", help="print the table, run nothing")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="these mutations only")
+    parser.add_argument("--timeout", type=float, default=900.0,
+                        help="seconds a mutation's tests may run (longer counts as a hang)")
+    args = parser.parse_args(argv)
+    names = {m.name for m in MUTANTS}
+    if len(names) != len(MUTANTS):
+        raise SystemExit("two mutations share a name")
+    unknown = set(args.only or ()) - names
+    if unknown:
+        raise SystemExit(f"unknown mutations: {sorted(unknown)}")
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:<40} {m.path:<36} {m.promise}\n{'':<40} " + " ".join(m.tests))
+        return 0
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="moe_comm_mutants_") as tmp:
+        tree = os.path.join(tmp, "tree")
+        copy_tree(ROOT, tree)
+        check_imports(tree)
+        for m in chosen:   # every mutation applies (and the file goes back)
+            original = mutate(tree, m)
+            with open(os.path.join(tree, m.path), "w") as f:
+                f.write(original)
+        tests = list(dict.fromkeys(t for m in chosen for t in m.tests))
+        print(f"control: {len(tests)} tests on the unchanged copy ...", flush=True)
+        status, seconds = run_tests(tree, tests, 4 * args.timeout)
+        print(f"control: {status} in {seconds:.0f} s", flush=True)
+        if status != "passed":
+            print("the tests fail without a mutation: nothing can be said", file=sys.stderr)
+            return 1
+        rows = []
+        for m in chosen:
+            original = mutate(tree, m)
+            try:
+                status, seconds = run_tests(tree, m.tests, args.timeout)
+            finally:
+                with open(os.path.join(tree, m.path), "w") as f:
+                    f.write(original)
+            verdict = {"failed": "caught", "timed out": "caught (hang)",
+                       "passed": "NOT CAUGHT"}.get(status, status)
+            rows.append((m, verdict, seconds))
+            print(f"{m.name:<40} {verdict:<14} {seconds:6.0f} s  {m.promise}", flush=True)
+    missed = [m.name for m, verdict, _ in rows if not verdict.startswith("caught")]
+    print(f"\n{len(rows) - len(missed)} of {len(rows)} mutations caught in "
+          f"{time.monotonic() - start:.0f} s" + (f"; not caught: {', '.join(missed)}"
+                                                 if missed else ""))
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -29,25 +29,18 @@ def _losses(stdout: str, kind: str) -> dict[int, float]:
     return {int(s): float(v) for s, v in re.findall(pattern, stdout)}
 
 
-def test_train_moe_ep_matches_dense_training_on_four_ranks():
-    proc = _run("examples/train_moe_ep.py", "--ranks", "4", "--steps", "6", "--print-every", "1")
+def test_train_moe_ep_matches_dense_training_on_four_ranks_and_learns():
+    """20 steps: the loss of every step equals dense training's, and it falls (3.95 -> 2.89
+    with the example's seed)."""
+    proc = _run("examples/train_moe_ep.py", "--ranks", "4", "--steps", "20", "--print-every",
+                "1", timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK: expert-parallel training equals dense training" in proc.stdout
     ep, dense = _losses(proc.stdout, "expert-parallel"), _losses(proc.stdout, "dense")
-    assert sorted(ep) == sorted(dense) == list(range(6))
+    assert sorted(ep) == sorted(dense) == list(range(20))
     for step in ep:
         assert ep[step] == pytest.approx(dense[step], rel=1e-4, abs=0), step
-    assert len(set(ep.values())) > 1, "the loss never changed: nothing was trained"
-
-
-@pytest.mark.slow
-def test_train_moe_ep_loss_falls():
-    proc = _run("examples/train_moe_ep.py", "--ranks", "4", "--steps", "50", "--print-every",
-                "10", timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    ep = _losses(proc.stdout, "expert-parallel")
-    assert ep[49] < 0.7 * ep[0], ep
-    assert "OK: expert-parallel training equals dense training" in proc.stdout
+    assert ep[19] < 0.75 * ep[0], ep
 
 
 @pytest.mark.slow

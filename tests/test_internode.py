@@ -42,11 +42,17 @@ def _id(setup) -> str:
             + ("-ue8m0" if ue8m0 else ""))
 
 
+def _iterations(straggle: float) -> int:
+    """Three calls where stragglers let a fast rank reuse a staging parity its peers may still
+    read (the race double buffering must survive); two (both parities) elsewhere."""
+    return 3 if straggle else 2
+
+
 @pytest.mark.parametrize("setup", SETUPS, ids=_id)
 def test_nodes_match_reference_bit_for_bit(ranks, setup):
     (m, n), hier, case, straggle, fp8, ue8m0 = setup
-    reports = ranks(m * n).run(nodes_case, case, n, hier, iterations=3, straggle_s=straggle,
-                               fp8=fp8, ue8m0=ue8m0)
+    reports = ranks(m * n).run(nodes_case, case, n, hier, iterations=_iterations(straggle),
+                               straggle_s=straggle, fp8=fp8, ue8m0=ue8m0)
     for rank, rep in enumerate(reports):
         assert rep["threads"] == [], f"rank {rank}: threads left: {rep['threads']}"
         # nothing between nodes moved by stores: every byte across went through the proxy
@@ -158,8 +164,8 @@ def test_low_latency_across_nodes_matches_reference_and_moves_the_minimum(ranks,
     another node, the expert's signal after them; results bit for bit, and the transport asked
     to move exactly those pairs (row and meta word out, one row back)."""
     (m, n), case, straggle, fp8, ue8m0 = setup
-    reports = ranks(m * n).run(ll_nodes_case, case, n, iterations=3, straggle_s=straggle,
-                               fp8=fp8, ue8m0=ue8m0)
+    reports = ranks(m * n).run(ll_nodes_case, case, n, iterations=_iterations(straggle),
+                               straggle_s=straggle, fp8=fp8, ue8m0=ue8m0)
     for rank, rep in enumerate(reports):
         assert rep["threads"] == [], f"rank {rank}: threads left: {rep['threads']}"
         assert all(rep["peer_ptrs"][p] == 0 for p in range(m * n) if p // n != rank // n)

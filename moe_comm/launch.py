@@ -4,11 +4,12 @@
         results = pool.run(fn, *args)    # fn(rank, world_size, *args) on every rank, in parallel
 
 ``fn`` must be importable by name (a module-level function) and return picklable values.
-Workers start once (importing torch and triton costs seconds) and run many jobs. Every job is
-bounded: if any rank has not answered within ``timeout_s``, the pool terminates its own worker
-processes and raises. Errors of any rank are re-raised in the caller as :class:`RankError` with
-each failing rank's traceback. The rendezvous is a file store in a private temporary directory,
-removed on close; gloo binds to ``lo`` only.
+Workers start once and run many jobs; they are forked from a server that imported torch and
+Triton and ran the main kernels once (seconds each rank would pay again; ``_context``). Every
+job is bounded: if any rank has not answered within ``timeout_s``, the pool terminates its own
+worker processes and raises. Errors of any rank are re-raised in the caller as
+:class:`RankError` with each failing rank's traceback. The rendezvous is a file store in a
+private temporary directory, removed on close; gloo binds to ``lo`` only.
 """
 from __future__ import annotations
 
@@ -22,7 +23,20 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-_WORKER_ENV = {"TRITON_INTERPRET": "1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+WORKER_ENV = {"TRITON_INTERPRET": "1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+
+
+def _context():
+    """How workers start: forked from multiprocessing's fork server, which imported torch, Triton
+    and the kernels once and ran the main ones once (``moe_comm._rank_preload``), so a rank is up
+    in a fraction of a second instead of the seconds an import and the interpreter's first call
+    of a kernel cost each process; ``spawn`` where there is no fork server. The server starts
+    with the first pool of this process and ends with it."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["moe_comm._rank_preload"])
+    return ctx
 
 
 class RankError(RuntimeError):
@@ -38,6 +52,7 @@ class RankError(RuntimeError):
 
 def _worker(rank: int, world_size: int, store_path: str, conn, env: dict,
             pg_timeout_s: float) -> None:
+    os.environ.clear()  # the caller's environment as it is now (the fork server's is older)
     os.environ.update(env)
     import torch
     import torch.distributed as dist
@@ -70,8 +85,8 @@ class RankPool:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size, self.timeout_s = world_size, timeout_s
         self._dir = tempfile.mkdtemp(prefix="moe_comm_pool_")
-        ctx = mp.get_context("spawn")
-        worker_env = {**_WORKER_ENV, **(env or {})}
+        ctx = _context()
+        worker_env = {**os.environ, **WORKER_ENV, **(env or {})}
         self._conns, self._procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()

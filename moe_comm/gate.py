@@ -1,6 +1,6 @@
 """The static gate: every kernel as the Buffer launches it on a GPU, compiled and read.
 
-    python -m moe_comm.gate [--arch 90 100] [--nvshmem-arch 90] [--jobs N] [--out TSV] [--list]
+    python -m moe_comm.gate [--arch 90 100] [--brief-arch 100] [--jobs N] [--out TSV] [--list]
 
 Virtual ranks on the ``meta`` device (no memory, no GPU) drive the public ops with the GPU
 flavours (in-kernel waits; across nodes also NVSHMEM puts): normal-mode dispatch in every FP8
@@ -376,9 +376,18 @@ def _compile_job(job):
     return inspect_launch(launch, arch, config, variant)
 
 
-def run(archs, jobs: int, out: str, configs=CONFIGS, nvshmem_archs=None) -> int:
-    """Records, compiles every variant for each of ``archs`` (the NVSHMEM-linked ones for
-    ``nvshmem_archs`` only, default ``archs``), reads, prints; returns the exit status."""
+def _brief(v: Variant) -> bool:
+    """What a ``--brief-arch`` compiles: the bf16 variants of the DeepSeek-V3 sizes that link no
+    NVSHMEM (the other dtypes change only how rows are loaded and are read at the full archs;
+    the NVSHMEM rules read the Triton IR, the same for every arch, and one device bitcode
+    serves every arch)."""
+    return (v.dtype == "bfloat16" and not v.launch.uses_nvshmem
+            and any(c.startswith("dsv3") for c in v.configs))
+
+
+def run(archs, jobs: int, out: str, configs=CONFIGS, brief_archs=()) -> int:
+    """Records, compiles every variant for each of ``archs`` and the :func:`_brief` ones for
+    ``brief_archs``, reads, prints; returns the exit status."""
     from .kernels.compiled import check_markers, violations
     from .kernels.recording import post_compile_hook_finds_the_kernel
 
@@ -394,15 +403,16 @@ def run(archs, jobs: int, out: str, configs=CONFIGS, nvshmem_archs=None) -> int:
     problems = [v for k, v in variants.items() if k.startswith("problem:")]
     todo = [v for k, v in variants.items() if not k.startswith("problem:")]
     print(f"gate: {len(todo)} variants recorded in {recorded:.1f} s; compiling them for "
-          f"sm_{', sm_'.join(map(str, archs))} on {jobs} processes", flush=True)
+          f"sm_{', sm_'.join(map(str, archs))}"
+          + (f" and the bf16 DeepSeek-V3 ones for sm_{', sm_'.join(map(str, brief_archs))}"
+             if brief_archs else "") + f" on {jobs} processes", flush=True)
     kernel_dir = os.path.dirname(inspect.getsourcefile(todo[0].launch.kernel.fn))
     marker_problems = [p for f in sorted(os.listdir(kernel_dir)) if f.endswith(".py")
                        for p in check_markers(os.path.join(kernel_dir, f))]
-    nvshmem_archs = archs if nvshmem_archs is None else nvshmem_archs
     work = []
     for v in todo:
         launch = v.launch
-        for arch in (nvshmem_archs if launch.uses_nvshmem else archs):
+        for arch in [*archs, *(brief_archs if _brief(v) else ())]:
             work.append((launch.kernel.fn.__module__, launch.name, launch.signature,
                          launch.constexprs, launch.attrs, launch.options, launch.key, arch,
                          "+".join(v.configs), _variant_text(launch, v.dtype)))
@@ -466,10 +476,9 @@ def main(argv=None) -> int:
     parser.add_argument("--config", nargs="+", choices=[c.name for c in CONFIGS],
                         default=[c.name for c in CONFIGS])
     parser.add_argument("--out", default="bench/results/gpu_gate.tsv")
-    parser.add_argument("--nvshmem-arch", type=int, nargs="+", default=None,
-                        help="compile the NVSHMEM-linked variants for these only (default: "
-                             "--arch; their NVSHMEM rules read the TTIR, the same for every "
-                             "arch, and one device bitcode serves all)")
+    parser.add_argument("--brief-arch", type=int, nargs="+", default=[],
+                        help="also compile for these the bf16 variants of the DeepSeek-V3 "
+                             "sizes that link no NVSHMEM (make test: sm_100)")
     parser.add_argument("--list", action="store_true",
                         help="print the variants the drivers launch per config, compile nothing")
     args = parser.parse_args(argv)
@@ -480,7 +489,7 @@ def main(argv=None) -> int:
     if args.list:
         print("\n".join(variant_list(configs, args.arch[0])))
         return 0
-    return run(args.arch, args.jobs, args.out, configs, args.nvshmem_arch)
+    return run(args.arch, args.jobs, args.out, configs, args.brief_arch)
 
 
 if __name__ == "__main__":

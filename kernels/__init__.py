@@ -5,3 +5,7 @@
 Every module exposes ``@triton.jit`` kernels plus a host launcher per kernel; launchers check
 nothing (the torch API validates inputs before any launch) and return nothing.
 """
+
+from . import interpreter as _interpreter
+
+_interpreter.install()  # CPU ranks: helper calls inside a launch do not re-patch triton.language

@@ -181,7 +181,11 @@ MUTANTS = (
     # ---- the performance model
     Mutant("perfmodel_regression", "the model predicts the published numbers (pinned accuracy)",
            "moe_comm/perfmodel/implementations.py", "per_peer_us=0.114,", "per_peer_us=0.150,",
-           ("tests/test_perfmodel.py::test_validation_cases_within_bounds",)),
+           ("tests/test_perfmodel.py::test_validation_cases_within_bounds",)),    # ---- CPU ranks
+    Mutant("interpreter_repatches_per_helper_call",
+           "a helper call inside a launch does not patch triton.language again",
+           "kernels/interpreter.py", "if langs is None or not needed <= langs:", "if True:",
+           ("tests/test_interpreter.py::test_one_patch_per_launch_and_the_same_results",)),
 )
 
 

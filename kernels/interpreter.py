@@ -1,0 +1,88 @@
+"""Device-function calls under the Triton interpreter without re-patching ``triton.language``.
+
+On CPU ranks the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``). A launch there
+replaces the builtins of ``triton.language`` (``tl.load``, ``tl.sum``, ...) with interpreted
+ones for the length of the launch and restores them after; Triton 3.6 to 3.9 also redo that
+whole replacement (an ``inspect.getmembers`` walk of ``tl``, ``tl.tensor`` and ``tl.math``) on
+every call of a ``@triton.jit`` helper from inside the kernel, about 10 ms a call. The
+low-latency kernels call helpers per pair and per tile, so at 8 ranks a third or more of a
+rank's time went to these walks, patching what was already patched.
+
+:func:`install` makes a helper call inside a running launch skip the walk when the language
+modules the helper sees are among those its launch patched, and keeps Triton's own path
+otherwise (outside a launch, or a helper that sees a module the launch did not patch). The
+semantics are Triton's, equivalent to::
+
+    def helper_call(self, *args, **kwargs):      # InterpretedFunction.__call__
+        if not patched_by_this_launch(self.fn):  # Triton: always
+            _patch_lang(self.fn)
+        return self.rewrite()(*args, **kwargs)
+
+It changes nothing on a GPU (compiled kernels never reach the interpreter) and is a no-op on a
+Triton whose interpreter lacks the names it wraps.
+"""
+import inspect
+import threading
+
+import triton.language as tl
+
+try:
+    from triton.runtime import interpreter as _interp
+except ImportError:  # pragma: no cover - a Triton without the interpreter
+    _interp = None
+
+_NAMES = ("GridExecutor", "InterpretedFunction", "_patch_lang", "InterpreterError")
+_launch = threading.local()  # .langs: the language modules the running launch patched
+_langs_of: dict[int, frozenset] = {}  # id(fn.__globals__) -> its language modules
+
+
+def _languages(fn) -> frozenset:
+    """The modules ``_patch_lang(fn)`` patches: ``tl`` and ``tl.core`` where ``fn`` sees them."""
+    key = id(fn.__globals__)
+    langs = _langs_of.get(key)
+    if langs is None:
+        langs = frozenset(id(v) for v in list(fn.__globals__.values())
+                          if inspect.ismodule(v) and v in (tl, tl.core))
+        _langs_of[key] = langs
+    return langs
+
+
+def _wrap_launch(launch):
+    def grid_call(self, *args, **kwargs):
+        outer = getattr(_launch, "langs", None)
+        _launch.langs = _languages(self.fn)
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            _launch.langs = outer
+    grid_call.__wrapped__ = launch
+    return grid_call
+
+
+def _helper_call(self, *args, **kwargs):
+    langs = getattr(_launch, "langs", None)
+    needed = _languages(self.fn)
+    if langs is None or not needed <= langs:
+        _interp._patch_lang(self.fn)
+        if langs is not None:
+            _launch.langs = langs | needed
+    fn = self.rewrite()
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        raise _interp.InterpreterError(repr(e)) from e
+
+
+def install() -> bool:
+    """Applies the patch once per process; returns whether it is in place."""
+    if _interp is None or not all(hasattr(_interp, n) for n in _NAMES) \
+            or not hasattr(_interp.InterpretedFunction, "rewrite"):
+        return False
+    executor, function = _interp.GridExecutor, _interp.InterpretedFunction
+    if getattr(function.__call__, "__moe_comm__", False):
+        return True
+    executor.__call__ = _wrap_launch(executor.__call__)
+    _helper_call.__moe_comm__ = True
+    _helper_call.__wrapped__ = function.__call__
+    function.__call__ = _helper_call
+    return True

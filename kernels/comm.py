@@ -208,6 +208,16 @@ def draw_last_of(ticket_ptr, programs):
 
 # ------------------------------------------------------------------------------- waits
 @triton.jit
+def acquire_word(word):
+    """``word[0]`` read with system-scope acquire ordering: loads after it see what was
+    published before the value it returns. The caller must use the value (Triton 3.6 drops an
+    acquire whose result is unused, and with it the ordering); the waits use it to decide
+    whether the word arrived. Signal words only grow while a wait runs, so this value is at
+    least the one the spin saw."""
+    return tl.atomic_add(word, 0, sem="acquire", scope="sys")  # gate: acquire
+
+
+@triton.jit
 def wait_at_least(word, expected, SHIFT: tl.constexpr, deadline_ns, errors, peer,
                   NUM_THREADS: tl.constexpr):
     """Spins until ``word >> SHIFT >= expected`` (``word``: local int64) or the deadline;
@@ -220,9 +230,10 @@ def wait_at_least(word, expected, SHIFT: tl.constexpr, deadline_ns, errors, peer
     while (observed < expected) & (uniform_now_ns(NUM_THREADS) < deadline_ns):
         observed = uniform_max(word, NUM_THREADS) >> SHIFT
     arrived = observed >= expected
-    if arrived:
-        tl.atomic_add(word, 0, sem="acquire", scope="sys")  # gate: acquire
-    else:
+    if arrived:  # the acquire's value decides, so no compiler drops it as unused
+        observed = acquire_word(word) >> SHIFT
+        arrived = observed >= expected
+    if not arrived:
         record_error(errors, TIMEOUT_RECORD, peer, expected, observed)
     tl.debug_barrier()
     return arrived
@@ -243,9 +254,10 @@ def wait_or_exclude(word, expected, SHIFT: tl.constexpr, deadline_ns, errors, pe
         observed = uniform_max(word, NUM_THREADS) >> SHIFT
         excluded = uniform_max(mask + peer, NUM_THREADS) != 0
     arrived = observed >= expected
-    if arrived:
-        tl.atomic_add(word, 0, sem="acquire", scope="sys")  # gate: acquire
-    elif not excluded:
+    if arrived:  # as in wait_at_least: the acquire's value decides
+        observed = acquire_word(word) >> SHIFT
+        arrived = observed >= expected
+    if (not arrived) & (not excluded):
         if uniform_max(mask + me, NUM_THREADS) != 0:
             record_error(errors, TIMEOUT_RECORD, me, expected, observed)
         else:

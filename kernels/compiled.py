@@ -37,6 +37,9 @@ GATE_TAGS = ("row", "scales", "exponents", "scalebytes", "tail", "publish", "acq
 MIN_STORE_BITS = {"row": 128, "scales": 32, "exponents": 8, "scalebytes": 8, "tail": 8}
 _MARKER = re.compile(r"#\s*gate:\s*([a-z]+)\s*$")
 _STORE = re.compile(r"\b(st|atom|red)\.((?:[a-zA-Z0-9_:]+\.)*[a-zA-Z0-9_:]+)")
+# Ordering loads: an atomic read whose value is the only use of a fetch-and-add of 0 compiles
+# to ``ld.global.sys.acquire``.
+_ACQUIRE_LOAD = re.compile(r"\b(ld)\.((?:[a-zA-Z0-9_:]+\.)*acquire(?:\.[a-zA-Z0-9_:]+)*)")
 
 
 @dataclass
@@ -53,6 +56,7 @@ class Facts:
     row_store_bits: dict = field(default_factory=dict)  # tag -> narrowest store (bits)
     nvshmem_issuers: dict = field(default_factory=dict)  # symbol -> "block" or thread count
     unordered_signals: list = field(default_factory=list)  # "file:line instruction"
+    markers_emitted: list = field(default_factory=list)  # "file:line" of marked lines in the PTX
     compile_s: float = 0.0
     uses_nvshmem: bool = False
     error: str = ""
@@ -62,6 +66,7 @@ class Facts:
         for name in ("row_store_bits", "nvshmem_issuers"):
             row[name] = ",".join(f"{k}={v}" for k, v in sorted(row[name].items())) or "-"
         row["unordered_signals"] = ";".join(self.unordered_signals) or "-"
+        row["markers_emitted"] = ",".join(sorted(set(self.markers_emitted))) or "-"
         return row
 
 
@@ -121,9 +126,9 @@ def _store_bits(opcode_suffix: str) -> int:
 
 
 def marked_instructions(ptx: str, package_dir: str) -> list[tuple[str, str, int, str]]:
-    """``(tag, file, line, instruction)`` for every st/atom/red of the PTX whose ``.loc`` is a
-    source line of the kernel's own package: ``tag`` is the line's ``# gate:`` marker, or ""
-    (code linked in from elsewhere, NVSHMEM's, is not listed)."""
+    """``(tag, file, line, instruction)`` for every st/atom/red and acquire load of the PTX whose
+    ``.loc`` is a source line of the kernel's own package: ``tag`` is the line's ``# gate:``
+    marker, or "" (code linked in from elsewhere, NVSHMEM's, is not listed)."""
     files = {int(n): _resolve(p, package_dir)
              for n, p in re.findall(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx, re.M)}
     markers = {n: _source_markers(p) for n, p in files.items()}
@@ -134,7 +139,7 @@ def marked_instructions(ptx: str, package_dir: str) -> list[tuple[str, str, int,
         if parts and parts[0] == ".loc":
             loc = (int(parts[1]), int(parts[2]))
             continue
-        m = _STORE.search(stripped)
+        m = _STORE.search(stripped) or _ACQUIRE_LOAD.search(stripped)
         if m is None or loc is None or m.group(1) == "st" and "global" not in m.group(2):
             continue
         path = files.get(loc[0], "")
@@ -156,6 +161,17 @@ def check_markers(path: str) -> list[str]:
         elif "tl.store(" not in text and "tl.atomic_" not in text:
             bad.append(f"{path}:{line_no}: '# gate: {tag}' on a line where no store starts")
     return bad
+
+
+def unemitted_markers(emitted, paths) -> list[str]:
+    """The ``# gate:`` markers of the files ``paths`` that no compiled variant emitted an
+    instruction for (``emitted``: the union of :attr:`Facts.markers_emitted`): a marked store or
+    acquire the compiler dropped (an acquire whose value is unused), or a marked line no
+    compiled kernel reaches."""
+    seen = set(emitted)
+    return [f"{os.path.basename(p)}:{line}: '# gate: {tag}' emitted no instruction in any "
+            f"compiled variant" for p in paths for line, tag in _source_markers(p).items()
+            if f"{os.path.basename(p)}:{line}" not in seen]
 
 
 _SSA = re.compile(r"(%[\w#.]+)")
@@ -230,6 +246,8 @@ def inspect_launch(launch, arch: int, config: str, variant: str) -> Facts:
     package_dir = os.path.dirname(pyinspect.getsourcefile(launch.kernel.fn))
     for tag, path, line, instruction in marked_instructions(compiled.asm["ptx"], package_dir):
         where = f"{os.path.basename(path)}:{line} {instruction}"
+        if tag:
+            facts.markers_emitted.append(f"{os.path.basename(path)}:{line}")
         if tag in MIN_STORE_BITS:
             bits = _store_bits(instruction.split(".", 1)[1])
             facts.row_store_bits[tag] = min(bits, facts.row_store_bits.get(tag, bits))

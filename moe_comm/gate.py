@@ -388,7 +388,7 @@ def _brief(v: Variant) -> bool:
 def run(archs, jobs: int, out: str, configs=CONFIGS, brief_archs=()) -> int:
     """Records, compiles every variant for each of ``archs`` and the :func:`_brief` ones for
     ``brief_archs``, reads, prints; returns the exit status."""
-    from .kernels.compiled import check_markers, violations
+    from .kernels.compiled import check_markers, unemitted_markers, violations
     from .kernels.recording import post_compile_hook_finds_the_kernel
 
     start = time.perf_counter()
@@ -407,8 +407,9 @@ def run(archs, jobs: int, out: str, configs=CONFIGS, brief_archs=()) -> int:
           + (f" and the bf16 DeepSeek-V3 ones for sm_{', sm_'.join(map(str, brief_archs))}"
              if brief_archs else "") + f" on {jobs} processes", flush=True)
     kernel_dir = os.path.dirname(inspect.getsourcefile(todo[0].launch.kernel.fn))
-    marker_problems = [p for f in sorted(os.listdir(kernel_dir)) if f.endswith(".py")
-                       for p in check_markers(os.path.join(kernel_dir, f))]
+    sources = [os.path.join(kernel_dir, f) for f in sorted(os.listdir(kernel_dir))
+               if f.endswith(".py")]
+    marker_problems = [p for path in sources for p in check_markers(path)]
     work = []
     for v in todo:
         launch = v.launch
@@ -422,6 +423,8 @@ def run(archs, jobs: int, out: str, configs=CONFIGS, brief_archs=()) -> int:
             facts = list(pool.map(_compile_job, work))
     else:
         facts = [_compile_job(job) for job in work]
+    marker_problems += unemitted_markers([m for f in facts if not f.error
+                                          for m in f.markers_emitted], sources)
     aligned = {(v.launch.key): v.rows_aligned for v in todo}
     rows, failed = [], 0
     for job, f in zip(work, facts):

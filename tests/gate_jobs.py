@@ -7,7 +7,8 @@ a GPU launch of the broken copy's dispatch send at DeepSeek-V3 sizes with the sa
 gate uses, compiles it for sm_90 and prints, as JSON, the gate's violations, whether ranks 0
 and 1 got different specialisations, and what the gate's specialisation rule
 (``gate._specialisation_problems``) says of the launches of all 8 ranks, two calls each (as the
-gate's drivers make them). ``none`` breaks nothing (the control).
+gate's drivers make them), and the acquire markers of ``comm.py`` that neither that send nor
+an in-kernel wait emitted. ``none`` breaks nothing (the control).
 """
 from __future__ import annotations
 
@@ -41,6 +42,12 @@ MUTATIONS = {
     "rank_constexpr": (  # a constexpr the launcher derives from the rank
         "dispatch.py", "        EVEN_H=even(H, tile.block_h),\n",
         "        EVEN_H=even(H, tile.block_h) and rank % 2 == 0,\n", 0),
+    "dropped_acquire": (  # the waits' acquire on a path the compiler drops: no instruction
+        "comm.py",
+        '    return tl.atomic_add(word, 0, sem="acquire", scope="sys")  # gate: acquire\n',
+        '    if word is None:\n'
+        '        tl.atomic_add(word, 0, sem="acquire", scope="sys")  # gate: acquire\n'
+        '    return tl.load(word, volatile=True)\n', 0),
 }
 RANKS = 8
 
@@ -93,15 +100,34 @@ def record_send(pkg, transport: int, rank: int):
     return launches[0]
 
 
+def record_wait(pkg):
+    """One recorded in-kernel wait of the normal mode (``wait_epochs_kernel``), as a GPU
+    Buffer launches it."""
+    import torch
+
+    recording = importlib.import_module(pkg.__name__ + ".recording")
+    comm = importlib.import_module(pkg.__name__ + ".comm")
+    signals = torch.empty(RANKS, dtype=torch.int64, device="meta")
+    epochs = torch.empty(1, dtype=torch.int64, device="meta")
+    with recording.recording(90) as launches:
+        comm.wait_epochs_kernel[(1,)](signals, epochs, 1 << 40, 10 ** 9, RANKS,
+                                      NUM_THREADS=128, num_warps=4)
+    return launches[0]
+
+
 def main(name: str, workdir: str) -> dict:
     from moe_comm.gate import _specialisation_problems
-    from moe_comm.kernels.compiled import inspect_launch, violations
+    from moe_comm.kernels.compiled import inspect_launch, unemitted_markers, violations
 
     pkg = broken_copy(name, workdir)
     transport = MUTATIONS[name][3]
     launches = [record_send(pkg, transport, rank) for _ in range(2) for rank in range(RANKS)]
     facts = inspect_launch(launches[1], 90, "dsv3", name)
-    return {"violations": violations(facts, rows_aligned=True),
+    wait = inspect_launch(record_wait(pkg), 90, "dsv3", name)
+    comm_py = os.path.join(os.path.dirname(pkg.__file__), "comm.py")
+    return {"violations": violations(facts, rows_aligned=True) + violations(wait, True),
+            "unemitted_acquires": [m for m in unemitted_markers(
+                facts.markers_emitted + wait.markers_emitted, [comm_py]) if "acquire" in m],
             "keys_differ": launches[0].key != launches[1].key,
             "specialisation_problems": _specialisation_problems(launches, RANKS),
             "stack_bytes": facts.stack_bytes, "row_store_bits": facts.row_store_bits,

@@ -82,6 +82,20 @@ def test_csrc_compiles_and_device_links(arch):
     assert csrc_build.locate_cubin(arch) == cubin  # what the launcher loads on a GPU
 
 
+def test_every_csrc_kernel_waits_with_a_system_scope_acquire(tmp_path):
+    """Each kernel of csrc/ waits (acknowledgements or signals) before it reads or reuses what
+    peers wrote: its PTX (sm_90, the build's own flags) holds an ``ld.acquire.sys``."""
+    nvcc, nvshmem = _toolchain_or_skip()
+    cmd = csrc_build.compile_commands(nvcc, nvshmem, 90, CSRC, tmp_path)[0]
+    cmd[cmd.index("-c")] = "-ptx"
+    cmd[cmd.index("-o") + 1] = str(tmp_path / "ll.ptx")
+    subprocess.run(cmd, check=True, capture_output=True)
+    bodies = re.split(r"\.entry\s+", (tmp_path / "ll.ptx").read_text())[1:]
+    acquires = {b.split("(", 1)[0].strip(): len(re.findall(r"\bld\.acquire\.sys\.", b))
+                for b in bodies}
+    assert set(acquires) == set(KERNELS) and all(acquires.values()), acquires
+
+
 def test_compile_commands_are_the_documented_ones(tmp_path):
     paths = csrc_build.NvshmemPaths(tmp_path / "include", tmp_path / "lib")
     cmds = csrc_build.compile_commands(Path("/cuda/bin/nvcc"), paths, 90, CSRC, tmp_path)

@@ -14,6 +14,7 @@ from moe_comm.kernels.compiled import (
     check_markers,
     marked_instructions,
     nvshmem_issuers,
+    unemitted_markers,
     violations,
 )
 
@@ -117,10 +118,11 @@ def _mutation(name: str, tmp_path) -> dict:
     ("relaxed_publish", "signal without release/acquire ordering"),
     ("specialised_rank", None),
     ("rank_constexpr", None),
+    ("dropped_acquire", "emitted no instruction"),
 ])
 def test_each_rule_fails_on_its_mutation(name, expect, tmp_path):
     report = _mutation(name, tmp_path)
-    found = report["violations"]
+    found = report["violations"] + report["unemitted_acquires"]
     if expect is None:
         assert found == [], report
     else:
@@ -172,6 +174,27 @@ def test_store_widths_are_read_per_marked_line(tmp_path):
                     ("scales", 3, "st.global.b32"), ("publish", 4,
                                                      "atom.global.relaxed.sys.exch.b64"),
                     ("", 5, "st.global.b8")]
+
+
+def test_acquire_loads_are_read_and_every_marker_must_emit(tmp_path):
+    """Triton compiles a fetch-and-add of 0 whose value is used to an acquire load: the gate
+    reads it as the marked instruction; a marker no variant emitted is a problem."""
+    src = tmp_path / "comm.py"
+    src.write_text("a\n"
+                   "return tl.atomic_add(w, 0, sem='acquire', scope='sys')  # gate: acquire\n"
+                   "tl.atomic_add(v, 0, sem='acquire', scope='sys')  # gate: acquire\n"
+                   "x = tl.load(w)\n")
+    ptx = (".loc 1 2 5\n"
+           "@%p1 ld.global.sys.acquire.b64 %rd1, [ %rd2 + 0 ];\n"
+           ".loc 1 4 5\n"
+           "ld.global.b64 %rd3, [ %rd2 + 0 ];\n"
+           f'.file 1 "/elsewhere/{src.name}"\n')
+    found = marked_instructions(ptx, str(tmp_path))
+    assert [(t, line, i) for t, _, line, i in found] == [("acquire", 2,
+                                                         "ld.global.sys.acquire.b64")]
+    assert unemitted_markers(["comm.py:2"], [str(src)]) == [
+        "comm.py:3: '# gate: acquire' emitted no instruction in any compiled variant"]
+    assert unemitted_markers(["comm.py:2", "comm.py:3"], [str(src)]) == []
 
 
 def test_nvshmem_issuers_follow_the_one_thread_guard():

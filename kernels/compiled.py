@@ -111,6 +111,27 @@ def _source_markers(path: str) -> dict[int, str]:
     return {i + 1: m.group(1) for i, line in enumerate(lines) if (m := _MARKER.search(line))}
 
 
+def _marked_spans(path: str) -> dict[int, tuple[str, int]]:
+    """Every line of a marked call -> ``(tag, line of the marker)``. A call written over several
+    lines is one statement; Triton 3.9 locates its instruction on the line the call starts on,
+    Triton 3.6 on a later one (the line of its value), so the marker covers them all."""
+    try:
+        lines = open(path).read().splitlines()
+    except OSError:
+        return {}
+    spans = {}
+    for start, tag in _source_markers(path).items():
+        depth, end = 0, start
+        for end in range(start, len(lines) + 1):
+            code = lines[end - 1].split("#", 1)[0]
+            depth += code.count("(") - code.count(")")
+            if depth <= 0:
+                break
+        for line in range(start, end + 1):
+            spans.setdefault(line, (tag, start))
+    return spans
+
+
 def _resolve(path: str, package_dir: str) -> str:
     """A source file named in the PTX; a cached binary may name a checkout that has moved, so a
     file of the kernel's own package is looked up there by name."""
@@ -127,11 +148,12 @@ def _store_bits(opcode_suffix: str) -> int:
 
 def marked_instructions(ptx: str, package_dir: str) -> list[tuple[str, str, int, str]]:
     """``(tag, file, line, instruction)`` for every st/atom/red and acquire load of the PTX whose
-    ``.loc`` is a source line of the kernel's own package: ``tag`` is the line's ``# gate:``
-    marker, or "" (code linked in from elsewhere, NVSHMEM's, is not listed)."""
+    ``.loc`` is a source line of the kernel's own package: ``tag`` is the ``# gate:`` marker of
+    the call that line belongs to (``line``: the marker's), or "" (code linked in from
+    elsewhere, NVSHMEM's, is not listed)."""
     files = {int(n): _resolve(p, package_dir)
              for n, p in re.findall(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx, re.M)}
-    markers = {n: _source_markers(p) for n, p in files.items()}
+    markers = {n: _marked_spans(p) for n, p in files.items()}
     found, loc = [], None
     for line in ptx.splitlines():
         stripped = line.strip()
@@ -145,8 +167,8 @@ def marked_instructions(ptx: str, package_dir: str) -> list[tuple[str, str, int,
         path = files.get(loc[0], "")
         # NVSHMEM's device code is inlined with the .loc of its extern wrapper (nvshmem.py)
         if os.path.dirname(path) == package_dir and os.path.basename(path) != "nvshmem.py":
-            tag = markers.get(loc[0], {}).get(loc[1], "")
-            found.append((tag, path, loc[1], f"{m.group(1)}.{m.group(2)}"))
+            tag, line = markers.get(loc[0], {}).get(loc[1], ("", loc[1]))
+            found.append((tag, path, line, f"{m.group(1)}.{m.group(2)}"))
     return found
 
 

@@ -178,23 +178,33 @@ def test_store_widths_are_read_per_marked_line(tmp_path):
 
 def test_acquire_loads_are_read_and_every_marker_must_emit(tmp_path):
     """Triton compiles a fetch-and-add of 0 whose value is used to an acquire load: the gate
-    reads it as the marked instruction; a marker no variant emitted is a problem."""
+    reads it as the marked instruction; a call over several lines is marked on all of them; a
+    marker no variant emitted is a problem."""
     src = tmp_path / "comm.py"
     src.write_text("a\n"
                    "return tl.atomic_add(w, 0, sem='acquire', scope='sys')  # gate: acquire\n"
                    "tl.atomic_add(v, 0, sem='acquire', scope='sys')  # gate: acquire\n"
-                   "x = tl.load(w)\n")
+                   "x = tl.load(w)\n"
+                   "tl.store(out + r,  # gate: row\n"
+                   "         tl.zeros([8], tl.bfloat16),\n"
+                   "         mask=m)\n"
+                   "y = 1\n")
     ptx = (".loc 1 2 5\n"
            "@%p1 ld.global.sys.acquire.b64 %rd1, [ %rd2 + 0 ];\n"
            ".loc 1 4 5\n"
            "ld.global.b64 %rd3, [ %rd2 + 0 ];\n"
+           ".loc 1 6 5\n"  # Triton 3.6: a call over lines 5-7 located on its value's line
+           "@%p2 st.global.v4.b32 [ %rd4 + 0 ], { %r1, %r1, %r1, %r1 };\n"
+           ".loc 1 8 1\n"
+           "st.global.b8 [%rd6], %rs2;\n"
            f'.file 1 "/elsewhere/{src.name}"\n')
     found = marked_instructions(ptx, str(tmp_path))
-    assert [(t, line, i) for t, _, line, i in found] == [("acquire", 2,
-                                                         "ld.global.sys.acquire.b64")]
-    assert unemitted_markers(["comm.py:2"], [str(src)]) == [
+    assert [(t, line, i) for t, _, line, i in found] == [
+        ("acquire", 2, "ld.global.sys.acquire.b64"), ("row", 5, "st.global.v4.b32"),
+        ("", 8, "st.global.b8")]
+    assert unemitted_markers(["comm.py:2", "comm.py:5"], [str(src)]) == [
         "comm.py:3: '# gate: acquire' emitted no instruction in any compiled variant"]
-    assert unemitted_markers(["comm.py:2", "comm.py:3"], [str(src)]) == []
+    assert unemitted_markers(["comm.py:2", "comm.py:3", "comm.py:5"], [str(src)]) == []
 
 
 def test_nvshmem_issuers_follow_the_one_thread_guard():

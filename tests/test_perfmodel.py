@@ -550,6 +550,29 @@ def test_cli_plot_writes_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cli_plot_draws_one_line_per_system_and_implementation(tmp_path, monkeypatch):
+    """Several implementations on several systems: one line each, EP sizes in order, a label
+    naming both (points of different implementations never join into one line)."""
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (pip install matplotlib)")
+    drawn = []
+    real = cli.plot
+    monkeypatch.setattr(cli, "plot", lambda preds, path: (drawn.append(cli.plot_series(preds)),
+                                                          real(preds, path)))
+    path = tmp_path / "impls.png"
+    with redirect_stdout(io.StringIO()):
+        assert cli.main(["--implementation", "moe_comm", "deepep-v1", "bound", "--system",
+                         "h200", "gb200-nvl72", "--ep", "8", "16", "32", "--plot",
+                         str(path)]) == 0
+    (series,) = drawn
+    assert sorted(series) == sorted(f"{s} {i}" for s in ("h200", "gb200-nvl72")
+                                    for i in ("moe_comm", "deepep-v1", "bound"))
+    for label, ps in series.items():
+        system, implementation = label.split()
+        assert [p.ep for p in ps] == [8, 16, 32], label
+        assert {(p.system, p.implementation) for p in ps} == {(system, implementation)}
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_cli_validate_and_implementations():
     out = io.StringIO()
     with redirect_stdout(out):

@@ -56,22 +56,30 @@ def format_table(preds: list[Prediction]) -> str:
     return "\n".join(lines)
 
 
+def plot_series(preds: list[Prediction]) -> dict[str, list[Prediction]]:
+    """The plot's lines: label -> predictions by EP size, one line per (system, implementation,
+    mode). The label names the system and the implementation, and the mode where the
+    predictions have more than one."""
+    series: dict = {}
+    for p in preds:
+        series.setdefault((p.system, p.implementation, p.mode), []).append(p)
+    modes = {mode for _, _, mode in series}
+    return {f"{system} {implementation}" + (f" {mode}" if len(modes) > 1 else ""):
+            sorted(ps, key=lambda p: p.ep)
+            for (system, implementation, mode), ps in series.items()}
+
+
 def plot(preds: list[Prediction], path: str) -> None:
-    """Time and bandwidth against EP size, one line per (system, mode); dispatch solid,
-    combine dashed. Writes a PNG with matplotlib's Agg backend."""
+    """Time and bandwidth against EP size, one line per :func:`plot_series` entry; dispatch
+    solid, combine dashed. Writes a PNG with matplotlib's Agg backend."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    series: dict = {}
-    for p in preds:
-        series.setdefault((p.system, p.mode), []).append(p)
-    for i, ((system, mode), ps) in enumerate(series.items()):
-        ps.sort(key=lambda p: p.ep)
+    for i, (label, ps) in enumerate(plot_series(preds).items()):
         eps = [p.ep for p in ps]
         color = f"C{i % 10}"
-        label = system if len({m for _, m in series}) == 1 else f"{system} {mode}"
         for ax, get in ((ax_t, lambda p, ph: getattr(p, ph).time_us),
                         (ax_b, lambda p, ph: getattr(p, ph).GBps)):
             ax.plot(eps, [get(p, "dispatch") for p in ps], "-o", color=color, ms=3,

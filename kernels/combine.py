@@ -58,11 +58,9 @@ from .internode import (
     _off,
     post_combine_flat,
 )
-from .microscale import e4m3_value
 from .numerics import acc_zeros, cast_rne, channel_tile
 from .nvshmem import put_bytes, quiet
-from .quant import quantize_tile
-from .rows import store_rows
+from .rows import load_fp8_partials, store_fp8_partials
 from .tiles import even, per_source_programs, tiles
 
 _SEND_PER_CALL = ["rows_off", "meta_off", "signal_off", "local_base", "errors_addr", "me"]
@@ -79,22 +77,6 @@ def _store_partials(dst, box, acc, j64, staged, jm, via_stores, h, hm, H,
     if TRANSPORT == 1:
         tl.store(box + staged[:, None] * H + h[None, :], partial,  # gate: row
                  mask=(jm & ~via_stores)[:, None] & hm[None, :])
-
-
-@triton.jit
-def _store_fp8_partials(dst, box, acc, j64, staged, jm, via_stores, h0, h, hm, H, stride,
-                        TRANSPORT: tl.constexpr, EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_H: tl.constexpr):
-    """:func:`_store_partials` for FP8 partials: quantized from fp32 per 128 channels, in the
-    layout of ``kernels.rows`` in rows ``stride`` bytes apart."""
-    codes, scales, _ = quantize_tile(acc, BLOCK_T, BLOCK_H, False)
-    g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-    dst8 = dst.to(tl.pointer_type(tl.uint8), bitcast=True) + j64 * stride
-    store_rows(dst8, h0, h, g, H, codes, scales, codes, via_stores, hm, False, 128, EVEN_H)
-    if TRANSPORT == 1:
-        box8 = box.to(tl.pointer_type(tl.uint8), bitcast=True) + staged * stride
-        store_rows(box8, h0, h, g, H, codes, scales, codes, jm & ~via_stores, hm, False, 128,
-                   EVEN_H)
 
 
 @triton.jit(do_not_specialize=_SEND_PER_CALL)
@@ -194,8 +176,11 @@ def combine_send_kernel(
                 acc += v
             if FP8:  # (fp8_rows: a runtime flag with HIER)
                 if fp8_rows:
-                    _store_fp8_partials(dst, box, acc, j64, staged, jm, via_stores, h0, h, hm,
-                                        H, stride, TRANSPORT, EVEN_H, BLOCK_T, BLOCK_H)
+                    store_fp8_partials(acc, dst.to(tl.pointer_type(tl.uint8), bitcast=True)
+                                       + j64 * stride, via_stores,
+                                       box.to(tl.pointer_type(tl.uint8), bitcast=True)
+                                       + staged * stride, jm & ~via_stores, h0, h, hm, H,
+                                       TRANSPORT == 1, EVEN_H, BLOCK_T, BLOCK_H)
                 else:
                     _store_partials(dst, box, acc, j64, staged, jm, via_stores, h, hm, H,
                                     TRANSPORT)
@@ -279,21 +264,14 @@ def _add_fp8_partials(acc, staging8, slot_of, t, tm, d0, d1, R, TMAX, h0, h, hm,
                       ROW_BYTES: tl.int64, live, LIVE: tl.constexpr, BLOCK_T: tl.constexpr,
                       BLOCK_H: tl.constexpr):
     """:func:`_add_partials` for FP8 partials (ranks ``d0 <= d < d1`` in order): each row's
-    codes ``h`` dequantized with their scales (``code * scale`` in fp32) before they are
+    codes ``h`` dequantized with their scales (``rows.load_fp8_partials``) before they are
     added."""
-    g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
     for d in range(d0, d1):
         slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
         if LIVE:
             slot = tl.where(tl.load(live + d) != 0, slot, -1)
-        row8 = staging8 + (d * TMAX + slot) * ROW_BYTES
-        sm = slot >= 0
-        codes = tl.load(row8[:, None] + h[None, :], mask=sm[:, None] & hm[None, :], other=0)
-        scales8 = (row8 + H).to(tl.pointer_type(tl.float32), bitcast=True)
-        sc = tl.load(scales8[:, None] + g[None, :], mask=sm[:, None] & (g < H // 128)[None, :],
-                     other=0.0)
-        v = tl.reshape(e4m3_value(codes), [BLOCK_T, BLOCK_H // 128, 128]) * sc[:, :, None]
-        acc += tl.reshape(v, [BLOCK_T, BLOCK_H])
+        acc += load_fp8_partials(staging8 + (d * TMAX + slot) * ROW_BYTES, slot >= 0, h0, h, hm,
+                                 H, BLOCK_T, BLOCK_H)
     return acc
 
 

@@ -46,8 +46,14 @@ from .comm import (
 )
 from .numerics import acc_zeros, cast_rne, channel_tile
 from .proxy import post_transfer
-from .quant import NVFP4, quantize_tile, scale_group
-from .rows import load_send_tile, row_payload, sent_elem_bytes, store_rows
+from .quant import NVFP4, scale_group
+from .rows import (
+    load_send_tile,
+    row_payload,
+    sent_elem_bytes,
+    store_fp8_partials,
+    store_rows,
+)
 from .tiles import even, persistent_programs, tiles
 
 PLAN_FIELDS = (
@@ -427,11 +433,9 @@ def forward_combine_kernel(
                                 mask=(slot >= 0)[:, None] & hm[None, :], other=0.0)
                     acc += v.to(acc.dtype)
                 if FP8:
-                    codes, scales, _ = quantize_tile(acc, BLOCK_T, BLOCK_H, False)
-                    g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
                     box8 = box.to(tl.pointer_type(tl.uint8), bitcast=True) + j64 * stride
-                    store_rows(box8, h0, h, g, H, codes, scales, codes, jm, hm, False, 128,
-                               EVEN_H)
+                    store_fp8_partials(acc, box8, jm, box8, jm, h0, h, hm, H, False, EVEN_H,
+                                       BLOCK_T, BLOCK_H)
                 else:
                     tl.store(box + j64[:, None] * H + h[None, :],  # gate: row
                              cast_rne(acc, box_rows.dtype.element_ty),

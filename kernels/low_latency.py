@@ -58,12 +58,19 @@ from .comm import (
     wait_or_exclude,
 )
 from .layout import checked_ids, record_first_bad
-from .microscale import e4m3_value
 from .numerics import cast_rne, channel_tile
 from .nvshmem import int_p, put_bytes, quiet, signal_set
 from .proxy import post_signal, post_signal_to_remote, post_transfer
-from .quant import NVFP4, quantize_tile, scale_group
-from .rows import NVFP4_GS, quantize_row_tile, row_payload, sent_elem_bytes, store_rows
+from .quant import NVFP4, scale_group
+from .rows import (
+    NVFP4_GS,
+    load_fp8_partials,
+    quantize_row_tile,
+    row_payload,
+    sent_elem_bytes,
+    store_fp8_partials,
+    store_rows,
+)
 from .tiles import even, persistent_programs, tiles
 
 META_K_BITS = 32  # meta word = token * 32 + choice
@@ -478,16 +485,11 @@ def ll_combine_send_kernel(
                 m = jm[:, None] & hm[None, :]
                 tile = tl.load(y + row[:, None] * H + h[None, :], mask=m)
                 if FP8:
-                    codes, scales, _ = quantize_tile(tile.to(tl.float32), BLOCK_T, BLOCK_H,
-                                                     False)
-                    g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-                    dst8 = dst_base.to(tl.pointer_type(tl.uint8), bitcast=True) + slot * stride
-                    store_rows(dst8, h0, h, g, H, codes, scales, codes, jm & via,
-                               hm, False, 128, EVEN_H)
-                    if TRANSPORT != 0:
-                        box8 = box.to(tl.pointer_type(tl.uint8), bitcast=True) + row * stride
-                        store_rows(box8, h0, h, g, H, codes, scales, codes,
-                                   jm & ~via, hm, False, 128, EVEN_H)
+                    store_fp8_partials(tile.to(tl.float32), dst_base.to(tl.pointer_type(
+                                           tl.uint8), bitcast=True) + slot * stride, jm & via,
+                                       box.to(tl.pointer_type(tl.uint8), bitcast=True)
+                                       + row * stride, jm & ~via, h0, h, hm, H,
+                                       TRANSPORT != 0, EVEN_H, BLOCK_T, BLOCK_H)
                 else:
                     tl.store(dst_base + slot[:, None] * H + h[None, :], tile,  # gate: row
                              mask=m & via_stores)
@@ -572,7 +574,8 @@ def ll_combine_recv_kernel(
         tm = t < T
         t64 = t.to(tl.int64)
         ids, bad, code, value = checked_ids(topk_idx, t, tm, K, E, BLOCK_K)
-        h, hm = channel_tile(tl.program_id(1) * BLOCK_H, H, BLOCK_H, EVEN_H)
+        h0 = tl.program_id(1) * BLOCK_H
+        h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
         acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
         L = E // R
         for k in range(K):
@@ -583,15 +586,8 @@ def ll_combine_recv_kernel(
             valid = valid & (tl.load(signals + parity * R + d, mask=valid, other=0) >= epoch)
             slot = (parity * TMAX + t64) * KMAX + k
             if FP8:  # codes times their group's scale (kernels.rows layout)
-                row8 = staging + slot * ROW_BYTES
-                codes = tl.load(row8[:, None] + h[None, :], mask=valid[:, None] & hm[None, :],
-                                other=0)
-                g = tl.program_id(1) * (BLOCK_H // 128) + tl.arange(0, BLOCK_H // 128)
-                scales8 = (row8 + H).to(tl.pointer_type(tl.float32), bitcast=True)
-                sc = tl.load(scales8[:, None] + g[None, :],
-                             mask=valid[:, None] & (g < H // 128)[None, :], other=0.0)
-                v = tl.reshape(e4m3_value(codes), [BLOCK_T, BLOCK_H // 128, 128]) * sc[:, :, None]
-                v = tl.reshape(v, [BLOCK_T, BLOCK_H])
+                v = load_fp8_partials(staging + slot * ROW_BYTES, valid, h0, h, hm, H, BLOCK_T,
+                                      BLOCK_H)
             else:
                 v = tl.load(staging + slot[:, None] * H + h[None, :],
                             mask=valid[:, None] & hm[None, :], other=0.0).to(tl.float32)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .microscale import nvfp4_quantize_tile
+from .microscale import e4m3_value, nvfp4_quantize_tile
 from .quant import MXFP8, NVFP4, quantize_tile, scale_group
 
 NVFP4_GS: tl.constexpr = tl.constexpr(16)
@@ -160,3 +160,37 @@ def store_rows(row8, h0, h, g, H, codes, scales, exps, rows, hm, UE8M0: tl.const
             scales8 = row8.to(tl.pointer_type(tl.float32), bitcast=True) + H // 4
             tl.store(scales8[:, None] + g[None, :], scales, mask=rows[:, None])  # gate: scales
 
+
+# ---------------------------------------------------------------------- FP8 combine partials
+@triton.jit
+def store_fp8_partials(v, row8, rows, box8, box_rows, h0, h, hm, H, BOX: tl.constexpr,
+                       EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Partial sums ``v`` [BLOCK_T, BLOCK_H] fp32 (channels ``h = h0 + arange(BLOCK_H)``)
+    quantized to FP8 per 128 channels and stored in the FP8 row layout (module docstring) at
+    uint8 row pointers ``row8`` [BLOCK_T] where ``rows``, and with ``BOX`` the same codes at
+    ``box8`` where ``box_rows``. Equivalent to::
+
+        codes, scales = quantize_per_128(v)  # quant.quantize_tile
+        for t in rows: row8[t][h] = codes[t]; row8[t][H + 4 * g : ...] = scales[t][g]
+    """
+    codes, scales, _ = quantize_tile(v, BLOCK_T, BLOCK_H, False)
+    g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+    store_rows(row8, h0, h, g, H, codes, scales, codes, rows, hm, False, 128, EVEN_H)
+    if BOX:
+        store_rows(box8, h0, h, g, H, codes, scales, codes, box_rows, hm, False, 128, EVEN_H)
+
+
+@triton.jit
+def load_fp8_partials(row8, rows, h0, h, hm, H, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The fp32 values of FP8 partial rows at uint8 row pointers ``row8`` [BLOCK_T], channels
+    ``h = h0 + arange(BLOCK_H)``; 0 where not ``rows``. Equivalent to::
+
+        e4m3_to_float(row8[t][h]) * float32(row8[t][H + 4 * (h // 128)])
+    """
+    g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+    codes = tl.load(row8[:, None] + h[None, :], mask=rows[:, None] & hm[None, :], other=0)
+    scales8 = (row8 + H).to(tl.pointer_type(tl.float32), bitcast=True)
+    sc = tl.load(scales8[:, None] + g[None, :], mask=rows[:, None] & (g < H // 128)[None, :],
+                 other=0.0)
+    v = tl.reshape(e4m3_value(codes), [BLOCK_T, BLOCK_H // 128, 128]) * sc[:, :, None]
+    return tl.reshape(v, [BLOCK_T, BLOCK_H])

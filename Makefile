@@ -17,7 +17,7 @@ export TRITON_CACHE_DIR ?= $(HOME)/.cache/moe_comm/triton
 export MOE_COMM_CACHE_DIR ?= $(HOME)/.cache/moe_comm
 export TRITON_DEFAULT_FP_FUSION ?= 1
 
-.PHONY: bench test test-quick mutants gpu-gate gpu-gate-triton36 lint clean
+.PHONY: bench host-cost test test-quick mutants gpu-gate gpu-gate-triton36 lint clean
 
 $(STAMP): setup.py pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,9 @@ $(STAMP36): setup.py pyproject.toml Makefile
 
 bench: $(STAMP)  ## the dispatch/combine benchmark on 4 CPU ranks, one table
 	$(BIN)/python bench/dispatch_bench.py --ranks 4
+
+host-cost: $(STAMP)  ## launches, aten calls, allocations, Python calls per op (GPU flavour, meta)
+	$(BIN)/python bench/host_cost.py
 
 test: $(STAMP) $(STAMP36)  ## the whole suite (CI), then the static gate under Triton 3.6
 	$(BIN)/python -m pytest -q

@@ -22,11 +22,13 @@ Kernels (launches per op: dispatch 2, combine 2):
   program waits for another), quantizes its tile once (FP8) and puts each pair's row and meta
   straight into the expert's slot. The last program publishes ``epoch << 32 | count`` for
   every expert. Bytes into rank ``d``: pairs(d) * (row + 4) + 8 * L.
-* ``ll_dispatch_recv_kernel`` (grid ``[L, R]``): after the wait, program ``(e, s)`` copies its
-  block to the compact, expert-major output (sources in rank order, tokens in order), records
-  where each row came from, and the last program acknowledges the parity to every source.
-* ``ll_combine_send_kernel`` (grid ``[L, R]``): each received row goes back to its home rank's
-  slot ``[token, choice]``; the last program publishes the epoch to every rank.
+* ``ll_dispatch_recv_kernel`` (grid ``min(L * R, num_sms)``, persistent over the ``L x R``
+  blocks): after the wait, block ``(e, s)`` is copied to the compact, expert-major output
+  (sources in rank order, tokens in order) with where each row came from, and the last program
+  acknowledges the parity to every source.
+* ``ll_combine_send_kernel`` (grid ``min(L * R, num_sms)``, persistent over the same blocks):
+  each received row goes back to its home rank's slot ``[token, choice]``; the last program
+  publishes the epoch to every rank.
 * ``ll_combine_recv_kernel`` (grid ``cdiv(T_max, BLOCK_T) x cdiv(H, BLOCK_H)``): ``out[t] =
   sum_k w[t, k] * slot[t, k]`` in fp32 (choice order), rounded to nearest even; the last
   program acknowledges.
@@ -351,63 +353,70 @@ def ll_dispatch_recv_kernel(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
     NUM_THREADS: tl.constexpr,
 ):
-    e = tl.program_id(0)
-    s = tl.program_id(1)
     epoch = tl.load(state + 1) + 1
     parity = epoch % 2
     errors = errors_addr.to(tl.pointer_type(tl.int64))
-    ok = True
-    if DEVICE_WAIT:  # this block's offset needs the counts of every source of expert e
-        ok = _wait_all(signals + (parity * L + e) * R, 1, epoch, 32, R, errors_addr, timeout_ns,
-                       peer_ptrs, mask_off, local_base, me, BLOCK_R, NUM_THREADS, TRANSPORT, FT)
-    if ok:  # after a failed wait nothing is copied and nothing acknowledged
-        sources = tl.arange(0, BLOCK_R)
-        words = tl.load(signals + (parity * L + e) * R + sources, mask=sources < R, other=0)
-        # a source counts only with this call's epoch (one excluded, or late, counts 0)
-        counts = tl.where((words >> 32) >= epoch, words & 0xFFFFFFFF, 0).to(tl.int32)
-        n = tl.sum(tl.where(sources == s, counts, 0), axis=0)
-        first = tl.sum(tl.where(sources < s, counts, 0), axis=0)
-        tl.store(layout + (e * R + s) * 2 + tl.arange(0, 2),
-                 tl.where(tl.arange(0, 2) == 0, first, n))
-        if s == 0:
-            total = tl.sum(counts, axis=0)
-            tl.store(count + e + tl.arange(0, 1), total + tl.zeros([1], tl.int32))
-            if HAS_STATS:
-                old = tl.load(recv_stats + e + tl.arange(0, 1))
-                tl.store(recv_stats + e + tl.arange(0, 1), old + total)
-        block0 = ((parity * L + e) * R + s).to(tl.int64) * TMAX
-        for j0 in range(0, n, BLOCK_T):
-            j = j0 + tl.arange(0, BLOCK_T)
-            jm = j < n
-            slot = block0 + j
-            dst = (e * R * TMAX + first + j).to(tl.int64)
-            word = tl.load(meta + slot, mask=jm, other=0)
-            tl.store(src_info + dst, s * TMAX + word // 32, mask=jm)
-            tl.store(src_k + dst, word % 32, mask=jm)
-            for h0 in range(0, H, BLOCK_H):
-                h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
-                m = jm[:, None] & hm[None, :]
-                tile = tl.load(staging + slot[:, None] * SLOT_ELEMS + h[None, :], mask=m)
-                tl.store(out + dst[:, None] * H + h[None, :], tile, mask=m)  # gate: row
-            if FP8:
-                g = tl.arange(0, BLOCK_G)
-                gm = jm[:, None] & (g < G)[None, :]
-                out_row = (first + j).to(tl.int64)
-                codes_end = slot * SLOT_ELEMS + H
-                if GLOBAL:
-                    glob = tl.load(staging_f32 + codes_end // 4, mask=jm)
-                    tl.store(out_global + e * R * TMAX + out_row, glob, mask=jm)
-                if UE8M0:
-                    sc = tl.load(staging + codes_end[:, None] + 4 * GLOBAL + g[None, :], mask=gm)
-                    word4 = e * SCALE_EXPERT_STRIDE + (g // 4)[None, :] * SCALE_GROUP_STRIDE \
-                        + out_row[:, None] * SCALE_ROW_STRIDE
-                    tl.store(out_scales + word4 * 4 + (g % 4)[None, :], sc, mask=gm)
-                else:
-                    sc = tl.load(staging_f32 + codes_end[:, None] // 4 + g[None, :], mask=gm)
-                    tl.store(out_scales + e * SCALE_EXPERT_STRIDE
-                             + g[None, :] * SCALE_GROUP_STRIDE
-                             + out_row[:, None] * SCALE_ROW_STRIDE, sc, mask=gm)
-    if draw_last_of(state + 5, L * R):  # every block is out: acknowledge the parity
+    # persistent: the L x R blocks (expert e, source s) shared by at most num_sms programs
+    for es in range(tl.program_id(0), L * R, tl.num_programs(0)):
+        e = es // R
+        s = es % R
+        ok = True
+        if DEVICE_WAIT:  # this block's offset needs the counts of every source of expert e
+            ok = _wait_all(signals + (parity * L + e) * R, 1, epoch, 32, R, errors_addr,
+                           timeout_ns, peer_ptrs, mask_off, local_base, me, BLOCK_R,
+                           NUM_THREADS, TRANSPORT, FT)
+        if ok:  # after a failed wait nothing is copied and nothing acknowledged
+            sources = tl.arange(0, BLOCK_R)
+            words = tl.load(signals + (parity * L + e) * R + sources, mask=sources < R,
+                            other=0)
+            # a source counts only with this call's epoch (one excluded, or late, counts 0)
+            counts = tl.where((words >> 32) >= epoch, words & 0xFFFFFFFF, 0).to(tl.int32)
+            n = tl.sum(tl.where(sources == s, counts, 0), axis=0)
+            first = tl.sum(tl.where(sources < s, counts, 0), axis=0)
+            tl.store(layout + (e * R + s) * 2 + tl.arange(0, 2),
+                     tl.where(tl.arange(0, 2) == 0, first, n))
+            if s == 0:
+                total = tl.sum(counts, axis=0)
+                tl.store(count + e + tl.arange(0, 1), total + tl.zeros([1], tl.int32))
+                if HAS_STATS:
+                    old = tl.load(recv_stats + e + tl.arange(0, 1))
+                    tl.store(recv_stats + e + tl.arange(0, 1), old + total)
+            block0 = ((parity * L + e) * R + s).to(tl.int64) * TMAX
+            for j0 in range(0, n, BLOCK_T):
+                j = j0 + tl.arange(0, BLOCK_T)
+                jm = j < n
+                slot = block0 + j
+                dst = (e * R * TMAX + first + j).to(tl.int64)
+                word = tl.load(meta + slot, mask=jm, other=0)
+                tl.store(src_info + dst, s * TMAX + word // 32, mask=jm)
+                tl.store(src_k + dst, word % 32, mask=jm)
+                for h0 in range(0, H, BLOCK_H):
+                    h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
+                    m = jm[:, None] & hm[None, :]
+                    tile = tl.load(staging + slot[:, None] * SLOT_ELEMS + h[None, :], mask=m)
+                    tl.store(out + dst[:, None] * H + h[None, :], tile, mask=m)  # gate: row
+                if FP8:
+                    g = tl.arange(0, BLOCK_G)
+                    gm = jm[:, None] & (g < G)[None, :]
+                    out_row = (first + j).to(tl.int64)
+                    codes_end = slot * SLOT_ELEMS + H
+                    if GLOBAL:
+                        glob = tl.load(staging_f32 + codes_end // 4, mask=jm)
+                        tl.store(out_global + e * R * TMAX + out_row, glob, mask=jm)
+                    if UE8M0:
+                        sc = tl.load(staging + codes_end[:, None] + 4 * GLOBAL + g[None, :],
+                                     mask=gm)
+                        word4 = e * SCALE_EXPERT_STRIDE \
+                            + (g // 4)[None, :] * SCALE_GROUP_STRIDE \
+                            + out_row[:, None] * SCALE_ROW_STRIDE
+                        tl.store(out_scales + word4 * 4 + (g % 4)[None, :], sc, mask=gm)
+                    else:
+                        sc = tl.load(staging_f32 + codes_end[:, None] // 4 + g[None, :],
+                                     mask=gm)
+                        tl.store(out_scales + e * SCALE_EXPERT_STRIDE
+                                 + g[None, :] * SCALE_GROUP_STRIDE
+                                 + out_row[:, None] * SCALE_ROW_STRIDE, sc, mask=gm)
+    if draw_last_of(state + 5, tl.num_programs(0)):  # every block is out: acknowledge
         if not timed_out(errors, NUM_THREADS):
             publish_to_all(peer_ptrs, acks_off + parity * acks_parity_stride, me, epoch, R,
                            local_base, BLOCK_R, TRANSPORT)
@@ -445,8 +454,6 @@ def ll_combine_send_kernel(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
     NUM_THREADS: tl.constexpr,
 ):
-    e = tl.program_id(0)
-    s = tl.program_id(1)
     epoch = tl.load(state + 2) + 1
     parity = epoch % 2
     errors = errors_addr.to(tl.pointer_type(tl.int64))
@@ -455,75 +462,82 @@ def ll_combine_send_kernel(
         acks = local_ptr(local_base, acks_off + parity * acks_parity_stride, tl.int64, 8)
         ok = _wait_all(acks, 1, epoch - 2, 0, R, errors_addr, timeout_ns, peer_ptrs, mask_off,
                        local_base, me, BLOCK_R, NUM_THREADS, TRANSPORT, FT)
-    n = tl.load(layout + (e * R + s) * 2 + 1)
-    if _excluded(s, True, mask_off, local_base, FT):
-        n = 0
     stride = H * y.dtype.element_ty.primitive_bitwidth // 8  # bytes between staging rows
     row_bytes = stride
     if FP8:
         row_bytes = H + 4 * (H // 128)
-    if ok:  # after a failed wait nothing is written: the home rank may still read this parity
-        first = tl.load(layout + (e * R + s) * 2)
-        dst_base = peer_ptr(peer_ptrs, s, rows_off + parity * rows_parity_stride,
-                            y.dtype.element_ty, ALIGN)
-        via = tl.load(peer_ptrs + s + tl.zeros([BLOCK_T], tl.int32)) != 0
-        via_stores = via[:, None]
-        if ZERO_COPY:  # the puts read y where it lies (its offset does not follow the parity)
-            src_off = y_box_off
-        else:
-            src_off = outbox_off + parity * outbox_parity_stride
-        box = local_ptr(local_base, src_off, y.dtype.element_ty, ALIGN)
-        for j0 in range(0, n, BLOCK_T):
-            j = j0 + tl.arange(0, BLOCK_T)
-            jm = j < n
-            row = (e * R * TMAX + first + j).to(tl.int64)
-            token = tl.load(src_info + row, mask=jm, other=0) - s * TMAX
-            k = tl.load(src_k + row, mask=jm, other=0)
-            slot = (token * KMAX + k).to(tl.int64)
-            for h0 in range(0, H, BLOCK_H):
-                h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
-                m = jm[:, None] & hm[None, :]
-                tile = tl.load(y + row[:, None] * H + h[None, :], mask=m)
-                if FP8:
-                    store_fp8_partials(tile.to(tl.float32), dst_base.to(tl.pointer_type(
-                                           tl.uint8), bitcast=True) + slot * stride, jm & via,
-                                       box.to(tl.pointer_type(tl.uint8), bitcast=True)
-                                       + row * stride, jm & ~via, h0, h, hm, H,
-                                       TRANSPORT != 0, EVEN_H, BLOCK_T, BLOCK_H)
-                else:
-                    tl.store(dst_base + slot[:, None] * H + h[None, :], tile,  # gate: row
-                             mask=m & via_stores)
-                    if TRANSPORT != 0:
-                        if not ZERO_COPY:
-                            tl.store(box + row[:, None] * H + h[None, :], tile,  # gate: row
-                                     mask=m & ~via_stores)
-            if TRANSPORT != 0:
-                if tl.load(peer_ptrs + s) == 0:  # one put (or descriptor) per row
-                    tl.debug_barrier()
-                    for i in range(BLOCK_T):
-                        if j0 + i < n:
-                            r = (e * R * TMAX + first + j0 + i).to(tl.int64)
-                            tok = tl.load(src_info + r) - s * TMAX
-                            dst = (rows_off + parity * rows_parity_stride
-                                   + (tok * KMAX + tl.load(src_k + r)).to(tl.int64) * stride)
-                            if TRANSPORT == 1:
-                                put_bytes(local_base, dst, src_off + r * stride, row_bytes, s)
-                            elif one_thread():  # a no-op signal: the epoch follows, fenced
-                                post_transfer(ring_addr, RING_SLOTS, s, signals_off + parity
-                                              * signals_parity_stride + me * 8, 0, 1,
-                                              src_off + r * stride, dst, row_bytes,
-                                              row_bytes, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                              errors, timeout_ns)
+    to_peers = tl.zeros([1], tl.int64)
+    to_self = tl.zeros([1], tl.int64)
+    # persistent: the L x R blocks (expert e, source s) shared by at most num_sms programs
+    for es in range(tl.program_id(0), L * R, tl.num_programs(0)):
+        e = es // R
+        s = es % R
+        n = tl.load(layout + (e * R + s) * 2 + 1)
+        if _excluded(s, True, mask_off, local_base, FT):
+            n = 0
+        if ok:  # after a failed wait nothing is written: the home rank may still read it
+            first = tl.load(layout + (e * R + s) * 2)
+            dst_base = peer_ptr(peer_ptrs, s, rows_off + parity * rows_parity_stride,
+                                y.dtype.element_ty, ALIGN)
+            via = tl.load(peer_ptrs + s + tl.zeros([BLOCK_T], tl.int32)) != 0
+            via_stores = via[:, None]
+            if ZERO_COPY:  # the puts read y where it lies (its offset does not follow the parity)
+                src_off = y_box_off
+            else:
+                src_off = outbox_off + parity * outbox_parity_stride
+            box = local_ptr(local_base, src_off, y.dtype.element_ty, ALIGN)
+            for j0 in range(0, n, BLOCK_T):
+                j = j0 + tl.arange(0, BLOCK_T)
+                jm = j < n
+                row = (e * R * TMAX + first + j).to(tl.int64)
+                token = tl.load(src_info + row, mask=jm, other=0) - s * TMAX
+                k = tl.load(src_k + row, mask=jm, other=0)
+                slot = (token * KMAX + k).to(tl.int64)
+                for h0 in range(0, H, BLOCK_H):
+                    h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
+                    m = jm[:, None] & hm[None, :]
+                    tile = tl.load(y + row[:, None] * H + h[None, :], mask=m)
+                    if FP8:
+                        store_fp8_partials(tile.to(tl.float32), dst_base.to(tl.pointer_type(
+                                               tl.uint8), bitcast=True) + slot * stride, jm & via,
+                                           box.to(tl.pointer_type(tl.uint8), bitcast=True)
+                                           + row * stride, jm & ~via, h0, h, hm, H,
+                                           TRANSPORT != 0, EVEN_H, BLOCK_T, BLOCK_H)
+                    else:
+                        tl.store(dst_base + slot[:, None] * H + h[None, :], tile,  # gate: row
+                                 mask=m & via_stores)
+                        if TRANSPORT != 0:
+                            if not ZERO_COPY:
+                                tl.store(box + row[:, None] * H + h[None, :], tile,  # gate: row
+                                         mask=m & ~via_stores)
+                if TRANSPORT != 0:
+                    if tl.load(peer_ptrs + s) == 0:  # one put (or descriptor) per row
+                        tl.debug_barrier()
+                        for i in range(BLOCK_T):
+                            if j0 + i < n:
+                                r = (e * R * TMAX + first + j0 + i).to(tl.int64)
+                                tok = tl.load(src_info + r) - s * TMAX
+                                dst = (rows_off + parity * rows_parity_stride
+                                       + (tok * KMAX + tl.load(src_k + r)).to(tl.int64) * stride)
+                                if TRANSPORT == 1:
+                                    put_bytes(local_base, dst, src_off + r * stride, row_bytes, s)
+                                elif one_thread():  # a no-op signal: the epoch follows, fenced
+                                    post_transfer(ring_addr, RING_SLOTS, s, signals_off + parity
+                                                  * signals_parity_stride + me * 8, 0, 1,
+                                                  src_off + r * stride, dst, row_bytes,
+                                                  row_bytes, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                  errors, timeout_ns)
+            nbytes = n.to(tl.int64) * row_bytes + tl.zeros([1], tl.int64)
+            to_peers += tl.where(s != me, nbytes, 0)
+            to_self += tl.where(s == me, nbytes, 0)
+    if ok:
         if TRANSPORT == 1:  # this program's puts complete before its ticket
             tl.debug_barrier()
             if one_thread():
                 quiet()
-    nbytes = tl.zeros([1], tl.int64)
-    if ok:
-        nbytes += n.to(tl.int64) * row_bytes
-    tl.atomic_add(stats + 2 + tl.arange(0, 1), tl.where(s != me, nbytes, 0), sem="relaxed")
-    tl.atomic_add(stats + 3 + tl.arange(0, 1), tl.where(s == me, nbytes, 0), sem="relaxed")
-    if draw_last_of(state + 6, L * R):  # every row is out: tell every rank
+    tl.atomic_add(stats + 2 + tl.arange(0, 1), to_peers, sem="relaxed")
+    tl.atomic_add(stats + 3 + tl.arange(0, 1), to_self, sem="relaxed")
+    if draw_last_of(state + 6, tl.num_programs(0)):  # every row is out: tell every rank
         if not timed_out(errors, NUM_THREADS):
             publish_to_all(peer_ptrs, signals_off + parity * signals_parity_stride, me, epoch, R,
                            local_base, BLOCK_R, TRANSPORT)
@@ -645,11 +659,12 @@ def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, ran
 def ll_dispatch_recv(staging, meta, signals, peer_ptrs, state, out, out_scales, count,
                      src_info, src_k, layout, recv_stats, *, acks: tuple, rank: int,
                      scale_strides: tuple, ue8m0: int, flavour: Flavour = CPU_RANKS,
-                     out_global=None) -> bool:
-    """Launches ``L x R`` receive programs. ``staging``: the ll_dispatch_rows region viewed as
-    uint8 (quantized) or as ``out``'s dtype, [P, L, R, TMAX, slot]; ``out_scales`` (given for
-    quantized rows): contiguous scale memory with (expert, row, group) strides
-    ``scale_strides``; NVFP4 (``ue8m0 == 3``): ``out`` [L, R * TMAX, H/2] uint8 and
+                     out_global=None, num_sms: int | None = None) -> bool:
+    """Launches ``min(L * R, num_sms)`` persistent receive programs over the ``L x R`` blocks
+    (expert, source): the grid depends on the Buffer alone. ``staging``: the ll_dispatch_rows
+    region viewed as uint8 (quantized) or as ``out``'s dtype, [P, L, R, TMAX, slot];
+    ``out_scales`` (given for quantized rows): contiguous scale memory with (expert, row,
+    group) strides ``scale_strides``; NVFP4 (``ue8m0 == 3``): ``out`` [L, R * TMAX, H/2] uint8 and
     ``out_global`` [L, R * TMAX] float32; ``acks``: (offset, parity stride) of
     ll_acks[DISPATCH]."""
     P, L, R, TMAX, slot = staging.shape
@@ -662,7 +677,7 @@ def ll_dispatch_recv(staging, meta, signals, peer_ptrs, state, out, out_scales, 
         out = out.view(torch.uint8)
         out_scales = out_scales.view(torch.uint8) if ue8m0 else out_scales
     dummy = count
-    ll_dispatch_recv_kernel[(L, R)](
+    ll_dispatch_recv_kernel[(persistent_programs(L * R, num_sms),)](
         staging, staging.view(torch.float32) if fp8 else dummy, meta, signals, peer_ptrs, state,
         out, out_scales if fp8 else dummy, out_global if nvfp4 else dummy, count, src_info,
         src_k, layout, recv_stats if recv_stats is not None else dummy, *acks,
@@ -680,8 +695,10 @@ def ll_dispatch_recv(staging, meta, signals, peer_ptrs, state, out, out_scales, 
 
 def ll_combine_send(y, layout, src_info, src_k, peer_ptrs, state, stats, *, offsets: dict,
                     rank: int, max_tokens: int, max_topk: int, flavour: Flavour = CPU_RANKS,
-                    y_box_offset: int | None = None, fp8: bool = False) -> bool:
-    """Launches ``L x R`` send programs; ``offsets``: rows / signals / acks / outbox ->
+                    y_box_offset: int | None = None, fp8: bool = False,
+                    num_sms: int | None = None) -> bool:
+    """Launches ``min(L * R, num_sms)`` persistent send programs over the ``L x R`` blocks
+    (expert, source); ``offsets``: rows / signals / acks / outbox ->
     (offset, parity stride). ``y_box_offset``: where ``y`` lies in this rank's segment when it
     is symmetric memory already (the NVSHMEM puts read it there: no copy; not with ``fp8``,
     whose rows are quantized into the outbox)."""
@@ -690,7 +707,7 @@ def ll_combine_send(y, layout, src_info, src_k, peer_ptrs, state, stats, *, offs
     # FP8 quantizes in fp32 (4 bytes a channel: half the tile, no spills)
     tile = tiles("ll_combine_send", flavour.compiled, H, 4 if fp8 else y.element_size())
     zero_copy = y_box_offset is not None and not fp8
-    ll_combine_send_kernel[(L, R)](
+    ll_combine_send_kernel[(persistent_programs(L * R, num_sms),)](
         y, layout, src_info, src_k, peer_ptrs, state, stats, *offsets["rows"],
         *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)),
         y_box_offset if zero_copy else 0, flavour.ring_addr, flavour.ring_slots,

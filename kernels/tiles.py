@@ -66,9 +66,9 @@ def even(hidden: int, block_h: int) -> bool:
     return hidden % block_h == 0
 
 
-# (block_t, block_h cap, num_warps, programs per SM) per kernel on a GPU. The persistent send
-# kernels run one program per SM they are given (num_sms), so they use 16 warps; the others 4
-# or 8, two programs per SM.
+# (block_t, block_h cap, num_warps, programs per SM) per kernel on a GPU. The persistent
+# kernels run one program per SM they are given (num_sms): the dispatch send with 16 warps;
+# the others 4 or 8, two programs per SM where not persistent.
 _GPU = {
     "routing_layout": (16, 0, 4, 2),
     "checked_topk_idx": (16, 0, 4, 2),
@@ -81,8 +81,9 @@ _GPU = {
     # NVFP4: 16-byte stores of packed codes need 32 values a thread; one program per SM (the
     # grid is persistent) lets it keep them in registers
     "ll_dispatch_send_nvfp4": (4, 1024, 8, 1),
-    "ll_dispatch_recv": (8, 1024, 8, 2),
-    "ll_combine_send": (8, 1024, 8, 2),
+    # persistent over their (expert, source) blocks, at most num_sms programs: one per SM
+    "ll_dispatch_recv": (8, 1024, 8, 1),
+    "ll_combine_send": (8, 1024, 8, 1),
     "ll_combine_recv": (4, 1024, 8, 2),
     "wait_epochs": (1, 0, 4, 2),
 }

@@ -362,7 +362,8 @@ class LowLatencyMode:
                 *args, error=self.errors.timeout_part, **common)
         else:
             self.launches["ll_dispatch_recv"] += ll_dispatch_recv(
-                *args, flavour=self.flavour, out_global=recv.x_global_scale, **common)
+                *args, flavour=self.flavour, out_global=recv.x_global_scale,
+                num_sms=self.num_sms, **common)
         recv.handle.received = True
 
     # ----------------------------------------------------------------- combine
@@ -453,7 +454,7 @@ class LowLatencyMode:
         else:
             self.launches["ll_combine_send"] += ll_combine_send(
                 *args, flavour=self.flavour, y_box_offset=self._combine_outbox_offset(y),
-                fp8=fp8, **common)
+                fp8=fp8, num_sms=self.num_sms, **common)
         self._ll_pending[COMBINE] += 1
 
         def receive():

@@ -89,16 +89,25 @@ def test_cpu_buffers_use_the_cpu_flavour_and_validate_knobs():
 
 
 def test_persistent_send_grid_covers_every_tile():
-    """num_sms=1: one program walks all token tiles (T=150 is three 64-token tiles)."""
+    """num_sms=1: one program walks all token tiles (T=150 is three 64-token tiles), and one
+    program walks all 8 (expert, source) blocks of the receive and the combine send."""
     case = Case(2, 8, 128, 4, (150, 70), seed=31)
     xs, idxs, ws = make_inputs(case)
     bufs = moe_comm.Buffer.loopback(2, 128, 8, 150, low_latency=True, num_sms=1)
-    got = moe_comm.lockstep.low_latency_dispatch(bufs, xs, idxs, fp8=False)
-    want = moe_comm.reference.low_latency_dispatch_all(xs, idxs, num_experts=8, max_tokens=150)
-    for r in range(2):
-        assert torch.equal(got[r].count, want[r].count)
-        for e, n in enumerate(want[r].count.tolist()):
-            assert torch.equal(got[r].x[e, :n], want[r].x[e, :n])
+    for call in range(2):  # both parities
+        got = moe_comm.lockstep.low_latency_dispatch(bufs, xs, idxs, fp8=False)
+        want = moe_comm.reference.low_latency_dispatch_all(xs, idxs, num_experts=8,
+                                                           max_tokens=150)
+        for r in range(2):
+            assert torch.equal(got[r].count, want[r].count)
+            for e, n in enumerate(want[r].count.tolist()):
+                assert torch.equal(got[r].x[e, :n], want[r].x[e, :n])
+        ys = [(r.x.float() * (call + 1.5)).to(r.x.dtype) for r in got]
+        outs = moe_comm.lockstep.low_latency_combine(bufs, ys, idxs, ws,
+                                                     [r.handle for r in got])
+        wants = moe_comm.reference.low_latency_combine_all(ys, idxs, ws, want, max_tokens=150)
+        for r in range(2):
+            assert torch.equal(outs[r], wants[r]), (call, r)
 
 
 def test_combine_buffer_is_a_plain_tensor_without_rdma():

@@ -104,8 +104,12 @@ def test_eight_ranks_ue8m0_col_major(ranks):
 @pytest.mark.slow
 @pytest.mark.parametrize("in_kernels", [False, True], ids=["host-waits", "kernel-waits"])
 def test_two_in_flight_with_stragglers(ranks, in_kernels):
+    """With kernel waits also on two programs per kernel (``num_sms=2``): the persistent
+    receive and combine-send programs each walk 8 of the 16 (expert, source) blocks, waiting
+    inside the loop, and the last of the two acknowledges."""
     ranks(4).run(ll_two_in_flight, Case(4, 16, 256, 4, (6, 3, 8, 5), seed=16),
-                 rounds=10 if not in_kernels else 4, straggle_s=0.03, in_kernels=in_kernels)
+                 rounds=10 if not in_kernels else 4, straggle_s=0.03, in_kernels=in_kernels,
+                 **({"num_sms": 2} if in_kernels else {}))
 
 
 @pytest.mark.slow

@@ -33,7 +33,8 @@ import statistics
 import sys
 import time
 
-os.environ["TRITON_INTERPRET"] = "0"
+if __name__ == "__main__":  # compiled kernels (recorded, stubbed), set before any is defined;
+    os.environ["TRITON_INTERPRET"] = "0"  # imported (tests) it leaves the environment alone
 
 import torch  # noqa: E402
 import triton  # noqa: E402

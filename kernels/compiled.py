@@ -37,8 +37,8 @@ GATE_TAGS = ("row", "scales", "exponents", "scalebytes", "tail", "publish", "acq
 MIN_STORE_BITS = {"row": 128, "scales": 32, "exponents": 8, "scalebytes": 8, "tail": 8}
 _MARKER = re.compile(r"#\s*gate:\s*([a-z]+)\s*$")
 _STORE = re.compile(r"\b(st|atom|red)\.((?:[a-zA-Z0-9_:]+\.)*[a-zA-Z0-9_:]+)")
-# Ordering loads: an atomic read whose value is the only use of a fetch-and-add of 0 compiles
-# to ``ld.global.sys.acquire``.
+# Ordering loads: Triton compiles an acquire fetch-and-add of 0 whose value is used to an
+# acquire load (``ld.global.sys.acquire``).
 _ACQUIRE_LOAD = re.compile(r"\b(ld)\.((?:[a-zA-Z0-9_:]+\.)*acquire(?:\.[a-zA-Z0-9_:]+)*)")
 
 

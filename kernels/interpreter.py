@@ -4,7 +4,7 @@ On CPU ranks the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``). A
 replaces the builtins of ``triton.language`` (``tl.load``, ``tl.sum``, ...) with interpreted
 ones for the length of the launch and restores them after; Triton 3.6 to 3.9 also redo that
 whole replacement (an ``inspect.getmembers`` walk of ``tl``, ``tl.tensor`` and ``tl.math``) on
-every call of a ``@triton.jit`` helper from inside the kernel, about 10 ms a call. The
+every call of a ``@triton.jit`` helper from inside the kernel, milliseconds a call. The
 low-latency kernels call helpers per pair and per tile, so at 8 ranks a third or more of a
 rank's time went to these walks, patching what was already patched.
 

@@ -377,16 +377,27 @@ def _compile_job(job):
 
 
 def _brief(v: Variant) -> bool:
-    """What a ``--brief-arch`` compiles: the bf16 variants of the DeepSeek-V3 sizes that link no
-    NVSHMEM (the other dtypes change only how rows are loaded and are read at the full archs;
-    the NVSHMEM rules read the Triton IR, the same for every arch, and one device bitcode
-    serves every arch)."""
+    """Whether a ``--brief-arch`` may compile ``v``: a bf16 variant of the DeepSeek-V3 sizes
+    that links no NVSHMEM (the other dtypes change only how rows are loaded and are read at
+    the full archs; the NVSHMEM rules read the Triton IR, the same for every arch, and one
+    device bitcode serves every arch)."""
     return (v.dtype == "bfloat16" and not v.launch.uses_nvshmem
             and any(c.startswith("dsv3") for c in v.configs))
 
 
+def brief_variants(variants) -> set[int]:
+    """What a ``--brief-arch`` compiles: the first :func:`_brief` variant of each kernel (ids of
+    the ``Variant`` objects): every kernel's source compiles for that arch and passes its
+    rules; the full arch reads every specialisation."""
+    first: dict[str, int] = {}
+    for v in variants:
+        if _brief(v):
+            first.setdefault(v.launch.name, id(v))
+    return set(first.values())
+
+
 def run(archs, jobs: int, out: str, configs=CONFIGS, brief_archs=()) -> int:
-    """Records, compiles every variant for each of ``archs`` and the :func:`_brief` ones for
+    """Records, compiles every variant for each of ``archs`` and the :func:`brief_variants` for
     ``brief_archs``, reads, prints; returns the exit status."""
     from .kernels.compiled import check_markers, unemitted_markers, violations
     from .kernels.recording import post_compile_hook_finds_the_kernel
@@ -404,16 +415,18 @@ def run(archs, jobs: int, out: str, configs=CONFIGS, brief_archs=()) -> int:
     todo = [v for k, v in variants.items() if not k.startswith("problem:")]
     print(f"gate: {len(todo)} variants recorded in {recorded:.1f} s; compiling them for "
           f"sm_{', sm_'.join(map(str, archs))}"
-          + (f" and the bf16 DeepSeek-V3 ones for sm_{', sm_'.join(map(str, brief_archs))}"
+          + (f" and one bf16 DeepSeek-V3 variant per kernel for "
+             f"sm_{', sm_'.join(map(str, brief_archs))}"
              if brief_archs else "") + f" on {jobs} processes", flush=True)
     kernel_dir = os.path.dirname(inspect.getsourcefile(todo[0].launch.kernel.fn))
     sources = [os.path.join(kernel_dir, f) for f in sorted(os.listdir(kernel_dir))
                if f.endswith(".py")]
     marker_problems = [p for path in sources for p in check_markers(path)]
     work = []
+    brief = brief_variants(todo)
     for v in todo:
         launch = v.launch
-        for arch in [*archs, *(brief_archs if _brief(v) else ())]:
+        for arch in [*archs, *(brief_archs if id(v) in brief else ())]:
             work.append((launch.kernel.fn.__module__, launch.name, launch.signature,
                          launch.constexprs, launch.attrs, launch.options, launch.key, arch,
                          "+".join(v.configs), _variant_text(launch, v.dtype)))
@@ -480,8 +493,8 @@ def main(argv=None) -> int:
                         default=[c.name for c in CONFIGS])
     parser.add_argument("--out", default="bench/results/gpu_gate.tsv")
     parser.add_argument("--brief-arch", type=int, nargs="+", default=[],
-                        help="also compile for these the bf16 variants of the DeepSeek-V3 "
-                             "sizes that link no NVSHMEM (make test: sm_100)")
+                        help="also compile for these one bf16 variant per kernel at the "
+                             "DeepSeek-V3 sizes, without NVSHMEM (make test: sm_100)")
     parser.add_argument("--list", action="store_true",
                         help="print the variants the drivers launch per config, compile nothing")
     args = parser.parse_args(argv)

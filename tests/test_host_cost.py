@@ -18,7 +18,10 @@ TODAY = {"dispatch": 27, "combine": 5, "ll_dispatch": 2, "ll_combine": 2}
 
 
 def test_what_launches_a_kernel():
+    interpret = os.environ.get("TRITON_INTERPRET")
     from host_cost import launches_a_kernel
+
+    assert os.environ.get("TRITON_INTERPRET") == interpret  # ranks started later inherit it
 
     aten = torch.ops.aten
     for op in (aten.add.Tensor, aten.copy_.default, aten.cumsum.default, aten.zeros.default,

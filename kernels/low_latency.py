@@ -29,7 +29,8 @@ Kernels (launches per op: dispatch 2, combine 2):
 * ``ll_combine_send_kernel`` (grid ``min(L * R, num_sms)``, persistent over the same blocks):
   each received row goes back to its home rank's slot ``[token, choice]``; the last program
   publishes the epoch to every rank.
-* ``ll_combine_recv_kernel`` (grid ``cdiv(T_max, BLOCK_T) x cdiv(H, BLOCK_H)``): ``out[t] =
+* ``ll_combine_recv_kernel`` (grid ``min(cdiv(T_max, BLOCK_T) * cdiv(H, BLOCK_H), num_sms)``,
+  persistent over the token and channel tiles of the call's ``T`` tokens): ``out[t] =
   sum_k w[t, k] * slot[t, k]`` in fp32 (choice order), rounded to nearest even; the last
   program acknowledges.
 
@@ -574,8 +575,8 @@ def ll_combine_recv_kernel(
     EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr,
 ):
-    """Grid (token tiles, channel tiles): program (i, c) sums tokens of tile i, channels of
-    tile c."""
+    """Persistent over the (token tile, channel tile) pairs of the ``T`` tokens: each program
+    sums the tiles ``pid, pid + programs, ...`` (at most ``num_sms`` programs)."""
     epoch = tl.load(state + 3) + 1
     parity = epoch % 2
     errors = errors_addr.to(tl.pointer_type(tl.int64))
@@ -584,34 +585,36 @@ def ll_combine_recv_kernel(
         ok = _wait_all(signals + parity * R, 1, epoch, 0, R, errors_addr, timeout_ns, peer_ptrs,
                        mask_off, local_base, me, BLOCK_R, NUM_THREADS, TRANSPORT, FT)
     if ok:  # after a failed wait nothing is read and nothing acknowledged
-        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        tm = t < T
-        t64 = t.to(tl.int64)
-        ids, bad, code, value = checked_ids(topk_idx, t, tm, K, E, BLOCK_K)
-        h0 = tl.program_id(1) * BLOCK_H
-        h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
-        acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
-        L = E // R
-        for k in range(K):
-            e = _column(ids, k, BLOCK_K)
-            valid = tm & (e >= 0)
-            # a choice counts only if its expert rank's rows of this call arrived
-            d = tl.where(valid, e // L, 0)
-            valid = valid & (tl.load(signals + parity * R + d, mask=valid, other=0) >= epoch)
-            slot = (parity * TMAX + t64) * KMAX + k
-            if FP8:  # codes times their group's scale (kernels.rows layout)
-                v = load_fp8_partials(staging + slot * ROW_BYTES, valid, h0, h, hm, H, BLOCK_T,
-                                      BLOCK_H)
-            else:
-                v = tl.load(staging + slot[:, None] * H + h[None, :],
-                            mask=valid[:, None] & hm[None, :], other=0.0).to(tl.float32)
-            if HAS_WEIGHTS:
-                v = v * tl.load(topk_weights + t64 * K + k, mask=valid, other=0.0)[:, None]
-            acc += v
-        result = cast_rne(acc, out.dtype.element_ty)
-        tl.store(out + t64[:, None] * H + h[None, :], result,  # gate: row
-                 mask=tm[:, None] & hm[None, :])
-    if draw_last_of(state + 7, tl.num_programs(0) * tl.num_programs(1)):  # slots read
+        n_h = tl.cdiv(H, BLOCK_H)
+        for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T) * n_h, tl.num_programs(0)):
+            t = (tile // n_h) * BLOCK_T + tl.arange(0, BLOCK_T)
+            tm = t < T
+            t64 = t.to(tl.int64)
+            ids, bad, code, value = checked_ids(topk_idx, t, tm, K, E, BLOCK_K)
+            h0 = (tile % n_h) * BLOCK_H
+            h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
+            acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
+            L = E // R
+            for k in range(K):
+                e = _column(ids, k, BLOCK_K)
+                valid = tm & (e >= 0)
+                # a choice counts only if its expert rank's rows of this call arrived
+                d = tl.where(valid, e // L, 0)
+                valid = valid & (tl.load(signals + parity * R + d, mask=valid, other=0) >= epoch)
+                slot = (parity * TMAX + t64) * KMAX + k
+                if FP8:  # codes times their group's scale (kernels.rows layout)
+                    v = load_fp8_partials(staging + slot * ROW_BYTES, valid, h0, h, hm, H, BLOCK_T,
+                                          BLOCK_H)
+                else:
+                    v = tl.load(staging + slot[:, None] * H + h[None, :],
+                                mask=valid[:, None] & hm[None, :], other=0.0).to(tl.float32)
+                if HAS_WEIGHTS:
+                    v = v * tl.load(topk_weights + t64 * K + k, mask=valid, other=0.0)[:, None]
+                acc += v
+            result = cast_rne(acc, out.dtype.element_ty)
+            tl.store(out + t64[:, None] * H + h[None, :], result,  # gate: row
+                     mask=tm[:, None] & hm[None, :])
+    if draw_last_of(state + 7, tl.num_programs(0)):  # slots read
         if not timed_out(errors, NUM_THREADS):
             publish_to_all(peer_ptrs, acks_off + parity * acks_parity_stride, me, epoch, R,
                            local_base, BLOCK_R, TRANSPORT)
@@ -722,10 +725,11 @@ def ll_combine_send(y, layout, src_info, src_k, peer_ptrs, state, stats, *, offs
 
 def ll_combine_recv(staging, topk_idx, topk_weights, out, peer_ptrs, state, signals, *,
                     acks: tuple, rank: int, num_experts: int,
-                    flavour: Flavour = CPU_RANKS, fp8: bool = False) -> bool:
-    """Launches ``cdiv(TMAX, block_t) x cdiv(H, block_h)`` receive programs (the grid depends
-    on the Buffer alone); ``staging`` [P, TMAX, KMAX, H]; ``signals``: the local
-    ll_combine_signals [P, R]; ``fp8``: the rows arrived as FP8."""
+                    flavour: Flavour = CPU_RANKS, fp8: bool = False,
+                    num_sms: int | None = None) -> bool:
+    """Launches ``min(cdiv(TMAX, block_t) * cdiv(H, block_h), num_sms)`` persistent receive
+    programs (the grid depends on the Buffer alone); ``staging`` [P, TMAX, KMAX, H];
+    ``signals``: the local ll_combine_signals [P, R]; ``fp8``: the rows arrived as FP8."""
     P, TMAX, KMAX, H = staging.shape
     row_bytes = staging.stride(2) * staging.element_size()
     if fp8:
@@ -733,8 +737,8 @@ def ll_combine_recv(staging, topk_idx, topk_weights, out, peer_ptrs, state, sign
     T, K = topk_idx.shape
     R = peer_ptrs.numel()
     tile = tiles("ll_combine_recv", flavour.compiled, H, 4)  # fp32 sums
-    grid = (triton.cdiv(TMAX, tile.block_t), triton.cdiv(H, tile.block_h))
-    ll_combine_recv_kernel[grid](
+    tiles_ = triton.cdiv(TMAX, tile.block_t) * triton.cdiv(H, tile.block_h)
+    ll_combine_recv_kernel[(persistent_programs(tiles_, num_sms),)](
         staging, topk_idx, topk_weights if topk_weights is not None else topk_idx, out,
         peer_ptrs, state, *acks, signals, flavour.ring_addr, flavour.ring_slots,
         flavour.mask_off, *flavour.args(), T, H, K, R, num_experts, rank, TMAX,

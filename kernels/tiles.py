@@ -81,10 +81,11 @@ _GPU = {
     # NVFP4: 16-byte stores of packed codes need 32 values a thread; one program per SM (the
     # grid is persistent) lets it keep them in registers
     "ll_dispatch_send_nvfp4": (4, 1024, 8, 1),
-    # persistent over their (expert, source) blocks, at most num_sms programs: one per SM
+    # persistent over their (expert, source) blocks or token tiles, at most num_sms programs:
+    # one per SM
     "ll_dispatch_recv": (8, 1024, 8, 1),
     "ll_combine_send": (8, 1024, 8, 1),
-    "ll_combine_recv": (4, 1024, 8, 2),
+    "ll_combine_recv": (4, 1024, 8, 1),
     "wait_epochs": (1, 0, 4, 2),
 }
 _INTERPRETER_ROWS = {"ll_dispatch_recv": 16, "ll_combine_send": 16}

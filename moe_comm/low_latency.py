@@ -487,4 +487,5 @@ class LowLatencyMode:
         else:
             self.launches["ll_combine_recv"] += ll_combine_recv(
                 staging, topk_idx, topk_weights, out, self.heap.peer_ptrs, self._ll_state,
-                signals, num_experts=self.num_experts, flavour=self.flavour, fp8=fp8, **common)
+                signals, num_experts=self.num_experts, flavour=self.flavour, fp8=fp8,
+                num_sms=self.num_sms, **common)

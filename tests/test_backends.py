@@ -89,8 +89,9 @@ def test_cpu_buffers_use_the_cpu_flavour_and_validate_knobs():
 
 
 def test_persistent_send_grid_covers_every_tile():
-    """num_sms=1: one program walks all token tiles (T=150 is three 64-token tiles), and one
-    program walks all 8 (expert, source) blocks of the receive and the combine send."""
+    """num_sms=1: one program walks all token tiles (T=150 is three 64-token tiles), one
+    program walks all 8 (expert, source) blocks of the receive and the combine send, and one
+    all token tiles of the combine receive."""
     case = Case(2, 8, 128, 4, (150, 70), seed=31)
     xs, idxs, ws = make_inputs(case)
     bufs = moe_comm.Buffer.loopback(2, 128, 8, 150, low_latency=True, num_sms=1)

@@ -52,10 +52,14 @@ _NO_KERNEL = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "resi
               "_local_scalar_dense", "lift_fresh", "detach_"}
 
 
+def _op_name(func) -> str:
+    return func._schema.name.split("::")[-1]
+
+
 def launches_a_kernel(func) -> bool:
     """Whether aten op ``func`` launches a kernel on a GPU: not a view (an output aliasing an
     input without writing it), not metadata, not a bare allocation."""
-    name = func._schema.name.split("::")[-1]
+    name = _op_name(func)
     if name in _ALLOCATING or name in _NO_KERNEL:
         return False
     return not any(r.alias_info is not None and not r.alias_info.is_write
@@ -74,7 +78,7 @@ class AtenCounter(TorchDispatchMode):
         self.calls["aten"] += 1
         if launches_a_kernel(func):
             self.calls["torch"] += 1
-            self.calls[f"op:{func._schema.name.split('::')[-1]}"] += 1
+            self.calls[f"op:{_op_name(func)}"] += 1
         views = any(r.alias_info is not None for r in func._schema.returns)
         if not views:
             flat = out if isinstance(out, (tuple, list)) else (out,)
@@ -114,9 +118,16 @@ def _ops(bufs):
         rows = CONFIG.world_size * CONFIG.tokens * CONFIG.topk
         state["res"] = lockstep.dispatch(bufs, xs, idxs, ws, max_recv_rows=rows)
 
+    def expert_outputs(key, received):
+        """The combine's input, made once (on the warm call, outside what is counted): the
+        received shapes do not change between calls."""
+        if key not in state:
+            state[key] = [torch.empty(r.x.shape, dtype=DTYPE, device="meta") for r in received]
+        return state[key]
+
     def combine():
         res = state["res"]
-        ys = [torch.empty(r.x.shape, dtype=DTYPE, device="meta") for r in res]
+        ys = expert_outputs("ys", res)
         lockstep.combine(bufs, ys, [r.handle for r in res], [r.weights for r in res])
 
     def ll_dispatch():
@@ -124,7 +135,7 @@ def _ops(bufs):
 
     def ll_combine():
         recvs = state["recvs"]
-        ys = [torch.empty(r.x.shape, dtype=DTYPE, device="meta") for r in recvs]
+        ys = expert_outputs("ll_ys", recvs)
         lockstep.low_latency_combine(bufs, ys, idxs, ws, [r.handle for r in recvs])
 
     return {"normal": {"dispatch": dispatch, "combine": combine},

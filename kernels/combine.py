@@ -7,16 +7,22 @@ Equivalent PyTorch::
     # on home rank s, in fixed rank order:
     out[t] = sum(partial_d[s, slot_of[t, d]] for d in range(R) if slot_of[t, d] >= 0)  # fp32
 
-**Send** (``combine_send_kernel``, on the expert rank): grid ``(R, P)``; program ``(s, p)``
-walks the tiles of source ``s``'s slots (their count is read on the device), reduces the up to
-K rows of each slot in fp32 (fp64 for fp64 data) and stores one partial row into rank ``s``'s
+**Send** (``combine_send_kernel``, on the expert rank): a persistent grid of at most
+``num_sms`` programs deals the tiles of every source's slots (their counts are read on the
+device) round-robin; for each tile the rows of every slot's choices are loaded once, then every
+channel tile gathers the up to K rows several at once (``gathers_in_flight``: unrolled loads,
+as many as registers hold), reduces them in fp32 in choice order (fp64 for fp64 data) and
+stores one partial row into rank ``s``'s
 ``combine_rows[p, me, slot]``; optionally one float per (slot, choice) goes along into
 ``combine_meta`` (the gradient of the router weights). The last program publishes the epoch to
 every rank. Bytes stored into rank ``s``: ``n_s * (H * elem [+ 4K]) + 8``: the mirror image of
 dispatch.
 
-**Reduce** (``combine_reduce_kernel``, on the home rank, after every epoch arrived): one program
-per token tile sums the partials of ranks ``0..R-1`` in that order (bit-reproducible).
+**Reduce** (``combine_reduce_kernel``, on the home rank, after every epoch arrived): program
+``(i, c)`` sums channel tile ``c`` of token tile ``i`` over ranks ``0..R-1`` in that order
+(bit-reproducible), each token's slots on every rank loaded once. A full-wave grid, not bounded
+by ``num_sms``: it waits for nothing (a wait kernel runs before it) and its output is what the
+next layer waits for, so it takes the whole GPU.
 
 **FP8** (``FP8``): the fp32 partial is quantized per 128 channels as a dispatch quantizes
 (``quant.quantize_tile``: e4m3 codes, one float32 scale per 128 channels) and travels as
@@ -61,7 +67,7 @@ from .internode import (
 from .numerics import acc_zeros, cast_rne, channel_tile
 from .nvshmem import put_bytes, quiet
 from .rows import load_fp8_partials, store_fp8_partials
-from .tiles import even, per_source_programs, tiles
+from .tiles import even, persistent_programs, tiles
 
 _SEND_PER_CALL = ["rows_off", "meta_off", "signal_off", "local_base", "errors_addr", "me"]
 
@@ -79,14 +85,69 @@ def _store_partials(dst, box, acc, j64, staged, jm, via_stores, h, hm, H,
                  mask=(jm & ~via_stores)[:, None] & hm[None, :])
 
 
+@triton.jit
+def _partial_destination(peer_ptrs, s, me, N, parity, plan, local_base, rows_off, meta_off,
+                         stride, H, elem_ty: tl.constexpr, FP8: tl.constexpr,
+                         TRANSPORT: tl.constexpr, HIER: tl.constexpr, ALIGN: tl.constexpr):
+    """Where this rank's partials for home rank ``s`` go: ``(rows, meta, remote, fp8_rows,
+    payload)``: the row and pair-value pointers (``s``'s combine staging; through the proxy
+    for a home on another node the forwarder's (HIER) or this rank's outbox), whether ``s``
+    has no pointer, whether its rows travel as FP8, and the bytes of one partial row."""
+    remote = tl.load(peer_ptrs + s) == 0
+    payload = stride
+    fp8_rows = False
+    if FP8:
+        payload = H + 4 * (H // 128)
+        fp8_rows = True
+        if HIER:  # FP8 only for homes on this node (the forwarders sum the others' as they are)
+            fp8_rows = not remote
+            payload = tl.where(fp8_rows, payload, stride)
+    dst = peer_ptr(peer_ptrs, s, rows_off, elem_ty, ALIGN)
+    dst_meta = peer_ptr(peer_ptrs, s, meta_off, tl.float32, 4)
+    if TRANSPORT == 2:
+        if remote:  # home s on another node (N ranks per node)
+            if HIER:  # into the forwarder of this node with s's local index
+                at = parity * _at(plan, HC_ROWS_PAR) + (s // N) * _at(plan, HC_ROWS_NODE) \
+                    + (me % N) * _at(plan, HC_ROWS_LOCAL)
+                dst = peer_ptr(peer_ptrs, (me // N) * N + s % N, _at(plan, HC_ROWS) + at,
+                               elem_ty, ALIGN)
+                at = parity * _at(plan, HC_META_PAR) + (s // N) * _at(plan, HC_META_NODE) \
+                    + (me % N) * _at(plan, HC_META_LOCAL)
+                dst_meta = peer_ptr(peer_ptrs, (me // N) * N + s % N, _at(plan, HC_META) + at,
+                                    tl.float32, 4)
+            else:  # into the outbox slice for s
+                dst = local_ptr(local_base, _off(plan, PXC_ROWS, parity, s), elem_ty, ALIGN)
+                dst_meta = local_ptr(local_base, _off(plan, PXC_META, parity, s), tl.float32, 4)
+    return dst, dst_meta, remote, fp8_rows, payload
+
+
+@triton.jit
+def _column(tile, kk, k):
+    """Column ``k`` of an int [rows, BLOCK_K] tile held in registers (no memory access)."""
+    return tl.sum(tl.where(kk[None, :] == k, tile, 0), axis=1)
+
+
+@triton.jit
+def _add_choice(acc, y, rows, w_bits, kk, k, h, hm, H, HAS_WEIGHTS: tl.constexpr):
+    """``acc + w * y[row]`` (channels ``h``) for choice ``k`` of every slot of the tile: its row
+    in ``rows`` and its weight's bits in ``w_bits`` ([BLOCK_T, BLOCK_K], registers)."""
+    row = _column(rows, kk, k)
+    rm = row >= 0
+    v = tl.load(y + row[:, None] * H + h[None, :], mask=rm[:, None] & hm[None, :],
+                other=0.0).to(acc.dtype)
+    if HAS_WEIGHTS:
+        wk = _column(w_bits, kk, k).to(tl.float32, bitcast=True)
+        v = v * wk.to(acc.dtype)[:, None]
+    return acc + v
+
+
 @triton.jit(do_not_specialize=_SEND_PER_CALL)
 def combine_send_kernel(
     y,  # [rows, H] expert outputs
     weights,  # [rows] float32 (HAS_WEIGHTS)
     pair_values,  # [rows] float32 (HAS_PAIR): one value per row, sent back per (token, choice)
     slot_rows,  # [S, K] int32: rows of each received slot, -1 where unused
-    slot_counts,  # [R] int32: slots received from each source
-    slot_offsets,  # [R + 1] int64: first row of each source in slot_rows
+    slot_offsets,  # [R + 1] int64: first row of each source in slot_rows (its slots: the diff)
     peer_ptrs,  # [R] int64
     stats,  # [4] int64 local: bytes stored (to peers, to itself) at [2], [3]
     xstats,  # [4] int64 local (TRANSPORT 2): bytes for other nodes, outbox [1] or forwarder [3]
@@ -110,70 +171,58 @@ def combine_send_kernel(
                               # 1: NVSHMEM; 2: the proxy (flat: an outbox; HIER: the forwarder)
     HIER: tl.constexpr,
     ALIGN: tl.constexpr, EVEN_H: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     NUM_THREADS: tl.constexpr,
+    IN_FLIGHT: tl.constexpr,  # choices gathered at once (divides BLOCK_K: unused ones are -1)
 ):
-    s = tl.program_id(0)
-    p = tl.program_id(1)
-    P = tl.num_programs(1)
     epoch = tl.load(epochs) + 1  # device epochs and a fixed grid: no per-call scalar (graphs)
     parity = epoch % 2
     rows_off += parity * rows_parity
     meta_off += parity * meta_parity
     box_rows_off += parity * box_rows_parity
     box_meta_off += parity * box_meta_parity
-    n = tl.load(slot_counts + s)
-    remote = tl.load(peer_ptrs + s) == 0  # home rank s reached only by NVSHMEM (TRANSPORT 1)
     stride = H * y.dtype.element_ty.primitive_bitwidth // 8  # bytes between partial rows
-    payload = stride
-    if FP8:
-        payload = H + 4 * (H // 128)
-        fp8_rows = True
-        if HIER:  # FP8 only for homes on this node (the forwarders sum the others' as they are)
-            fp8_rows = tl.load(peer_ptrs + s) != 0
-            payload = tl.where(fp8_rows, payload, stride)
-    row_bytes = payload + HAS_PAIR * 4 * K
-    dst = peer_ptr(peer_ptrs, s, rows_off, y.dtype.element_ty, ALIGN)
-    dst_meta = peer_ptr(peer_ptrs, s, meta_off, tl.float32, 4)
-    if TRANSPORT == 2:
-        if remote:  # home s on another node
-            if HIER:  # into the forwarder of this node with s's local index
-                at = parity * _at(plan, HC_ROWS_PAR) + (s // N) * _at(plan, HC_ROWS_NODE) \
-                    + (me % N) * _at(plan, HC_ROWS_LOCAL)
-                dst = peer_ptr(peer_ptrs, (me // N) * N + s % N, _at(plan, HC_ROWS) + at,
-                               y.dtype.element_ty, ALIGN)
-                at = parity * _at(plan, HC_META_PAR) + (s // N) * _at(plan, HC_META_NODE) \
-                    + (me % N) * _at(plan, HC_META_LOCAL)
-                dst_meta = peer_ptr(peer_ptrs, (me // N) * N + s % N, _at(plan, HC_META) + at,
-                                    tl.float32, 4)
-            else:  # into the outbox slice for s
-                dst = local_ptr(local_base, _off(plan, PXC_ROWS, parity, s), y.dtype.element_ty,
-                                ALIGN)
-                dst_meta = local_ptr(local_base, _off(plan, PXC_META, parity, s), tl.float32, 4)
-    box = dst  # (unused but with TRANSPORT 1: the outbox)
-    if TRANSPORT == 1:
-        box = local_ptr(local_base, box_rows_off, y.dtype.element_ty, ALIGN)
-    rows_done = tl.zeros([1], tl.int64)
-    for j0 in range(p * BLOCK_T, n, P * BLOCK_T):
+    box = local_ptr(local_base, box_rows_off, y.dtype.element_ty, ALIGN)  # (TRANSPORT 1)
+    # the work: tiles of BLOCK_T slots of every source in turn, dealt round-robin
+    src = tl.arange(0, BLOCK_R)
+    first_slots = tl.load(slot_offsets + src, mask=src < R, other=0)
+    src_tiles = (tl.load(slot_offsets + src + 1, mask=src < R, other=0) - first_slots
+                 + BLOCK_T - 1) // BLOCK_T
+    tiles_end = tl.cumsum(src_tiles, axis=0)
+    kk = tl.arange(0, BLOCK_K)
+    to_peers = tl.zeros([1], tl.int64)
+    to_self = tl.zeros([1], tl.int64)
+    other_node = tl.zeros([1], tl.int64)
+    for w in range(tl.program_id(0), tl.sum(src_tiles, axis=0), tl.num_programs(0)):
+        s = tl.sum((tiles_end <= w).to(tl.int32), axis=0)  # the source of tile w
+        at_s = src == s
+        first_slot = tl.sum(tl.where(at_s, first_slots, 0), axis=0)
+        n = (tl.load(slot_offsets + s + 1) - first_slot).to(tl.int32)
+        j0 = (w - tl.sum(tl.where(at_s, tiles_end - src_tiles, 0), axis=0)) * BLOCK_T
+        dst, dst_meta, remote, fp8_rows, payload = _partial_destination(
+            peer_ptrs, s, me, N, parity, plan, local_base, rows_off, meta_off, stride, H,
+            y.dtype.element_ty, FP8, TRANSPORT, HIER, ALIGN)
         j = j0 + tl.arange(0, BLOCK_T)
         jm = j < n
-        first_row = tl.load(slot_offsets + s) + j.to(tl.int64)
         j64 = j.to(tl.int64)
         staged = s.to(tl.int64) * TMAX + j64
         via_stores = jm
         if TRANSPORT == 1:  # partials for an NVSHMEM-only home go to the outbox first
             via_stores = jm & (tl.load(peer_ptrs + s + tl.zeros([BLOCK_T], tl.int32)) != 0)
+        m2 = jm[:, None] & (kk < K)[None, :]
+        # each slot's rows (and weights' bits) loaded once per tile, before any row moves
+        rows = tl.load(slot_rows + (first_slot + j64)[:, None] * K + kk[None, :], mask=m2,
+                       other=-1).to(tl.int64)
+        w_bits = rows  # (unused without weights)
+        if HAS_WEIGHTS:
+            w_bits = tl.load(weights + rows, mask=rows >= 0, other=0.0).to(tl.int32,
+                                                                           bitcast=True)
         for h0 in range(0, H, BLOCK_H):
             h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
             acc = acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64)
-            for k in range(K):
-                row = tl.load(slot_rows + first_row * K + k, mask=jm, other=-1).to(tl.int64)
-                rm = row >= 0
-                v = tl.load(y + row[:, None] * H + h[None, :], mask=rm[:, None] & hm[None, :],
-                            other=0.0).to(acc.dtype)
-                if HAS_WEIGHTS:
-                    v = v * tl.load(weights + row, mask=rm, other=0.0).to(acc.dtype)[:, None]
-                acc += v
+            for k0 in range(0, K, IN_FLIGHT):  # IN_FLIGHT choices' gathers in flight at once
+                for i in tl.static_range(IN_FLIGHT):
+                    acc = _add_choice(acc, y, rows, w_bits, kk, k0 + i, h, hm, H, HAS_WEIGHTS)
             if FP8:  # (fp8_rows: a runtime flag with HIER)
                 if fp8_rows:
                     store_fp8_partials(acc, dst.to(tl.pointer_type(tl.uint8), bitcast=True)
@@ -187,9 +236,6 @@ def combine_send_kernel(
             else:
                 _store_partials(dst, box, acc, j64, staged, jm, via_stores, h, hm, H, TRANSPORT)
         if HAS_PAIR:
-            kk = tl.arange(0, BLOCK_K)
-            m2 = jm[:, None] & (kk < K)[None, :]
-            rows = tl.load(slot_rows + first_row[:, None] * K + kk[None, :], mask=m2, other=-1)
             vals = tl.load(pair_values + rows, mask=rows >= 0, other=0.0)
             tl.store(dst_meta + j64[:, None] * KMAX + kk[None, :], vals,
                      mask=m2 & via_stores[:, None])
@@ -210,19 +256,21 @@ def combine_send_kernel(
                             put_bytes(local_base, meta_off + jj * (4 * KMAX),
                                       box_meta_off + (s.to(tl.int64) * TMAX + jj) * (4 * KMAX),
                                       4 * KMAX, s)
-        rows_done += tl.sum(jm.to(tl.int64), axis=0)
+        nbytes = tl.sum(jm.to(tl.int64), axis=0) * (payload + HAS_PAIR * 4 * K)
+        if TRANSPORT == 2:  # for another node: an outbox (flat) or the forwarder (HIER)
+            other_node += tl.where(remote, nbytes, 0)
+            nbytes = tl.where(remote, 0, nbytes)
+        to_peers += tl.where(s != me, nbytes, 0)
+        to_self += tl.where(s == me, nbytes, 0)
     if TRANSPORT == 1:  # this program's puts complete before its ticket
         tl.debug_barrier()
         if one_thread():
             quiet()
-    nbytes = rows_done * row_bytes
-    if TRANSPORT == 2:  # for another node: an outbox (flat) or the forwarder (HIER), kept apart
-        other_node = tl.where(remote, nbytes, 0)
+    if TRANSPORT == 2:  # kept apart: outbox [1] (flat) or forwarders [3] (HIER)
         tl.atomic_add(xstats + 1 + 2 * HIER + tl.arange(0, 1), other_node, sem="relaxed")
-        nbytes -= other_node
-    tl.atomic_add(stats + 2 + tl.arange(0, 1), tl.where(s != me, nbytes, 0), sem="relaxed")
-    tl.atomic_add(stats + 3 + tl.arange(0, 1), tl.where(s == me, nbytes, 0), sem="relaxed")
-    if draw_last_of(tickets, tl.num_programs(0) * P):
+    tl.atomic_add(stats + 2 + tl.arange(0, 1), to_peers, sem="relaxed")
+    tl.atomic_add(stats + 3 + tl.arange(0, 1), to_self, sem="relaxed")
+    if draw_last_of(tickets, tl.num_programs(0)):
         if not timed_out(errors_addr.to(tl.pointer_type(tl.int64)), NUM_THREADS):
             for d in range(R):
                 publish_epoch_to(peer_ptrs, d, signal_off, epoch, local_base, TRANSPORT)
@@ -234,9 +282,12 @@ def combine_send_kernel(
                         publish_epoch(peer_ptrs, (me // N) * N + f,
                                       _at(plan, HC_SIGNALS) + (me % N) * 8, epoch)
                 elif one_thread():
-                    post_combine_flat(plan, slot_counts, R, N, me, epoch, parity, payload,
-                                      stride, K, KMAX, HAS_PAIR, ring_addr, RING_SLOTS, errors_addr,
-                                      timeout_ns)
+                    flat_payload = stride
+                    if FP8:
+                        flat_payload = H + 4 * (H // 128)
+                    post_combine_flat(plan, slot_offsets, R, N, me, epoch, parity, flat_payload,
+                                      stride, K, KMAX, HAS_PAIR, ring_addr, RING_SLOTS,
+                                      errors_addr, timeout_ns)
             signal_bytes = 8 + tl.zeros([1], tl.int64)
             tl.atomic_add(stats + 2 + tl.arange(0, 1), (reached - 1) * signal_bytes,
                           sem="relaxed")
@@ -245,12 +296,13 @@ def combine_send_kernel(
 
 
 @triton.jit
-def _add_partials(acc, staging, slot_of, t, tm, d0, d1, R, TMAX, cols, cm, ROW: tl.constexpr,
+def _add_partials(acc, staging, slots, lanes, d0, d1, TMAX, cols, cm, ROW: tl.constexpr,
                   live, LIVE: tl.constexpr):
-    """``acc += staging[d, slot_of[t, d]]`` (columns ``cols``) for ranks ``d0 <= d < d1``
-    (with ``LIVE`` only those with ``live[d] != 0``: fault tolerance)."""
+    """``acc += staging[d, slots[:, d]]`` (columns ``cols``) for ranks ``d0 <= d < d1``, in
+    that order (``slots`` [rows, BLOCK] int32 in registers, -1 where none; ``lanes``: its
+    column numbers; with ``LIVE`` only the ranks with ``live[d] != 0``: fault tolerance)."""
     for d in range(d0, d1):
-        slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
+        slot = _column(slots, lanes, d).to(tl.int64)
         if LIVE:
             slot = tl.where(tl.load(live + d) != 0, slot, -1)
         staged = d * TMAX + slot
@@ -260,14 +312,14 @@ def _add_partials(acc, staging, slot_of, t, tm, d0, d1, R, TMAX, cols, cm, ROW: 
 
 
 @triton.jit
-def _add_fp8_partials(acc, staging8, slot_of, t, tm, d0, d1, R, TMAX, h0, h, hm, H,
+def _add_fp8_partials(acc, staging8, slots, lanes, d0, d1, TMAX, h0, h, hm, H,
                       ROW_BYTES: tl.int64, live, LIVE: tl.constexpr, BLOCK_T: tl.constexpr,
                       BLOCK_H: tl.constexpr):
     """:func:`_add_partials` for FP8 partials (ranks ``d0 <= d < d1`` in order): each row's
     codes ``h`` dequantized with their scales (``rows.load_fp8_partials``) before they are
     added."""
     for d in range(d0, d1):
-        slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
+        slot = _column(slots, lanes, d).to(tl.int64)
         if LIVE:
             slot = tl.where(tl.load(live + d) != 0, slot, -1)
         acc += load_fp8_partials(staging8 + (d * TMAX + slot) * ROW_BYTES, slot >= 0, h0, h, hm,
@@ -276,8 +328,9 @@ def _add_fp8_partials(acc, staging8, slot_of, t, tm, d0, d1, R, TMAX, h0, h, hm,
 
 
 @triton.jit
-def _sum_in_order(acc, staging, node_staging, slot_of, node_slot_of, t, tm, me, R, N, TMAX,
-                  cols, cm, ROW: tl.constexpr, HIER: tl.constexpr, live, LIVE: tl.constexpr):
+def _sum_in_order(acc, staging, node_staging, slots, node_slots, lanes, node_lanes, me, R, N,
+                  TMAX, cols, cm, ROW: tl.constexpr, HIER: tl.constexpr, live,
+                  LIVE: tl.constexpr):
     """:func:`_add_partials` over every rank in rank order; with HIER in node order: this
     node's ranks one by one from ``staging``, every other node's sum as one row from
     ``node_staging`` (fault tolerance, ``LIVE``, is flat only)."""
@@ -285,14 +338,13 @@ def _sum_in_order(acc, staging, node_staging, slot_of, node_slot_of, t, tm, me, 
         M = R // N
         for b in range(M):
             if b == me // N:
-                acc = _add_partials(acc, staging, slot_of, t, tm, b * N, b * N + N, R, TMAX,
-                                    cols, cm, ROW, live, False)
+                acc = _add_partials(acc, staging, slots, lanes, b * N, b * N + N, TMAX, cols,
+                                    cm, ROW, live, False)
             else:
-                acc = _add_partials(acc, node_staging, node_slot_of, t, tm, b, b + 1, M, TMAX,
+                acc = _add_partials(acc, node_staging, node_slots, node_lanes, b, b + 1, TMAX,
                                     cols, cm, ROW, live, False)
     else:
-        acc = _add_partials(acc, staging, slot_of, t, tm, 0, R, R, TMAX, cols, cm, ROW, live,
-                            LIVE)
+        acc = _add_partials(acc, staging, slots, lanes, 0, R, TMAX, cols, cm, ROW, live, LIVE)
     return acc
 
 
@@ -316,10 +368,12 @@ def combine_reduce_kernel(
     HIER: tl.constexpr, LIVE: tl.constexpr,
     FP8: tl.constexpr,  # staging (and node_rows) hold FP8 partials (uint8), ROW_BYTES apart
     ROW_BYTES: tl.int64,  # (a runtime value: no variant per Buffer size)
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
-    """Sums in rank order; with HIER in node order: this node's ranks one by one, every other
-    node's sum as one row."""
+    """Program (i, c) sums channel tile c of token tile i in rank order; with HIER in node
+    order: this node's ranks one by one, every other node's sum as one row. Channel tile 0
+    also sums the pair values (HAS_PAIR)."""
     parity = tl.load(epochs) % 2
     staging += parity * STAGING_PARITY
     meta += parity * META_PARITY
@@ -328,53 +382,63 @@ def combine_reduce_kernel(
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     t64 = t.to(tl.int64)
-    for h0 in range(0, H, BLOCK_H):
-        h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
-        if FP8 and HIER:  # this node's partials one by one, every other node's sum as one
-            acc = acc_zeros(BLOCK_T, BLOCK_H, False)
-            for b in range(R // N):
-                if b == me // N:
-                    acc = _add_fp8_partials(acc, staging, slot_of, t, tm, b * N, b * N + N, R,
-                                            TMAX, h0, h, hm, H, ROW_BYTES, live, False, BLOCK_T,
-                                            BLOCK_H)
-                else:
-                    acc = _add_fp8_partials(acc, node_rows, node_slot_of, t, tm, b, b + 1,
-                                            R // N, TMAX, h0, h, hm, H, ROW_BYTES, live, False,
-                                            BLOCK_T, BLOCK_H)
-        elif FP8:
-            acc = _add_fp8_partials(acc_zeros(BLOCK_T, BLOCK_H, False), staging, slot_of, t, tm,
-                                    0, R, R, TMAX, h0, h, hm, H, ROW_BYTES, live, LIVE, BLOCK_T,
-                                    BLOCK_H)
-        else:
-            acc = _sum_in_order(acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64), staging, node_rows,
-                                slot_of, node_slot_of, t, tm, me, R, N, TMAX, h, hm, H, HIER,
-                                live, LIVE)
-        result = cast_rne(acc, out.dtype.element_ty)
-        tl.store(out + t64[:, None] * H + h[None, :], result,  # gate: row
-                 mask=tm[:, None] & hm[None, :])
+    lanes = tl.arange(0, BLOCK_R)  # every token's slot on every rank, loaded once
+    slots = tl.load(slot_of + t64[:, None] * R + lanes[None, :],
+                    mask=tm[:, None] & (lanes < R)[None, :], other=-1)
+    node_lanes = tl.arange(0, BLOCK_M)
+    node_slots = slots
+    if HIER:
+        node_slots = tl.load(node_slot_of + t64[:, None] * (R // N) + node_lanes[None, :],
+                             mask=tm[:, None] & (node_lanes < R // N)[None, :], other=-1)
+    h0 = tl.program_id(1) * BLOCK_H
+    h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
+    if FP8 and HIER:  # this node's partials one by one, every other node's sum as one
+        acc = acc_zeros(BLOCK_T, BLOCK_H, False)
+        for b in range(R // N):
+            if b == me // N:
+                acc = _add_fp8_partials(acc, staging, slots, lanes, b * N, b * N + N, TMAX, h0,
+                                        h, hm, H, ROW_BYTES, live, False, BLOCK_T, BLOCK_H)
+            else:
+                acc = _add_fp8_partials(acc, node_rows, node_slots, node_lanes, b, b + 1, TMAX,
+                                        h0, h, hm, H, ROW_BYTES, live, False, BLOCK_T, BLOCK_H)
+    elif FP8:
+        acc = _add_fp8_partials(acc_zeros(BLOCK_T, BLOCK_H, False), staging, slots, lanes, 0, R,
+                                TMAX, h0, h, hm, H, ROW_BYTES, live, LIVE, BLOCK_T, BLOCK_H)
+    else:
+        acc = _sum_in_order(acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64), staging, node_rows, slots,
+                            node_slots, lanes, node_lanes, me, R, N, TMAX, h, hm, H, HIER, live,
+                            LIVE)
+    result = cast_rne(acc, out.dtype.element_ty)
+    tl.store(out + t64[:, None] * H + h[None, :], result,  # gate: row
+             mask=tm[:, None] & hm[None, :])
     if HAS_PAIR:
-        kk = tl.arange(0, BLOCK_K)
-        km = kk < K
-        pacc = _sum_in_order(tl.zeros([BLOCK_T, BLOCK_K], tl.float32), meta, node_meta,
-                             slot_of, node_slot_of, t, tm, me, R, N, TMAX, kk, km, KMAX, HIER,
-                             live, LIVE)
-        tl.store(pair_out + t64[:, None] * K + kk[None, :], pacc,
-                 mask=tm[:, None] & km[None, :])
+        if tl.program_id(1) == 0:
+            kk = tl.arange(0, BLOCK_K)
+            km = kk < K
+            pacc = _sum_in_order(tl.zeros([BLOCK_T, BLOCK_K], tl.float32), meta, node_meta,
+                                 slots, node_slots, lanes, node_lanes, me, R, N, TMAX, kk, km,
+                                 KMAX, HIER, live, LIVE)
+            tl.store(pair_out + t64[:, None] * K + kk[None, :], pacc,
+                     mask=tm[:, None] & km[None, :])
 
 
-def send_grid(world_size: int, max_tokens: int, hidden: int, flavour: Flavour,
-              elem_bytes: int) -> tuple[int, int]:
-    """``(R, P)``: the combine send grid, fixed by the Buffer's sizes and dtype."""
+def send_grid(world_size: int, max_tokens: int, hidden: int, num_sms: int | None,
+              flavour: Flavour, elem_bytes: int) -> int:
+    """Programs of a combine send: one per tile of the most slots a rank can receive
+    (``world_size * max_tokens``: the grid never changes, which the last-program ticket needs),
+    at most ``num_sms`` (persistent)."""
     tile = tiles("combine_send", flavour.compiled, hidden, max(4, elem_bytes))  # fp32 sums
-    return world_size, per_source_programs(world_size, max_tokens, tile.block_t, flavour.compiled)
+    return persistent_programs(triton.cdiv(world_size * max_tokens, tile.block_t), num_sms)
 
 
-def combine_send(y, weights, pair_values, slot_rows, slot_counts, slot_offsets, peer_ptrs, stats,
-                 tickets, epochs, *, offsets: dict, rank: int, topk: int, max_topk: int,
-                 max_tokens: int, flavour: Flavour = CPU_RANKS,
+def combine_send(y, weights, pair_values, slot_rows, slot_offsets, peer_ptrs, stats, tickets,
+                 epochs, *, offsets: dict, rank: int, topk: int, max_topk: int, max_tokens: int,
+                 num_sms: int | None = None, flavour: Flavour = CPU_RANKS,
                  box_offsets: tuple = ((0, 0),) * 2, xstats=None, plan=None,
                  fp8: bool = False) -> bool:
-    """Launches the ``(R, P)`` send programs of :func:`send_grid` (every rank is signalled).
+    """Launches the persistent send programs of :func:`send_grid` (every rank is signalled):
+    they deal the tiles of every source's slots (``slot_offsets`` [R + 1] int64, the diff being
+    each source's slots) round-robin among themselves.
 
     ``offsets``: rows / meta -> (byte offset of this rank's slice of parity 0, bytes per
     parity), signal -> byte offset; the epoch and parity come from ``epochs`` on the device.
@@ -386,10 +450,10 @@ def combine_send(y, weights, pair_values, slot_rows, slot_counts, slot_offsets, 
     H = y.shape[1]
     R = peer_ptrs.numel()
     tile = tiles("combine_send", flavour.compiled, H, max(4, y.element_size()))
-    dummy = slot_counts
-    combine_send_kernel[send_grid(R, max_tokens, H, flavour, y.element_size())](
+    dummy = slot_offsets
+    combine_send_kernel[(send_grid(R, max_tokens, H, num_sms, flavour, y.element_size()),)](
         y, weights if weights is not None else dummy,
-        pair_values if pair_values is not None else dummy, slot_rows, slot_counts, slot_offsets,
+        pair_values if pair_values is not None else dummy, slot_rows, slot_offsets,
         peer_ptrs, stats, dummy if xstats is None else xstats, tickets, epochs,
         offsets["rows"][0], offsets["meta"][0],
         offsets["signal"], offsets["rows"][1], offsets["meta"][1],
@@ -402,14 +466,30 @@ def combine_send(y, weights, pair_values, slot_rows, slot_counts, slot_offsets, 
         HIER=flavour.hierarchical,
         ALIGN=flavour.row_align, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
         BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),
-        NUM_THREADS=tile.num_threads, **flavour.launch_options(tile))
+        BLOCK_R=triton.next_power_of_2(R), NUM_THREADS=tile.num_threads,
+        IN_FLIGHT=gathers_in_flight(topk, y.element_size(), flavour.compiled),
+        **flavour.launch_options(tile))
     return True
+
+
+def gathers_in_flight(topk: int, elem_bytes: int, compiled: bool) -> int:
+    """Choices a combine send gathers at once: on a GPU as many as registers hold beside the
+    fp32 accumulator (4 rows of 16-bit data, 2 of 32-bit, 1 of 64-bit), never more than the
+    choices' block; the interpreter takes them all (its cost is per operation)."""
+    block_k = triton.next_power_of_2(max(topk, 1))
+    return min(block_k, 8 // elem_bytes if compiled else block_k)
+
+
+def reduce_grid(tokens: int, hidden: int, flavour: Flavour, elem_bytes: int) -> tuple[int, int]:
+    """``(token tiles, channel tiles)`` of a combine reduce of ``tokens`` tokens."""
+    tile = tiles("combine_reduce", flavour.compiled, hidden, max(4, elem_bytes))
+    return triton.cdiv(tokens, tile.block_t), triton.cdiv(hidden, tile.block_h)
 
 
 def combine_reduce(staging, meta, epochs, slot_of, out, pair_out, *, topk: int, max_topk: int,
                    flavour: Flavour = CPU_RANKS, rank: int = 0, node_rows=None, node_meta=None,
                    node_slot_of=None, live=None, fp8: bool = False) -> bool:
-    """Launches ``cdiv(T, block_t)`` reduce programs (none for ``T == 0``); ``staging`` /
+    """Launches the :func:`reduce_grid` programs (none for ``T == 0``); ``staging`` /
     ``meta``: the whole combine_rows / combine_meta regions, the parity read from ``epochs``;
     hierarchical (``flavour.hierarchical``): ``node_rows`` / ``node_meta`` the whole hcomb
     regions and ``node_slot_of`` [T, M] from the dispatch; ``live`` [R] int32 (fault
@@ -426,7 +506,7 @@ def combine_reduce(staging, meta, epochs, slot_of, out, pair_out, *, topk: int, 
     if fp8:
         staging = staging.view(torch.uint8)
         node_rows = node_rows.view(torch.uint8) if hier else None
-    combine_reduce_kernel[(triton.cdiv(T, tile.block_t),)](
+    combine_reduce_kernel[reduce_grid(T, H, flavour, out.element_size())](
         staging, meta, node_rows if hier else staging, node_meta if hier else meta, epochs,
         slot_of, node_slot_of if hier else slot_of, out, pair_out if has_pair else out,
         slot_of if live is None else live, T, H,
@@ -435,5 +515,8 @@ def combine_reduce(staging, meta, epochs, slot_of, out, pair_out, *, topk: int, 
         KMAX=max_topk, HAS_PAIR=has_pair, HIER=hier, LIVE=live is not None, FP8=fp8,
         ROW_BYTES=row_bytes,
         ACC_FP64=out.dtype == torch.float64, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
-        BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)), **tile.launch_options())
+        BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),
+        BLOCK_R=triton.next_power_of_2(R),
+        BLOCK_M=triton.next_power_of_2(R // (flavour.ranks_per_node or R)),
+        **tile.launch_options())
     return True

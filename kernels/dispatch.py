@@ -15,14 +15,22 @@ weight: the same for every destination). The last program to finish publishes, f
 into rank ``d``: ``n_d * (H * elem + 4 * (1 + 3K)) + 4 * (L + 1) + 8``, where ``n_d`` is the
 number of tokens sent to ``d``.
 
+**Received layout** (``received_layout_kernel``, on the destination, one program): with
+waits in kernels it first waits for every source's epoch (all at once), then turns the counts
+the sources published into the receive's offsets (``row_base``, ``tokens_per_expert``,
+``expert_offsets``, ``slot_offsets``): no host read, no torch op.
+
 **Expand** (``dispatch_expand_kernel``, on the destination, after every source's epoch
-arrived): grid ``(R, P)``; program ``(s, p)`` walks the tiles of source ``s``'s slots (their
-count is read on the device), copies each staging row to output row ``row_base[s, e] +
-position`` for each local expert ``e`` the token chose, and records that row in ``slot_rows``
-so that combine can find it; it also zero-fills the padding rows of every ``R * P``-th expert
-and, when the output was sized by ``max_recv_rows``, the rows past the last group (only
-padding needs zeros). In the *cached* form (the backward of combine) the rows come from an
-earlier ``slot_rows`` and only the data moves.
+arrived): grid ``(R, P)`` of ``GPU_PROGRAMS`` programs on a GPU (a full wave whatever the counts:
+it waits for nothing and what it writes is what the experts wait for, so it is not bounded by
+``num_sms``); program ``(s, p)`` walks the tiles of source ``s``'s slots (their count is read on
+the device), copies each staging row to output row ``row_base[s, e] + position`` for each local
+expert ``e`` the token chose, and records that row in ``slot_rows`` so that combine can find it.
+Every output is written, so none needs a fill launch: the padding rows (fewer than
+``expert_alignment`` per expert, by program; and when the output was sized by
+``max_recv_rows``, the rows past the last group, spread over every program) get zeros, source
+-1 and weight 0, and ``slot_rows`` -1 past the last slot. In the *cached* form (the backward of
+combine) the rows come from an earlier ``slot_rows`` and only the data moves.
 
 Every store of row data is 16 bytes wide where rows are 16-byte aligned (the gate checks the
 compiled code: lines marked ``# gate: row``).
@@ -46,12 +54,14 @@ from .comm import (
     publish_epoch_to,
     record_error,
     timed_out,
+    uniform_now_ns,
+    wait_all_at_least,
 )
 from .numerics import channel_tile
 from .nvshmem import put_bytes, quiet
 from .quant import NVFP4, scale_group
 from .rows import load_send_tile, row_payload, sent_elem_bytes, store_rows
-from .tiles import even, per_source_programs, persistent_programs, tiles
+from .tiles import ZERO_TILES, even, per_source_programs, persistent_programs, tiles
 
 _SEND_PER_CALL = ["rows_off", "meta_off", "counts_off", "signal_off", "local_base",
                   "errors_addr", "T", "me"]
@@ -232,8 +242,8 @@ def dispatch_expand_kernel(
     staging_f32,  # the same memory as float32 (FP8 scales)
     meta,  # [P, R, TMAX, META_STRIDE] int32 local dispatch_meta (not CACHED)
     epochs,  # [1] int64 local: the dispatch epoch (this call's: its parity is read here)
-    slot_counts,  # [R] int32: slots filled by each source
-    slot_offsets,  # [R + 1] int64: first row of each source in slot_rows
+    slot_offsets,  # [R + 1] int64: first row of each source in slot_rows (its slots: the diff)
+    live,  # [R] int32 (LIVE): 0 for a source whose rows did not arrive (none are read)
     row_base,  # [R, L] int64: first output row of (source, local expert) (not CACHED)
     tokens_per_expert,  # [L] int64: rows of each local expert, without padding
     expert_offsets,  # [L + 1] int64: first row of each local expert's padded group
@@ -246,17 +256,20 @@ def dispatch_expand_kernel(
     errors_addr: tl.int64,  # input record: more rows arrived than `out` holds
     max_rows: tl.int64,  # rows of `out`
     TMAX: tl.int32, H: tl.int32, K: tl.int32, L: tl.int32, me: tl.int32,
-    G: tl.int32,  # FP8: scales per row
+    G: tl.int32,  # FP8: scales per output row (UE8M0: bytes of its int32 words)
+    SCALES: tl.int32,  # FP8: scales per staging row (UE8M0: the first SCALES of the G bytes)
     ROW_ELEMS: tl.int64,  # staging row stride in elements of `staging`
     STAGING_PARITY: tl.int64, META_PARITY: tl.int64,  # elements between the two parities
     SCALE_ROW_STRIDE: tl.int64, SCALE_GROUP_STRIDE: tl.int64,  # out_scales strides (elements;
                                                                # int32 words for UE8M0)
     META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
     CACHED: tl.constexpr, HAS_WEIGHTS: tl.constexpr, FP8: tl.constexpr,
-    UE8M0: tl.constexpr,  # byte scales: exponents, MXFP8's E8M0 or NVFP4's e4m3
+    UE8M0: tl.constexpr,  # byte scales: exponents, MXFP8's E8M0 or NVFP4's e4m3 (G counts the
+                          # bytes of a row's int32 words: the last word's spare bytes are zeros)
     GLOBAL: tl.constexpr,  # NVFP4: a float32 global scale between the codes and the scales
-    EVEN_H: tl.constexpr,
+    LIVE: tl.constexpr, EVEN_H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_Z: tl.constexpr,  # rows per padding tile (stores of constants: wider than BLOCK_T)
 ):
     s = tl.program_id(0)
     p = tl.program_id(1)
@@ -267,20 +280,25 @@ def dispatch_expand_kernel(
     staging_f32 += parity * STAGING_PARITY * staging.dtype.element_ty.primitive_bitwidth // 32
     if not CACHED:
         meta += parity * META_PARITY
-    n = tl.load(slot_counts + s)
+    first_slot = tl.load(slot_offsets + s)
+    n = (tl.load(slot_offsets + s + 1) - first_slot).to(tl.int32)
+    if LIVE:
+        n = tl.where(tl.load(live + s) != 0, n, 0)
+    total = tl.load(expert_offsets + L)
     if (s == 0) & (p == 0):
-        total = tl.load(expert_offsets + L)
         if total > max_rows:
             record_error(errors_addr.to(tl.pointer_type(tl.int64)), INPUT_RECORD, TOO_MANY_ROWS,
                          total, max_rows)
+    kk = tl.arange(0, BLOCK_K)
     for j0 in range(p * BLOCK_T, n, P * BLOCK_T):
         j = j0 + tl.arange(0, BLOCK_T)
         jm = j < n
-        first_row = tl.load(slot_offsets + s) + j.to(tl.int64)  # rows of slot_rows
+        first_row = first_slot + j.to(tl.int64)  # rows of slot_rows
         staged = s.to(tl.int64) * TMAX + j
-        if not CACHED:
-            kk = tl.arange(0, BLOCK_K)
-            m2 = jm[:, None] & (kk < K)[None, :]
+        m2 = jm[:, None] & (kk < K)[None, :]
+        if CACHED:  # the output row of every (slot, choice), loaded once per tile
+            row = tl.load(slot_rows + first_row[:, None] * K + kk[None, :], mask=m2, other=-1)
+        else:
             mrow = meta + staged * META_STRIDE
             e = tl.load(mrow[:, None] + 1 + kk[None, :], mask=m2, other=-1) - me * L
             pos = tl.load(mrow[:, None] + 1 + KMAX + kk[None, :], mask=m2, other=-1)
@@ -296,13 +314,13 @@ def dispatch_expand_kernel(
             if HAS_WEIGHTS:
                 w = tl.load(mrow[:, None] + 1 + 2 * KMAX + kk[None, :], mask=valid, other=0)
                 tl.store(out_weights + row, w.to(tl.float32, bitcast=True), mask=valid)
-            tl.debug_barrier()
+        row = row.to(tl.int64)
         for h0 in range(0, H, BLOCK_H):
             h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
             tile = tl.load(staging + staged[:, None] * ROW_ELEMS + h[None, :],
                            mask=jm[:, None] & hm[None, :])
-            for k in range(K):
-                dst_row = tl.load(slot_rows + first_row * K + k, mask=jm, other=-1).to(tl.int64)
+            for k in range(K):  # each choice's output row from registers: no load to wait on
+                dst_row = tl.sum(tl.where(kk[None, :] == k, row, 0), axis=1)
                 tl.store(out + dst_row[:, None] * H + h[None, :], tile,  # gate: row
                          mask=(dst_row >= 0)[:, None] & hm[None, :])
         if FP8:  # the scales follow the H code bytes of each staging row (kernels.rows)
@@ -310,40 +328,83 @@ def dispatch_expand_kernel(
             gm = jm[:, None] & (g < G)[None, :]
             codes_end = staged * ROW_ELEMS + H
             if UE8M0:
-                sc = tl.load(staging + codes_end[:, None] + 4 * GLOBAL + g[None, :], mask=gm)
+                sc = tl.load(staging + codes_end[:, None] + 4 * GLOBAL + g[None, :],
+                             mask=gm & (g < SCALES)[None, :], other=0)
             else:
                 sc = tl.load(staging_f32 + codes_end[:, None] // 4 + g[None, :], mask=gm)
             if GLOBAL:
                 glob = tl.load(staging_f32 + codes_end // 4, mask=jm)
             for k in range(K):
-                dst_row = tl.load(slot_rows + first_row * K + k, mask=jm, other=-1).to(tl.int64)
+                dst_row = tl.sum(tl.where(kk[None, :] == k, row, 0), axis=1)
                 if GLOBAL:
                     tl.store(out_global + dst_row, glob, mask=dst_row >= 0)
-                dm = gm & (dst_row >= 0)[:, None]
-                if UE8M0:  # byte g % 4 of int32 word g // 4
-                    word = (g // 4)[None, :] * SCALE_GROUP_STRIDE \
-                        + dst_row[:, None] * SCALE_ROW_STRIDE
-                    tl.store(out_scales + word * 4 + (g % 4)[None, :], sc, mask=dm)
-                else:
-                    tl.store(out_scales + g[None, :] * SCALE_GROUP_STRIDE
-                             + dst_row[:, None] * SCALE_ROW_STRIDE, sc, mask=dm)
-    # padding rows are the only rows zeroed: fewer than expert_alignment per expert, and the
-    # rows of `out` past the last group (group L: from expert_offsets[L] to max_rows)
-    for e in range(s * P + p, L + 1, R * P):
-        if e < L:
-            start = tl.load(expert_offsets + e) + tl.load(tokens_per_expert + e)
-            end = tl.minimum(tl.load(expert_offsets + e + 1), max_rows)
-        else:
-            start = tl.load(expert_offsets + L)
-            end = max_rows
-        for r0 in range(start, end, BLOCK_T):
-            r = r0 + tl.arange(0, BLOCK_T)
-            rm = r < end
-            for h0 in range(0, H, BLOCK_H):
-                h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
-                tl.store(out + r[:, None] * H + h[None, :],  # gate: row
-                         tl.zeros([BLOCK_T, BLOCK_H], out.dtype.element_ty),
-                         mask=rm[:, None] & hm[None, :])
+                _store_scales(out_scales, dst_row, g, sc, gm & (dst_row >= 0)[:, None],
+                              SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE, UE8M0)
+    # padding rows are the only rows zeroed (with src_rank/src_token -1, weight and scales 0):
+    # fewer than expert_alignment per expert, by program e; and the rows of `out` past the
+    # last group (from expert_offsets[L] to max_rows), in tiles spread over every program
+    q = s * P + p
+    for e in range(q, L, R * P):
+        start = tl.load(expert_offsets + e) + tl.load(tokens_per_expert + e)
+        end = tl.minimum(tl.load(expert_offsets + e + 1), max_rows)
+        for r0 in range(start, end, BLOCK_Z):
+            _zero_rows(out, out_scales, out_global, out_weights, out_src_rank, out_src_token,
+                       r0 + tl.arange(0, BLOCK_Z), end, H, G, SCALE_ROW_STRIDE,
+                       SCALE_GROUP_STRIDE, CACHED, HAS_WEIGHTS, FP8, UE8M0, GLOBAL, EVEN_H,
+                       BLOCK_Z, BLOCK_H, BLOCK_G)
+    for r0 in range(total + q * BLOCK_Z, max_rows, R * P * BLOCK_Z):
+        _zero_rows(out, out_scales, out_global, out_weights, out_src_rank, out_src_token,
+                   r0 + tl.arange(0, BLOCK_Z), max_rows, H, G, SCALE_ROW_STRIDE,
+                   SCALE_GROUP_STRIDE, CACHED, HAS_WEIGHTS, FP8, UE8M0, GLOBAL, EVEN_H, BLOCK_Z,
+                   BLOCK_H, BLOCK_G)
+    if not CACHED:  # slot_rows past the last slot: -1 (every row of it is written)
+        for r0 in range(tl.load(slot_offsets + R) + q * BLOCK_Z, R * TMAX, R * P * BLOCK_Z):
+            r = (r0 + tl.arange(0, BLOCK_Z)).to(tl.int64)
+            tl.store(slot_rows + r[:, None] * K + kk[None, :],
+                     tl.full([BLOCK_Z, BLOCK_K], -1, tl.int32),
+                     mask=(r < R * TMAX)[:, None] & (kk < K)[None, :])
+
+
+@triton.jit
+def _store_scales(out_scales, dst_row, g, sc, mask, SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE,
+                  UE8M0: tl.constexpr):
+    """Scales ``sc`` [rows, BLOCK_G] of output rows ``dst_row`` (float32 per group, or with
+    UE8M0 byte g % 4 of int32 word g // 4)."""
+    if UE8M0:
+        word = (g // 4)[None, :] * SCALE_GROUP_STRIDE + dst_row[:, None] * SCALE_ROW_STRIDE
+        tl.store(out_scales + word * 4 + (g % 4)[None, :], sc, mask=mask)
+    else:
+        tl.store(out_scales + g[None, :] * SCALE_GROUP_STRIDE
+                 + dst_row[:, None] * SCALE_ROW_STRIDE, sc, mask=mask)
+
+
+@triton.jit
+def _zero_rows(out, out_scales, out_global, out_weights, out_src_rank, out_src_token, r, end, H,
+               G, SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE, CACHED: tl.constexpr,
+               HAS_WEIGHTS: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr,
+               GLOBAL: tl.constexpr, EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr,
+               BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Output rows ``r`` (those below ``end``) as padding: zero data, scales and weight, source
+    -1."""
+    rm = r < end
+    r64 = r.to(tl.int64)
+    if not CACHED:
+        tl.store(out_src_rank + r64, tl.full([BLOCK_T], -1, tl.int64), mask=rm)
+        tl.store(out_src_token + r64, tl.full([BLOCK_T], -1, tl.int64), mask=rm)
+        if HAS_WEIGHTS:
+            tl.store(out_weights + r64, tl.zeros([BLOCK_T], tl.float32), mask=rm)
+        if FP8:
+            g = tl.arange(0, BLOCK_G)
+            zeros = tl.zeros([BLOCK_T, BLOCK_G], out_scales.dtype.element_ty)
+            _store_scales(out_scales, r64, g, zeros, rm[:, None] & (g < G)[None, :],
+                          SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE, UE8M0)
+            if GLOBAL:
+                tl.store(out_global + r64, tl.zeros([BLOCK_T], tl.float32), mask=rm)
+    for h0 in range(0, H, BLOCK_H):
+        h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
+        tl.store(out + r64[:, None] * H + h[None, :],  # gate: row
+                 tl.zeros([BLOCK_T, BLOCK_H], out.dtype.element_ty),
+                 mask=rm[:, None] & hm[None, :])
 
 
 def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptrs, stats,
@@ -408,21 +469,25 @@ def send_grid(max_tokens: int, hidden: int, num_sms: int | None, flavour: Flavou
 def expand_grid(world_size: int, max_tokens: int, hidden: int, flavour: Flavour,
                 elem_bytes: int) -> tuple[int, int]:
     """``(R, P)``: the expand grid, fixed by the Buffer's sizes and the row element size."""
-    tile = tiles("dispatch_expand", flavour.compiled, hidden, elem_bytes)
-    return world_size, per_source_programs(world_size, max_tokens, tile.block_t, flavour.compiled)
+    return world_size, per_source_programs(world_size, flavour.compiled)
 
 
-def dispatch_expand(staging, meta, epochs, slot_counts, slot_offsets, row_base,
-                    tokens_per_expert, expert_offsets, slot_rows, out, out_weights, out_src_rank,
-                    out_src_token, *, rank: int, topk: int, num_local_experts: int,
-                    meta_stride: int, max_topk: int, flavour: Flavour = CPU_RANKS,
-                    out_scales=None, scale_strides=(0, 0), ue8m0: int = 0,
-                    out_global=None) -> bool:
+def dispatch_expand(staging, meta, epochs, slot_offsets, row_base, tokens_per_expert,
+                    expert_offsets, slot_rows, out, out_weights, out_src_rank, out_src_token, *,
+                    rank: int, topk: int, num_local_experts: int, meta_stride: int,
+                    max_topk: int, flavour: Flavour = CPU_RANKS, out_scales=None,
+                    scale_strides=(0, 0), ue8m0: int = 0, out_global=None, live=None) -> bool:
     """Launches the ``(R, P)`` expand programs of :func:`expand_grid`.
 
     ``staging`` / ``meta``: the whole dispatch_rows / dispatch_meta regions [P, R, TMAX, ...];
     the kernel reads the parity from ``epochs`` (the dispatch channel's device epoch).
-    With ``meta=None`` (the cached form) rows are placed by the given ``slot_rows`` alone.
+    ``slot_offsets`` [R + 1] int64 (:func:`received_layout`): where each source's slots start
+    in ``slot_rows``, the diff being their count. The outputs may be uninitialised memory:
+    every row of ``out`` is written (padding as zeros, ``src_rank`` / ``src_token`` -1 and
+    weight 0 there), and every row of ``slot_rows`` (-1 past ``slot_offsets[-1]``).
+    With ``meta=None`` (the cached form) rows are placed by the given ``slot_rows`` alone;
+    ``live`` [R] int32 (fault tolerance): the sources whose rows arrived (the others' rows are
+    not read: ``out`` must be zeros there).
     Quantized rows (``out_scales`` given; ``out`` float8, or uint8 [rows, H/2] for NVFP4):
     ``staging`` is the uint8 view, ``out_scales`` the contiguous memory of the scales
     (float32, or int32 words of byte scales with ``ue8m0``: exponents per 128 channels, E8M0
@@ -436,24 +501,119 @@ def dispatch_expand(staging, meta, epochs, slot_counts, slot_offsets, row_base,
     fp8 = out_scales is not None
     nvfp4 = fp8 and ue8m0 == NVFP4
     groups = (2 * H if nvfp4 else H) // scale_group(ue8m0) if fp8 else 0
+    per_row = 4 * triton.cdiv(groups, 4) if fp8 and ue8m0 else groups  # bytes of int32 words
     tile = tiles("dispatch_expand", flavour.compiled, H, out.element_size())
     cached = meta is None
     has_weights = out_weights is not None
-    dummy = slot_counts
+    dummy = slot_offsets
     if fp8:
         out = out.view(torch.uint8)
         out_scales = out_scales.view(torch.uint8) if ue8m0 else out_scales
     dispatch_expand_kernel[expand_grid(R, TMAX, H, flavour, out.element_size())](
         staging, staging.view(torch.float32) if fp8 else dummy, dummy if cached else meta,
-        epochs, slot_counts, slot_offsets, dummy if cached else row_base, tokens_per_expert,
+        epochs, slot_offsets, dummy if live is None else live,
+        dummy if cached else row_base, tokens_per_expert,
         expert_offsets, slot_rows, out, out_scales if fp8 else dummy,
         out_global if nvfp4 else dummy,
         out_weights if has_weights else dummy, dummy if cached else out_src_rank,
         dummy if cached else out_src_token, flavour.errors_addr, out.shape[0],
-        TMAX, H, topk, num_local_experts, rank, groups, staging.stride(2), staging.stride(0),
-        0 if cached else meta.stride(0), scale_strides[0], scale_strides[1],
+        TMAX, H, topk, num_local_experts, rank, per_row, groups, staging.stride(2),
+        staging.stride(0), 0 if cached else meta.stride(0), scale_strides[0], scale_strides[1],
         META_STRIDE=meta_stride, KMAX=max_topk, CACHED=cached, HAS_WEIGHTS=has_weights,
-        FP8=fp8, UE8M0=bool(fp8 and ue8m0), GLOBAL=nvfp4, EVEN_H=even(H, tile.block_h),
-        BLOCK_T=tile.block_t, BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),
-        BLOCK_G=triton.next_power_of_2(max(groups, 1)), **tile.launch_options())
+        FP8=fp8, UE8M0=bool(fp8 and ue8m0), GLOBAL=nvfp4, LIVE=live is not None,
+        EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t, BLOCK_H=tile.block_h,
+        BLOCK_K=triton.next_power_of_2(max(topk, 1)),
+        BLOCK_G=triton.next_power_of_2(max(per_row, 1)), BLOCK_Z=ZERO_TILES * tile.block_t,
+        **tile.launch_options())
     return True
+
+
+_RECV_LAYOUT_PER_CALL = ["errors_addr", "timeout_ns", "alignment"]
+
+
+@triton.jit(do_not_specialize=_RECV_LAYOUT_PER_CALL)
+def received_layout_kernel(
+    counts,  # PARITY: [P, R, L + 1] int32 local dispatch_counts; else [R, L + 1] int32 (the
+             # counts a fault-tolerant wait copied)
+    signals,  # [R] int64 local signal words of the dispatch channel (WAIT)
+    epochs,  # [1] int64 local: the dispatch epoch (this call's)
+    live,  # [R] int32 (LIVE): 0 for a source that did not arrive (fault tolerance)
+    row_base,  # [R, L] int64 out: first output row of (source, local expert)
+    tokens_per_expert,  # [L] int64 out: rows of each local expert, without padding
+    expert_offsets,  # [L + 1] int64 out: first row of each local expert's padded group
+    slot_offsets,  # [R + 1] int64 out: first row of each source in slot_rows
+    errors_addr: tl.int64, timeout_ns: tl.int64,
+    R: tl.int32, L: tl.int32, alignment: tl.int32,
+    COUNT_PARITY: tl.int64,  # elements between the two parities of counts (PARITY)
+    PARITY: tl.constexpr, WAIT: tl.constexpr, LIVE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, NUM_THREADS: tl.constexpr,
+):
+    """One program: with WAIT it first waits for every source's epoch (all at once, bounded;
+    a timeout leaves every count zero), then turns the counts the sources published into the
+    receive's layout (no host read)."""
+    expected = tl.load(epochs)
+    arrived = True
+    if WAIT:
+        deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
+        arrived = wait_all_at_least(signals, 1, R, expected, 0, deadline,
+                                    errors_addr.to(tl.pointer_type(tl.int64)), signals, BLOCK_R,
+                                    NUM_THREADS, False)
+    src = tl.arange(0, BLOCK_R)
+    e = tl.arange(0, BLOCK_L)
+    sm = src < R
+    em = e < L
+    if PARITY:
+        counts += (expected % 2) * COUNT_PARITY
+    per_source = tl.load(counts + src[:, None] * (L + 1) + e[None, :],
+                         mask=sm[:, None] & em[None, :], other=0).to(tl.int64)
+    slots = tl.load(counts + src * (L + 1) + L, mask=sm, other=0).to(tl.int64)
+    keep = sm & arrived
+    if LIVE:
+        keep = keep & (tl.load(live + src, mask=sm, other=0) != 0)
+    per_source = tl.where(keep[:, None], per_source, 0)
+    slots = tl.where(keep, slots, 0)
+    per_expert = tl.sum(per_source, axis=0)
+    padded = (per_expert + alignment - 1) // alignment * alignment
+    expert_end = tl.cumsum(padded, axis=0)
+    first_rows = (expert_end - padded)[None, :] + tl.cumsum(per_source, axis=0) - per_source
+    tl.store(row_base + src[:, None] * L + e[None, :], first_rows,
+             mask=sm[:, None] & em[None, :])
+    tl.store(tokens_per_expert + e, per_expert, mask=em)
+    zero = tl.zeros([1], tl.int64)
+    tl.store(expert_offsets + e + 1, expert_end, mask=em)
+    tl.store(expert_offsets + tl.arange(0, 1), zero)
+    tl.store(slot_offsets + src + 1, tl.cumsum(slots, axis=0), mask=sm)
+    tl.store(slot_offsets + tl.arange(0, 1), zero)
+
+
+def received_layout(counts, signals, epochs, live, *, world_size: int, num_local_experts: int,
+                    alignment: int, wait: bool, flavour: Flavour = CPU_RANKS
+                    ) -> tuple[torch.Tensor, ...]:
+    """Launches :func:`received_layout_kernel`; returns fresh int64 tensors
+    ``(row_base [R, L], tokens_per_expert [L], expert_offsets [L + 1], slot_offsets [R + 1])``.
+    Equivalent PyTorch (``counts`` [R, L + 1] of this call's parity, zero for the sources not
+    ``live``)::
+
+        per_source, slots = counts[:, :L], counts[:, L]
+        tokens_per_expert = per_source.sum(0)
+        padded = (tokens_per_expert + alignment - 1) // alignment * alignment
+        expert_offsets = cat([[0], padded.cumsum(0)])
+        row_base = expert_offsets[:-1] + per_source.cumsum(0) - per_source
+        slot_offsets = cat([[0], slots.cumsum(0)])
+
+    ``counts``: the whole dispatch_counts region [P, R, L + 1] (the parity is the epoch's, read
+    on the device) or, 2-D, the counts a fault-tolerant wait copied; ``wait``: the kernel first
+    waits for every source's epoch in ``signals`` (GPUs, in place of a wait launch)."""
+    R, L = world_size, num_local_experts
+    dev = epochs.device
+    outs = tuple(torch.empty(shape, dtype=torch.int64, device=dev)
+                 for shape in ((R, L), (L,), (L + 1,), (R + 1,)))
+    tile = tiles("received_layout", flavour.compiled, 0)
+    parity = counts.dim() == 3
+    received_layout_kernel[(1,)](
+        counts, signals, epochs, epochs if live is None else live, *outs, flavour.errors_addr,
+        flavour.timeout_ns, R, L, alignment, counts.stride(0) if parity else 0, PARITY=parity,
+        WAIT=wait, LIVE=live is not None, BLOCK_R=triton.next_power_of_2(R),
+        BLOCK_L=triton.next_power_of_2(L), NUM_THREADS=tile.num_threads,
+        **tile.launch_options())
+    return outs

@@ -478,15 +478,16 @@ def forward_combine_kernel(
 
 
 @triton.jit
-def post_combine_flat(plan, slot_counts, R, N, me, epoch, parity, row_bytes, row_stride, K,
+def post_combine_flat(plan, slot_offsets, R, N, me, epoch, parity, row_bytes, row_stride, K,
                       KMAX: tl.constexpr, HAS_PAIR: tl.constexpr, ring_addr, RING_SLOTS,
                       errors_addr, timeout_ns):
     """Flat combine: one transfer per home rank on another node, from the outbox slice the
     combine send filled (call from one thread of the last program): ``row_bytes`` of each
-    partial row (FP8 partials fill part of theirs), rows ``row_stride`` bytes apart."""
+    partial row (FP8 partials fill part of theirs), rows ``row_stride`` bytes apart;
+    ``slot_offsets`` [R + 1] int64: the slots of each home rank (the diff)."""
     for s in range(R):
         if s // N != me // N:
-            n = tl.load(slot_counts + s).to(tl.int64)
+            n = tl.load(slot_offsets + s + 1) - tl.load(slot_offsets + s)
             post_transfer(
                 ring_addr, RING_SLOTS, s, _at(plan, COMB_SIGNAL), epoch, 1 + HAS_PAIR,
                 _off(plan, PXC_ROWS, parity, s),

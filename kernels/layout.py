@@ -18,9 +18,20 @@ raises as ValueError without reading ``topk_idx`` itself (no host synchronisatio
 Slots and positions follow token order, which makes the receiver's output order (source rank,
 then source token) fall out without any sort.
 
-One program per destination rank scans the tokens in tiles of ``BLOCK_T`` carrying running
-counts, so no program depends on another. Reads ``T*K*8`` bytes per program; writes
-``T*(R + K)*4 + R*(L+1)*4`` bytes in all.
+Two launches over chunks of ``CHUNK`` tokens, one program per chunk, no atomics, no program
+waiting for another:
+
+1. **count** (:func:`layout_count_kernel`): checks the chunk's ids once (bad rows and, with
+   fault tolerance, the choices of excluded ranks become -1) and writes them as int32 into
+   ``pair_pos``; counts the chunk's pairs per expert and its tokens per rank
+   (``chunk_counts[c] = [E expert counts, R rank counts]``) and notes its first bad row.
+2. **place** (:func:`layout_place_kernel`): each program sums the counts of the chunks before
+   its own (the prefixes, a ``[c, E + R]`` read), then numbers its chunk's pairs and tokens in
+   token order: ``pair_pos`` (overwriting the ids it read) and ``slot_of``. The last chunk's
+   program also writes the totals (``counts``) and records the first bad row of all chunks.
+
+Bytes: count reads ``T*K*8`` and writes ``T*K*4 + C*(E + R)*4``; place reads ``T*K*4`` and, per
+program, ``c*(E + R)*4`` of prefixes, and writes ``T*(R + K)*4 + R*(L + 1)*4``.
 """
 from __future__ import annotations
 
@@ -68,76 +79,192 @@ def record_first_bad(errors, t, bad, code, value, T):
         record_error(errors, INPUT_RECORD, c, first, v)
 
 
-@triton.jit(do_not_specialize=["errors_addr", "local_base", "T", "me"])
-def routing_layout_kernel(
+@triton.jit(do_not_specialize=["local_base", "T", "me"])
+def layout_count_kernel(
     topk_idx,  # [T, K] int64: expert ids, -1 for an unused choice
-    slot_of,  # [T, R] int32 out: slot of token t in rank d's staging, -1 if not sent to d
-    pair_pos,  # [T, K] int32 out: rank of token t among this rank's tokens for that expert
-    counts,  # [R, L + 1] int32 out: tokens per expert of rank d, then slots used on d
-    errors_addr: tl.int64,  # error record: the first bad row of topk_idx
+    ids_out,  # [T, K] int32 out: the checked ids (-1: unused, a bad row, an excluded rank's)
+    chunk_counts,  # [C, E + R] int32 out: chunk c's pairs per expert, then tokens per rank
+    chunk_bad,  # [C, 3] int64 out: chunk c's first bad token (T if none), its code and id
     mask_off: tl.int64, local_base: tl.int64,  # FT: the mask words in this rank's segment
     T: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, E: tl.int32, me: tl.int32,
     FT: tl.constexpr,  # fault tolerance: nothing goes to an excluded rank, or from one
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    d = tl.program_id(0)
-    first = d * L
-    live = tl.full([BLOCK_T], 1, tl.int32)  # a vector: the interpreter mis-broadcasts a scalar
-    if FT:
-        mask = (local_base + mask_off).to(tl.pointer_type(tl.int64))
-        lanes = tl.zeros([BLOCK_T], tl.int32)
-        live = ((tl.load(mask + d + lanes) == 0) & (tl.load(mask + me + lanes) == 0)).to(tl.int32)
-    lane = tl.arange(0, BLOCK_L)
+    c = tl.program_id(0)
+    t = c * CHUNK + tl.arange(0, CHUNK)
+    tm = t < T
     kk = tl.arange(0, BLOCK_K)
-    carry_slots = tl.zeros([1], tl.int32)
-    carry_pairs = tl.zeros([BLOCK_L], tl.int32)
-    for t0 in range(0, T, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T)
-        tm = t < T
-        ids, bad, code, value = checked_ids(topk_idx, t, tm, K, E, BLOCK_K)
-        if d == 0:
-            record_first_bad(errors_addr.to(tl.pointer_type(tl.int64)), t, bad, code, value, T)
-        onehot = tl.zeros([BLOCK_T, BLOCK_L], tl.int32)
-        for k in range(K):
-            e = tl.sum(tl.where(kk[None, :] == k, ids, 0), axis=1)
-            hit = (e >= first) & (e < first + L) & (live != 0)
-            onehot += ((e - first)[:, None] == lane[None, :]) & hit[:, None]
-        goes = tl.max(onehot, axis=1)
-        slot = tl.cumsum(goes, axis=0) + carry_slots - 1
-        tl.store(slot_of + t * R + d, tl.where(goes > 0, slot, -1), mask=tm)
-        carry_slots += tl.sum(goes, axis=0)
-        pos_table = tl.cumsum(onehot, axis=0) + carry_pairs[None, :] - 1
-        for k in range(K):
-            e = tl.sum(tl.where(kk[None, :] == k, ids, 0), axis=1)
-            hit = (e >= first) & (e < first + L) & (live != 0)
-            pos = tl.sum(tl.where((e - first)[:, None] == lane[None, :], pos_table, 0), axis=1)
-            tl.store(pair_pos + t * K + k, pos, mask=tm & hit)
-        carry_pairs += tl.sum(onehot, axis=0)
-    tl.store(counts + d * (L + 1) + lane, carry_pairs, mask=lane < L)
-    tl.store(counts + d * (L + 1) + L + tl.arange(0, 1), carry_slots)
+    m2 = tm[:, None] & (kk < K)[None, :]
+    ids, bad, code, value = checked_ids(topk_idx, t, tm, K, E, BLOCK_K)
+    dest = tl.where(ids >= 0, ids // L, -1)
+    if FT:  # an excluded destination, or this rank excluded itself: the choice goes nowhere
+        mask = (local_base + mask_off).to(tl.pointer_type(tl.int64))
+        out = tl.load(mask + tl.maximum(dest, 0), mask=dest >= 0, other=0) != 0
+        out = out | (tl.load(mask + me + tl.zeros_like(dest)) != 0)
+        ids = tl.where(out, -1, ids)
+        dest = tl.where(out, -1, dest)
+    tl.store(ids_out + t.to(tl.int64)[:, None] * K + kk[None, :], ids, mask=m2)
+    flat = tl.reshape(ids, [CHUNK * BLOCK_K])
+    per_expert = tl.histogram(flat, BLOCK_E, mask=flat >= 0)
+    # a token counts once per rank: at its first choice of that rank
+    earlier = (dest[:, :, None] == dest[:, None, :]) & (kk[None, None, :] < kk[None, :, None])
+    first = (dest >= 0) & (tl.max(earlier.to(tl.int32), axis=2) == 0)
+    flat_dest = tl.reshape(dest, [CHUNK * BLOCK_K])
+    per_rank = tl.histogram(flat_dest, BLOCK_R, mask=tl.reshape(first, [CHUNK * BLOCK_K]))
+    row = chunk_counts + c.to(tl.int64) * (E + R)
+    e = tl.arange(0, BLOCK_E)
+    r = tl.arange(0, BLOCK_R)
+    tl.store(row + e, per_expert, mask=e < E)
+    tl.store(row + E + r, per_rank, mask=r < R)
+    first_bad = tl.min(tl.where(bad, t, T), axis=0)
+    lane = tl.arange(0, 4)
+    noted = tl.where(lane == 0, first_bad,
+                     tl.where(lane == 1, tl.sum(tl.where(t == first_bad, code, 0), axis=0),
+                              tl.sum(tl.where(t == first_bad, value, 0), axis=0)))
+    tl.store(chunk_bad + c.to(tl.int64) * 3 + lane, noted.to(tl.int64), mask=lane < 3)
+
+
+@triton.jit
+def _sum_rows_before(chunk_counts, c, W, col, cm, BLOCK_C: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """``chunk_counts[:c, col].sum(0)`` ([BLOCK] int32; ``cm``: the columns that exist)."""
+    acc = tl.zeros([BLOCK], tl.int32)
+    for c0 in range(0, c, BLOCK_C):
+        cc = c0 + tl.arange(0, BLOCK_C)
+        acc += tl.sum(tl.load(chunk_counts + cc.to(tl.int64)[:, None] * W + col[None, :],
+                              mask=(cc < c)[:, None] & cm[None, :], other=0), axis=0)
+    return acc
+
+
+@triton.jit(do_not_specialize=["errors_addr", "T"])
+def layout_place_kernel(
+    pair_pos,  # [T, K] int32: in the checked ids (count), out each pair's position
+    chunk_counts,  # [C, E + R] int32 from count
+    chunk_bad,  # [C, 3] int64 from count
+    slot_of,  # [T, R] int32 out: slot of token t in rank d's staging, -1 if not sent to d
+    counts,  # [R, L + 1] int32 out: tokens per expert of rank d, then slots used on d
+    errors_addr: tl.int64,  # error record: the first bad row of topk_idx
+    T: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, E: tl.int32,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # ranks per trip of the slot loop
+    BLOCK_CE: tl.constexpr, BLOCK_CR: tl.constexpr,  # chunks per trip of the expert and the rank
+                                                     # prefix sums (and of the bad-row scan)
+):
+    c = tl.program_id(0)
+    last = c == tl.num_programs(0) - 1
+    W = E + R
+    t = c * CHUNK + tl.arange(0, CHUNK)
+    tm = t < T
+    t64 = t.to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    m2 = tm[:, None] & (kk < K)[None, :]
+    ids = tl.load(pair_pos + t64[:, None] * K + kk[None, :], mask=m2, other=-1)
+    e = tl.arange(0, BLOCK_E)
+    em = e < E
+    before = _sum_rows_before(chunk_counts, c, W, e, em, BLOCK_CE, BLOCK_E)  # pairs per expert
+    # a pair's position: the pairs of its expert in earlier chunks, then in earlier tokens of
+    # this chunk (a token holds an expert at most once)
+    flat = tl.reshape(ids, [CHUNK * BLOCK_K])
+    local = tl.arange(0, CHUNK)
+    flat_token = tl.reshape(tl.broadcast_to(local[:, None], [CHUNK, BLOCK_K]), [CHUNK * BLOCK_K])
+    for k in tl.static_range(BLOCK_K):
+        e_k = tl.sum(tl.where(kk[None, :] == k, ids, 0), axis=1)
+        same = (flat[None, :] == e_k[:, None]) & (flat_token[None, :] < local[:, None])
+        pos = tl.gather(before, tl.maximum(e_k, 0), 0) + tl.sum(same.to(tl.int32), axis=1)
+        k_valid = tl.zeros_like(t) + k < K  # a vector: the interpreter mis-broadcasts scalars
+        tl.store(pair_pos + t64 * K + k, tl.where(e_k >= 0, pos, -1), mask=tm & k_valid)
+    if last:  # totals per expert: counts[d, l] for expert d * L + l
+        total = before + tl.load(chunk_counts + c.to(tl.int64) * W + e, mask=em, other=0)
+        tl.store(counts + (e // L) * (L + 1) + e % L, total, mask=em)
+    dest = tl.where(ids >= 0, ids // L, -1)
+    for d0 in range(0, R, BLOCK_R):  # slots: tokens for rank d in earlier chunks, then here
+        d = d0 + tl.arange(0, BLOCK_R)
+        dm = d < R
+        goes = tl.zeros([CHUNK, BLOCK_R], tl.int32)
+        for k in tl.static_range(BLOCK_K):
+            d_k = tl.sum(tl.where(kk[None, :] == k, dest, 0), axis=1)
+            goes = goes | (d_k[:, None] == d[None, :]).to(tl.int32)
+        sent = _sum_rows_before(chunk_counts, c, W, E + d, dm, BLOCK_CR, BLOCK_R)
+        slot = sent[None, :] + tl.cumsum(goes, axis=0) - goes
+        tl.store(slot_of + t64[:, None] * R + d[None, :], tl.where(goes > 0, slot, -1),
+                 mask=tm[:, None] & dm[None, :])
+        if last:
+            tl.store(counts + d * (L + 1) + L, sent + tl.sum(goes, axis=0), mask=dm)
+    if last:  # the first bad row of all chunks (chunks are in token order)
+        first = tl.zeros([], tl.int64) + T
+        code = tl.zeros([], tl.int64)
+        value = tl.zeros([], tl.int64)
+        for c0 in range(0, tl.num_programs(0), BLOCK_CR):
+            cc = c0 + tl.arange(0, BLOCK_CR)
+            noted = chunk_bad + cc.to(tl.int64) * 3
+            cm = cc < tl.num_programs(0)
+            tok = tl.load(noted, mask=cm, other=T)
+            here = tl.min(tok, axis=0)
+            if (first == T) & (here < T):
+                first = here
+                code = tl.sum(tl.load(noted + 1, mask=cm & (tok == here), other=0), axis=0)
+                value = tl.sum(tl.load(noted + 2, mask=cm & (tok == here), other=0), axis=0)
+        if first < T:
+            record_error(errors_addr.to(tl.pointer_type(tl.int64)), INPUT_RECORD, code, first,
+                         value)
+
+
+def layout_chunks(max_tokens: int, flavour: Flavour) -> int:
+    """Chunks of the layout at most (``max_tokens`` tokens): the rows of its scratch."""
+    return max(1, triton.cdiv(max_tokens, tiles("routing_layout", flavour.compiled, 0).block_t))
+
+
+def layout_scratch(max_tokens: int, world_size: int, num_experts: int, flavour: Flavour,
+                   device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(chunk_counts [C, E + R] int32, chunk_bad [C, 3] int64)`` for :func:`routing_layout`
+    of up to ``max_tokens`` tokens (a Buffer keeps one: its launches are stream-ordered)."""
+    C = layout_chunks(max_tokens, flavour)
+    return (torch.empty((C, num_experts + world_size), dtype=torch.int32, device=device),
+            torch.empty((C, 3), dtype=torch.int64, device=device))
 
 
 def routing_layout(topk_idx: torch.Tensor, world_size: int, num_local_experts: int,
-                   flavour: Flavour, rank: int = 0
+                   flavour: Flavour, rank: int = 0, scratch=None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launches the layout kernel: ``(slot_of [T, R], pair_pos [T, K], counts [R, L+1])``;
-    bad rows of ``topk_idx`` go nowhere and the first is recorded at ``flavour.errors_addr``;
-    with ``flavour.fault_tolerant`` nothing goes to a rank excluded in the mask words (read on
-    the device: as if its experts' ids were -1), nor anywhere once ``rank`` itself is excluded
-    (the fence against its late writes on GPUs, where the host does not read the mask)."""
+    """Launches the two layout kernels: ``(slot_of [T, R], pair_pos [T, K], counts [R, L+1])``
+    (int32); bad rows of ``topk_idx`` go nowhere and the first is recorded at
+    ``flavour.errors_addr``; with ``flavour.fault_tolerant`` nothing goes to a rank excluded
+    in the mask words (read on the device: as if its experts' ids were -1), nor anywhere once
+    ``rank`` itself is excluded (the fence against its late writes on GPUs, where the host
+    does not read the mask). ``scratch``: :func:`layout_scratch` for at least T tokens (made
+    here if None)."""
     T, K = topk_idx.shape
     R, L = world_size, num_local_experts
+    E = R * L
     tile = tiles("routing_layout", flavour.compiled, 0)
+    chunks = max(1, triton.cdiv(T, tile.block_t))
+    if scratch is None or scratch[0].shape[0] < chunks:
+        scratch = layout_scratch(T, R, E, flavour, topk_idx.device)
+    chunk_counts, chunk_bad = scratch
     dev = topk_idx.device
     slot_of = torch.empty((T, R), dtype=torch.int32, device=dev)
-    pair_pos = torch.full((T, K), -1, dtype=torch.int32, device=dev)
+    pair_pos = torch.empty((T, K), dtype=torch.int32, device=dev)
     counts = torch.empty((R, L + 1), dtype=torch.int32, device=dev)
-    routing_layout_kernel[(R,)](topk_idx, slot_of, pair_pos, counts, flavour.errors_addr,
-                                flavour.mask_off, flavour.local_base, T, K, R, L, R * L, rank,
-                                FT=flavour.fault_tolerant, BLOCK_T=tile.block_t,
-                                BLOCK_K=triton.next_power_of_2(max(K, 1)),
-                                BLOCK_L=triton.next_power_of_2(L), **tile.launch_options())
+    block_k = triton.next_power_of_2(max(K, 1))
+    block_e = triton.next_power_of_2(E)
+    layout_count_kernel[(chunks,)](topk_idx, pair_pos, chunk_counts, chunk_bad, flavour.mask_off,
+                                   flavour.local_base, T, K, R, L, E, rank,
+                                   FT=flavour.fault_tolerant, CHUNK=tile.block_t,
+                                   BLOCK_K=block_k, BLOCK_E=block_e,
+                                   BLOCK_R=triton.next_power_of_2(R), **tile.launch_options())
+    block_r = min(triton.next_power_of_2(R), 128)
+    layout_place_kernel[(chunks,)](pair_pos, chunk_counts, chunk_bad, slot_of, counts,
+                                   flavour.errors_addr, T, K, R, L, E, CHUNK=tile.block_t,
+                                   BLOCK_K=block_k, BLOCK_E=block_e, BLOCK_R=block_r,
+                                   BLOCK_CE=prefix_rows(block_e), BLOCK_CR=prefix_rows(block_r),
+                                   **tile.launch_options())
     return slot_of, pair_pos, counts
+
+
+def prefix_rows(block: int) -> int:
+    """Chunks per trip of the place kernel's prefix sums over ``block`` columns: a
+    ``[rows, block]`` int32 tile of at most 4096 values."""
+    return max(1, min(1024, 4096 // block))
 
 
 @triton.jit(do_not_specialize=["errors_addr", "T"])

@@ -91,18 +91,19 @@ def quantize_kernel(
     T: tl.int32, H: tl.int32,
     UE8M0: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
+    """Program (i, c): channel tile c (BLOCK_H divides H: tiles.block_h_for) of token tile i."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     t64 = t.to(tl.int64)
     G = H // 128
-    for h0 in range(0, H, BLOCK_H):  # BLOCK_H divides H (tiles.block_h_for)
-        h = h0 + tl.arange(0, BLOCK_H)
-        v = tl.load(x + t64[:, None] * H + h[None, :], mask=tm[:, None], other=0.0)
-        c, s, e = quantize_tile(v.to(tl.float32), BLOCK_T, BLOCK_H, UE8M0)
-        tl.store(codes + t64[:, None] * H + h[None, :], c, mask=tm[:, None])  # gate: row
-        g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-        tl.store(scales + t64[:, None] * G + g[None, :], s, mask=tm[:, None])
-        tl.store(exps + t64[:, None] * G + g[None, :], e, mask=tm[:, None])
+    h0 = tl.program_id(1) * BLOCK_H
+    h = h0 + tl.arange(0, BLOCK_H)
+    v = tl.load(x + t64[:, None] * H + h[None, :], mask=tm[:, None], other=0.0)
+    c, s, e = quantize_tile(v.to(tl.float32), BLOCK_T, BLOCK_H, UE8M0)
+    tl.store(codes + t64[:, None] * H + h[None, :], c, mask=tm[:, None])  # gate: row
+    g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+    tl.store(scales + t64[:, None] * G + g[None, :], s, mask=tm[:, None])
+    tl.store(exps + t64[:, None] * G + g[None, :], e, mask=tm[:, None])
 
 
 def quantize_fp8(x: torch.Tensor, ue8m0: bool = False
@@ -120,7 +121,7 @@ def quantize_fp8(x: torch.Tensor, ue8m0: bool = False
     exps = torch.empty((T, H // GROUP), dtype=torch.uint8, device=x.device)
     tile = tiles("quantize", x.device.type != "cpu", H, 1)
     if T:
-        quantize_kernel[(triton.cdiv(T, tile.block_t),)](
+        quantize_kernel[(triton.cdiv(T, tile.block_t), triton.cdiv(H, tile.block_h))](
             x, codes, scales, exps, T, H, UE8M0=ue8m0, BLOCK_T=tile.block_t,
             BLOCK_H=tile.block_h, **tile.launch_options())
     return codes.view(torch.float8_e4m3fn), scales, exps

@@ -2,17 +2,20 @@
 
 A mixin of ``Buffer``: each phase is a method, called with validated inputs by the custom ops
 (``moe_comm.ops``) and by the loopback driver (``moe_comm.lockstep``). Launch counts go to
-``self.launches``: dispatch = layout + send + expand, combine = send + reduce (reduce skipped
-for T = 0); the cached dispatch (combine's backward) is send + expand; with waits in kernels
-each receive adds one ``wait`` launch. Through the proxy across nodes a dispatch adds
-``dispatch_outbox`` (and ``dispatch_forward`` in hierarchical mode), a hierarchical combine
-adds ``combine_forward``; the host waits for the forwarders' inputs are reads of numpy views of
-the signal words, not of tensors.
+``self.launches``: dispatch = layout (2: count, place) + send + received layout + expand,
+combine = send + reduce (reduce skipped for T = 0); the cached dispatch (combine's backward) is
+send + expand; with waits in kernels the received layout waits itself (no launch of its own)
+and every other receive adds one ``wait`` launch (a fault-tolerant Buffer's dispatch too). No
+torch op launches a kernel on this path: outputs are allocated, never filled (the expand
+writes every row, padding included). Through the proxy across nodes a dispatch adds
+``dispatch_outbox`` (and ``dispatch_forward`` in hierarchical mode, with torch ops for the
+node slots), a hierarchical combine adds ``combine_forward``; the host waits for the
+forwarders' inputs are reads of numpy views of the signal words, not of tensors.
 
 Host reads of device data (``self.host_syncs``): dispatch reads the received-row count once to
 size its output (``rows``), none with ``max_recv_rows``; combine and the cached dispatch read
 nothing. Every grid is fixed by the Buffer's sizes (the persistent programs read the counts
-they need on the device).
+they need on the device), but the layout's and the reduce's, which follow the call's tokens.
 """
 from __future__ import annotations
 
@@ -89,8 +92,8 @@ class NormalMode:
         topk_weights = None if topk_weights is None else topk_weights.contiguous()
         slot_of, pair_pos, counts = routing_layout(topk_idx, self.world_size,
                                                    self.num_local_experts, self.flavour,
-                                                   self.rank)
-        self.launches["layout"] += 1
+                                                   self.rank, self._layout_scratch)
+        self.launches["layout"] += 2
         grid = dispatch_kernels.send_grid(self.max_tokens_per_rank, self.hidden, self.num_sms,
                                           self.flavour,
                                           sent_elem_bytes(fp8, ue8m0, x.element_size()))
@@ -150,7 +153,7 @@ class NormalMode:
         epochs there. ``fwd_slots`` / ``fwd_n`` given: the cached form (rows only, placed as
         that dispatch placed them); else made here: ``([M, T, N], [M])`` int32."""
         N, M = self.ranks_per_node, self.num_nodes
-        self._wait_words(self.layout.view(self.heap, "node_signals")[0], epoch,
+        self._wait_words(self._region("node_signals")[0], epoch,
                          [a * N + self.rank % N for a in range(M)], "dispatch")
         cached = fwd_slots is not None
         if not cached:
@@ -173,9 +176,9 @@ class NormalMode:
         node row and sends one row per token home (``kernels.internode``; ``fp8``: as FP8)."""
         N = self.ranks_per_node
         node = self.rank // N
-        self._wait_words(self.layout.view(self.heap, "hc_signals"), epoch,
+        self._wait_words(self._region("hc_signals"), epoch,
                          [node * N + j for j in range(N)], "combine")
-        view = lambda name: self.layout.view(self.heap, name)  # noqa: E731
+        view = lambda name: self._region(name)  # noqa: E731
         self.launches["combine_forward"] += internode.forward_combine(
             view("hc_rows"), view("hc_meta"), view("px_combine_rows"), view("px_combine_meta"),
             fwd_slots, fwd_n, self._plan, self._xstats,
@@ -185,29 +188,21 @@ class NormalMode:
             topk=topk, max_topk=self.max_topk, has_pair=has_pair, flavour=self.flavour, fp8=fp8)
 
     def _received_layout(self, expert_alignment: int, pending: PendingSend):
-        """From the counts every source published (device tensors, no host read):
-        ``(per_source [R, L], slot_counts [R] int32, tokens_per_expert [L], expert_offsets
-        [L + 1], slot_offsets [R + 1])``, int64 unless noted. The parity is the dispatch
-        epoch's, selected on the device (a captured CUDA graph replays it right). With fault
-        tolerance a source that did not arrive counts zero."""
-        L, dev = self.num_local_experts, self.device
-        if pending.live_counts is not None:  # the in-kernel wait copied the live counts
-            counts = pending.live_counts.to(torch.int64)
-        else:
-            parity = self._channel_words(DISPATCH)[1] % 2
-            counts = self.layout.view(self.heap, "dispatch_counts").index_select(0, parity)[0]
-            counts = counts.to(torch.int64)
-            if pending.live is not None:
-                counts = counts * pending.live.to(torch.int64)[:, None]
-        per_source = counts[:, :L]  # [R, L] tokens from source s for expert e
-        slot_counts = counts[:, L]  # [R]
-        tokens_per_expert = per_source.sum(0)
-        padded = (tokens_per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
-        zero = torch.zeros(1, dtype=torch.int64, device=dev)
-        expert_offsets = torch.cat([zero, padded.cumsum(0)])
-        slot_offsets = torch.cat([zero, slot_counts.cumsum(0)])
-        return (per_source, slot_counts.to(torch.int32), tokens_per_expert, expert_offsets,
-                slot_offsets)
+        """Waits for every source (in the kernel on GPUs, else on the host before it) and turns
+        the counts every source published into ``(row_base [R, L], tokens_per_expert [L],
+        expert_offsets [L + 1], slot_offsets [R + 1])`` int64 (``kernels.dispatch
+        .received_layout``: one launch, no host read). The parity is the dispatch epoch's,
+        selected on the device (a captured CUDA graph replays it right). With fault tolerance
+        a source that did not arrive counts zero."""
+        fused = self._wait(pending, fusable=True)
+        counts = (pending.live_counts if pending.live_counts is not None
+                  else self._region("dispatch_counts"))
+        self.launches["received_layout"] += 1
+        return dispatch_kernels.received_layout(
+            counts, self._signals[DISPATCH], self._channel_words(DISPATCH)[1],
+            pending.live if pending.live_counts is None else None,
+            world_size=self.world_size, num_local_experts=self.num_local_experts,
+            alignment=expert_alignment, wait=fused, flavour=self.flavour)
 
     @poisons_buffer_on_error("dispatch")
     def dispatch_recv(self, pending: PendingSend, expert_alignment: int,
@@ -216,17 +211,16 @@ class NormalMode:
 
         ``max_recv_rows`` (an upper bound of the rows this rank receives, padding included)
         sizes the output without reading the count back: the one host synchronisation of a
-        dispatch goes away (CUDA-graph capturable); rows past the count are zero padding."""
+        dispatch goes away (CUDA-graph capturable); rows past the count are zero padding.
+        Every output is written by the expand kernel (padding included): no fill launches."""
         fwd_slots, fwd_n = self._empty_int(), self._empty_int()
         if self.hierarchical:
             payload = (payload_bytes(self.hidden, 1, pending.fp8, pending.ue8m0)
                        if pending.fp8 else self._row_bytes)
             fwd_slots, fwd_n = self._forward_dispatch(pending.epoch, payload)
-        self._wait(pending)
         L, dev = self.num_local_experts, self.device
-        per_source, slot_counts, tokens_per_expert, expert_offsets, slot_offsets = \
+        row_base, tokens_per_expert, expert_offsets, slot_offsets = \
             self._received_layout(expert_alignment, pending)
-        row_base = expert_offsets[:-1][None, :] + per_source.cumsum(0) - per_source
         if max_recv_rows is None:
             rows = read_int(self.host_syncs, "rows", expert_offsets[-1])
             self._check_usable("dispatch")  # the wait kernel has run: a timeout shows now
@@ -237,22 +231,22 @@ class NormalMode:
         out = (torch.empty((rows, self.hidden // 2), device=dev, dtype=torch.uint8) if nvfp4
                else torch.empty((rows, self.hidden), device=dev,
                                 dtype=torch.float8_e4m3fn if fp8 else self.dtype))
-        global_scale = torch.zeros(rows if nvfp4 else 0, dtype=torch.float32, device=dev)
+        global_scale = torch.empty(rows if nvfp4 else 0, dtype=torch.float32, device=dev)
         scales, scale_memory, scale_strides = (torch.empty(0, device=dev), None, (0, 0))
         if fp8:
             scales, scale_memory, scale_strides = fp8_scales_out(
                 rows, self.hidden // scale_group(pending.ue8m0), pending.ue8m0,
                 col_major_scales, dev)
-        out_weights = (torch.zeros(rows, dtype=torch.float32, device=dev) if pending.has_weights
-                       else torch.empty(0, dtype=torch.float32, device=dev))
-        src_rank = torch.full((rows,), -1, dtype=torch.int64, device=dev)
-        src_token = torch.full((rows,), -1, dtype=torch.int64, device=dev)
-        slot_rows = torch.full((self.world_size * self.max_tokens_per_rank, pending.topk), -1,
-                               dtype=torch.int32, device=dev)  # 4 bytes per (slot, choice)
+        out_weights = torch.empty(rows if pending.has_weights else 0, dtype=torch.float32,
+                                  device=dev)
+        src_rank = torch.empty(rows, dtype=torch.int64, device=dev)
+        src_token = torch.empty(rows, dtype=torch.int64, device=dev)
+        slot_rows = torch.empty((self.world_size * self.max_tokens_per_rank, pending.topk),
+                                dtype=torch.int32, device=dev)  # 4 bytes per (slot, choice)
         staging, meta = self._staging(DISPATCH)
         self.launches["dispatch_expand"] += dispatch_kernels.dispatch_expand(
             staging.view(torch.uint8) if fp8 else staging, meta,
-            self._channel_words(DISPATCH)[1], slot_counts, slot_offsets, row_base,
+            self._channel_words(DISPATCH)[1], slot_offsets, row_base,
             tokens_per_expert, expert_offsets, slot_rows, out,
             out_weights if pending.has_weights else None, src_rank, src_token, rank=self.rank,
             topk=pending.topk, num_local_experts=L, meta_stride=self.layout.meta_stride,
@@ -293,19 +287,16 @@ class NormalMode:
         if self.hierarchical:
             self._forward_dispatch(pending.epoch, self._row_bytes, fwd_slots, fwd_n)
         self._wait(pending)
-        slot_counts = slot_offsets.diff().to(torch.int32)
-        if pending.live is None:
-            out = torch.empty((num_rows, self.hidden), dtype=self.dtype, device=self.device)
-        else:  # the rows of sources that did not arrive stay zero
-            out = torch.zeros((num_rows, self.hidden), dtype=self.dtype, device=self.device)
-            slot_counts = (slot_counts * (pending.live != 0)).to(torch.int32)
+        # the rows of sources that did not arrive stay zero
+        alloc = torch.empty if pending.live is None else torch.zeros
+        out = alloc((num_rows, self.hidden), dtype=self.dtype, device=self.device)
         staging, _ = self._staging(DISPATCH)
         self.launches["dispatch_expand"] += dispatch_kernels.dispatch_expand(
-            staging, None, self._channel_words(DISPATCH)[1],
-            slot_counts, slot_offsets, None,
+            staging, None, self._channel_words(DISPATCH)[1], slot_offsets, None,
             tokens_per_expert, expert_offsets, slot_rows, out, None, None, None, rank=self.rank,
             topk=slot_rows.shape[1], num_local_experts=self.num_local_experts,
-            meta_stride=self.layout.meta_stride, max_topk=self.max_topk, flavour=self.flavour)
+            meta_stride=self.layout.meta_stride, max_topk=self.max_topk, flavour=self.flavour,
+            live=pending.live)
         return out
 
     @poisons_buffer_on_error("combine")
@@ -318,10 +309,10 @@ class NormalMode:
         epoch = self._start(COMBINE)
         topk = slot_rows.shape[1]
         self.launches["combine_send"] += combine_kernels.combine_send(
-            y.contiguous(), weights, pair_values, slot_rows, slot_offsets.diff().to(torch.int32),
-            slot_offsets, self.heap.peer_ptrs, self._stats, *self._channel_words(COMBINE),
-            offsets=self._send_offsets(COMBINE), rank=self.rank, topk=topk,
-            max_topk=self.max_topk, max_tokens=self.max_tokens_per_rank, flavour=self.flavour,
+            y.contiguous(), weights, pair_values, slot_rows, slot_offsets, self.heap.peer_ptrs,
+            self._stats, *self._channel_words(COMBINE), offsets=self._send_offsets(COMBINE),
+            rank=self.rank, topk=topk, max_topk=self.max_topk,
+            max_tokens=self.max_tokens_per_rank, num_sms=self.num_sms, flavour=self.flavour,
             box_offsets=self._rdma_offsets(COMBINE), xstats=self._xstats, plan=self._plan,
             fp8=fp8)
         if self.hierarchical:
@@ -343,7 +334,7 @@ class NormalMode:
             staging, meta, self._channel_words(COMBINE)[1], slot_of, out,
             pair_out if want_pair else None, topk=pending.topk, max_topk=self.max_topk,
             flavour=self.flavour, rank=self.rank,
-            node_rows=self.layout.view(self.heap, "hcomb_rows") if self.hierarchical else None,
-            node_meta=self.layout.view(self.heap, "hcomb_meta") if self.hierarchical else None,
+            node_rows=self._region("hcomb_rows") if self.hierarchical else None,
+            node_meta=self._region("hcomb_meta") if self.hierarchical else None,
             node_slot_of=node_slot_of, live=pending.live, fp8=pending.fp8 != 0)
         return out, pair_out

@@ -291,7 +291,8 @@ class _NoDeviceSync:
 def test_host_syncs_per_op_on_the_gpu():
     """Normal dispatch reads its row count once (``rows``), none with ``max_recv_rows``;
     combine reads nothing; launches per op as documented in ``moe_comm.normal_mode`` (waits run
-    in kernels on a GPU: one ``wait`` launch per receive)."""
+    in kernels on a GPU: the dispatch's in its received layout, the combine's a ``wait``
+    launch)."""
     case = Case(4, 16, 1024, 4, (40, 33, 47, 29), routing="zipf", alignment=8, seed=61)
     bufs = moe_comm.Buffer.loopback(4, case.hidden, case.num_experts, case.max_tokens,
                                     case.dtype, device=DEV)
@@ -299,7 +300,8 @@ def test_host_syncs_per_op_on_the_gpu():
     res = lockstep.dispatch(bufs, xs, idxs, ws, case.alignment)  # compile outside the checks
     lockstep.combine(bufs, [r.x for r in res], [r.handle for r in res], [r.weights for r in res])
     settle(bufs, "warm-up")
-    dispatch_launches = {"layout": 1, "dispatch_send": 1, "dispatch_expand": 1, "wait": 1}
+    dispatch_launches = {"layout": 2, "dispatch_send": 1, "received_layout": 1,
+                         "dispatch_expand": 1}
     combine_launches = {"combine_send": 1, "combine_reduce": 1, "wait": 1}
 
     with _Recorder(bufs) as rec:

@@ -156,8 +156,9 @@ def test_bytes_on_the_link_are_the_minimum_and_launches_as_documented(ranks):
             sum(rep["received_from"][s] * row_bytes for s in peers) + 8 * len(peers)
         got_any = sum(rep["received_from"]) > 0
         assert _delta(rep["launches"][1], rep["launches"][0]) == \
-            {"layout": 1, "dispatch_send": 1, "dispatch_expand": int(got_any)}
+            {"layout": 2, "dispatch_send": 1, "received_layout": 1,
+             "dispatch_expand": int(got_any)}
         has_tokens = case.tokens[rank] > 0
         assert _delta(rep["launches"][2], rep["launches"][1]) == \
-            {"layout": 0, "dispatch_send": 0, "dispatch_expand": 0, "combine_send": 1,
-             "combine_reduce": int(has_tokens)}
+            {"layout": 0, "dispatch_send": 0, "received_layout": 0, "dispatch_expand": 0,
+             "combine_send": 1, "combine_reduce": int(has_tokens)}

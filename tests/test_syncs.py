@@ -116,21 +116,37 @@ def _garbage_allocations(monkeypatch):
         yield
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` (compares NaN payloads and FP8/E8M0 codes exactly)."""
+    return t.contiguous().view(torch.uint8)
+
+
 @pytest.mark.parametrize("max_recv_rows", [None, 160])
 def test_only_padding_rows_are_zeroed_and_they_all_are(monkeypatch, max_recv_rows):
+    """The outputs come from uninitialised memory (no fill launch): the expand writes every
+    row of every output, padding included (zeros, source -1, weight 0), and every row of the
+    handle's slot_rows (-1 past the last slot), the same on every call."""
     bufs = moe_comm.Buffer.loopback(4, CASE.hidden, CASE.num_experts, CASE.max_tokens)
     xs, idxs, ws = make_inputs(CASE)
     want = reference.dispatch_all(xs, idxs, ws, num_experts=CASE.num_experts,
                                   expert_alignment=CASE.alignment)
     with _garbage_allocations(monkeypatch):
+        first = lockstep.dispatch(bufs, xs, idxs, ws, CASE.alignment,
+                                  max_recv_rows=max_recv_rows)
         got = lockstep.dispatch(bufs, xs, idxs, ws, CASE.alignment, max_recv_rows=max_recv_rows)
-    for g, w in zip(got, want):
+    for g, w, a in zip(got, want, first):
         rows = w.x.shape[0]
         assert g.x.shape[0] == (rows if max_recv_rows is None else max_recv_rows)
         assert torch.equal(g.x[:rows], w.x)  # padding inside the groups: zeros
         assert torch.equal(g.expert_offsets, w.expert_offsets)
+        assert torch.equal(g.tokens_per_expert, w.tokens_per_expert)
+        for field in ("src_rank", "src_token", "weights"):
+            assert torch.equal(getattr(g, field)[:rows], getattr(w, field)), field
         assert (g.x[rows:] == 0).all() and (g.src_rank[rows:] == -1).all()
-        assert (g.weights[rows:] == 0).all()
+        assert (g.src_token[rows:] == -1).all() and (g.weights[rows:] == 0).all()
+        slots = int(g.handle.recv_slot_offsets[-1])
+        assert (g.handle.slot_rows[slots:] == -1).all()
+        assert torch.equal(g.handle.slot_rows, a.handle.slot_rows)
     ys = [torch.cat([expert_fn(w.x, w.expert_offsets), g.x[w.x.shape[0]:]])
           for g, w in zip(got, want)]
     outs = lockstep.combine(bufs, ys, [g.handle for g in got], [g.weights for g in got])
@@ -138,6 +154,31 @@ def test_only_padding_rows_are_zeroed_and_they_all_are(monkeypatch, max_recv_row
                                 [w.handle for w in want], [w.weights for w in want])
     for o, r in zip(outs, ref):
         assert torch.equal(o, r)
+
+
+@pytest.mark.parametrize("fmt", [dict(fp8=True), dict(fp8=True, ue8m0=True),
+                                 dict(fp8=True, col_major_scales=True),
+                                 dict(dispatch_dtype="mxfp8"), dict(dispatch_dtype="nvfp4")],
+                         ids=["fp8", "ue8m0", "col_major", "mxfp8", "nvfp4"])
+def test_quantized_outputs_are_written_whole_from_uninitialised_memory(monkeypatch, fmt):
+    """Quantized rows, their scales (every byte of UE8M0's packed words: H = 640 has 5 groups,
+    3 spare bytes in the second word) and NVFP4's global scales, padding rows zero, from
+    memory full of garbage: byte for byte the reference."""
+    case = Case(2, 8, 640, 2, (7, 5), routing="zipf", alignment=4, seed=9)
+    bufs = moe_comm.Buffer.loopback(2, case.hidden, case.num_experts, case.max_tokens)
+    xs, idxs, ws = make_inputs(case)
+    want = reference.dispatch_all(xs, idxs, ws, num_experts=case.num_experts,
+                                  expert_alignment=case.alignment, **fmt)
+    with _garbage_allocations(monkeypatch):
+        got = lockstep.dispatch(bufs, xs, idxs, ws, case.alignment, max_recv_rows=40, **fmt)
+    for g, w in zip(got, want):
+        rows = w.x.shape[0]
+        assert torch.equal(_bits(g.x[:rows]), _bits(w.x)) and not _bits(g.x[rows:]).any()
+        assert torch.equal(_bits(g.x_scales[:rows]), _bits(w.x_scales))
+        assert not _bits(g.x_scales[rows:]).any()
+        if fmt.get("dispatch_dtype") == "nvfp4":
+            assert torch.equal(g.x_global_scale[:rows], w.x_global_scale)
+            assert not g.x_global_scale[rows:].any()
 
 
 def test_too_few_max_recv_rows_raise_after_the_call_and_the_buffer_goes_on():

@@ -3,8 +3,9 @@
 // that ranks running either implementation interoperate and a Buffer may switch on every call.
 //
 // Layout (moe_comm/workspace.py; P = 2 parities, call n uses parity n % 2; S = slot bytes):
-//   ll_state            [8] int64          epochs: [0] dispatch sent, [1] dispatch received,
-//                                          [2] combine sent, [3] combine received; [4..7] tickets
+//   ll_state            [9] int64          epochs: [0] dispatch sent, [1] dispatch received,
+//                                          [2] combine sent, [3] combine received; [4..7] tickets;
+//                                          [8] the Triton waits' timed-out flag (not used here)
 //   ll_dispatch_signals [P, L, R] int64    [p, e, s] = epoch << 32 | pairs source s put for e
 //   ll_combine_signals  [P, R] int64       [p, s] = epoch of expert rank s's puts
 //   ll_acks             [2, P, R] int64    on a sender: [c, p, d] = latest epoch of parity p that

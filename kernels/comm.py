@@ -7,9 +7,11 @@ Signalling protocol (one int64 word per (channel, source rank) on every rank, se
   ``release``, system-scope exchange of ``n`` into ``signals[channel, me]`` on rank ``d``.
   Epochs only grow, so a word is never reset and a late reader can never see an old call's
   value as new.
-* **wait** (receiver): ``signals[channel, s] >= n`` for every source ``s``, spinning on volatile
-  loads and ending in a system-scope acquire, bounded by a timeout whose error names this rank,
-  the missing peer, and the expected and observed epochs.
+* **wait** (receiver): ``signals[channel, s] >= n`` for every source ``s``, all sources at once:
+  each poll reads every source's word (one lane each, device memory), the clock is read every
+  ``SPIN_BUDGET`` polls, and the wait ends in a system-scope acquire of every word; bounded by a
+  timeout whose error names this rank, the first missing peer, and the expected and observed
+  epochs.
 * **last program publishes**: the programs of one send launch each add 1 to a local, monotonic
   ticket counter (acq_rel, after a barrier) once their puts are issued; the program that draws
   the launch's last ticket (grids never change, so it is ``programs - 1`` modulo the grid) has
@@ -20,9 +22,10 @@ Signalling protocol (one int64 word per (channel, source rank) on every rank, se
   failed call left half written.
 
 Scalar Triton code runs in every thread of a program. A wait therefore decides from values
-every thread agrees on (``uniform_max``: a reduction over one load per thread), so all threads
-leave a spin loop together and a branch on its outcome is uniform; a thread-scoped NVSHMEM call
-is issued by one thread (``one_thread``), a block-scoped one by the whole program.
+every thread agrees on (reductions over the lanes' loads; ``uniform_load``: one lane reads, a
+reduction broadcasts), so all threads leave a spin loop together and a branch on its outcome
+is uniform; a thread-scoped NVSHMEM call is issued by one thread (``one_thread``), a
+block-scoped one by the whole program.
 
 The error record (``ERRORS_WORDS`` int64, pinned host memory on GPUs) has two parts, each
 claimed once with a compare-and-swap (0 -> -1), filled, then marked complete (1):
@@ -30,8 +33,9 @@ claimed once with a compare-and-swap (0 -> -1), filled, then marked complete (1)
 (flag, code, token, value).
 
 Fault tolerance (``moe_comm.fault``): every segment holds one mask word per rank (0: active).
-A fault-tolerant wait (:func:`wait_or_exclude`) also leaves when its peer's word is set, and at
-the deadline sets it on every rank (the same release stores as a publish) instead of failing.
+A fault-tolerant wait (:func:`wait_all_or_exclude`) also stops waiting for a source whose word
+is set, and at the deadline sets it on every rank for each source still silent (the same
+release stores as a publish) instead of failing.
 
 On CPU ranks the waits run on the host by default: the waiting process polls the local signal
 words and sleeps in between, leaving the cores to the ranks it waits for. The kernels' own
@@ -58,6 +62,9 @@ BAD_EXPERT_ID = tl.constexpr(1)  # input error codes
 REPEATED_EXPERT = tl.constexpr(2)
 TOO_MANY_ROWS = tl.constexpr(3)
 _INTERPRETER_SPIN_S = 1e-4
+# polls of a spin between two reads of the clock (the interpreter's clock read is what yields
+# the CPU to the ranks it waits for: there every poll reads it)
+SPIN_BUDGET = tl.constexpr(1 if INTERPRETED else 32)
 
 
 def _host_clock_ns() -> int:
@@ -97,10 +104,11 @@ def uniform_now_ns(NUM_THREADS: tl.constexpr):
 
 
 @triton.jit
-def uniform_max(ptr, NUM_THREADS: tl.constexpr):
-    """``*ptr`` (int64, volatile) read once by every thread; the largest value seen, the same
-    in every thread (a reduction, so a branch on it is uniform)."""
-    return tl.max(tl.load(ptr + tl.zeros([NUM_THREADS], tl.int32), volatile=True), axis=0)
+def uniform_load(ptr, NUM_THREADS: tl.constexpr):
+    """``*ptr`` (int64, volatile) read by one lane of the program; the same value in every
+    thread (a reduction broadcasts it)."""
+    lanes = tl.arange(0, NUM_THREADS)
+    return tl.sum(tl.load(ptr + lanes * 0, mask=lanes == 0, other=0, volatile=True), axis=0)
 
 
 # ------------------------------------------------------------------------------- error record
@@ -119,8 +127,10 @@ def record_error(errors, part, a, b, c):
 
 @triton.jit
 def timed_out(errors, NUM_THREADS: tl.constexpr):
-    """True (uniformly) once any wait of this rank has recorded a timeout."""
-    return uniform_max(errors + TIMEOUT_RECORD, NUM_THREADS) != 0
+    """True (uniformly) once any wait of this rank has recorded a timeout: one lane reads the
+    error record (host memory on GPUs: the kernels read it once, in the program that
+    publishes; the low-latency kernels' waits check a device flag instead)."""
+    return uniform_load(errors + TIMEOUT_RECORD, NUM_THREADS) != 0
 
 
 # ------------------------------------------------------------------------------- peers, puts
@@ -208,71 +218,105 @@ def draw_last_of(ticket_ptr, programs):
 
 # ------------------------------------------------------------------------------- waits
 @triton.jit
-def acquire_word(word):
-    """``word[0]`` read with system-scope acquire ordering: loads after it see what was
-    published before the value it returns. The caller must use the value (Triton 3.6 drops an
-    acquire whose result is unused, and with it the ordering); the waits use it to decide
-    whether the word arrived. Signal words only grow while a wait runs, so this value is at
-    least the one the spin saw."""
-    return tl.atomic_add(word, 0, sem="acquire", scope="sys")  # gate: acquire
+def acquire_word(word, mask=None):
+    """``word[0]`` (or the words of a block of pointers, ``mask``: the lanes to read) read with
+    system-scope acquire ordering: loads after it see what was published before the value it
+    returns. The caller must use the value (Triton 3.6 drops an acquire whose result is unused,
+    and with it the ordering); the waits use it to decide whether the word arrived. Signal
+    words only grow while a wait runs, so this value is at least the one the spin saw."""
+    return tl.atomic_add(word, 0, mask=mask, sem="acquire", scope="sys")  # gate: acquire
 
 
 @triton.jit
-def wait_at_least(word, expected, SHIFT: tl.constexpr, deadline_ns, errors, peer,
-                  NUM_THREADS: tl.constexpr):
-    """Spins until ``word >> SHIFT >= expected`` (``word``: local int64) or the deadline;
-    returns whether it arrived, the same in every thread.
+def _behind(words, stride, i, im, expected, SHIFT: tl.constexpr, mask, FT: tl.constexpr):
+    """[BLOCK] bool: the lanes whose word ``words[i * stride] >> SHIFT`` is below ``expected``
+    (and, FT, whose rank ``i`` is not excluded in ``mask``); one volatile load per lane."""
+    seen = tl.load(words + i * stride, mask=im, other=0, volatile=True) >> SHIFT
+    behind = im & (seen < expected)
+    if FT:
+        behind = behind & (tl.load(mask + i, mask=im, other=0, volatile=True) == 0)
+    return behind
 
-    Ends with a system-scope acquire and a barrier, so data published before the word is
-    visible to every thread. On timeout records ``(peer, expected, observed)`` in the error
-    record (the first timeout wins); the host raises PeerTimeoutError from it."""
-    observed = uniform_max(word, NUM_THREADS) >> SHIFT
-    while (observed < expected) & (uniform_now_ns(NUM_THREADS) < deadline_ns):
-        observed = uniform_max(word, NUM_THREADS) >> SHIFT
-    arrived = observed >= expected
-    if arrived:  # the acquire's value decides, so no compiler drops it as unused
-        observed = acquire_word(word) >> SHIFT
-        arrived = observed >= expected
+
+@triton.jit
+def _spin(words, stride, i, im, expected, SHIFT: tl.constexpr, deadline_ns, mask,
+          FT: tl.constexpr, NUM_THREADS: tl.constexpr):
+    """Spins until no lane is :func:`_behind` or the deadline; every poll reads all the words
+    at once (device memory only), the clock is read once every SPIN_BUDGET polls. Returns the
+    lanes still behind."""
+    behind = _behind(words, stride, i, im, expected, SHIFT, mask, FT)
+    while (tl.max(behind.to(tl.int32), axis=0) > 0) & (uniform_now_ns(NUM_THREADS) < deadline_ns):
+        for _ in range(SPIN_BUDGET):
+            if tl.max(behind.to(tl.int32), axis=0) > 0:
+                behind = _behind(words, stride, i, im, expected, SHIFT, mask, FT)
+    return behind
+
+
+@triton.jit
+def _record_timeout(errors, flag, peer, expected, observed, HAS_FLAG: tl.constexpr):
+    """A timeout into the error record (host memory: the host raises from it) and, HAS_FLAG,
+    the device flag the kernels check (``flag[0] := 1``)."""
+    record_error(errors, TIMEOUT_RECORD, peer, expected, observed)
+    if HAS_FLAG:
+        tl.atomic_xchg(flag + tl.arange(0, 1), tl.full([1], 1, tl.int64), sem="release",
+                       scope="gpu")
+
+
+@triton.jit
+def wait_all_at_least(words, stride, n, expected, SHIFT: tl.constexpr, deadline_ns, errors,
+                      flag, BLOCK: tl.constexpr, NUM_THREADS: tl.constexpr,
+                      HAS_FLAG: tl.constexpr):
+    """Spins until ``words[i * stride] >> SHIFT >= expected`` for every ``i < n`` (local int64
+    words, one per source; ``n <= BLOCK``) or the deadline, all sources at once (:func:`_spin`);
+    returns whether all arrived, the same in every thread.
+
+    Ends with a system-scope acquire of every word, whose values decide, and a barrier, so data
+    published before the words is visible to every thread. On timeout records ``(first source
+    behind, expected, observed)`` (the first timeout wins; the host raises PeerTimeoutError from
+    it) and, HAS_FLAG, sets the device flag ``flag``."""
+    i = tl.arange(0, BLOCK)
+    im = i < n
+    _spin(words, stride, i, im, expected, SHIFT, deadline_ns, words, False, NUM_THREADS)
+    seen = acquire_word(words + i * stride, im) >> SHIFT
+    late = im & (seen < expected)
+    arrived = tl.max(late.to(tl.int32), axis=0) == 0
     if not arrived:
-        record_error(errors, TIMEOUT_RECORD, peer, expected, observed)
+        peer = tl.min(tl.where(late, i, BLOCK), axis=0)
+        _record_timeout(errors, flag, peer, expected,
+                        tl.sum(tl.where(i == peer, seen, 0), axis=0), HAS_FLAG)
     tl.debug_barrier()
     return arrived
 
 
 @triton.jit
-def wait_or_exclude(word, expected, SHIFT: tl.constexpr, deadline_ns, errors, peer, mask, me,
-                    peer_ptrs, mask_off, R, local_base, BLOCK_R: tl.constexpr,
-                    NUM_THREADS: tl.constexpr, TRANSPORT: tl.constexpr):
-    """:func:`wait_at_least` of a fault-tolerant Buffer: also stops once ``peer`` is excluded
-    (``mask[peer] != 0``, ``mask``: this rank's local mask words), and at the deadline excludes
-    ``peer`` on every rank (word ``peer`` of the mask array at ``mask_off`` := ``me + 1``)
-    instead of failing the call; returns whether the word arrived (uniform). A rank that finds
-    itself excluded records a timeout naming itself and marks nobody (it is the one cut off)."""
-    observed = uniform_max(word, NUM_THREADS) >> SHIFT
-    excluded = uniform_max(mask + peer, NUM_THREADS) != 0
-    while (observed < expected) & (not excluded) & (uniform_now_ns(NUM_THREADS) < deadline_ns):
-        observed = uniform_max(word, NUM_THREADS) >> SHIFT
-        excluded = uniform_max(mask + peer, NUM_THREADS) != 0
-    arrived = observed >= expected
-    if arrived:  # as in wait_at_least: the acquire's value decides
-        observed = acquire_word(word) >> SHIFT
-        arrived = observed >= expected
-    if (not arrived) & (not excluded):
-        if uniform_max(mask + me, NUM_THREADS) != 0:
-            record_error(errors, TIMEOUT_RECORD, me, expected, observed)
-        else:
-            publish_to_all(peer_ptrs, mask_off, peer, me + 1, R, local_base, BLOCK_R,
-                           TRANSPORT)
+def wait_all_or_exclude(words, stride, n, expected, SHIFT: tl.constexpr, deadline_ns, errors,
+                        flag, mask, me, peer_ptrs, mask_off, R, local_base,
+                        BLOCK: tl.constexpr, NUM_THREADS: tl.constexpr,
+                        TRANSPORT: tl.constexpr, HAS_FLAG: tl.constexpr):
+    """:func:`wait_all_at_least` of a fault-tolerant Buffer: a source also stops being waited
+    for once it is excluded (``mask[i] != 0``, ``mask``: this rank's local mask words), and at
+    the deadline every source still behind is excluded on every rank (word ``i`` of the mask
+    array at ``mask_off`` := ``me + 1``) instead of failing the call. Returns ``(arrived
+    [BLOCK] bool, ok)``: which words arrived, and whether this rank may go on (uniform); a rank
+    that finds itself excluded records a timeout naming itself (and sets the flag) and marks
+    nobody (it is the one cut off)."""
+    i = tl.arange(0, BLOCK)
+    im = i < n
+    _spin(words, stride, i, im, expected, SHIFT, deadline_ns, mask, True, NUM_THREADS)
+    seen = acquire_word(words + i * stride, im) >> SHIFT
+    arrived = im & (seen >= expected)
+    excluded = tl.load(mask + i, mask=im, other=0, volatile=True) != 0
+    cut_off = uniform_load(mask + me, NUM_THREADS) != 0
+    if cut_off:
+        _record_timeout(errors, flag, me, expected, 0, HAS_FLAG)
+    else:
+        silent = im & ~arrived & ~excluded
+        for p in range(n):
+            if tl.sum(tl.where(i == p, silent.to(tl.int32), 0), axis=0) > 0:
+                publish_to_all(peer_ptrs, mask_off, p, me + 1, R, local_base, BLOCK,
+                               TRANSPORT)
     tl.debug_barrier()
-    return arrived
-
-
-@triton.jit
-def excluded_self(errors, mask, me, expected, NUM_THREADS: tl.constexpr):
-    """Records a timeout naming this rank itself if it is excluded (what it received may be a
-    later call's: the host raises RankExcludedError and the call's results are not used)."""
-    if uniform_max(mask + me, NUM_THREADS) != 0:
-        record_error(errors, TIMEOUT_RECORD, me, expected, 0)
+    return arrived, not cut_off
 
 
 @triton.jit(do_not_specialize=["index", "value"])
@@ -290,17 +334,14 @@ def wait_epochs_kernel(
     epochs,  # [1] int64 local: the channel's epoch (this rank's send of the call is done)
     errors_addr: tl.int64,  # address of the error record (host-mapped memory on GPUs)
     timeout_ns: tl.int64, R: tl.int32,
-    NUM_THREADS: tl.constexpr,
+    BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr,
 ):
-    """One program waits for ``signals[s] >= epochs[0]`` for every source (normal mode, kernel
-    waits); stops at the first source that does not arrive in time."""
-    errors = errors_addr.to(tl.pointer_type(tl.int64))
-    expected = tl.load(epochs)
+    """One program waits for ``signals[s] >= epochs[0]`` for every source at once (normal
+    mode, kernel waits; :func:`wait_all_at_least`)."""
     deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
-    ok = tl.full([], 1, tl.int1)
-    for s in range(R):
-        if ok:
-            ok = wait_at_least(signals + s, expected, 0, deadline, errors, s, NUM_THREADS)
+    wait_all_at_least(signals, 1, R, tl.load(epochs), 0, deadline,
+                      errors_addr.to(tl.pointer_type(tl.int64)), signals, BLOCK_R, NUM_THREADS,
+                      False)
 
 
 @triton.jit(do_not_specialize=["errors_addr", "timeout_ns", "me"])
@@ -319,25 +360,24 @@ def ft_wait_epochs_kernel(
     BLOCK_W: tl.constexpr, NUM_THREADS: tl.constexpr,
 ):
     """Fault-tolerant form of :func:`wait_epochs_kernel`: waits for every source not excluded
-    (one shared deadline; :func:`wait_or_exclude`) and says which arrived; with ``COUNTS``
-    copies their counts of this call's parity, so the receive never reads an excluded source's
-    counts (nor a late write into them)."""
+    (all at once; :func:`wait_all_or_exclude`) and says which arrived; with ``COUNTS`` copies
+    their counts of this call's parity, so the receive never reads an excluded source's counts
+    (nor a late write into them)."""
     errors = errors_addr.to(tl.pointer_type(tl.int64))
     mask = local_ptr(local_base, mask_off, tl.int64, 8)
     expected = tl.load(epochs)
     deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
-    one = tl.arange(0, 1)
-    w = tl.arange(0, BLOCK_W)
-    for s in range(R):
-        arrived = wait_or_exclude(signals + s, expected, 0, deadline, errors, s, mask, me,
-                                  peer_ptrs, mask_off, R, local_base, BLOCK_R, NUM_THREADS,
-                                  TRANSPORT)
-        tl.store(live + s + one, arrived.to(tl.int32) + tl.zeros([1], tl.int32))
-        if COUNTS:
-            row = tl.load(counts + (expected % 2) * COUNT_PARITY + s * W + w, mask=w < W,
-                          other=0)
-            tl.store(live_counts + s * W + w, tl.where(arrived, row, 0), mask=w < W)
-    excluded_self(errors, mask, me, expected, NUM_THREADS)
+    arrived, ok = wait_all_or_exclude(signals, 1, R, expected, 0, deadline, errors, signals,
+                                      mask, me, peer_ptrs, mask_off, R, local_base, BLOCK_R,
+                                      NUM_THREADS, TRANSPORT, False)
+    s = tl.arange(0, BLOCK_R)
+    tl.store(live + s, arrived.to(tl.int32), mask=s < R)
+    if COUNTS:
+        w = tl.arange(0, BLOCK_W)
+        rows = tl.load(counts + (expected % 2) * COUNT_PARITY + s[:, None] * W + w[None, :],
+                       mask=(s < R)[:, None] & (w < W)[None, :], other=0)
+        tl.store(live_counts + s[:, None] * W + w[None, :], tl.where(arrived[:, None], rows, 0),
+                 mask=(s < R)[:, None] & (w < W)[None, :])
 
 
 # ------------------------------------------------------------------------------- host side

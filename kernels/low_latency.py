@@ -17,11 +17,13 @@ acknowledged the call before (checked by the host before the launch on CPU ranks
 
 Kernels (launches per op: dispatch 2, combine 2):
 
-* ``ll_dispatch_send_kernel`` (grid ``cdiv(T_max, BLOCK_T)``): program ``i`` counts the pairs
-  of the tokens before its tile per expert (a rescan, so positions are deterministic and no
-  program waits for another), quantizes its tile once (FP8) and puts each pair's row and meta
-  straight into the expert's slot. The last program publishes ``epoch << 32 | count`` for
-  every expert. Bytes into rank ``d``: pairs(d) * (row + 4) + 8 * L.
+* ``ll_dispatch_send_kernel`` (grid ``min(cdiv(T_max, BLOCK_T), num_sms)``, persistent over
+  token tiles): for each tile the pairs of the tokens before it per expert are counted in one
+  vectorised pass (a histogram of up to ``BLOCK_P`` tokens a trip: one trip at decode sizes; so
+  positions are deterministic and no program waits for another), the tile is quantized once
+  (FP8) and each pair's row and meta go straight into the expert's slot. The last program
+  publishes ``epoch << 32 | count`` for every expert. Bytes into rank ``d``: pairs(d) *
+  (row + 4) + 8 * L.
 * ``ll_dispatch_recv_kernel`` (grid ``min(L * R, num_sms)``, persistent over the ``L x R``
   blocks): after the wait, block ``(e, s)`` is copied to the compact, expert-major output
   (sources in rank order, tokens in order) with where each row came from, and the last program
@@ -34,10 +36,14 @@ Kernels (launches per op: dispatch 2, combine 2):
   sum_k w[t, k] * slot[t, k]`` in fp32 (choice order), rounded to nearest even; the last
   program acknowledges.
 
-With in-kernel waits (GPUs), a wait that times out records the peer and the kernel writes and
-publishes nothing: a send does not overwrite a parity a peer may still read, a receive neither
-copies nor acknowledges. Bad rows of ``topk_idx`` (an id outside ``[-1, E)``, an expert twice)
-are sent nowhere and recorded (``layout.checked_ids``).
+With in-kernel waits (GPUs), every wait polls all its sources' words at once (device memory
+only; the clock every ``comm.SPIN_BUDGET`` polls), a wait that times out records the peer in
+the error record (host memory) and sets ``ll_state[8]`` (device memory), and from then on the
+kernels write and publish nothing: a send does not overwrite a parity a peer may still read, a
+receive neither copies nor acknowledges. The kernels check the device flag, read by one lane,
+before they wait; the error record is read once per launch, by the program that publishes.
+Bad rows of ``topk_idx`` (an id outside ``[-1, E)``, an expert twice) are sent nowhere and
+recorded (``layout.checked_ids``).
 """
 from __future__ import annotations
 
@@ -50,15 +56,15 @@ from .comm import (
     Flavour,
     by_stores,
     draw_last_of,
-    excluded_self,
     local_ptr,
     one_thread,
     peer_ptr,
     publish_to_all,
     timed_out,
+    uniform_load,
     uniform_now_ns,
-    wait_at_least,
-    wait_or_exclude,
+    wait_all_at_least,
+    wait_all_or_exclude,
 )
 from .layout import checked_ids, record_first_bad
 from .numerics import cast_rne, channel_tile
@@ -77,6 +83,8 @@ from .rows import (
 from .tiles import even, persistent_programs, tiles
 
 META_K_BITS = 32  # meta word = token * 32 + choice
+TIMED_OUT = 8  # ll_state[8]: 1 once a low-latency wait of this rank timed out (device memory)
+TIMED_OUT_WORD = tl.constexpr(TIMED_OUT)
 _GPU_PER_RANK = ["local_base", "errors_addr", "timeout_ns", "me", "ring_addr"]
 
 
@@ -87,47 +95,49 @@ def _column(ids, k, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _pairs_per_expert(topk_idx, t0, T, K, E, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_E: tl.constexpr):
-    """[BLOCK_T, BLOCK_E] int32 one-hot of the experts picked by tokens t0..t0+BLOCK_T-1 (bad
-    rows of topk_idx pick none)."""
-    t = t0 + tl.arange(0, BLOCK_T)
-    ids, bad, code, value = checked_ids(topk_idx, t, t < T, K, E, BLOCK_K)
-    lane = tl.arange(0, BLOCK_E)
-    onehot = tl.zeros([BLOCK_T, BLOCK_E], tl.int32)
-    for k in range(K):
-        onehot += (_column(ids, k, BLOCK_K)[:, None] == lane[None, :]).to(tl.int32)
-    return onehot
+def _pairs_before(topk_idx, t0, T, K, E, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr):
+    """[BLOCK_E] int32: the pairs of the tokens ``0 .. t0 - 1`` per expert (bad rows of
+    topk_idx pick none), counted ``BLOCK_P`` tokens a trip (one trip at decode sizes)."""
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for s0 in range(0, t0, BLOCK_P):
+        t = s0 + tl.arange(0, BLOCK_P)
+        ids, bad, code, value = checked_ids(topk_idx, t, (t < t0) & (t < T), K, E, BLOCK_K)
+        flat = tl.reshape(ids, [BLOCK_P * BLOCK_K])
+        counts += tl.histogram(flat, BLOCK_E, mask=flat >= 0)
+    return counts
 
 
 @triton.jit
-def _wait_all(words, stride, expected, SHIFT: tl.constexpr, R, errors_addr, timeout_ns,
+def _timed_out(state, NUM_THREADS: tl.constexpr):
+    """Whether a low-latency wait of this rank has timed out: the device flag ``state[8]``,
+    read by one lane (device memory: never the host's error record)."""
+    return uniform_load(state + TIMED_OUT_WORD, NUM_THREADS) != 0
+
+
+@triton.jit
+def _wait_all(words, stride, expected, SHIFT: tl.constexpr, R, errors_addr, timeout_ns, state,
               peer_ptrs, mask_off, local_base, me, BLOCK_R: tl.constexpr,
               NUM_THREADS: tl.constexpr, TRANSPORT: tl.constexpr, FT: tl.constexpr):
-    """Waits until ``words[i * stride] >> SHIFT >= expected`` for i < R (one shared deadline);
-    True (uniformly) if the call may go on. Stops at the first that does not arrive, and does
-    not wait at all once another wait of this rank has timed out (the call is lost anyway).
-    ``FT`` (fault tolerance): excluded ranks are not waited for, one that stays silent is
-    excluded (``comm.wait_or_exclude``) and the call goes on; only a rank that finds itself
-    excluded stops."""
+    """Waits until ``words[i * stride] >> SHIFT >= expected`` for every i < R, all at once
+    (``comm.wait_all_at_least``); True (uniformly) if the call may go on. Does not wait at all
+    once a wait of this rank has timed out (the device flag: the call is lost anyway); a
+    timeout sets it. ``FT`` (fault tolerance): excluded ranks are not waited for, those that
+    stay silent are excluded (``comm.wait_all_or_exclude``) and the call goes on; only a rank
+    that finds itself excluded stops."""
     errors = errors_addr.to(tl.pointer_type(tl.int64))
-    deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
-    ok = not timed_out(errors, NUM_THREADS)
-    if FT:
-        mask = local_ptr(local_base, mask_off, tl.int64, 8)
-        for i in range(R):
-            if ok:
-                wait_or_exclude(words + i * stride, expected, SHIFT, deadline, errors, i, mask,
-                                me, peer_ptrs, mask_off, R, local_base, BLOCK_R, NUM_THREADS,
-                                TRANSPORT)
-                ok = not timed_out(errors, NUM_THREADS)
-        excluded_self(errors, mask, me, expected, NUM_THREADS)
-        ok = not timed_out(errors, NUM_THREADS)
-    else:
-        for i in range(R):
-            if ok:
-                ok = wait_at_least(words + i * stride, expected, SHIFT, deadline, errors, i,
-                                   NUM_THREADS)
+    ok = not _timed_out(state, NUM_THREADS)
+    if ok:
+        deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
+        if FT:
+            mask = local_ptr(local_base, mask_off, tl.int64, 8)
+            arrived, ok = wait_all_or_exclude(words, stride, R, expected, SHIFT, deadline,
+                                              errors, state + TIMED_OUT_WORD, mask, me,
+                                              peer_ptrs, mask_off, R, local_base, BLOCK_R,
+                                              NUM_THREADS, TRANSPORT, True)
+        else:
+            ok = wait_all_at_least(words, stride, R, expected, SHIFT, deadline, errors,
+                                   state + TIMED_OUT_WORD, BLOCK_R, NUM_THREADS, True)
     return ok
 
 
@@ -170,6 +180,7 @@ def ll_dispatch_send_kernel(
     EVEN_H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # tokens a trip of the pair counts (the whole batch at decode sizes)
 ):
     pid = tl.program_id(0)
     epoch = tl.load(state) + 1
@@ -178,8 +189,8 @@ def ll_dispatch_send_kernel(
     ok = True
     if DEVICE_WAIT:  # parity p is free once every destination acknowledged call epoch - 2
         acks = local_ptr(local_base, acks_off + parity * acks_parity_stride, tl.int64, 8)
-        ok = _wait_all(acks, 1, epoch - 2, 0, R, errors_addr, timeout_ns, peer_ptrs, mask_off,
-                       local_base, me, BLOCK_R, NUM_THREADS, TRANSPORT, FT)
+        ok = _wait_all(acks, 1, epoch - 2, 0, R, errors_addr, timeout_ns, state, peer_ptrs,
+                       mask_off, local_base, me, BLOCK_R, NUM_THREADS, TRANSPORT, FT)
     rows_base = rows_off + parity * rows_parity_stride
     meta_base = meta_off + parity * meta_parity_stride
     to_peers = tl.zeros([1], tl.int64)
@@ -188,10 +199,7 @@ def ll_dispatch_send_kernel(
     lane = tl.arange(0, BLOCK_E)
     if ok:  # after a failed wait nothing is written: a peer may still read this parity
         for t0 in range(pid * BLOCK_T, T, tl.num_programs(0) * BLOCK_T):  # persistent grid
-            before = tl.zeros([BLOCK_E], tl.int32)
-            for s0 in range(0, t0, BLOCK_T):
-                before += tl.sum(_pairs_per_expert(topk_idx, s0, T, K, E, BLOCK_T, BLOCK_K,
-                                                   BLOCK_E), axis=0)
+            before = _pairs_before(topk_idx, t0, T, K, E, BLOCK_P, BLOCK_K, BLOCK_E)
             t = t0 + tl.arange(0, BLOCK_T)
             tm = t < T
             t64 = t.to(tl.int64)
@@ -289,10 +297,7 @@ def ll_dispatch_send_kernel(
     tl.atomic_add(stats + 1 + tl.arange(0, 1), to_self, sem="relaxed")
     if draw_last_of(state + 4, tl.num_programs(0)):  # the last program publishes
         if not timed_out(errors, NUM_THREADS):
-            total = tl.zeros([BLOCK_E], tl.int32)
-            for s0 in range(0, T, BLOCK_T):
-                total += tl.sum(_pairs_per_expert(topk_idx, s0, T, K, E, BLOCK_T, BLOCK_K,
-                                                  BLOCK_E), axis=0)
+            total = _pairs_before(topk_idx, T, T, K, E, BLOCK_P, BLOCK_K, BLOCK_E)
             em = lane < E
             d = tl.where(em, lane // L, 0)
             word = peer_ptr(peer_ptrs, d, signals_off + parity * signals_parity_stride,
@@ -364,7 +369,7 @@ def ll_dispatch_recv_kernel(
         ok = True
         if DEVICE_WAIT:  # this block's offset needs the counts of every source of expert e
             ok = _wait_all(signals + (parity * L + e) * R, 1, epoch, 32, R, errors_addr,
-                           timeout_ns, peer_ptrs, mask_off, local_base, me, BLOCK_R,
+                           timeout_ns, state, peer_ptrs, mask_off, local_base, me, BLOCK_R,
                            NUM_THREADS, TRANSPORT, FT)
         if ok:  # after a failed wait nothing is copied and nothing acknowledged
             sources = tl.arange(0, BLOCK_R)
@@ -461,8 +466,8 @@ def ll_combine_send_kernel(
     ok = True
     if DEVICE_WAIT:  # parity p is free once every home rank acknowledged call epoch - 2
         acks = local_ptr(local_base, acks_off + parity * acks_parity_stride, tl.int64, 8)
-        ok = _wait_all(acks, 1, epoch - 2, 0, R, errors_addr, timeout_ns, peer_ptrs, mask_off,
-                       local_base, me, BLOCK_R, NUM_THREADS, TRANSPORT, FT)
+        ok = _wait_all(acks, 1, epoch - 2, 0, R, errors_addr, timeout_ns, state, peer_ptrs,
+                       mask_off, local_base, me, BLOCK_R, NUM_THREADS, TRANSPORT, FT)
     stride = H * y.dtype.element_ty.primitive_bitwidth // 8  # bytes between staging rows
     row_bytes = stride
     if FP8:
@@ -582,8 +587,8 @@ def ll_combine_recv_kernel(
     errors = errors_addr.to(tl.pointer_type(tl.int64))
     ok = True
     if DEVICE_WAIT:  # every expert rank has put its rows
-        ok = _wait_all(signals + parity * R, 1, epoch, 0, R, errors_addr, timeout_ns, peer_ptrs,
-                       mask_off, local_base, me, BLOCK_R, NUM_THREADS, TRANSPORT, FT)
+        ok = _wait_all(signals + parity * R, 1, epoch, 0, R, errors_addr, timeout_ns, state,
+                       peer_ptrs, mask_off, local_base, me, BLOCK_R, NUM_THREADS, TRANSPORT, FT)
     if ok:  # after a failed wait nothing is read and nothing acknowledged
         n_h = tl.cdiv(H, BLOCK_H)
         for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T) * n_h, tl.num_programs(0)):
@@ -654,7 +659,7 @@ def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, ran
         EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t, BLOCK_H=tile.block_h,
         BLOCK_K=triton.next_power_of_2(max(K, 1)),
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_R=triton.next_power_of_2(R),
-        NUM_THREADS=tile.num_threads,
+        NUM_THREADS=tile.num_threads, BLOCK_P=min(triton.next_power_of_2(max_tokens), 128),
         **flavour.launch_options(tile))
     return True
 

@@ -33,6 +33,8 @@ from .kernels.comm import (
     wait_epochs_kernel,
     wait_for_epochs,
 )
+from .kernels.layout import layout_scratch
+from .kernels.low_latency import TIMED_OUT
 from .kernels.nvshmem import device_bitcode, install_module_init_hook
 from .kernels.tiles import tiles
 from .low_latency import LowLatencyMode
@@ -64,13 +66,29 @@ _CONFIG_FIELDS = ("hidden", "num_experts", "max_tokens_per_rank", "dtype", "max_
                   "ranks_per_node", "transport", "hierarchical", "nixl_backend",
                   "fault_tolerant")
 DEFAULT_GPU_SMS = 20  # persistent send grids on GPUs (DeepEP uses 20-24 SMs)
-KERNEL_IMPLS = ("triton", "cuda")
+KERNEL_IMPLS = ("auto", "triton", "cuda")
+# kernel_impl="auto" on GPUs: the faster implementation per mode on the last measured GPU run
+# (docs/PERF.md, 2026-12-01, H200, 8 virtual ranks: the low-latency FP8 dispatch 2.8 ms on
+# csrc/ against 20.2 ms on Triton, the bf16 combine 2.7 against 32.3 ms; normal mode runs on
+# Triton only). Rewrite it from the next run's table.
+FASTER_ON_GPU = {"low_latency": "cuda", "normal": "triton"}
 
 
-def check_kernel_impl(kernel_impl: str, device: torch.device, low_latency: bool) -> str:
-    """``triton`` everywhere; ``cuda`` (csrc/) for the low-latency ops on GPUs."""
+def check_kernel_impl(kernel_impl: str, device: torch.device, low_latency: bool,
+                      fault_tolerant: bool = False, proxy: bool = False,
+                      csrc_loads=None) -> str:
+    """``triton`` everywhere; ``cuda`` (csrc/) for the low-latency ops on GPUs; ``auto``:
+    ``FASTER_ON_GPU`` where csrc/ can serve the Buffer (a CUDA device, ``low_latency``, no
+    fault tolerance, no proxy, and its cubin loads: ``csrc_loads(device)``), else ``triton``."""
     if kernel_impl not in KERNEL_IMPLS:
         raise ValueError(f"kernel_impl must be one of {KERNEL_IMPLS}, got {kernel_impl!r}")
+    if kernel_impl == "auto":
+        if (device.type != "cuda" or not low_latency or fault_tolerant or proxy
+                or FASTER_ON_GPU["low_latency"] != "cuda"):
+            return "triton"
+        if csrc_loads is None:
+            from .csrc_kernels import csrc_loads
+        return "cuda" if csrc_loads(device) else "triton"
     if kernel_impl == "cuda" and (device.type != "cuda" or not low_latency):
         raise ValueError("kernel_impl='cuda' runs the low-latency kernels of csrc/ on GPUs: "
                          "it needs a CUDA device and low_latency=True")
@@ -126,7 +144,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                  max_topk: int | None = None, dispatch_dtype: torch.dtype | None = None,
                  low_latency: bool = False, timeout_s: float | None = None,
                  backend: str = "auto", device: torch.device | str | None = None,
-                 num_sms: int | None = None, kernel_impl: str = "triton",
+                 num_sms: int | None = None, kernel_impl: str = "auto",
                  ranks_per_node: int | None = None, transport: str = "auto",
                  hierarchical: bool | None = None, nixl_backend: str | None = None,
                  comm=None, fault_tolerant: bool = False):
@@ -168,7 +186,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             raise ValueError("fault_tolerant=True across nodes runs through the proxy "
                              "(transport='nixl') in flat mode (hierarchical=False: a dead "
                              "forwarder would cut off its whole node) so far")
-        if fault_tolerant and kernel_impl != "triton":
+        if fault_tolerant and kernel_impl == "cuda":
             raise ValueError("fault_tolerant=True runs the Triton kernels: the csrc/ kernels "
                              "(kernel_impl='cuda') do not exclude silent peers")
         if via == "nixl" and env.kernel_waits():
@@ -212,7 +230,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                  dtype: torch.dtype = torch.bfloat16, *, max_topk: int | None = None,
                  dispatch_dtype: torch.dtype | None = None, low_latency: bool = False,
                  timeout_s: float | None = None, device="cpu", num_sms: int | None = None,
-                 kernel_impl: str = "triton", fault_tolerant: bool = False) -> list[Buffer]:
+                 kernel_impl: str = "auto", fault_tolerant: bool = False) -> list[Buffer]:
         """``world_size`` virtual ranks in this process; drive them with ``moe_comm.lockstep``
         (``fault_tolerant``: as ``Buffer(..., fault_tolerant=True)``; ``clean_mask`` needs
         every rank at once, which one thread cannot give)."""
@@ -234,10 +252,12 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
 
     def _setup(self, heap: SymmetricHeap, layout: WorkspaceLayout, num_experts: int,
                timeout_s: float | None, dispatch_dtype: torch.dtype | None,
-               num_sms: int | None = None, kernel_impl: str = "triton",
+               num_sms: int | None = None, kernel_impl: str = "auto",
                flavour: Flavour | None = None, proxy=None, fault_tolerant: bool = False
                ) -> None:
         self.heap, self.layout, self.proxy = heap, layout, proxy
+        self._regions: dict[str, torch.Tensor] = {}  # views of the workspace (``_region``)
+        self._offsets: dict = {}  # per-channel launch offsets, computed once
         self.rank, self.world_size = heap.rank, heap.world_size
         self.hidden, self.dtype = layout.hidden, layout.dtype
         self.dispatch_dtype = dispatch_dtype or layout.dtype
@@ -252,10 +272,15 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                                     or num_sms < 1):
             raise ValueError(f"num_sms must be a positive int or None, got {num_sms!r}")
         self.num_sms = num_sms if num_sms is not None else (DEFAULT_GPU_SMS if on_gpu else None)
-        self.kernel_impl = check_kernel_impl(kernel_impl, heap.device, layout.low_latency)
+        self.kernel_impl = check_kernel_impl(
+            kernel_impl, heap.device, layout.low_latency,
+            fault_tolerant or (flavour is not None and flavour.fault_tolerant), proxy is not None)
+        self._kernel_impl_auto = kernel_impl == "auto"  # csrc/ leaves what it lacks to Triton
         self.errors = ErrorRecord(heap.device)
         self._ft_setup(fault_tolerant or (flavour is not None and flavour.fault_tolerant))
         self.flavour = flavour or self._default_flavour(on_gpu)
+        self._layout_scratch = layout_scratch(layout.max_tokens, heap.world_size, num_experts,
+                                              self.flavour, heap.device)
         self.id = next(_ids)
         self.launches: collections.Counter[str] = collections.Counter()
         self.host_syncs: collections.Counter[str] = collections.Counter()
@@ -521,6 +546,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         no synchronisation."""
         if self.fault_tolerant and self.errors.timed_out():
             if self.errors.take_self_exclusion(self.rank):
+                if self._ll_state is not None:  # the low-latency kernels' device flag too
+                    self._ll_state[TIMED_OUT] = 0
                 raise RankExcludedError(self.rank, int(self._mask[self.rank]) - 1)
         if self._failure is None and self.errors.timed_out():
             self._failure = f"a kernel's bounded wait timed out on the {channel} channel"
@@ -542,6 +569,14 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         self._epochs[channel] += 1
         return self._epochs[channel]
 
+    def _region(self, name: str) -> torch.Tensor:
+        """The workspace region ``name`` as a tensor over this rank's segment, made once (the
+        segment never moves: the views are the same on every call)."""
+        view = self._regions.get(name)
+        if view is None:
+            view = self._regions[name] = self.layout.view(self.heap, name)
+        return view
+
     def _channel_words(self, channel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ticket word, epoch word) of ``channel``: [1] int64 views the kernels update."""
         return (self._ticket_words[channel:channel + 1],
@@ -551,21 +586,29 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         """Where this rank's sends of ``channel`` write on every peer: name -> (byte offset of
         this rank's slice in parity 0, bytes per parity); ``signal`` -> byte offset. The
         kernels add the parity of the epoch they read on the device."""
-        lay, me = self.layout, self.rank
-        name = _CHANNEL_NAMES[channel]
-        regions = [f"{name}_rows", f"{name}_meta"] + (["dispatch_counts"]
-                                                       if channel == DISPATCH else [])
-        offsets = {r.split("_", 1)[1]: (lay.offset(r, 0, me), lay.parity_stride(r))
-                   for r in regions}
-        offsets["signal"] = lay.offset("signals", channel, me)
+        offsets = self._offsets.get(("send", channel))
+        if offsets is None:
+            lay, me = self.layout, self.rank
+            name = _CHANNEL_NAMES[channel]
+            regions = [f"{name}_rows", f"{name}_meta"] + (["dispatch_counts"]
+                                                           if channel == DISPATCH else [])
+            offsets = {r.split("_", 1)[1]: (lay.offset(r, 0, me), lay.parity_stride(r))
+                       for r in regions}
+            offsets["signal"] = lay.offset("signals", channel, me)
+            self._offsets[("send", channel)] = offsets
         return offsets
 
-    def _wait(self, pending: PendingSend) -> None:
+    def _wait(self, pending: PendingSend, fusable: bool = False) -> bool:
         """Every source published ``pending.epoch`` on its channel (bounded). CPU ranks poll
         from the host and raise naming the missing peer; otherwise a one-program wait kernel
         runs ahead of the receive on the stream (no synchronisation) and records a timeout,
-        after which no kernel of this rank publishes and the next check raises."""
+        after which no kernel of this rank publishes and the next check raises. ``fusable``:
+        the caller's next kernel can wait itself (``kernels.comm.wait_all_at_least``): where
+        the wait would be a kernel (and not a fault-tolerant one) nothing is launched here and
+        True is returned."""
         channel = _CHANNEL_NAMES[pending.channel]
+        if fusable and self.flavour.device_wait and not self.fault_tolerant:
+            return True
         if not self.flavour.device_wait:
             if self.fault_tolerant:  # sources that stay silent are excluded, the call goes on
                 seconds = self._ft_wait(self._signal_words[pending.channel].tolist,
@@ -573,22 +616,23 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                 if None in seconds:
                     pending.live = torch.tensor([t is not None for t in seconds],
                                                 dtype=torch.int32, device=self.device)
-                return
+                return False
             self._wait_words(self._signal_words[pending.channel], pending.epoch,
                              list(range(self.world_size)), channel)
-            return
+            return False
         tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
         if self.fault_tolerant:
             self._ft_wait_kernel(pending, tile)
             self._check_usable(channel)
-            return
+            return False
         wait_epochs_kernel[(1,)](self._signals[pending.channel],
                                  self._channel_words(pending.channel)[1],
                                  self.flavour.errors_addr, self.flavour.timeout_ns,
-                                 self.world_size, NUM_THREADS=tile.num_threads,
-                                 **tile.launch_options())
+                                 self.world_size, BLOCK_R=triton.next_power_of_2(self.world_size),
+                                 NUM_THREADS=tile.num_threads, **tile.launch_options())
         self.launches["wait"] += 1
         self._check_usable(channel)
+        return False
 
     def _ft_wait_kernel(self, pending: PendingSend, tile) -> None:
         """The in-kernel wait of a fault-tolerant Buffer: ``pending.live`` [R] int32 (1 where
@@ -597,7 +641,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         R, W, dev = self.world_size, self.num_local_experts + 1, self.device
         dispatch = pending.channel == DISPATCH
         pending.live = torch.empty(R, dtype=torch.int32, device=dev)
-        counts = self.layout.view(self.heap, "dispatch_counts")
+        counts = self._region("dispatch_counts")
         pending.live_counts = (torch.empty((R, W), dtype=torch.int32, device=dev) if dispatch
                                else pending.live)
         ft_wait_epochs_kernel[(1,)](
@@ -650,5 +694,5 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         """The channel's whole staging regions (rows, meta) [P, R, T_max, ...]: the receive
         kernels pick the parity from the epoch on the device."""
         name = _CHANNEL_NAMES[channel]
-        return (self.layout.view(self.heap, f"{name}_rows"),
-                self.layout.view(self.heap, f"{name}_meta"))
+        return (self._region(f"{name}_rows"),
+                self._region(f"{name}_meta"))

@@ -80,6 +80,11 @@ _CASTS = {PTR: np.uint64, I32: np.int32, I64: np.int64}
 _INT_RANGES = {I32: (-(2**31), 2**31 - 1), I64: (-(2**63), 2**63 - 1), PTR: (0, 2**64 - 1)}
 
 
+# ll_state: 4 epochs and 4 tickets the csrc kernels share with the Triton ones, then the Triton
+# waits' timed-out flag (kernels.low_latency.TIMED_OUT), which csrc/ leaves alone
+STATE_WORDS = 9
+
+
 def pack_args(kernel: str, **values) -> list:
     """The kernel's arguments in parameter order as fixed-width numpy scalars. A tensor passes
     its ``data_ptr()``, None a null pointer. Raises on a missing, unknown or out-of-range one."""
@@ -235,6 +240,16 @@ def load_module(device: torch.device, loader: str = "auto"):
     return _MODULES[key]
 
 
+def csrc_loads(device: torch.device) -> bool:
+    """Whether the csrc/ kernels load for ``device`` (their cubin is found or built, a loader
+    imports): what ``kernel_impl="auto"`` asks before it picks them."""
+    try:
+        load_module(device)
+    except Exception:  # no cubin, no nvcc, no cupy: the Triton kernels serve
+        return False
+    return True
+
+
 def _load_module(index: int, loader: str):
     major, minor = torch.cuda.get_device_capability(index)
     path = csrc_build.locate_cubin(major * 10 + minor)
@@ -350,7 +365,7 @@ class CsrcLowLatencyKernels:
         R = self._peers(peer_ptrs, pes, rank)
         self._check("x", x, tuple(DTYPE_CODES), ndim=2)
         self._check("topk_idx", topk_idx, (torch.int64,), ndim=2)
-        self._check("state", state, (torch.int64,), 8)
+        self._check("state", state, (torch.int64,), STATE_WORDS)
         self._check("stats", stats, (torch.int64,), 4)
         self._check_error(error)
         T, H = x.shape
@@ -399,7 +414,7 @@ class CsrcLowLatencyKernels:
                                 ("src_k", src_k, (torch.int32,)),
                                 ("layout", layout, (torch.int32,))):
             self._check(name, t, dtypes)
-        self._check("state", state, (torch.int64,), 8)
+        self._check("state", state, (torch.int64,), STATE_WORDS)
         self._check("recv_stats", recv_stats, (torch.int32, torch.int64), L, optional=True)
         H = out.shape[2]
         fp8 = out.dtype == torch.float8_e4m3fn
@@ -430,7 +445,7 @@ class CsrcLowLatencyKernels:
         self._check("y", y, tuple(DTYPE_CODES), ndim=3)
         for name, t in (("layout", layout), ("src_info", src_info), ("src_k", src_k)):
             self._check(name, t, (torch.int32,))
-        self._check("state", state, (torch.int64,), 8)
+        self._check("state", state, (torch.int64,), STATE_WORDS)
         self._check("stats", stats, (torch.int64,), 4)
         L, rows, H = y.shape
         if rows != R * max_tokens or layout.shape != (L, R, 2):
@@ -460,7 +475,7 @@ class CsrcLowLatencyKernels:
                     optional=True)
         self._check("out", out, (staging.dtype,))
         self._check("signals", signals, (torch.int64,), P * R)
-        self._check("state", state, (torch.int64,), 8)
+        self._check("state", state, (torch.int64,), STATE_WORDS)
         T, K = topk_idx.shape
         if K > KMAX or T > TMAX or out.shape != (T, H):
             raise ValueError(f"topk_idx {tuple(topk_idx.shape)} / out {tuple(out.shape)} do not "

@@ -66,6 +66,7 @@ import torch
 import triton
 
 from .kernels.comm import set_word_on_all_kernel, wait_for_live_epochs
+from .kernels.low_latency import TIMED_OUT
 from .symm.shm import pid_alive
 from .workspace import COMBINE, DISPATCH
 
@@ -99,7 +100,7 @@ class RankExcludedError(RuntimeError):
 class FaultTolerance:
     def _ft_setup(self, fault_tolerant: bool) -> None:
         self.fault_tolerant = bool(fault_tolerant)
-        self._mask = self.layout.view(self.heap, "ft_mask")
+        self._mask = self._region("ft_mask")
         self._mask_words = self._mask.numpy() if self.heap.device.type == "cpu" else None
         self._clean_serial = 0
         self._combine_live = None  # the last normal combine's arrived sources (None: all)
@@ -148,7 +149,7 @@ class FaultTolerance:
             torch.cuda.synchronize(self.device)  # every earlier kernel (and store) is done
         # the serial every participant agrees on: one past the last clean any rank finished
         # (its second round's words reach every rank, excluded ones too)
-        done = self.layout.view(self.heap, "ft_clean")[1]
+        done = self._region("ft_clean")[1]
         self._clean_serial = max(self._clean_serial, int(done.max())) + 1
         serial, me, R = self._clean_serial, self.rank, self.world_size
         if readmit:
@@ -161,7 +162,7 @@ class FaultTolerance:
             for s in range(R):  # after this one began: every rank that came is taken back
                 if joined[s]:
                     self._mask[s] = 0
-        table = self.layout.view(self.heap, "ft_epochs").cpu()
+        table = self._region("ft_epochs").cpu()
         active = (self._mask == 0).cpu()
         agreed = table[torch.tensor(joined) & active].amax(0).tolist()
         self._resync_epochs(agreed)
@@ -250,7 +251,7 @@ class FaultTolerance:
         self._set_on_all(self.layout.offset("ft_clean", i), self.rank, serial)
         if waited is None:
             waited = [s for s in range(R) if int(self._mask[s]) == 0]
-        words = self.layout.view(self.heap, "ft_clean")[i]
+        words = self._region("ft_clean")[i]
         seconds, behind = wait_for_live_epochs(
             lambda: words[waited].tolist(), serial, None,
             timeout_s=self.timeout_s)
@@ -269,7 +270,8 @@ class FaultTolerance:
         self._epoch_words.copy_(torch.tensor(agreed[:2], dtype=torch.int64))
         if self.layout.low_latency:
             self._ll_epochs[:] = agreed[2:]
-            acks = self.layout.view(self.heap, "ll_acks")
+            acks = self._region("ll_acks")
             for channel, first in ((DISPATCH, 0), (COMBINE, 2)):
                 self._ll_state[first:first + 2] = agreed[2 + channel]
                 acks[channel].fill_(agreed[2 + channel])
+            self._ll_state[TIMED_OUT] = 0  # a readmitted rank's waits start afresh

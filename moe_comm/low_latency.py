@@ -147,6 +147,14 @@ class LowLatencyMode:
                 dtype)
         return WorkspaceLayout(*args, low_latency=True).nbytes - WorkspaceLayout(*args).nbytes
 
+    def _ll_impl(self, csrc_can: bool) -> str:
+        """The kernels of one low-latency call: the Buffer's, but where csrc/ was chosen
+        automatically (``kernel_impl="auto"``) and cannot do the call (MXFP8, NVFP4, an FP8
+        combine), Triton's (the two write the same slots and signals, call by call)."""
+        if self.kernel_impl == "cuda" and not csrc_can and self._kernel_impl_auto:
+            return "triton"
+        return self.kernel_impl
+
     def _csrc(self):
         """The csrc/ kernels for this Buffer's device (``kernel_impl="cuda"``), loaded once."""
         if getattr(self, "_csrc_kernels", None) is None:
@@ -184,7 +192,7 @@ class LowLatencyMode:
         self._ll_epochs[channel] += 1
         epoch = self._ll_epochs[channel]
         if not self.flavour.device_wait:  # GPUs wait in the send kernel itself
-            acks = self.layout.view(self.heap, "ll_acks")[channel, epoch % 2].numpy()
+            acks = self._region("ll_acks")[channel, epoch % 2].numpy()
             if self.fault_tolerant:
                 self._ft_wait(acks.tolist, epoch - IN_FLIGHT, f"low-latency {what} (staging "
                               "reuse)")
@@ -195,13 +203,17 @@ class LowLatencyMode:
         return epoch
 
     def _ll_send_offsets(self, prefix: str, names: tuple, channel: int) -> dict:
-        offsets = {n: self._ll_offsets(f"{prefix}{n}") for n in names}
-        offsets["acks"] = self._ll_acks(channel)
-        outbox = "ll_outbox" if channel == DISPATCH else "ll_combine_outbox"
-        if self.layout.ll_outboxes:
-            offsets["outbox"] = self._ll_offsets(outbox)
-        if self.layout.proxy and channel == DISPATCH:
-            offsets["meta_table"] = self.layout["ll_meta_table"].offset
+        """The byte offsets a low-latency send launches with (computed once per channel)."""
+        offsets = self._offsets.get(("ll", channel))
+        if offsets is None:
+            offsets = {n: self._ll_offsets(f"{prefix}{n}") for n in names}
+            offsets["acks"] = self._ll_acks(channel)
+            outbox = "ll_outbox" if channel == DISPATCH else "ll_combine_outbox"
+            if self.layout.ll_outboxes:
+                offsets["outbox"] = self._ll_offsets(outbox)
+            if self.layout.proxy and channel == DISPATCH:
+                offsets["meta_table"] = self.layout["ll_meta_table"].offset
+            self._offsets[("ll", channel)] = offsets
         return offsets
 
     def low_latency_combine_buffer(self) -> torch.Tensor:
@@ -214,7 +226,7 @@ class LowLatencyMode:
                  self.hidden)
         if self.layout.ll_outboxes:
             parity = (self._ll_epochs[COMBINE] + 1) % 2
-            return self.layout.view(self.heap, "ll_combine_outbox")[parity]
+            return self._region("ll_combine_outbox")[parity]
         return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     def _csrc_ids(self, topk_idx: torch.Tensor, record: bool) -> torch.Tensor:
@@ -259,9 +271,10 @@ class LowLatencyMode:
         check_scale_layout(scale_layout, ue8m0)
         group = scale_group(ue8m0)
         name = {MXFP8: "MXFP8", NVFP4: "NVFP4"}.get(ue8m0, "FP8")
+        impl = self._ll_impl(ue8m0 < MXFP8)
         if ue8m0 >= MXFP8:
             check_block_scaled_options(ue8m0, fp8, col_major_scales)
-            if self.kernel_impl == "cuda":
+            if impl == "cuda":
                 raise ValueError(f"kernel_impl='cuda' sends FP8 per 128 channels only; {name} "
                                  "runs on the Triton kernels")
         if fp8 and (self.hidden % group or self.dtype == torch.float64):
@@ -281,7 +294,7 @@ class LowLatencyMode:
                                  f"[{self.num_local_experts}] on {self.device}")
         recv, hook = self._ll_dispatch_send(x.contiguous(), topk_idx.contiguous(), fp8, ue8m0,
                                             col_major_scales, stats, glob,
-                                            scale_layout == "swizzled")
+                                            scale_layout == "swizzled", impl)
         if return_hook:
             return recv, hook
         hook()
@@ -289,7 +302,7 @@ class LowLatencyMode:
 
     @poisons_buffer_on_error("low-latency dispatch")
     def _ll_dispatch_send(self, x, topk_idx, fp8, ue8m0, col_major, stats, global_scale=None,
-                          swizzle=False):
+                          swizzle=False, impl="triton"):
         epoch = self._ll_begin(DISPATCH, "dispatch")
         L, R, T, H, dev = (self.num_local_experts, self.world_size, self.max_tokens_per_rank,
                            self.hidden, self.device)
@@ -314,7 +327,7 @@ class LowLatencyMode:
         offsets = self._ll_send_offsets("ll_dispatch_", ("rows", "meta", "signals"), DISPATCH)
         common = dict(rank=self.rank, num_local_experts=L, num_experts=self.num_experts,
                       max_tokens=T, slot_bytes=self.layout.ll_slot_bytes, fp8=fp8, ue8m0=ue8m0)
-        if self.kernel_impl == "cuda":
+        if impl == "cuda":
             self.launches["ll_dispatch_send"] += self._csrc().ll_dispatch_send(
                 x, self._csrc_ids(topk_idx, True), self.heap.peer_ptrs, self._ll_state, self._stats,
                 offsets=offsets, acks=offsets["acks"], error=self.errors.timeout_part,
@@ -328,16 +341,17 @@ class LowLatencyMode:
         self._ll_pending[DISPATCH] += 1
 
         def receive():
-            self._ll_dispatch_recv(epoch, recv, scale_memory, scale_strides, ue8m0, stats)
+            self._ll_dispatch_recv(epoch, recv, scale_memory, scale_strides, ue8m0, stats, impl)
             if swizzle:
                 recv.x_scales = torch.stack([swizzle_128x4(s) for s in recv.x_scales])
 
         return recv, _Hook(self, DISPATCH, receive)
 
     @poisons_buffer_on_error("low-latency dispatch")
-    def _ll_dispatch_recv(self, epoch, recv, scale_memory, scale_strides, ue8m0, stats):
+    def _ll_dispatch_recv(self, epoch, recv, scale_memory, scale_strides, ue8m0, stats,
+                          impl="triton"):
         if not self.flavour.device_wait:  # GPUs wait in the receive kernel itself
-            words = self.layout.view(self.heap, "ll_dispatch_signals")[epoch % 2].numpy()
+            words = self._region("ll_dispatch_signals")[epoch % 2].numpy()
 
             def observed():  # [L, R] words: the oldest epoch each source published
                 return (words >> 32).min(axis=0).tolist()
@@ -348,16 +362,16 @@ class LowLatencyMode:
                 recv.source_wait_s = wait_for_epochs(
                     self._checking_transport(observed), epoch, timeout_s=self.timeout_s,
                     rank=self.rank, channel="low-latency dispatch")
-        staging = self.layout.view(self.heap, "ll_dispatch_rows")
+        staging = self._region("ll_dispatch_rows")
         if scale_memory is None:  # rows as they are
             staging = staging.view(self.dtype)
-        args = (staging, self.layout.view(self.heap, "ll_dispatch_meta"),
-                self.layout.view(self.heap, "ll_dispatch_signals"), self.heap.peer_ptrs,
+        args = (staging, self._region("ll_dispatch_meta"),
+                self._region("ll_dispatch_signals"), self.heap.peer_ptrs,
                 self._ll_state, recv.x, scale_memory, recv.count, recv.src_info,
                 recv.handle.src_k, recv.handle.layout, stats)
         common = dict(acks=self._ll_acks(DISPATCH), rank=self.rank, scale_strides=scale_strides,
                       ue8m0=ue8m0)
-        if self.kernel_impl == "cuda":
+        if impl == "cuda":
             self.launches["ll_dispatch_recv"] += self._csrc().ll_dispatch_recv(
                 *args, error=self.errors.timeout_part, **common)
         else:
@@ -395,7 +409,8 @@ class LowLatencyMode:
                                "hook first")
         self._ll_check_in_flight(COMBINE, "combine")
         fp8 = combine_is_fp8(combine_dtype, dtype=self.dtype, hidden=self.hidden)
-        if fp8 and self.kernel_impl == "cuda":
+        impl = self._ll_impl(not fp8)
+        if fp8 and impl == "cuda":
             raise ValueError("kernel_impl='cuda' combines in the Buffer's dtype only; an FP8 "
                              "combine runs on the Triton kernels")
         if renormalize:
@@ -418,7 +433,7 @@ class LowLatencyMode:
                 raise ValueError("topk_weights and topk_idx shapes differ")
             topk_weights = topk_weights.contiguous()
         out, hook = self._ll_combine_send(y.contiguous(), topk_idx.contiguous(), topk_weights,
-                                          handle, renormalize, fp8)
+                                          handle, renormalize, fp8, impl)
         if return_hook:
             return out, hook
         hook()
@@ -430,14 +445,15 @@ class LowLatencyMode:
         CUDA graph that captured the call replays it right), else None."""
         if not self.layout.ll_outboxes:
             return None
-        outboxes = self.layout.view(self.heap, "ll_combine_outbox")
+        outboxes = self._region("ll_combine_outbox")
         for p in range(outboxes.shape[0]):
             if y.data_ptr() == outboxes[p].data_ptr():
                 return y.data_ptr() - self.heap.local.data_ptr()
         return None
 
     @poisons_buffer_on_error("low-latency combine")
-    def _ll_combine_send(self, y, topk_idx, topk_weights, handle, renormalize=False, fp8=False):
+    def _ll_combine_send(self, y, topk_idx, topk_weights, handle, renormalize=False, fp8=False,
+                         impl="triton"):
         if fp8 and self._combine_outbox_offset(y) is not None:
             y = y.clone()  # FP8 rows are quantized into the outbox that y lies in
         epoch = self._ll_begin(COMBINE, "combine")
@@ -447,7 +463,7 @@ class LowLatencyMode:
         offsets = self._ll_send_offsets("ll_combine_", ("rows", "signals"), COMBINE)
         common = dict(offsets=offsets, rank=self.rank, max_tokens=self.max_tokens_per_rank,
                       max_topk=self.max_topk)
-        if self.kernel_impl == "cuda":
+        if impl == "cuda":
             self.launches["ll_combine_send"] += self._csrc().ll_combine_send(
                 *args, acks=offsets["acks"], error=self.errors.timeout_part,
                 outbox_offset=self._outbox_offset("ll_combine_outbox"), **common)
@@ -458,9 +474,9 @@ class LowLatencyMode:
         self._ll_pending[COMBINE] += 1
 
         def receive():
-            self._ll_combine_recv(epoch, topk_idx, topk_weights, out, fp8)
+            self._ll_combine_recv(epoch, topk_idx, topk_weights, out, fp8, impl)
             if renormalize:  # the expert ranks whose rows of this call arrived
-                signals = self.layout.view(self.heap, "ll_combine_signals")[epoch % 2]
+                signals = self._region("ll_combine_signals")[epoch % 2]
                 reached = self._reached(topk_idx, signals >= epoch)
                 out.copy_(renormalized(out, topk_idx, topk_weights, reached))
             return out
@@ -468,19 +484,19 @@ class LowLatencyMode:
         return out, _Hook(self, COMBINE, receive)
 
     @poisons_buffer_on_error("low-latency combine")
-    def _ll_combine_recv(self, epoch, topk_idx, topk_weights, out, fp8=False):
+    def _ll_combine_recv(self, epoch, topk_idx, topk_weights, out, fp8=False, impl="triton"):
         if not self.flavour.device_wait:  # GPUs wait in the receive kernel itself
-            words = self.layout.view(self.heap, "ll_combine_signals")[epoch % 2].numpy()
+            words = self._region("ll_combine_signals")[epoch % 2].numpy()
             if self.fault_tolerant:  # an expert rank that stays silent is excluded
                 self._ft_wait(words.tolist, epoch, "low-latency combine")
             else:
                 wait_for_epochs(self._checking_transport(words.tolist), epoch,
                                 timeout_s=self.timeout_s, rank=self.rank,
                                 channel="low-latency combine")
-        staging = self.layout.view(self.heap, "ll_combine_rows")
-        signals = self.layout.view(self.heap, "ll_combine_signals")
+        staging = self._region("ll_combine_rows")
+        signals = self._region("ll_combine_signals")
         common = dict(acks=self._ll_acks(COMBINE), rank=self.rank)
-        if self.kernel_impl == "cuda":
+        if impl == "cuda":
             self.launches["ll_combine_recv"] += self._csrc().ll_combine_recv(
                 staging, self._csrc_ids(topk_idx, False), topk_weights, out, self.heap.peer_ptrs,
                 self._ll_state, signals=signals, error=self.errors.timeout_part, **common)

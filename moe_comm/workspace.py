@@ -53,8 +53,9 @@ With ``low_latency=True`` (``S`` = bytes of one low-latency slot = ``H*b`` round
 or ``H + 4*H/128`` if that is larger, so that FP8 rows with their scales fit too):
 
 ======================  ===========================  ============================================
-``ll_state``            [8] int64                    local: device epochs (dispatch sent/received,
-                                                     combine sent/received) and kernel tickets
+``ll_state``            [9] int64                    local: device epochs (dispatch sent/received,
+                                                     combine sent/received), kernel tickets, and
+                                                     1 once a low-latency wait timed out
 ``ll_dispatch_signals`` [P, L, R] int64              ``[p, e, s]``: ``epoch << 32 | pairs`` that
                                                      source ``s`` put for local expert ``e``
 ``ll_combine_signals``  [P, R] int64                 ``[p, s]``: epoch of expert rank ``s``'s puts
@@ -209,7 +210,7 @@ class WorkspaceLayout:
         self.ll_slot_bytes = low_latency_slot_bytes(H, dtype)
         if low_latency:
             specs += [
-                ("ll_state", (8,), torch.int64),
+                ("ll_state", (9,), torch.int64),
                 ("ll_dispatch_signals", (PARITIES, L, R), torch.int64),
                 ("ll_combine_signals", (PARITIES, R), torch.int64),
                 ("ll_acks", (2, PARITIES, R), torch.int64),

@@ -536,7 +536,7 @@ def test_launcher_rejects_bad_calls_before_launching():
         kernels.ll_dispatch_send(torch.zeros((H, T), dtype=torch.bfloat16).t(),
                                  torch.zeros((T, 2), dtype=torch.int64), buf.heap.peer_ptrs,
                                  buf._ll_state, buf._stats, **kw)
-    with pytest.raises(ValueError, match="state must have 8"):
+    with pytest.raises(ValueError, match="state must have 9"):
         kernels.ll_dispatch_send(x, torch.zeros((T, 2), dtype=torch.int64), buf.heap.peer_ptrs,
                                  buf._stats, buf._stats, **kw)
     L, rows = 2, R * T
@@ -919,3 +919,47 @@ def test_gpu_cuda_graph_replays_the_low_latency_pair():
         ref = reference.low_latency_combine_all([y.cpu() for y in y_in], idxs, ws, want, T)
         for r in range(2):
             assert torch.equal(outs[r].cpu(), ref[r]), (it, r)
+
+
+def test_kernel_impl_auto_takes_the_faster_of_the_last_gpu_run():
+    """``kernel_impl="auto"`` (the default): on a GPU the low-latency ops take the faster
+    implementation of the last measured run (``FASTER_ON_GPU``: csrc/) where csrc/ can serve
+    the Buffer and its cubin loads; everything else runs the Triton kernels."""
+    from moe_comm.buffer import FASTER_ON_GPU, check_kernel_impl
+
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+
+    def loads(device):
+        return True
+
+    assert FASTER_ON_GPU == {"low_latency": "cuda", "normal": "triton"}
+    assert check_kernel_impl("auto", cpu, True, csrc_loads=loads) == "triton"
+    assert check_kernel_impl("auto", gpu, False, csrc_loads=loads) == "triton"  # normal mode
+    assert check_kernel_impl("auto", gpu, True, csrc_loads=loads) == "cuda"
+    assert check_kernel_impl("auto", gpu, True, csrc_loads=lambda d: False) == "triton"
+    assert check_kernel_impl("auto", gpu, True, True, csrc_loads=loads) == "triton"  # FT
+    assert check_kernel_impl("auto", gpu, True, proxy=True, csrc_loads=loads) == "triton"
+    assert check_kernel_impl("triton", gpu, True) == "triton"
+    assert check_kernel_impl("cuda", gpu, True) == "cuda"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        check_kernel_impl("cuda", cpu, True)
+    with pytest.raises(ValueError, match="kernel_impl must be one of"):
+        check_kernel_impl("cupy", gpu, True)
+    # a CPU Buffer resolves to Triton
+    assert moe_comm.Buffer.loopback(2, 64, 4, 4, low_latency=True)[0].kernel_impl == "triton"
+
+
+def test_an_automatic_csrc_leaves_what_it_lacks_to_triton():
+    """Per call: csrc/ chosen by ``auto`` hands MXFP8, NVFP4 and FP8 combines to the Triton
+    kernels; asked for by name it keeps them (and the call raises, naming Triton)."""
+    from types import SimpleNamespace
+
+    from moe_comm.low_latency import LowLatencyMode
+
+    auto = SimpleNamespace(kernel_impl="cuda", _kernel_impl_auto=True)
+    named = SimpleNamespace(kernel_impl="cuda", _kernel_impl_auto=False)
+    triton_buf = SimpleNamespace(kernel_impl="triton", _kernel_impl_auto=True)
+    assert LowLatencyMode._ll_impl(auto, True) == "cuda"
+    assert LowLatencyMode._ll_impl(auto, False) == "triton"
+    assert LowLatencyMode._ll_impl(named, False) == "cuda"
+    assert LowLatencyMode._ll_impl(triton_buf, True) == "triton"

@@ -14,7 +14,10 @@ reads:
   under ``if one_thread():`` (a branch on ``%tid.x == 0``) has one issuer, any other call is
   issued by every thread (the right count only for block-scoped calls, ``*_block``);
 * the memory order of the signal instructions: lines marked ``# gate: publish`` must compile to
-  ``.release.sys`` stores or atomics, lines marked ``# gate: acquire`` to ``.acquire.sys``.
+  ``.release.sys`` stores or atomics, lines marked ``# gate: acquire`` to ``.acquire.sys``;
+* the loads from host memory (the error record and the proxy's ring: pointers made from the
+  ``errors_addr`` and ``ring_addr`` arguments), from the Triton IR: how many a program makes
+  outside loops, and any inside a loop or a spin.
 
 :func:`violations` turns the facts into the gate's failures.
 """
@@ -57,6 +60,11 @@ class Facts:
     nvshmem_issuers: dict = field(default_factory=dict)  # symbol -> "block" or thread count
     unordered_signals: list = field(default_factory=list)  # "file:line instruction"
     markers_emitted: list = field(default_factory=list)  # "file:line" of marked lines in the PTX
+    host_loads: int = 0  # loads from host memory outside loops (one per program each)
+    host_loads_in_loops: int = 0  # loads from host memory inside a loop or a spin
+    programs: int = 0  # the launch's grid (the gate fills these three from the recording)
+    max_trips: int = 0
+    schedule: str = ""
     compile_s: float = 0.0
     uses_nvshmem: bool = False
     error: str = ""
@@ -67,6 +75,8 @@ class Facts:
             row[name] = ",".join(f"{k}={v}" for k, v in sorted(row[name].items())) or "-"
         row["unordered_signals"] = ";".join(self.unordered_signals) or "-"
         row["markers_emitted"] = ",".join(sorted(set(self.markers_emitted))) or "-"
+        row["host_loads"] = (f"{self.host_loads}" if not self.host_loads_in_loops
+                             else f"{self.host_loads}+{self.host_loads_in_loops} in loops")
         return row
 
 
@@ -248,6 +258,55 @@ def nvshmem_issuers(ttir: str, num_threads: int) -> dict[str, str]:
     return result
 
 
+HOST_POINTERS = ("errors_addr", "ring_addr")  # int64 arguments that address host memory
+_ADDRESS_OPS = {"tt.int_to_ptr", "tt.addptr", "tt.splat", "tt.broadcast", "tt.expand_dims",
+                "tt.reshape", "tt.bitcast", "arith.addi", "arith.subi", "arith.muli",
+                "arith.extsi", "arith.extui", "arith.select"}
+_DEFINITION = re.compile(r"\s*(%[\w#.]+)\s*=\s*([\w.]+)")
+
+
+def host_loads(ttir: str, names=HOST_POINTERS) -> tuple[int, int]:
+    """``(loads outside loops, loads inside a loop or spin)`` of host memory in the Triton IR:
+    ``tt.load`` of a pointer computed from one of the kernel arguments ``names``, followed
+    through the ops that make addresses (``_ADDRESS_OPS``: integer arithmetic on the address,
+    the cast to a pointer, pointer offsets, splats and broadcasts; a loaded value is data, not
+    an address). A load under ``scf.for`` or ``scf.while`` runs once per trip or spin."""
+    header = re.search(r"tt\.func public @\w+\((.*)\)\s*attributes", ttir)
+    args = set()
+    if header:
+        args = {ssa for ssa, name in re.findall(r'(%[\w#.]+): [^%]*?loc\("(\w+)"',
+                                                 header.group(1)) if name in names}
+    # one pass in order: a value is defined before its uses, and a name belongs to the region
+    # it is defined in and those inside it (sibling regions reuse names)
+    scopes: list[dict] = [{a: True for a in args}]
+    loops: list[bool] = []  # per open region: is it a loop body?
+    outside = inside = 0
+
+    def host(name: str) -> bool:
+        return next((scope[name] for scope in reversed(scopes) if name in scope), False)
+
+    for line in ttir.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("}") and loops:
+            loops.pop()
+            scopes.pop()
+        m = re.search(r"tt\.load\s+(%[\w#.]+)", stripped)
+        if m and host(m.group(1)):
+            if any(loops):
+                inside += 1
+            else:
+                outside += 1
+        d = _DEFINITION.match(line)
+        if d:
+            scopes[-1][d.group(1)] = d.group(2) in _ADDRESS_OPS and any(
+                host(u) for u in _SSA.findall(line[d.end():]))
+        if stripped.endswith("{"):
+            loops.append("scf.for" in stripped or "scf.while" in stripped
+                         or stripped.startswith("} do {"))
+            scopes.append({})
+    return outside, inside
+
+
 def inspect_launch(launch, arch: int, config: str, variant: str) -> Facts:
     """Compiles ``launch`` for ``sm_<arch>`` and reads what the gate checks."""
     import inspect as pyinspect
@@ -281,12 +340,14 @@ def inspect_launch(launch, arch: int, config: str, variant: str) -> Facts:
             facts.unordered_signals.append(where)  # each exchange of ours publishes a word
     facts.nvshmem_issuers = nvshmem_issuers(compiled.asm["ttir"],
                                             32 * int(launch.options.get("num_warps", 4)))
+    facts.host_loads, facts.host_loads_in_loops = host_loads(compiled.asm["ttir"])
     return facts
 
 
-def violations(facts: Facts, rows_aligned: bool) -> list[str]:
+def violations(facts: Facts, rows_aligned: bool, host_rules: bool = True) -> list[str]:
     """The gate's rules for one variant; ``rows_aligned``: rows start on 16-byte boundaries in
-    this configuration (else narrower row stores are allowed)."""
+    this configuration (else narrower row stores are allowed); ``host_rules``: hold it to the
+    host-memory rule (not the proxy's variants, which run on CPU ranks only so far)."""
     if facts.error:
         return [f"does not compile: {facts.error}"]
     found = []
@@ -302,4 +363,11 @@ def violations(facts: Facts, rows_aligned: bool) -> list[str]:
                          f"(its scope means {'the whole block' if scoped else 'one thread'})")
     for where in facts.unordered_signals:
         found.append(f"signal without release/acquire ordering: {where}")
+    if not host_rules:
+        return found
+    if facts.host_loads_in_loops:
+        found.append(f"loads host memory inside a loop or spin ({facts.host_loads_in_loops} "
+                     f"load(s) of the error record or ring per trip)")
+    elif facts.host_loads > 1:
+        found.append(f"loads host memory {facts.host_loads} times per program (at most once)")
     return found

@@ -2,14 +2,16 @@
 
     with recording(arch=90) as launches:
         some_launcher(meta_tensors...)        # kernel[grid](...) calls are recorded, not run
-    launches[0].signature, .constexprs, .attrs, .options, .key
+    launches[0].signature, .constexprs, .attrs, .options, .key, .grid, .scalars
 
 Inside the block Triton's runtime believes it drives a GPU of ``sm_<arch>`` (a stand-in driver)
 and its cache hook turns every launch into a record: the signature, constants and divisibility
 attributes Triton itself derives from the real arguments (so ``do_not_specialize``, value-1
 constants and 16-byte alignment facts are exactly those of a real launch), and the options the
 launcher passed (warps, NVSHMEM's bitcode). Pass tensors on the ``meta`` device: they carry
-shapes, dtypes and aligned addresses, and no memory. Needs ``TRITON_INTERPRET`` off.
+shapes, dtypes and aligned addresses, and no memory. Needs ``TRITON_INTERPRET`` off. Each
+record also keeps the launch's grid and the values of its scalar arguments (what the gate's
+grid and serial-trip rules read).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,16 @@ class Launch:
     attrs: dict = field(compare=False)
     options: dict = field(compare=False)
     key: str  # Triton's cache key of the specialisation (the same key: the same binary)
+    grid: tuple = field(default=(1, 1, 1), compare=False)  # programs per grid axis
+    scalars: dict = field(default_factory=dict, compare=False)  # int/float/bool arguments
+
+    @property
+    def programs(self) -> int:
+        """Programs of the launch (the grid's product)."""
+        n = 1
+        for g in self.grid:
+            n *= g
+        return n
 
     @property
     def name(self) -> str:
@@ -123,19 +136,37 @@ def recording(arch: int = 90):
         raise RuntimeError("recording launches needs compiled kernels: set TRITON_INTERPRET=0 "
                            "before triton is imported")
     launches: list[Launch] = []
+    calls: list[tuple] = []  # (grid, scalars) of the launch in progress
 
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        grid, scalars = calls[-1] if calls else ((1, 1, 1), {})
         launches.append(Launch(fn.jit_function, dict(compile["signature"]),
                                dict(compile["constants"]), dict(compile["configs"][0]),
-                               _options(compile), _key(compile)))
+                               _options(compile), _key(compile), grid, scalars))
         return True  # handled: Triton compiles and launches nothing
+
+    run = JITFunction.run
+
+    def recorded_run(self, *args, grid, warmup, **kwargs):
+        values = dict(zip(self.arg_names, args))
+        values.update((k, v) for k, v in kwargs.items() if k in self.arg_names)
+        scalars = {k: v for k, v in values.items() if isinstance(v, (bool, int, float))}
+        if callable(grid):
+            grid = grid(values)
+        calls.append((tuple(grid) + (1,) * (3 - len(grid)), scalars))
+        try:
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        finally:
+            calls.pop()
 
     previous_hook = triton.knobs.runtime.jit_cache_hook
     previous_driver = getattr(driver, "_active", None)  # None: chosen lazily (none here)
     driver.set_active(_StandInDriver(arch))
     triton.knobs.runtime.jit_cache_hook = hook
+    JITFunction.run = recorded_run
     try:
         yield launches
     finally:
+        JITFunction.run = run
         triton.knobs.runtime.jit_cache_hook = previous_hook
         driver.set_active(previous_driver)

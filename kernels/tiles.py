@@ -16,6 +16,7 @@ lower target for 512-thread programs and spills.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -68,18 +69,22 @@ def even(hidden: int, block_h: int) -> bool:
 
 # (block_t, block_h cap, num_warps, programs per SM) per kernel on a GPU. The persistent
 # kernels run one program per SM they are given (num_sms): the dispatch send with 16 warps;
-# the others 4 or 8, two programs per SM where not persistent.
+# the others 8; the rest two programs per SM (4 or 8 warps).
 _GPU = {
     "routing_layout": (16, 0, 4, 2),
     "checked_topk_idx": (16, 0, 4, 2),
-    "quantize": (8, 1024, 8, 2),
+    "quantize": (4, 1024, 8, 2),
     "dispatch_send": (8, 1024, 16, 1),
     "dispatch_expand": (8, 1024, 8, 2),
-    "combine_send": (8, 1024, 8, 2),
+    # persistent: 64 slots a tile (at most 32 trips of a program over the slots of uniform
+    # routing at DeepSeek-V3 prefill sizes with 20 programs), every choice's gather in flight;
+    # one program per SM, so a 128-byte accumulator a thread (_TILE_BYTES)
+    "combine_send": (64, 1024, 8, 1),
     "combine_reduce": (8, 1024, 8, 2),
-    "ll_dispatch_send": (4, 1024, 8, 2),
-    # NVFP4: 16-byte stores of packed codes need 32 values a thread; one program per SM (the
-    # grid is persistent) lets it keep them in registers
+    # persistent (at most num_sms programs, one per SM: up to 255 registers for the tile's
+    # pair counts and its quantized rows); NVFP4: 16-byte stores of packed codes need 32
+    # values a thread
+    "ll_dispatch_send": (4, 1024, 8, 1),
     "ll_dispatch_send_nvfp4": (4, 1024, 8, 1),
     # persistent over their (expert, source) blocks or token tiles, at most num_sms programs:
     # one per SM
@@ -87,10 +92,13 @@ _GPU = {
     "ll_combine_send": (8, 1024, 8, 1),
     "ll_combine_recv": (4, 1024, 8, 1),
     "wait_epochs": (1, 0, 4, 2),
+    "received_layout": (1, 0, 4, 2),
 }
 _INTERPRETER_ROWS = {"ll_dispatch_recv": 16, "ll_combine_send": 16}
+_TILE_BYTES = {"combine_send": 2 * TILE_BYTES_PER_THREAD}  # bytes of a row tile a thread holds
 
 
+@functools.cache
 def tiles(kernel: str, compiled: bool, hidden: int, elem_bytes: float = 2) -> Tiles:
     """The tiles ``kernel`` is launched with: ``compiled`` for GPUs, else for the interpreter.
     ``elem_bytes``: the row element the launch holds per channel (1 for FP8 bytes, 0.5 for
@@ -101,11 +109,14 @@ def tiles(kernel: str, compiled: bool, hidden: int, elem_bytes: float = 2) -> Ti
         return Tiles(_INTERPRETER_ROWS.get(kernel, 64), block_h_for(hidden), 4)
     block_t, cap, num_warps, per_sm = _GPU[kernel]
     threads = 32 * num_warps
+    budget = _TILE_BYTES.get(kernel, TILE_BYTES_PER_THREAD) * threads  # bytes of a row tile
     if cap:  # at most 64 bytes of a row tile per thread (fp32: 16 values; fp64 accumulates)
-        cap = min(cap, max(GROUP, int(TILE_BYTES_PER_THREAD * threads // (block_t * elem_bytes))))
+        cap = min(cap, max(GROUP, int(budget // (block_t * elem_bytes))))
     block_h = block_h_for(hidden, cap) if cap else 0
-    if block_h:  # 16 bytes of row data per thread, for 16-byte stores
+    if block_h:  # 16 bytes of row data per thread, for 16-byte stores; rows within the budget
         block_t = max(block_t, math.ceil(16 * threads / (block_h * elem_bytes)))
+        fits = int(budget // (block_h * elem_bytes))  # rows of the budget: a power of two
+        block_t = min(block_t, max(1, triton.next_power_of_2(fits + 1) // 2))
     maxnreg = min(128 if per_sm > 1 else 255, REGISTERS_PER_SM // (threads * per_sm)) // 8 * 8
     return Tiles(block_t, block_h, num_warps, maxnreg)
 
@@ -116,12 +127,134 @@ def persistent_programs(work_tiles: int, num_sms: int | None) -> int:
     return min(work_tiles, num_sms) if num_sms else work_tiles
 
 
-def per_source_programs(world_size: int, max_tokens: int, block_t: int, compiled: bool) -> int:
+def per_source_programs(world_size: int, compiled: bool) -> int:
     """Programs per source rank of the grids ``(R, P)`` that walk every source's rows (their
-    counts live on the device, so the grid is sized by the Buffer: ``max_tokens`` rows per
-    source at most). The interpreter takes one program per source (each loops over its tiles);
-    a GPU takes enough to cover the SMs."""
-    if not compiled:
-        return 1
-    tiles_per_source = max(1, triton.cdiv(max_tokens, block_t))
-    return max(1, min(tiles_per_source, triton.cdiv(GPU_PROGRAMS, world_size)))
+    counts live on the device, so the grid is sized by the Buffer): the interpreter takes one
+    program per source (each loops over its tiles); a GPU ``GPU_PROGRAMS`` in all, so that
+    the grid covers the SMs whatever the counts (the padding of the output is shared by every
+    program too)."""
+    return 1 if not compiled else max(1, triton.cdiv(GPU_PROGRAMS, world_size))
+
+
+# ------------------------------------------------------------------------------ schedules
+# What the static gate (``moe_comm.gate``) holds each kernel to, beside its tiles: its kind
+# and the serial trips of its busiest program. A *trip* is one pass of a loop over rows,
+# tokens, slots, chunks or (expert, source) blocks: the loops whose length grows with the
+# work. Loops over the channels of a row, the choices of a token or the ranks a row goes to
+# are the width of one trip, not trips. Where a loop's length is counted on the device
+# (rows received, slots filled), the declaration takes it at uniform routing (every expert
+# equally likely): the load a well-balanced model gives.
+PERSISTENT = "persistent"  # a send, or a receive that waits: at most num_sms programs
+WAVE = "wave"  # a row mover that waits for nothing: at least one wave of the GPU
+CONTROL = "control"  # bookkeeping and waits: no rows, as many programs as it needs
+WAVE_PROGRAMS = 132  # one wave: a program per SM of an H100 / H200
+MAX_TRIPS = 32  # serial trips of a program at DeepSeek-V3 sizes, at most
+ZERO_TILES = 4  # the expand's padding tiles: ZERO_TILES * BLOCK_T rows (stores of constants)
+
+
+def uniform_slots(tokens: int, world_size: int, topk: int) -> float:
+    """Tokens of one source sent to one rank at uniform routing: each goes there when one of
+    its ``topk`` experts lives there."""
+    return tokens * (1 - (1 - 1 / world_size) ** topk)
+
+
+def _cdiv(a: float, b: float) -> int:
+    return max(0, math.ceil(a / b))
+
+
+def _layout_place_trips(a: dict) -> int:
+    chunks = a["programs"]
+    return (_cdiv(chunks - 1, a["BLOCK_CE"])  # the experts' prefix
+            + _cdiv(a["R"], a["BLOCK_R"]) * _cdiv(chunks - 1, a["BLOCK_CR"])  # the ranks'
+            + _cdiv(chunks, a["BLOCK_CR"]))  # the last program's bad-row scan
+
+
+def _expand_trips(a: dict) -> int:
+    R, P = a["grid0"], a["grid1"]
+    slots = uniform_slots(a["TMAX"], R, a["K"])
+    rows = a["TMAX"] * a["K"]  # rows a rank receives at uniform routing (R sources x TMAX*K/R)
+    zero_tile = ZERO_TILES * a["BLOCK_T"]
+    cached = a["CACHED"]
+    return (_cdiv(slots, a["BLOCK_T"] * P)  # the slots of one source
+            + _cdiv(a["L"], R * P)  # each expert's padding (under one zero tile)
+            + _cdiv(a["max_rows"] - rows, zero_tile * R * P)  # rows past the last group
+            + (0 if cached else _cdiv(R * (a["TMAX"] - slots), zero_tile * R * P)))  # slot_rows
+
+
+def _combine_send_trips(a: dict) -> int:
+    return _cdiv(a["R"] * uniform_slots(a["TMAX"], a["R"], a["K"]), a["BLOCK_T"] * a["programs"])
+
+
+def _ll_block_trips(a: dict) -> int:
+    """The L x R (expert, source) blocks a program takes; at uniform routing a block holds
+    T*K/E pairs, under one tile at decode sizes."""
+    return _cdiv(a["L"] * a["R"], a["programs"])
+
+
+@dataclass(frozen=True)
+class Schedule:
+    kind: str  # PERSISTENT, WAVE or CONTROL
+    trips: object  # launch arguments (scalars, constexprs, grid0..2, programs) -> serial trips
+    gpu: bool = True  # runs on GPUs today (the proxy's kernels run on CPU ranks only so far)
+    decode: bool = False  # a low-latency kernel: held to the rules at decode sizes only
+
+
+def _per_token_tiles(a: dict) -> int:
+    return _cdiv(a["T"], a["BLOCK_T"] * a["programs"])
+
+
+SCHEDULES = {
+    "layout_count_kernel": Schedule(CONTROL, lambda a: 1),
+    "layout_place_kernel": Schedule(CONTROL, _layout_place_trips),
+    "checked_topk_idx_kernel": Schedule(CONTROL, lambda a: _cdiv(a["T"], a["BLOCK_T"])),
+    "received_layout_kernel": Schedule(CONTROL, lambda a: 1),
+    "wait_epochs_kernel": Schedule(CONTROL, lambda a: 1),
+    "ft_wait_epochs_kernel": Schedule(CONTROL, lambda a: 1),
+    "set_word_on_all_kernel": Schedule(CONTROL, lambda a: 1),
+    "quantize_kernel": Schedule(WAVE, lambda a: 1),
+    "dispatch_send_kernel": Schedule(PERSISTENT, _per_token_tiles),
+    "dispatch_expand_kernel": Schedule(WAVE, _expand_trips),
+    "combine_send_kernel": Schedule(PERSISTENT, _combine_send_trips),
+    "combine_reduce_kernel": Schedule(WAVE, lambda a: 1),
+    # (a tile's pair prefix: one trip of BLOCK_P tokens)
+    "ll_dispatch_send_kernel": Schedule(PERSISTENT, lambda a: _per_token_tiles(a) * (
+        1 + _cdiv(a["T"], a["BLOCK_P"])) + _cdiv(a["T"], a["BLOCK_P"]), decode=True),
+    "ll_dispatch_recv_kernel": Schedule(PERSISTENT, _ll_block_trips, decode=True),
+    "ll_combine_send_kernel": Schedule(PERSISTENT, _ll_block_trips, decode=True),
+    "ll_combine_recv_kernel": Schedule(PERSISTENT, lambda a: _cdiv(
+        _cdiv(a["T"], a["BLOCK_T"]) * _cdiv(a["H"], a["BLOCK_H"]), a["programs"]),
+        decode=True),
+    # through the proxy (CPU ranks so far: its GPU half is not built)
+    "outbox_dispatch_kernel": Schedule(PERSISTENT, _per_token_tiles, gpu=False),
+    "forward_dispatch_kernel": Schedule(PERSISTENT, lambda a: _cdiv(
+        a["TMAX"], a["BLOCK_T"] * a["grid1"]), gpu=False),
+    "forward_combine_kernel": Schedule(PERSISTENT, lambda a: _cdiv(
+        a["TMAX"], a["BLOCK_T"] * a["grid1"]), gpu=False),
+}
+
+
+def schedule_facts(name: str, grid: tuple, args: dict) -> tuple[str, int, int]:
+    """``(kind, programs, serial trips)`` of a launch of kernel ``name`` with ``grid`` and
+    arguments ``args`` (scalars and constexprs by name)."""
+    if name not in SCHEDULES:
+        raise KeyError(f"kernel {name!r} declares no schedule in kernels/tiles.py")
+    programs = 1
+    for g in grid:
+        programs *= g
+    a = dict(args, programs=programs, grid0=grid[0], grid1=grid[1], grid2=grid[2])
+    return SCHEDULES[name].kind, programs, int(SCHEDULES[name].trips(a))
+
+
+def schedule_problems(name: str, kind: str, programs: int, trips: int,
+                      num_sms: int) -> list[str]:
+    """The gate's grid and serial-trip rules for one launch at DeepSeek-V3 sizes."""
+    problems = []
+    if trips > MAX_TRIPS:
+        problems.append(f"a program runs {trips} serial trips (at most {MAX_TRIPS})")
+    if kind == PERSISTENT and programs > num_sms:
+        problems.append(f"{programs} programs for a kernel that waits or may overlap compute "
+                        f"(at most num_sms = {num_sms})")
+    if kind == WAVE and programs < WAVE_PROGRAMS:
+        problems.append(f"{programs} programs for a row-moving grid (fills less than one "
+                        f"wave of {WAVE_PROGRAMS} SMs)")
+    return problems

@@ -1,6 +1,7 @@
 """The static gate: every kernel as the Buffer launches it on a GPU, compiled and read.
 
     python -m moe_comm.gate [--arch 90 100] [--brief-arch 100] [--jobs N] [--out TSV] [--list]
+                            [--schedules]
 
 Virtual ranks on the ``meta`` device (no memory, no GPU) drive the public ops with the GPU
 flavours (in-kernel waits; across nodes also NVSHMEM puts): normal-mode dispatch in every FP8
@@ -18,7 +19,16 @@ for every ``--arch`` and read (``kernels.compiled``); the gate fails when a vari
   excepted: ``kernels.compiled.MIN_STORE_BITS``),
 * issues a thread-scoped NVSHMEM call from more than one thread, or a block-scoped one from
   fewer than the whole block,
-* publishes a signal without release ordering, or acquires one without acquire ordering.
+* publishes a signal without release ordering, or acquires one without acquire ordering,
+* loads host memory (the error record, the proxy's ring) more than once per program, or
+  inside a loop or a spin,
+* at the DeepSeek-V3 sizes (``kernels.tiles.SCHEDULES``: each kernel's kind and serial loop
+  bound, from the grid and arguments the recording captured): runs more than 32 serial trips
+  in a program, launches more than ``num_sms`` programs for a kernel that waits or may overlap
+  compute (sends, receives that wait), or fewer than a wave of 132 for a row mover that waits
+  for nothing. These speed rules read the bf16 and fp16 variants (what DeepSeek-V3 runs in),
+  the low-latency kernels at the decode sizes only, and no variant of the proxy (its GPU half
+  is not built: it runs on CPU ranks), which the host-memory rule leaves alone too.
 
 One row per variant and architecture goes to the TSV; the table is printed; the exit status is
 1 when anything failed. NVSHMEM-linked variants are built at the DeepSeek-V3 sizes in bf16 (the
@@ -39,7 +49,7 @@ import multiprocessing
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 GATE_DTYPES = ("bfloat16", "float16", "float32", "float64")
 # driven once, not once per rank
@@ -64,6 +74,11 @@ CONFIGS = (
 )
 
 
+GATE_NUM_SMS = 20  # the num_sms of the gate's Buffers (the GPU default)
+DSV3 = ("dsv3-prefill", "dsv3-decode")
+SPEED_DTYPES = ("bfloat16", "float16")  # what the speed rules read (DeepSeek-V3 runs in bf16)
+
+
 @dataclass
 class Variant:
     """One distinct specialisation: where it was seen, and the launch to compile."""
@@ -73,6 +88,39 @@ class Variant:
     dtype: str
     rows_aligned: bool
     problems: list
+    # config -> (kind, most programs, most serial trips) over its launches (kernels.tiles)
+    schedule: dict = field(default_factory=dict)
+
+    def see(self, cfg_name: str, launch) -> None:
+        """Adds a launch of this variant at ``cfg_name``: its grid and serial trips."""
+        from .kernels.tiles import schedule_facts
+
+        kind, programs, trips = schedule_facts(launch.name, launch.grid, launch.scalars)
+        _, p0, t0 = self.schedule.get(cfg_name, (kind, 0, 0))
+        self.schedule[cfg_name] = (kind, max(p0, programs), max(t0, trips))
+
+    def schedule_problems(self) -> list[str]:
+        """The grid and serial-trip rules at the DeepSeek-V3 sizes, for kernels that run on
+        GPUs (``kernels.tiles.SCHEDULES``)."""
+        from .kernels.tiles import SCHEDULES, schedule_problems
+
+        schedule = SCHEDULES[self.launch.name]
+        if not self.on_gpus or self.dtype not in SPEED_DTYPES:
+            return []
+        found = []
+        for cfg_name, (kind, programs, trips) in sorted(self.schedule.items()):
+            if cfg_name in (("dsv3-decode",) if schedule.decode else DSV3):
+                found += [f"{p} [{cfg_name}]" for p in schedule_problems(
+                    self.launch.name, kind, programs, trips, GATE_NUM_SMS)]
+        return found
+
+    @property
+    def on_gpus(self) -> bool:
+        """Whether this variant runs on GPUs today: not the proxy's (transport 2: its GPU half
+        is not built, it runs on CPU ranks), whose speed rules wait for it."""
+        from .kernels.tiles import SCHEDULES
+
+        return SCHEDULES[self.launch.name].gpu and self.launch.flags().get("TRANSPORT") != 2
 
 
 # ------------------------------------------------------------------------------ recording
@@ -115,8 +163,8 @@ def _buffers(cfg: GateConfig, dtype, low_latency: bool, transport: int, arch: in
     buffers = []
     for heap in create_loopback_heaps(cfg.world_size, layout.nbytes, "meta"):
         buf = Buffer.__new__(Buffer)
-        buf._setup(heap, layout, cfg.num_experts, None, None, num_sms=20, flavour=flavour,
-                   proxy=_RingStandIn() if proxy else None)
+        buf._setup(heap, layout, cfg.num_experts, None, None, num_sms=GATE_NUM_SMS,
+                   flavour=flavour, proxy=_RingStandIn() if proxy else None)
         buf.backend = "gate"
         if proxy:
             buf._wait_words = lambda *args, **kwargs: None
@@ -134,6 +182,13 @@ def _inputs(cfg: GateConfig, dtype):
             meta(cfg.tokens, cfg.topk, dt=torch.float32))
 
 
+def max_recv_rows(cfg: GateConfig) -> int:
+    """The ``max_recv_rows`` the drivers pass (no host read on the meta device), as a user
+    would size it: twice the rows a rank receives at uniform routing (``tokens * topk``: every
+    source sends it ``tokens * topk / world_size``)."""
+    return 2 * cfg.tokens * cfg.topk
+
+
 def drive_normal(bufs, cfg: GateConfig, dtype) -> None:
     """Every normal-mode launch the Buffer makes, each op called twice in a row (both
     parities; ``_specialisation_problems`` compares the two calls)."""
@@ -142,7 +197,7 @@ def drive_normal(bufs, cfg: GateConfig, dtype) -> None:
     from . import lockstep
 
     xs, idxs, ws = _inputs(cfg, dtype)
-    rows = cfg.world_size * cfg.tokens * cfg.topk
+    rows = max_recv_rows(cfg)
     fp8_ok = dtype != torch.float64 and cfg.hidden % 128 == 0
     modes = [dict(weights=True), dict(weights=False)]
     if fp8_ok:
@@ -268,6 +323,9 @@ def drive_checked_ids(cfg: GateConfig) -> None:
         checked_topk_idx(idx, cfg.num_experts, Flavour(device_wait=True, compiled=True), record)
 
 
+CHECKED_IDS_CONFIGS = ("small", "dsv3-decode")  # where the csrc/ low-latency kernels run
+
+
 def record_config(cfg: GateConfig, arch: int) -> dict[str, Variant]:
     """The distinct variants the ops launch at ``cfg`` (key -> Variant), with the problems
     seen while recording (a kernel specialised differently per rank or per call)."""
@@ -295,7 +353,7 @@ def record_config(cfg: GateConfig, arch: int) -> dict[str, Variant]:
         if not low_latency and not transport:
             with recording(arch) as standalone:
                 drive_quantize(cfg, dtype)
-                if name == "bfloat16":
+                if name == "bfloat16" and cfg.name in CHECKED_IDS_CONFIGS:
                     drive_checked_ids(cfg)
             launches = launches + standalone
         elem = torch.empty((), dtype=dtype).element_size()
@@ -308,6 +366,7 @@ def record_config(cfg: GateConfig, arch: int) -> dict[str, Variant]:
             v = variants.setdefault(launch.key, Variant(launch, [], name, aligned, []))
             if cfg.name not in v.configs:
                 v.configs.append(cfg.name)
+            v.see(cfg.name, launch)
     return variants
 
 
@@ -340,6 +399,23 @@ def variant_list(configs=CONFIGS, arch: int = 90) -> list[str]:
             if not key.startswith("problem:"):
                 lines.add(f"{cfg.name} {v.launch.name} {_variant_flags(v.launch, v.dtype)}")
     return sorted(lines)
+
+
+def schedule_table(configs=CONFIGS, arch: int = 90) -> tuple[list[str], list[str]]:
+    """``(lines, problems)``: per recorded variant ``config kernel dtype kind programs trips``
+    (``kernels.tiles.SCHEDULES``), and what the grid and serial-trip rules find; recorded, not
+    compiled (``--schedules``)."""
+    lines, problems = set(), []
+    for cfg in configs:
+        for key, v in record_config(cfg, arch).items():
+            if key.startswith("problem:"):
+                continue
+            kind, programs, trips = v.schedule[cfg.name]
+            lines.add(f"{cfg.name} {v.launch.name} {v.dtype} {kind} programs={programs} "
+                      f"trips={trips}")
+            problems += [f"{v.launch.name} {_variant_flags(v.launch, v.dtype)}: {p}"
+                         for p in v.schedule_problems() if f"[{cfg.name}]" in p]
+    return sorted(lines), sorted(set(problems))
 
 
 # ------------------------------------------------------------------------------ compiling
@@ -410,6 +486,7 @@ def run(archs, jobs: int, out: str, configs=CONFIGS, brief_archs=()) -> int:
             mine = variants.setdefault(key, v)
             if mine is not v:
                 mine.configs += [c for c in v.configs if c not in mine.configs]
+                mine.schedule.update(v.schedule)
     recorded = time.perf_counter() - start
     problems = [v for k, v in variants.items() if k.startswith("problem:")]
     todo = [v for k, v in variants.items() if not k.startswith("problem:")]
@@ -438,10 +515,15 @@ def run(archs, jobs: int, out: str, configs=CONFIGS, brief_archs=()) -> int:
         facts = [_compile_job(job) for job in work]
     marker_problems += unemitted_markers([m for f in facts if not f.error
                                           for m in f.markers_emitted], sources)
-    aligned = {(v.launch.key): v.rows_aligned for v in todo}
+    by_key = {v.launch.key: v for v in todo}
     rows, failed = [], 0
     for job, f in zip(work, facts):
-        found = violations(f, aligned[job[6]])
+        v = by_key[job[6]]
+        schedules = list(v.schedule.values())
+        f.schedule = schedules[0][0] if schedules else ""
+        f.programs = max((p for _, p, _ in schedules), default=0)
+        f.max_trips = max((t for _, _, t in schedules), default=0)
+        found = violations(f, v.rows_aligned, host_rules=v.on_gpus) + v.schedule_problems()
         failed += bool(found)
         row = f.as_row()
         row["status"] = "ok" if not found else "FAIL: " + "; ".join(found)
@@ -461,7 +543,8 @@ def run(archs, jobs: int, out: str, configs=CONFIGS, brief_archs=()) -> int:
 
 
 COLUMNS = ("kernel", "arch", "config", "variant", "regs", "stack_bytes", "smem_bytes",
-           "row_store_bits", "nvshmem_issuers", "unordered_signals", "compile_s", "status")
+           "row_store_bits", "nvshmem_issuers", "unordered_signals", "schedule", "programs",
+           "max_trips", "host_loads", "compile_s", "status")
 
 
 def _write_tsv(path: str, rows: list[dict]) -> None:
@@ -476,12 +559,14 @@ def _write_tsv(path: str, rows: list[dict]) -> None:
 
 def _print_table(rows: list[dict]) -> None:
     print(f"{'kernel':<24} {'sm':>3} {'regs':>4} {'stack':>5} {'smem':>6} "
-          f"{'row stores (bits)':<26} {'nvshmem issuers':<34} {'s':>5}  variant / status")
+          f"{'row stores (bits)':<26} {'nvshmem issuers':<34} {'progs':>5} {'trips':>5} "
+          f"{'host':>4} {'s':>5}  variant / status")
     for r in sorted(rows, key=lambda r: (r["kernel"], r["variant"], r["arch"])):
         status = "" if r["status"] == "ok" else "  " + r["status"]
         print(f"{r['kernel'][:24]:<24} {r['arch']:>3} {r['regs']:>4} {r['stack_bytes']:>5} "
               f"{r['smem_bytes']:>6} {r['row_store_bits'][:26]:<26} "
-              f"{r['nvshmem_issuers'][:34]:<34} {r['compile_s']:>5.1f}  {r['variant']}"
+              f"{r['nvshmem_issuers'][:34]:<34} {r['programs']:>5} {r['max_trips']:>5} "
+              f"{r['host_loads'][:4]:>4} {r['compile_s']:>5.1f}  {r['variant']}"
               f" [{r['config']}]{status}")
 
 
@@ -497,6 +582,9 @@ def main(argv=None) -> int:
                              "DeepSeek-V3 sizes, without NVSHMEM (make test: sm_100)")
     parser.add_argument("--list", action="store_true",
                         help="print the variants the drivers launch per config, compile nothing")
+    parser.add_argument("--schedules", action="store_true",
+                        help="print each variant's grid and serial trips and check the grid "
+                             "rules, compile nothing")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("the gate compiles for GPUs: run it with TRITON_INTERPRET=0", file=sys.stderr)
@@ -505,6 +593,13 @@ def main(argv=None) -> int:
     if args.list:
         print("\n".join(variant_list(configs, args.arch[0])))
         return 0
+    if args.schedules:
+        lines, problems = schedule_table(configs, args.arch[0])
+        print("\n".join(lines))
+        for p in problems:
+            print(f"FAIL {p}")
+        print(f"gate: {len(lines)} variants' grids, {len(problems)} problems")
+        return 1 if problems else 0
     return run(args.arch, args.jobs, args.out, configs, args.brief_arch)
 
 

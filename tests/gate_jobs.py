@@ -4,11 +4,12 @@
 
 Copies ``kernels/`` to ``WORKDIR``, breaks one habit the gate enforces (``MUTATIONS``), records
 a GPU launch of the broken copy's dispatch send at DeepSeek-V3 sizes with the same recorder the
-gate uses, compiles it for sm_90 and prints, as JSON, the gate's violations, whether ranks 0
-and 1 got different specialisations, and what the gate's specialisation rule
-(``gate._specialisation_problems``) says of the launches of all 8 ranks, two calls each (as the
-gate's drivers make them), and the acquire markers of ``comm.py`` that neither that send nor
-an in-kernel wait emitted. ``none`` breaks nothing (the control).
+gate uses, compiles it for sm_90 and prints, as JSON: the gate's violations (with those of an
+in-kernel wait), the grid and serial-trip rules of that send and of a recorded dispatch
+expand, whether ranks 0 and 1 got different specialisations, what the gate's specialisation
+rule (``gate._specialisation_problems``) says of the launches of all 8 ranks, two calls each
+(as the gate's drivers make them), and the acquire markers of ``comm.py`` that neither that
+send nor an in-kernel wait emitted. ``none`` breaks nothing (the control).
 """
 from __future__ import annotations
 
@@ -42,12 +43,29 @@ MUTATIONS = {
     "rank_constexpr": (  # a constexpr the launcher derives from the rank
         "dispatch.py", "        EVEN_H=even(H, tile.block_h),\n",
         "        EVEN_H=even(H, tile.block_h) and rank % 2 == 0,\n", 0),
+    "unbounded_grid": (  # a persistent send sized by its work, not num_sms: every SM
+        "tiles.py", "    return min(work_tiles, num_sms) if num_sms else work_tiles\n",
+        "    return work_tiles\n", 0),
+    "one_send_program": (  # a send walking every token tile in one program
+        "tiles.py", "    return min(work_tiles, num_sms) if num_sms else work_tiles\n",
+        "    return 1\n", 0),
+    "thin_expand": (  # the expand one program per source: less than a wave
+        "tiles.py",
+        "    return 1 if not compiled else max(1, triton.cdiv(GPU_PROGRAMS, world_size))",
+        "    return 1", 0),
+    "host_load_in_spin": (  # the error record (host memory on GPUs) read on every poll
+        "comm.py", "    wait_all_at_least(signals, 1, R, tl.load(epochs), 0, deadline,",
+        "    while timed_out(errors_addr.to(tl.pointer_type(tl.int64)), NUM_THREADS) \\\n"
+        "            & (uniform_now_ns(NUM_THREADS) < deadline):\n"
+        "        deadline -= 1\n"
+        "    wait_all_at_least(signals, 1, R, tl.load(epochs), 0, deadline,", 0),
     "dropped_acquire": (  # the waits' acquire on a path the compiler drops: no instruction
         "comm.py",
-        '    return tl.atomic_add(word, 0, sem="acquire", scope="sys")  # gate: acquire\n',
+        '    return tl.atomic_add(word, 0, mask=mask, sem="acquire", scope="sys")'
+        '  # gate: acquire\n',
         '    if word is None:\n'
-        '        tl.atomic_add(word, 0, sem="acquire", scope="sys")  # gate: acquire\n'
-        '    return tl.load(word, volatile=True)\n', 0),
+        '        tl.atomic_add(word, 0, mask=mask, sem="acquire", scope="sys")  # gate: acquire\n'
+        '    return tl.load(word, mask=mask, volatile=True)\n', 0),
 }
 RANKS = 8
 
@@ -95,9 +113,45 @@ def record_send(pkg, transport: int, rank: int):
                          meta=((1 << 21) + rank * 100 * T, 1 << 24),
                          counts=((1 << 22) + rank * 4 * (L + 1), 4096),
                          signal=(1 << 12) + 8 * rank),
-            rank=rank, num_local_experts=L, meta_stride=1 + 3 * K, max_topk=K, grid=20, topk=K,
-            row_bytes=2 * H, flavour=flavour)
+            rank=rank, num_local_experts=L, meta_stride=1 + 3 * K, max_topk=K,
+            grid=dispatch.send_grid(T, H, 20, flavour, 2), topk=K, row_bytes=2 * H,
+            flavour=flavour)
     return launches[0]
+
+
+def record_expand(pkg):
+    """One recorded dispatch expand (bf16, weights) at DeepSeek-V3 prefill sizes, as a GPU
+    Buffer launches it (``max_recv_rows`` twice the rows of uniform routing)."""
+    import torch
+
+    recording = importlib.import_module(pkg.__name__ + ".recording")
+    dispatch = importlib.import_module(pkg.__name__ + ".dispatch")
+    comm = importlib.import_module(pkg.__name__ + ".comm")
+    R, T, H, K, L = RANKS, 4096, 7168, 8, 32
+    rows = 2 * T * K
+
+    def meta(*shape, dtype=torch.int64):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    flavour = comm.Flavour(device_wait=True, compiled=True)
+    with recording.recording(90) as launches:
+        dispatch.dispatch_expand(
+            meta(2, R, T, H, dtype=torch.bfloat16), meta(2, R, T, 1 + 3 * K, dtype=torch.int32),
+            meta(1), meta(R + 1), meta(R, L), meta(L), meta(L + 1),
+            meta(R * T, K, dtype=torch.int32), meta(rows, H, dtype=torch.bfloat16),
+            meta(rows, dtype=torch.float32), meta(rows), meta(rows), rank=0, topk=K,
+            num_local_experts=L, meta_stride=1 + 3 * K, max_topk=K, flavour=flavour)
+    return launches[0]
+
+
+def schedule_problems(launch) -> list[str]:
+    """The gate's grid and serial-trip rules (``moe_comm.kernels.tiles``, the real ones) for a
+    launch of the broken copy at the DeepSeek-V3 sizes."""
+    from moe_comm.kernels.tiles import schedule_facts
+    from moe_comm.kernels.tiles import schedule_problems as problems
+
+    kind, programs, trips = schedule_facts(launch.name, launch.grid, launch.scalars)
+    return problems(launch.name, kind, programs, trips, 20)
 
 
 def record_wait(pkg):
@@ -110,7 +164,7 @@ def record_wait(pkg):
     signals = torch.empty(RANKS, dtype=torch.int64, device="meta")
     epochs = torch.empty(1, dtype=torch.int64, device="meta")
     with recording.recording(90) as launches:
-        comm.wait_epochs_kernel[(1,)](signals, epochs, 1 << 40, 10 ** 9, RANKS,
+        comm.wait_epochs_kernel[(1,)](signals, epochs, 1 << 40, 10 ** 9, RANKS, BLOCK_R=RANKS,
                                       NUM_THREADS=128, num_warps=4)
     return launches[0]
 
@@ -125,7 +179,10 @@ def main(name: str, workdir: str) -> dict:
     facts = inspect_launch(launches[1], 90, "dsv3", name)
     wait = inspect_launch(record_wait(pkg), 90, "dsv3", name)
     comm_py = os.path.join(os.path.dirname(pkg.__file__), "comm.py")
+    expand = record_expand(pkg)
     return {"violations": violations(facts, rows_aligned=True) + violations(wait, True),
+            "schedule_problems": [f"{launch.name}: {p}" for launch in (launches[1], expand)
+                                  for p in schedule_problems(launch)],
             "unemitted_acquires": [m for m in unemitted_markers(
                 facts.markers_emitted + wait.markers_emitted, [comm_py]) if "acquire" in m],
             "keys_differ": launches[0].key != launches[1].key,

@@ -14,9 +14,11 @@ Prints one table, one row per model config (real hidden sizes, expert counts and
   low-latency mode, each (token, expert) pair on another rank; a row is H*b bytes, or
   H + 4*H/128 with FP8, H + H/32 with MXFP8, H/2 + H/16 + 4 with NVFP4; overhead =
   link / min - 1 (metadata and signals);
-* launches: kernel launches of one dispatch / one combine on rank 0; syncs: host reads of
-  device data in one dispatch + combine on rank 0 (``buf.host_syncs``; on a GPU each stalls
-  the host until the stream reaches it);
+* launches: kernel launches of one dispatch / one combine on rank 0, every kernel counted as a
+  GPU's queue would receive it (Triton's and torch's, ``host_cost.LaunchCounter``; CPU ranks
+  wait on the host, so the wait launch of a GPU's combine is not among them); syncs: host
+  reads of device data in one dispatch + combine on rank 0 (``buf.host_syncs``; on a GPU each
+  stalls the host until the stream reaches it);
 * ref: whether every rank's dispatch rows and combine output equal the reference
   (``moe_comm.reference`` over ``all_to_all_single``) bit for bit;
 * cpu ms: wall time of the slowest rank, median [min-max] over the timed iterations, for
@@ -31,6 +33,7 @@ The same rows go to ``--json`` (default ``bench/results/dispatch_bench.json``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -112,14 +115,30 @@ def _dequantized(res, fmt: str, dtype):
     return reference.dequantize_fp8(res.x, res.x_scales).to(dtype) if fmt else res.x
 
 
-def _normal_call(buf, x, idx, w, fmt: str, combine_fmt: str = ""):
+@contextlib.contextmanager
+def _counting(launches: dict | None, op: str):
+    """With ``launches`` a dict: ``launches[op]`` := the launches of the block, every kernel
+    counted (``host_cost.LaunchCounter``: Triton's and torch's)."""
+    if launches is None:
+        yield
+        return
+    from host_cost import LaunchCounter
+
+    with LaunchCounter() as counter:
+        yield
+    launches[op] = counter.count
+
+
+def _normal_call(buf, x, idx, w, fmt: str, combine_fmt: str = "", launches=None):
     """One dispatch + combine; the expert is the identity (on dequantized rows with FP8)."""
     t0 = time.perf_counter()
-    res = buf.dispatch(x, idx, w, **_format_kwargs(fmt, "normal"))
+    with _counting(launches, "dispatch"):
+        res = buf.dispatch(x, idx, w, **_format_kwargs(fmt, "normal"))
     t1 = time.perf_counter()
     y = _dequantized(res, fmt, x.dtype)
     t2 = time.perf_counter()
-    out = buf.combine(y, res.handle, weights=res.weights, combine_dtype=combine_fmt or None)
+    with _counting(launches, "combine"):
+        out = buf.combine(y, res.handle, weights=res.weights, combine_dtype=combine_fmt or None)
     t3 = time.perf_counter()
     return t1 - t0, t3 - t2, (res, y, out)
 
@@ -136,13 +155,16 @@ def _ll_dequantized(recv, fmt: str, dtype):
     return _dequantized(flat, fmt, dtype).reshape(L, rows, -1)
 
 
-def _low_latency_call(buf, x, idx, w, fmt: str, combine_fmt: str = ""):
+def _low_latency_call(buf, x, idx, w, fmt: str, combine_fmt: str = "", launches=None):
     t0 = time.perf_counter()
-    recv, _ = buf.low_latency_dispatch(x, idx, **_format_kwargs(fmt, "low_latency"))
+    with _counting(launches, "dispatch"):
+        recv, _ = buf.low_latency_dispatch(x, idx, **_format_kwargs(fmt, "low_latency"))
     t1 = time.perf_counter()
     y = _ll_dequantized(recv, fmt, x.dtype)
     t2 = time.perf_counter()
-    out, _ = buf.low_latency_combine(y, idx, w, recv.handle, combine_dtype=combine_fmt or None)
+    with _counting(launches, "combine"):
+        out, _ = buf.low_latency_combine(y, idx, w, recv.handle,
+                                         combine_dtype=combine_fmt or None)
     t3 = time.perf_counter()
     return t1 - t0, t3 - t2, (recv, y, out)
 
@@ -210,9 +232,9 @@ def bench_job(rank, world_size, cfg: ModelConfig, tokens: int, dtype_name: str, 
     ours_d, ours_c, ref_d, ref_c = [], [], [], []
     for it in range(warmup + iters):
         dist.barrier()
-        stats0, launches0, syncs0 = buf.stats(), dict(buf.launches), sum(buf.host_syncs.values())
+        stats0, syncs0 = buf.stats(), sum(buf.host_syncs.values())
         t_dispatch, t_combine, result = call(buf, x, idx, w, fmt, combine_fmt)
-        stats1, launches1, syncs1 = buf.stats(), dict(buf.launches), sum(buf.host_syncs.values())
+        stats1, syncs1 = buf.stats(), sum(buf.host_syncs.values())
         dist.barrier()
         t3 = time.perf_counter()
         ref = reference.dispatch(x, idx, w, cfg.experts)
@@ -224,10 +246,12 @@ def bench_job(rank, world_size, cfg: ModelConfig, tokens: int, dtype_name: str, 
             ours_c.append(t_combine)
             ref_d.append(t4 - t3)
             ref_c.append(t5 - t4)
+    launches: dict = {}  # one more call, untimed, with every launch counted (torch's too)
+    dist.barrier()
+    *_, result = call(buf, x, idx, w, fmt, combine_fmt, launches=launches)
     rows = result[0].x.shape[0] if mode == "normal" else int(result[0].count.sum())
     agrees = _agrees(mode, rank, result, xs, idxs, ws, cfg, tokens, fmt, combine_fmt)
     buf.close()
-    launches = {k: launches1.get(k, 0) - launches0.get(k, 0) for k in launches1}
     return {
         "rows": rows,
         "link_bytes": stats1["dispatch_bytes_to_peers"] - stats0["dispatch_bytes_to_peers"],
@@ -235,8 +259,8 @@ def bench_job(rank, world_size, cfg: ModelConfig, tokens: int, dtype_name: str, 
         - stats0["combine_bytes_to_peers"],
         "min_link_bytes": min_link_bytes,
         "min_combine_link_bytes": min_combine_bytes,
-        "dispatch_launches": sum(n for k, n in launches.items() if "combine" not in k),
-        "combine_launches": sum(n for k, n in launches.items() if "combine" in k),
+        "dispatch_launches": launches["dispatch"],
+        "combine_launches": launches["combine"],
         "host_syncs": syncs1 - syncs0,
         "matches_reference": agrees,
         "times_s": {"dispatch": ours_d, "combine": ours_c, "ref_dispatch": ref_d,

@@ -17,6 +17,15 @@ in normal mode). The results of the last timed calls are checked again. The norm
 is sized by ``max_recv_rows`` (the largest rank's received rows, rounded up to 256), so no host
 synchronisation sits inside the timed region (checked: ``host_syncs`` does not move).
 
+Also measured, each in its own section of the table: the low-latency pair as CUDA-graph replays
+(the way inference engines run decode: dispatch and combine each captured once for every rank,
+then replayed with new inputs; checked after the last replay); each row-moving kernel's bytes
+read plus written (counted from the call's own outputs: rows, slots, tokens) over its device
+time, against the copy ceiling (``kernel_shares``); the host time per op and rank; and
+back-to-back normal dispatches sized by ``max_recv_rows`` (``--iters`` of them queued without a
+synchronisation: the host time per call against the device time per call, so whether the host
+stays ahead of the device).
+
 Any error or mismatch is printed with what failed; the other rows still run, the table marks the
 row FAILED, and the script exits 1.
 """
@@ -149,10 +158,58 @@ def _as_bf16_rows(res) -> torch.Tensor:
     return res.x
 
 
+# ------------------------------------------------------------------------------ per kernel
+# bytes each row-moving kernel reads plus writes, from the counts of one call (all ranks)
+def normal_kernel_bytes(res, T: int, H: int, elem: int, meta_bytes: int) -> dict[str, int]:
+    """``{kernel: bytes read + written}`` of one normal-mode call of every rank, from its
+    results ``res`` (the DispatchResults): ``T`` tokens per rank of ``H`` channels, ``elem``
+    bytes a channel on the link, ``meta_bytes`` per slot. The send reads each token once and
+    writes one row per slot; the expand reads each slot's row and writes each output row
+    (padding included); the combine send reads each output row and writes one partial per
+    slot; the reduce reads each partial and writes each token."""
+    R = len(res)
+    slots = sum(int(r.handle.recv_slot_offsets[-1]) for r in res)
+    rows = sum(r.x.shape[0] for r in res)
+    row = H * elem
+    return {"dispatch_send_kernel": R * T * row + slots * (row + meta_bytes),
+            "dispatch_expand_kernel": slots * (row + meta_bytes) + rows * row,
+            "combine_send_kernel": rows * H * 2 + slots * H * 2,
+            "combine_reduce_kernel": slots * H * 2 + R * T * H * 2}
+
+
+def kernel_shares(kernels: dict, bytes_by_kernel: dict, ceiling: float) -> dict[str, float]:
+    """``{kernel: share of the copy ceiling}``: bytes over the kernel's device time (ms per
+    call from ``kernel_times``), in GB/s, over ``ceiling`` (bytes copied per second, GB/s; a
+    copy reads and writes each byte, so reads plus writes at the ceiling are twice it)."""
+    out = {}
+    for name, nbytes in bytes_by_kernel.items():
+        ms = sum(t for k, (t, _) in kernels.items() if k.startswith(name))
+        if ms > 0:
+            out[name] = nbytes / (ms * 1e-3) / 1e9 / (2 * ceiling)
+    return out
+
+
+def back_to_back(op, calls: int) -> dict:
+    """``calls`` calls of ``op`` queued without a synchronisation: host ms per call (the time to
+    issue them) against device ms per call (events around the whole batch)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        op()
+    host = (time.perf_counter() - t0) * 1e3 / calls
+    end.record()
+    end.synchronize()
+    return {"host_ms": host, "device_ms": start.elapsed_time(end) / calls,
+            "host_ahead": host < 0.5 * start.elapsed_time(end) / calls}
+
+
 # ------------------------------------------------------------------------------ normal mode
 def _normal_config(fp8, xs, idxs, ws, E, args, ceiling, rows, failures) -> int:
     """Checks, times and checks again one normal-mode configuration; returns max_recv_rows."""
     R, T, H = len(xs), xs[0].shape[0], xs[0].shape[1]
+    K = idxs[0].shape[1]
     name = f"normal EP{R} T={T} {'fp8' if fp8 else 'bf16'}"
     bufs, bound = [], 0
     try:
@@ -188,10 +245,15 @@ def _normal_config(fp8, xs, idxs, ws, E, args, ceiling, rows, failures) -> int:
         log(f"{name}: timing (max_recv_rows={bound})")
         rows.append(measure(f"{name} dispatch (triton)", dispatch, bufs, "dispatch", args.iters,
                             args.warmup, ceiling))
+        rows[-1]["back_to_back"] = back_to_back(dispatch, args.iters)
+        settle(bufs, f"{name} back to back")
         # the latest dispatch: its handles stay valid for repeated combines
         res, outs, combine = round_trip()
         rows.append(measure(f"{name} combine (triton)", combine, bufs, "combine", args.iters,
                             args.warmup, ceiling))
+        per_kernel = normal_kernel_bytes(res, T, H, 1 + 4 / 128 if fp8 else 2, 4 * (1 + 3 * K))
+        for r in rows[-2:]:
+            r["shares"] = kernel_shares(r["kernels"], per_kernel, ceiling)
         outs = combine()
         settle(bufs, name)
         check(res, outs, "after timing")
@@ -270,6 +332,7 @@ def _low_latency_impl(impl, xs, idxs, ws, E, want, ys, ref_outs, slack, args, ce
         outs = combine()
         settle(bufs, name)
         check(recvs, outs, "after timing")
+        rows += graph_replays(name, impl, bufs, xs, idxs, ws, ys, args, check)
         if host_syncs(bufs) != syncs:
             raise AssertionError(f"{name} ({impl}): {host_syncs(bufs) - syncs} host "
                                  "synchronisations (the budget is 0)")
@@ -280,6 +343,32 @@ def _low_latency_impl(impl, xs, idxs, ws, E, want, ys, ref_outs, slack, args, ce
     finally:
         for b in bufs:
             b.close()
+
+
+def graph_replays(name, impl, bufs, xs, idxs, ws, ys, args, check) -> list[dict]:
+    """The low-latency dispatch and combine of every virtual rank each captured once in a CUDA
+    graph, replayed in turn (dispatch, combine, ...) and timed per replay with CUDA events; the
+    results of the last replays are checked."""
+    dispatch_graph, combine_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(dispatch_graph):
+        recvs = lockstep.low_latency_dispatch(bufs, xs, idxs, fp8=True)
+    with torch.cuda.graph(combine_graph):
+        outs = lockstep.low_latency_combine(bufs, ys, idxs, ws, [r.handle for r in recvs])
+    times: dict[str, list[float]] = {"dispatch": [], "combine": []}
+    for it in range(args.warmup + args.iters):
+        for what, graph in (("dispatch", dispatch_graph), ("combine", combine_graph)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            if it >= args.warmup:
+                times[what].append(start.elapsed_time(end))
+    settle(bufs, f"{name} ({impl}) graph replays")
+    check(recvs, outs, "after the graph replays")
+    return [{"op": f"{name} {what} CUDA-graph replay ({impl})", "graph": True,
+             "median_ms": statistics.median(t), "min_ms": min(t), "max_ms": max(t),
+             "bytes": 0, "kernels": {}} for what, t in times.items()]
 
 
 def low_latency_rows(args, ceiling, failures):
@@ -328,10 +417,39 @@ def to_markdown(rows, ceiling, device, bound) -> str:
             continue
         lines.append(f"{head} | {r['bytes'] / 1e6:.1f} MB | {r['GBps']:.1f} | "
                      f"{r['of_ceiling']:.0%} |")
+    R = 8
+    lines += ["", f"Per op and rank ({R} virtual ranks: the kernels' device time and the host "
+              "time divided by the ranks; CUDA-graph replays: the replay's time divided by the "
+              "ranks):", "", "| op | device us per rank | host us per rank |", "|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            continue
+        device_ms = (sum(ms for ms, _ in r["kernels"].values()) if r["kernels"]
+                     else r["median_ms"] if r.get("graph") else None)
+        host = f"{r['host_ms'] * 1e3 / R:.1f}" if "host_ms" in r else "n/a"
+        device = f"{device_ms * 1e3 / R:.1f}" if device_ms is not None else "n/a"
+        lines.append(f"| {r['op']} | {device} | {host} |")
+    shares = [r for r in rows if r.get("shares")]
+    if shares:
+        lines += ["", "Row-moving kernels: bytes read plus written (from the call's rows, slots "
+                  "and tokens) over the kernel's device time, as a share of the copy ceiling "
+                  "(reads plus writes at the ceiling = 100%):", ""]
+        for r in shares:
+            lines.append(f"- {r['op']}: " + "; ".join(f"{k} {v:.0%}"
+                                                      for k, v in r["shares"].items()))
+    queued = [r for r in rows if r.get("back_to_back")]
+    if queued:
+        lines += ["", "Back-to-back dispatches (queued without a synchronisation):", ""]
+        for r in queued:
+            b = r["back_to_back"]
+            lines.append(f"- {r['op']}: host {b['host_ms']:.3f} ms per call, device "
+                         f"{b['device_ms']:.3f} ms per call: the host "
+                         f"{'stays ahead' if b['host_ahead'] else 'does not stay ahead'} "
+                         "(host time below half the device time)")
     lines += ["", "Kernels per op (torch.profiler, device time per call; 'n' = launches per "
               "call, all virtual ranks):", ""]
     for r in rows:
-        if "error" in r:
+        if "error" in r or r.get("graph"):
             continue
         if r.get("kernels_error"):
             lines.append(f"- {r['op']}: profiler failed: {r['kernels_error'][:160]}")

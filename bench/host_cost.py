@@ -38,6 +38,7 @@ if __name__ == "__main__":  # compiled kernels (recorded, stubbed), set before a
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from torch._library.custom_ops import OPDEFS as _OPDEFS  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import moe_comm  # noqa: E402
@@ -49,7 +50,7 @@ DTYPE = torch.bfloat16
 _OURS = tuple(os.path.dirname(m.__file__) + os.sep for m in (moe_comm, moe_comm.kernels))
 _ALLOCATING = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"}
 _NO_KERNEL = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "resize_", "set_",
-              "_local_scalar_dense", "lift_fresh", "detach_"}
+              "_local_scalar_dense", "item", "lift_fresh", "detach_"}  # item: a host read
 
 
 def _op_name(func) -> str:
@@ -86,6 +87,62 @@ class AtenCounter(TorchDispatchMode):
         return out
 
 
+class LaunchCounter:
+    """Counts what one op puts on a GPU's launch queue while it runs for real (CPU ranks or a
+    GPU): its Triton launches and every aten op outside them that launches a kernel
+    (:func:`launches_a_kernel`; the interpreter's own torch calls inside a launch are not the
+    op's). ``count``: both; ``names``: the Triton kernels; ``torch_ops``: the aten ops."""
+
+    def __init__(self):
+        self.names: list[str] = []
+        self.torch_ops: collections.Counter = collections.Counter()
+        self._inside = 0
+
+    @property
+    def count(self) -> int:
+        return len(self.names) + sum(self.torch_ops.values())
+
+    def __enter__(self):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        self._classes = (triton.runtime.jit.JITFunction, InterpretedFunction)
+        self._runs = [cls.run for cls in self._classes]
+        counter = self
+
+        def wrap(run):
+            def counted(fn, *args, **kwargs):
+                counter.names.append(getattr(fn, "fn", fn).__name__)
+                counter._inside += 1
+                try:
+                    return run(fn, *args, **kwargs)
+                finally:
+                    counter._inside -= 1
+            return counted
+
+        for cls, run in zip(self._classes, self._runs):
+            cls.run = wrap(run)
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                ours = _OPDEFS.get(func._schema.name)  # moe_comm's custom ops: look inside
+                if ours is not None:
+                    with self:
+                        return ours._init_fn(*args, **kwargs)
+                if not counter._inside and launches_a_kernel(func):
+                    counter.torch_ops[_op_name(func)] += 1
+                return func(*args, **kwargs)
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        for cls, run in zip(self._classes, self._runs):
+            cls.run = run
+
+
 class StubbedLaunches:
     """Within it every Triton launch (``kernel[grid](...)``) is counted and returns at once:
     no argument binding, no compile, no driver."""
@@ -115,7 +172,7 @@ def _ops(bufs):
     state = {}
 
     def dispatch():
-        rows = CONFIG.world_size * CONFIG.tokens * CONFIG.topk
+        rows = gate.max_recv_rows(CONFIG)
         state["res"] = lockstep.dispatch(bufs, xs, idxs, ws, max_recv_rows=rows)
 
     def expert_outputs(key, received):

@@ -45,7 +45,9 @@ def test_benchmark_prints_one_table_and_agrees(tmp_path):
     for r in rows:
         assert r["matches_reference"]
         assert r["min_link_bytes"] <= r["link_bytes"] <= 1.2 * r["min_link_bytes"] + 4096
-        assert (r["dispatch_launches"], r["combine_launches"]) == (3, 2)
+        # every kernel counted, torch's too: layout (2), send, received layout, expand; send,
+        # reduce (CPU ranks wait on the host)
+        assert (r["dispatch_launches"], r["combine_launches"]) == (5, 2)
         assert r["host_syncs"] == 1  # the dispatch's received-row count, per rank and iteration
         assert r["pred_dispatch_us"] > 0 and r["pred_combine_us"] > 0
 

@@ -466,9 +466,8 @@ def send_grid(max_tokens: int, hidden: int, num_sms: int | None, flavour: Flavou
     return persistent_programs(triton.cdiv(max_tokens, tile.block_t), num_sms)
 
 
-def expand_grid(world_size: int, max_tokens: int, hidden: int, flavour: Flavour,
-                elem_bytes: int) -> tuple[int, int]:
-    """``(R, P)``: the expand grid, fixed by the Buffer's sizes and the row element size."""
+def expand_grid(world_size: int, flavour: Flavour) -> tuple[int, int]:
+    """``(R, P)``: the expand grid, fixed by the world size (``tiles.per_source_programs``)."""
     return world_size, per_source_programs(world_size, flavour.compiled)
 
 
@@ -509,7 +508,7 @@ def dispatch_expand(staging, meta, epochs, slot_offsets, row_base, tokens_per_ex
     if fp8:
         out = out.view(torch.uint8)
         out_scales = out_scales.view(torch.uint8) if ue8m0 else out_scales
-    dispatch_expand_kernel[expand_grid(R, TMAX, H, flavour, out.element_size())](
+    dispatch_expand_kernel[expand_grid(R, flavour)](
         staging, staging.view(torch.float32) if fp8 else dummy, dummy if cached else meta,
         epochs, slot_offsets, dummy if live is None else live,
         dummy if cached else row_base, tokens_per_expert,

@@ -349,35 +349,23 @@ def ft_wait_epochs_kernel(
     signals,  # [R] int64 local signal words of one channel
     epochs,  # [1] int64 local: the channel's epoch (this rank's send of the call is done)
     live,  # [R] int32 out: 1 where the source's epoch arrived, 0 where it was excluded
-    counts,  # dispatch_counts [P, R, W] int32 local (COUNTS)
-    live_counts,  # [R, W] int32 out (COUNTS): the call's counts, zero for excluded sources
     peer_ptrs,  # [R] int64
     mask_off: tl.int64,  # byte offset of the mask words [R] int64 (every segment)
     local_base: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
-    R: tl.int32, me: tl.int32, W: tl.int32,
-    COUNT_PARITY: tl.int64,  # elements between the two parities of ``counts``
-    COUNTS: tl.constexpr, TRANSPORT: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_W: tl.constexpr, NUM_THREADS: tl.constexpr,
+    R: tl.int32, me: tl.int32,
+    TRANSPORT: tl.constexpr, BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr,
 ):
     """Fault-tolerant form of :func:`wait_epochs_kernel`: waits for every source not excluded
-    (all at once; :func:`wait_all_or_exclude`) and says which arrived; with ``COUNTS`` copies
-    their counts of this call's parity, so the receive never reads an excluded source's counts
-    (nor a late write into them)."""
+    (all at once; :func:`wait_all_or_exclude`) and says which arrived (a dispatch's received
+    layout waits itself: ``kernels.dispatch.received_layout_kernel``)."""
     errors = errors_addr.to(tl.pointer_type(tl.int64))
     mask = local_ptr(local_base, mask_off, tl.int64, 8)
-    expected = tl.load(epochs)
     deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
-    arrived, ok = wait_all_or_exclude(signals, 1, R, expected, 0, deadline, errors, signals,
-                                      mask, me, peer_ptrs, mask_off, R, local_base, BLOCK_R,
-                                      NUM_THREADS, TRANSPORT, False)
+    arrived, ok = wait_all_or_exclude(signals, 1, R, tl.load(epochs), 0, deadline, errors,
+                                      signals, mask, me, peer_ptrs, mask_off, R, local_base,
+                                      BLOCK_R, NUM_THREADS, TRANSPORT, False)
     s = tl.arange(0, BLOCK_R)
     tl.store(live + s, arrived.to(tl.int32), mask=s < R)
-    if COUNTS:
-        w = tl.arange(0, BLOCK_W)
-        rows = tl.load(counts + (expected % 2) * COUNT_PARITY + s[:, None] * W + w[None, :],
-                       mask=(s < R)[:, None] & (w < W)[None, :], other=0)
-        tl.store(live_counts + s[:, None] * W + w[None, :], tl.where(arrived[:, None], rows, 0),
-                 mask=(s < R)[:, None] & (w < W)[None, :])
 
 
 # ------------------------------------------------------------------------------- host side

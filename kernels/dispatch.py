@@ -56,6 +56,7 @@ from .comm import (
     timed_out,
     uniform_now_ns,
     wait_all_at_least,
+    wait_all_or_exclude,
 )
 from .numerics import channel_tile
 from .nvshmem import put_bytes, quiet
@@ -527,13 +528,12 @@ def dispatch_expand(staging, meta, epochs, slot_offsets, row_base, tokens_per_ex
     return True
 
 
-_RECV_LAYOUT_PER_CALL = ["errors_addr", "timeout_ns", "alignment"]
+_RECV_LAYOUT_PER_CALL = ["errors_addr", "timeout_ns", "alignment", "local_base", "me"]
 
 
 @triton.jit(do_not_specialize=_RECV_LAYOUT_PER_CALL)
 def received_layout_kernel(
-    counts,  # PARITY: [P, R, L + 1] int32 local dispatch_counts; else [R, L + 1] int32 (the
-             # counts a fault-tolerant wait copied)
+    counts,  # [P, R, L + 1] int32 local dispatch_counts
     signals,  # [R] int64 local signal words of the dispatch channel (WAIT)
     epochs,  # [1] int64 local: the dispatch epoch (this call's)
     live,  # [R] int32 (LIVE): 0 for a source that did not arrive (fault tolerance)
@@ -541,28 +541,39 @@ def received_layout_kernel(
     tokens_per_expert,  # [L] int64 out: rows of each local expert, without padding
     expert_offsets,  # [L + 1] int64 out: first row of each local expert's padded group
     slot_offsets,  # [R + 1] int64 out: first row of each source in slot_rows
+    peer_ptrs,  # [R] int64 (FT: the exclusions go to every rank)
     errors_addr: tl.int64, timeout_ns: tl.int64,
-    R: tl.int32, L: tl.int32, alignment: tl.int32,
-    COUNT_PARITY: tl.int64,  # elements between the two parities of counts (PARITY)
-    PARITY: tl.constexpr, WAIT: tl.constexpr, LIVE: tl.constexpr,
+    mask_off: tl.int64, local_base: tl.int64,  # FT: the mask words in this rank's segment
+    R: tl.int32, L: tl.int32, alignment: tl.int32, me: tl.int32,
+    COUNT_PARITY: tl.int64,  # elements between the two parities of counts
+    WAIT: tl.constexpr, LIVE: tl.constexpr,
+    FT: tl.constexpr,  # (with WAIT) a source silent until the deadline is excluded, counts 0
+    TRANSPORT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, NUM_THREADS: tl.constexpr,
 ):
     """One program: with WAIT it first waits for every source's epoch (all at once, bounded;
-    a timeout leaves every count zero), then turns the counts the sources published into the
-    receive's layout (no host read)."""
+    a timeout leaves every count zero; FT: a source that stays silent is excluded and counts
+    zero, and a rank that finds itself excluded counts nothing), then turns the counts the
+    sources published into the receive's layout (no host read)."""
     expected = tl.load(epochs)
-    arrived = True
+    src = tl.arange(0, BLOCK_R)
+    sm = src < R
+    arrived = sm
     if WAIT:
         deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
-        arrived = wait_all_at_least(signals, 1, R, expected, 0, deadline,
-                                    errors_addr.to(tl.pointer_type(tl.int64)), signals, BLOCK_R,
-                                    NUM_THREADS, False)
-    src = tl.arange(0, BLOCK_R)
+        errors = errors_addr.to(tl.pointer_type(tl.int64))
+        if FT:
+            mask = (local_base + mask_off).to(tl.pointer_type(tl.int64))
+            arrived, ok = wait_all_or_exclude(signals, 1, R, expected, 0, deadline, errors,
+                                              signals, mask, me, peer_ptrs, mask_off, R,
+                                              local_base, BLOCK_R, NUM_THREADS, TRANSPORT, False)
+            arrived = arrived & ok
+        else:
+            arrived = sm & wait_all_at_least(signals, 1, R, expected, 0, deadline, errors,
+                                             signals, BLOCK_R, NUM_THREADS, False)
     e = tl.arange(0, BLOCK_L)
-    sm = src < R
     em = e < L
-    if PARITY:
-        counts += (expected % 2) * COUNT_PARITY
+    counts += (expected % 2) * COUNT_PARITY
     per_source = tl.load(counts + src[:, None] * (L + 1) + e[None, :],
                          mask=sm[:, None] & em[None, :], other=0).to(tl.int64)
     slots = tl.load(counts + src * (L + 1) + L, mask=sm, other=0).to(tl.int64)
@@ -586,8 +597,8 @@ def received_layout_kernel(
 
 
 def received_layout(counts, signals, epochs, live, *, world_size: int, num_local_experts: int,
-                    alignment: int, wait: bool, flavour: Flavour = CPU_RANKS
-                    ) -> tuple[torch.Tensor, ...]:
+                    alignment: int, wait: bool, flavour: Flavour = CPU_RANKS, peer_ptrs=None,
+                    rank: int = 0) -> tuple[torch.Tensor, ...]:
     """Launches :func:`received_layout_kernel`; returns fresh int64 tensors
     ``(row_base [R, L], tokens_per_expert [L], expert_offsets [L + 1], slot_offsets [R + 1])``.
     Equivalent PyTorch (``counts`` [R, L + 1] of this call's parity, zero for the sources not
@@ -601,18 +612,23 @@ def received_layout(counts, signals, epochs, live, *, world_size: int, num_local
         slot_offsets = cat([[0], slots.cumsum(0)])
 
     ``counts``: the whole dispatch_counts region [P, R, L + 1] (the parity is the epoch's, read
-    on the device) or, 2-D, the counts a fault-tolerant wait copied; ``wait``: the kernel first
-    waits for every source's epoch in ``signals`` (GPUs, in place of a wait launch)."""
+    on the device); ``live`` [R] int32 or None: the sources a host wait heard; ``wait``: the
+    kernel first
+    waits for every source's epoch in ``signals`` (GPUs, in place of a wait launch; with
+    ``flavour.fault_tolerant`` it excludes the silent ones, reaching every rank through
+    ``peer_ptrs``, and ``rank`` is this rank)."""
     R, L = world_size, num_local_experts
     dev = epochs.device
     outs = tuple(torch.empty(shape, dtype=torch.int64, device=dev)
                  for shape in ((R, L), (L,), (L + 1,), (R + 1,)))
     tile = tiles("received_layout", flavour.compiled, 0)
-    parity = counts.dim() == 3
     received_layout_kernel[(1,)](
-        counts, signals, epochs, epochs if live is None else live, *outs, flavour.errors_addr,
-        flavour.timeout_ns, R, L, alignment, counts.stride(0) if parity else 0, PARITY=parity,
-        WAIT=wait, LIVE=live is not None, BLOCK_R=triton.next_power_of_2(R),
-        BLOCK_L=triton.next_power_of_2(L), NUM_THREADS=tile.num_threads,
-        **tile.launch_options())
+        counts, signals, epochs, epochs if live is None else live, *outs,
+        epochs if peer_ptrs is None else peer_ptrs, flavour.errors_addr, flavour.timeout_ns,
+        flavour.mask_off, flavour.local_base, R, L, alignment, rank,
+        counts.stride(0), WAIT=wait, LIVE=live is not None,
+        FT=wait and flavour.fault_tolerant,
+        TRANSPORT=flavour.transport if wait and flavour.fault_tolerant else 0,  # (FT's publish)
+        BLOCK_R=triton.next_power_of_2(R), BLOCK_L=triton.next_power_of_2(L),
+        NUM_THREADS=tile.num_threads, **tile.launch_options())
     return outs

@@ -603,11 +603,11 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         from the host and raise naming the missing peer; otherwise a one-program wait kernel
         runs ahead of the receive on the stream (no synchronisation) and records a timeout,
         after which no kernel of this rank publishes and the next check raises. ``fusable``:
-        the caller's next kernel can wait itself (``kernels.comm.wait_all_at_least``): where
-        the wait would be a kernel (and not a fault-tolerant one) nothing is launched here and
-        True is returned."""
+        the caller's next kernel can wait itself (``kernels.comm.wait_all_at_least``, or
+        ``wait_all_or_exclude`` for a fault-tolerant Buffer): where the wait would be a kernel
+        nothing is launched here and True is returned."""
         channel = _CHANNEL_NAMES[pending.channel]
-        if fusable and self.flavour.device_wait and not self.fault_tolerant:
+        if fusable and self.flavour.device_wait:
             return True
         if not self.flavour.device_wait:
             if self.fault_tolerant:  # sources that stay silent are excluded, the call goes on
@@ -636,23 +636,14 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
 
     def _ft_wait_kernel(self, pending: PendingSend, tile) -> None:
         """The in-kernel wait of a fault-tolerant Buffer: ``pending.live`` [R] int32 (1 where
-        the source arrived) and, for a dispatch, ``pending.live_counts`` [R, L + 1] (its counts,
-        zero for the sources that did not), written on the device (no synchronisation)."""
-        R, W, dev = self.world_size, self.num_local_experts + 1, self.device
-        dispatch = pending.channel == DISPATCH
-        pending.live = torch.empty(R, dtype=torch.int32, device=dev)
-        counts = self._region("dispatch_counts")
-        pending.live_counts = (torch.empty((R, W), dtype=torch.int32, device=dev) if dispatch
-                               else pending.live)
+        the source arrived), written on the device (no synchronisation)."""
+        R = self.world_size
+        pending.live = torch.empty(R, dtype=torch.int32, device=self.device)
         ft_wait_epochs_kernel[(1,)](
             self._signals[pending.channel], self._channel_words(pending.channel)[1],
-            pending.live, counts, pending.live_counts, self.heap.peer_ptrs,
-            self.flavour.mask_off, *self.flavour.args(), R, self.rank, W, counts.stride(0),
-            COUNTS=dispatch, TRANSPORT=self.flavour.transport,
-            BLOCK_R=triton.next_power_of_2(R), BLOCK_W=triton.next_power_of_2(W),
+            pending.live, self.heap.peer_ptrs, self.flavour.mask_off, *self.flavour.args(), R,
+            self.rank, TRANSPORT=self.flavour.transport, BLOCK_R=triton.next_power_of_2(R),
             NUM_THREADS=tile.num_threads, **tile.launch_options())
-        if not dispatch:
-            pending.live_counts = None
         self.launches["wait"] += 1
 
     def _checking_transport(self, observe):

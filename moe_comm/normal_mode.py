@@ -46,10 +46,9 @@ class PendingSend:
     fp8: int = 0  # 0 rows as they are, 1 quantized by the send, 2 sent quantized
     ue8m0: int = 0  # 1 power-of-two scales as exponent bytes per 128, 2 MXFP8, 3 NVFP4
     node_slot_of: torch.Tensor | None = None  # [T, M] int32 (hierarchical): row per node
-    # fault tolerance (``moe_comm.fault``): which sources' epochs arrived ([R] bool or int32;
-    # None: all), and a dispatch's counts with the others zeroed (in-kernel waits)
+    # fault tolerance (``moe_comm.fault``): which sources' epochs arrived ([R] int32; None:
+    # all, or a dispatch whose received layout waited itself)
     live: torch.Tensor | None = None
-    live_counts: torch.Tensor | None = None
 
 
 def fp8_scales_out(rows: int, groups: int, ue8m0: int, col_major: bool, device):
@@ -188,21 +187,23 @@ class NormalMode:
             topk=topk, max_topk=self.max_topk, has_pair=has_pair, flavour=self.flavour, fp8=fp8)
 
     def _received_layout(self, expert_alignment: int, pending: PendingSend):
-        """Waits for every source (in the kernel on GPUs, else on the host before it) and turns
-        the counts every source published into ``(row_base [R, L], tokens_per_expert [L],
-        expert_offsets [L + 1], slot_offsets [R + 1])`` int64 (``kernels.dispatch
-        .received_layout``: one launch, no host read). The parity is the dispatch epoch's,
-        selected on the device (a captured CUDA graph replays it right). With fault tolerance
-        a source that did not arrive counts zero."""
+        """Waits for every source (in the kernel on GPUs, fault-tolerant ones too, else on the
+        host before it) and turns the counts every source published into ``(row_base [R, L],
+        tokens_per_expert [L], expert_offsets [L + 1], slot_offsets [R + 1])`` int64
+        (``kernels.dispatch.received_layout``: one launch, no host read). The parity is the
+        dispatch epoch's, selected on the device (a captured CUDA graph replays it right).
+        With fault tolerance a source that did not arrive counts zero."""
         fused = self._wait(pending, fusable=True)
-        counts = (pending.live_counts if pending.live_counts is not None
-                  else self._region("dispatch_counts"))
         self.launches["received_layout"] += 1
-        return dispatch_kernels.received_layout(
-            counts, self._signals[DISPATCH], self._channel_words(DISPATCH)[1],
-            pending.live if pending.live_counts is None else None,
+        layout = dispatch_kernels.received_layout(
+            self._region("dispatch_counts"), self._signals[DISPATCH],
+            self._channel_words(DISPATCH)[1], pending.live,
             world_size=self.world_size, num_local_experts=self.num_local_experts,
-            alignment=expert_alignment, wait=fused, flavour=self.flavour)
+            alignment=expert_alignment, wait=fused, flavour=self.flavour,
+            peer_ptrs=self.heap.peer_ptrs, rank=self.rank)
+        if fused:
+            self._check_usable("dispatch")  # a timeout (or this rank excluded) shows here
+        return layout
 
     @poisons_buffer_on_error("dispatch")
     def dispatch_recv(self, pending: PendingSend, expert_alignment: int,

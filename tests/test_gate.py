@@ -97,7 +97,9 @@ def test_gate_passes_at_the_runtime_configurations():
                           env=COMPILED_ENV, cwd=ROOT, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     rows = list(csv.DictReader(open(out), delimiter="\t"))
-    assert {r["kernel"] for r in rows} == ROW_KERNELS | {"routing_layout_kernel",
+    assert {r["kernel"] for r in rows} == ROW_KERNELS | {"layout_count_kernel",
+                                                         "layout_place_kernel",
+                                                         "received_layout_kernel",
                                                          "wait_epochs_kernel",
                                                          "ft_wait_epochs_kernel",
                                                          "set_word_on_all_kernel",

@@ -131,13 +131,6 @@ def test_received_layout_matches_its_statement(R, L, alignment, epoch, live):
     keep = arrived.to(torch.int64) if live else torch.ones(R, dtype=torch.int64)
     for a, b in zip(got, _received_reference(both[epoch % 2], alignment, keep)):
         assert torch.equal(a, b)
-    # the counts a fault-tolerant wait copied (2-D, no parity)
-    got = received_layout(both[epoch % 2].contiguous(), torch.zeros(R, dtype=torch.int64), epochs,
-                          None, world_size=R, num_local_experts=L, alignment=alignment,
-                          wait=False)
-    for a, b in zip(got, _received_reference(both[epoch % 2], alignment,
-                                             torch.ones(R, dtype=torch.int64))):
-        assert torch.equal(a, b)
 
 
 def test_received_layout_waits_for_every_source_and_a_timeout_counts_nothing():
@@ -158,3 +151,40 @@ def test_received_layout_waits_for_every_source_and_a_timeout_counts_nothing():
                           num_local_experts=L, alignment=1, wait=True, flavour=flavour)
     assert record.tensor[:4].tolist() == [1, 2, 7, 6]  # flag, peer, expected, observed
     assert not any(t.any() for t in got)
+
+
+def test_a_fault_tolerant_received_layout_excludes_the_silent_source():
+    """The fault-tolerant wait fused into the received layout: a source still silent at the
+    deadline is excluded on every rank (its mask word := this rank + 1, through the peer
+    pointers) and counts zero; the others count; a rank that finds itself excluded counts
+    nothing and records a timeout naming itself."""
+    R, L, me = 3, 2, 1
+    masks = [torch.zeros(R, dtype=torch.int64) for _ in range(R)]  # every rank's mask words
+    peer_ptrs = torch.tensor([m.data_ptr() for m in masks])
+    counts = torch.randint(1, 9, (2, R, L + 1), dtype=torch.int32)
+    record = ErrorRecord(torch.device("cpu"))
+    flavour = Flavour(device_wait=True, errors_addr=record.address, timeout_ns=50_000_000,
+                      fault_tolerant=True, local_base=masks[me].data_ptr(), mask_off=0)
+    signals = torch.tensor([4, 5, 5])  # source 0 did not publish call 5
+
+    got = received_layout(counts, signals, torch.tensor([5]), None, world_size=R,
+                          num_local_experts=L, alignment=1, wait=True, flavour=flavour,
+                          peer_ptrs=peer_ptrs, rank=me)
+    assert [m.tolist() for m in masks] == [[me + 1, 0, 0]] * R
+    assert record.tensor[0] == 0  # excluded, not timed out
+    for a, b in zip(got, _received_reference(counts[1], 1, torch.tensor([0, 1, 1]))):
+        assert torch.equal(a, b)
+    # next call: rank 0 excluded already (not waited for), everyone else arrived at once
+    signals[1:] = 6
+    got = received_layout(counts, signals, torch.tensor([6]), None, world_size=R,
+                          num_local_experts=L, alignment=1, wait=True, flavour=flavour,
+                          peer_ptrs=peer_ptrs, rank=me)
+    for a, b in zip(got, _received_reference(counts[0], 1, torch.tensor([0, 1, 1]))):
+        assert torch.equal(a, b)
+    # this rank excluded by a peer: it counts nothing and names itself
+    masks[me][me] = 3
+    got = received_layout(counts, signals, torch.tensor([6]), None, world_size=R,
+                          num_local_experts=L, alignment=1, wait=True, flavour=flavour,
+                          peer_ptrs=peer_ptrs, rank=me)
+    assert not any(t.any() for t in got)
+    assert record.tensor[:3].tolist() == [1, me, 6]

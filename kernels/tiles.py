@@ -8,9 +8,11 @@ launchers in this package take their tiles from :func:`tiles` and their grids fr
 functions below, and the static gate (``python -m moe_comm.gate``) compiles exactly what they
 pick, so the two can never drift apart.
 
-Each GPU choice is sized so that a thread holds at most 64 bytes of a row tile (``block_h``
-shrinks for 4- and 8-byte elements) and at least 16 bytes of the row data the kernel stores (a
-16-byte store needs them: ``block_t`` grows for FP8 bytes where ``block_h`` is small).
+Each GPU choice is sized so that a thread holds at most 64 bytes of a row tile (``block_h``,
+then ``block_t``, shrink for 4- and 8-byte elements; the combine send, one program per SM, 128)
+and at least 16 bytes of the row data the kernel stores (a 16-byte store needs them:
+``block_t`` grows for FP8 bytes where ``block_h`` is small). The schedules below declare, per
+kernel, what the gate holds its grid and loops to.
 ``maxnreg`` caps registers at what the intended occupancy allows: left alone, ptxas picks a
 lower target for 512-thread programs and spills.
 """
@@ -77,8 +79,9 @@ _GPU = {
     "dispatch_send": (8, 1024, 16, 1),
     "dispatch_expand": (8, 1024, 8, 2),
     # persistent: 64 slots a tile (at most 32 trips of a program over the slots of uniform
-    # routing at DeepSeek-V3 prefill sizes with 20 programs), every choice's gather in flight;
-    # one program per SM, so a 128-byte accumulator a thread (_TILE_BYTES)
+    # routing at DeepSeek-V3 prefill sizes with 20 programs), several choices' gathers in
+    # flight (combine.gathers_in_flight); one program per SM, so a 128-byte accumulator a
+    # thread (_TILE_BYTES)
     "combine_send": (64, 1024, 8, 1),
     "combine_reduce": (8, 1024, 8, 2),
     # persistent (at most num_sms programs, one per SM: up to 255 registers for the tile's

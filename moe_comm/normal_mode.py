@@ -177,7 +177,7 @@ class NormalMode:
         node = self.rank // N
         self._wait_words(self._region("hc_signals"), epoch,
                          [node * N + j for j in range(N)], "combine")
-        view = lambda name: self._region(name)  # noqa: E731
+        view = self._region
         self.launches["combine_forward"] += internode.forward_combine(
             view("hc_rows"), view("hc_meta"), view("px_combine_rows"), view("px_combine_meta"),
             fwd_slots, fwd_n, self._plan, self._xstats,

@@ -64,7 +64,7 @@ from .internode import (
     _off,
     post_combine_flat,
 )
-from .numerics import acc_zeros, cast_rne, channel_tile
+from .numerics import acc_zeros, cast_rne, channel_tile, column
 from .nvshmem import put_bytes, quiet
 from .rows import load_fp8_partials, store_fp8_partials
 from .tiles import even, persistent_programs, tiles
@@ -122,21 +122,15 @@ def _partial_destination(peer_ptrs, s, me, N, parity, plan, local_base, rows_off
 
 
 @triton.jit
-def _column(tile, kk, k):
-    """Column ``k`` of an int [rows, BLOCK_K] tile held in registers (no memory access)."""
-    return tl.sum(tl.where(kk[None, :] == k, tile, 0), axis=1)
-
-
-@triton.jit
-def _add_choice(acc, y, rows, w_bits, kk, k, h, hm, H, HAS_WEIGHTS: tl.constexpr):
+def _add_choice(acc, y, rows, w_bits, k, h, hm, H, HAS_WEIGHTS: tl.constexpr):
     """``acc + w * y[row]`` (channels ``h``) for choice ``k`` of every slot of the tile: its row
     in ``rows`` and its weight's bits in ``w_bits`` ([BLOCK_T, BLOCK_K], registers)."""
-    row = _column(rows, kk, k)
+    row = column(rows, k)
     rm = row >= 0
     v = tl.load(y + row[:, None] * H + h[None, :], mask=rm[:, None] & hm[None, :],
                 other=0.0).to(acc.dtype)
     if HAS_WEIGHTS:
-        wk = _column(w_bits, kk, k).to(tl.float32, bitcast=True)
+        wk = column(w_bits, k).to(tl.float32, bitcast=True)
         v = v * wk.to(acc.dtype)[:, None]
     return acc + v
 
@@ -222,7 +216,7 @@ def combine_send_kernel(
             acc = acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64)
             for k0 in range(0, K, IN_FLIGHT):  # IN_FLIGHT choices' gathers in flight at once
                 for i in tl.static_range(IN_FLIGHT):
-                    acc = _add_choice(acc, y, rows, w_bits, kk, k0 + i, h, hm, H, HAS_WEIGHTS)
+                    acc = _add_choice(acc, y, rows, w_bits, k0 + i, h, hm, H, HAS_WEIGHTS)
             if FP8:  # (fp8_rows: a runtime flag with HIER)
                 if fp8_rows:
                     store_fp8_partials(acc, dst.to(tl.pointer_type(tl.uint8), bitcast=True)
@@ -296,13 +290,13 @@ def combine_send_kernel(
 
 
 @triton.jit
-def _add_partials(acc, staging, slots, lanes, d0, d1, TMAX, cols, cm, ROW: tl.constexpr,
+def _add_partials(acc, staging, slots, d0, d1, TMAX, cols, cm, ROW: tl.constexpr,
                   live, LIVE: tl.constexpr):
     """``acc += staging[d, slots[:, d]]`` (columns ``cols``) for ranks ``d0 <= d < d1``, in
-    that order (``slots`` [rows, BLOCK] int32 in registers, -1 where none; ``lanes``: its
-    column numbers; with ``LIVE`` only the ranks with ``live[d] != 0``: fault tolerance)."""
+    that order (``slots`` [rows, ranks] int32 in registers, -1 where none; with ``LIVE`` only
+    the ranks with ``live[d] != 0``: fault tolerance)."""
     for d in range(d0, d1):
-        slot = _column(slots, lanes, d).to(tl.int64)
+        slot = column(slots, d).to(tl.int64)
         if LIVE:
             slot = tl.where(tl.load(live + d) != 0, slot, -1)
         staged = d * TMAX + slot
@@ -312,14 +306,14 @@ def _add_partials(acc, staging, slots, lanes, d0, d1, TMAX, cols, cm, ROW: tl.co
 
 
 @triton.jit
-def _add_fp8_partials(acc, staging8, slots, lanes, d0, d1, TMAX, h0, h, hm, H,
+def _add_fp8_partials(acc, staging8, slots, d0, d1, TMAX, h0, h, hm, H,
                       ROW_BYTES: tl.int64, live, LIVE: tl.constexpr, BLOCK_T: tl.constexpr,
                       BLOCK_H: tl.constexpr):
     """:func:`_add_partials` for FP8 partials (ranks ``d0 <= d < d1`` in order): each row's
     codes ``h`` dequantized with their scales (``rows.load_fp8_partials``) before they are
     added."""
     for d in range(d0, d1):
-        slot = _column(slots, lanes, d).to(tl.int64)
+        slot = column(slots, d).to(tl.int64)
         if LIVE:
             slot = tl.where(tl.load(live + d) != 0, slot, -1)
         acc += load_fp8_partials(staging8 + (d * TMAX + slot) * ROW_BYTES, slot >= 0, h0, h, hm,
@@ -328,7 +322,7 @@ def _add_fp8_partials(acc, staging8, slots, lanes, d0, d1, TMAX, h0, h, hm, H,
 
 
 @triton.jit
-def _sum_in_order(acc, staging, node_staging, slots, node_slots, lanes, node_lanes, me, R, N,
+def _sum_in_order(acc, staging, node_staging, slots, node_slots, me, R, N,
                   TMAX, cols, cm, ROW: tl.constexpr, HIER: tl.constexpr, live,
                   LIVE: tl.constexpr):
     """:func:`_add_partials` over every rank in rank order; with HIER in node order: this
@@ -338,13 +332,13 @@ def _sum_in_order(acc, staging, node_staging, slots, node_slots, lanes, node_lan
         M = R // N
         for b in range(M):
             if b == me // N:
-                acc = _add_partials(acc, staging, slots, lanes, b * N, b * N + N, TMAX, cols,
+                acc = _add_partials(acc, staging, slots, b * N, b * N + N, TMAX, cols,
                                     cm, ROW, live, False)
             else:
-                acc = _add_partials(acc, node_staging, node_slots, node_lanes, b, b + 1, TMAX,
+                acc = _add_partials(acc, node_staging, node_slots, b, b + 1, TMAX,
                                     cols, cm, ROW, live, False)
     else:
-        acc = _add_partials(acc, staging, slots, lanes, 0, R, TMAX, cols, cm, ROW, live, LIVE)
+        acc = _add_partials(acc, staging, slots, 0, R, TMAX, cols, cm, ROW, live, LIVE)
     return acc
 
 
@@ -396,17 +390,17 @@ def combine_reduce_kernel(
         acc = acc_zeros(BLOCK_T, BLOCK_H, False)
         for b in range(R // N):
             if b == me // N:
-                acc = _add_fp8_partials(acc, staging, slots, lanes, b * N, b * N + N, TMAX, h0,
+                acc = _add_fp8_partials(acc, staging, slots, b * N, b * N + N, TMAX, h0,
                                         h, hm, H, ROW_BYTES, live, False, BLOCK_T, BLOCK_H)
             else:
-                acc = _add_fp8_partials(acc, node_rows, node_slots, node_lanes, b, b + 1, TMAX,
+                acc = _add_fp8_partials(acc, node_rows, node_slots, b, b + 1, TMAX,
                                         h0, h, hm, H, ROW_BYTES, live, False, BLOCK_T, BLOCK_H)
     elif FP8:
-        acc = _add_fp8_partials(acc_zeros(BLOCK_T, BLOCK_H, False), staging, slots, lanes, 0, R,
+        acc = _add_fp8_partials(acc_zeros(BLOCK_T, BLOCK_H, False), staging, slots, 0, R,
                                 TMAX, h0, h, hm, H, ROW_BYTES, live, LIVE, BLOCK_T, BLOCK_H)
     else:
         acc = _sum_in_order(acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64), staging, node_rows, slots,
-                            node_slots, lanes, node_lanes, me, R, N, TMAX, h, hm, H, HIER, live,
+                            node_slots, me, R, N, TMAX, h, hm, H, HIER, live,
                             LIVE)
     result = cast_rne(acc, out.dtype.element_ty)
     tl.store(out + t64[:, None] * H + h[None, :], result,  # gate: row
@@ -416,7 +410,7 @@ def combine_reduce_kernel(
             kk = tl.arange(0, BLOCK_K)
             km = kk < K
             pacc = _sum_in_order(tl.zeros([BLOCK_T, BLOCK_K], tl.float32), meta, node_meta,
-                                 slots, node_slots, lanes, node_lanes, me, R, N, TMAX, kk, km,
+                                 slots, node_slots, me, R, N, TMAX, kk, km,
                                  KMAX, HIER, live, LIVE)
             tl.store(pair_out + t64[:, None] * K + kk[None, :], pacc,
                      mask=tm[:, None] & km[None, :])

@@ -58,7 +58,7 @@ from .comm import (
     wait_all_at_least,
     wait_all_or_exclude,
 )
-from .numerics import channel_tile
+from .numerics import channel_tile, column
 from .nvshmem import put_bytes, quiet
 from .quant import NVFP4, scale_group
 from .rows import load_send_tile, row_payload, sent_elem_bytes, store_rows
@@ -321,7 +321,7 @@ def dispatch_expand_kernel(
             tile = tl.load(staging + staged[:, None] * ROW_ELEMS + h[None, :],
                            mask=jm[:, None] & hm[None, :])
             for k in range(K):  # each choice's output row from registers: no load to wait on
-                dst_row = tl.sum(tl.where(kk[None, :] == k, row, 0), axis=1)
+                dst_row = column(row, k)
                 tl.store(out + dst_row[:, None] * H + h[None, :], tile,  # gate: row
                          mask=(dst_row >= 0)[:, None] & hm[None, :])
         if FP8:  # the scales follow the H code bytes of each staging row (kernels.rows)
@@ -336,7 +336,7 @@ def dispatch_expand_kernel(
             if GLOBAL:
                 glob = tl.load(staging_f32 + codes_end // 4, mask=jm)
             for k in range(K):
-                dst_row = tl.sum(tl.where(kk[None, :] == k, row, 0), axis=1)
+                dst_row = column(row, k)
                 if GLOBAL:
                     tl.store(out_global + dst_row, glob, mask=dst_row >= 0)
                 _store_scales(out_scales, dst_row, g, sc, gm & (dst_row >= 0)[:, None],

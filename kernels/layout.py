@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .comm import BAD_EXPERT_ID, INPUT_RECORD, REPEATED_EXPERT, Flavour, record_error
+from .numerics import column
 from .tiles import tiles
 
 
@@ -57,7 +58,7 @@ def checked_ids(topk_idx, t, tm, K, E, BLOCK_K: tl.constexpr):
     range_value = tl.sum(tl.where(kk[None, :] == first_k[:, None], ids, 0), axis=1)
     repeated_value = tl.full(t.shape, -1, tl.int64)
     for k in range(K):
-        e_k = tl.sum(tl.where(kk[None, :] == k, ids, 0), axis=1)
+        e_k = column(ids, k)
         again = tl.max(((ids == e_k[:, None]) & (kk[None, :] > k) & m2).to(tl.int32), axis=1)
         repeated_value = tl.where((again > 0) & (e_k >= 0) & (repeated_value < 0), e_k,
                                   repeated_value)
@@ -168,7 +169,7 @@ def layout_place_kernel(
     local = tl.arange(0, CHUNK)
     flat_token = tl.reshape(tl.broadcast_to(local[:, None], [CHUNK, BLOCK_K]), [CHUNK * BLOCK_K])
     for k in tl.static_range(BLOCK_K):
-        e_k = tl.sum(tl.where(kk[None, :] == k, ids, 0), axis=1)
+        e_k = column(ids, k)
         same = (flat[None, :] == e_k[:, None]) & (flat_token[None, :] < local[:, None])
         pos = tl.gather(before, tl.maximum(e_k, 0), 0) + tl.sum(same.to(tl.int32), axis=1)
         k_valid = tl.zeros_like(t) + k < K  # a vector: the interpreter mis-broadcasts scalars
@@ -182,7 +183,7 @@ def layout_place_kernel(
         dm = d < R
         goes = tl.zeros([CHUNK, BLOCK_R], tl.int32)
         for k in tl.static_range(BLOCK_K):
-            d_k = tl.sum(tl.where(kk[None, :] == k, dest, 0), axis=1)
+            d_k = column(dest, k)
             goes = goes | (d_k[:, None] == d[None, :]).to(tl.int32)
         sent = _sum_rows_before(chunk_counts, c, W, E + d, dm, BLOCK_CR, BLOCK_R)
         slot = sent[None, :] + tl.cumsum(goes, axis=0) - goes

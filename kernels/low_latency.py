@@ -67,7 +67,7 @@ from .comm import (
     wait_all_or_exclude,
 )
 from .layout import checked_ids, record_first_bad
-from .numerics import cast_rne, channel_tile
+from .numerics import cast_rne, channel_tile, column
 from .nvshmem import int_p, put_bytes, quiet, signal_set
 from .proxy import post_signal, post_signal_to_remote, post_transfer
 from .quant import NVFP4, scale_group
@@ -86,12 +86,6 @@ META_K_BITS = 32  # meta word = token * 32 + choice
 TIMED_OUT = 8  # ll_state[8]: 1 once a low-latency wait of this rank timed out (device memory)
 TIMED_OUT_WORD = tl.constexpr(TIMED_OUT)
 _GPU_PER_RANK = ["local_base", "errors_addr", "timeout_ns", "me", "ring_addr"]
-
-
-@triton.jit
-def _column(ids, k, BLOCK_K: tl.constexpr):
-    """Column ``k`` of an ids tile [BLOCK_T, BLOCK_K] (int32)."""
-    return tl.sum(tl.where(tl.arange(0, BLOCK_K)[None, :] == k, ids, 0), axis=1)
 
 
 @triton.jit
@@ -207,10 +201,10 @@ def ll_dispatch_send_kernel(
             record_first_bad(errors, t, bad, code, value, T)
             onehot = tl.zeros([BLOCK_T, BLOCK_E], tl.int32)
             for k in range(K):
-                onehot += (_column(ids, k, BLOCK_K)[:, None] == lane[None, :]).to(tl.int32)
+                onehot += (column(ids, k)[:, None] == lane[None, :]).to(tl.int32)
             position = tl.cumsum(onehot, axis=0) - onehot + before[None, :]  # [BLOCK_T, BLOCK_E]
             for k in range(K):  # metadata, and the slot of every pair
-                e = _column(ids, k, BLOCK_K)
+                e = column(ids, k)
                 valid = tm & (e >= 0)
                 d = tl.where(valid, e // L, 0)
                 valid = valid & ~_excluded(d, valid, mask_off, local_base, FT)
@@ -242,7 +236,7 @@ def ll_dispatch_send_kernel(
                         boxx = box.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
                         tl.store(boxx[:, None] + h[None, :], v, mask=m)  # gate: row
                 for k in range(K):
-                    e = _column(ids, k, BLOCK_K)
+                    e = column(ids, k)
                     valid = tm & (e >= 0)
                     d = tl.where(valid, e // L, 0)
                     valid = valid & ~_excluded(d, valid, mask_off, local_base, FT)
@@ -601,7 +595,7 @@ def ll_combine_recv_kernel(
             acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
             L = E // R
             for k in range(K):
-                e = _column(ids, k, BLOCK_K)
+                e = column(ids, k)
                 valid = tm & (e >= 0)
                 # a choice counts only if its expert rank's rows of this call arrived
                 d = tl.where(valid, e // L, 0)

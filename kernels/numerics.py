@@ -1,4 +1,5 @@
-"""Rounding that is the same bit for bit in the interpreter, on the GPU and in PyTorch; tiles.
+"""Rounding that is the same bit for bit in the interpreter, on the GPU and in PyTorch; tiles;
+the column of a small tile held in registers.
 
 The interpreter narrows fp32 to bf16 by truncation, the GPU and PyTorch round to nearest even.
 ``cast_rne`` rounds bf16 by hand (add half an ulp, ties to even, keep the top 16 bits), so
@@ -45,3 +46,10 @@ def acc_zeros(BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, FP64: tl.constexpr):
     else:
         acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
     return acc
+
+
+@triton.jit
+def column(tile, k):
+    """Column ``k`` of an int tile [rows, columns] held in registers (no memory access): a
+    token's k-th choice, a slot's k-th row, a token's slot on rank k."""
+    return tl.sum(tl.where(tl.arange(0, tile.shape[1])[None, :] == k, tile, 0), axis=1)

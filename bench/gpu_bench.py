@@ -127,6 +127,18 @@ def host_ms(op, iters: int) -> float:
     return statistics.median(times)
 
 
+def host_ms_triton_path(op, iters: int) -> float:
+    """:func:`host_ms` with every launch through Triton's own launch path (no bound launches,
+    ``kernels.bound``): what binding each launch once saves."""
+    from moe_comm.kernels import bound
+
+    bound.ENABLED = False
+    try:
+        return host_ms(op, iters)
+    finally:
+        bound.ENABLED = True
+
+
 def measure(label, op, bufs, key, iters, warmup, ceiling):
     before = stats_bytes(bufs, key) if bufs else 0
     times = cuda_time_ms(op, iters, warmup)
@@ -138,6 +150,7 @@ def measure(label, op, bufs, key, iters, warmup, ceiling):
     try:  # where the time goes: the kernels' device time against the timed (host-paced) time
         row["kernels"] = kernel_times(op)
         row["host_ms"] = host_ms(op, iters)
+        row["host_ms_triton_path"] = host_ms_triton_path(op, iters)
     except Exception as error:
         row["kernels_error"] = describe(error)
     return row
@@ -420,15 +433,20 @@ def to_markdown(rows, ceiling, device, bound) -> str:
     R = 8
     lines += ["", f"Per op and rank ({R} virtual ranks: the kernels' device time and the host "
               "time divided by the ranks; CUDA-graph replays: the replay's time divided by the "
-              "ranks):", "", "| op | device us per rank | host us per rank |", "|---|---|---|"]
+              "ranks; host us through Triton's launch path: every launch bound and "
+              "specialised again, as without kernels/bound.py):", "",
+              "| op | device us per rank | host us per rank | host us, Triton's launch path |",
+              "|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             continue
         device_ms = (sum(ms for ms, _ in r["kernels"].values()) if r["kernels"]
                      else r["median_ms"] if r.get("graph") else None)
         host = f"{r['host_ms'] * 1e3 / R:.1f}" if "host_ms" in r else "n/a"
+        unbound = (f"{r['host_ms_triton_path'] * 1e3 / R:.1f}" if "host_ms_triton_path" in r
+                   else "n/a")
         device = f"{device_ms * 1e3 / R:.1f}" if device_ms is not None else "n/a"
-        lines.append(f"| {r['op']} | {device} | {host} |")
+        lines.append(f"| {r['op']} | {device} | {host} | {unbound} |")
     shares = [r for r in rows if r.get("shares")]
     if shares:
         lines += ["", "Row-moving kernels: bytes read plus written (from the call's rows, slots "

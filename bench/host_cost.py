@@ -2,24 +2,37 @@
 calls and host microseconds, on virtual ranks on the ``meta`` device (no GPU, no interpreter).
 
     python bench/host_cost.py [--calls 200] [--json bench/results/host_cost.json]
+    python bench/host_cost.py --verify      # every bound launch checked against Triton's path
 
 The static gate's virtual ranks (``moe_comm.gate``: the GPU flavour, in-kernel waits, one node,
 DeepSeek-V3 decode sizes: 8 ranks, 128 tokens, H 7168, top-8, 256 experts, bf16) run each op
-in lockstep with every Triton launch counted and stubbed out (``StubbedLaunches``). Per op and
-rank:
+in lockstep. Triton believes it drives an sm_90 GPU whose compiled kernels are stand-ins that
+record their launches (``kernels.recording.compiled_stand_ins``): every launch takes Triton's
+whole launch path, or the Buffer's bound one (``kernels.bound``), and ends in a launcher that
+does nothing. Per op and rank:
 
 * ``launches``: Triton kernels plus every aten op that launches a kernel on a GPU (anything but
   views, metadata and bare allocations): what a GPU's launch queue receives;
-* ``triton`` and ``torch``: those launches split;
+* ``triton`` and ``torch``: those launches split; ``bound``: the Triton launches made through
+  a bound launch (all of them once the Buffer has made each launch once);
 * ``aten``: every aten call; ``allocs``: the new tensors they return (a caching allocator's
   work on a GPU);
 * ``python``: calls of moe_comm's own Python functions (``sys.setprofile``; torch's are not
-  counted: on meta tensors torch runs Python reference kernels a GPU runs in C++);
+  counted: on meta tensors torch runs Python reference kernels a GPU runs in C++; nor are the
+  stand-in driver's and kernels', which on a GPU are Triton's driver);
 * ``host_us``: median microseconds per op and rank over ``--calls`` calls (lockstep over the
-  ranks, divided by the ranks) on this machine's CPU, without Triton's launch path and the
-  driver, and with torch's meta kernels (Python references, slower than a GPU's C++ dispatch
-  for ops like ``cumsum`` and ``floor_divide``). Compare it between runs of this script only:
-  it is not the eager host time on a GPU and never a GPU timing.
+  ranks, divided by the ranks) on this machine's CPU, the bound launches included but not the
+  driver's launch call, and with torch's meta kernels (Python references, slower than a GPU's
+  C++ dispatch for ops like ``cumsum`` and ``floor_divide``); ``triton_path_us``: the same with
+  every launch through Triton's own launch path (``MOE_COMM_BOUND_LAUNCHES=0``). Compare them
+  between runs of this script only: they are not the eager host time on a GPU and never a GPU
+  timing.
+
+``--verify`` drives every launch of the gate's flavours (both modes, every format, the
+backward ops, fault tolerance, NVSHMEM and the proxy; the small and DeepSeek-V3 decode sizes;
+then token counts that change and a misaligned input) with ``kernels.bound.VERIFY`` on: each
+call takes Triton's path and is checked against the bound launch of its key (the same
+specialisation, grid and arguments); it exits 1 on the first mismatch.
 
 The counts are exact and asserted by tests (``tests/test_host_cost.py``); the times are not.
 """
@@ -33,21 +46,26 @@ import statistics
 import sys
 import time
 
-if __name__ == "__main__":  # compiled kernels (recorded, stubbed), set before any is defined;
+if __name__ == "__main__":  # compiled kernels (stand-ins), set before any is defined;
     os.environ["TRITON_INTERPRET"] = "0"  # imported (tests) it leaves the environment alone
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from torch._library.custom_ops import OPDEFS as _OPDEFS  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
 
 import moe_comm  # noqa: E402
 import moe_comm.kernels  # noqa: E402
 from moe_comm import gate, lockstep  # noqa: E402
+from moe_comm.kernels import bound as bound_launches  # noqa: E402
+from moe_comm.kernels.recording import compiled_stand_ins  # noqa: E402
 
 CONFIG = gate.GateConfig("dsv3-decode", 8, 256, 7168, 8, 128, nvshmem=False)
 DTYPE = torch.bfloat16
 _OURS = tuple(os.path.dirname(m.__file__) + os.sep for m in (moe_comm, moe_comm.kernels))
+_DRIVER = os.path.join(os.path.dirname(moe_comm.kernels.__file__), "recording.py")  # the GPU's
 _ALLOCATING = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"}
 _NO_KERNEL = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "resize_", "set_",
               "_local_scalar_dense", "item", "lift_fresh", "detach_"}  # item: a host read
@@ -89,7 +107,8 @@ class AtenCounter(TorchDispatchMode):
 
 class LaunchCounter:
     """Counts what one op puts on a GPU's launch queue while it runs for real (CPU ranks or a
-    GPU): its Triton launches and every aten op outside them that launches a kernel
+    GPU): its Triton launches (through Triton's path or a bound one) and every aten op outside
+    them that launches a kernel
     (:func:`launches_a_kernel`; the interpreter's own torch calls inside a launch are not the
     op's). ``count``: both; ``names``: the Triton kernels; ``torch_ops``: the aten ops."""
 
@@ -107,6 +126,7 @@ class LaunchCounter:
 
         self._classes = (triton.runtime.jit.JITFunction, InterpretedFunction)
         self._runs = [cls.run for cls in self._classes]
+        self._bound_call = bound_launches.BoundLaunch.__call__
         counter = self
 
         def wrap(run):
@@ -119,8 +139,13 @@ class LaunchCounter:
                     counter._inside -= 1
             return counted
 
+        def bound_call(launch, *values):  # a bound launch (kernels.bound) on a GPU
+            counter.names.append(launch.name)
+            return self._bound_call(launch, *values)
+
         for cls, run in zip(self._classes, self._runs):
             cls.run = wrap(run)
+        bound_launches.BoundLaunch.__call__ = bound_call
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -141,29 +166,11 @@ class LaunchCounter:
         self._mode.__exit__(*exc)
         for cls, run in zip(self._classes, self._runs):
             cls.run = run
+        bound_launches.BoundLaunch.__call__ = self._bound_call
 
 
-class StubbedLaunches:
-    """Within it every Triton launch (``kernel[grid](...)``) is counted and returns at once:
-    no argument binding, no compile, no driver."""
-
-    def __init__(self):
-        self.names: list[str] = []
-
-    @property
-    def count(self) -> int:
-        return len(self.names)
-
-    def __enter__(self):
-        self._run = triton.runtime.jit.JITFunction.run
-
-        def run(fn, *args, **kwargs):
-            self.names.append(fn.fn.__name__)
-        triton.runtime.jit.JITFunction.run = run
-        return self
-
-    def __exit__(self, *exc):
-        triton.runtime.jit.JITFunction.run = self._run
+def _bound_calls(bufs) -> int:
+    return sum(b._bound.bound_calls for b in bufs)
 
 
 def _ops(bufs):
@@ -205,7 +212,8 @@ def _python_calls(op) -> int:
 
     def profile(frame, event, arg):
         nonlocal calls
-        if event == "call" and frame.f_code.co_filename.startswith(_OURS):
+        name = frame.f_code.co_filename
+        if event == "call" and name.startswith(_OURS) and name != _DRIVER:
             calls += 1
     sys.setprofile(profile)
     try:
@@ -215,44 +223,202 @@ def _python_calls(op) -> int:
     return calls
 
 
+def _median_us(op, calls: int) -> float:
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        op()
+        times.append((time.perf_counter() - start) / CONFIG.world_size)
+    return statistics.median(times) * 1e6
+
+
 def measure(calls: int = 200) -> dict:
-    """``{op: {launches, triton, torch, aten, allocs, python, host_us, torch_ops}}`` per rank."""
+    """``{op: {launches, triton, torch, bound, aten, allocs, python, host_us, triton_path_us,
+    triton_kernels, torch_ops}}`` per rank."""
     R = CONFIG.world_size
     out = {}
-    for mode in ("normal", "low_latency"):
-        with StubbedLaunches() as launches:
+    with compiled_stand_ins() as launched:
+        for mode in ("normal", "low_latency"):
             bufs = gate._buffers(CONFIG, DTYPE, mode == "low_latency", 0, 90)
             for name, op in _ops(bufs)[mode].items():
-                op()  # warm: first calls fill the Buffer's caches
-                before = launches.count
+                op()  # warm: first calls fill the Buffer's caches and bind its launches
+                before, bound_before = len(launched), _bound_calls(bufs)
                 with AtenCounter() as counter:
                     op()
-                triton_launches = launches.count - before
-                kernels = collections.Counter(launches.names[before:])
+                triton_launches = len(launched) - before
+                bound = _bound_calls(bufs) - bound_before
+                kernels = collections.Counter(c.kernel.name for c in launched[before:])
                 python = _python_calls(op)
-                times = []
-                for _ in range(calls):
-                    start = time.perf_counter()
-                    op()
-                    times.append((time.perf_counter() - start) / R)
+                host_us = _median_us(op, calls)
+                bound_launches.ENABLED = False
+                try:
+                    triton_path_us = _median_us(op, calls)
+                finally:
+                    bound_launches.ENABLED = True
+                del launched[:]
                 counts = counter.calls
                 out[name] = {
                     "launches": (triton_launches + counts["torch"]) / R,
                     "triton": triton_launches / R, "torch": counts["torch"] / R,
+                    "bound": bound / R,
                     "aten": counts["aten"] / R, "allocs": counts["allocs"] / R,
-                    "python": python / R, "host_us": statistics.median(times) * 1e6,
+                    "python": python / R, "host_us": host_us, "triton_path_us": triton_path_us,
                     "triton_kernels": {k: v / R for k, v in sorted(kernels.items())},
                     "torch_ops": {k[3:]: v / R for k, v in sorted(counts.items())
                                   if k.startswith("op:")}}
     return out
 
 
+def _misaligned(x):
+    """``x``'s shape and dtype at an address 2 bytes past a 16-byte boundary."""
+    flat = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)
+    return flat[1:].view(x.shape)
+
+
+def verify(configs=("small", "dsv3-decode")) -> dict:
+    """Every launch of the gate's drivers at ``configs`` (then changing token counts and a
+    misaligned input) with ``kernels.bound.VERIFY`` on; raises ``BoundLaunchMismatch`` on the
+    first difference. Returns ``{"launches": n, "verified": m, "kernels": [...]}``."""
+    verified = 0
+    bound_launches.VERIFY = True
+    checks = bound_launches._verify
+    names = set()
+
+    def counted(bound, *args):
+        nonlocal verified
+        verified += 1
+        names.add(bound.name)
+        return checks(bound, *args)
+
+    bound_launches._verify = counted
+    try:
+        with compiled_stand_ins() as launched:
+            for cfg in (c for c in gate.CONFIGS if c.name in configs):
+                for name, dtype, transport, low_latency, *flags in gate.gate_runs(cfg):
+                    bufs = gate._buffers(cfg, dtype, low_latency, transport, 90, *flags)
+                    (gate.drive_low_latency if low_latency else gate.drive_normal)(
+                        bufs, cfg, dtype)
+                    if not transport and not any(flags) and name == "bfloat16":
+                        _drive_changing_inputs(bufs, cfg, dtype, low_latency)
+            total = len(launched)
+    finally:
+        bound_launches.VERIFY = False
+        bound_launches._verify = checks
+    return {"launches": total, "verified": verified, "kernels": sorted(names)}
+
+
+def _alike(a, b) -> bool:
+    """Two launch arguments alike: tensors of one dtype, shape, strides and offset (fresh
+    outputs differ in storage from call to call), anything else equal."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return (a.dtype, a.shape, a.stride(), a.storage_offset()) == \
+            (b.dtype, b.shape, b.stride(), b.storage_offset())
+    return type(a) is type(b) and a == b
+
+
+def bound_launches_match_triton() -> int:
+    """Each op of both modes called twice on fresh Buffers, binding on: the first call's
+    launches take Triton's path, the second's the bound one; both must reach the (stand-in)
+    launcher with the same kernel handle, grid, stream and arguments (:func:`_alike`). Returns
+    the launch pairs compared; raises ``BoundLaunchMismatch`` otherwise (also when
+    :class:`LaunchCounter` misses a bound launch)."""
+    pairs = 0
+    with compiled_stand_ins() as launched:
+        for mode in ("normal", "low_latency"):
+            bufs = gate._buffers(CONFIG, DTYPE, mode == "low_latency", 0, 90)
+            for name, op in _ops(bufs)[mode].items():
+                del launched[:]
+                bound_before = _bound_calls(bufs)
+                op()
+                first = list(launched)
+                with LaunchCounter() as counter:  # it counts bound launches too
+                    op()
+                second = launched[len(first):]
+                if counter.count != len(second):
+                    raise bound_launches.BoundLaunchMismatch(
+                        f"{name}: LaunchCounter saw {counter.count} of {len(second)} launches")
+                if _bound_calls(bufs) - bound_before != len(second) or len(first) != len(second):
+                    raise bound_launches.BoundLaunchMismatch(
+                        f"{name}: {len(second)} launches of the second call, "
+                        f"{_bound_calls(bufs) - bound_before} of them bound; {len(first)} first")
+                for a, b in zip(first, second):
+                    same = (a.kernel is b.kernel and a.grid == b.grid and a.stream == b.stream
+                            and len(a.args) == len(b.args)
+                            and all(_alike(x, y) for x, y in zip(a.args, b.args)))
+                    if not same:
+                        raise bound_launches.BoundLaunchMismatch(
+                            f"{name}: {b.kernel.name}'s bound launch differs from Triton's")
+                    pairs += 1
+    return pairs
+
+
+@triton.jit(do_not_specialize=["n"])
+def _probe_kernel(a, b, n, scale: tl.float32, BLOCK: tl.constexpr):
+    lanes = tl.arange(0, BLOCK)
+    tl.store(b + lanes, tl.load(a + lanes, mask=lanes < n) * scale, mask=lanes < n)
+
+
+def bound_call_is_tritons() -> None:
+    """A small kernel launched through Triton's path (binding it), then with its varying
+    arguments replaced through the bound launch: the stand-in launcher must receive exactly
+    what Triton's own path gives it for the same arguments (the same objects, grid, stream and
+    handle); made while another device is current, it must take Triton's path (that device's
+    kernel). Raises ``BoundLaunchMismatch`` otherwise."""
+    launches = bound_launches.BoundLaunches()
+    a, b, c = (torch.empty(64, device="meta") for _ in range(3))
+    kwargs = dict(BLOCK=64, num_warps=1)
+    with compiled_stand_ins() as launched:
+        bound_launches.launch(launches, "probe", _probe_kernel, (2,), (a, b, 7, 0.5), kwargs,
+                              ("a", "n"))
+        if not bound_launches.call_bound(launches, "probe", (c, 9)):
+            raise bound_launches.BoundLaunchMismatch("the probe kernel was not bound")
+        _probe_kernel[(2,)](c, b, 9, 0.5, **kwargs)  # Triton's path, the same arguments
+        stand_in = driver.active
+        stand_in.get_current_device = lambda: 1  # another current device: Triton's path
+        try:
+            bound_launches.call_bound(launches, "probe", (c, 9))
+        finally:
+            del stand_in.get_current_device
+    bound, triton_path, other_device = launched[1], launched[2], launched[3]
+    if other_device.kernel is bound.kernel:
+        raise bound_launches.BoundLaunchMismatch(
+            "a bound launch made while another device was current used the bound kernel")
+    if not (bound.kernel is triton_path.kernel and bound.grid == triton_path.grid
+            and bound.stream == triton_path.stream and len(bound.args) == len(triton_path.args)
+            and all(x is y if isinstance(x, torch.Tensor) else type(x) is type(y) and x == y
+                    for x, y in zip(bound.args, triton_path.args))):
+        raise bound_launches.BoundLaunchMismatch(
+            f"the bound launch gave the launcher {bound}, Triton's path {triton_path}")
+
+
+def _drive_changing_inputs(bufs, cfg, dtype, low_latency: bool) -> None:
+    """Calls whose token count changes, and whose input lies at a misaligned address (each
+    twice: the second call of a key is the one checked)."""
+    xs, idxs, ws = gate._inputs(cfg, dtype)
+    for tokens in (cfg.tokens, cfg.tokens // 2, 1):
+        for misaligned in (False, True):
+            x = [_misaligned(v[:tokens]) if misaligned else v[:tokens] for v in xs]
+            idx, w = [v[:tokens] for v in idxs], [v[:tokens] for v in ws]
+            for _ in range(2):
+                if low_latency:
+                    recvs = lockstep.low_latency_dispatch(bufs, x, idx, fp8=True)
+                    ys = [torch.empty(r.x.shape, dtype=dtype, device="meta") for r in recvs]
+                    lockstep.low_latency_combine(bufs, ys, idx, w, [r.handle for r in recvs])
+                else:
+                    rows = gate.max_recv_rows(cfg)
+                    res = lockstep.dispatch(bufs, x, idx, w, max_recv_rows=rows)
+                    ys = [torch.empty(r.x.shape, dtype=dtype, device="meta") for r in res]
+                    lockstep.combine(bufs, ys, [r.handle for r in res], [r.weights for r in res])
+
+
 def table(result: dict) -> str:
-    cols = ("launches", "triton", "torch", "aten", "allocs", "python", "host_us")
-    lines = ["op           " + "".join(f"{c:>10}" for c in cols)]
+    cols = ("launches", "triton", "torch", "bound", "aten", "allocs", "python", "host_us",
+            "triton_path_us")
+    lines = ["op           " + "".join(f"{c:>10}" if len(c) < 10 else f" {c}" for c in cols)]
     for op, row in result.items():
         lines.append(f"{op:<13}" + "".join(
-            f"{row[c]:>10.1f}" if c == "host_us" else f"{row[c]:>10g}" for c in cols))
+            f"{row[c]:>10.1f}" if c.endswith("_us") else f"{row[c]:>10g}" for c in cols[:-1])
+            + f"{row[cols[-1]]:>15.1f}")
     return "\n".join(lines)
 
 
@@ -260,14 +426,25 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=200, help="timed calls per op (median)")
     ap.add_argument("--json", default="bench/results/host_cost.json")
+    ap.add_argument("--verify", action="store_true",
+                    help="check every bound launch against Triton's path instead")
     args = ap.parse_args(argv)
     if args.calls < 1:
         ap.error("--calls must be >= 1")
+    if args.verify:
+        result = verify()
+        bound_call_is_tritons()
+        pairs = bound_launches_match_triton()
+        print(f"bound launches: {result['verified']} of {result['launches']} launches checked "
+              f"against Triton's path, none differs; kernels: {', '.join(result['kernels'])}; "
+              f"{pairs} bound launches reached the launcher as Triton's did")
+        return 0
     result = measure(args.calls)
     print(f"host cost per op and rank, GPU flavour on the meta device ({CONFIG.world_size} "
           f"virtual ranks, {CONFIG.tokens} tokens, H {CONFIG.hidden}, top-{CONFIG.topk}, "
           f"{CONFIG.num_experts} experts, bf16; low-latency dispatch FP8); host_us: this CPU, "
-          f"moe_comm's host path without Triton's launch path, median of {args.calls}")
+          f"bound launches into stand-in kernels; triton_path_us: every launch through "
+          f"Triton's launch path; medians of {args.calls}")
     print(table(result))
     for op, row in result.items():
         print(f"{op}: " + ", ".join(f"{k} {v:g}" for k, v in

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .bound import BoundLaunches, call_bound, launch, specs
 from .comm import (
     CPU_RANKS,
     Flavour,
@@ -429,7 +430,7 @@ def combine_send(y, weights, pair_values, slot_rows, slot_offsets, peer_ptrs, st
                  epochs, *, offsets: dict, rank: int, topk: int, max_topk: int, max_tokens: int,
                  num_sms: int | None = None, flavour: Flavour = CPU_RANKS,
                  box_offsets: tuple = ((0, 0),) * 2, xstats=None, plan=None,
-                 fp8: bool = False) -> bool:
+                 fp8: bool = False, bound: BoundLaunches | None = None) -> bool:
     """Launches the persistent send programs of :func:`send_grid` (every rank is signalled):
     they deal the tiles of every source's slots (``slot_offsets`` [R + 1] int64, the diff being
     each source's slots) round-robin among themselves.
@@ -440,21 +441,32 @@ def combine_send(y, weights, pair_values, slot_rows, slot_offsets, peer_ptrs, st
     rdma_combine_rows / rdma_combine_meta outboxes; through the proxy (``transport == 2``)
     ``xstats`` and ``plan`` (``kernels.internode``) say where partials for other nodes go.
     ``fp8``: the partials travel quantized (module docstring; not fp64); hierarchical: those
-    for other nodes go to the forwarders unquantized, which send FP8 sums."""
+    for other nodes go to the forwarders unquantized, which send FP8 sums. ``bound``: the
+    owner's bound launches (``kernels.bound``; ``y`` and the dispatch's tensors vary)."""
     H = y.shape[1]
+    dummy = slot_offsets
+    values = (y, weights if weights is not None else dummy,
+              pair_values if pair_values is not None else dummy, slot_rows, slot_offsets,
+              dummy if xstats is None else xstats, dummy if plan is None else plan)
+    key = ("combine_send", H, topk, specs(values), weights is None,
+           pair_values is None, xstats is None, plan is None, id(peer_ptrs), id(stats),
+           id(tickets), id(epochs), id(offsets), rank, max_topk, max_tokens, num_sms,
+           id(flavour), box_offsets, fp8)
+    if call_bound(bound, key, values):
+        return True
     R = peer_ptrs.numel()
     tile = tiles("combine_send", flavour.compiled, H, max(4, y.element_size()))
-    dummy = slot_offsets
-    combine_send_kernel[(send_grid(R, max_tokens, H, num_sms, flavour, y.element_size()),)](
-        y, weights if weights is not None else dummy,
-        pair_values if pair_values is not None else dummy, slot_rows, slot_offsets,
-        peer_ptrs, stats, dummy if xstats is None else xstats, tickets, epochs,
+    grid = (send_grid(R, max_tokens, H, num_sms, flavour, y.element_size()),)
+    args = (
+        *values[:5], peer_ptrs, stats, values[5], tickets, epochs,
         offsets["rows"][0], offsets["meta"][0],
         offsets["signal"], offsets["rows"][1], offsets["meta"][1],
         *(off for off, _ in box_offsets), *(stride for _, stride in box_offsets),
-        flavour.local_base, flavour.errors_addr, dummy if plan is None else plan,
+        flavour.local_base, flavour.errors_addr, values[6],
         flavour.ring_addr, flavour.timeout_ns, H, topk, R, rank, max_tokens,
-        flavour.ranks_per_node or R, flavour.ring_slots, KMAX=max_topk,
+        flavour.ranks_per_node or R, flavour.ring_slots)
+    kwargs = dict(
+        KMAX=max_topk,
         HAS_WEIGHTS=weights is not None, HAS_PAIR=pair_values is not None,
         ACC_FP64=y.dtype == torch.float64, FP8=fp8, TRANSPORT=flavour.transport,
         HIER=flavour.hierarchical,
@@ -463,6 +475,8 @@ def combine_send(y, weights, pair_values, slot_rows, slot_offsets, peer_ptrs, st
         BLOCK_R=triton.next_power_of_2(R), NUM_THREADS=tile.num_threads,
         IN_FLIGHT=gathers_in_flight(topk, y.element_size(), flavour.compiled),
         **flavour.launch_options(tile))
+    launch(bound, key, combine_send_kernel, grid, args, kwargs,
+           ("y", "weights", "pair_values", "slot_rows", "slot_offsets", "xstats", "plan"))
     return True
 
 
@@ -482,30 +496,41 @@ def reduce_grid(tokens: int, hidden: int, flavour: Flavour, elem_bytes: int) -> 
 
 def combine_reduce(staging, meta, epochs, slot_of, out, pair_out, *, topk: int, max_topk: int,
                    flavour: Flavour = CPU_RANKS, rank: int = 0, node_rows=None, node_meta=None,
-                   node_slot_of=None, live=None, fp8: bool = False) -> bool:
+                   node_slot_of=None, live=None, fp8: bool = False,
+                   bound: BoundLaunches | None = None) -> bool:
     """Launches the :func:`reduce_grid` programs (none for ``T == 0``); ``staging`` /
     ``meta``: the whole combine_rows / combine_meta regions, the parity read from ``epochs``;
     hierarchical (``flavour.hierarchical``): ``node_rows`` / ``node_meta`` the whole hcomb
     regions and ``node_slot_of`` [T, M] from the dispatch; ``live`` [R] int32 (fault
     tolerance): the ranks whose partials arrived (the others' are left out); ``fp8``: the
-    partials (and the node sums) are FP8."""
+    partials (and the node sums) are FP8; ``bound``: the owner's bound launches (the
+    dispatch's tensors, the outputs and the token count vary)."""
     T, H = out.shape
     R, TMAX = staging.shape[1:3]
     if T == 0:
         return False
-    tile = tiles("combine_reduce", flavour.compiled, H, max(4, out.element_size()))
     has_pair = pair_out is not None
     hier = flavour.hierarchical
     row_bytes = staging.stride(2) * staging.element_size()
     if fp8:
         staging = staging.view(torch.uint8)
         node_rows = node_rows.view(torch.uint8) if hier else None
-    combine_reduce_kernel[reduce_grid(T, H, flavour, out.element_size())](
-        staging, meta, node_rows if hier else staging, node_meta if hier else meta, epochs,
-        slot_of, node_slot_of if hier else slot_of, out, pair_out if has_pair else out,
-        slot_of if live is None else live, T, H,
+    grid = reduce_grid(T, H, flavour, out.element_size())
+    values = (staging, meta, node_rows if hier else staging, node_meta if hier else meta,
+              slot_of, node_slot_of if hier else slot_of, out, pair_out if has_pair else out,
+              slot_of if live is None else live, T)
+    key = ("combine_reduce", grid, staging.shape, staging.stride(0), meta.stride(0),
+           node_rows.stride(0) if hier else 0, node_meta.stride(0) if hier else 0, row_bytes,
+           H, specs(values[:9]), has_pair, live is None, id(epochs), topk,
+           max_topk, id(flavour), rank, fp8)
+    if call_bound(bound, key, values):
+        return True
+    tile = tiles("combine_reduce", flavour.compiled, H, max(4, out.element_size()))
+    args = (
+        *values[:4], epochs, *values[4:], H,
         topk, R, TMAX, flavour.ranks_per_node or R, rank, staging.stride(0), meta.stride(0),
-        node_rows.stride(0) if hier else 0, node_meta.stride(0) if hier else 0,
+        node_rows.stride(0) if hier else 0, node_meta.stride(0) if hier else 0)
+    kwargs = dict(
         KMAX=max_topk, HAS_PAIR=has_pair, HIER=hier, LIVE=live is not None, FP8=fp8,
         ROW_BYTES=row_bytes,
         ACC_FP64=out.dtype == torch.float64, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
@@ -513,4 +538,7 @@ def combine_reduce(staging, meta, epochs, slot_of, out, pair_out, *, topk: int, 
         BLOCK_R=triton.next_power_of_2(R),
         BLOCK_M=triton.next_power_of_2(R // (flavour.ranks_per_node or R)),
         **tile.launch_options())
+    launch(bound, key, combine_reduce_kernel, grid, args, kwargs,
+           ("staging", "meta", "node_rows", "node_meta", "slot_of", "node_slot_of", "out",
+            "pair_out", "live", "T"))
     return True

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .bound import BoundLaunches, call_bound, launch, specs
 from .comm import (
     CPU_RANKS,
     INPUT_RECORD,
@@ -412,7 +413,8 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
                   tickets, epochs, *, offsets: dict, rank: int, num_local_experts: int,
                   meta_stride: int, max_topk: int, grid: int, topk: int, row_bytes: int,
                   fp8: int = 0, x_scales=None, ue8m0: int = 0,
-                  flavour: Flavour = CPU_RANKS, box_offsets: tuple = ((0, 0),) * 3) -> bool:
+                  flavour: Flavour = CPU_RANKS, box_offsets: tuple = ((0, 0),) * 3,
+                  bound: BoundLaunches | None = None) -> bool:
     """Launches ``grid`` persistent send programs (:func:`send_grid`, fixed by the Buffer).
 
     ``offsets``: rows / meta / counts -> (byte offset of this source's slice of parity 0, bytes
@@ -427,34 +429,46 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
     3 NVFP4 (``kernels.rows``).
     ``row_bytes``: staging row stride.
     Across nodes (``flavour.transport == 1``) ``box_offsets`` are (offset, parity stride) of
-    the rdma_rows / rdma_meta / rdma_counts outboxes.
+    the rdma_rows / rdma_meta / rdma_counts outboxes. ``bound``: the owner's bound launches
+    (``kernels.bound``; the caller's tensors, the layout's and the token count vary).
     """
     T, H = x.shape
     if fp8 == 2 and ue8m0 == NVFP4:  # x: two e2m1 codes per byte
         H *= 2
-    R = peer_ptrs.numel()
-    tile = tiles("dispatch_send", flavour.compiled, H,
-                 sent_elem_bytes(fp8, ue8m0, x.element_size()))
     send_meta = topk_idx is not None
     has_weights = topk_weights is not None
     dummy = slot_of
     if fp8 == 2:
         x = x.view(torch.uint8)
         x_scales = x_scales.view(torch.uint8) if ue8m0 else x_scales
-    dispatch_send_kernel[(grid,)](
-        x, dummy if x_scales is None else x_scales, topk_idx if send_meta else dummy,
-        topk_weights if has_weights else dummy, slot_of, pair_pos if send_meta else dummy,
-        counts if send_meta else dummy, peer_ptrs, stats, tickets, epochs, offsets["rows"][0],
+    values = (x, dummy if x_scales is None else x_scales, topk_idx if send_meta else dummy,
+              topk_weights if has_weights else dummy, slot_of, pair_pos if send_meta else dummy,
+              counts if send_meta else dummy, T)
+    key = ("dispatch_send", H, topk, specs(values[:7]), x_scales is None,
+           send_meta, has_weights, id(peer_ptrs), id(stats), id(tickets), id(epochs),
+           id(offsets), rank, num_local_experts, meta_stride, max_topk, grid, row_bytes, fp8,
+           ue8m0, id(flavour), box_offsets)
+    if call_bound(bound, key, values):
+        return True
+    R = peer_ptrs.numel()
+    tile = tiles("dispatch_send", flavour.compiled, H,
+                 sent_elem_bytes(fp8, ue8m0, x.element_size()))
+    args = (
+        *values[:7], peer_ptrs, stats, tickets, epochs, offsets["rows"][0],
         offsets["meta"][0], offsets["counts"][0], offsets["signal"], offsets["rows"][1],
         offsets["meta"][1], offsets["counts"][1], *(off for off, _ in box_offsets),
         *(stride for _, stride in box_offsets), flavour.local_base, flavour.errors_addr, T, H,
-        topk, R, num_local_experts, rank, row_bytes, META_STRIDE=meta_stride, KMAX=max_topk,
+        topk, R, num_local_experts, rank, row_bytes)
+    kwargs = dict(
+        META_STRIDE=meta_stride, KMAX=max_topk,
         SEND_META=send_meta, HAS_WEIGHTS=has_weights, FP8=fp8, UE8M0=bool(ue8m0),
         GS=scale_group(ue8m0), TRANSPORT=flavour.transport, ALIGN=flavour.row_align,
         EVEN_H=even(H, tile.block_h),
         BLOCK_T=tile.block_t, BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),
         BLOCK_L=triton.next_power_of_2(num_local_experts + 1),
         NUM_THREADS=tile.num_threads, **flavour.launch_options(tile))
+    launch(bound, key, dispatch_send_kernel, (grid,), args, kwargs,
+           ("x", "x_scales", "topk_idx", "topk_weights", "slot_of", "pair_pos", "counts", "T"))
     return True
 
 
@@ -472,11 +486,17 @@ def expand_grid(world_size: int, flavour: Flavour) -> tuple[int, int]:
     return world_size, per_source_programs(world_size, flavour.compiled)
 
 
+_EXPAND_VARYING = ("staging", "staging_f32", "meta", "slot_offsets", "live", "row_base",
+                   "tokens_per_expert", "expert_offsets", "slot_rows", "out", "out_scales",
+                   "out_global", "out_weights", "out_src_rank", "out_src_token", "max_rows")
+
+
 def dispatch_expand(staging, meta, epochs, slot_offsets, row_base, tokens_per_expert,
                     expert_offsets, slot_rows, out, out_weights, out_src_rank, out_src_token, *,
                     rank: int, topk: int, num_local_experts: int, meta_stride: int,
                     max_topk: int, flavour: Flavour = CPU_RANKS, out_scales=None,
-                    scale_strides=(0, 0), ue8m0: int = 0, out_global=None, live=None) -> bool:
+                    scale_strides=(0, 0), ue8m0: int = 0, out_global=None, live=None,
+                    bound: BoundLaunches | None = None) -> bool:
     """Launches the ``(R, P)`` expand programs of :func:`expand_grid`.
 
     ``staging`` / ``meta``: the whole dispatch_rows / dispatch_meta regions [P, R, TMAX, ...];
@@ -494,37 +514,50 @@ def dispatch_expand(staging, meta, epochs, slot_offsets, row_base, tokens_per_ex
     per 32 for MXFP8 (``ue8m0 == 2``), e4m3 per 16 for NVFP4 (3), whose rows' global scales
     go to ``out_global`` [rows] float32) and ``scale_strides`` its (row, group) strides in
     elements. Rows that would land past ``out``'s end are dropped and recorded in the error
-    record (TOO_MANY_ROWS).
+    record (TOO_MANY_ROWS). ``bound``: the owner's bound launches (the layout's tensors and
+    the outputs vary).
     """
     R, TMAX = staging.shape[1:3]
     H = out.shape[1]
     fp8 = out_scales is not None
     nvfp4 = fp8 and ue8m0 == NVFP4
-    groups = (2 * H if nvfp4 else H) // scale_group(ue8m0) if fp8 else 0
-    per_row = 4 * triton.cdiv(groups, 4) if fp8 and ue8m0 else groups  # bytes of int32 words
-    tile = tiles("dispatch_expand", flavour.compiled, H, out.element_size())
+    elem_bytes = out.element_size()
     cached = meta is None
     has_weights = out_weights is not None
     dummy = slot_offsets
     if fp8:
         out = out.view(torch.uint8)
         out_scales = out_scales.view(torch.uint8) if ue8m0 else out_scales
-    dispatch_expand_kernel[expand_grid(R, flavour)](
-        staging, staging.view(torch.float32) if fp8 else dummy, dummy if cached else meta,
-        epochs, slot_offsets, dummy if live is None else live,
-        dummy if cached else row_base, tokens_per_expert,
-        expert_offsets, slot_rows, out, out_scales if fp8 else dummy,
-        out_global if nvfp4 else dummy,
-        out_weights if has_weights else dummy, dummy if cached else out_src_rank,
-        dummy if cached else out_src_token, flavour.errors_addr, out.shape[0],
+    values = (staging, staging.view(torch.float32) if fp8 else dummy,
+              dummy if cached else meta, slot_offsets,
+              dummy if live is None else live, dummy if cached else row_base, tokens_per_expert,
+              expert_offsets, slot_rows, out, out_scales if fp8 else dummy,
+              out_global if nvfp4 else dummy, out_weights if has_weights else dummy,
+              dummy if cached else out_src_rank, dummy if cached else out_src_token,
+              out.shape[0])
+    key = ("dispatch_expand", staging.shape, staging.stride(), H, elem_bytes,
+           specs(values[:15]), live is None, cached, has_weights,
+           None if cached else meta.stride(0), id(epochs), rank, topk, num_local_experts,
+           meta_stride, max_topk, id(flavour), scale_strides, ue8m0)
+    if call_bound(bound, key, values):
+        return True
+    groups = (2 * H if nvfp4 else H) // scale_group(ue8m0) if fp8 else 0
+    per_row = 4 * triton.cdiv(groups, 4) if fp8 and ue8m0 else groups  # bytes of int32 words
+    tile = tiles("dispatch_expand", flavour.compiled, H, elem_bytes)
+    args = (
+        *values[:3], epochs, *values[3:15],
+        flavour.errors_addr, out.shape[0],
         TMAX, H, topk, num_local_experts, rank, per_row, groups, staging.stride(2),
-        staging.stride(0), 0 if cached else meta.stride(0), scale_strides[0], scale_strides[1],
+        staging.stride(0), 0 if cached else meta.stride(0), scale_strides[0], scale_strides[1])
+    kwargs = dict(
         META_STRIDE=meta_stride, KMAX=max_topk, CACHED=cached, HAS_WEIGHTS=has_weights,
         FP8=fp8, UE8M0=bool(fp8 and ue8m0), GLOBAL=nvfp4, LIVE=live is not None,
         EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t, BLOCK_H=tile.block_h,
         BLOCK_K=triton.next_power_of_2(max(topk, 1)),
         BLOCK_G=triton.next_power_of_2(max(per_row, 1)), BLOCK_Z=ZERO_TILES * tile.block_t,
         **tile.launch_options())
+    launch(bound, key, dispatch_expand_kernel, expand_grid(R, flavour), args, kwargs,
+           _EXPAND_VARYING)
     return True
 
 
@@ -598,7 +631,8 @@ def received_layout_kernel(
 
 def received_layout(counts, signals, epochs, live, *, world_size: int, num_local_experts: int,
                     alignment: int, wait: bool, flavour: Flavour = CPU_RANKS, peer_ptrs=None,
-                    rank: int = 0) -> tuple[torch.Tensor, ...]:
+                    rank: int = 0, bound: BoundLaunches | None = None
+                    ) -> tuple[torch.Tensor, ...]:
     """Launches :func:`received_layout_kernel`; returns fresh int64 tensors
     ``(row_base [R, L], tokens_per_expert [L], expert_offsets [L + 1], slot_offsets [R + 1])``.
     Equivalent PyTorch (``counts`` [R, L + 1] of this call's parity, zero for the sources not
@@ -616,19 +650,27 @@ def received_layout(counts, signals, epochs, live, *, world_size: int, num_local
     kernel first
     waits for every source's epoch in ``signals`` (GPUs, in place of a wait launch; with
     ``flavour.fault_tolerant`` it excludes the silent ones, reaching every rank through
-    ``peer_ptrs``, and ``rank`` is this rank)."""
+    ``peer_ptrs``, and ``rank`` is this rank); ``bound``: the owner's bound launches."""
     R, L = world_size, num_local_experts
     dev = epochs.device
-    outs = tuple(torch.empty(shape, dtype=torch.int64, device=dev)
-                 for shape in ((R, L), (L,), (L + 1,), (R + 1,)))
+    outs = tuple([torch.empty(shape, dtype=torch.int64, device=dev)
+                  for shape in ((R, L), (L,), (L + 1,), (R + 1,))])
+    values = (signals, epochs, epochs if live is None else live, *outs)
+    key = ("received_layout", specs(values), id(counts), id(peer_ptrs), R, L,
+           alignment, wait, live is None, rank, id(flavour))
+    if call_bound(bound, key, values):
+        return outs
     tile = tiles("received_layout", flavour.compiled, 0)
-    received_layout_kernel[(1,)](
-        counts, signals, epochs, epochs if live is None else live, *outs,
-        epochs if peer_ptrs is None else peer_ptrs, flavour.errors_addr, flavour.timeout_ns,
-        flavour.mask_off, flavour.local_base, R, L, alignment, rank,
-        counts.stride(0), WAIT=wait, LIVE=live is not None,
+    args = (counts, *values, epochs if peer_ptrs is None else peer_ptrs, flavour.errors_addr,
+            flavour.timeout_ns, flavour.mask_off, flavour.local_base, R, L, alignment, rank,
+            counts.stride(0))
+    kwargs = dict(
+        WAIT=wait, LIVE=live is not None,
         FT=wait and flavour.fault_tolerant,
         TRANSPORT=flavour.transport if wait and flavour.fault_tolerant else 0,  # (FT's publish)
         BLOCK_R=triton.next_power_of_2(R), BLOCK_L=triton.next_power_of_2(L),
         NUM_THREADS=tile.num_threads, **tile.launch_options())
+    launch(bound, key, received_layout_kernel, (1,), args, kwargs,
+           ("signals", "epochs", "live", "row_base", "tokens_per_expert", "expert_offsets",
+            "slot_offsets"))
     return outs

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .bound import BoundLaunches, call_bound, launch, specs
 from .comm import BAD_EXPERT_ID, INPUT_RECORD, REPEATED_EXPERT, Flavour, record_error
 from .numerics import column
 from .tiles import tiles
@@ -225,7 +226,8 @@ def layout_scratch(max_tokens: int, world_size: int, num_experts: int, flavour: 
 
 
 def routing_layout(topk_idx: torch.Tensor, world_size: int, num_local_experts: int,
-                   flavour: Flavour, rank: int = 0, scratch=None
+                   flavour: Flavour, rank: int = 0, scratch=None,
+                   bound: BoundLaunches | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launches the two layout kernels: ``(slot_of [T, R], pair_pos [T, K], counts [R, L+1])``
     (int32); bad rows of ``topk_idx`` go nowhere and the first is recorded at
@@ -233,7 +235,7 @@ def routing_layout(topk_idx: torch.Tensor, world_size: int, num_local_experts: i
     in the mask words (read on the device: as if its experts' ids were -1), nor anywhere once
     ``rank`` itself is excluded (the fence against its late writes on GPUs, where the host
     does not read the mask). ``scratch``: :func:`layout_scratch` for at least T tokens (made
-    here if None)."""
+    here if None). ``bound``: the owner's bound launches (``kernels.bound``)."""
     T, K = topk_idx.shape
     R, L = world_size, num_local_experts
     E = R * L
@@ -246,19 +248,28 @@ def routing_layout(topk_idx: torch.Tensor, world_size: int, num_local_experts: i
     slot_of = torch.empty((T, R), dtype=torch.int32, device=dev)
     pair_pos = torch.empty((T, K), dtype=torch.int32, device=dev)
     counts = torch.empty((R, L + 1), dtype=torch.int32, device=dev)
-    block_k = triton.next_power_of_2(max(K, 1))
-    block_e = triton.next_power_of_2(E)
-    layout_count_kernel[(chunks,)](topk_idx, pair_pos, chunk_counts, chunk_bad, flavour.mask_off,
-                                   flavour.local_base, T, K, R, L, E, rank,
-                                   FT=flavour.fault_tolerant, CHUNK=tile.block_t,
-                                   BLOCK_K=block_k, BLOCK_E=block_e,
-                                   BLOCK_R=triton.next_power_of_2(R), **tile.launch_options())
-    block_r = min(triton.next_power_of_2(R), 128)
-    layout_place_kernel[(chunks,)](pair_pos, chunk_counts, chunk_bad, slot_of, counts,
-                                   flavour.errors_addr, T, K, R, L, E, CHUNK=tile.block_t,
-                                   BLOCK_K=block_k, BLOCK_E=block_e, BLOCK_R=block_r,
-                                   BLOCK_CE=prefix_rows(block_e), BLOCK_CR=prefix_rows(block_r),
-                                   **tile.launch_options())
+    key = ("layout", chunks, K, specs((topk_idx, slot_of, pair_pos, counts)), id(chunk_counts),
+           id(chunk_bad), R, L, rank, id(flavour))
+    count_values = (topk_idx, pair_pos, T)
+    place_values = (pair_pos, slot_of, counts, T)
+    if not call_bound(bound, ("count",) + key, count_values, (("place",) + key, place_values)):
+        block_k = triton.next_power_of_2(max(K, 1))
+        block_e = triton.next_power_of_2(E)
+        launch(bound, ("count",) + key, layout_count_kernel, (chunks,),
+               (topk_idx, pair_pos, chunk_counts, chunk_bad, flavour.mask_off,
+                flavour.local_base, T, K, R, L, E, rank),
+               dict(FT=flavour.fault_tolerant, CHUNK=tile.block_t, BLOCK_K=block_k,
+                    BLOCK_E=block_e, BLOCK_R=triton.next_power_of_2(R),
+                    **tile.launch_options()),
+               ("topk_idx", "ids_out", "T"))
+        block_r = min(triton.next_power_of_2(R), 128)
+        launch(bound, ("place",) + key, layout_place_kernel, (chunks,),
+               (pair_pos, chunk_counts, chunk_bad, slot_of, counts, flavour.errors_addr, T, K,
+                R, L, E),
+               dict(CHUNK=tile.block_t, BLOCK_K=block_k, BLOCK_E=block_e, BLOCK_R=block_r,
+                    BLOCK_CE=prefix_rows(block_e), BLOCK_CR=prefix_rows(block_r),
+                    **tile.launch_options()),
+               ("pair_pos", "slot_of", "counts", "T"))
     return slot_of, pair_pos, counts
 
 

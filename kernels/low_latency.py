@@ -51,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .bound import BoundLaunches, call_bound, launch, specs
 from .comm import (
     CPU_RANKS,
     Flavour,
@@ -628,25 +629,33 @@ def ll_combine_recv_kernel(
 def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, rank: int,
                      num_local_experts: int, num_experts: int, max_tokens: int, max_topk: int,
                      slot_bytes: int, fp8: bool, ue8m0: int, num_sms: int | None = None,
-                     flavour: Flavour = CPU_RANKS, global_scale=None) -> bool:
+                     flavour: Flavour = CPU_RANKS, global_scale=None,
+                     bound: BoundLaunches | None = None) -> bool:
     """Launches ``min(cdiv(max_tokens, block_t), num_sms)`` persistent send programs (the
     grid depends on the Buffer alone). ``offsets``: rows / meta / signals / acks / outbox ->
     (byte offset of parity 0, bytes per parity); ``meta_table`` -> byte offset (the proxy).
-    NVFP4 (``ue8m0 == 3``): ``global_scale`` [1] float32."""
+    NVFP4 (``ue8m0 == 3``): ``global_scale`` [1] float32. ``bound``: the owner's bound
+    launches (``kernels.bound``; the caller's tensors and the token count vary)."""
     T, H = x.shape
     K = topk_idx.shape[1]
+    scales = stats if global_scale is None else global_scale
+    key = ("ll_dispatch_send", H, K, specs((x, topk_idx, scales)),
+           id(peer_ptrs), id(state), id(stats), id(offsets), rank, num_local_experts,
+           num_experts, max_tokens, max_topk, slot_bytes, fp8, ue8m0, num_sms, id(flavour))
+    if call_bound(bound, key, (x, scales, topk_idx, T)):
+        return True
     R = peer_ptrs.numel()
     kernel = "ll_dispatch_send_nvfp4" if fp8 and ue8m0 == NVFP4 else "ll_dispatch_send"
     tile = tiles(kernel, flavour.compiled, H,
                  sent_elem_bytes(fp8, ue8m0, x.element_size()))
     programs = persistent_programs(triton.cdiv(max_tokens, tile.block_t), num_sms)
-    ll_dispatch_send_kernel[(programs,)](
-        x, stats if global_scale is None else global_scale, topk_idx, peer_ptrs, state, stats,
-        *offsets["rows"], *offsets["meta"],
-        *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)),
-        offsets.get("meta_table", 0), flavour.ring_addr, flavour.ring_slots, flavour.mask_off,
-        *flavour.args(),
-        T, H, K, R, num_local_experts, num_experts, rank, max_tokens, max_topk, slot_bytes,
+    args = (x, scales, topk_idx, peer_ptrs, state, stats,
+            *offsets["rows"], *offsets["meta"],
+            *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)),
+            offsets.get("meta_table", 0), flavour.ring_addr, flavour.ring_slots,
+            flavour.mask_off, *flavour.args(),
+            T, H, K, R, num_local_experts, num_experts, rank, max_tokens, max_topk, slot_bytes)
+    kwargs = dict(
         FP8=fp8, UE8M0=bool(ue8m0), GS=scale_group(ue8m0), FT=flavour.fault_tolerant,
         TRANSPORT=flavour.transport,
         DEVICE_WAIT=flavour.device_wait,
@@ -655,36 +664,49 @@ def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, ran
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_R=triton.next_power_of_2(R),
         NUM_THREADS=tile.num_threads, BLOCK_P=min(triton.next_power_of_2(max_tokens), 128),
         **flavour.launch_options(tile))
+    launch(bound, key, ll_dispatch_send_kernel, (programs,), args, kwargs,
+           ("x", "global_scale", "topk_idx", "T"))
     return True
+
+
+_RECV_VARYING = ("staging", "staging_f32", "out", "out_scales", "out_global", "count", "src_info",
+                 "src_k", "layout", "recv_stats")  # ll_dispatch_recv's tensors made per call
 
 
 def ll_dispatch_recv(staging, meta, signals, peer_ptrs, state, out, out_scales, count,
                      src_info, src_k, layout, recv_stats, *, acks: tuple, rank: int,
                      scale_strides: tuple, ue8m0: int, flavour: Flavour = CPU_RANKS,
-                     out_global=None, num_sms: int | None = None) -> bool:
+                     out_global=None, num_sms: int | None = None,
+                     bound: BoundLaunches | None = None) -> bool:
     """Launches ``min(L * R, num_sms)`` persistent receive programs over the ``L x R`` blocks
     (expert, source): the grid depends on the Buffer alone. ``staging``: the ll_dispatch_rows
     region viewed as uint8 (quantized) or as ``out``'s dtype, [P, L, R, TMAX, slot];
     ``out_scales`` (given for quantized rows): contiguous scale memory with (expert, row,
     group) strides ``scale_strides``; NVFP4 (``ue8m0 == 3``): ``out`` [L, R * TMAX, H/2] uint8 and
     ``out_global`` [L, R * TMAX] float32; ``acks``: (offset, parity stride) of
-    ll_acks[DISPATCH]."""
+    ll_acks[DISPATCH]; ``bound``: the owner's bound launches (the outputs vary)."""
     P, L, R, TMAX, slot = staging.shape
     H = out.shape[2]
     fp8 = out_scales is not None
     nvfp4 = fp8 and ue8m0 == NVFP4
-    groups = (2 * H if nvfp4 else H) // scale_group(ue8m0) if fp8 else 0
-    tile = tiles("ll_dispatch_recv", flavour.compiled, H, out.element_size())
     if fp8:
         out = out.view(torch.uint8)
         out_scales = out_scales.view(torch.uint8) if ue8m0 else out_scales
     dummy = count
-    ll_dispatch_recv_kernel[(persistent_programs(L * R, num_sms),)](
-        staging, staging.view(torch.float32) if fp8 else dummy, meta, signals, peer_ptrs, state,
-        out, out_scales if fp8 else dummy, out_global if nvfp4 else dummy, count, src_info,
-        src_k, layout, recv_stats if recv_stats is not None else dummy, *acks,
-        flavour.ring_addr, flavour.ring_slots, flavour.mask_off, *flavour.args(), H, R, L,
-        rank, TMAX, groups, slot, scale_strides[1], scale_strides[2], scale_strides[0],
+    values = (staging, staging.view(torch.float32) if fp8 else dummy, out,
+              out_scales if fp8 else dummy, out_global if nvfp4 else dummy, count, src_info,
+              src_k, layout, recv_stats if recv_stats is not None else dummy)
+    key = ("ll_dispatch_recv", staging.shape, out.shape, specs(values),
+           recv_stats is None, id(meta), id(signals), id(peer_ptrs), id(state), acks, rank,
+           scale_strides, ue8m0, num_sms, id(flavour))
+    if call_bound(bound, key, values):
+        return True
+    groups = (2 * H if nvfp4 else H) // scale_group(ue8m0) if fp8 else 0
+    tile = tiles("ll_dispatch_recv", flavour.compiled, H, out.element_size())
+    args = (values[0], values[1], meta, signals, peer_ptrs, state, *values[2:], *acks,
+            flavour.ring_addr, flavour.ring_slots, flavour.mask_off, *flavour.args(), H, R, L,
+            rank, TMAX, groups, slot, scale_strides[1], scale_strides[2], scale_strides[0])
+    kwargs = dict(
         FP8=fp8, UE8M0=bool(fp8 and ue8m0), GLOBAL=nvfp4,
         HAS_STATS=recv_stats is not None,
         TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait, FT=flavour.fault_tolerant,
@@ -692,59 +714,80 @@ def ll_dispatch_recv(staging, meta, signals, peer_ptrs, state, out, out_scales, 
         BLOCK_R=triton.next_power_of_2(R),
         BLOCK_G=triton.next_power_of_2(max(groups, 1)),
         NUM_THREADS=tile.num_threads, **flavour.launch_options(tile))
+    launch(bound, key, ll_dispatch_recv_kernel, (persistent_programs(L * R, num_sms),), args,
+           kwargs, _RECV_VARYING)
     return True
 
 
 def ll_combine_send(y, layout, src_info, src_k, peer_ptrs, state, stats, *, offsets: dict,
                     rank: int, max_tokens: int, max_topk: int, flavour: Flavour = CPU_RANKS,
                     y_box_offset: int | None = None, fp8: bool = False,
-                    num_sms: int | None = None) -> bool:
+                    num_sms: int | None = None, bound: BoundLaunches | None = None) -> bool:
     """Launches ``min(L * R, num_sms)`` persistent send programs over the ``L x R`` blocks
     (expert, source); ``offsets``: rows / signals / acks / outbox ->
     (offset, parity stride). ``y_box_offset``: where ``y`` lies in this rank's segment when it
     is symmetric memory already (the NVSHMEM puts read it there: no copy; not with ``fp8``,
-    whose rows are quantized into the outbox)."""
+    whose rows are quantized into the outbox). ``bound``: the owner's bound launches (the
+    dispatch's handle and ``y`` vary)."""
+    zero_copy = y_box_offset is not None and not fp8
+    values = (y, layout, src_info, src_k, y_box_offset if zero_copy else 0)
+    key = ("ll_combine_send", y.shape, specs(values[:4]),
+           values[4], id(peer_ptrs), id(state), id(stats), id(offsets), rank, max_tokens,
+           max_topk, fp8, num_sms, id(flavour))
+    if call_bound(bound, key, values):
+        return True
     L, _, H = y.shape
     R = peer_ptrs.numel()
     # FP8 quantizes in fp32 (4 bytes a channel: half the tile, no spills)
     tile = tiles("ll_combine_send", flavour.compiled, H, 4 if fp8 else y.element_size())
-    zero_copy = y_box_offset is not None and not fp8
-    ll_combine_send_kernel[(persistent_programs(L * R, num_sms),)](
-        y, layout, src_info, src_k, peer_ptrs, state, stats, *offsets["rows"],
-        *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)),
-        y_box_offset if zero_copy else 0, flavour.ring_addr, flavour.ring_slots,
-        flavour.mask_off, *flavour.args(), H, R, L, rank, max_tokens, max_topk,
+    args = (*values[:4], peer_ptrs, state, stats, *offsets["rows"],
+            *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)),
+            values[4], flavour.ring_addr, flavour.ring_slots,
+            flavour.mask_off, *flavour.args(), H, R, L, rank, max_tokens, max_topk)
+    kwargs = dict(
         TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait, FT=flavour.fault_tolerant,
         ZERO_COPY=zero_copy, FP8=fp8,
         ALIGN=flavour.row_align, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
         BLOCK_H=tile.block_h, BLOCK_R=triton.next_power_of_2(R), NUM_THREADS=tile.num_threads,
         **flavour.launch_options(tile))
+    launch(bound, key, ll_combine_send_kernel, (persistent_programs(L * R, num_sms),), args,
+           kwargs, ("y", "layout", "src_info", "src_k", "y_box_off"))
     return True
 
 
 def ll_combine_recv(staging, topk_idx, topk_weights, out, peer_ptrs, state, signals, *,
                     acks: tuple, rank: int, num_experts: int,
                     flavour: Flavour = CPU_RANKS, fp8: bool = False,
-                    num_sms: int | None = None) -> bool:
+                    num_sms: int | None = None, bound: BoundLaunches | None = None) -> bool:
     """Launches ``min(cdiv(TMAX, block_t) * cdiv(H, block_h), num_sms)`` persistent receive
     programs (the grid depends on the Buffer alone); ``staging`` [P, TMAX, KMAX, H];
-    ``signals``: the local ll_combine_signals [P, R]; ``fp8``: the rows arrived as FP8."""
+    ``signals``: the local ll_combine_signals [P, R]; ``fp8``: the rows arrived as FP8;
+    ``bound``: the owner's bound launches (the caller's tensors and the token count vary)."""
     P, TMAX, KMAX, H = staging.shape
     row_bytes = staging.stride(2) * staging.element_size()
     if fp8:
         staging = staging.view(torch.uint8)
     T, K = topk_idx.shape
+    weights = topk_weights if topk_weights is not None else topk_idx
+    values = (staging, topk_idx, weights, out, T)
+    key = ("ll_combine_recv", staging.shape, K, out.shape[1], specs(values[:4]),
+           topk_weights is None, id(peer_ptrs),
+           id(state), id(signals), acks, rank, num_experts, fp8, num_sms, id(flavour))
+    if call_bound(bound, key, values):
+        return True
     R = peer_ptrs.numel()
     tile = tiles("ll_combine_recv", flavour.compiled, H, 4)  # fp32 sums
     tiles_ = triton.cdiv(TMAX, tile.block_t) * triton.cdiv(H, tile.block_h)
-    ll_combine_recv_kernel[(persistent_programs(tiles_, num_sms),)](
-        staging, topk_idx, topk_weights if topk_weights is not None else topk_idx, out,
-        peer_ptrs, state, *acks, signals, flavour.ring_addr, flavour.ring_slots,
-        flavour.mask_off, *flavour.args(), T, H, K, R, num_experts, rank, TMAX,
-        KMAX, HAS_WEIGHTS=topk_weights is not None, TRANSPORT=flavour.transport,
+    args = (*values[:4], peer_ptrs, state, *acks, signals, flavour.ring_addr,
+            flavour.ring_slots, flavour.mask_off, *flavour.args(), T, H, K, R, num_experts,
+            rank, TMAX, KMAX)
+    kwargs = dict(
+        HAS_WEIGHTS=topk_weights is not None, TRANSPORT=flavour.transport,
         DEVICE_WAIT=flavour.device_wait, FT=flavour.fault_tolerant, FP8=fp8,
         ROW_BYTES=row_bytes, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
         BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(K, 1)),
         BLOCK_R=triton.next_power_of_2(R), NUM_THREADS=tile.num_threads,
         **flavour.launch_options(tile))
+    launch(bound, key, ll_combine_recv_kernel, (persistent_programs(tiles_, num_sms),), args,
+           kwargs, ("staging", "topk_idx", "topk_weights", "out", "T"))
     return True

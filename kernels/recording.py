@@ -170,3 +170,65 @@ def recording(arch: int = 90):
         JITFunction.run = run
         triton.knobs.runtime.jit_cache_hook = previous_hook
         driver.set_active(previous_driver)
+
+
+@dataclass
+class LaunchCall:
+    """One launch a :class:`StandInKernel` received: what a compiled kernel's launcher gets."""
+
+    kernel: object
+    grid: tuple
+    stream: int
+    args: tuple
+
+
+class StandInKernel:
+    """What a compile returns inside :func:`compiled_stand_ins`: a compiled kernel whose
+    launcher records its launches instead of running them."""
+
+    def __init__(self, name: str, key: str, log: list):
+        self.name, self.key = name, key
+        self.function = id(self)  # a handle distinct per kernel
+        self.packed_metadata = ()
+        self._log = log
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, g0, g1, g2, stream, function, packed_metadata, metadata, enter_hook,
+            exit_hook, *args):
+        if function != self.function:
+            raise RuntimeError(f"{self.name}: launched with another kernel's handle")
+        self._log.append(LaunchCall(self, (g0, g1, g2), stream, args))
+
+
+@contextlib.contextmanager
+def compiled_stand_ins(arch: int = 90):
+    """Inside the block Triton believes it drives a GPU of ``sm_<arch>`` (as in
+    :func:`recording`) and every compile returns a :class:`StandInKernel`, cached like a real
+    compiled kernel, so each launch takes Triton's whole launch path (binder, cache key, the
+    check of globals) or a bound one (``kernels.bound``) and ends in the stand-in's launcher.
+    Yields the list of :class:`LaunchCall` s. Needs ``TRITON_INTERPRET`` off."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("compiled stand-ins need TRITON_INTERPRET=0 before triton is "
+                           "imported")
+    calls: list[LaunchCall] = []
+    compile_ = JITFunction._do_compile
+
+    def stand_in(self, key, signature, device, constexprs, options, attrs, warmup):
+        kernel = StandInKernel(self.fn.__name__, key, calls)
+        self.device_caches[device][0][key] = kernel
+        cached.append((self, device, key))
+        return kernel
+
+    previous_driver = getattr(driver, "_active", None)
+    driver.set_active(_StandInDriver(arch))
+    JITFunction._do_compile = stand_in
+    cached = []  # (kernel, device, key): dropped afterwards, so no real launch finds them
+    try:
+        yield calls
+    finally:
+        JITFunction._do_compile = compile_
+        driver.set_active(previous_driver)
+        for fn, device, key in cached:
+            fn.device_caches[device][0].pop(key, None)

@@ -26,6 +26,7 @@ import triton
 from . import _registry, env
 from .error_record import ErrorRecord
 from .fault import FaultTolerance, RankExcludedError, renormalized
+from .kernels.bound import BoundLaunches, call_bound, launch, specs
 from .kernels.comm import (
     Flavour,
     PeerTimeoutError,
@@ -257,7 +258,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                ) -> None:
         self.heap, self.layout, self.proxy = heap, layout, proxy
         self._regions: dict[str, torch.Tensor] = {}  # views of the workspace (``_region``)
-        self._offsets: dict = {}  # per-channel launch offsets, computed once
+        self._offsets: dict = {}  # per-channel launch offsets and word views, made once
+        self._bound = BoundLaunches()  # launches with their fixed arguments bound once
         self.rank, self.world_size = heap.rank, heap.world_size
         self.hidden, self.dtype = layout.hidden, layout.dtype
         self.dispatch_dtype = dispatch_dtype or layout.dtype
@@ -578,9 +580,13 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         return view
 
     def _channel_words(self, channel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ticket word, epoch word) of ``channel``: [1] int64 views the kernels update."""
-        return (self._ticket_words[channel:channel + 1],
-                self._epoch_words[channel:channel + 1])
+        """(ticket word, epoch word) of ``channel``: [1] int64 views the kernels update (made
+        once: the same tensors on every call)."""
+        words = self._offsets.get(("words", channel))
+        if words is None:
+            words = self._offsets[("words", channel)] = (
+                self._ticket_words[channel:channel + 1], self._epoch_words[channel:channel + 1])
+        return words
 
     def _send_offsets(self, channel: int) -> dict:
         """Where this rank's sends of ``channel`` write on every peer: name -> (byte offset of
@@ -620,30 +626,39 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             self._wait_words(self._signal_words[pending.channel], pending.epoch,
                              list(range(self.world_size)), channel)
             return False
-        tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
         if self.fault_tolerant:
-            self._ft_wait_kernel(pending, tile)
+            self._ft_wait_kernel(pending)
             self._check_usable(channel)
             return False
-        wait_epochs_kernel[(1,)](self._signals[pending.channel],
-                                 self._channel_words(pending.channel)[1],
-                                 self.flavour.errors_addr, self.flavour.timeout_ns,
-                                 self.world_size, BLOCK_R=triton.next_power_of_2(self.world_size),
-                                 NUM_THREADS=tile.num_threads, **tile.launch_options())
+        signals = self._signals[pending.channel]
+        key = ("wait_epochs", pending.channel, specs((signals,)))
+        if not call_bound(self._bound, key, (signals,)):
+            tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
+            launch(self._bound, key, wait_epochs_kernel, (1,),
+                   (signals, self._channel_words(pending.channel)[1], self.flavour.errors_addr,
+                    self.flavour.timeout_ns, self.world_size),
+                   dict(BLOCK_R=triton.next_power_of_2(self.world_size),
+                        NUM_THREADS=tile.num_threads, **tile.launch_options()), ("signals",))
         self.launches["wait"] += 1
         self._check_usable(channel)
         return False
 
-    def _ft_wait_kernel(self, pending: PendingSend, tile) -> None:
+    def _ft_wait_kernel(self, pending: PendingSend) -> None:
         """The in-kernel wait of a fault-tolerant Buffer: ``pending.live`` [R] int32 (1 where
         the source arrived), written on the device (no synchronisation)."""
         R = self.world_size
         pending.live = torch.empty(R, dtype=torch.int32, device=self.device)
-        ft_wait_epochs_kernel[(1,)](
-            self._signals[pending.channel], self._channel_words(pending.channel)[1],
-            pending.live, self.heap.peer_ptrs, self.flavour.mask_off, *self.flavour.args(), R,
-            self.rank, TRANSPORT=self.flavour.transport, BLOCK_R=triton.next_power_of_2(R),
-            NUM_THREADS=tile.num_threads, **tile.launch_options())
+        signals = self._signals[pending.channel]
+        key = ("ft_wait_epochs", pending.channel, specs((signals, pending.live)))
+        if not call_bound(self._bound, key, (signals, pending.live)):
+            tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
+            launch(self._bound, key, ft_wait_epochs_kernel, (1,),
+                   (signals, self._channel_words(pending.channel)[1], pending.live,
+                    self.heap.peer_ptrs, self.flavour.mask_off, *self.flavour.args(), R,
+                    self.rank),
+                   dict(TRANSPORT=self.flavour.transport, BLOCK_R=triton.next_power_of_2(R),
+                        NUM_THREADS=tile.num_threads, **tile.launch_options()),
+                   ("signals", "live"))
         self.launches["wait"] += 1
 
     def _checking_transport(self, observe):

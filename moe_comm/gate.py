@@ -326,14 +326,11 @@ def drive_checked_ids(cfg: GateConfig) -> None:
 CHECKED_IDS_CONFIGS = ("small", "dsv3-decode")  # where the csrc/ low-latency kernels run
 
 
-def record_config(cfg: GateConfig, arch: int) -> dict[str, Variant]:
-    """The distinct variants the ops launch at ``cfg`` (key -> Variant), with the problems
-    seen while recording (a kernel specialised differently per rank or per call)."""
+def gate_runs(cfg: GateConfig) -> list[tuple]:
+    """The Buffers the gate drives at ``cfg``: ``(dtype name, dtype, transport, low_latency,
+    hierarchical[, fault_tolerant])`` (the arguments of ``_buffers`` after the dtype)."""
     import torch
 
-    from .kernels.recording import recording
-
-    variants: dict[str, Variant] = {}
     runs = []
     for name in GATE_DTYPES:
         dtype = getattr(torch, name)
@@ -344,7 +341,18 @@ def record_config(cfg: GateConfig, arch: int) -> dict[str, Variant]:
             runs += [(name, dtype, 2, True, False), (name, dtype, 2, False, False),
                      (name, dtype, 2, False, True), (name, dtype, 0, False, False, True),
                      (name, dtype, 0, True, False, True)]
-    for name, dtype, transport, low_latency, *flags in runs:
+    return runs
+
+
+def record_config(cfg: GateConfig, arch: int) -> dict[str, Variant]:
+    """The distinct variants the ops launch at ``cfg`` (key -> Variant), with the problems
+    seen while recording (a kernel specialised differently per rank or per call)."""
+    import torch
+
+    from .kernels.recording import recording
+
+    variants: dict[str, Variant] = {}
+    for name, dtype, transport, low_latency, *flags in gate_runs(cfg):
         bufs = _buffers(cfg, dtype, low_latency, transport, arch, *flags)
         with recording(arch) as launches:
             (drive_low_latency if low_latency else drive_normal)(bufs, cfg, dtype)

@@ -336,7 +336,7 @@ class LowLatencyMode:
             self.launches["ll_dispatch_send"] += ll_dispatch_send(
                 x, topk_idx, self.heap.peer_ptrs, self._ll_state, self._stats, offsets=offsets,
                 num_sms=self.num_sms, flavour=self.flavour, max_topk=self.max_topk,
-                global_scale=global_scale, **common)
+                global_scale=global_scale, bound=self._bound, **common)
         recv = LowLatencyRecv(recv_x, scales, count, src_info, handle, x_global_scale=out_global)
         self._ll_pending[DISPATCH] += 1
 
@@ -377,7 +377,7 @@ class LowLatencyMode:
         else:
             self.launches["ll_dispatch_recv"] += ll_dispatch_recv(
                 *args, flavour=self.flavour, out_global=recv.x_global_scale,
-                num_sms=self.num_sms, **common)
+                num_sms=self.num_sms, bound=self._bound, **common)
         recv.handle.received = True
 
     # ----------------------------------------------------------------- combine
@@ -470,7 +470,7 @@ class LowLatencyMode:
         else:
             self.launches["ll_combine_send"] += ll_combine_send(
                 *args, flavour=self.flavour, y_box_offset=self._combine_outbox_offset(y),
-                fp8=fp8, num_sms=self.num_sms, **common)
+                fp8=fp8, num_sms=self.num_sms, bound=self._bound, **common)
         self._ll_pending[COMBINE] += 1
 
         def receive():
@@ -504,4 +504,4 @@ class LowLatencyMode:
             self.launches["ll_combine_recv"] += ll_combine_recv(
                 staging, topk_idx, topk_weights, out, self.heap.peer_ptrs, self._ll_state,
                 signals, num_experts=self.num_experts, flavour=self.flavour, fp8=fp8,
-                num_sms=self.num_sms, **common)
+                num_sms=self.num_sms, bound=self._bound, **common)

@@ -74,11 +74,15 @@ class NormalMode:
     def _rdma_offsets(self, channel: int) -> tuple:
         """(byte offset of parity 0, bytes per parity) of the outboxes NVSHMEM puts read
         (zeros without RDMA)."""
-        names = (("rdma_rows", "rdma_meta", "rdma_counts") if channel == DISPATCH
-                 else ("rdma_combine_rows", "rdma_combine_meta"))
-        if not self.layout.rdma:
-            return ((0, 0),) * len(names)
-        return tuple((self.layout.offset(n, 0), self.layout.parity_stride(n)) for n in names)
+        offsets = self._offsets.get(("rdma", channel))
+        if offsets is None:
+            names = (("rdma_rows", "rdma_meta", "rdma_counts") if channel == DISPATCH
+                     else ("rdma_combine_rows", "rdma_combine_meta"))
+            offsets = (((0, 0),) * len(names) if not self.layout.rdma else
+                       tuple((self.layout.offset(n, 0), self.layout.parity_stride(n))
+                             for n in names))
+            self._offsets[("rdma", channel)] = offsets
+        return offsets
 
     @poisons_buffer_on_error("dispatch")
     def dispatch_send(self, x, topk_idx, topk_weights, x_scales=None, fp8: int = 0,
@@ -91,7 +95,8 @@ class NormalMode:
         topk_weights = None if topk_weights is None else topk_weights.contiguous()
         slot_of, pair_pos, counts = routing_layout(topk_idx, self.world_size,
                                                    self.num_local_experts, self.flavour,
-                                                   self.rank, self._layout_scratch)
+                                                   self.rank, self._layout_scratch,
+                                                   self._bound)
         self.launches["layout"] += 2
         grid = dispatch_kernels.send_grid(self.max_tokens_per_rank, self.hidden, self.num_sms,
                                           self.flavour,
@@ -105,7 +110,7 @@ class NormalMode:
             meta_stride=self.layout.meta_stride, max_topk=self.max_topk, grid=grid,
             topk=topk_idx.shape[1], row_bytes=self._row_bytes, fp8=fp8,
             x_scales=x_scales, ue8m0=ue8m0, flavour=self.flavour,
-            box_offsets=self._rdma_offsets(DISPATCH))
+            box_offsets=self._rdma_offsets(DISPATCH), bound=self._bound)
         node_slot_of = self._send_other_nodes(x, x_scales, topk_idx, topk_weights, pair_pos,
                                               slot_of, counts, fp8, ue8m0)
         return PendingSend(DISPATCH, epoch, slot_of, topk_idx.shape[1], topk_weights is not None,
@@ -200,7 +205,7 @@ class NormalMode:
             self._channel_words(DISPATCH)[1], pending.live,
             world_size=self.world_size, num_local_experts=self.num_local_experts,
             alignment=expert_alignment, wait=fused, flavour=self.flavour,
-            peer_ptrs=self.heap.peer_ptrs, rank=self.rank)
+            peer_ptrs=self.heap.peer_ptrs, rank=self.rank, bound=self._bound)
         if fused:
             self._check_usable("dispatch")  # a timeout (or this rank excluded) shows here
         return layout
@@ -252,7 +257,8 @@ class NormalMode:
             out_weights if pending.has_weights else None, src_rank, src_token, rank=self.rank,
             topk=pending.topk, num_local_experts=L, meta_stride=self.layout.meta_stride,
             max_topk=self.max_topk, flavour=self.flavour, out_scales=scale_memory,
-            scale_strides=scale_strides, ue8m0=pending.ue8m0, out_global=global_scale)
+            scale_strides=scale_strides, ue8m0=pending.ue8m0, out_global=global_scale,
+            bound=self._bound)
         if pending.ue8m0 >= MXFP8:  # rows of G bytes (contiguous unless G % 4)
             scales = scales.contiguous()
         self._dispatch_serial += 1
@@ -275,7 +281,7 @@ class NormalMode:
             rank=self.rank, num_local_experts=self.num_local_experts,
             meta_stride=self.layout.meta_stride, max_topk=self.max_topk, grid=grid, topk=1,
             row_bytes=self._row_bytes, flavour=self.flavour,
-            box_offsets=self._rdma_offsets(DISPATCH))
+            box_offsets=self._rdma_offsets(DISPATCH), bound=self._bound)
         self._send_other_nodes(x, None, None, None, None, slot_of, None,
                                node_slot_of=node_slot_of)
         return PendingSend(DISPATCH, epoch)
@@ -297,7 +303,7 @@ class NormalMode:
             tokens_per_expert, expert_offsets, slot_rows, out, None, None, None, rank=self.rank,
             topk=slot_rows.shape[1], num_local_experts=self.num_local_experts,
             meta_stride=self.layout.meta_stride, max_topk=self.max_topk, flavour=self.flavour,
-            live=pending.live)
+            live=pending.live, bound=self._bound)
         return out
 
     @poisons_buffer_on_error("combine")
@@ -315,7 +321,7 @@ class NormalMode:
             rank=self.rank, topk=topk, max_topk=self.max_topk,
             max_tokens=self.max_tokens_per_rank, num_sms=self.num_sms, flavour=self.flavour,
             box_offsets=self._rdma_offsets(COMBINE), xstats=self._xstats, plan=self._plan,
-            fp8=fp8)
+            fp8=fp8, bound=self._bound)
         if self.hierarchical:
             self._forward_combine(epoch, fwd_slots, fwd_n, topk, pair_values is not None, fp8)
         return PendingSend(COMBINE, epoch, topk=topk, fp8=int(fp8))
@@ -337,5 +343,6 @@ class NormalMode:
             flavour=self.flavour, rank=self.rank,
             node_rows=self._region("hcomb_rows") if self.hierarchical else None,
             node_meta=self._region("hcomb_meta") if self.hierarchical else None,
-            node_slot_of=node_slot_of, live=pending.live, fp8=pending.fp8 != 0)
+            node_slot_of=node_slot_of, live=pending.live, fp8=pending.fp8 != 0,
+            bound=self._bound)
         return out, pair_out

@@ -139,6 +139,35 @@ def test_normal_mode_matches_reference(world_size, fp8):
         outs = lockstep.combine(bufs, ys, [g.handle for g in got], [g.weights for g in got])
         settle(bufs, what)
         _check_combine(outs, ys_ref, want, what)
+    # the later calls' launches went through bound launches (kernels/bound.py), and matched
+    assert all(b._bound.bound_calls > 0 for b in bufs), [b._bound.bound_calls for b in bufs]
+
+
+def test_bound_launches_are_tritons_launches_on_the_gpu(monkeypatch):
+    """With real compiled kernels and device addresses: every launch of both modes (FP8 and
+    bf16, three calls each) takes Triton's path and is checked against its bound launch (the
+    same compiled kernel, grid and arguments: ``kernels.bound.VERIFY``)."""
+    from moe_comm.kernels import bound
+
+    monkeypatch.setattr(bound, "VERIFY", True)
+    world_size = 4
+    case = Case(world_size, 8 * world_size, 2048, 8, (64, 73, 1, 100), routing="zipf",
+                alignment=16, seed=5)
+    bufs = moe_comm.Buffer.loopback(world_size, case.hidden, case.num_experts, case.max_tokens,
+                                    case.dtype, device=DEV)
+    for it in range(3):
+        xs, idxs, ws = make_inputs(case, it)
+        got = lockstep.dispatch(bufs, _cuda(xs), _cuda(idxs), _cuda(ws), case.alignment,
+                                fp8=it == 1, max_recv_rows=_worst_case_rows(case))
+        ys = [torch.zeros_like(g.x, dtype=case.dtype) for g in got]
+        lockstep.combine(bufs, ys, [g.handle for g in got], [g.weights for g in got])
+        settle(bufs, f"normal call {it}")
+    ll = Case(world_size, 4 * world_size, 7168, 8, (128,) * world_size, seed=3)
+    ll_bufs = moe_comm.Buffer.loopback(world_size, ll.hidden, ll.num_experts, 128, ll.dtype,
+                                       low_latency=True, device=DEV, kernel_impl="triton")
+    for it in range(3):
+        _ll_round(ll_bufs, ll, it, fp8=it % 2 == 0)
+    assert all(len(b._bound) > 0 for b in bufs + ll_bufs)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -215,6 +244,8 @@ def test_low_latency_matches_reference(world_size, kernel_impl):
                                     low_latency=True, device=DEV, kernel_impl=kernel_impl)
     for it in range(3):
         _ll_round(bufs, case, it, fp8=it % 2 == 0)
+    if kernel_impl == "triton":  # the later calls through bound launches (kernels/bound.py)
+        assert all(b._bound.bound_calls > 0 for b in bufs), [b._bound.bound_calls for b in bufs]
 
 
 def test_low_latency_pair_replays_in_a_cuda_graph():

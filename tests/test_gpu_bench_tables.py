@@ -39,14 +39,15 @@ def test_the_table_has_its_sections():
     rows = [{"op": "normal dispatch (triton)", "median_ms": 2.0, "min_ms": 1.9, "max_ms": 2.1,
              "bytes": 1e6, "GBps": 0.5, "of_ceiling": 0.01,
              "kernels": {"dispatch_send_kernel": (0.8, 1), "layout_count_kernel": (0.01, 1)},
-             "host_ms": 0.4, "shares": {"dispatch_send_kernel": 0.61},
+             "host_ms": 0.4, "host_ms_triton_path": 0.8,
+             "shares": {"dispatch_send_kernel": 0.61},
              "back_to_back": {"host_ms": 0.3, "device_ms": 1.0, "host_ahead": True}},
             {"op": "low-latency dispatch CUDA-graph replay (triton)", "graph": True,
              "median_ms": 0.24, "min_ms": 0.2, "max_ms": 0.3, "bytes": 0, "kernels": {}},
             {"op": "broken", "error": "RuntimeError: boom"}]
     text = gpu_bench.to_markdown(rows, 2000.0, "a GPU", 1024)
-    assert "| normal dispatch (triton) | 101.2 | 50.0 |" in text  # per rank: / 8
-    assert "| low-latency dispatch CUDA-graph replay (triton) | 30.0 | n/a |" in text
+    assert "| normal dispatch (triton) | 101.2 | 50.0 | 100.0 |" in text  # per rank: / 8
+    assert "| low-latency dispatch CUDA-graph replay (triton) | 30.0 | n/a | n/a |" in text
     assert "dispatch_send_kernel 61%" in text
     assert "host 0.300 ms per call, device 1.000 ms per call: the host stays ahead" in text
     assert "| broken | FAILED: RuntimeError: boom" in text

@@ -14,10 +14,11 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 # launches per op and rank, every kernel counted (torch's too): the limits of the default GPU
 # path (normal dispatch <= 5, normal combine <= 3, low-latency dispatch and combine <= 2 each)
 LIMITS = {"dispatch": 5, "combine": 3, "ll_dispatch": 2, "ll_combine": 2}
-# the host path per op and rank today (views, offsets and tiles made once per Buffer): aten
-# calls, allocations, moe_comm's Python calls; a regression fails
-HOST_PATH = {"dispatch": (24, 17, 102), "combine": (11, 4, 71), "ll_dispatch": (14, 10, 82),
-             "ll_combine": (5, 5, 75)}
+# the host path per op and rank today (views, offsets, tiles and launch arguments made once
+# per Buffer, every launch bound): aten calls, allocations, moe_comm's Python calls; a
+# regression fails
+HOST_PATH = {"dispatch": (18, 17, 105), "combine": (5, 4, 74), "ll_dispatch": (14, 10, 81),
+             "ll_combine": (5, 5, 77)}
 
 
 def test_what_launches_a_kernel():
@@ -47,6 +48,7 @@ def test_launches_per_op_are_counted_and_bounded(tmp_path):
     assert set(result) == set(LIMITS)
     for op, row in result.items():
         assert row["launches"] == row["triton"] + row["torch"], (op, row)
+        assert row["bound"] == row["triton"], (op, row)  # every warm launch skips binding
         assert row["launches"] <= LIMITS[op], (op, row)
         assert sum(row["torch_ops"].values()) == row["torch"], (op, row)
         assert row["aten"] >= row["torch"] and row["python"] > 0, (op, row)
@@ -96,3 +98,26 @@ def test_the_launch_counter_sees_every_kernel_of_the_public_ops():
     with LaunchCounter() as torch_too:
         buf.combine(res.x * 2, res.handle, weights=res.weights)
     assert torch_too.torch_ops == {"mul": 1} and torch_too.count == 3
+
+
+def test_every_bound_launch_is_the_launch_tritons_path_makes():
+    """``host_cost.py --verify``: every launch of the gate's flavours (both modes, every
+    format, the backward ops, fault tolerance, NVSHMEM, the proxy; changing token counts and a
+    misaligned input) checked against the bound launch of its key, a small kernel's bound
+    launch against Triton's own, and each op's second call reaching the launcher as its
+    first did."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "host_cost.py"),
+                           "--verify"], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    checked, total = (int(w) for w in line.split(":")[1].split()[:3:2])
+    assert checked > 5000 and total > checked, line
+    for kernel in ("layout_count_kernel", "dispatch_send_kernel", "received_layout_kernel",
+                   "dispatch_expand_kernel", "combine_send_kernel", "wait_epochs_kernel",
+                   "ft_wait_epochs_kernel", "combine_reduce_kernel", "ll_dispatch_send_kernel",
+                   "ll_dispatch_recv_kernel", "ll_combine_send_kernel",
+                   "ll_combine_recv_kernel"):
+        assert kernel in line, (kernel, line)
+    assert "96 bound launches reached the launcher" in line, line

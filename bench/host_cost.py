@@ -363,13 +363,17 @@ def bound_call_is_tritons() -> None:
     arguments replaced through the bound launch: the stand-in launcher must receive exactly
     what Triton's own path gives it for the same arguments (the same objects, grid, stream and
     handle); made while another device is current, it must take Triton's path (that device's
-    kernel). Raises ``BoundLaunchMismatch`` otherwise."""
+    kernel); the bound launch must not keep the first call's varying tensor alive. Raises
+    ``BoundLaunchMismatch`` otherwise."""
     launches = bound_launches.BoundLaunches()
     a, b, c = (torch.empty(64, device="meta") for _ in range(3))
     kwargs = dict(BLOCK=64, num_warps=1)
     with compiled_stand_ins() as launched:
         bound_launches.launch(launches, "probe", _probe_kernel, (2,), (a, b, 7, 0.5), kwargs,
                               ("a", "n"))
+        if any(v is a for v in launches._bound["probe"].args):
+            raise bound_launches.BoundLaunchMismatch("the bound launch keeps the first call's "
+                                                     "varying tensor alive")
         if not bound_launches.call_bound(launches, "probe", (c, 9)):
             raise bound_launches.BoundLaunchMismatch("the probe kernel was not bound")
         _probe_kernel[(2,)](c, b, 9, 0.5, **kwargs)  # Triton's path, the same arguments

@@ -95,8 +95,10 @@ class BoundLaunch:
         self.kernel, self.compiled, self.options = kernel, compiled, options
         self.device = driver.active.get_current_device()  # the compiled kernel's device
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
-        self.args = args
         self.slots = tuple(names.index(v) for v in varying)
+        # the first call's varying values are not kept: they may be large tensors that are
+        # the caller's to free (outputs, inputs); every call brings its own
+        self.args = [None if i in self.slots else a for i, a in enumerate(args)]
         self.name = kernel.fn.__name__
         self.names = names
 

@@ -107,6 +107,12 @@ MUTANTS = (
            "kernels/bound.py", "        args = self.arguments(values)",
            "        args = self.args.copy()",
            ("tests/test_host_cost.py::test_every_bound_launch_is_the_launch_tritons_path_makes",)),
+    Mutant("bound_launch_holds_first_call_tensors",
+           "a bound launch keeps none of the caller's tensors alive",
+           "kernels/bound.py",
+           "self.args = [None if i in self.slots else a for i, a in enumerate(args)]",
+           "self.args = list(args)",
+           ("tests/test_host_cost.py::test_every_bound_launch_is_the_launch_tritons_path_makes",)),
     # ---- the static gate
     Mutant("gate_drops_mxfp8", "the gate compiles every dispatch format",
            "moe_comm/gate.py", 'for fmt in ("mxfp8", "nvfp4"):', 'for fmt in ("nvfp4",):',

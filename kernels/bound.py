@@ -80,6 +80,11 @@ def _signature_args(kernel, args: tuple, kwargs: dict) -> list:
     return values
 
 
+def _grid3(grid) -> tuple:
+    """A launch grid as its three axes."""
+    return tuple(grid) + (1,) * (3 - len(grid))
+
+
 class BoundLaunch:
     """One kernel launch with every argument but the varying ones fixed (module docstring)."""
 
@@ -94,7 +99,7 @@ class BoundLaunch:
             raise ValueError(f"{kernel.fn.__name__} has no parameters {missing}")
         self.kernel, self.compiled, self.options = kernel, compiled, options
         self.device = driver.active.get_current_device()  # the compiled kernel's device
-        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.grid = _grid3(grid)
         self.slots = tuple(names.index(v) for v in varying)
         # the first call's varying values are not kept: they may be large tensors that are
         # the caller's to free (outputs, inputs); every call brings its own
@@ -152,13 +157,6 @@ class BoundLaunches:
     def __len__(self) -> int:
         return len(self._bound)
 
-    def get(self, key) -> BoundLaunch | None:
-        """The bound launch of ``key``, or None (none yet, :data:`VERIFY`, or not
-        :data:`ENABLED`)."""
-        if VERIFY or not ENABLED:
-            return None
-        return self._bound.get(key)
-
     def launch(self, key, kernel, grid, args: tuple, kwargs: dict, varying: tuple[str, ...]):
         """``kernel[grid](*args, **kwargs)`` through Triton's path; binds it to ``key`` when it
         returned a compiled kernel (under :data:`VERIFY`: checks it against the bound launch of
@@ -166,15 +164,17 @@ class BoundLaunches:
         compiled = kernel[grid](*args, **kwargs)
         if not ENABLED or not _compiled(compiled):
             return compiled
-        params = _signature_args(kernel, args, kwargs)
         bound = self._bound.get(key)
+        if bound is not None and not VERIFY:  # a miss of another key of the caller's group
+            return compiled
+        params = _signature_args(kernel, args, kwargs)
         if bound is None:
             self._offered.pop(key, None)
             if len(self._bound) >= MAX_BOUND:
                 self._bound.pop(next(iter(self._bound)))
             options = {k: v for k, v in kwargs.items() if k not in kernel.arg_names}
             self._bound[key] = BoundLaunch(kernel, compiled, grid, params, varying, options)
-        elif VERIFY:
+        else:
             _verify(bound, compiled, grid, params, self._offered.pop(key, None))
         return compiled
 
@@ -190,7 +190,7 @@ def _verify(bound: BoundLaunch, compiled, grid, params: list, offered: tuple | N
                                       f"offered {a!r}, Triton's path passed {b!r}")
     if compiled is not bound.compiled:
         raise BoundLaunchMismatch(f"{bound.name}: the key took another specialisation")
-    if tuple(grid) + (1,) * (3 - len(grid)) != bound.grid:
+    if _grid3(grid) != bound.grid:
         raise BoundLaunchMismatch(f"{bound.name}: grid {tuple(grid)}, bound {bound.grid}")
     for name, a, b in zip(bound.names, bound.arguments(values), params):
         if not _same(a, b):

@@ -66,7 +66,7 @@ from .rows import load_send_tile, row_payload, sent_elem_bytes, store_rows
 from .tiles import ZERO_TILES, even, per_source_programs, persistent_programs, tiles
 
 _SEND_PER_CALL = ["rows_off", "meta_off", "counts_off", "signal_off", "local_base",
-                  "errors_addr", "T", "me"]
+                  "errors_addr", "T", "t_base", "me"]
 
 
 @triton.jit(do_not_specialize=_SEND_PER_CALL)
@@ -91,7 +91,9 @@ def dispatch_send_kernel(
     box_rows_parity: tl.int64, box_meta_parity: tl.int64, box_counts_parity: tl.int64,
     local_base: tl.int64,  # TRANSPORT 1: address of this rank's segment (symmetric addresses)
     errors_addr: tl.int64,  # the error record: nothing is published after a timeout
-    T: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, me: tl.int32,
+    T: tl.int32,  # tokens of this round (rows of x)
+    t_base: tl.int32,  # index of x's first token in the call (sent as each slot's token)
+    H: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, me: tl.int32,
     ROW_BYTES: tl.int64,  # bytes between staging rows
     META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
     SEND_META: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
@@ -160,7 +162,7 @@ def dispatch_send_kernel(
                 w = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
             if TRANSPORT == 1:
                 box_meta = local_ptr(local_base, box_meta_off, tl.int32, 4) + t64 * META_STRIDE
-                tl.store(box_meta, t, mask=tm)
+                tl.store(box_meta, t + t_base, mask=tm)
                 tl.store(box_meta[:, None] + 1 + kk[None, :], e.to(tl.int32), mask=m2)
                 tl.store(box_meta[:, None] + 1 + KMAX + kk[None, :], pos, mask=m2)
                 tl.store(box_meta[:, None] + 1 + 2 * KMAX + kk[None, :],
@@ -169,7 +171,7 @@ def dispatch_send_kernel(
                 slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
                 sm = by_stores(peer_ptrs, d + tl.zeros([BLOCK_T], tl.int32), slot >= 0, TRANSPORT)
                 meta = peer_ptr(peer_ptrs, d, meta_off, tl.int32, 4) + slot * META_STRIDE
-                tl.store(meta, t, mask=sm)
+                tl.store(meta, t + t_base, mask=sm)
                 sm2 = sm[:, None] & m2  # the same meta for every destination: global expert ids
                 tl.store(meta[:, None] + 1 + kk[None, :], e.to(tl.int32), mask=sm2)
                 tl.store(meta[:, None] + 1 + KMAX + kk[None, :], pos, mask=sm2)
@@ -257,7 +259,9 @@ def dispatch_expand_kernel(
     out_src_rank, out_src_token,  # [rows] int64 (not CACHED)
     errors_addr: tl.int64,  # input record: more rows arrived than `out` holds
     max_rows: tl.int64,  # rows of `out`
-    TMAX: tl.int32, H: tl.int32, K: tl.int32, L: tl.int32, me: tl.int32,
+    TMAX: tl.int32,  # staging slots per source (the ring's)
+    SLOTS: tl.int64,  # rows of slot_rows (R * max_tokens)
+    H: tl.int32, K: tl.int32, L: tl.int32, me: tl.int32,
     G: tl.int32,  # FP8: scales per output row (UE8M0: bytes of its int32 words)
     SCALES: tl.int32,  # FP8: scales per staging row (UE8M0: the first SCALES of the G bytes)
     ROW_ELEMS: tl.int64,  # staging row stride in elements of `staging`
@@ -360,11 +364,11 @@ def dispatch_expand_kernel(
                    SCALE_GROUP_STRIDE, CACHED, HAS_WEIGHTS, FP8, UE8M0, GLOBAL, EVEN_H, BLOCK_Z,
                    BLOCK_H, BLOCK_G)
     if not CACHED:  # slot_rows past the last slot: -1 (every row of it is written)
-        for r0 in range(tl.load(slot_offsets + R) + q * BLOCK_Z, R * TMAX, R * P * BLOCK_Z):
+        for r0 in range(tl.load(slot_offsets + R) + q * BLOCK_Z, SLOTS, R * P * BLOCK_Z):
             r = (r0 + tl.arange(0, BLOCK_Z)).to(tl.int64)
             tl.store(slot_rows + r[:, None] * K + kk[None, :],
                      tl.full([BLOCK_Z, BLOCK_K], -1, tl.int32),
-                     mask=(r < R * TMAX)[:, None] & (kk < K)[None, :])
+                     mask=(r < SLOTS)[:, None] & (kk < K)[None, :])
 
 
 @triton.jit
@@ -414,8 +418,12 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
                   meta_stride: int, max_topk: int, grid: int, topk: int, row_bytes: int,
                   fp8: int = 0, x_scales=None, ue8m0: int = 0,
                   flavour: Flavour = CPU_RANKS, box_offsets: tuple = ((0, 0),) * 3,
-                  bound: BoundLaunches | None = None) -> bool:
+                  bound: BoundLaunches | None = None, t_base: int = 0) -> bool:
     """Launches ``grid`` persistent send programs (:func:`send_grid`, fixed by the Buffer).
+
+    ``x`` (and the per-token tensors) may be one round's window of a call's tokens, ``t_base``
+    the index of its first token (``moe_comm.normal_mode``: each slot's metadata names the
+    token by its index in the call); ``slot_of`` then gives ring positions.
 
     ``offsets``: rows / meta / counts -> (byte offset of this source's slice of parity 0, bytes
     per parity), signal -> byte offset; the kernel takes the call's epoch from ``epochs`` (the
@@ -443,7 +451,7 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
         x_scales = x_scales.view(torch.uint8) if ue8m0 else x_scales
     values = (x, dummy if x_scales is None else x_scales, topk_idx if send_meta else dummy,
               topk_weights if has_weights else dummy, slot_of, pair_pos if send_meta else dummy,
-              counts if send_meta else dummy, T)
+              counts if send_meta else dummy, T, t_base)
     key = ("dispatch_send", H, topk, specs(values[:7]), x_scales is None,
            send_meta, has_weights, id(peer_ptrs), id(stats), id(tickets), id(epochs),
            id(offsets), rank, num_local_experts, meta_stride, max_topk, grid, row_bytes, fp8,
@@ -457,8 +465,8 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
         *values[:7], peer_ptrs, stats, tickets, epochs, offsets["rows"][0],
         offsets["meta"][0], offsets["counts"][0], offsets["signal"], offsets["rows"][1],
         offsets["meta"][1], offsets["counts"][1], *(off for off, _ in box_offsets),
-        *(stride for _, stride in box_offsets), flavour.local_base, flavour.errors_addr, T, H,
-        topk, R, num_local_experts, rank, row_bytes)
+        *(stride for _, stride in box_offsets), flavour.local_base, flavour.errors_addr, T,
+        t_base, H, topk, R, num_local_experts, rank, row_bytes)
     kwargs = dict(
         META_STRIDE=meta_stride, KMAX=max_topk,
         SEND_META=send_meta, HAS_WEIGHTS=has_weights, FP8=fp8, UE8M0=bool(ue8m0),
@@ -468,7 +476,8 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
         BLOCK_L=triton.next_power_of_2(num_local_experts + 1),
         NUM_THREADS=tile.num_threads, **flavour.launch_options(tile))
     launch(bound, key, dispatch_send_kernel, (grid,), args, kwargs,
-           ("x", "x_scales", "topk_idx", "topk_weights", "slot_of", "pair_pos", "counts", "T"))
+           ("x", "x_scales", "topk_idx", "topk_weights", "slot_of", "pair_pos", "counts", "T",
+            "t_base"))
     return True
 
 
@@ -535,7 +544,7 @@ def dispatch_expand(staging, meta, epochs, slot_offsets, row_base, tokens_per_ex
               out_global if nvfp4 else dummy, out_weights if has_weights else dummy,
               dummy if cached else out_src_rank, dummy if cached else out_src_token,
               out.shape[0])
-    key = ("dispatch_expand", staging.shape, staging.stride(), H, elem_bytes,
+    key = ("dispatch_expand", staging.shape, staging.stride(), slot_rows.shape, H, elem_bytes,
            specs(values[:15]), live is None, cached, has_weights,
            None if cached else meta.stride(0), id(epochs), rank, topk, num_local_experts,
            meta_stride, max_topk, id(flavour), scale_strides, ue8m0)
@@ -547,7 +556,8 @@ def dispatch_expand(staging, meta, epochs, slot_offsets, row_base, tokens_per_ex
     args = (
         *values[:3], epochs, *values[3:15],
         flavour.errors_addr, out.shape[0],
-        TMAX, H, topk, num_local_experts, rank, per_row, groups, staging.stride(2),
+        TMAX, slot_rows.shape[0], H, topk, num_local_experts, rank, per_row, groups,
+        staging.stride(2),
         staging.stride(0), 0 if cached else meta.stride(0), scale_strides[0], scale_strides[1])
     kwargs = dict(
         META_STRIDE=meta_stride, KMAX=max_topk, CACHED=cached, HAS_WEIGHTS=has_weights,

@@ -181,7 +181,7 @@ def _expand_trips(a: dict) -> int:
     return (_cdiv(slots, a["BLOCK_T"] * P)  # the slots of one source
             + _cdiv(a["L"], R * P)  # each expert's padding (under one zero tile)
             + _cdiv(a["max_rows"] - rows, zero_tile * R * P)  # rows past the last group
-            + (0 if cached else _cdiv(R * (a["TMAX"] - slots), zero_tile * R * P)))  # slot_rows
+            + (0 if cached else _cdiv(a["SLOTS"] - R * slots, zero_tile * R * P)))  # slot_rows
 
 
 def _combine_send_trips(a: dict) -> int:

@@ -58,14 +58,14 @@ from .validation import (
     scale_code,
     sent_rows_check,
 )
-from .workspace import COMBINE, DISPATCH, WorkspaceLayout
+from .workspace import COMBINE, DISPATCH, WorkspaceLayout, ring_slots_for
 
 _ids = itertools.count(1)
 _CHANNEL_NAMES = {DISPATCH: "dispatch", COMBINE: "combine"}
 _CONFIG_FIELDS = ("hidden", "num_experts", "max_tokens_per_rank", "dtype", "max_topk",
                   "dispatch_dtype", "low_latency", "backend", "device_type", "kernel_impl",
                   "ranks_per_node", "transport", "hierarchical", "nixl_backend",
-                  "fault_tolerant")
+                  "fault_tolerant", "staging_bytes")
 DEFAULT_GPU_SMS = 20  # persistent send grids on GPUs (DeepEP uses 20-24 SMs)
 KERNEL_IMPLS = ("auto", "triton", "cuda")
 # kernel_impl="auto" on GPUs: the faster implementation per mode on the last measured GPU run
@@ -117,6 +117,27 @@ def _check_config(world_size: int, hidden, num_experts, max_tokens_per_rank, dty
                          f"hidden={hidden}, dtype={dtype}")
 
 
+def staging_ring_slots(staging_bytes: int | None, world_size: int, max_tokens: int,
+                       hidden: int, max_topk: int, dtype: torch.dtype, *,
+                       streams: bool = True) -> int | None:
+    """Ring slots per source of the normal mode's staging for a budget of ``staging_bytes``
+    (``workspace.ring_slots_for``; None: the whole batch, one round). ``streams``: whether the
+    Buffer's flavour runs a call in rounds (one node, no fault tolerance, so far); where it does
+    not, the default budget stages the whole batch and a smaller explicit one is refused."""
+    slots = ring_slots_for(staging_bytes, world_size, max_tokens, hidden, max_topk, dtype)
+    if slots == max_tokens:
+        return None
+    if not streams:
+        if staging_bytes is None:
+            return None
+        raise ValueError(
+            f"staging_bytes={staging_bytes} holds {slots} of max_tokens_per_rank={max_tokens} "
+            "slots per source: a call would run in rounds, which the normal mode does on one "
+            "node without fault tolerance so far; pass staging_bytes=None (the whole batch "
+            "is staged) for Buffers across nodes or with fault_tolerant=True")
+    return slots
+
+
 def _check_same_config(configs: list[dict]) -> None:
     for rank, cfg in enumerate(configs):
         for field in _CONFIG_FIELDS:
@@ -138,6 +159,9 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
     ``fault_tolerant=True``: a rank silent for ``timeout_s`` is excluded and calls complete on
     the others, instead of raising PeerTimeoutError (``moe_comm.fault``: ``active_ranks``,
     ``mask_rank``, ``clean_mask``); across nodes through the proxy in flat mode only.
+    ``staging_bytes`` (default ``workspace.DEFAULT_STAGING_BYTES``) bounds the normal mode's
+    staging: where the whole batch does not fit, every call runs in ``rounds`` through rings of
+    ``ring_slots`` slots per source (``moe_comm.normal_mode``; one node, no fault tolerance).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, hidden: int, num_experts: int,
@@ -148,7 +172,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                  num_sms: int | None = None, kernel_impl: str = "auto",
                  ranks_per_node: int | None = None, transport: str = "auto",
                  hierarchical: bool | None = None, nixl_backend: str | None = None,
-                 comm=None, fault_tolerant: bool = False):
+                 comm=None, fault_tolerant: bool = False, staging_bytes: int | None = None):
         if comm is not None:
             if group is not None:
                 raise ValueError("pass either group or comm (an mpi4py communicator), not both")
@@ -167,8 +191,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                       backend=backend, device_type=device.type, kernel_impl=kernel_impl,
                       ranks_per_node=ranks_per_node, transport=transport,
                       hierarchical=hierarchical, nixl_backend=nixl_backend,
-                      fault_tolerant=bool(fault_tolerant), host=socket.gethostname(),
-                      pid=os.getpid())
+                      fault_tolerant=bool(fault_tolerant), staging_bytes=staging_bytes,
+                      host=socket.gethostname(), pid=os.getpid())
         world_size = dist.get_world_size(group)
         configs: list = [None] * world_size
         dist.all_gather_object(configs, config, group=group)
@@ -193,11 +217,15 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         if via == "nixl" and env.kernel_waits():
             raise ValueError("transport='nixl' runs with host waits so far: MOE_COMM_WAIT=kernel "
                              "is not supported across nodes through the proxy yet")
+        rdma = chosen == "nvshmem" and nodes.num_hosts > 1
+        ring_slots = staging_ring_slots(
+            staging_bytes, world_size, max_tokens_per_rank, hidden, max_topk, dtype,
+            streams=nodes.count == 1 and not rdma and not fault_tolerant)
         layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                  num_experts // world_size, max_topk, dtype, low_latency,
-                                 rdma=chosen == "nvshmem" and nodes.num_hosts > 1,
-                                 ranks_per_node=nodes.ranks_per_node, proxy=via == "nixl",
-                                 hierarchical=hierarchical)
+                                 rdma=rdma, ranks_per_node=nodes.ranks_per_node,
+                                 proxy=via == "nixl", hierarchical=hierarchical,
+                                 ring_slots=ring_slots)
         heap = create_heap(chosen, group, layout.nbytes, device, nodes.ranks_per_node)
         proxy = None
         try:
@@ -231,7 +259,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                  dtype: torch.dtype = torch.bfloat16, *, max_topk: int | None = None,
                  dispatch_dtype: torch.dtype | None = None, low_latency: bool = False,
                  timeout_s: float | None = None, device="cpu", num_sms: int | None = None,
-                 kernel_impl: str = "auto", fault_tolerant: bool = False) -> list[Buffer]:
+                 kernel_impl: str = "auto", fault_tolerant: bool = False,
+                 staging_bytes: int | None = None) -> list[Buffer]:
         """``world_size`` virtual ranks in this process; drive them with ``moe_comm.lockstep``
         (``fault_tolerant``: as ``Buffer(..., fault_tolerant=True)``; ``clean_mask`` needs
         every rank at once, which one thread cannot give)."""
@@ -239,8 +268,11 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             max_topk = min(16, num_experts)
         _check_config(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk,
                       dispatch_dtype)
+        ring_slots = staging_ring_slots(staging_bytes, world_size, max_tokens_per_rank, hidden,
+                                        max_topk, dtype, streams=not fault_tolerant)
         layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
-                                 num_experts // world_size, max_topk, dtype, low_latency)
+                                 num_experts // world_size, max_topk, dtype, low_latency,
+                                 ring_slots=ring_slots)
         heaps = create_loopback_heaps(world_size, layout.nbytes, device)
         buffers = []
         for heap in heaps:
@@ -354,15 +386,41 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         """Bytes of symmetric memory this rank allocated (see ``moe_comm.workspace``)."""
         return self.layout.nbytes
 
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of the normal mode's staging (``moe_comm.workspace``: 2 parities x R sources x
+        ``ring_slots`` slots of both channels), within the ``staging_bytes`` asked for."""
+        return self.layout.staging_bytes
+
+    @property
+    def ring_slots(self) -> int:
+        """Staging slots per source and parity; ``max_tokens_per_rank`` when a call is one
+        round, fewer when ``staging_bytes`` bounds it (``moe_comm.normal_mode``)."""
+        return self.layout.ring_slots
+
+    @property
+    def rounds(self) -> int:
+        """Rounds of every normal-mode call: ``ceil(max_tokens_per_rank / ring_slots)``."""
+        return self.layout.rounds
+
     @staticmethod
     def required_workspace_bytes(world_size: int, hidden: int, num_experts: int,
                                  max_tokens_per_rank: int, dtype: torch.dtype = torch.bfloat16,
-                                 max_topk: int | None = None) -> int:
-        """``workspace_bytes`` of a Buffer with these arguments, without allocating it."""
+                                 max_topk: int | None = None, *,
+                                 staging_bytes: int | None = None) -> int:
+        """``workspace_bytes`` of a Buffer with these arguments on one node, without allocating
+        it: the normal mode's staging holds ``ring_slots = min(T, staging_bytes //
+        (2 * R * (2 * H * b + 4 * (1 + 3 * K) + 4 * K)))`` slots per source (below T rounded
+        down to a multiple of 16 where that leaves any; default budget
+        ``workspace.DEFAULT_STAGING_BYTES``), the rest grows with R only through per-peer
+        words (``moe_comm.workspace`` gives every region)."""
         max_topk = min(16, num_experts) if max_topk is None else max_topk
         _check_config(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk)
+        ring_slots = staging_ring_slots(staging_bytes, world_size, max_tokens_per_rank, hidden,
+                                        max_topk, dtype)
         return WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
-                               num_experts // world_size, max_topk, dtype).nbytes
+                               num_experts // world_size, max_topk, dtype,
+                               ring_slots=ring_slots).nbytes
 
     def dispatch(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                  topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None,

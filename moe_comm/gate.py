@@ -65,17 +65,20 @@ class GateConfig:
     topk: int
     tokens: int
     nvshmem: bool  # also build the NVSHMEM flavour at this size
+    ring_slots: int | None = None  # bounded staging: the normal mode runs in rounds
 
 
 CONFIGS = (
     GateConfig("small", 2, 8, 512, 2, 64, nvshmem=False),
     GateConfig("dsv3-prefill", 8, 256, 7168, 8, 4096, nvshmem=True),
     GateConfig("dsv3-decode", 8, 256, 7168, 8, 128, nvshmem=True),
+    # bounded staging: every normal-mode call in 2 rounds of 2048 slots per source (bf16)
+    GateConfig("dsv3-prefill-rounds", 8, 256, 7168, 8, 4096, nvshmem=False, ring_slots=2048),
 )
 
 
 GATE_NUM_SMS = 20  # the num_sms of the gate's Buffers (the GPU default)
-DSV3 = ("dsv3-prefill", "dsv3-decode")
+DSV3 = ("dsv3-prefill", "dsv3-decode", "dsv3-prefill-rounds")
 SPEED_DTYPES = ("bfloat16", "float16")  # what the speed rules read (DeepSeek-V3 runs in bf16)
 
 
@@ -152,7 +155,7 @@ def _buffers(cfg: GateConfig, dtype, low_latency: bool, transport: int, arch: in
     N = cfg.world_size // 2 if proxy else None
     layout = WorkspaceLayout(cfg.world_size, cfg.tokens, cfg.hidden, L, cfg.topk, dtype,
                              low_latency, rdma=transport == 1, proxy=proxy, ranks_per_node=N,
-                             hierarchical=hierarchical)
+                             hierarchical=hierarchical, ring_slots=cfg.ring_slots)
     elem = torch.empty((), dtype=dtype).element_size()
     flavour = Flavour(transport=transport, device_wait=True, compiled=True,
                       bitcode=device_bitcode(arch) if transport == 1 else "",
@@ -253,17 +256,10 @@ def _drive_combines(bufs, cfg: GateConfig, dtype, xs, res, rows: int) -> None:
         for _ in range(2):
             lockstep.combine(bufs, ys, handles, [r.weights for r in res], combine_dtype="fp8")
     for _ in range(2):  # the backward of combine: a dispatch of the cached layout
-        pending = [b.dispatch_cached_send(x, h.slot_of, h.node_tensors()[0])
-                   for b, x, h in zip(bufs, xs, handles)]
-        for b, p, h in zip(bufs, pending, handles):
-            b.dispatch_cached_recv(p, h.slot_rows, h.recv_slot_offsets, h.tokens_per_expert,
-                                   h.expert_offsets, h.num_rows, *h.node_tensors()[1:])
+        lockstep.dispatch_cached(bufs, xs, handles)
     for _ in range(2):  # the backward of dispatch: a combine with router-weight gradients
-        pending = [b.combine_send(y, None, torch.empty(rows, device="meta"), h.slot_rows,
-                                  h.recv_slot_offsets, *h.node_tensors()[1:])
-                   for b, y, h in zip(bufs, ys, handles)]
-        for b, p, h in zip(bufs, pending, handles):
-            b.combine_recv(p, h.slot_of, want_pair=True, node_slot_of=h.node_tensors()[0])
+        lockstep.combine_with_pairs(bufs, ys, handles,
+                                    [torch.empty(rows, device="meta") for _ in bufs])
 
 
 def _fp8_combine_ok(bufs, cfg: GateConfig, dtype) -> bool:
@@ -331,6 +327,8 @@ def gate_runs(cfg: GateConfig) -> list[tuple]:
     hierarchical[, fault_tolerant])`` (the arguments of ``_buffers`` after the dtype)."""
     import torch
 
+    if cfg.ring_slots is not None:  # rounds: the normal mode of one node, in bf16 (the other
+        return [("bfloat16", torch.bfloat16, 0, False, False)]  # dtypes load rows alone)
     runs = []
     for name in GATE_DTYPES:
         dtype = getattr(torch, name)

@@ -1,8 +1,10 @@
 """Drive the virtual ranks of ``Buffer.loopback`` through whole ops (forward only, no autograd).
 
 Each op runs its send phase on every virtual rank, then its receive phase on every virtual rank,
-so every wait finds its epochs already published. Equivalent to calling ``buf.dispatch`` /
-``buf.combine`` on R real ranks at once.
+so every wait finds its epochs already published; a Buffer whose calls run in rounds
+(``staging_bytes``) takes each round the same way: every rank's send of round i, then every
+rank's receive of it (the receive phases are generators of steps, ``moe_comm.normal_mode``).
+Equivalent to calling ``buf.dispatch`` / ``buf.combine`` on R real ranks at once.
 """
 from __future__ import annotations
 
@@ -18,6 +20,23 @@ from .validation import (
     scale_code,
     sent_rows_check,
 )
+
+
+def in_lockstep(steps: list) -> list:
+    """Runs generators of steps side by side, one step of each in turn, to their ends; returns
+    what each returned."""
+    results: list = [None] * len(steps)
+    running = list(range(len(steps)))
+    while running:
+        still = []
+        for i in running:
+            try:
+                next(steps[i])
+                still.append(i)
+            except StopIteration as stop:
+                results[i] = stop.value
+        running = still
+    return results
 
 
 def dispatch(buffers, xs, topk_idxs, topk_weights=None, expert_alignment: int = 1, *,
@@ -42,11 +61,12 @@ def dispatch(buffers, xs, topk_idxs, topk_weights=None, expert_alignment: int = 
     pending = [buf.dispatch_send(rows, idx, w, scales, mode, ue8m0)
                for buf, (rows, scales, mode), idx, w
                in zip(buffers, prepared, topk_idxs, topk_weights)]
-    results = [wrap_dispatch_outputs(buf, buf.dispatch_recv(p, expert_alignment,
-                                                            col_major_scales, max_recv_rows),
-                                     idx.shape[1], w is not None, mode, ue8m0)
-               for buf, p, idx, w, (_, _, mode)
-               in zip(buffers, pending, topk_idxs, topk_weights, prepared)]
+    outs = in_lockstep([buf.dispatch_recv_steps(p, expert_alignment, col_major_scales,
+                                                max_recv_rows)
+                        for buf, p in zip(buffers, pending)])
+    results = [wrap_dispatch_outputs(buf, out, idx.shape[1], w is not None, mode, ue8m0)
+               for buf, out, idx, w, (_, _, mode)
+               in zip(buffers, outs, topk_idxs, topk_weights, prepared)]
     errors = []
     for buf in buffers:  # every rank's record is read (and cleared); the first error raises
         try:
@@ -70,8 +90,30 @@ def combine(buffers, ys, handles, weights=None, *, combine_dtype=None) -> list[t
     pending = [buf.combine_send(y, w, None, h.slot_rows, h.recv_slot_offsets,
                                 *h.node_tensors()[1:], fp8=fp8)
                for buf, y, h, w in zip(buffers, ys, handles, weights)]
-    return [buf.combine_recv(p, h.slot_of, want_pair=False, node_slot_of=h.node_tensors()[0])[0]
-            for buf, p, h in zip(buffers, pending, handles)]
+    return [out for out, _ in in_lockstep(
+        [buf.combine_recv_steps(p, h.slot_of, want_pair=False, node_slot_of=h.node_tensors()[0])
+         for buf, p, h in zip(buffers, pending, handles)])]
+
+
+def dispatch_cached(buffers, xs, handles) -> list[torch.Tensor]:
+    """Every virtual rank's dispatch of the cached layout of ``handles`` (the backward of
+    combine): rows [num_rows, H] per rank."""
+    pending = [buf.dispatch_cached_send(x, h.slot_of, h.node_tensors()[0])
+               for buf, x, h in zip(buffers, xs, handles, strict=True)]
+    return in_lockstep([buf.dispatch_cached_recv_steps(
+        p, h.slot_rows, h.recv_slot_offsets, h.tokens_per_expert, h.expert_offsets, h.num_rows,
+        *h.node_tensors()[1:]) for buf, p, h in zip(buffers, pending, handles)])
+
+
+def combine_with_pairs(buffers, ys, handles, pair_values) -> list[tuple]:
+    """Every virtual rank's combine carrying per-row values home (the backward of dispatch:
+    ``pair_values`` [rows] float32 per rank): ``(out [T, H], pair_out [T, K])`` per rank."""
+    pending = [buf.combine_send(y, None, v, h.slot_rows, h.recv_slot_offsets,
+                                *h.node_tensors()[1:])
+               for buf, y, h, v in zip(buffers, ys, handles, pair_values, strict=True)]
+    return in_lockstep([buf.combine_recv_steps(p, h.slot_of, want_pair=True,
+                                               node_slot_of=h.node_tensors()[0])
+                        for buf, p, h in zip(buffers, pending, handles)])
 
 
 def low_latency_dispatch(buffers, xs, topk_idxs, **kwargs) -> list:

@@ -12,6 +12,34 @@ writes every row, padding included). Through the proxy across nodes a dispatch a
 node slots), a hierarchical combine adds ``combine_forward``; the host waits for the
 forwarders' inputs are reads of numpy views of the signal words, not of tensors.
 
+Rounds (``Buffer(..., staging_bytes=...)``, ``moe_comm.workspace``): the staging holds ``W``
+slots per source and parity. Where ``W < max_tokens_per_rank`` every call runs in ``rounds =
+ceil(max_tokens_per_rank / W)`` rounds, the same number on every rank; round ``i`` is a whole
+epoch of the channel for the source tokens ``[i * W, (i + 1) * W)``::
+
+    for i in range(rounds):
+        send(tokens of window i -> position slot - (slots of rank d in rounds < i) on rank d)
+        publish epoch (dispatch: with the call's per-expert counts and the round's rows)
+        wait for every rank's epoch of round i; expand (dispatch) or sum (combine) its rows
+
+Each round launches what a call of one round does (without the layout); the ring positions,
+the rounds' counts and slot offsets are torch ops. A window holds at most ``W`` tokens, so at
+most ``W`` rows for any rank. The order that makes
+it safe, in each place the kernels run: a rank's send of round ``i`` needs nothing but its own
+inputs (the parity it writes was last read in round ``i - 2``, by the two-parity argument of
+``moe_comm.buffer`` applied per round), and its wait for round ``i`` needs only every rank's
+send of round ``i``, which every rank issues before its own wait: so on GPUs (the send and the
+wait in stream order, each rank on its own GPU) and on CPU ranks (one process per rank, host or
+in-kernel waits) no rank waits for one that is waiting; virtual ranks (``moe_comm.lockstep``)
+run every rank's send of a round before any rank's receive of it (the receive phases are
+generators that yield between a round's send and its receive). The dispatch's receive writes
+each round's rows straight into the expert-major output (the received layout of round 0 fixes
+every row's place; every round publishes the same per-expert counts) and records each round's
+slot offsets (``recv_slot_offsets``: round ``i``'s ``[R + 1]`` at ``i * S``, ``S`` = ``R + 1``
+rounded up to even); the combine sends back each round's slots to the ring positions they had,
+and the home rank sums the tokens of window ``i`` in round ``i``, each in rank order: the same
+bits as one round.
+
 Host reads of device data (``self.host_syncs``): dispatch reads the received-row count once to
 size its output (``rows``), none with ``max_recv_rows``; combine and the cached dispatch read
 nothing. Every grid is fixed by the Buffer's sizes (the persistent programs read the counts
@@ -19,11 +47,14 @@ they need on the device), but the layout's and the reduce's, which follow the ca
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ._guard import poisons_buffer_on_error
+from ._guard import poisons_buffer_on_error, run_steps
 from .host_sync import read_int
 from .kernels import combine as combine_kernels
 from .kernels import dispatch as dispatch_kernels
@@ -49,6 +80,28 @@ class PendingSend:
     # fault tolerance (``moe_comm.fault``): which sources' epochs arrived ([R] int32; None:
     # all, or a dispatch whose received layout waited itself)
     live: torch.Tensor | None = None
+    # a Buffer of several rounds: ``send_round(i)`` sends round i (round 0 is sent)
+    send_round: Callable[[int], None] | None = None
+
+
+@dataclass
+class Stream:
+    """What the rounds of a dispatch send take from its call: the per-token tensors (each
+    round sends the window ``[i * W, (i + 1) * W)`` of them), ``ring`` [T, R] int32 (the slot
+    of token t on rank d, less the slots of d's earlier rounds: its position in d's ring; -1
+    where t does not go) and the counts each round publishes ([R, L + 1] int32; several
+    rounds: [rounds, R, L + 1], the call's per-expert counts and the round's own rows)."""
+
+    x: torch.Tensor
+    x_scales: torch.Tensor | None
+    topk_idx: torch.Tensor | None
+    topk_weights: torch.Tensor | None
+    pair_pos: torch.Tensor | None
+    ring: torch.Tensor
+    counts: torch.Tensor | None
+    topk: int = 1
+    fp8: int = 0
+    ue8m0: int = 0
 
 
 def fp8_scales_out(rows: int, groups: int, ue8m0: int, col_major: bool, device):
@@ -98,23 +151,106 @@ class NormalMode:
                                                    self.rank, self._layout_scratch,
                                                    self._bound)
         self.launches["layout"] += 2
-        grid = dispatch_kernels.send_grid(self.max_tokens_per_rank, self.hidden, self.num_sms,
-                                          self.flavour,
-                                          sent_elem_bytes(fp8, ue8m0, x.element_size()))
         if x_scales is not None:
             x_scales = x_scales.contiguous()
-        self.launches["dispatch_send"] += dispatch_kernels.dispatch_send(
-            x, topk_idx, topk_weights, slot_of, pair_pos, counts, self.heap.peer_ptrs,
-            self._stats, *self._channel_words(DISPATCH), offsets=self._send_offsets(DISPATCH),
-            rank=self.rank, num_local_experts=self.num_local_experts,
-            meta_stride=self.layout.meta_stride, max_topk=self.max_topk, grid=grid,
-            topk=topk_idx.shape[1], row_bytes=self._row_bytes, fp8=fp8,
-            x_scales=x_scales, ue8m0=ue8m0, flavour=self.flavour,
-            box_offsets=self._rdma_offsets(DISPATCH), bound=self._bound)
+        K, later = topk_idx.shape[1], None
+        if self.layout.rounds == 1:
+            self._send_window(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts, K,
+                              fp8, ue8m0)
+        else:
+            later = self._stream(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts,
+                                 K, fp8, ue8m0)
+            later(0)
         node_slot_of = self._send_other_nodes(x, x_scales, topk_idx, topk_weights, pair_pos,
                                               slot_of, counts, fp8, ue8m0)
-        return PendingSend(DISPATCH, epoch, slot_of, topk_idx.shape[1], topk_weights is not None,
-                           fp8, ue8m0, node_slot_of)
+        return PendingSend(DISPATCH, epoch, slot_of, K, topk_weights is not None, fp8, ue8m0,
+                           node_slot_of, send_round=later)
+
+    # ----------------------------------------------------------------- rounds
+    def _ring_positions(self, slot_of: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Several rounds: ``(ring [T, R] int32, rows [rounds, R] int32)``: token t's position
+        in rank d's ring in its round ``t // W`` (its slot less d's slots of the earlier
+        rounds; -1 where t does not go to d), and each round's rows per rank. Equivalent::
+
+            rows[i, d] = (slot_of[i * W:(i + 1) * W, d] >= 0).sum()
+            ring[t, d] = slot_of[t, d] - rows[:t // W, d].sum()   where slot_of[t, d] >= 0
+        """
+        T, R = slot_of.shape
+        W, n = self.layout.ring_slots, self.layout.rounds
+        hits = torch.zeros((n * W, R), dtype=torch.int32, device=self.device)
+        hits[:T] = slot_of >= 0
+        rows = hits.view(n, W, R).sum(1, dtype=torch.int32)
+        first = rows.cumsum(0, dtype=torch.int32) - rows
+        round_of = torch.arange(T, device=self.device) // W
+        ring = torch.where(slot_of >= 0, slot_of - first[round_of], -1).to(torch.int32)
+        return ring, rows
+
+    def _stream(self, x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts,
+                topk: int, fp8: int = 0, ue8m0: int = 0) -> Callable[[int], None]:
+        """Several rounds: ``send_round`` of a dispatch send (round i of its :class:`Stream`)."""
+        ring, rows = self._ring_positions(slot_of)
+        if counts is not None:  # every round: the call's per-expert counts, its own rows
+            n, (R, C) = self.layout.rounds, counts.shape
+            words = torch.empty((n, -(-R * C // 4) * 4), dtype=torch.int32, device=self.device)
+            rounds = words[:, :R * C].view(n, R, C)  # each round's counts 16-byte aligned
+            rounds.copy_(counts.expand(n, R, C))
+            rounds[:, :, -1] = rows
+            counts = rounds
+        return functools.partial(self._send_round, Stream(
+            x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts, topk, fp8, ue8m0))
+
+    def _send_round(self, stream: Stream, i: int) -> None:
+        """Round ``i`` of a dispatch send of several rounds (its epoch is the channel's latest:
+        ``_start``): the window's tokens into their ring positions on every destination, then
+        the round's counts and epoch to every rank."""
+        t_base = i * self.layout.ring_slots
+        window = slice(t_base, t_base + self.layout.ring_slots)
+        x, idx, weights, pos, ring = (None if t is None else t[window] for t in (
+            stream.x, stream.topk_idx, stream.topk_weights, stream.pair_pos, stream.ring))
+        scales = stream.x_scales  # none, one global scale, or per token (sent quantized)
+        self._send_window(x, scales[window] if stream.fp8 == 2 else scales, idx, weights, pos,
+                          ring, None if stream.counts is None else stream.counts[i], stream.topk,
+                          stream.fp8, stream.ue8m0, t_base)
+
+    def _send_window(self, x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
+                     topk: int, fp8: int = 0, ue8m0: int = 0, t_base: int = 0) -> None:
+        """The dispatch send of tokens ``t_base + [0, len(x))`` to their positions ``ring`` in
+        every destination's staging, then the counts and epoch to every rank
+        (``kernels.dispatch``)."""
+        words, offsets, boxes = (self._offsets.get(("fixed", DISPATCH))
+                                 or self._send_fixed(DISPATCH))
+        grid = dispatch_kernels.send_grid(self.layout.ring_slots, self.hidden, self.num_sms,
+                                          self.flavour,
+                                          sent_elem_bytes(fp8, ue8m0, x.element_size()))
+        self.launches["dispatch_send"] += dispatch_kernels.dispatch_send(
+            x, topk_idx, topk_weights, ring, pair_pos, counts, self.heap.peer_ptrs,
+            self._stats, *words, offsets=offsets, rank=self.rank,
+            num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
+            max_topk=self.max_topk, grid=grid, topk=topk, row_bytes=self._row_bytes, fp8=fp8,
+            x_scales=x_scales, ue8m0=ue8m0, flavour=self.flavour, box_offsets=boxes,
+            bound=self._bound, t_base=t_base)
+
+    def _send_fixed(self, channel: int) -> tuple:
+        """(ticket and epoch words, send offsets, outbox offsets) of ``channel``'s send, made
+        once (one lookup per send)."""
+        fixed = self._offsets[("fixed", channel)] = (
+            self._channel_words(channel), self._send_offsets(channel),
+            self._rdma_offsets(channel))
+        return fixed
+
+    def slot_offsets_size(self) -> int:
+        """Length of a dispatch's ``recv_slot_offsets``: round i's ``[R + 1]`` offsets start at
+        ``i * S`` (``S`` = R + 1 rounded up to an even count, so that every round's view has the
+        first one's 16-byte alignment: one compiled variant)."""
+        R1 = self.world_size + 1
+        return (self.layout.rounds - 1) * (R1 + R1 % 2) + R1
+
+    def _round_view(self, slot_offsets: torch.Tensor, i: int) -> torch.Tensor:
+        """Round ``i``'s ``[R + 1]`` view of a dispatch's ``recv_slot_offsets`` (several
+        rounds)."""
+        R1 = self.world_size + 1
+        start = i * (R1 + R1 % 2)
+        return slot_offsets[start:start + R1]
 
     def _empty_int(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int32, device=self.device)
@@ -210,10 +346,19 @@ class NormalMode:
             self._check_usable("dispatch")  # a timeout (or this rank excluded) shows here
         return layout
 
-    @poisons_buffer_on_error("dispatch")
     def dispatch_recv(self, pending: PendingSend, expert_alignment: int,
                       col_major_scales: bool = False, max_recv_rows: int | None = None) -> tuple:
-        """Receive phase of dispatch; returns the tensors of ``moe_comm::dispatch``.
+        """Receive phase of dispatch (with the later rounds' sends); returns the tensors of
+        ``moe_comm::dispatch``."""
+        return run_steps(self.dispatch_recv_steps(pending, expert_alignment, col_major_scales,
+                                                  max_recv_rows))
+
+    @poisons_buffer_on_error("dispatch")
+    def dispatch_recv_steps(self, pending: PendingSend, expert_alignment: int,
+                            col_major_scales: bool = False, max_recv_rows: int | None = None):
+        """:meth:`dispatch_recv` as steps: it yields after the send of each round past the
+        first, before that round's receive (``moe_comm.lockstep`` runs every virtual rank's
+        step before any rank receives), and returns the tensors of ``moe_comm::dispatch``.
 
         ``max_recv_rows`` (an upper bound of the rows this rank receives, padding included)
         sizes the output without reading the count back: the one host synchronisation of a
@@ -250,15 +395,33 @@ class NormalMode:
         slot_rows = torch.empty((self.world_size * self.max_tokens_per_rank, pending.topk),
                                 dtype=torch.int32, device=dev)  # 4 bytes per (slot, choice)
         staging, meta = self._staging(DISPATCH)
-        self.launches["dispatch_expand"] += dispatch_kernels.dispatch_expand(
-            staging.view(torch.uint8) if fp8 else staging, meta,
-            self._channel_words(DISPATCH)[1], slot_offsets, row_base,
-            tokens_per_expert, expert_offsets, slot_rows, out,
-            out_weights if pending.has_weights else None, src_rank, src_token, rank=self.rank,
-            topk=pending.topk, num_local_experts=L, meta_stride=self.layout.meta_stride,
-            max_topk=self.max_topk, flavour=self.flavour, out_scales=scale_memory,
-            scale_strides=scale_strides, ue8m0=pending.ue8m0, out_global=global_scale,
-            bound=self._bound)
+        expand = functools.partial(
+            dispatch_kernels.dispatch_expand, staging.view(torch.uint8) if fp8 else staging,
+            meta, self._channel_words(DISPATCH)[1])
+        options = dict(
+            rank=self.rank, topk=pending.topk, num_local_experts=L,
+            meta_stride=self.layout.meta_stride, max_topk=self.max_topk, flavour=self.flavour,
+            out_scales=scale_memory, scale_strides=scale_strides, ue8m0=pending.ue8m0,
+            out_global=global_scale, bound=self._bound)
+        outputs = (slot_rows, out, out_weights if pending.has_weights else None, src_rank,
+                   src_token)
+        first = slot_offsets
+        if self.layout.rounds > 1:  # every round's offsets, each after the earlier rounds'
+            slot_offsets = torch.zeros(self.slot_offsets_size(), dtype=torch.int64, device=dev)
+            first = self._round_view(slot_offsets, 0).copy_(first)
+        self.launches["dispatch_expand"] += expand(
+            first, row_base, tokens_per_expert, expert_offsets, *outputs, **options)
+        for i in range(1, self.layout.rounds):
+            epoch = self._start(DISPATCH)
+            pending.send_round(i)
+            yield
+            row_base, _, _, offsets = self._received_layout(
+                expert_alignment, dataclasses.replace(pending, epoch=epoch))
+            view = self._round_view(slot_offsets, i)
+            end = self._round_view(slot_offsets, i - 1)[-1]
+            torch.add(offsets, end, out=view)
+            self.launches["dispatch_expand"] += expand(
+                view, row_base, tokens_per_expert, expert_offsets, *outputs, **options)
         if pending.ue8m0 >= MXFP8:  # rows of G bytes (contiguous unless G % 4)
             scales = scales.contiguous()
         self._dispatch_serial += 1
@@ -273,24 +436,29 @@ class NormalMode:
         """Send phase of a dispatch that reuses an earlier layout (the backward of combine)."""
         epoch = self._start(DISPATCH)
         x = x.contiguous()
-        grid = dispatch_kernels.send_grid(self.max_tokens_per_rank, self.hidden, self.num_sms,
-                                          self.flavour, x.element_size())
-        self.launches["dispatch_send"] += dispatch_kernels.dispatch_send(
-            x, None, None, slot_of, None, None, self.heap.peer_ptrs, self._stats,
-            *self._channel_words(DISPATCH), offsets=self._send_offsets(DISPATCH),
-            rank=self.rank, num_local_experts=self.num_local_experts,
-            meta_stride=self.layout.meta_stride, max_topk=self.max_topk, grid=grid, topk=1,
-            row_bytes=self._row_bytes, flavour=self.flavour,
-            box_offsets=self._rdma_offsets(DISPATCH), bound=self._bound)
+        later = None
+        if self.layout.rounds == 1:
+            self._send_window(x, None, None, None, None, slot_of, None, 1)
+        else:
+            later = self._stream(x, None, None, None, None, slot_of, None, 1)
+            later(0)
         self._send_other_nodes(x, None, None, None, None, slot_of, None,
                                node_slot_of=node_slot_of)
-        return PendingSend(DISPATCH, epoch)
+        return PendingSend(DISPATCH, epoch, send_round=later)
 
-    @poisons_buffer_on_error("dispatch")
     def dispatch_cached_recv(self, pending: PendingSend, slot_rows, slot_offsets,
                              tokens_per_expert, expert_offsets, num_rows: int, fwd_slots=None,
                              fwd_n=None) -> torch.Tensor:
         """Receive phase of a cached dispatch: rows [num_rows, H], zero in padding."""
+        return run_steps(self.dispatch_cached_recv_steps(
+            pending, slot_rows, slot_offsets, tokens_per_expert, expert_offsets, num_rows,
+            fwd_slots, fwd_n))
+
+    @poisons_buffer_on_error("dispatch")
+    def dispatch_cached_recv_steps(self, pending: PendingSend, slot_rows, slot_offsets,
+                                   tokens_per_expert, expert_offsets, num_rows: int,
+                                   fwd_slots=None, fwd_n=None):
+        """:meth:`dispatch_cached_recv` as steps (as :meth:`dispatch_recv_steps`)."""
         if self.hierarchical:
             self._forward_dispatch(pending.epoch, self._row_bytes, fwd_slots, fwd_n)
         self._wait(pending)
@@ -298,12 +466,20 @@ class NormalMode:
         alloc = torch.empty if pending.live is None else torch.zeros
         out = alloc((num_rows, self.hidden), dtype=self.dtype, device=self.device)
         staging, _ = self._staging(DISPATCH)
-        self.launches["dispatch_expand"] += dispatch_kernels.dispatch_expand(
-            staging, None, self._channel_words(DISPATCH)[1], slot_offsets, None,
-            tokens_per_expert, expert_offsets, slot_rows, out, None, None, None, rank=self.rank,
-            topk=slot_rows.shape[1], num_local_experts=self.num_local_experts,
-            meta_stride=self.layout.meta_stride, max_topk=self.max_topk, flavour=self.flavour,
-            live=pending.live, bound=self._bound)
+        for i in range(self.layout.rounds):
+            if i:
+                epoch = self._start(DISPATCH)
+                pending.send_round(i)
+                yield
+                self._wait(dataclasses.replace(pending, epoch=epoch))
+            self.launches["dispatch_expand"] += dispatch_kernels.dispatch_expand(
+                staging, None, self._channel_words(DISPATCH)[1],
+                slot_offsets if self.layout.rounds == 1 else self._round_view(slot_offsets, i),
+                None, tokens_per_expert, expert_offsets,
+                slot_rows, out, None, None, None, rank=self.rank, topk=slot_rows.shape[1],
+                num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
+                max_topk=self.max_topk, flavour=self.flavour, live=pending.live,
+                bound=self._bound)
         return out
 
     @poisons_buffer_on_error("combine")
@@ -315,21 +491,41 @@ class NormalMode:
         per 128 channels (``kernels.combine``)."""
         epoch = self._start(COMBINE)
         topk = slot_rows.shape[1]
-        self.launches["combine_send"] += combine_kernels.combine_send(
-            y.contiguous(), weights, pair_values, slot_rows, slot_offsets, self.heap.peer_ptrs,
-            self._stats, *self._channel_words(COMBINE), offsets=self._send_offsets(COMBINE),
-            rank=self.rank, topk=topk, max_topk=self.max_topk,
-            max_tokens=self.max_tokens_per_rank, num_sms=self.num_sms, flavour=self.flavour,
-            box_offsets=self._rdma_offsets(COMBINE), xstats=self._xstats, plan=self._plan,
-            fp8=fp8, bound=self._bound)
+        y = y.contiguous()
+        later = None
+        if self.layout.rounds > 1:
+            later = functools.partial(self._combine_round, y, weights, pair_values, slot_rows,
+                                      slot_offsets, fp8)
+        self._combine_round(y, weights, pair_values, slot_rows, slot_offsets, fp8, 0)
         if self.hierarchical:
             self._forward_combine(epoch, fwd_slots, fwd_n, topk, pair_values is not None, fp8)
-        return PendingSend(COMBINE, epoch, topk=topk, fp8=int(fp8))
+        return PendingSend(COMBINE, epoch, topk=topk, fp8=int(fp8), send_round=later)
 
-    @poisons_buffer_on_error("combine")
+    def _combine_round(self, y, weights, pair_values, slot_rows, slot_offsets, fp8: bool,
+                       i: int) -> None:
+        """Round ``i`` of a combine send: the partials of the slots that arrived in round ``i``
+        of the dispatch, to the ring positions they had there (``kernels.combine``)."""
+        words, offsets, boxes = (self._offsets.get(("fixed", COMBINE))
+                                 or self._send_fixed(COMBINE))
+        self.launches["combine_send"] += combine_kernels.combine_send(
+            y, weights, pair_values, slot_rows,
+            slot_offsets if self.layout.rounds == 1 else self._round_view(slot_offsets, i),
+            self.heap.peer_ptrs, self._stats, *words, offsets=offsets, rank=self.rank,
+            topk=slot_rows.shape[1], max_topk=self.max_topk, max_tokens=self.layout.ring_slots,
+            num_sms=self.num_sms, flavour=self.flavour, box_offsets=boxes, xstats=self._xstats,
+            plan=self._plan, fp8=fp8, bound=self._bound)
+
     def combine_recv(self, pending: PendingSend, slot_of, want_pair: bool, node_slot_of=None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Receive phase of combine: ``(out [T, H], pair_out [T, K] float32 or empty)``."""
+        """Receive phase of combine (with the later rounds' sends): ``(out [T, H], pair_out
+        [T, K] float32 or empty)``."""
+        return run_steps(self.combine_recv_steps(pending, slot_of, want_pair, node_slot_of))
+
+    @poisons_buffer_on_error("combine")
+    def combine_recv_steps(self, pending: PendingSend, slot_of, want_pair: bool,
+                           node_slot_of=None):
+        """:meth:`combine_recv` as steps (as :meth:`dispatch_recv_steps`): round i sums the
+        tokens ``[i * W, (i + 1) * W)``, each in rank order as one round does."""
         self._wait(pending)
         self._combine_live = pending.live  # partials of ranks that did not arrive: left out
         T, dev = slot_of.shape[0], self.device
@@ -337,12 +533,24 @@ class NormalMode:
         pair_out = torch.empty((T, pending.topk) if want_pair else (0,), dtype=torch.float32,
                                device=dev)
         staging, meta = self._staging(COMBINE)
-        self.launches["combine_reduce"] += combine_kernels.combine_reduce(
-            staging, meta, self._channel_words(COMBINE)[1], slot_of, out,
-            pair_out if want_pair else None, topk=pending.topk, max_topk=self.max_topk,
-            flavour=self.flavour, rank=self.rank,
-            node_rows=self._region("hcomb_rows") if self.hierarchical else None,
-            node_meta=self._region("hcomb_meta") if self.hierarchical else None,
-            node_slot_of=node_slot_of, live=pending.live, fp8=pending.fp8 != 0,
-            bound=self._bound)
+        rounds, W = self.layout.rounds, self.layout.ring_slots
+        ring = slot_of if rounds == 1 else self._ring_positions(slot_of)[0]
+        for i in range(rounds):
+            if i:
+                epoch = self._start(COMBINE)
+                pending.send_round(i)
+                yield
+                self._wait(dataclasses.replace(pending, epoch=epoch))
+            slots, sums, pair_sums = ring, out, pair_out
+            if rounds > 1:
+                window = slice(i * W, (i + 1) * W)
+                slots, sums, pair_sums = ring[window], out[window], pair_out[window]
+            self.launches["combine_reduce"] += combine_kernels.combine_reduce(
+                staging, meta, self._channel_words(COMBINE)[1], slots, sums,
+                pair_sums if want_pair else None, topk=pending.topk, max_topk=self.max_topk,
+                flavour=self.flavour, rank=self.rank,
+                node_rows=self._region("hcomb_rows") if self.hierarchical else None,
+                node_meta=self._region("hcomb_meta") if self.hierarchical else None,
+                node_slot_of=node_slot_of, live=pending.live, fp8=pending.fp8 != 0,
+                bound=self._bound)
         return out, pair_out

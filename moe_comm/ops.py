@@ -80,7 +80,7 @@ def _(buffer_id, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8, ue8
             x.new_empty((rows,), dtype=i64), x.new_empty((rows,), dtype=i64),
             x.new_empty((L,), dtype=i64), x.new_empty((L + 1,), dtype=i64),
             x.new_empty((T, R), dtype=i32), x.new_empty((slots, K), dtype=i32),
-            x.new_empty((R + 1,), dtype=i64), *_node_fakes(buf, x, T),
+            x.new_empty((buf.slot_offsets_size(),), dtype=i64), *_node_fakes(buf, x, T),
             x.new_empty((rows if nvfp4 else 0,), dtype=torch.float32))
 
 

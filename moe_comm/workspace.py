@@ -2,8 +2,11 @@
 
 Each rank's segment holds the same regions at the same offsets. ``R`` ranks, ``T`` =
 ``max_tokens_per_rank``, ``H`` = hidden, ``L`` = local experts, ``K`` = ``max_topk``, ``b`` = bytes
-per element of the Buffer's dtype. ``P = 2`` parities: call ``n`` of a channel uses parity
-``n % 2`` (see ``moe_comm.buffer`` for why two are enough).
+per element of the Buffer's dtype. ``P = 2`` parities: epoch ``n`` of a channel uses parity
+``n % 2`` (see ``moe_comm.buffer`` for why two are enough). ``W`` = ``ring_slots``: the normal
+mode's staging slots per source, ``T`` unless ``staging_bytes`` bounds them
+(:func:`ring_slots_for`; then a call runs in ``ceil(T / W)`` rounds of one epoch each,
+``moe_comm.normal_mode``).
 
 ======================  ===========================  ============================================
 region                  shape, dtype                 contents, on rank ``d``
@@ -33,21 +36,22 @@ region                  shape, dtype                 contents, on rank ``d``
 ``ft_epochs``           [R, 4] int64                 ``clean_mask``: rank ``s``'s epochs (dispatch,
                                                      combine, low-latency dispatch and combine)
 ``dispatch_counts``     [P, R, L + 1] int32          from source ``s``: tokens per local expert,
-                                                     then the number of slots ``s`` filled
-``dispatch_meta``       [P, R, T, 1 + 3K] int32      per slot: source token index; per top-k
+                                                     then the number of slots ``s`` filled (in
+                                                     this round)
+``dispatch_meta``       [P, R, W, 1 + 3K] int32      per slot: source token index; per top-k
                                                      choice: global expert id or -1, position
                                                      among ``s``'s tokens for that expert,
                                                      weight bits
-``dispatch_rows``       [P, R, T, H] dtype           the token rows, one per (token, ``d``)
-``combine_meta``        [P, R, T, K] float32         per slot and choice: a value sent back
+``dispatch_rows``       [P, R, W, H] dtype           the token rows, one per (token, ``d``)
+``combine_meta``        [P, R, W, K] float32         per slot and choice: a value sent back
                                                      (the gradient of a router weight)
-``combine_rows``        [P, R, T, H] dtype           one partial sum per (token, expert rank)
+``combine_rows``        [P, R, W, H] dtype           one partial sum per (token, expert rank)
 ======================  ===========================  ============================================
 
 Total (each region, and each parity's half of a region stored by parity, rounded up to 128
 bytes)::
 
-    2*R*T*(2*H*b + 4*(1 + 3K) + 4*K) + 2*R*(L + 1)*4 + 72*R + 64 + 16 + 32 + 32   # + rounding
+    2*R*W*(2*H*b + 4*(1 + 3K) + 4*K) + 2*R*(L + 1)*4 + 72*R + 64 + 16 + 32 + 32   # + rounding
 
 With ``low_latency=True`` (``S`` = bytes of one low-latency slot = ``H*b`` rounded up to 16,
 or ``H + 4*H/128`` if that is larger, so that FP8 rows with their scales fit too):
@@ -146,6 +150,46 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+STAGING_REGIONS = ("dispatch_meta", "dispatch_rows", "combine_meta", "combine_rows")
+# The normal mode's default staging budget: a DeepSeek-V3 rank (H 7168, bf16, top-8, 4096
+# tokens) keeps its whole staging at EP 8 (1.76 GiB, one round) and stays under 2 GiB at any
+# EP size (EP 64: 546 slots per source, 8 rounds).
+DEFAULT_STAGING_BYTES = 15 << 27  # 1.875 GiB
+
+
+# Ring slots are a multiple of this where there are at least as many: every round's window of a
+# call's per-token tensors (rows, scales, ring positions, weights) then starts 16-byte aligned
+# as the first does, so a kernel keeps one specialisation across rounds.
+RING_SLOT_MULTIPLE = 16
+
+
+def staging_slot_bytes(world_size: int, hidden: int, max_topk: int, dtype: torch.dtype) -> int:
+    """Bytes one slot index costs in the normal mode's staging: for every source and both
+    parities, a dispatch row and its metadata, a combine row and its per-choice values."""
+    row = hidden * _itemsize(dtype)
+    return PARITIES * world_size * (2 * row + 4 * (1 + 3 * max_topk) + 4 * max_topk)
+
+
+def ring_slots_for(staging_bytes: int | None, world_size: int, max_tokens: int, hidden: int,
+                   max_topk: int, dtype: torch.dtype) -> int:
+    """Staging slots per source and parity that ``staging_bytes`` pays for (None: the
+    default budget), at most ``max_tokens`` (then a call is one round, the whole batch), else
+    rounded down to a multiple of ``RING_SLOT_MULTIPLE`` where that leaves any."""
+    budget = DEFAULT_STAGING_BYTES if staging_bytes is None else staging_bytes
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"staging_bytes must be a positive int or None, got {staging_bytes!r}")
+    per_slot = staging_slot_bytes(world_size, hidden, max_topk, dtype)
+    if budget < per_slot:
+        raise ValueError(f"staging_bytes={budget} is less than one slot per source: the normal "
+                         f"mode needs at least {per_slot} bytes at world size {world_size} "
+                         f"(2 parities x {world_size} sources x one dispatch and one combine "
+                         "row with their metadata)")
+    slots = budget // per_slot
+    if slots < max_tokens and slots >= RING_SLOT_MULTIPLE:  # rounds' windows stay aligned
+        slots -= slots % RING_SLOT_MULTIPLE
+    return min(max_tokens, slots)
+
+
 @dataclass(frozen=True)
 class Region:
     """``shape`` of ``dtype`` at ``offset``. With ``by_parity`` (the first dimension is the
@@ -182,8 +226,13 @@ class WorkspaceLayout:
     def __init__(self, world_size: int, max_tokens: int, hidden: int, num_local_experts: int,
                  max_topk: int, dtype: torch.dtype, low_latency: bool = False,
                  rdma: bool = False, ranks_per_node: int | None = None, proxy: bool = False,
-                 hierarchical: bool = False):
+                 hierarchical: bool = False, ring_slots: int | None = None):
         R, T, H, L, K = world_size, max_tokens, hidden, num_local_experts, max_topk
+        W = T if ring_slots is None else ring_slots
+        if not 1 <= W <= T:
+            raise ValueError(f"ring_slots must be in [1, max_tokens={T}], got {W}")
+        self.ring_slots = W  # staging slots per source and parity of the normal mode
+        self.rounds = -(-T // W)  # rounds of a normal-mode call (moe_comm.normal_mode)
         N = ranks_per_node or R
         M = R // N
         self.ranks_per_node, self.num_nodes = N, M
@@ -201,10 +250,10 @@ class WorkspaceLayout:
             ("ft_clean", (2, R), torch.int64),
             ("ft_epochs", (R, 4), torch.int64),
             ("dispatch_counts", (PARITIES, R, L + 1), torch.int32),
-            ("dispatch_meta", (PARITIES, R, T, self.meta_stride), torch.int32),
-            ("dispatch_rows", (PARITIES, R, T, H), dtype),
-            ("combine_meta", (PARITIES, R, T, K), torch.float32),
-            ("combine_rows", (PARITIES, R, T, H), dtype),
+            ("dispatch_meta", (PARITIES, R, W, self.meta_stride), torch.int32),
+            ("dispatch_rows", (PARITIES, R, W, H), dtype),
+            ("combine_meta", (PARITIES, R, W, K), torch.float32),
+            ("combine_rows", (PARITIES, R, W, H), dtype),
         ]
         self.low_latency = low_latency
         self.ll_slot_bytes = low_latency_slot_bytes(H, dtype)
@@ -270,6 +319,11 @@ class WorkspaceLayout:
             self.regions[name] = region
             offset += _round_up(region.nbytes, ALIGN_BYTES)
         self.nbytes = offset
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of the normal mode's staging (dispatch and combine rows and metadata)."""
+        return sum(self.regions[n].nbytes for n in STAGING_REGIONS)
 
     def __getitem__(self, name: str) -> Region:
         return self.regions[name]

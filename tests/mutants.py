@@ -38,6 +38,7 @@ class Mutant:
 
 
 F = "tests/test_fault.py::"
+ST = "tests/test_staging.py::"
 FL = "tests/test_fault_layers.py::"
 
 MUTANTS = (
@@ -215,6 +216,21 @@ MUTANTS = (
            "moe_comm/low_latency.py", "if self._ll_pending[channel] >= IN_FLIGHT:",
            "if self._ll_pending[channel] > IN_FLIGHT:",
            ("tests/test_low_latency.py::test_misuse_raises_clear_errors",)),
+    # ---- bounded staging: the rounds of a call
+    Mutant("ring_ignores_earlier_rounds",
+           "a call in rounds puts each row at its slot less the slots of the earlier rounds",
+           "moe_comm/normal_mode.py",
+           "first = rows.cumsum(0, dtype=torch.int32) - rows", "first = rows * 0",
+           (ST + "test_rounds_match_reference[R4-E8-H64-K2-T9.3.0.11-bfloat16-uniform-a1-1]",)),
+    Mutant("round_meta_names_window_token",
+           "a row sent in a later round names its token by its index in the call",
+           "kernels/dispatch.py", "tl.store(meta, t + t_base, mask=sm)",
+           "tl.store(meta, t, mask=sm)",
+           (ST + "test_rounds_match_reference[R4-E8-H64-K2-T9.3.0.11-bfloat16-uniform-a1-1]",)),
+    Mutant("round_counts_the_whole_call",
+           "each round publishes its own row count",
+           "moe_comm/normal_mode.py", "rounds[:, :, -1] = rows", "rounds[:, :, -1] *= 1",
+           (ST + "test_rounds_match_reference[R4-E8-H64-K2-T9.3.0.11-bfloat16-uniform-a1-1]",)),
     # ---- the performance model
     Mutant("perfmodel_regression", "the model predicts the published numbers (pinned accuracy)",
            "moe_comm/perfmodel/implementations.py", "per_peer_us=0.114,", "per_peer_us=0.150,",

@@ -111,7 +111,7 @@ def test_gate_passes_at_the_runtime_configurations():
             bits = dict(kv.split("=") for kv in r["row_store_bits"].split(","))
             assert int(bits["row"]) == 128, r
     configs = {c for r in rows for c in r["config"].split("+")}
-    assert configs == {"small", "dsv3-prefill", "dsv3-decode"}
+    assert configs == {"small", "dsv3-prefill", "dsv3-decode", "dsv3-prefill-rounds"}
     compiled = {f"{c} {r['kernel']} {r['variant'].split(' tile=')[0]}"
                 for r in rows for c in r["config"].split("+")}
     assert compiled == _listed_variants()   # every listed variant compiled, nothing else

@@ -1,0 +1,212 @@
+"""Bounded staging (``staging_bytes``): calls stream through rings of one or two slots per
+source in rounds, bit-exact against the reference and against the whole-batch staging."""
+import pytest
+import torch
+from staging_jobs import slots_budget, streamed_case
+from test_loopback import check_case
+
+import moe_comm
+from cases import Case, expert_fn, make_inputs
+from moe_comm import lockstep, microscale, reference
+from moe_comm.workspace import DEFAULT_STAGING_BYTES, staging_slot_bytes
+from rank_jobs import construct, gradients
+
+
+def bounded(case: Case, slots: int | None, **kwargs) -> list:
+    """Virtual ranks of ``case`` whose staging holds ``slots`` slots per source (None: all)."""
+    budget = None if slots is None else slots_budget(case, slots)
+    return moe_comm.Buffer.loopback(case.world_size, case.hidden, case.num_experts,
+                                    case.max_tokens, case.dtype, max_topk=case.topk,
+                                    staging_bytes=budget, **kwargs)
+
+
+MATRIX = [
+    (Case(4, 8, 64, 2, (9, 3, 0, 11), routing="uniform", seed=201), 1),
+    (Case(4, 16, 64, 4, (8, 8, 8, 8), torch.float16, "zipf", 16, seed=202), 2),
+    (Case(4, 8, 96, 2, (7, 0, 5, 6), torch.float32, "one_expert", 1, False, seed=203), 1),
+    (Case(4, 16, 64, 8, (6, 6, 6, 6), routing="empty_rank", alignment=16, seed=204), 2),
+    (Case(2, 4, 64, 2, (5, 4), routing="all_invalid", seed=205), 1),
+]
+
+
+@pytest.mark.parametrize("case, slots", MATRIX, ids=lambda v: str(v))
+def test_rounds_match_reference(case, slots):
+    bufs = bounded(case, slots)
+    assert bufs[0].ring_slots == slots and bufs[0].rounds == -(-case.max_tokens // slots)
+    check_case(case, iterations=2, buffers=bufs)  # two calls: both parities of every round
+
+
+def test_rounds_launches_and_bytes_against_whole_batch():
+    case = Case(4, 16, 64, 2, (9, 3, 0, 11), seed=206)
+    xs, idxs, ws = make_inputs(case)
+    runs = {}
+    for slots in (None, 2):
+        bufs = bounded(case, slots)
+        got = lockstep.dispatch(bufs, xs, idxs, ws)
+        after_dispatch = [dict(b.launches) for b in bufs]
+        ys = [expert_fn(g.x, g.expert_offsets) for g in got]
+        outs = lockstep.combine(bufs, ys, [g.handle for g in got], [g.weights for g in got])
+        runs[slots] = (bufs, got, outs, after_dispatch)
+    full, part = runs[None], runs[2]
+    rounds = part[0][0].rounds
+    assert rounds == 6 and full[0][0].rounds == 1
+    L = case.num_experts // case.world_size
+    for r in range(4):
+        for a, b in zip((full[1][r].x, full[1][r].src_token, full[2][r]),
+                        (part[1][r].x, part[1][r].src_token, part[2][r])):
+            assert torch.equal(a, b), r
+        d = part[3][r]
+        assert (d["layout"], d["dispatch_send"], d["received_layout"], d["dispatch_expand"]) \
+            == (2, rounds, rounds, rounds), d
+        c = part[0][r].launches
+        assert c["combine_send"] == rounds
+        # a reduce per round that holds tokens of this rank (none for an empty rank)
+        assert c["combine_reduce"] == -(-case.tokens[r] // 2), (r, dict(c))
+        # the same rows on the link; each later round adds its signal words: per destination
+        # the epoch (8 bytes) and the counts (4 * (L + 1)) of a dispatch, the epoch of a combine
+        s_full, s_part = full[0][r].stats(), part[0][r].stats()
+        extra = rounds - 1
+        assert s_part["dispatch_bytes_to_peers"] - s_full["dispatch_bytes_to_peers"] \
+            == extra * 3 * (8 + 4 * (L + 1))
+        assert s_part["dispatch_bytes_to_self"] - s_full["dispatch_bytes_to_self"] \
+            == extra * (8 + 4 * (L + 1))
+        assert s_part["combine_bytes_to_peers"] - s_full["combine_bytes_to_peers"] == extra * 3 * 8
+        assert s_part["combine_bytes_to_self"] - s_full["combine_bytes_to_self"] == extra * 8
+
+
+def test_rounds_with_max_recv_rows_and_backward_ops():
+    """The static-shape dispatch, the cached dispatch (combine's backward) and the combine of
+    per-row values (dispatch's backward) in rounds: the same bits as the whole batch."""
+    case = Case(4, 16, 64, 4, (10, 2, 7, 0), routing="zipf", seed=207)
+    xs, idxs, ws = make_inputs(case)
+    results = {}
+    for slots in (None, 1):
+        bufs = bounded(case, slots)
+        got = lockstep.dispatch(bufs, xs, idxs, ws, max_recv_rows=48)
+        handles = [g.handle for g in got]
+        grads = [torch.randn((t, case.hidden), generator=torch.Generator().manual_seed(t))
+                 .to(case.dtype) for t in case.tokens]
+        rows = lockstep.dispatch_cached(bufs, grads, handles)
+        values = [torch.linspace(-1, 1, g.x.shape[0]) for g in got]
+        ys = [(g.x.float() * 1.5 + 0.25).to(case.dtype) for g in got]
+        pairs = lockstep.combine_with_pairs(bufs, ys, handles, values)
+        results[slots] = (got, rows, pairs)
+    for r in range(4):
+        a, b = results[None], results[1]
+        assert torch.equal(a[0][r].x, b[0][r].x) and b[0][r].x.shape[0] == 48
+        assert torch.equal(a[0][r].src_rank, b[0][r].src_rank)
+        assert torch.equal(a[1][r], b[1][r]), r
+        assert torch.equal(a[2][r][0], b[2][r][0]) and torch.equal(a[2][r][1], b[2][r][1]), r
+    want = reference.dispatch_all(xs, idxs, ws, num_experts=case.num_experts)
+    for r in range(4):
+        n = int(want[r].expert_offsets[-1])
+        assert torch.equal(results[1][0][r].x[:n], want[r].x)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-ue8m0-colmajor", "fp8-pair", "mxfp8", "mxfp8-pair",
+                                 "nvfp4", "nvfp4-triple"])
+def test_quantized_rounds_match_reference(fmt):
+    case = Case(4, 16, 256, 4, (7, 2, 0, 5), routing="one_expert", seed=208)
+    xs, idxs, ws = make_inputs(case)
+    bufs = bounded(case, 2)
+    assert bufs[0].rounds == 4
+    kwargs = {"fp8": dict(fp8=True), "fp8-ue8m0-colmajor": dict(fp8=True, ue8m0=True,
+                                                                col_major_scales=True),
+              "fp8-pair": dict(fp8=True), "mxfp8": dict(dispatch_dtype="mxfp8"),
+              "mxfp8-pair": dict(dispatch_dtype="mxfp8"),
+              "nvfp4": dict(dispatch_dtype="nvfp4", global_scale=torch.tensor([0.05])),
+              "nvfp4-triple": dict(dispatch_dtype="nvfp4")}[fmt]
+    sent = xs  # or quantized rows with their per-token scales, which travel as they are
+    if fmt == "fp8-pair":
+        sent = [reference.quantize_fp8(x) for x in xs]
+    elif fmt == "mxfp8-pair":
+        sent = [microscale.quantize_mxfp8(x) for x in xs]
+    elif fmt == "nvfp4-triple":  # a global scale per row, as after an earlier receive
+        sent = [(q, s, g.expand(q.shape[0]).contiguous())
+                for q, s, g in (microscale.quantize_nvfp4(x) for x in xs)]
+    got = lockstep.dispatch(bufs, sent, idxs, ws, **kwargs)
+    want = reference.dispatch_all(xs, idxs, ws, num_experts=case.num_experts, **kwargs)
+    for r in range(4):
+        g, w = got[r], want[r]
+        assert torch.equal(g.x.view(torch.uint8), w.x.view(torch.uint8)), (fmt, r)
+        if g.x_scales.element_size() == 1:  # E8M0 / e4m3 scale bytes
+            assert torch.equal(g.x_scales.view(torch.uint8), w.x_scales.view(torch.uint8)), r
+        else:
+            assert torch.equal(g.x_scales, w.x_scales), (fmt, r)
+        if fmt == "nvfp4":
+            assert torch.equal(g.x_global_scale, w.x_global_scale), r
+        for field in ("weights", "src_rank", "src_token", "expert_offsets"):
+            assert torch.equal(getattr(g, field), getattr(w, field)), (fmt, r, field)
+    ys = [((torch.arange(g.src_rank.numel() * case.hidden) % 13) * 0.25 - 1.5)
+          .reshape(-1, case.hidden).to(case.dtype) for g in got]  # the experts' rows
+    for dtype in (None, "fp8"):
+        outs = lockstep.combine(bufs, ys, [g.handle for g in got], [g.weights for g in got],
+                                combine_dtype=dtype)
+        refs = reference.combine_all(ys, [w.handle for w in want], [w.weights for w in want],
+                                     combine_dtype=dtype)
+        for r in range(4):
+            assert torch.equal(outs[r], refs[r]), (fmt, dtype, r)
+
+
+def test_cpu_ranks_with_stragglers_give_the_whole_batch_bits(ranks):
+    """Processes in rounds of one slot per source, random delays around every op, host waits
+    and waits in the kernels: each call checked against the oracle, every digest equal to the
+    whole-batch staging's."""
+    case = Case(4, 16, 64, 4, (6, 2, 0, 5), routing="zipf", seed=209)
+    full = ranks(4).run(streamed_case, case, None, iterations=3)
+    for in_kernels in (False, True):
+        part = ranks(4).run(streamed_case, case, 1, iterations=3, straggle_s=0.03,
+                            in_kernels=in_kernels)
+        for r in range(4):
+            assert part[r]["rounds"] == 6 and full[r]["rounds"] == 1
+            assert part[r]["digests"] == full[r]["digests"], (in_kernels, r)
+            assert part[r]["staging_bytes"] * 4 < full[r]["staging_bytes"]
+
+
+def test_gradients_in_rounds_match_reference_autograd(ranks):
+    case = Case(2, 8, 32, 2, (7, 4), torch.float64, "uniform", 4, seed=210)
+    ranks(2).run(gradients, case, max_topk=2, staging_bytes=slots_budget(case, 2))
+
+
+def test_workspace_formula_from_ep_8_to_1024():
+    """DeepSeek-V3 sizes: the default budget stages the whole batch at EP 8, stays under 2 GiB
+    at every EP size, and the rest of the workspace grows with R only through per-peer words,
+    not with max_tokens_per_rank."""
+    H, K, dtype, L = 7168, 8, torch.bfloat16, 4
+    per_slot = staging_slot_bytes(1, H, K, dtype)
+    assert per_slot == 2 * (2 * H * 2 + 4 * (1 + 3 * K) + 4 * K)
+    rest = {}
+    for R in (8, 16, 64, 256, 1024):
+        total = moe_comm.Buffer.required_workspace_bytes(R, H, R * L, 4096, dtype, K)
+        slots = DEFAULT_STAGING_BYTES // (R * per_slot)
+        slots = 4096 if slots >= 4096 else slots // 16 * 16  # windows stay 16-byte aligned
+        staging = R * slots * per_slot  # each region's parity a multiple of 128 bytes here
+        assert total < 2 << 30, (R, total)
+        if R == 8:
+            assert slots == 4096
+        rest[R] = total - staging
+        assert 0 < rest[R] < 256 * R + 1024, (R, rest[R])  # per-peer words only
+        if slots < 4096:  # bounded: more tokens per rank cost nothing more
+            assert moe_comm.Buffer.required_workspace_bytes(R, H, R * L, 65536, dtype, K) \
+                == total
+    assert rest[1024] > rest[8]
+    small = moe_comm.Buffer.required_workspace_bytes(64, H, 256, 4096, dtype, K,
+                                                     staging_bytes=64 * per_slot * 16)
+    assert small - rest[64] == 64 * 16 * per_slot
+
+
+def test_staging_errors_before_anything_is_allocated(ranks):
+    case = Case(2, 4, 64, 2, (4, 4))
+    with pytest.raises(ValueError, match="less than one slot per source"):
+        moe_comm.Buffer.loopback(2, 64, 4, 4, max_topk=2, staging_bytes=100)
+    for bad in (0, -5, True, 2.5):
+        with pytest.raises(ValueError, match="staging_bytes must be a positive int"):
+            moe_comm.Buffer.loopback(2, 64, 4, 4, max_topk=2, staging_bytes=bad)
+    with pytest.raises(ValueError, match="without fault tolerance"):
+        moe_comm.Buffer.loopback(2, 64, 4, 4, max_topk=2, fault_tolerant=True,
+                                 staging_bytes=slots_budget(case, 1))
+    # the default stages the whole batch where calls do not run in rounds
+    assert moe_comm.Buffer.loopback(2, 64, 4, 4, max_topk=2, fault_tolerant=True)[0].rounds == 1
+    budget = slots_budget(Case(2, 4, 64, 2, (8, 8)), 2)
+    errors = ranks(2).run(construct, {0: dict(staging_bytes=budget), 1: dict()})
+    assert all(e is not None and "staging_bytes" in e and "rank 1" in e for e in errors), errors

@@ -13,6 +13,7 @@ from perfmodel_jobs import link_bytes
 import moe_comm
 from moe_comm import lockstep
 from moe_comm.perfmodel import moe_comm_counters, predict
+from moe_comm.workspace import staging_slot_bytes
 
 
 def _routing(kind: str, R: int, T: int, E: int, K: int, seed: int) -> np.ndarray:
@@ -33,11 +34,12 @@ def _routing(kind: str, R: int, T: int, E: int, K: int, seed: int) -> np.ndarray
     return ids.astype(np.int64)
 
 
-def _loopback_counters(ids, R, E, H, dtype, fp8, low_latency):
+def _loopback_counters(ids, R, E, H, dtype, fp8, low_latency, staging_bytes=None):
     """Run one dispatch + combine on loopback ranks; per rank {"dispatch": .., "combine": ..}."""
     K = ids.shape[1]
     T = ids.shape[0] // R
-    bufs = moe_comm.Buffer.loopback(R, H, E, T, dtype, max_topk=K, low_latency=low_latency)
+    bufs = moe_comm.Buffer.loopback(R, H, E, T, dtype, max_topk=K, low_latency=low_latency,
+                                    staging_bytes=staging_bytes)
     idxs = [torch.from_numpy(ids[r * T:(r + 1) * T]) for r in range(R)]
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn((T, H), generator=g).to(dtype) for _ in range(R)]
@@ -99,6 +101,30 @@ def test_counters_equal_kernels_on_one_node(shape, low_latency):
         measured = max(g[phase][f"{phase}_bytes_to_peers"] for g in got)
         assert getattr(p, phase).bytes.sent_nvlink_bytes == measured, (phase, shape)
         assert getattr(p, phase).bytes.sent_rdma_bytes == 0
+
+
+def test_counters_count_the_signals_of_every_round():
+    """Bounded staging: 3 rounds a call; the kernels' counters equal the model's with
+    ``rounds=3`` (the rows once, each round's epoch and counts to every rank), and predict
+    charges each later round its serial cost."""
+    R, E, H, K, T = 4, 16, 128, 4, 6
+    ids = _routing("skew", R, T, E, K, seed=11)
+    budget = 2 * staging_slot_bytes(R, H, K, torch.bfloat16)
+    got = _loopback_counters(ids, R, E, H, torch.bfloat16, False, False, staging_bytes=budget)
+    want = moe_comm_counters(ids, ep=R, num_experts=E, hidden=H, gpus_per_node=R, rounds=3)
+    _check(got, want, "rounds=3")
+    one = moe_comm_counters(ids, ep=R, num_experts=E, hidden=H, gpus_per_node=R)
+    assert want[0]["dispatch"]["dispatch_bytes_to_peers"] > one[0]["dispatch"][
+        "dispatch_bytes_to_peers"]
+    kwargs = dict(ep=R, tokens_per_rank=T, hidden=H, topk=K, num_experts=E, routing=ids,
+                  gpus_per_node=R, dispatch_dtype="bf16")
+    p3, p1 = predict("h800", rounds=3, **kwargs), predict("h800", **kwargs)
+    for phase in ("dispatch", "combine"):
+        measured = max(g[phase][f"{phase}_bytes_to_peers"] for g in got)
+        assert getattr(p3, phase).bytes.sent_nvlink_bytes == measured, phase
+        assert getattr(p3, phase).time_us > getattr(p1, phase).time_us, phase
+    with pytest.raises(ValueError, match="one node"):
+        predict("h800", "low_latency", rounds=2, **kwargs)
 
 
 # (nodes, ranks per node, E, H, K, T, fp8, routing, hierarchical, low latency)

@@ -49,7 +49,8 @@ def _pairs(ids: np.ndarray, ep: int, m: int) -> np.ndarray:
 def moe_comm_counters(ids, *, ep: int, num_experts: int, hidden: int, gpus_per_node: int,
                       mode: str = "normal", hierarchical: bool = False,
                       dispatch_dtype: str = "bf16", combine_dtype: str = "bf16",
-                      max_topk: int | None = None, dtype: str | None = None) -> list[dict]:
+                      max_topk: int | None = None, dtype: str | None = None,
+                      rounds: int = 1) -> list[dict]:
     """Per rank: {"dispatch": {counter: bytes, "per_peer": {channel: [ep]}}, "combine": ...}.
 
     ids: [ep*T, K] integer expert ids. gpus_per_node: ranks per node (= ep for one node).
@@ -59,6 +60,8 @@ def moe_comm_counters(ids, *, ep: int, num_experts: int, hidden: int, gpus_per_n
     combine_dtype: the Buffer's dtype, or "fp8" (``combine_dtype="fp8"``; hierarchical: the
     partials reach the forwarders in ``dtype``, the Buffer's, default bf16, and cross nodes
     as FP8).
+    rounds: the Buffer's ``rounds`` (bounded staging, normal mode on one node): every round
+    publishes its epoch (and in a dispatch the counts) to every rank; the rows are the same.
     """
     ids = np.asarray(ids, dtype=np.int64)
     N, K = ids.shape
@@ -66,6 +69,8 @@ def moe_comm_counters(ids, *, ep: int, num_experts: int, hidden: int, gpus_per_n
         raise ValueError(f"ids has {N} rows, not a multiple of ep={ep}")
     T, m, gpn = N // ep, num_experts // ep, gpus_per_node
     nodes = ep // gpn
+    if rounds != 1 and (mode != "normal" or nodes > 1):
+        raise ValueError("rounds > 1 is the normal mode on one node")
     fmt = MOE_COMM
     k = K if max_topk is None else max_topk
     P = fmt.payload(dispatch_dtype, hidden)
@@ -82,18 +87,17 @@ def moe_comm_counters(ids, *, ep: int, num_experts: int, hidden: int, gpus_per_n
     rows = np.zeros((ep, ep), dtype=np.int64)               # [source, destination] rows
     np.add.at(rows, src, hit.astype(np.int64))
     meta = fmt.normal_meta_bytes(k)
-    signal = fmt.normal_count_bytes(m)
+    signal = fmt.normal_count_bytes(m) * rounds  # every round: the counts and an epoch
+    epoch = fmt.epoch_signal_bytes * rounds
     out = []
     for r in range(ep):
         same = (node_of == node_of[r]) & (np.arange(ep) != r)
         other = node_of != node_of[r]
         d = {"dispatch_bytes_to_peers": int(rows[r, same].sum()) * (P + meta)
-             + int(same.sum()) * (signal + fmt.epoch_signal_bytes),
-             "dispatch_bytes_to_self": int(rows[r, r]) * (P + meta) + signal
-             + fmt.epoch_signal_bytes}
-        c = {"combine_bytes_to_peers": int(rows[same, r].sum()) * C
-             + int(same.sum()) * fmt.epoch_signal_bytes,
-             "combine_bytes_to_self": int(rows[r, r]) * C + fmt.epoch_signal_bytes}
+             + int(same.sum()) * (signal + epoch),
+             "dispatch_bytes_to_self": int(rows[r, r]) * (P + meta) + signal + epoch}
+        c = {"combine_bytes_to_peers": int(rows[same, r].sum()) * C + int(same.sum()) * epoch,
+             "combine_bytes_to_self": int(rows[r, r]) * C + epoch}
         if nodes > 1:
             d_peer, c_peer = np.zeros(ep, dtype=np.int64), np.zeros(ep, dtype=np.int64)
             if hierarchical:

@@ -341,8 +341,10 @@ def _low_latency(c: _Costs, L: Layout, loads: Loads, T: int, H: int, k: int, d_d
 
 
 def _normal(c: _Costs, L: Layout, loads: Loads, T: int, H: int, k: int, d_dtype: str,
-            c_dtype: str):
-    """One row per (token, destination rank); across domains hierarchical or flat."""
+            c_dtype: str, rounds: int = 1):
+    """One row per (token, destination rank); across domains hierarchical or flat. ``rounds``
+    (bounded staging, one domain): each round past the first costs the per-call serial work
+    again (its own launches and signals) and one more set of signal words per peer."""
     alg, fmt = c.alg, c.alg.fmt
     internode = L.nodes > 1
     hier = internode and alg.internode == "hierarchical"
@@ -398,7 +400,8 @@ def _normal(c: _Costs, L: Layout, loads: Loads, T: int, H: int, k: int, d_dtype:
         terms["sm_issue"] = (moved + out_rows * P) / c.sm_Bpus + net_rows / c.sm_msgs_per_us
         terms["hbm"] = (T * H * in_bytes + 2 * moved + 2 * net_rows * net_row
                         + out_rows * P) / c.hbm_Bpus
-        signals = (L.gpn - 1) * ((counts if phase == "dispatch" else 0) + fmt.epoch_signal_bytes)
+        signals = rounds * (L.gpn - 1) * ((counts if phase == "dispatch" else 0)
+                            + fmt.epoch_signal_bytes)
         if phase == "dispatch":
             sent_rdma = nsnd.max * net_row + (
                 (L.nodes - 1) * fmt.node_count_bytes(L.m, L.gpn) if hier
@@ -418,7 +421,8 @@ def _normal(c: _Costs, L: Layout, loads: Loads, T: int, H: int, k: int, d_dtype:
             sent_nvlink_bytes=(direct_snd.max if phase == "dispatch" else direct_rcv.max) * row
             + signals,
             sent_rdma_bytes=sent_rdma if internode else 0.0)
-        out.append(_finish(terms, ratios, c.latency(i, path, T), alg.overlap_us[i],
+        later = (rounds - 1) * (alg.fixed_us[i] + alg.per_peer_us * c.peers)
+        out.append(_finish(terms, ratios, c.latency(i, path, T) + later, alg.overlap_us[i],
                            nbytes.logical_bytes, nbytes))
     return out
 
@@ -428,7 +432,7 @@ def predict(system: str | System = "h800", mode: str = "normal", *, ep: int,
             dispatch_dtype="fp8", combine_dtype="bf16", routing="uniform",
             gpus_per_node: int | None = None, num_sms: int | None = None, seed: int = 0,
             sim_tokens: int = 65536, implementation: str | Implementation = DEFAULT_IMPLEMENTATION,
-            hierarchical: bool | None = None) -> Prediction:
+            hierarchical: bool | None = None, rounds: int = 1) -> Prediction:
     """Predict one dispatch and one combine call of `mode` on `system` for the slowest rank.
 
     system: preset name (SYSTEMS) or a System. mode: "normal" (dedup per destination rank,
@@ -443,7 +447,9 @@ def predict(system: str | System = "h800", mode: str = "normal", *, ep: int,
     routing. implementation: a name of IMPLEMENTATIONS (default "moe_comm"), an
     Implementation (recalibration), or "bound" (the hardware's lower bound, bound.py).
     hierarchical: normal mode across nodes, hierarchical (True) or flat (False); None = the
-    implementation's default.
+    implementation's default. rounds: normal mode on one node with bounded staging
+    (``Buffer.rounds``): every round past the first adds the per-call serial cost and the
+    signal words of one more epoch per peer.
     """
     if isinstance(implementation, str) and implementation.strip().lower() == "bound":
         from .bound import predict_bound
@@ -461,6 +467,10 @@ def predict(system: str | System = "h800", mode: str = "normal", *, ep: int,
                                                         num_experts, dispatch_dtype,
                                                         combine_dtype, routing, gpus_per_node,
                                                         sim_tokens)
+    rounds = _check_int("rounds", rounds)
+    if rounds > 1 and (mode != "normal" or layout.nodes > 1):
+        raise ValueError(f"rounds={rounds}: bounded staging runs the normal mode on one node "
+                         f"(got mode={mode!r}, {layout.nodes} nodes)")
     if alg.internode == "none" and layout.nodes > 1:
         raise ValueError(f"{impl.name} works inside one NVLink domain only: ep={ep} needs "
                          f"{layout.nodes} domains of {layout.gpn} GPUs")
@@ -478,8 +488,10 @@ def predict(system: str | System = "h800", mode: str = "normal", *, ep: int,
         classes = FLAT_CLASSES
     loads = compute_loads(layout, T, k, spec, classes, np.random.default_rng(seed), sim_tokens)
     costs = _Costs(sysm, alg, sms, layout, any_to_any=(mode == "low_latency"))
-    run = _low_latency if mode == "low_latency" else _normal
-    dispatch, combine = run(costs, layout, loads, T, H, k, d_dtype, c_dtype)
+    if mode == "low_latency":
+        dispatch, combine = _low_latency(costs, layout, loads, T, H, k, d_dtype, c_dtype)
+    else:
+        dispatch, combine = _normal(costs, layout, loads, T, H, k, d_dtype, c_dtype, rounds)
     notes = []
     if costs.tiers > sysm.tiers:
         notes.append(f"{math.ceil(ep / sysm.planes)} NICs per plane need {costs.tiers} switch "

@@ -200,12 +200,14 @@ def _agrees(mode, rank, result, xs, idxs, ws, cfg, tokens, fmt, combine_fmt="") 
 
 def bench_job(rank, world_size, cfg: ModelConfig, tokens: int, dtype_name: str, iters: int,
               warmup: int, routing: str, seed: int, mode: str = "normal",
-              fmt: str = "", combine_fmt: str = "") -> dict:
-    """Runs on every rank: timed moe_comm and reference calls, counters and agreement."""
+              fmt: str = "", combine_fmt: str = "", ring_slots: int = 0) -> dict:
+    """Runs on every rank: timed moe_comm and reference calls, counters and agreement
+    (``ring_slots``: a staging of that many slots per source, the calls in rounds)."""
     import torch.distributed as dist
 
     import moe_comm
     from moe_comm import reference
+    from moe_comm.workspace import staging_slot_bytes
 
     dtype = DTYPES[dtype_name]
     xs, idxs, ws = make_routing(cfg, world_size, tokens, routing, seed)
@@ -225,9 +227,11 @@ def bench_job(rank, world_size, cfg: ModelConfig, tokens: int, dtype_name: str, 
         else int((torch.tensor(row) // L == rank).sum())
         for s in range(world_size) if s != rank for row in idxs[s].tolist()) * back
 
+    budget = (ring_slots * staging_slot_bytes(world_size, cfg.hidden, min(16, cfg.experts),
+                                              dtype) if ring_slots else None)
     buf = moe_comm.Buffer(dist.group.WORLD, hidden=cfg.hidden, num_experts=cfg.experts,
                           max_tokens_per_rank=tokens, dtype=dtype,
-                          low_latency=mode == "low_latency")
+                          low_latency=mode == "low_latency", staging_bytes=budget)
     call = _normal_call if mode == "normal" else _low_latency_call
     ours_d, ours_c, ref_d, ref_c = [], [], [], []
     for it in range(warmup + iters):
@@ -251,9 +255,11 @@ def bench_job(rank, world_size, cfg: ModelConfig, tokens: int, dtype_name: str, 
     *_, result = call(buf, x, idx, w, fmt, combine_fmt, launches=launches)
     rows = result[0].x.shape[0] if mode == "normal" else int(result[0].count.sum())
     agrees = _agrees(mode, rank, result, xs, idxs, ws, cfg, tokens, fmt, combine_fmt)
+    rounds = buf.rounds
     buf.close()
     return {
         "rows": rows,
+        "rounds": rounds,
         "link_bytes": stats1["dispatch_bytes_to_peers"] - stats0["dispatch_bytes_to_peers"],
         "combine_link_bytes": stats1["combine_bytes_to_peers"]
         - stats0["combine_bytes_to_peers"],
@@ -291,7 +297,7 @@ def summarize(cfg: ModelConfig, args, per_rank: list[dict]) -> dict:
            "min_combine_link_bytes": sum(r["min_combine_link_bytes"] for r in per_rank),
            "dispatch_launches": per_rank[0]["dispatch_launches"],
            "combine_launches": per_rank[0]["combine_launches"],
-           "host_syncs": per_rank[0]["host_syncs"],
+           "host_syncs": per_rank[0]["host_syncs"], "rounds": per_rank[0]["rounds"],
            "matches_reference": all(r["matches_reference"] for r in per_rank)}
     for key in ("dispatch", "combine", "ref_dispatch", "ref_combine"):
         row[f"cpu_{key}_s"] = _slowest(per_rank, key)
@@ -303,7 +309,8 @@ def summarize(cfg: ModelConfig, args, per_rank: list[dict]) -> dict:
                     hidden=cfg.hidden, topk=cfg.topk, num_experts=cfg.experts,
                     dispatch_dtype=args.dispatch_dtype or args.dtype,
                     combine_dtype=args.combine_dtype or args.dtype,
-                    routing=torch.cat(idxs))
+                    routing=torch.cat(idxs),
+                    rounds=per_rank[0]["rounds"] if args.mode == "normal" else 1)
         row.update(system=args.system, pred_dispatch_us=p.dispatch_us,
                    pred_combine_us=p.combine_us, pred_bottleneck=p.bottleneck,
                    pred_min_link_bytes_per_rank=p.bytes["dispatch"].min_link_bytes)
@@ -362,6 +369,9 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=3, help="timed iterations")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ring-slots", type=int, default=0,
+                        help="normal mode: stage that many slots per source (Buffer "
+                        "staging_bytes), every call in rounds; 0: the default budget")
     parser.add_argument("--configs", nargs="+", default=[c.name for c in CONFIGS],
                         choices=[c.name for c in CONFIGS])
     parser.add_argument("--framework", nargs="+", default=[], choices=["megatron", "deepspeed"],
@@ -424,7 +434,7 @@ def main(argv=None) -> int:
         for i, cfg in enumerate(configs, 1):
             per_rank = pool.run(bench_job, cfg, args.tokens, args.dtype, args.iters, args.warmup,
                                 args.routing, args.seed, args.mode, args.dispatch_dtype or "",
-                                args.combine_dtype or "")
+                                args.combine_dtype or "", args.ring_slots)
             rows.append(summarize(cfg, args, per_rank))
             print(f"[{i}/{len(configs)}] {cfg.name} done, {time.perf_counter() - start:.0f} s "
                   "elapsed", file=sys.stderr, flush=True)
@@ -438,11 +448,12 @@ def main(argv=None) -> int:
                                        experts, topk, args.tokens, args.dtype, args.seed)
             print(f"{framework} comparison done, {time.perf_counter() - start:.0f} s elapsed",
                   file=sys.stderr, flush=True)
+    rounds = (f", {rows[0]['rounds']} rounds a call (--ring-slots {args.ring_slots})"
+              if rows and rows[0]["rounds"] > 1 else "")
     print(f"\nmoe_comm {args.mode} dispatch/combine, {args.ranks} CPU ranks, {args.tokens} tokens "
           f"per rank, {args.dispatch_dtype.upper() + ' dispatch, ' if args.dispatch_dtype else ''}"
           f"{args.combine_dtype.upper() + ' combine, ' if args.combine_dtype else ''}"
-          f"{args.dtype}, {args.routing} "
-          "routing; MB = 1e6 bytes, summed over ranks\n")
+          f"{args.dtype}, {args.routing} routing{rounds}; MB = 1e6 bytes, summed over ranks\n")
     print(format_table(rows, args.system))
     print("\ncpu ms: Triton interpreter on CPU, slowest rank, median [min-max] of "
           f"{args.iters}; not GPU performance. pred: moe_comm.perfmodel on {args.system}.")

@@ -219,11 +219,15 @@ def back_to_back(op, calls: int) -> dict:
 
 
 # ------------------------------------------------------------------------------ normal mode
-def _normal_config(fp8, xs, idxs, ws, E, args, ceiling, rows, failures) -> int:
-    """Checks, times and checks again one normal-mode configuration; returns max_recv_rows."""
+def _normal_config(fp8, xs, idxs, ws, E, args, ceiling, rows, failures,
+                   staging_bytes=None) -> int:
+    """Checks, times and checks again one normal-mode configuration; returns max_recv_rows.
+    ``staging_bytes``: the Buffers' staging budget (None: the default)."""
     R, T, H = len(xs), xs[0].shape[0], xs[0].shape[1]
     K = idxs[0].shape[1]
     name = f"normal EP{R} T={T} {'fp8' if fp8 else 'bf16'}"
+    if staging_bytes is not None:
+        name += f" staging {staging_bytes / 2**30:.2f} GiB"
     bufs, bound = [], 0
     try:
         log(f"{name}: reference and check")
@@ -233,7 +237,9 @@ def _normal_config(fp8, xs, idxs, ws, E, args, ceiling, rows, failures) -> int:
         ref_handles, ref_weights = [w.handle for w in want], [w.weights for w in want]
         ref_outs = reference.combine_all(ys_ref, ref_handles, ref_weights)
         slack = normal_combine_slack(ys_ref, ref_handles, ref_weights)
-        bufs = moe_comm.Buffer.loopback(R, H, E, T, torch.bfloat16, device="cuda")
+        bufs = moe_comm.Buffer.loopback(R, H, E, T, torch.bfloat16, device="cuda",
+                                        staging_bytes=staging_bytes)
+        staging = staging_row(bufs[0], name)
         dispatch = partial(lockstep.dispatch, bufs, xs, idxs, ws, fp8=fp8, max_recv_rows=bound)
 
         def check(res, outs, when):
@@ -264,6 +270,8 @@ def _normal_config(fp8, xs, idxs, ws, E, args, ceiling, rows, failures) -> int:
         res, outs, combine = round_trip()
         rows.append(measure(f"{name} combine (triton)", combine, bufs, "combine", args.iters,
                             args.warmup, ceiling))
+        for r in rows[-2:]:
+            r["staging"] = staging
         per_kernel = normal_kernel_bytes(res, T, H, 1 + 4 / 128 if fp8 else 2, 4 * (1 + 3 * K))
         for r in rows[-2:]:
             r["shares"] = kernel_shares(r["kernels"], per_kernel, ceiling)
@@ -283,12 +291,25 @@ def _normal_config(fp8, xs, idxs, ws, E, args, ceiling, rows, failures) -> int:
     return bound
 
 
+def staging_row(buf, name: str) -> dict:
+    """The staging of one rank of ``buf``: bytes, rounds, and its share of the GPU's memory."""
+    total = torch.cuda.get_device_properties(buf.device).total_memory
+    return {"config": name, "staging_bytes": buf.staging_bytes, "rounds": buf.rounds,
+            "ring_slots": buf.ring_slots, "workspace_bytes": buf.workspace_bytes,
+            "gpu_bytes": total}
+
+
 def normal_rows(args, ceiling, failures):
     R, T, H, E, K = 8, args.tokens, 7168, 256, 8
     xs, idxs, ws = inputs(R, T, H, E, K)
     rows = []
     bounds = [_normal_config(fp8, xs, idxs, ws, E, args, ceiling, rows, failures)
               for fp8 in (False, True)]
+    # the default budget stages the whole batch at EP 8; an eighth of it runs every call in 8
+    # rounds, as the default does at EP 64
+    full = moe_comm.Buffer.required_workspace_bytes(R, H, E, T, torch.bfloat16, K)
+    bounds.append(_normal_config(False, xs, idxs, ws, E, args, ceiling, rows, failures,
+                                 staging_bytes=full // 8))
     name = f"normal EP{R} T={T} bf16"
     try:
         ref = partial(reference.dispatch_all, xs, idxs, ws, num_experts=E)
@@ -455,6 +476,16 @@ def to_markdown(rows, ceiling, device, bound) -> str:
         for r in shares:
             lines.append(f"- {r['op']}: " + "; ".join(f"{k} {v:.0%}"
                                                       for k, v in r["shares"].items()))
+    staged = {r["staging"]["config"]: r["staging"] for r in rows if r.get("staging")}
+    if staged:
+        lines += ["", "Normal-mode staging per rank (`staging_bytes`: rounds through per-source "
+                  "rings; the workspace holds it and the per-peer words):", "",
+                  "| config | staging | rounds | slots per source | workspace | of GPU memory |",
+                  "|---|---|---|---|---|---|"]
+        for name, st in staged.items():
+            lines.append(f"| {name} | {st['staging_bytes'] / 2**30:.3f} GiB | {st['rounds']} | "
+                         f"{st['ring_slots']} | {st['workspace_bytes'] / 2**30:.3f} GiB | "
+                         f"{st['workspace_bytes'] / st['gpu_bytes']:.1%} |")
     queued = [r for r in rows if r.get("back_to_back")]
     if queued:
         lines += ["", "Back-to-back dispatches (queued without a synchronisation):", ""]

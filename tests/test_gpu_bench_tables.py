@@ -41,7 +41,10 @@ def test_the_table_has_its_sections():
              "kernels": {"dispatch_send_kernel": (0.8, 1), "layout_count_kernel": (0.01, 1)},
              "host_ms": 0.4, "host_ms_triton_path": 0.8,
              "shares": {"dispatch_send_kernel": 0.61},
-             "back_to_back": {"host_ms": 0.3, "device_ms": 1.0, "host_ahead": True}},
+             "back_to_back": {"host_ms": 0.3, "device_ms": 1.0, "host_ahead": True},
+             "staging": {"config": "normal EP8", "staging_bytes": 2**29, "rounds": 8,
+                         "ring_slots": 512, "workspace_bytes": 2**29 + 2**20,
+                         "gpu_bytes": 2**37}},
             {"op": "low-latency dispatch CUDA-graph replay (triton)", "graph": True,
              "median_ms": 0.24, "min_ms": 0.2, "max_ms": 0.3, "bytes": 0, "kernels": {}},
             {"op": "broken", "error": "RuntimeError: boom"}]
@@ -51,3 +54,4 @@ def test_the_table_has_its_sections():
     assert "dispatch_send_kernel 61%" in text
     assert "host 0.300 ms per call, device 1.000 ms per call: the host stays ahead" in text
     assert "| broken | FAILED: RuntimeError: boom" in text
+    assert "| normal EP8 | 0.500 GiB | 8 | 512 | 0.501 GiB | 0.4% |" in text

@@ -153,7 +153,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 STAGING_REGIONS = ("dispatch_meta", "dispatch_rows", "combine_meta", "combine_rows")
 # The normal mode's default staging budget: a DeepSeek-V3 rank (H 7168, bf16, top-8, 4096
 # tokens) keeps its whole staging at EP 8 (1.76 GiB, one round) and stays under 2 GiB at any
-# EP size (EP 64: 546 slots per source, 8 rounds).
+# EP size (EP 64: 544 slots per source, 8 rounds).
 DEFAULT_STAGING_BYTES = 15 << 27  # 1.875 GiB
 
 

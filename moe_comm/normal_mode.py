@@ -238,19 +238,21 @@ class NormalMode:
             self._rdma_offsets(channel))
         return fixed
 
+    def _round_stride(self) -> int:
+        """Where round i's ``[R + 1]`` offsets start in ``recv_slot_offsets``, divided by i:
+        R + 1 rounded up to an even count, so that every round's view has the first one's
+        16-byte alignment (one compiled variant)."""
+        return self.world_size + 1 + (self.world_size + 1) % 2
+
     def slot_offsets_size(self) -> int:
-        """Length of a dispatch's ``recv_slot_offsets``: round i's ``[R + 1]`` offsets start at
-        ``i * S`` (``S`` = R + 1 rounded up to an even count, so that every round's view has the
-        first one's 16-byte alignment: one compiled variant)."""
-        R1 = self.world_size + 1
-        return (self.layout.rounds - 1) * (R1 + R1 % 2) + R1
+        """Length of a dispatch's ``recv_slot_offsets`` (every round's ``[R + 1]`` offsets)."""
+        return (self.layout.rounds - 1) * self._round_stride() + self.world_size + 1
 
     def _round_view(self, slot_offsets: torch.Tensor, i: int) -> torch.Tensor:
         """Round ``i``'s ``[R + 1]`` view of a dispatch's ``recv_slot_offsets`` (several
         rounds)."""
-        R1 = self.world_size + 1
-        start = i * (R1 + R1 % 2)
-        return slot_offsets[start:start + R1]
+        start = i * self._round_stride()
+        return slot_offsets[start:start + self.world_size + 1]
 
     def _empty_int(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int32, device=self.device)

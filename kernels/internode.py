@@ -146,7 +146,8 @@ def _target_slot(slot_of, node_slot_of, t, tgt, tm, R, M, HIER: tl.constexpr):
     return slot.to(tl.int64)
 
 
-_OUTBOX_PER_CALL = ["local_base", "ring_addr", "errors_addr", "timeout_ns", "T", "me"]
+_OUTBOX_PER_CALL = ["local_base", "ring_addr", "errors_addr", "timeout_ns", "T", "t_base",
+                    "me"]
 
 
 @triton.jit(do_not_specialize=_OUTBOX_PER_CALL)
@@ -163,7 +164,9 @@ def outbox_dispatch_kernel(
     tickets,  # [1] int64 ticket word of this kernel
     epochs,  # [1] int64: the dispatch epoch (the send kernel advanced it already)
     local_base: tl.int64, ring_addr: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
-    T: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, N: tl.int32,
+    T: tl.int32,
+    t_base: tl.int32,  # index of x's first token in the call (sent as each slot's token)
+    H: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, N: tl.int32,
     me: tl.int32, RING_SLOTS: tl.int32,
     ROW_BYTES: tl.int64,  # bytes between staging (and outbox) rows
     META_STRIDE: tl.constexpr, NODE_META: tl.constexpr, KMAX: tl.constexpr,
@@ -223,7 +226,7 @@ def outbox_dispatch_kernel(
                     sm = slot >= 0
                     meta = local_ptr(meta_base, tgt * _at(plan, PX_META_TGT), tl.int32, 4) \
                         + slot * NODE_META
-                    tl.store(meta, t, mask=sm)
+                    tl.store(meta, t + t_base, mask=sm)
                     sm2 = sm[:, None] & m2
                     tl.store(meta[:, None] + 1 + kk[None, :], e.to(tl.int32), mask=sm2)
                     tl.store(meta[:, None] + 1 + KMAX + kk[None, :], pos, mask=sm2)
@@ -509,8 +512,11 @@ def outbox_dispatch(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, node
                     counts, target_counts, plan, xstats, tickets, epochs, *, rank: int,
                     world_size: int, num_local_experts: int, meta_stride: int,
                     node_meta_stride: int, max_topk: int, grid: int, topk: int,
-                    row_bytes: int, fp8: int = 0, ue8m0: int = 0, flavour: Flavour) -> bool:
-    """Launches :func:`outbox_dispatch_kernel` (``topk_idx=None``: the cached form, rows only)."""
+                    row_bytes: int, fp8: int = 0, ue8m0: int = 0, flavour: Flavour,
+                    t_base: int = 0) -> bool:
+    """Launches :func:`outbox_dispatch_kernel` (``topk_idx=None``: the cached form, rows only).
+    ``x`` (and the per-token tensors) may be one round's window of a call's tokens (flat),
+    ``t_base`` the call's index of its first token."""
     T, H = x.shape
     if fp8 == 2 and ue8m0 == NVFP4:  # x: two e2m1 codes per byte
         H *= 2
@@ -528,7 +534,8 @@ def outbox_dispatch(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, node
         slot_of, node_slot_of if flavour.hierarchical else dummy,
         counts if send_meta else dummy, target_counts, plan, xstats, tickets, epochs,
         flavour.local_base, flavour.ring_addr, flavour.errors_addr, flavour.timeout_ns,
-        T, H, topk, world_size, num_local_experts, N, rank, flavour.ring_slots, row_bytes,
+        T, t_base, H, topk, world_size, num_local_experts, N, rank, flavour.ring_slots,
+        row_bytes,
         META_STRIDE=meta_stride, NODE_META=node_meta_stride, KMAX=max_topk,
         SEND_META=send_meta, HAS_WEIGHTS=topk_weights is not None, FP8=fp8, UE8M0=bool(ue8m0),
         GS=scale_group(ue8m0), HIER=flavour.hierarchical, ALIGN=flavour.row_align,

@@ -119,12 +119,15 @@ def _check_config(world_size: int, hidden, num_experts, max_tokens_per_rank, dty
 
 def staging_ring_slots(staging_bytes: int | None, world_size: int, max_tokens: int,
                        hidden: int, max_topk: int, dtype: torch.dtype, *,
-                       streams: bool = True) -> int | None:
+                       streams: bool = True, outboxes: bool = False) -> int | None:
     """Ring slots per source of the normal mode's staging for a budget of ``staging_bytes``
     (``workspace.ring_slots_for``; None: the whole batch, one round). ``streams``: whether the
-    Buffer's flavour runs a call in rounds (one node, no fault tolerance, so far); where it does
-    not, the default budget stages the whole batch and a smaller explicit one is refused."""
-    slots = ring_slots_for(staging_bytes, world_size, max_tokens, hidden, max_topk, dtype)
+    Buffer's flavour runs a call in rounds (one node, or flat across nodes through the proxy; no
+    fault tolerance, so far); where it does not, the default budget stages the whole batch and a
+    smaller explicit one is refused. ``outboxes``: the budget pays for the outboxes of a flat
+    Buffer across nodes through the proxy as well."""
+    slots = ring_slots_for(staging_bytes, world_size, max_tokens, hidden, max_topk, dtype,
+                           outboxes)
     if slots == max_tokens:
         return None
     if not streams:
@@ -133,8 +136,9 @@ def staging_ring_slots(staging_bytes: int | None, world_size: int, max_tokens: i
         raise ValueError(
             f"staging_bytes={staging_bytes} holds {slots} of max_tokens_per_rank={max_tokens} "
             "slots per source: a call would run in rounds, which the normal mode does on one "
-            "node without fault tolerance so far; pass staging_bytes=None (the whole batch "
-            "is staged) for Buffers across nodes or with fault_tolerant=True")
+            "node and flat across nodes through the proxy (transport='nixl', "
+            "hierarchical=False), without fault tolerance so far; pass staging_bytes=None "
+            "(the whole batch is staged) for hierarchical, NVSHMEM or fault-tolerant Buffers")
     return slots
 
 
@@ -161,7 +165,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
     ``mask_rank``, ``clean_mask``); across nodes through the proxy in flat mode only.
     ``staging_bytes`` (default ``workspace.DEFAULT_STAGING_BYTES``) bounds the normal mode's
     staging: where the whole batch does not fit, every call runs in ``rounds`` through rings of
-    ``ring_slots`` slots per source (``moe_comm.normal_mode``; one node, no fault tolerance).
+    ``ring_slots`` slots per source (``moe_comm.normal_mode``; one node, or flat across nodes
+    through the proxy; no fault tolerance).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, hidden: int, num_experts: int,
@@ -218,9 +223,11 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             raise ValueError("transport='nixl' runs with host waits so far: MOE_COMM_WAIT=kernel "
                              "is not supported across nodes through the proxy yet")
         rdma = chosen == "nvshmem" and nodes.num_hosts > 1
+        flat_proxy = via == "nixl" and not (hierarchical and nodes.count > 1)  # outboxes per rank
         ring_slots = staging_ring_slots(
             staging_bytes, world_size, max_tokens_per_rank, hidden, max_topk, dtype,
-            streams=nodes.count == 1 and not rdma and not fault_tolerant)
+            streams=(nodes.count == 1 or flat_proxy) and not rdma and not fault_tolerant,
+            outboxes=flat_proxy)
         layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                  num_experts // world_size, max_topk, dtype, low_latency,
                                  rdma=rdma, ranks_per_node=nodes.ranks_per_node,
@@ -389,7 +396,9 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
     @property
     def staging_bytes(self) -> int:
         """Bytes of the normal mode's staging (``moe_comm.workspace``: 2 parities x R sources x
-        ``ring_slots`` slots of both channels), within the ``staging_bytes`` asked for."""
+        ``ring_slots`` slots of both channels; flat across nodes through the proxy, the
+        outboxes' as many again): the ``staging_bytes`` asked for at most, but for each
+        region's parity rounded up to 128 bytes (``moe_comm.workspace``)."""
         return self.layout.staging_bytes
 
     @property

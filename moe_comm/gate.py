@@ -72,7 +72,8 @@ CONFIGS = (
     GateConfig("small", 2, 8, 512, 2, 64, nvshmem=False),
     GateConfig("dsv3-prefill", 8, 256, 7168, 8, 4096, nvshmem=True),
     GateConfig("dsv3-decode", 8, 256, 7168, 8, 128, nvshmem=True),
-    # bounded staging: every normal-mode call in 2 rounds of 2048 slots per source (bf16)
+    # bounded staging: every normal-mode call in 2 rounds of 2048 slots per source (bf16; one
+    # node and flat across two nodes through the proxy)
     GateConfig("dsv3-prefill-rounds", 8, 256, 7168, 8, 4096, nvshmem=False, ring_slots=2048),
 )
 
@@ -327,8 +328,9 @@ def gate_runs(cfg: GateConfig) -> list[tuple]:
     hierarchical[, fault_tolerant])`` (the arguments of ``_buffers`` after the dtype)."""
     import torch
 
-    if cfg.ring_slots is not None:  # rounds: the normal mode of one node, in bf16 (the other
-        return [("bfloat16", torch.bfloat16, 0, False, False)]  # dtypes load rows alone)
+    if cfg.ring_slots is not None:  # rounds: the normal mode of one node and flat through the
+        return [("bfloat16", torch.bfloat16, 0, False, False),  # proxy, in bf16 (the other
+                ("bfloat16", torch.bfloat16, 2, False, False)]  # dtypes load rows alone)
     runs = []
     for name in GATE_DTYPES:
         dtype = getattr(torch, name)

@@ -22,8 +22,10 @@ epoch of the channel for the source tokens ``[i * W, (i + 1) * W)``::
         publish epoch (dispatch: with the call's per-expert counts and the round's rows)
         wait for every rank's epoch of round i; expand (dispatch) or sum (combine) its rows
 
-Each round launches what a call of one round does (without the layout); the ring positions,
-the rounds' counts and slot offsets are torch ops. A window holds at most ``W`` tokens, so at
+Each round launches what a call of one round does (without the layout; flat across nodes
+through the proxy its send fills the outboxes with the window's rows for other nodes and posts
+one descriptor per peer there, ``_send_other_nodes``); the ring positions, the rounds' counts
+and slot offsets are torch ops. A window holds at most ``W`` tokens, so at
 most ``W`` rows for any rank. The order that makes
 it safe, in each place the kernels run: a rank's send of round ``i`` needs nothing but its own
 inputs (the parity it writes was last read in round ``i - 2``, by the two-parity argument of
@@ -157,12 +159,13 @@ class NormalMode:
         if self.layout.rounds == 1:
             self._send_window(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts, K,
                               fp8, ue8m0)
-        else:
+            node_slot_of = self._send_other_nodes(x, x_scales, topk_idx, topk_weights, pair_pos,
+                                                  slot_of, counts, fp8, ue8m0)
+        else:  # (one node, or flat across nodes: each round sends its window's outboxes)
             later = self._stream(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts,
                                  K, fp8, ue8m0)
             later(0)
-        node_slot_of = self._send_other_nodes(x, x_scales, topk_idx, topk_weights, pair_pos,
-                                              slot_of, counts, fp8, ue8m0)
+            node_slot_of = self._empty_int()
         return PendingSend(DISPATCH, epoch, slot_of, K, topk_weights is not None, fp8, ue8m0,
                            node_slot_of, send_round=later)
 
@@ -202,15 +205,20 @@ class NormalMode:
     def _send_round(self, stream: Stream, i: int) -> None:
         """Round ``i`` of a dispatch send of several rounds (its epoch is the channel's latest:
         ``_start``): the window's tokens into their ring positions on every destination, then
-        the round's counts and epoch to every rank."""
+        the round's counts and epoch to every rank (across nodes, flat: the window's rows for
+        other nodes into the outboxes, one descriptor per peer, as a call of one round)."""
         t_base = i * self.layout.ring_slots
         window = slice(t_base, t_base + self.layout.ring_slots)
         x, idx, weights, pos, ring = (None if t is None else t[window] for t in (
             stream.x, stream.topk_idx, stream.topk_weights, stream.pair_pos, stream.ring))
         scales = stream.x_scales  # none, one global scale, or per token (sent quantized)
-        self._send_window(x, scales[window] if stream.fp8 == 2 else scales, idx, weights, pos,
-                          ring, None if stream.counts is None else stream.counts[i], stream.topk,
-                          stream.fp8, stream.ue8m0, t_base)
+        if stream.fp8 == 2:
+            scales = scales[window]
+        counts = None if stream.counts is None else stream.counts[i]
+        self._send_window(x, scales, idx, weights, pos, ring, counts, stream.topk, stream.fp8,
+                          stream.ue8m0, t_base)
+        self._send_other_nodes(x, scales, idx, weights, pos, ring, counts, stream.fp8,
+                               stream.ue8m0, t_base=t_base)
 
     def _send_window(self, x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
                      topk: int, fp8: int = 0, ue8m0: int = 0, t_base: int = 0) -> None:
@@ -258,11 +266,14 @@ class NormalMode:
         return torch.empty(0, dtype=torch.int32, device=self.device)
 
     def _send_other_nodes(self, x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts,
-                          fp8: int = 0, ue8m0: int = 0, node_slot_of=None) -> torch.Tensor:
+                          fp8: int = 0, ue8m0: int = 0, node_slot_of=None, t_base: int = 0
+                          ) -> torch.Tensor:
         """Through the proxy: rows for other nodes into the outboxes, one descriptor per peer
-        (``kernels.internode``). Returns ``node_slot_of`` [T, M] int32 (hierarchical: the row
-        of each token in each node's message, -1 where none; computed here unless given), else
-        an empty tensor. No host read."""
+        (``kernels.internode``; flat rounds: ``x`` and the per-token tensors are the window of
+        tokens ``t_base + [0, len(x))``, ``slot_of`` their ring positions). Returns
+        ``node_slot_of`` [T, M] int32 (hierarchical: the row of each token in each node's
+        message, -1 where none; computed here unless given), else an empty tensor. No host
+        read."""
         if self.proxy is None:
             return self._empty_int()
         T, R, N, M = slot_of.shape[0], self.world_size, self.ranks_per_node, self.num_nodes
@@ -275,7 +286,7 @@ class NormalMode:
         else:
             node_slot_of = self._empty_int()
             target_counts = (slot_of >= 0).sum(0, dtype=torch.int32)
-        grid = internode.outbox_grid(self.max_tokens_per_rank, self.hidden, self.num_sms,
+        grid = internode.outbox_grid(self.layout.ring_slots, self.hidden, self.num_sms,
                                      self.flavour,
                                      sent_elem_bytes(fp8, ue8m0, x.element_size()))
         self.launches["dispatch_outbox"] += internode.outbox_dispatch(
@@ -286,7 +297,7 @@ class NormalMode:
             num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
             node_meta_stride=self.layout.node_meta_stride, max_topk=self.max_topk, grid=grid,
             topk=1 if topk_idx is None else topk_idx.shape[1], row_bytes=self._row_bytes,
-            fp8=fp8, ue8m0=ue8m0, flavour=self.flavour)
+            fp8=fp8, ue8m0=ue8m0, flavour=self.flavour, t_base=t_base)
         return node_slot_of
 
     def _forward_dispatch(self, epoch: int, payload: int, fwd_slots=None, fwd_n=None):
@@ -441,11 +452,11 @@ class NormalMode:
         later = None
         if self.layout.rounds == 1:
             self._send_window(x, None, None, None, None, slot_of, None, 1)
+            self._send_other_nodes(x, None, None, None, None, slot_of, None,
+                                   node_slot_of=node_slot_of)
         else:
             later = self._stream(x, None, None, None, None, slot_of, None, 1)
             later(0)
-        self._send_other_nodes(x, None, None, None, None, slot_of, None,
-                               node_slot_of=node_slot_of)
         return PendingSend(DISPATCH, epoch, send_round=later)
 
     def dispatch_cached_recv(self, pending: PendingSend, slot_rows, slot_offsets,

@@ -87,18 +87,19 @@ Nodes (``ranks_per_node = N`` < R; ``M = R / N`` nodes; rank ``r`` is local inde
 moves what they get from this rank's outboxes (``moe_comm.transport``). Flat mode
 (``hierarchical=False``): one outbox slice per destination rank, ``D = R``. Hierarchical mode:
 one per destination node, ``D = M``, and a token's node metadata adds the slot it takes on each
-of the ``N`` ranks of that node (``MN = 1 + 3K + N`` words). ``ROW = H*b``.
+of the ``N`` ranks of that node (``MN = 1 + 3K + N`` words). ``ROW = H*b``. ``B`` = ``W`` when
+flat (a round's slots for a destination, as its staging holds), ``T`` when hierarchical.
 
 ======================  ===========================  ============================================
-``px_rows``             [P, D, T, ROW] uint8         dispatch rows for destination (rank or node)
-``px_meta``             [P, D, T, MN] int32          their metadata (``MN = 1 + 3K`` when flat)
+``px_rows``             [P, D, B, ROW] uint8         dispatch rows for destination (rank or node)
+``px_meta``             [P, D, B, MN] int32          their metadata (``MN = 1 + 3K`` when flat)
 ``px_counts``           [P, D, C] int32              flat: ``C = L + 1`` (the counts of
                                                      ``dispatch_counts``); hierarchical:
                                                      ``C = N*(L + 1) + 1``: the counts of each
                                                      rank of the node, then the node's rows
-``px_combine_rows``     [P, D, T, H] dtype           combine partials for home rank (flat) or
+``px_combine_rows``     [P, D, B, H] dtype           combine partials for home rank (flat) or
                                                      node sums for source node (hierarchical)
-``px_combine_meta``     [P, D, T, K] float32         their per-choice values
+``px_combine_meta``     [P, D, B, K] float32         their per-choice values
 ======================  ===========================  ============================================
 
 Hierarchical mode only, on the forwarder (the rank of each node with the source's local index):
@@ -151,6 +152,8 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 STAGING_REGIONS = ("dispatch_meta", "dispatch_rows", "combine_meta", "combine_rows")
+# flat across nodes through the proxy: a slot of each destination's outbox per staging slot
+OUTBOX_REGIONS = ("px_meta", "px_rows", "px_combine_meta", "px_combine_rows")
 # The normal mode's default staging budget: a DeepSeek-V3 rank (H 7168, bf16, top-8, 4096
 # tokens) keeps its whole staging at EP 8 (1.76 GiB, one round) and stays under 2 GiB at any
 # EP size (EP 64: 544 slots per source, 8 rounds).
@@ -163,27 +166,33 @@ DEFAULT_STAGING_BYTES = 15 << 27  # 1.875 GiB
 RING_SLOT_MULTIPLE = 16
 
 
-def staging_slot_bytes(world_size: int, hidden: int, max_topk: int, dtype: torch.dtype) -> int:
+def staging_slot_bytes(world_size: int, hidden: int, max_topk: int, dtype: torch.dtype,
+                       outboxes: bool = False) -> int:
     """Bytes one slot index costs in the normal mode's staging: for every source and both
-    parities, a dispatch row and its metadata, a combine row and its per-choice values."""
+    parities, a dispatch row and its metadata, a combine row and its per-choice values;
+    ``outboxes`` (flat across nodes through the proxy): as much again for the outboxes, a slot
+    per destination (``OUTBOX_REGIONS``)."""
     row = hidden * _itemsize(dtype)
-    return PARITIES * world_size * (2 * row + 4 * (1 + 3 * max_topk) + 4 * max_topk)
+    per_slot = PARITIES * world_size * (2 * row + 4 * (1 + 3 * max_topk) + 4 * max_topk)
+    return 2 * per_slot if outboxes else per_slot
 
 
 def ring_slots_for(staging_bytes: int | None, world_size: int, max_tokens: int, hidden: int,
-                   max_topk: int, dtype: torch.dtype) -> int:
+                   max_topk: int, dtype: torch.dtype, outboxes: bool = False) -> int:
     """Staging slots per source and parity that ``staging_bytes`` pays for (None: the
-    default budget), at most ``max_tokens`` (then a call is one round, the whole batch), else
-    rounded down to a multiple of ``RING_SLOT_MULTIPLE`` where that leaves any."""
+    default budget; ``outboxes``: it pays for the outboxes' slots too), at most ``max_tokens``
+    (then a call is one round, the whole batch), else rounded down to a multiple of
+    ``RING_SLOT_MULTIPLE`` where that leaves any."""
     budget = DEFAULT_STAGING_BYTES if staging_bytes is None else staging_bytes
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"staging_bytes must be a positive int or None, got {staging_bytes!r}")
-    per_slot = staging_slot_bytes(world_size, hidden, max_topk, dtype)
+    per_slot = staging_slot_bytes(world_size, hidden, max_topk, dtype, outboxes)
     if budget < per_slot:
         raise ValueError(f"staging_bytes={budget} is less than one slot per source: the normal "
                          f"mode needs at least {per_slot} bytes at world size {world_size} "
                          f"(2 parities x {world_size} sources x one dispatch and one combine "
-                         "row with their metadata)")
+                         "row with their metadata" + (", in the staging and in the outboxes)"
+                                                      if outboxes else ")"))
     slots = budget // per_slot
     if slots < max_tokens and slots >= RING_SLOT_MULTIPLE:  # rounds' windows stay aligned
         slots -= slots % RING_SLOT_MULTIPLE
@@ -283,12 +292,13 @@ class WorkspaceLayout:
             D = M if hier else R
             self.node_meta_stride = self.meta_stride + (N if hier else 0)
             self.px_count_words = N * (L + 1) + 1 if hier else L + 1
+            B = T if hier else W  # flat: a ring of W slots per target, as the staging
             specs += [
-                ("px_rows", (PARITIES, D, T, row), torch.uint8),
-                ("px_meta", (PARITIES, D, T, self.node_meta_stride), torch.int32),
+                ("px_rows", (PARITIES, D, B, row), torch.uint8),
+                ("px_meta", (PARITIES, D, B, self.node_meta_stride), torch.int32),
                 ("px_counts", (PARITIES, D, self.px_count_words), torch.int32),
-                ("px_combine_rows", (PARITIES, D, T, H), dtype),
-                ("px_combine_meta", (PARITIES, D, T, K), torch.float32),
+                ("px_combine_rows", (PARITIES, D, B, H), dtype),
+                ("px_combine_meta", (PARITIES, D, B, K), torch.float32),
             ]
             if hier:
                 specs += [
@@ -322,8 +332,11 @@ class WorkspaceLayout:
 
     @property
     def staging_bytes(self) -> int:
-        """Bytes of the normal mode's staging (dispatch and combine rows and metadata)."""
-        return sum(self.regions[n].nbytes for n in STAGING_REGIONS)
+        """Bytes of the normal mode's staging (dispatch and combine rows and metadata; flat
+        across nodes through the proxy, the outboxes' too)."""
+        names = STAGING_REGIONS + (OUTBOX_REGIONS if self.proxy and not self.hierarchical
+                                   else ())
+        return sum(self.regions[n].nbytes for n in names)
 
     def __getitem__(self, name: str) -> Region:
         return self.regions[name]

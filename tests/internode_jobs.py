@@ -73,7 +73,8 @@ def nodes_case(rank, world_size, case: Case, ranks_per_node: int, hierarchical: 
                                         combine_dtype=combine_dtype)
             assert torch.equal(out, ref[rank]), f"rank {rank}: combine differs in iteration {it}"
         report = {"stats": buf.stats(), "internode": buf.internode_bytes(),
-                  "launches": dict(buf.launches), "peer_ptrs": buf.heap.peer_ptrs.tolist()}
+                  "launches": dict(buf.launches), "peer_ptrs": buf.heap.peer_ptrs.tolist(),
+                  "ring_slots": buf.ring_slots}
     report["threads"] = sorted(t.name for t in threading.enumerate()
                                if t.name.startswith("moe_comm"))
     return report

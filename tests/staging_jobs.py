@@ -13,9 +13,11 @@ from moe_comm.workspace import staging_slot_bytes
 from rank_jobs import _digest, check_against_oracle, kernel_waits
 
 
-def slots_budget(case: Case, slots: int) -> int:
-    """The ``staging_bytes`` that pays for ``slots`` slots per source of ``case``."""
-    return slots * staging_slot_bytes(case.world_size, case.hidden, case.topk, case.dtype)
+def slots_budget(case: Case, slots: int, outboxes: bool = False) -> int:
+    """The ``staging_bytes`` that pays for ``slots`` slots per source of ``case`` (``outboxes``:
+    of a flat Buffer across nodes through the proxy)."""
+    return slots * staging_slot_bytes(case.world_size, case.hidden, case.topk, case.dtype,
+                                      outboxes)
 
 
 def streamed_case(rank, world_size, case: Case, slots: int | None, iterations: int = 1,

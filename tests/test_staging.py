@@ -2,6 +2,7 @@
 source in rounds, bit-exact against the reference and against the whole-batch staging."""
 import pytest
 import torch
+from internode_jobs import nodes_case
 from staging_jobs import slots_budget, streamed_case
 from test_loopback import check_case
 
@@ -168,6 +169,62 @@ def test_gradients_in_rounds_match_reference_autograd(ranks):
     ranks(2).run(gradients, case, max_topk=2, staging_bytes=slots_budget(case, 2))
 
 
+def test_flat_nodes_in_rounds_match_reference_and_move_the_whole_batch_bytes(ranks):
+    """2 nodes x 2 ranks through the proxy, flat, rings of two slots per source (6 rounds a
+    call), stragglers, two calls, each checked bit for bit against the reference by the job;
+    the rows and metadata that cross nodes and every row stored equal the whole batch's, and
+    each later round adds its counts to every remote peer's message and its epoch (and, in a
+    dispatch, its counts) to every rank of the node."""
+    pytest.importorskip("nixl_cu13")
+    case = Case(4, 16, 128, 4, (9, 0, 5, 12), torch.bfloat16, "zipf", 16, seed=211)
+    L, calls, later = case.num_experts // 4, 2, 2 * 5
+    # two slots: for 4 sources and both parities, staging and outboxes, a dispatch row and its
+    # metadata (1 + 3K words), a combine row and its K values
+    budget = 2 * 2 * 2 * 4 * (2 * 128 * 2 + 4 * (1 + 3 * 4) + 4 * 4)
+    runs = {slots: ranks(4).run(nodes_case, case, 2, False, iterations=calls, straggle_s=0.02,
+                                max_topk=case.topk,
+                                staging_bytes=None if slots is None else budget)
+            for slots in (None, 2)}
+    for rank, (full, part) in enumerate(zip(runs[None], runs[2], strict=True)):
+        assert part["ring_slots"] == 2, rank
+        assert full["ring_slots"] == case.max_tokens, rank
+        assert full["launches"]["dispatch_send"] == calls, rank
+        assert part["launches"]["dispatch_send"] == part["launches"]["dispatch_outbox"] \
+            == part["launches"]["combine_send"] == calls * 6, rank
+        remote = [p // 2 != rank // 2 for p in range(4)]
+        for p, far in enumerate(remote):
+            extra = part["internode"]["dispatch"][p] - full["internode"]["dispatch"][p]
+            assert extra == (later * 4 * (L + 1) if far else 0), (rank, p, extra)
+        assert part["internode"]["combine"] == full["internode"]["combine"], rank
+        a, b = part["stats"], full["stats"]
+        for key in ("dispatch_bytes_to_outbox", "combine_bytes_to_outbox"):
+            assert a[key] == b[key], (rank, key)
+        signals = later * (4 * (L + 1) + 8)  # a round's counts and epoch, to a rank
+        assert a["dispatch_bytes_to_peers"] - b["dispatch_bytes_to_peers"] == signals, rank
+        assert a["dispatch_bytes_to_self"] - b["dispatch_bytes_to_self"] == signals, rank
+        assert a["combine_bytes_to_peers"] - b["combine_bytes_to_peers"] == later * 8, rank
+        assert a["internode_messages"] == 6 * b["internode_messages"], rank
+
+
+@pytest.mark.parametrize("fmt", [dict(fp8=True, ue8m0=True, combine_dtype="fp8"),
+                                 dict(fp8=None, dispatch_dtype="nvfp4")],
+                         ids=["fp8-ue8m0", "nvfp4"])
+def test_quantized_flat_nodes_in_rounds_of_one_slot(ranks, fmt):
+    """Flat across 2 nodes, one slot per source (8 rounds a call), both parities: quantized
+    rows (and FP8 partials) bit for bit against the reference."""
+    pytest.importorskip("nixl_cu13")
+    case = Case(4, 8, 128, 2, (5, 8, 0, 6), torch.bfloat16, "uniform", 1, seed=212)
+    reports = ranks(4).run(nodes_case, case, 2, False, iterations=2, max_topk=case.topk,
+                           staging_bytes=slots_budget(case, 1, outboxes=True), **fmt)
+    assert all(r["launches"]["dispatch_outbox"] == 2 * 8 for r in reports)
+
+
+def test_gradients_of_flat_nodes_in_rounds_match_reference_autograd(ranks):
+    case = Case(4, 16, 64, 4, (9, 5, 0, 12), torch.float64, "uniform", 16, seed=213)
+    ranks(4).run(gradients, case, ranks_per_node=2, transport="nixl", hierarchical=False,
+                 max_topk=4, staging_bytes=slots_budget(case, 2, outboxes=True))
+
+
 def test_workspace_formula_from_ep_8_to_1024():
     """DeepSeek-V3 sizes: the default budget stages the whole batch at EP 8, stays under 2 GiB
     at every EP size, and the rest of the workspace grows with R only through per-peer words,
@@ -195,6 +252,27 @@ def test_workspace_formula_from_ep_8_to_1024():
     assert small - rest[64] == 64 * 16 * per_slot
 
 
+def test_flat_workspace_across_nodes_from_ep_16_to_256():
+    """DeepSeek-V3 sizes, nodes of 8 ranks, flat through the proxy: the default budget pays for
+    the staging and the outboxes, the whole workspace stays under 2 GiB and does not grow with
+    max_tokens_per_rank (the whole batch would take 7 GiB at EP 16, 28 GiB at EP 64)."""
+    from moe_comm.workspace import WorkspaceLayout, ring_slots_for
+    H, K, dtype = 7168, 8, torch.bfloat16
+    per_slot = 2 * 2 * (2 * H * 2 + 4 * (1 + 3 * K) + 4 * K)  # both parities, staging + outbox
+
+    def layout(R, T, slots):
+        return WorkspaceLayout(R, T, H, 256 // R, K, dtype, proxy=True, ranks_per_node=8,
+                               ring_slots=slots)
+
+    for R, rounds in ((16, 4), (64, 16), (256, 64)):
+        slots = ring_slots_for(None, R, 4096, H, K, dtype, outboxes=True)
+        assert slots == DEFAULT_STAGING_BYTES // (R * per_slot) // 16 * 16, R
+        bounded, whole = layout(R, 4096, slots), layout(R, 4096, None)
+        assert bounded.rounds == rounds and bounded.staging_bytes <= DEFAULT_STAGING_BYTES, R
+        assert bounded.nbytes < 2 << 30 < 7 << 30 <= whole.nbytes, R
+        assert layout(R, 65536, slots).nbytes == bounded.nbytes, R
+
+
 def test_staging_errors_before_anything_is_allocated(ranks):
     case = Case(2, 4, 64, 2, (4, 4))
     with pytest.raises(ValueError, match="less than one slot per source"):
@@ -210,3 +288,15 @@ def test_staging_errors_before_anything_is_allocated(ranks):
     budget = slots_budget(Case(2, 4, 64, 2, (8, 8)), 2)
     errors = ranks(2).run(construct, {0: dict(staging_bytes=budget), 1: dict()})
     assert all(e is not None and "staging_bytes" in e and "rank 1" in e for e in errors), errors
+
+
+def test_rounds_are_refused_where_they_do_not_run_yet(ranks):
+    """Hierarchical across nodes: a budget below the whole batch is refused on every rank
+    before anything is allocated (the default stages the whole batch there)."""
+    pytest.importorskip("nixl_cu13")
+    budget = slots_budget(Case(4, 8, 64, 2, (8, 8, 8, 8)), 2)
+    nodes = dict(ranks_per_node=2, transport="nixl", hierarchical=True, max_topk=2)
+    errors = ranks(4).run(construct, {"all": dict(nodes, staging_bytes=budget)})
+    assert all(e is not None and "hierarchical" in e and "staging_bytes" in e
+               for e in errors), errors
+    assert ranks(4).run(construct, {"all": nodes}) == [None] * 4

@@ -18,9 +18,11 @@ def _peer_delta(after: dict, before: dict) -> dict:
 
 def link_bytes(rank, world_size, ids: torch.Tensor, hidden: int, num_experts: int,
                ranks_per_node: int, hierarchical: bool, low_latency: bool, fp8: bool,
-               dispatch_dtype: str | None = None, combine_dtype: str | None = None) -> dict:
+               dispatch_dtype: str | None = None, combine_dtype: str | None = None,
+               staging_bytes: int | None = None) -> dict:
     """One dispatch and one combine of this rank's rows of the global routing ``ids``
-    [world_size * T, K]; what the kernels and the transport counted in each phase:
+    [world_size * T, K] (``staging_bytes``: the Buffer's, so a call may run in rounds); what
+    the kernels and the transport counted in each phase:
     {"dispatch": {...}, "combine": {...}}, each the stats() delta plus ``per_peer`` (the
     transport's data bytes per destination rank, across nodes)."""
     T, K = ids.shape[0] // world_size, ids.shape[1]
@@ -30,7 +32,8 @@ def link_bytes(rank, world_size, ids: torch.Tensor, hidden: int, num_experts: in
     w = torch.rand((T, K), generator=g)
     nodes = world_size // ranks_per_node
     kwargs = dict(hidden=hidden, num_experts=num_experts, max_tokens_per_rank=max(T, 1),
-                  dtype=torch.bfloat16, max_topk=K, low_latency=low_latency)
+                  dtype=torch.bfloat16, max_topk=K, low_latency=low_latency,
+                  staging_bytes=staging_bytes)
     if nodes > 1:
         kwargs.update(ranks_per_node=ranks_per_node, transport="nixl",
                       hierarchical=hierarchical)

@@ -60,8 +60,9 @@ def moe_comm_counters(ids, *, ep: int, num_experts: int, hidden: int, gpus_per_n
     combine_dtype: the Buffer's dtype, or "fp8" (``combine_dtype="fp8"``; hierarchical: the
     partials reach the forwarders in ``dtype``, the Buffer's, default bf16, and cross nodes
     as FP8).
-    rounds: the Buffer's ``rounds`` (bounded staging, normal mode on one node): every round
-    publishes its epoch (and in a dispatch the counts) to every rank; the rows are the same.
+    rounds: the Buffer's ``rounds`` (bounded staging, normal mode on one node or flat across
+    nodes): every round publishes its epoch (and in a dispatch the counts) to every rank, across
+    nodes the counts in each round's message; the rows are the same.
     """
     ids = np.asarray(ids, dtype=np.int64)
     N, K = ids.shape
@@ -69,8 +70,8 @@ def moe_comm_counters(ids, *, ep: int, num_experts: int, hidden: int, gpus_per_n
         raise ValueError(f"ids has {N} rows, not a multiple of ep={ep}")
     T, m, gpn = N // ep, num_experts // ep, gpus_per_node
     nodes = ep // gpn
-    if rounds != 1 and (mode != "normal" or nodes > 1):
-        raise ValueError("rounds > 1 is the normal mode on one node")
+    if rounds != 1 and (mode != "normal" or (nodes > 1 and hierarchical)):
+        raise ValueError("rounds > 1 is the normal mode on one node or flat across nodes")
     fmt = MOE_COMM
     k = K if max_topk is None else max_topk
     P = fmt.payload(dispatch_dtype, hidden)

@@ -210,17 +210,18 @@ def test_flat_nodes_in_rounds_match_reference_and_move_the_whole_batch_bytes(ran
                                  dict(fp8=None, dispatch_dtype="nvfp4")],
                          ids=["fp8-ue8m0", "nvfp4"])
 def test_quantized_flat_nodes_in_rounds_of_one_slot(ranks, fmt):
-    """Flat across 2 nodes, one slot per source (8 rounds a call), both parities: quantized
-    rows (and FP8 partials) bit for bit against the reference."""
+    """Flat across 2 nodes, one slot per source: a call of 8 rounds (each round an epoch, so
+    both parities four times): quantized rows (and FP8 partials) bit for bit against the
+    reference."""
     pytest.importorskip("nixl_cu13")
     case = Case(4, 8, 128, 2, (5, 8, 0, 6), torch.bfloat16, "uniform", 1, seed=212)
-    reports = ranks(4).run(nodes_case, case, 2, False, iterations=2, max_topk=case.topk,
+    reports = ranks(4).run(nodes_case, case, 2, False, iterations=1, max_topk=case.topk,
                            staging_bytes=slots_budget(case, 1, outboxes=True), **fmt)
-    assert all(r["launches"]["dispatch_outbox"] == 2 * 8 for r in reports)
+    assert all(r["launches"]["dispatch_outbox"] == 8 for r in reports)
 
 
 def test_gradients_of_flat_nodes_in_rounds_match_reference_autograd(ranks):
-    case = Case(4, 16, 64, 4, (9, 5, 0, 12), torch.float64, "uniform", 16, seed=213)
+    case = Case(4, 16, 64, 4, (5, 3, 0, 6), torch.float64, "uniform", 16, seed=213)
     ranks(4).run(gradients, case, ranks_per_node=2, transport="nixl", hierarchical=False,
                  max_topk=4, staging_bytes=slots_budget(case, 2, outboxes=True))
 

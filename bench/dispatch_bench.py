@@ -371,7 +371,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ring-slots", type=int, default=0,
                         help="normal mode: stage that many slots per source (Buffer "
-                        "staging_bytes), every call in rounds; 0: the default budget")
+                        "staging_bytes), every call in rounds (with --nodes: the flat "
+                        "Buffer's); 0: the default budget")
     parser.add_argument("--configs", nargs="+", default=[c.name for c in CONFIGS],
                         choices=[c.name for c in CONFIGS])
     parser.add_argument("--framework", nargs="+", default=[], choices=["megatron", "deepspeed"],
@@ -482,7 +483,7 @@ def _internode(args, configs) -> int:
           flush=True)
     with RankPool(args.ranks) as pool:
         rows = internode_bench.run(pool, args.ranks, configs, args.nodes, args.tokens,
-                                   DTYPES[args.dtype], args.seed)
+                                   DTYPES[args.dtype], args.seed, args.ring_slots)
     print(f"\nmoe_comm normal mode across {args.nodes} nodes x {args.ranks // args.nodes} CPU "
           f"ranks (NIXL proxy, UCX), {args.tokens} tokens per rank, {args.dtype}, uniform "
           "routing; MB = 1e6 bytes, summed over ranks\n")

@@ -79,12 +79,17 @@ class BareNixl:
         return seconds
 
 
-def internode_job(rank, world_size, cfg, nodes: int, tokens: int, dtype, seed: int) -> dict:
+def internode_job(rank, world_size, cfg, nodes: int, tokens: int, dtype, seed: int,
+                  ring_slots: int = 0) -> dict:
+    """Flat and hierarchical: one dispatch and combine against the reference, the bytes across
+    nodes, the proxy's and bare NIXL's seconds (``ring_slots``: the flat Buffer's staging holds
+    that many slots per source, its calls in rounds)."""
     import torch.distributed as dist
     from dispatch_bench import make_routing
 
     import moe_comm
     from moe_comm import reference
+    from moe_comm.workspace import staging_slot_bytes
 
     N = world_size // nodes
     xs, idxs, ws = make_routing(cfg, world_size, tokens, "uniform", seed)
@@ -93,10 +98,14 @@ def internode_job(rank, world_size, cfg, nodes: int, tokens: int, dtype, seed: i
     out = {}
     row_bytes = cfg.hidden * xs[0].element_size() + 4 * (1 + 3 * cfg.topk + N) + 4 * cfg.topk
     bare = BareNixl(rank, world_size, 2 * tokens * row_bytes + (1 << 16))
+    budget = ring_slots * staging_slot_bytes(world_size, cfg.hidden, cfg.topk, dtype,
+                                             outboxes=True) if ring_slots else None
     for hier in (False, True):
         buf = moe_comm.Buffer(dist.group.WORLD, hidden=cfg.hidden, num_experts=cfg.experts,
                               max_tokens_per_rank=tokens, dtype=dtype, max_topk=cfg.topk,
-                              ranks_per_node=N, transport="nixl", hierarchical=hier)
+                              ranks_per_node=N, transport="nixl", hierarchical=hier,
+                              staging_bytes=None if hier else budget)
+        rounds = buf.rounds
         res = buf.dispatch(xs[rank], idxs[rank], ws[rank])
         y = res.x
         combined = buf.combine(y, res.handle, weights=res.weights)
@@ -111,7 +120,7 @@ def internode_job(rank, world_size, cfg, nodes: int, tokens: int, dtype, seed: i
         sent = [a + b for a, b in zip(per_peer["dispatch"], per_peer["combine"])]
         out[hier] = {
             "bytes": stats["internode_dispatch_bytes"] + stats["internode_combine_bytes"],
-            "proxy_s": proxy_s, "bare_s": bare.seconds(sent),
+            "proxy_s": proxy_s, "bare_s": bare.seconds(sent), "rounds": rounds,
             "ok": bool(torch.equal(res.x, ref[rank].x) and torch.equal(combined,
                                                                       ref_out[rank]))}
     node = rank // N
@@ -136,10 +145,10 @@ def model_rows_per_token(cfg, world_size: int, nodes: int, tokens: int) -> float
 
 
 def run(pool, world_size: int, configs, nodes: int, tokens: int, dtype,
-        seed: int) -> list[dict]:
+        seed: int, ring_slots: int = 0) -> list[dict]:
     rows = []
     for cfg in configs:
-        reps = pool.run(internode_job, cfg, nodes, tokens, dtype, seed)
+        reps = pool.run(internode_job, cfg, nodes, tokens, dtype, seed, ring_slots)
         min_mb = sum(r["min_bytes"] for r in reps) / 1e6
         crossing = sum(r["other_nodes"] for r in reps) / (tokens * world_size)
         for hier in (False, True):
@@ -147,6 +156,7 @@ def run(pool, world_size: int, configs, nodes: int, tokens: int, dtype,
             bare = sum(r[hier]["bare_s"] for r in reps)
             xnode = sum(r[hier]["bytes"] for r in reps) / 1e6
             rows.append({"config": cfg.name, "mode": "hier" if hier else "flat",
+                         "rounds": reps[0][hier]["rounds"],
                          "xnode_MB": xnode, "min_MB": min_mb,
                          "rows_per_token": (crossing if hier else float("nan")),
                          "model_rows_per_token": model_rows_per_token(cfg, world_size, nodes,
@@ -157,11 +167,12 @@ def run(pool, world_size: int, configs, nodes: int, tokens: int, dtype,
 
 
 def format_rows(rows: list[dict]) -> str:
-    lines = [f"{'config':<18}{'mode':<6}{'x-node MB':>10}{'min MB':>9}{'rows/tok':>10}"
-             f"{'model':>8}{'proxy/bare':>12}{'ref':>5}"]
+    lines = [f"{'config':<18}{'mode':<6}{'rounds':>7}{'x-node MB':>10}{'min MB':>9}"
+             f"{'rows/tok':>10}{'model':>8}{'proxy/bare':>12}{'ref':>5}"]
     for r in rows:
         measured = "" if math.isnan(r["rows_per_token"]) else f"{r['rows_per_token']:.3f}"
-        lines.append(f"{r['config']:<18}{r['mode']:<6}{r['xnode_MB']:>10.3f}{r['min_MB']:>9.3f}"
+        lines.append(f"{r['config']:<18}{r['mode']:<6}{r['rounds']:>7}{r['xnode_MB']:>10.3f}"
+                     f"{r['min_MB']:>9.3f}"
                      f"{measured:>10}{r['model_rows_per_token']:>8.3f}"
                      f"{r['proxy_over_bare']:>12.2f}{'ok' if r['matches_reference'] else 'NO':>5}")
     return "\n".join(lines)

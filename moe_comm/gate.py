@@ -396,26 +396,36 @@ def _specialisation_problems(launches, world_size: int) -> list[str]:
     return problems
 
 
-def variant_list(configs=CONFIGS, arch: int = 90) -> list[str]:
+def record_configs(configs=CONFIGS, arch: int = 90) -> dict[str, dict[str, Variant]]:
+    """:func:`record_config` of each config, by name (one recording for ``--list`` and
+    ``--schedules`` together)."""
+    return {cfg.name: record_config(cfg, arch) for cfg in configs}
+
+
+def variant_list(configs=CONFIGS, arch: int = 90, recorded=None) -> list[str]:
     """What the drivers launch at each config, one line per distinct ``config kernel dtype
     flags`` (tiles and warps left out: they follow from the sizes), sorted; recorded, not
-    compiled (``--list``). ``tests/gate_variants.txt`` holds the list the tests expect, so a
-    format, flavour or op that drops out of a driver fails them."""
+    compiled (``--list``; ``recorded``: :func:`record_configs` made already).
+    ``tests/gate_variants.txt`` holds the list the tests expect, so a format, flavour or op
+    that drops out of a driver fails them."""
+    recorded = recorded or record_configs(configs, arch)
     lines = set()
     for cfg in configs:
-        for key, v in record_config(cfg, arch).items():
+        for key, v in recorded[cfg.name].items():
             if not key.startswith("problem:"):
                 lines.add(f"{cfg.name} {v.launch.name} {_variant_flags(v.launch, v.dtype)}")
     return sorted(lines)
 
 
-def schedule_table(configs=CONFIGS, arch: int = 90) -> tuple[list[str], list[str]]:
+def schedule_table(configs=CONFIGS, arch: int = 90, recorded=None
+                   ) -> tuple[list[str], list[str]]:
     """``(lines, problems)``: per recorded variant ``config kernel dtype kind programs trips``
     (``kernels.tiles.SCHEDULES``), and what the grid and serial-trip rules find; recorded, not
-    compiled (``--schedules``)."""
+    compiled (``--schedules``; ``recorded`` as in :func:`variant_list`)."""
+    recorded = recorded or record_configs(configs, arch)
     lines, problems = set(), []
     for cfg in configs:
-        for key, v in record_config(cfg, arch).items():
+        for key, v in recorded[cfg.name].items():
             if key.startswith("problem:"):
                 continue
             kind, programs, trips = v.schedule[cfg.name]
@@ -592,17 +602,20 @@ def main(argv=None) -> int:
                         help="print the variants the drivers launch per config, compile nothing")
     parser.add_argument("--schedules", action="store_true",
                         help="print each variant's grid and serial trips and check the grid "
-                             "rules, compile nothing")
+                             "rules, compile nothing (with --list: after the list, from the "
+                             "same recording)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("the gate compiles for GPUs: run it with TRITON_INTERPRET=0", file=sys.stderr)
         return 2
     configs = [c for c in CONFIGS if c.name in args.config]
+    recorded = record_configs(configs, args.arch[0]) if args.list or args.schedules else None
     if args.list:
-        print("\n".join(variant_list(configs, args.arch[0])))
-        return 0
+        print("\n".join(variant_list(configs, args.arch[0], recorded)))
+        if not args.schedules:
+            return 0
     if args.schedules:
-        lines, problems = schedule_table(configs, args.arch[0])
+        lines, problems = schedule_table(configs, args.arch[0], recorded)
         print("\n".join(lines))
         for p in problems:
             print(f"FAIL {p}")

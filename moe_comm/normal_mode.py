@@ -25,9 +25,8 @@ epoch of the channel for the source tokens ``[i * W, (i + 1) * W)``::
 Each round launches what a call of one round does (without the layout; flat across nodes
 through the proxy its send fills the outboxes with the window's rows for other nodes and posts
 one descriptor per peer there, ``_send_other_nodes``); the ring positions, the rounds' counts
-and slot offsets are torch ops. A window holds at most ``W`` tokens, so at
-most ``W`` rows for any rank. The order that makes
-it safe, in each place the kernels run: a rank's send of round ``i`` needs nothing but its own
+and slot offsets are torch ops. A window holds at most ``W`` tokens, so at most ``W`` rows for
+any rank. The order that makes it safe, in each place the kernels run: a rank's send of round ``i`` needs nothing but its own
 inputs (the parity it writes was last read in round ``i - 2``, by the two-parity argument of
 ``moe_comm.buffer`` applied per round), and its wait for round ``i`` needs only every rank's
 send of round ``i``, which every rank issues before its own wait: so on GPUs (the send and the

@@ -22,24 +22,23 @@ epoch of the channel for the source tokens ``[i * W, (i + 1) * W)``::
         publish epoch (dispatch: with the call's per-expert counts and the round's rows)
         wait for every rank's epoch of round i; expand (dispatch) or sum (combine) its rows
 
-Each round launches what a call of one round does (without the layout; flat across nodes
-through the proxy its send fills the outboxes with the window's rows for other nodes and posts
-one descriptor per peer there, ``_send_other_nodes``); the ring positions, the rounds' counts
-and slot offsets are torch ops. A window holds at most ``W`` tokens, so at most ``W`` rows for
-any rank. The order that makes it safe, in each place the kernels run: a rank's send of round ``i`` needs nothing but its own
-inputs (the parity it writes was last read in round ``i - 2``, by the two-parity argument of
-``moe_comm.buffer`` applied per round), and its wait for round ``i`` needs only every rank's
-send of round ``i``, which every rank issues before its own wait: so on GPUs (the send and the
-wait in stream order, each rank on its own GPU) and on CPU ranks (one process per rank, host or
-in-kernel waits) no rank waits for one that is waiting; virtual ranks (``moe_comm.lockstep``)
-run every rank's send of a round before any rank's receive of it (the receive phases are
-generators that yield between a round's send and its receive). The dispatch's receive writes
-each round's rows straight into the expert-major output (the received layout of round 0 fixes
-every row's place; every round publishes the same per-expert counts) and records each round's
-slot offsets (``recv_slot_offsets``: round ``i``'s ``[R + 1]`` at ``i * S``, ``S`` = ``R + 1``
-rounded up to even); the combine sends back each round's slots to the ring positions they had,
-and the home rank sums the tokens of window ``i`` in round ``i``, each in rank order: the same
-bits as one round.
+Each round launches what a call of one round does (without the layout; flat across nodes through
+the proxy its send fills the outboxes with the window's rows for other nodes and posts one
+descriptor per peer there, ``_send_other_nodes``); the ring positions, the rounds' counts and slot
+offsets are torch ops. A window holds at most ``W`` tokens, so at most ``W`` rows for any rank. The
+order that makes it safe, in each place the kernels run: a rank's send of round ``i`` needs nothing
+but its own inputs (the parity it writes was last read in round ``i - 2``, by the two-parity
+argument of ``moe_comm.buffer`` applied per round), and its wait for round ``i`` needs only every
+rank's send of round ``i``, which every rank issues before its own wait: so on GPUs (the send and
+the wait in stream order, each rank on its own GPU) and on CPU ranks (one process per rank, host or
+in-kernel waits) no rank waits for one that is waiting; virtual ranks (``moe_comm.lockstep``) run
+every rank's send of a round before any rank's receive of it (the receive phases are generators
+that yield between a round's send and its receive). The dispatch's receive writes each round's rows
+straight into the expert-major output (the received layout of round 0 fixes every row's place;
+every round publishes the same per-expert counts) and records each round's slot offsets
+(``recv_slot_offsets``: round ``i``'s ``[R + 1]`` at ``i * S``, ``S`` = ``R + 1`` rounded up to
+even); the combine sends back each round's slots to the ring positions they had, and the home rank
+sums the tokens of window ``i`` in round ``i``, each in rank order: the same bits as one round.
 
 Host reads of device data (``self.host_syncs``): dispatch reads the received-row count once to
 size its output (``rows``), none with ``max_recv_rows``; combine and the cached dispatch read

@@ -371,8 +371,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ring-slots", type=int, default=0,
                         help="normal mode: stage that many slots per source (Buffer "
-                        "staging_bytes), every call in rounds (with --nodes: the flat "
-                        "Buffer's); 0: the default budget")
+                        "staging_bytes), every call in rounds (with --nodes: the flat and "
+                        "the hierarchical Buffer's); 0: the default budget")
     parser.add_argument("--configs", nargs="+", default=[c.name for c in CONFIGS],
                         choices=[c.name for c in CONFIGS])
     parser.add_argument("--framework", nargs="+", default=[], choices=["megatron", "deepspeed"],

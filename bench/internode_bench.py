@@ -82,7 +82,7 @@ class BareNixl:
 def internode_job(rank, world_size, cfg, nodes: int, tokens: int, dtype, seed: int,
                   ring_slots: int = 0) -> dict:
     """Flat and hierarchical: one dispatch and combine against the reference, the bytes across
-    nodes, the proxy's and bare NIXL's seconds (``ring_slots``: the flat Buffer's staging holds
+    nodes, the proxy's and bare NIXL's seconds (``ring_slots``: each Buffer's staging holds
     that many slots per source, its calls in rounds)."""
     import torch.distributed as dist
     from dispatch_bench import make_routing
@@ -98,13 +98,14 @@ def internode_job(rank, world_size, cfg, nodes: int, tokens: int, dtype, seed: i
     out = {}
     row_bytes = cfg.hidden * xs[0].element_size() + 4 * (1 + 3 * cfg.topk + N) + 4 * cfg.topk
     bare = BareNixl(rank, world_size, 2 * tokens * row_bytes + (1 << 16))
-    budget = ring_slots * staging_slot_bytes(world_size, cfg.hidden, cfg.topk, dtype,
-                                             outboxes=True) if ring_slots else None
     for hier in (False, True):
+        budget = ring_slots * staging_slot_bytes(world_size, cfg.hidden, cfg.topk, dtype,
+                                                 outboxes=True, ranks_per_node=N if hier
+                                                 else None) if ring_slots else None
         buf = moe_comm.Buffer(dist.group.WORLD, hidden=cfg.hidden, num_experts=cfg.experts,
                               max_tokens_per_rank=tokens, dtype=dtype, max_topk=cfg.topk,
                               ranks_per_node=N, transport="nixl", hierarchical=hier,
-                              staging_bytes=None if hier else budget)
+                              staging_bytes=budget)
         rounds = buf.rounds
         res = buf.dispatch(xs[rank], idxs[rank], ws[rank])
         y = res.x

@@ -119,15 +119,17 @@ def _check_config(world_size: int, hidden, num_experts, max_tokens_per_rank, dty
 
 def staging_ring_slots(staging_bytes: int | None, world_size: int, max_tokens: int,
                        hidden: int, max_topk: int, dtype: torch.dtype, *,
-                       streams: bool = True, outboxes: bool = False) -> int | None:
+                       streams: bool = True, outboxes: bool = False,
+                       ranks_per_node: int | None = None) -> int | None:
     """Ring slots per source of the normal mode's staging for a budget of ``staging_bytes``
     (``workspace.ring_slots_for``; None: the whole batch, one round). ``streams``: whether the
-    Buffer's flavour runs a call in rounds (one node, or flat across nodes through the proxy; no
+    Buffer's flavour runs a call in rounds (one node, or across nodes through the proxy; no
     fault tolerance, so far); where it does not, the default budget stages the whole batch and a
-    smaller explicit one is refused. ``outboxes``: the budget pays for the outboxes of a flat
-    Buffer across nodes through the proxy as well."""
+    smaller explicit one is refused. ``outboxes``: the budget pays for the outboxes of a Buffer
+    across nodes through the proxy as well, and with ``ranks_per_node`` (hierarchical) for the
+    forwarders' regions."""
     slots = ring_slots_for(staging_bytes, world_size, max_tokens, hidden, max_topk, dtype,
-                           outboxes)
+                           outboxes, ranks_per_node)
     if slots == max_tokens:
         return None
     if not streams:
@@ -136,9 +138,9 @@ def staging_ring_slots(staging_bytes: int | None, world_size: int, max_tokens: i
         raise ValueError(
             f"staging_bytes={staging_bytes} holds {slots} of max_tokens_per_rank={max_tokens} "
             "slots per source: a call would run in rounds, which the normal mode does on one "
-            "node and flat across nodes through the proxy (transport='nixl', "
-            "hierarchical=False), without fault tolerance so far; pass staging_bytes=None "
-            "(the whole batch is staged) for hierarchical, NVSHMEM or fault-tolerant Buffers")
+            "node and across nodes through the proxy (transport='nixl'), without fault "
+            "tolerance so far; pass staging_bytes=None (the whole batch is staged) for NVSHMEM "
+            "across hosts or fault-tolerant Buffers")
     return slots
 
 
@@ -165,8 +167,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
     ``mask_rank``, ``clean_mask``); across nodes through the proxy in flat mode only.
     ``staging_bytes`` (default ``workspace.DEFAULT_STAGING_BYTES``) bounds the normal mode's
     staging: where the whole batch does not fit, every call runs in ``rounds`` through rings of
-    ``ring_slots`` slots per source (``moe_comm.normal_mode``; one node, or flat across nodes
-    through the proxy; no fault tolerance).
+    ``ring_slots`` slots per source (``moe_comm.normal_mode``; one node, or across nodes through
+    the proxy, flat or hierarchical; no fault tolerance).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, hidden: int, num_experts: int,
@@ -223,11 +225,11 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             raise ValueError("transport='nixl' runs with host waits so far: MOE_COMM_WAIT=kernel "
                              "is not supported across nodes through the proxy yet")
         rdma = chosen == "nvshmem" and nodes.num_hosts > 1
-        flat_proxy = via == "nixl" and not (hierarchical and nodes.count > 1)  # outboxes per rank
+        forwarders = via == "nixl" and hierarchical and nodes.count > 1
         ring_slots = staging_ring_slots(
             staging_bytes, world_size, max_tokens_per_rank, hidden, max_topk, dtype,
-            streams=(nodes.count == 1 or flat_proxy) and not rdma and not fault_tolerant,
-            outboxes=flat_proxy)
+            streams=(nodes.count == 1 or via == "nixl") and not rdma and not fault_tolerant,
+            outboxes=via == "nixl", ranks_per_node=nodes.ranks_per_node if forwarders else None)
         layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                  num_experts // world_size, max_topk, dtype, low_latency,
                                  rdma=rdma, ranks_per_node=nodes.ranks_per_node,
@@ -416,20 +418,39 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
     def required_workspace_bytes(world_size: int, hidden: int, num_experts: int,
                                  max_tokens_per_rank: int, dtype: torch.dtype = torch.bfloat16,
                                  max_topk: int | None = None, *,
-                                 staging_bytes: int | None = None) -> int:
-        """``workspace_bytes`` of a Buffer with these arguments on one node, without allocating
-        it: the normal mode's staging holds ``ring_slots = min(T, staging_bytes //
-        (2 * R * (2 * H * b + 4 * (1 + 3 * K) + 4 * K)))`` slots per source (below T rounded
-        down to a multiple of 16 where that leaves any; default budget
-        ``workspace.DEFAULT_STAGING_BYTES``), the rest grows with R only through per-peer
-        words (``moe_comm.workspace`` gives every region)."""
+                                 staging_bytes: int | None = None,
+                                 ranks_per_node: int | None = None,
+                                 hierarchical: bool | None = None) -> int:
+        """``workspace_bytes`` of a Buffer with these arguments, without allocating it: on one
+        node, or (``ranks_per_node`` < ``world_size``) across nodes through the proxy
+        (``transport="nixl"``; ``hierarchical`` as the Buffer's, None: hierarchical). The normal
+        mode's staging holds ``ring_slots = min(T, staging_bytes // per_slot)`` slots per source
+        (below T rounded down to a multiple of 16 where that leaves any; default budget
+        ``workspace.DEFAULT_STAGING_BYTES``), with ``ROW = H * b``::
+
+            one node:      per_slot = 2 * R * (2 * ROW + 4 * (1 + 3 * K) + 4 * K)
+            flat:          2 * per_slot(one node)        (the outboxes: a slot per peer)
+            hierarchical:  per_slot(one node) + 2 * (M * (4 * ROW + 8 * (1 + 3K + N) + 8 * K)
+                                                     + R * (ROW + 4 * K))
+
+        (``M`` nodes of ``N`` ranks: the outboxes' slot per node and the forwarders' regions,
+        ``workspace.staging_slot_bytes``); the rest grows with R only through per-peer words
+        (``moe_comm.workspace`` gives every region)."""
         max_topk = min(16, num_experts) if max_topk is None else max_topk
         _check_config(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk)
+        N = world_size if ranks_per_node is None else ranks_per_node
+        if isinstance(N, bool) or not isinstance(N, int) or N < 1 or world_size % N:
+            raise ValueError(f"ranks_per_node must be a positive divisor of world_size="
+                             f"{world_size}, got {ranks_per_node!r}")
+        across = N < world_size
+        hier = across and (hierarchical is None or bool(hierarchical))
         ring_slots = staging_ring_slots(staging_bytes, world_size, max_tokens_per_rank, hidden,
-                                        max_topk, dtype)
+                                        max_topk, dtype, outboxes=across,
+                                        ranks_per_node=N if hier else None)
         return WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                num_experts // world_size, max_topk, dtype,
-                               ring_slots=ring_slots).nbytes
+                               ranks_per_node=N if across else None, proxy=across,
+                               hierarchical=hier, ring_slots=ring_slots).nbytes
 
     def dispatch(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                  topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None,

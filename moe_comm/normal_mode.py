@@ -22,23 +22,33 @@ epoch of the channel for the source tokens ``[i * W, (i + 1) * W)``::
         publish epoch (dispatch: with the call's per-expert counts and the round's rows)
         wait for every rank's epoch of round i; expand (dispatch) or sum (combine) its rows
 
-Each round launches what a call of one round does (without the layout; flat across nodes through
-the proxy its send fills the outboxes with the window's rows for other nodes and posts one
-descriptor per peer there, ``_send_other_nodes``); the ring positions, the rounds' counts and slot
-offsets are torch ops. A window holds at most ``W`` tokens, so at most ``W`` rows for any rank. The
-order that makes it safe, in each place the kernels run: a rank's send of round ``i`` needs nothing
-but its own inputs (the parity it writes was last read in round ``i - 2``, by the two-parity
-argument of ``moe_comm.buffer`` applied per round), and its wait for round ``i`` needs only every
-rank's send of round ``i``, which every rank issues before its own wait: so on GPUs (the send and
-the wait in stream order, each rank on its own GPU) and on CPU ranks (one process per rank, host or
-in-kernel waits) no rank waits for one that is waiting; virtual ranks (``moe_comm.lockstep``) run
-every rank's send of a round before any rank's receive of it (the receive phases are generators
-that yield between a round's send and its receive). The dispatch's receive writes each round's rows
-straight into the expert-major output (the received layout of round 0 fixes every row's place;
-every round publishes the same per-expert counts) and records each round's slot offsets
-(``recv_slot_offsets``: round ``i``'s ``[R + 1]`` at ``i * S``, ``S`` = ``R + 1`` rounded up to
-even); the combine sends back each round's slots to the ring positions they had, and the home rank
-sums the tokens of window ``i`` in round ``i``, each in rank order: the same bits as one round.
+Each round launches what a call of one round does (without the layout). Across nodes through the
+proxy its send fills the outboxes with the window's rows for other nodes and posts one descriptor
+per peer (flat) or per node (hierarchical) there (``_send_other_nodes``); hierarchical, each round
+adds the forwarder's pass (``_forward_dispatch`` after the round's send, ``_forward_combine`` after
+the round's combine send), which waits for the round's messages from other nodes and stores their
+rows into its node's staging. The ring positions, the rounds' counts and slot offsets are torch ops.
+A window holds at most ``W`` tokens, so at most ``W`` rows for any rank and at most ``W`` rows in
+any node's message. The order that makes it safe, in each place the kernels run: a rank's send of
+round ``i`` needs nothing but its own inputs (the parity it writes was last read in round ``i - 2``,
+by the two-parity argument of ``moe_comm.buffer`` applied per round), and its wait for round ``i``
+needs only every rank's send of round ``i``, which every rank issues before its own wait: so on GPUs
+(the send and the wait in stream order, each rank on its own GPU) and on CPU ranks (one process per
+rank, host or in-kernel waits) no rank waits for one that is waiting; virtual ranks
+(``moe_comm.lockstep``) run every rank's send of a round before any rank's receive of it (the
+receive phases are generators that yield between a round's send and its receive). Hierarchical adds
+one link to the chain and the same argument holds for it: the forwarder's pass of round ``i`` waits
+only for sends of round ``i`` (issued before any wait of round ``i``), and every write of parity
+``i % 2`` in round ``i`` (a sender's outboxes, and through the proxy the forwarder's ``fwd_*``,
+``hc_*`` and ``hcomb_*`` regions; the forwarder's stores into its node's staging) comes after the
+writer's own wait of round ``i - 1``. That wait needs every rank's epoch of round ``i - 1``, and
+each rank publishes round ``i - 1`` only after it has read round ``i - 2``, which it read only after
+the forwarder had read the messages of round ``i - 2`` that carried its rows. The dispatch's receive
+writes each round's rows straight into the expert-major output (the received layout of round 0 fixes
+every row's place; every round publishes the same per-expert counts) and records each round's slot
+offsets (``recv_slot_offsets``: round ``i``'s ``[R + 1]`` at ``i * S``, ``S`` = ``R + 1`` rounded up
+to even); the combine sends back each round's slots to the ring positions they had, and the home
+rank sums the tokens of window ``i`` in round ``i``, each in rank order: the same bits as one round.
 
 Host reads of device data (``self.host_syncs``): dispatch reads the received-row count once to
 size its output (``rows``), none with ``max_recv_rows``; combine and the cached dispatch read
@@ -89,8 +99,10 @@ class Stream:
     """What the rounds of a dispatch send take from its call: the per-token tensors (each
     round sends the window ``[i * W, (i + 1) * W)`` of them), ``ring`` [T, R] int32 (the slot
     of token t on rank d, less the slots of d's earlier rounds: its position in d's ring; -1
-    where t does not go) and the counts each round publishes ([R, L + 1] int32; several
-    rounds: [rounds, R, L + 1], the call's per-expert counts and the round's own rows)."""
+    where t does not go), the counts each round publishes ([R, L + 1] int32; several
+    rounds: [rounds, R, L + 1], the call's per-expert counts and the round's own rows) and, in
+    hierarchical mode, ``node_ring`` [T, M] int32 (the row of token t in node b's message of
+    its round, -1 where none)."""
 
     x: torch.Tensor
     x_scales: torch.Tensor | None
@@ -99,6 +111,7 @@ class Stream:
     pair_pos: torch.Tensor | None
     ring: torch.Tensor
     counts: torch.Tensor | None
+    node_ring: torch.Tensor | None = None
     topk: int = 1
     fp8: int = 0
     ue8m0: int = 0
@@ -159,11 +172,12 @@ class NormalMode:
                               fp8, ue8m0)
             node_slot_of = self._send_other_nodes(x, x_scales, topk_idx, topk_weights, pair_pos,
                                                   slot_of, counts, fp8, ue8m0)
-        else:  # (one node, or flat across nodes: each round sends its window's outboxes)
-            later = self._stream(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts,
-                                 K, fp8, ue8m0)
+        else:  # (across nodes each round sends its window's outboxes)
+            stream = self._stream(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts,
+                                  K, fp8, ue8m0)
+            later = functools.partial(self._send_round, stream)
             later(0)
-            node_slot_of = self._empty_int()
+            node_slot_of = self._empty_int() if stream.node_ring is None else stream.node_ring
         return PendingSend(DISPATCH, epoch, slot_of, K, topk_weights is not None, fp8, ue8m0,
                            node_slot_of, send_round=later)
 
@@ -186,9 +200,24 @@ class NormalMode:
         ring = torch.where(slot_of >= 0, slot_of - first[round_of], -1).to(torch.int32)
         return ring, rows
 
+    def _node_ring_positions(self, ring: torch.Tensor) -> torch.Tensor:
+        """Hierarchical, several rounds: ``[T, M]`` int32, the row of token t in node b's
+        message of its round ``t // W`` (-1 where it goes to no rank of node b). Equivalent::
+
+            hit[t, b] = (ring[t, b * N:(b + 1) * N] >= 0).any()
+            node_ring[t, b] = hit[t // W * W:t + 1, b].sum() - 1   where hit[t, b]
+        """
+        T, N, M = ring.shape[0], self.ranks_per_node, self.num_nodes
+        W, n = self.layout.ring_slots, self.layout.rounds
+        hit = torch.zeros((n * W, M), dtype=torch.int32, device=self.device)
+        hit[:T] = (ring.view(T, M, N) >= 0).any(-1)
+        rows = hit.view(n, W, M).cumsum(1, dtype=torch.int32).view(n * W, M) - 1
+        return torch.where(hit > 0, rows, -1)[:T].contiguous()
+
     def _stream(self, x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts,
-                topk: int, fp8: int = 0, ue8m0: int = 0) -> Callable[[int], None]:
-        """Several rounds: ``send_round`` of a dispatch send (round i of its :class:`Stream`)."""
+                topk: int, fp8: int = 0, ue8m0: int = 0) -> Stream:
+        """Several rounds: the :class:`Stream` of a dispatch send (``_send_round`` sends its
+        round i)."""
         ring, rows = self._ring_positions(slot_of)
         if counts is not None:  # every round: the call's per-expert counts, its own rows
             n, (R, C) = self.layout.rounds, counts.shape
@@ -197,14 +226,17 @@ class NormalMode:
             rounds.copy_(counts.expand(n, R, C))
             rounds[:, :, -1] = rows
             counts = rounds
-        return functools.partial(self._send_round, Stream(
-            x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts, topk, fp8, ue8m0))
+        node_ring = self._node_ring_positions(ring) if self.hierarchical else None
+        return Stream(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts, node_ring, topk,
+                      fp8, ue8m0)
 
     def _send_round(self, stream: Stream, i: int) -> None:
         """Round ``i`` of a dispatch send of several rounds (its epoch is the channel's latest:
         ``_start``): the window's tokens into their ring positions on every destination, then
-        the round's counts and epoch to every rank (across nodes, flat: the window's rows for
-        other nodes into the outboxes, one descriptor per peer, as a call of one round)."""
+        the round's counts and epoch to every rank (across nodes: the window's rows for other
+        nodes into the outboxes, one descriptor per peer (flat) or node (hierarchical: each
+        row once per node, at its row in the node's message of the round), as a call of one
+        round)."""
         t_base = i * self.layout.ring_slots
         window = slice(t_base, t_base + self.layout.ring_slots)
         x, idx, weights, pos, ring = (None if t is None else t[window] for t in (
@@ -215,8 +247,9 @@ class NormalMode:
         counts = None if stream.counts is None else stream.counts[i]
         self._send_window(x, scales, idx, weights, pos, ring, counts, stream.topk, stream.fp8,
                           stream.ue8m0, t_base)
+        node_ring = None if stream.node_ring is None else stream.node_ring[window]
         self._send_other_nodes(x, scales, idx, weights, pos, ring, counts, stream.fp8,
-                               stream.ue8m0, t_base=t_base)
+                               stream.ue8m0, node_ring, t_base)
 
     def _send_window(self, x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
                      topk: int, fp8: int = 0, ue8m0: int = 0, t_base: int = 0) -> None:
@@ -267,8 +300,8 @@ class NormalMode:
                           fp8: int = 0, ue8m0: int = 0, node_slot_of=None, t_base: int = 0
                           ) -> torch.Tensor:
         """Through the proxy: rows for other nodes into the outboxes, one descriptor per peer
-        (``kernels.internode``; flat rounds: ``x`` and the per-token tensors are the window of
-        tokens ``t_base + [0, len(x))``, ``slot_of`` their ring positions). Returns
+        (``kernels.internode``; rounds: ``x`` and the per-token tensors are the window of tokens
+        ``t_base + [0, len(x))``, ``slot_of`` their ring positions). Returns
         ``node_slot_of`` [T, M] int32 (hierarchical: the row of each token in each node's
         message, -1 where none; computed here unless given), else an empty tensor. No host
         read."""
@@ -298,28 +331,45 @@ class NormalMode:
             fp8=fp8, ue8m0=ue8m0, flavour=self.flavour, t_base=t_base)
         return node_slot_of
 
-    def _forward_dispatch(self, epoch: int, payload: int, fwd_slots=None, fwd_n=None):
-        """Hierarchical: waits for every other node's message to this rank (bounded, naming the
-        source), then stores its rows into this node's staging and publishes the sources'
-        epochs there. ``fwd_slots`` / ``fwd_n`` given: the cached form (rows only, placed as
-        that dispatch placed them); else made here: ``([M, T, N], [M])`` int32."""
+    def _forward_slot_shapes(self) -> tuple[tuple[int, int, int], tuple[int]]:
+        """Hierarchical: the shapes of :meth:`_forward_slots`, ``([rounds * M, W, N],
+        [rounds * S])`` with ``S`` = ``M`` rounded up to a multiple of 4, so that every round's
+        ``fwd_n`` starts 16-byte aligned (the forwarders' kernels specialise once)."""
+        n, M = self.layout.rounds, self.num_nodes
+        return (n * M, self.layout.ring_slots, self.ranks_per_node), (n * -(-M // 4) * 4,)
+
+    def _forward_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hierarchical: ``(fwd_slots, fwd_n)`` int32 (:meth:`_forward_slot_shapes`) for a
+        dispatch to fill, round ``i``'s at rows ``[i * M, (i + 1) * M)`` and
+        ``[i * S, i * S + M)`` (:meth:`_round_nodes`)."""
+        slots, counts = self._forward_slot_shapes()
+        return (torch.full(slots, -1, dtype=torch.int32, device=self.device),
+                torch.zeros(counts, dtype=torch.int32, device=self.device))
+
+    def _round_nodes(self, fwd_slots, fwd_n, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Round ``i``'s ``([M, W, N], [M])`` of a dispatch's ``fwd_slots`` and ``fwd_n``."""
+        M = self.num_nodes
+        S = fwd_n.numel() // self.layout.rounds
+        return fwd_slots[i * M:(i + 1) * M], fwd_n[i * S:i * S + M]
+
+    def _forward_dispatch(self, epoch: int, payload: int, fwd_slots, fwd_n, cached: bool):
+        """Hierarchical: waits for every other node's message of ``epoch`` to this rank
+        (bounded, naming the source), then stores its rows into this node's staging and
+        publishes the sources' epochs there. ``fwd_slots`` / ``fwd_n`` (``[M, W, N]``, ``[M]``
+        int32, a round's of :meth:`_forward_slots`): written with the slot each row took on each
+        rank of this node, or with ``cached`` read (rows only, placed as that dispatch placed
+        them)."""
         N, M = self.ranks_per_node, self.num_nodes
         self._wait_words(self._region("node_signals")[0], epoch,
                          [a * N + self.rank % N for a in range(M)], "dispatch")
-        cached = fwd_slots is not None
-        if not cached:
-            fwd_slots = torch.full((M, self.max_tokens_per_rank, N), -1, dtype=torch.int32,
-                                   device=self.device)
-            fwd_n = torch.zeros(M, dtype=torch.int32, device=self.device)
         self.launches["dispatch_forward"] += internode.forward_dispatch(
             self._plan, self.heap.peer_ptrs, fwd_slots, fwd_n, self._xstats,
             self._ticket_words[internode.FORWARD_DISPATCH_TICKET:
                                internode.FORWARD_DISPATCH_TICKET + 1],
             self._channel_words(DISPATCH)[1], rank=self.rank,
-            num_local_experts=self.num_local_experts, max_tokens=self.max_tokens_per_rank,
+            num_local_experts=self.num_local_experts, max_tokens=self.layout.ring_slots,
             row_bytes=self._row_bytes, payload=payload, meta_stride=self.layout.meta_stride,
             node_meta_stride=self.layout.node_meta_stride, cached=cached, flavour=self.flavour)
-        return fwd_slots, fwd_n
 
     def _forward_combine(self, epoch: int, fwd_slots, fwd_n, topk: int, has_pair: bool,
                          fp8: bool = False) -> None:
@@ -379,7 +429,9 @@ class NormalMode:
         if self.hierarchical:
             payload = (payload_bytes(self.hidden, 1, pending.fp8, pending.ue8m0)
                        if pending.fp8 else self._row_bytes)
-            fwd_slots, fwd_n = self._forward_dispatch(pending.epoch, payload)
+            fwd_slots, fwd_n = self._forward_slots()
+            self._forward_dispatch(pending.epoch, payload,
+                                   *self._round_nodes(fwd_slots, fwd_n, 0), cached=False)
         L, dev = self.num_local_experts, self.device
         row_base, tokens_per_expert, expert_offsets, slot_offsets = \
             self._received_layout(expert_alignment, pending)
@@ -426,6 +478,9 @@ class NormalMode:
             epoch = self._start(DISPATCH)
             pending.send_round(i)
             yield
+            if self.hierarchical:
+                self._forward_dispatch(epoch, payload, *self._round_nodes(fwd_slots, fwd_n, i),
+                                       cached=False)
             row_base, _, _, offsets = self._received_layout(
                 expert_alignment, dataclasses.replace(pending, epoch=epoch))
             view = self._round_view(slot_offsets, i)
@@ -453,7 +508,8 @@ class NormalMode:
             self._send_other_nodes(x, None, None, None, None, slot_of, None,
                                    node_slot_of=node_slot_of)
         else:
-            later = self._stream(x, None, None, None, None, slot_of, None, 1)
+            later = functools.partial(self._send_round,
+                                      self._stream(x, None, None, None, None, slot_of, None, 1))
             later(0)
         return PendingSend(DISPATCH, epoch, send_round=later)
 
@@ -471,7 +527,8 @@ class NormalMode:
                                    fwd_slots=None, fwd_n=None):
         """:meth:`dispatch_cached_recv` as steps (as :meth:`dispatch_recv_steps`)."""
         if self.hierarchical:
-            self._forward_dispatch(pending.epoch, self._row_bytes, fwd_slots, fwd_n)
+            self._forward_dispatch(pending.epoch, self._row_bytes,
+                                   *self._round_nodes(fwd_slots, fwd_n, 0), cached=True)
         self._wait(pending)
         # the rows of sources that did not arrive stay zero
         alloc = torch.empty if pending.live is None else torch.zeros
@@ -482,6 +539,9 @@ class NormalMode:
                 epoch = self._start(DISPATCH)
                 pending.send_round(i)
                 yield
+                if self.hierarchical:
+                    self._forward_dispatch(epoch, self._row_bytes,
+                                           *self._round_nodes(fwd_slots, fwd_n, i), cached=True)
                 self._wait(dataclasses.replace(pending, epoch=epoch))
             self.launches["dispatch_expand"] += dispatch_kernels.dispatch_expand(
                 staging, None, self._channel_words(DISPATCH)[1],
@@ -503,19 +563,18 @@ class NormalMode:
         epoch = self._start(COMBINE)
         topk = slot_rows.shape[1]
         y = y.contiguous()
-        later = None
-        if self.layout.rounds > 1:
-            later = functools.partial(self._combine_round, y, weights, pair_values, slot_rows,
-                                      slot_offsets, fp8)
-        self._combine_round(y, weights, pair_values, slot_rows, slot_offsets, fp8, 0)
-        if self.hierarchical:
-            self._forward_combine(epoch, fwd_slots, fwd_n, topk, pair_values is not None, fp8)
-        return PendingSend(COMBINE, epoch, topk=topk, fp8=int(fp8), send_round=later)
+        send = functools.partial(self._combine_round, y, weights, pair_values, slot_rows,
+                                 slot_offsets, fwd_slots, fwd_n, fp8)
+        send(0)
+        return PendingSend(COMBINE, epoch, topk=topk, fp8=int(fp8),
+                           send_round=send if self.layout.rounds > 1 else None)
 
-    def _combine_round(self, y, weights, pair_values, slot_rows, slot_offsets, fp8: bool,
-                       i: int) -> None:
-        """Round ``i`` of a combine send: the partials of the slots that arrived in round ``i``
-        of the dispatch, to the ring positions they had there (``kernels.combine``)."""
+    def _combine_round(self, y, weights, pair_values, slot_rows, slot_offsets, fwd_slots, fwd_n,
+                       fp8: bool, i: int) -> None:
+        """Round ``i`` of a combine send (its epoch is the channel's latest): the partials of
+        the slots that arrived in round ``i`` of the dispatch, to the ring positions they had
+        there (``kernels.combine``); hierarchical, then the forwarder's sums of this node's
+        partials for round ``i``'s rows of other nodes (:meth:`_forward_combine`)."""
         words, offsets, boxes = (self._offsets.get(("fixed", COMBINE))
                                  or self._send_fixed(COMBINE))
         self.launches["combine_send"] += combine_kernels.combine_send(
@@ -525,6 +584,9 @@ class NormalMode:
             topk=slot_rows.shape[1], max_topk=self.max_topk, max_tokens=self.layout.ring_slots,
             num_sms=self.num_sms, flavour=self.flavour, box_offsets=boxes, xstats=self._xstats,
             plan=self._plan, fp8=fp8, bound=self._bound)
+        if self.hierarchical:
+            self._forward_combine(self._epochs[COMBINE], *self._round_nodes(fwd_slots, fwd_n, i),
+                                  slot_rows.shape[1], pair_values is not None, fp8)
 
     def combine_recv(self, pending: PendingSend, slot_of, want_pair: bool, node_slot_of=None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -552,16 +614,17 @@ class NormalMode:
                 pending.send_round(i)
                 yield
                 self._wait(dataclasses.replace(pending, epoch=epoch))
-            slots, sums, pair_sums = ring, out, pair_out
+            slots, sums, pair_sums, node_slots = ring, out, pair_out, node_slot_of
             if rounds > 1:
                 window = slice(i * W, (i + 1) * W)
                 slots, sums, pair_sums = ring[window], out[window], pair_out[window]
+                node_slots = None if node_slot_of is None else node_slot_of[window]
             self.launches["combine_reduce"] += combine_kernels.combine_reduce(
                 staging, meta, self._channel_words(COMBINE)[1], slots, sums,
                 pair_sums if want_pair else None, topk=pending.topk, max_topk=self.max_topk,
                 flavour=self.flavour, rank=self.rank,
                 node_rows=self._region("hcomb_rows") if self.hierarchical else None,
                 node_meta=self._region("hcomb_meta") if self.hierarchical else None,
-                node_slot_of=node_slot_of, live=pending.live, fp8=pending.fp8 != 0,
+                node_slot_of=node_slots, live=pending.live, fp8=pending.fp8 != 0,
                 bound=self._bound)
         return out, pair_out

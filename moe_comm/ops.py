@@ -85,14 +85,14 @@ def _(buffer_id, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8, ue8
 
 
 def _node_fakes(buf, x, T):
-    """node_slot_of [T, M], fwd_slots [M, T_max, N], fwd_n [M] (int32; empty unless the
-    Buffer is hierarchical)."""
+    """node_slot_of [T, M], fwd_slots [rounds * M, W, N], fwd_n [rounds * S] (int32; empty
+    unless the Buffer is hierarchical; ``Buffer._forward_slot_shapes``)."""
     i32 = torch.int32
     if not buf.hierarchical:
         return tuple(x.new_empty((0,), dtype=i32) for _ in range(3))
-    M, N = buf.num_nodes, buf.ranks_per_node
-    return (x.new_empty((T, M), dtype=i32), x.new_empty((M, buf.max_tokens_per_rank, N),
-                                                        dtype=i32), x.new_empty((M,), dtype=i32))
+    slots, counts = buf._forward_slot_shapes()
+    return (x.new_empty((T, buf.num_nodes), dtype=i32), x.new_empty(slots, dtype=i32),
+            x.new_empty(counts, dtype=i32))
 
 
 @torch.library.custom_op("moe_comm::dispatch_cached", mutates_args=())

@@ -18,9 +18,11 @@ class DispatchHandle:
       ``recv_slot_offsets`` [R + 1] int64: first slot of each source;
       ``tokens_per_expert`` [L], ``expert_offsets`` [L + 1] int64: the output's groups.
     Hierarchical mode (empty int32 tensors otherwise):
-      ``node_slot_of`` [T, M] int32 (home side): row of token t in node b's message, -1 if none;
-      ``fwd_slots`` [M, T_max, N] int32, ``fwd_n`` [M] int32 (forwarder side): for the rows this
-      rank forwarded from node a, the slot each took on each rank of this node, and how many.
+      ``node_slot_of`` [T, M] int32 (home side): row of token t in node b's message (of its
+      round), -1 if none; ``fwd_slots`` [rounds * M, W, N] int32, ``fwd_n`` [rounds * S] int32
+      (``S``: M rounded up to 4; forwarder side): for the rows this rank forwarded from node a in
+      round i (at ``i * M + a`` and ``i * S + a``), the slot each took on each rank of this node,
+      and how many.
     ``buffer_id`` and ``serial`` tie the handle to the Buffer call that made it.
     Fault-tolerant Buffers keep the dispatch's ``topk_idx`` and ``topk_weights`` (home side) for
     ``combine(..., renormalize=True)``.

@@ -87,19 +87,19 @@ Nodes (``ranks_per_node = N`` < R; ``M = R / N`` nodes; rank ``r`` is local inde
 moves what they get from this rank's outboxes (``moe_comm.transport``). Flat mode
 (``hierarchical=False``): one outbox slice per destination rank, ``D = R``. Hierarchical mode:
 one per destination node, ``D = M``, and a token's node metadata adds the slot it takes on each
-of the ``N`` ranks of that node (``MN = 1 + 3K + N`` words). ``ROW = H*b``. ``B`` = ``W`` when
-flat (a round's slots for a destination, as its staging holds), ``T`` when hierarchical.
+of the ``N`` ranks of that node (``MN = 1 + 3K + N`` words). ``ROW = H*b``. Every ``W`` below is
+a round's slots: a window of ``W`` tokens sends at most ``W`` rows to any rank or node.
 
 ======================  ===========================  ============================================
-``px_rows``             [P, D, B, ROW] uint8         dispatch rows for destination (rank or node)
-``px_meta``             [P, D, B, MN] int32          their metadata (``MN = 1 + 3K`` when flat)
+``px_rows``             [P, D, W, ROW] uint8         dispatch rows for destination (rank or node)
+``px_meta``             [P, D, W, MN] int32          their metadata (``MN = 1 + 3K`` when flat)
 ``px_counts``           [P, D, C] int32              flat: ``C = L + 1`` (the counts of
                                                      ``dispatch_counts``); hierarchical:
                                                      ``C = N*(L + 1) + 1``: the counts of each
                                                      rank of the node, then the node's rows
-``px_combine_rows``     [P, D, B, H] dtype           combine partials for home rank (flat) or
+``px_combine_rows``     [P, D, W, H] dtype           combine partials for home rank (flat) or
                                                      node sums for source node (hierarchical)
-``px_combine_meta``     [P, D, B, K] float32         their per-choice values
+``px_combine_meta``     [P, D, W, K] float32         their per-choice values
 ======================  ===========================  ============================================
 
 Hierarchical mode only, on the forwarder (the rank of each node with the source's local index):
@@ -107,15 +107,15 @@ Hierarchical mode only, on the forwarder (the rank of each node with the source'
 ======================  ===========================  ============================================
 ``node_signals``        [2 channels, M] int64        dispatch: epoch of node ``a``'s message
                                                      (raised by the proxy); combine: unused
-``fwd_rows``            [P, M, T, ROW] uint8         rows from node ``a``'s rank with my local
-``fwd_meta``            [P, M, T, MN] int32          index, their node metadata and counts
+``fwd_rows``            [P, M, W, ROW] uint8         rows from node ``a``'s rank with my local
+``fwd_meta``            [P, M, W, MN] int32          index, their node metadata and counts
 ``fwd_counts``          [P, M, C] int32
 ``hc_signals``          [N] int64                    combine: epoch of local rank ``l``'s
                                                      partials for remote tokens
-``hc_rows``             [P, M, N, T, H] dtype        partial of local rank ``l`` for slot ``j``
-``hc_meta``             [P, M, N, T, K] float32      of source (``a``, my local index)
-``hcomb_rows``          [P, M, T, H] dtype           on the home rank: node ``b``'s sum per
-``hcomb_meta``          [P, M, T, K] float32         node row (``M`` rows per token at most)
+``hc_rows``             [P, M, N, W, H] dtype        partial of local rank ``l`` for slot ``j``
+``hc_meta``             [P, M, N, W, K] float32      of source (``a``, my local index)
+``hcomb_rows``          [P, M, W, H] dtype           on the home rank: node ``b``'s sum per
+``hcomb_meta``          [P, M, W, K] float32         node row (``M`` rows per token at most)
 ======================  ===========================  ============================================
 """
 from __future__ import annotations
@@ -152,8 +152,10 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 STAGING_REGIONS = ("dispatch_meta", "dispatch_rows", "combine_meta", "combine_rows")
-# flat across nodes through the proxy: a slot of each destination's outbox per staging slot
+# across nodes through the proxy: a slot of each destination's outbox per staging slot
 OUTBOX_REGIONS = ("px_meta", "px_rows", "px_combine_meta", "px_combine_rows")
+# hierarchical: the forwarders' regions, a slot per source node (per local rank for hc_*)
+FORWARDER_REGIONS = ("fwd_meta", "fwd_rows", "hc_meta", "hc_rows", "hcomb_meta", "hcomb_rows")
 # The normal mode's default staging budget: a DeepSeek-V3 rank (H 7168, bf16, top-8, 4096
 # tokens) keeps its whole staging at EP 8 (1.76 GiB, one round) and stays under 2 GiB at any
 # EP size (EP 64: 544 slots per source, 8 rounds).
@@ -167,32 +169,50 @@ RING_SLOT_MULTIPLE = 16
 
 
 def staging_slot_bytes(world_size: int, hidden: int, max_topk: int, dtype: torch.dtype,
-                       outboxes: bool = False) -> int:
+                       outboxes: bool = False, ranks_per_node: int | None = None) -> int:
     """Bytes one slot index costs in the normal mode's staging: for every source and both
-    parities, a dispatch row and its metadata, a combine row and its per-choice values;
-    ``outboxes`` (flat across nodes through the proxy): as much again for the outboxes, a slot
-    per destination (``OUTBOX_REGIONS``)."""
+    parities, a dispatch row and its metadata, a combine row and its per-choice values.
+    ``outboxes`` (across nodes through the proxy) adds the outboxes' slots
+    (``OUTBOX_REGIONS``): flat, as much again (a slot per destination rank); with
+    ``ranks_per_node = N`` (hierarchical, ``M = R / N`` nodes) a slot per destination node
+    (node metadata of ``1 + 3K + N`` words) and the forwarders' regions
+    (``FORWARDER_REGIONS``: a row and node metadata per source node, a partial per local rank
+    and source node, a node sum per node)::
+
+        flat:          2 * per_slot
+        hierarchical:  per_slot + 2 * (M * (4*ROW + 8*(1 + 3K + N) + 8K) + R * (ROW + 4K))
+    """
     row = hidden * _itemsize(dtype)
-    per_slot = PARITIES * world_size * (2 * row + 4 * (1 + 3 * max_topk) + 4 * max_topk)
-    return 2 * per_slot if outboxes else per_slot
+    R, K = world_size, max_topk
+    per_slot = PARITIES * R * (2 * row + 4 * (1 + 3 * K) + 4 * K)
+    if not outboxes:
+        return per_slot
+    if ranks_per_node is None:
+        return 2 * per_slot
+    M, node_meta = R // ranks_per_node, 1 + 3 * K + ranks_per_node
+    return per_slot + PARITIES * (M * (4 * row + 8 * node_meta + 8 * K) + R * (row + 4 * K))
 
 
 def ring_slots_for(staging_bytes: int | None, world_size: int, max_tokens: int, hidden: int,
-                   max_topk: int, dtype: torch.dtype, outboxes: bool = False) -> int:
+                   max_topk: int, dtype: torch.dtype, outboxes: bool = False,
+                   ranks_per_node: int | None = None) -> int:
     """Staging slots per source and parity that ``staging_bytes`` pays for (None: the
-    default budget; ``outboxes``: it pays for the outboxes' slots too), at most ``max_tokens``
+    default budget; ``outboxes`` / ``ranks_per_node``: it pays for the outboxes' and the
+    forwarders' slots too, as :func:`staging_slot_bytes` counts them), at most ``max_tokens``
     (then a call is one round, the whole batch), else rounded down to a multiple of
     ``RING_SLOT_MULTIPLE`` where that leaves any."""
     budget = DEFAULT_STAGING_BYTES if staging_bytes is None else staging_bytes
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"staging_bytes must be a positive int or None, got {staging_bytes!r}")
-    per_slot = staging_slot_bytes(world_size, hidden, max_topk, dtype, outboxes)
+    per_slot = staging_slot_bytes(world_size, hidden, max_topk, dtype, outboxes,
+                                  ranks_per_node)
     if budget < per_slot:
         raise ValueError(f"staging_bytes={budget} is less than one slot per source: the normal "
                          f"mode needs at least {per_slot} bytes at world size {world_size} "
                          f"(2 parities x {world_size} sources x one dispatch and one combine "
                          "row with their metadata" + (", in the staging and in the outboxes)"
-                                                      if outboxes else ")"))
+                                                      if outboxes else ")")
+                         + (" and the forwarders' regions" if ranks_per_node else ""))
     slots = budget // per_slot
     if slots < max_tokens and slots >= RING_SLOT_MULTIPLE:  # rounds' windows stay aligned
         slots -= slots % RING_SLOT_MULTIPLE
@@ -292,25 +312,24 @@ class WorkspaceLayout:
             D = M if hier else R
             self.node_meta_stride = self.meta_stride + (N if hier else 0)
             self.px_count_words = N * (L + 1) + 1 if hier else L + 1
-            B = T if hier else W  # flat: a ring of W slots per target, as the staging
             specs += [
-                ("px_rows", (PARITIES, D, B, row), torch.uint8),
-                ("px_meta", (PARITIES, D, B, self.node_meta_stride), torch.int32),
+                ("px_rows", (PARITIES, D, W, row), torch.uint8),
+                ("px_meta", (PARITIES, D, W, self.node_meta_stride), torch.int32),
                 ("px_counts", (PARITIES, D, self.px_count_words), torch.int32),
-                ("px_combine_rows", (PARITIES, D, B, H), dtype),
-                ("px_combine_meta", (PARITIES, D, B, K), torch.float32),
+                ("px_combine_rows", (PARITIES, D, W, H), dtype),
+                ("px_combine_meta", (PARITIES, D, W, K), torch.float32),
             ]
             if hier:
                 specs += [
                     ("node_signals", (2, M), torch.int64),
-                    ("fwd_rows", (PARITIES, M, T, row), torch.uint8),
-                    ("fwd_meta", (PARITIES, M, T, self.node_meta_stride), torch.int32),
+                    ("fwd_rows", (PARITIES, M, W, row), torch.uint8),
+                    ("fwd_meta", (PARITIES, M, W, self.node_meta_stride), torch.int32),
                     ("fwd_counts", (PARITIES, M, self.px_count_words), torch.int32),
                     ("hc_signals", (N,), torch.int64),
-                    ("hc_rows", (PARITIES, M, N, T, H), dtype),
-                    ("hc_meta", (PARITIES, M, N, T, K), torch.float32),
-                    ("hcomb_rows", (PARITIES, M, T, H), dtype),
-                    ("hcomb_meta", (PARITIES, M, T, K), torch.float32),
+                    ("hc_rows", (PARITIES, M, N, W, H), dtype),
+                    ("hc_meta", (PARITIES, M, N, W, K), torch.float32),
+                    ("hcomb_rows", (PARITIES, M, W, H), dtype),
+                    ("hcomb_meta", (PARITIES, M, W, K), torch.float32),
                 ]
         # peers without a pointer get the low-latency rows from outboxes (NVSHMEM puts, or the
         # proxy); the proxy copies each pair's meta word from a constant table
@@ -332,10 +351,10 @@ class WorkspaceLayout:
 
     @property
     def staging_bytes(self) -> int:
-        """Bytes of the normal mode's staging (dispatch and combine rows and metadata; flat
-        across nodes through the proxy, the outboxes' too)."""
-        names = STAGING_REGIONS + (OUTBOX_REGIONS if self.proxy and not self.hierarchical
-                                   else ())
+        """Bytes of the normal mode's staging (dispatch and combine rows and metadata; across
+        nodes through the proxy, the outboxes' too, and in hierarchical mode the forwarders')."""
+        names = STAGING_REGIONS + (OUTBOX_REGIONS if self.proxy else ()) \
+            + (FORWARDER_REGIONS if self.hierarchical else ())
         return sum(self.regions[n].nbytes for n in names)
 
     def __getitem__(self, name: str) -> Region:

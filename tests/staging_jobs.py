@@ -13,11 +13,12 @@ from moe_comm.workspace import staging_slot_bytes
 from rank_jobs import _digest, check_against_oracle, kernel_waits
 
 
-def slots_budget(case: Case, slots: int, outboxes: bool = False) -> int:
+def slots_budget(case: Case, slots: int, outboxes: bool = False,
+                 ranks_per_node: int | None = None) -> int:
     """The ``staging_bytes`` that pays for ``slots`` slots per source of ``case`` (``outboxes``:
-    of a flat Buffer across nodes through the proxy)."""
+    of a Buffer across nodes through the proxy; with ``ranks_per_node``, hierarchical)."""
     return slots * staging_slot_bytes(case.world_size, case.hidden, case.topk, case.dtype,
-                                      outboxes)
+                                      outboxes, ranks_per_node)
 
 
 def streamed_case(rank, world_size, case: Case, slots: int | None, iterations: int = 1,

@@ -272,6 +272,45 @@ def test_flat_workspace_across_nodes_from_ep_16_to_256():
         assert bounded.rounds == rounds and bounded.staging_bytes <= DEFAULT_STAGING_BYTES, R
         assert bounded.nbytes < 2 << 30 < 7 << 30 <= whole.nbytes, R
         assert layout(R, 65536, slots).nbytes == bounded.nbytes, R
+        assert moe_comm.Buffer.required_workspace_bytes(
+            R, H, 256, 4096, dtype, K, ranks_per_node=8, hierarchical=False) == bounded.nbytes
+
+
+def test_hierarchical_workspace_across_nodes_from_ep_16_to_256():
+    """DeepSeek-V3 sizes, nodes of 8 ranks, hierarchical through the proxy: the default budget
+    pays for the staging, the outboxes (a slot per destination node) and the forwarders'
+    regions; the whole workspace stays under 2 GiB and does not grow with max_tokens_per_rank
+    (the whole batch would take 6 GiB at EP 16, 24 GiB at EP 64, 98 GiB at EP 256)."""
+    from moe_comm.workspace import WorkspaceLayout, ring_slots_for
+    H, K, dtype, N = 7168, 8, torch.bfloat16, 8
+    row, meta = 2 * H, 4 * (1 + 3 * K)
+
+    def per_slot(R):
+        """Both parities: the staging; per node a dispatch row with its node metadata in the
+        outbox and in the forwarder's regions, a combine row with its weights in the outbox
+        and in the node sums; a partial with its weights per source rank."""
+        M = R // N
+        staging = 2 * R * (2 * row + meta + 4 * K)
+        node_meta = 4 * (1 + 3 * K + N)
+        return staging + 2 * (M * (2 * (row + node_meta) + 2 * (row + 4 * K))
+                              + R * (row + 4 * K))
+
+    def layout(R, T, slots):
+        return WorkspaceLayout(R, T, H, 256 // R, K, dtype, proxy=True, ranks_per_node=N,
+                               hierarchical=True, ring_slots=slots)
+
+    for R, rounds, whole_gib in ((16, 4, 6), (64, 14, 24), (256, 64, 98)):
+        slots = ring_slots_for(None, R, 4096, H, K, dtype, outboxes=True, ranks_per_node=N)
+        assert slots == DEFAULT_STAGING_BYTES // per_slot(R) // 16 * 16, R
+        bounded, whole = layout(R, 4096, slots), layout(R, 4096, None)
+        assert bounded.rounds == rounds, (R, bounded.rounds)
+        assert bounded.staging_bytes == slots * per_slot(R) <= DEFAULT_STAGING_BYTES, R
+        assert bounded.nbytes < 2 << 30 and whole.nbytes > whole_gib << 30, R
+        assert layout(R, 65536, slots).nbytes == bounded.nbytes, R
+        assert moe_comm.Buffer.required_workspace_bytes(R, H, 256, 4096, dtype, K,
+                                                        ranks_per_node=N) == bounded.nbytes, R
+    with pytest.raises(ValueError, match="ranks_per_node must be a positive divisor"):
+        moe_comm.Buffer.required_workspace_bytes(16, H, 256, 4096, dtype, K, ranks_per_node=6)
 
 
 def test_staging_errors_before_anything_is_allocated(ranks):
@@ -291,13 +330,64 @@ def test_staging_errors_before_anything_is_allocated(ranks):
     assert all(e is not None and "staging_bytes" in e and "rank 1" in e for e in errors), errors
 
 
-def test_rounds_are_refused_where_they_do_not_run_yet(ranks):
-    """Hierarchical across nodes: a budget below the whole batch is refused on every rank
-    before anything is allocated (the default stages the whole batch there)."""
+def test_hierarchical_nodes_in_rounds_match_reference(ranks):
+    """2 nodes x 2 ranks through the proxy, hierarchical (the default across nodes), rings of
+    two slots per source (6 rounds a call: each round's node messages, forwarding and node
+    sums), stragglers, two calls, each checked bit for bit against the reference by the job;
+    the rows that cross nodes, are forwarded and stored equal the whole batch's, and each later
+    round adds its node counts to every node message and its counts and epoch to every rank of
+    the node."""
     pytest.importorskip("nixl_cu13")
-    budget = slots_budget(Case(4, 8, 64, 2, (8, 8, 8, 8)), 2)
-    nodes = dict(ranks_per_node=2, transport="nixl", hierarchical=True, max_topk=2)
-    errors = ranks(4).run(construct, {"all": dict(nodes, staging_bytes=budget)})
-    assert all(e is not None and "hierarchical" in e and "staging_bytes" in e
-               for e in errors), errors
-    assert ranks(4).run(construct, {"all": nodes}) == [None] * 4
+    case = Case(4, 16, 128, 4, (9, 0, 5, 12), torch.bfloat16, "zipf", 16, seed=214)
+    L, N, calls, later = case.num_experts // 4, 2, 2, 2 * 5
+    budget = slots_budget(case, 2, outboxes=True, ranks_per_node=N)
+    runs = {slots: ranks(4).run(nodes_case, case, N, True, iterations=calls, straggle_s=0.02,
+                                max_topk=case.topk,
+                                staging_bytes=None if slots is None else budget)
+            for slots in (None, 2)}
+    for rank, (full, part) in enumerate(zip(runs[None], runs[2], strict=True)):
+        assert part["ring_slots"] == 2 and full["ring_slots"] == case.max_tokens, rank
+        assert full["launches"]["dispatch_forward"] == calls, rank
+        assert part["launches"]["dispatch_forward"] == part["launches"]["combine_forward"] \
+            == part["launches"]["dispatch_outbox"] == calls * 6, rank
+        # a node message carries the counts of each rank of the node, then the node's rows
+        node_counts = 4 * (N * (L + 1) + 1)
+        for p in range(4):
+            extra = part["internode"]["dispatch"][p] - full["internode"]["dispatch"][p]
+            forwarder = p // N != rank // N and p % N == rank % N
+            assert extra == (later * node_counts if forwarder else 0), (rank, p, extra)
+        assert part["internode"]["combine"] == full["internode"]["combine"], rank
+        a, b = part["stats"], full["stats"]
+        for key in ("dispatch_bytes_to_outbox", "combine_bytes_to_outbox",
+                    "dispatch_bytes_forwarded", "combine_bytes_to_forwarders"):
+            assert a[key] == b[key], (rank, key)
+        signals = later * (4 * (L + 1) + 8)  # a round's counts and epoch, to a rank
+        assert a["dispatch_bytes_to_peers"] - b["dispatch_bytes_to_peers"] == signals, rank
+        assert a["dispatch_bytes_to_self"] - b["dispatch_bytes_to_self"] == signals, rank
+        assert a["combine_bytes_to_peers"] - b["combine_bytes_to_peers"] == later * 8, rank
+        assert a["internode_messages"] == 6 * b["internode_messages"], rank
+
+
+@pytest.mark.parametrize("fmt", [dict(fp8=True, ue8m0=True, combine_dtype="fp8"),
+                                 dict(fp8=None, dispatch_dtype="mxfp8")],
+                         ids=["fp8-ue8m0", "mxfp8"])
+def test_quantized_hierarchical_nodes_in_rounds_of_one_slot(ranks, fmt):
+    """Hierarchical across 2 nodes, one slot per source (8 rounds a call): quantized rows
+    forwarded as they travel (and FP8 partials summed by the forwarders) bit for bit against
+    the reference."""
+    pytest.importorskip("nixl_cu13")
+    case = Case(4, 8, 128, 2, (5, 8, 0, 6), torch.bfloat16, "uniform", 1, seed=215)
+    reports = ranks(4).run(nodes_case, case, 2, True, iterations=1, max_topk=case.topk,
+                           staging_bytes=slots_budget(case, 1, outboxes=True, ranks_per_node=2),
+                           **fmt)
+    assert all(r["launches"]["dispatch_forward"] == 8 for r in reports)
+
+
+def test_gradients_of_hierarchical_nodes_in_rounds_match_reference_autograd(ranks):
+    """float64 forward and backward (the backward's cached dispatch forwards each round as the
+    dispatch placed it) in rounds of two slots."""
+    case = Case(4, 16, 64, 4, (5, 3, 0, 6), torch.float64, "uniform", 16, seed=216)
+    ranks(4).run(gradients, case, ranks_per_node=2, transport="nixl", hierarchical=True,
+                 max_topk=4, staging_bytes=slots_budget(case, 2, outboxes=True,
+                                                        ranks_per_node=2))
+

@@ -123,7 +123,7 @@ def test_counters_count_the_signals_of_every_round():
         measured = max(g[phase][f"{phase}_bytes_to_peers"] for g in got)
         assert getattr(p3, phase).bytes.sent_nvlink_bytes == measured, phase
         assert getattr(p3, phase).time_us > getattr(p1, phase).time_us, phase
-    with pytest.raises(ValueError, match="one node"):
+    with pytest.raises(ValueError, match="the normal mode only"):
         predict("h800", "low_latency", rounds=2, **kwargs)
 
 
@@ -171,8 +171,7 @@ def test_counters_count_each_rounds_message_across_nodes_flat(ranks):
     """Flat across 2 nodes, 3 rounds a call: the kernels' and the transport's counts equal the
     model's with ``rounds=3`` (each later round's counts travel in every remote peer's message,
     its epoch to every rank); predict reports the busiest rank's bytes per link and charges
-    each later round its serial cost and one more network path; hierarchical rounds are
-    refused."""
+    each later round its serial cost and one more network path."""
     pytest.importorskip("nixl_cu13")
     M, N, E, H, K, T = 2, 2, 16, 128, 4, 6
     R = M * N
@@ -198,10 +197,39 @@ def test_counters_count_each_rounds_message_across_nodes_flat(ranks):
         assert getattr(p3, phase).bytes.sent_rdma_bytes == rdma, phase
         assert getattr(p3, phase).bytes.sent_nvlink_bytes == nvlink, phase
         assert getattr(p3, phase).time_us > getattr(p1, phase).time_us, phase
-    with pytest.raises(ValueError, match="flat across nodes"):
-        predict("h800", rounds=3, **{**kwargs, "hierarchical": True})
-    with pytest.raises(ValueError, match="flat across nodes"):
-        moe_comm_counters(ids, rounds=3, **{**counters, "hierarchical": True})
+
+
+def test_counters_count_each_rounds_message_across_nodes_hierarchical(ranks):
+    """Hierarchical across 2 nodes, 3 rounds a call: the kernels' and the transport's counts
+    equal the model's with ``rounds=3`` (each later round's counts of the node's ranks travel in
+    the message to the rail peer of the other node, its epoch to every rank of the node; the
+    forwarded rows are the same); predict's RDMA bytes equal the busiest rank's and each later
+    round costs time."""
+    pytest.importorskip("nixl_cu13")
+    M, N, E, H, K, T = 2, 2, 16, 128, 4, 6
+    R = M * N
+    ids = _routing("skew", R, T, E, K, seed=17)
+    budget = 2 * staging_slot_bytes(R, H, K, torch.bfloat16, outboxes=True, ranks_per_node=N)
+    got = ranks(R).run(link_bytes, torch.from_numpy(ids), H, E, N, True, False, False,
+                       staging_bytes=budget)
+    counters = dict(ep=R, num_experts=E, hidden=H, gpus_per_node=N, hierarchical=True)
+    want = moe_comm_counters(ids, rounds=3, **counters)
+    _check(got, want, "hierarchical, rounds=3")
+    one = moe_comm_counters(ids, **counters)
+    L = E // R
+    for w, o in zip(want, one, strict=True):
+        extra = [a - b for a, b in zip(w["dispatch"]["per_peer"]["dispatch"],
+                                       o["dispatch"]["per_peer"]["dispatch"], strict=True)]
+        assert sorted(extra) == [0, 0, 0, 2 * 4 * (N * (L + 1) + 1)], extra
+        assert w["dispatch"]["dispatch_bytes_forwarded"] == o["dispatch"][
+            "dispatch_bytes_forwarded"]
+    kwargs = dict(ep=R, tokens_per_rank=T, hidden=H, topk=K, num_experts=E, routing=ids,
+                  gpus_per_node=N, dispatch_dtype="bf16", hierarchical=True)
+    p3, p1 = predict("h800", rounds=3, **kwargs), predict("h800", **kwargs)
+    for phase in ("dispatch", "combine"):
+        rdma = max(sum(g[phase]["per_peer"][phase]) for g in got)
+        assert getattr(p3, phase).bytes.sent_rdma_bytes == rdma, phase
+        assert getattr(p3, phase).time_us > getattr(p1, phase).time_us, phase
 
 
 @pytest.mark.parametrize("mode", ["flat", "hier", "ll"])

@@ -60,9 +60,10 @@ def moe_comm_counters(ids, *, ep: int, num_experts: int, hidden: int, gpus_per_n
     combine_dtype: the Buffer's dtype, or "fp8" (``combine_dtype="fp8"``; hierarchical: the
     partials reach the forwarders in ``dtype``, the Buffer's, default bf16, and cross nodes
     as FP8).
-    rounds: the Buffer's ``rounds`` (bounded staging, normal mode on one node or flat across
-    nodes): every round publishes its epoch (and in a dispatch the counts) to every rank, across
-    nodes the counts in each round's message; the rows are the same.
+    rounds: the Buffer's ``rounds`` (bounded staging, normal mode): every round publishes its
+    epoch (and in a dispatch the counts) to every rank of the node, across nodes the counts in
+    each round's message (flat: to every remote peer; hierarchical: to the rail peer of every
+    other node, with the node's ranks' counts); the rows are the same.
     """
     ids = np.asarray(ids, dtype=np.int64)
     N, K = ids.shape
@@ -70,8 +71,8 @@ def moe_comm_counters(ids, *, ep: int, num_experts: int, hidden: int, gpus_per_n
         raise ValueError(f"ids has {N} rows, not a multiple of ep={ep}")
     T, m, gpn = N // ep, num_experts // ep, gpus_per_node
     nodes = ep // gpn
-    if rounds != 1 and (mode != "normal" or (nodes > 1 and hierarchical)):
-        raise ValueError("rounds > 1 is the normal mode on one node or flat across nodes")
+    if rounds != 1 and mode != "normal":
+        raise ValueError("rounds > 1 is the normal mode (bounded staging)")
     fmt = MOE_COMM
     k = K if max_topk is None else max_topk
     P = fmt.payload(dispatch_dtype, hidden)
@@ -102,8 +103,8 @@ def moe_comm_counters(ids, *, ep: int, num_experts: int, hidden: int, gpus_per_n
         if nodes > 1:
             d_peer, c_peer = np.zeros(ep, dtype=np.int64), np.zeros(ep, dtype=np.int64)
             if hierarchical:
-                _hierarchical_rank(r, ids, hit, src, T, m, gpn, nodes, P, C, meta, d, c,
-                                   d_peer, c_peer, C_fwd)
+                _hierarchical_rank(r, hit, src, m, gpn, nodes, P, C, meta, d, c, d_peer,
+                                   c_peer, C_fwd, rounds)
             else:
                 d["dispatch_bytes_to_outbox"] = int(rows[r, other].sum()) * (P + meta)
                 c["combine_bytes_to_outbox"] = int(rows[other, r].sum()) * C
@@ -116,12 +117,13 @@ def moe_comm_counters(ids, *, ep: int, num_experts: int, hidden: int, gpus_per_n
     return out
 
 
-def _hierarchical_rank(r, ids, hit, src, T, m, gpn, nodes, P, C, meta, d, c, d_peer, c_peer,
-                       C_fwd):
+def _hierarchical_rank(r, hit, src, m, gpn, nodes, P, C, meta, d, c, d_peer, c_peer, C_fwd,
+                       rounds):
     """Rank r across nodes, hierarchical: one row per (token, other node) to the rail peer
     there, with the node's slots; the forwarder stores it into each picked rank of its node.
     Combine: expert ranks send rows of remote tokens to their forwarder (``C_fwd`` bytes
-    each), which reduces them per (token, node) and sends one row home (``C``)."""
+    each), which reduces them per (token, node) and sends one row home (``C``). Every round's
+    message to a node carries that round's counts."""
     fmt = MOE_COMM
     ep = hit.shape[1]
     my_node, lane = r // gpn, r % gpn
@@ -131,7 +133,8 @@ def _hierarchical_rank(r, ids, hit, src, T, m, gpn, nodes, P, C, meta, d, c, d_p
     to_node = node_hit[mine].sum(axis=0)                           # rows to each node
     for b in range(nodes):
         if b != my_node:
-            d_peer[b * gpn + lane] = to_node[b] * (P + fwd_meta) + fmt.node_count_bytes(m, gpn)
+            d_peer[b * gpn + lane] = to_node[b] * (P + fwd_meta) \
+                + rounds * fmt.node_count_bytes(m, gpn)
     d["dispatch_bytes_to_outbox"] = int(sum(to_node[b] for b in range(nodes) if b != my_node)) \
         * (P + fwd_meta)
     # rows this rank forwards: tokens of its rail peers on other nodes, to each picked rank of

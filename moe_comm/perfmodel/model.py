@@ -343,9 +343,10 @@ def _low_latency(c: _Costs, L: Layout, loads: Loads, T: int, H: int, k: int, d_d
 def _normal(c: _Costs, L: Layout, loads: Loads, T: int, H: int, k: int, d_dtype: str,
             c_dtype: str, rounds: int = 1):
     """One row per (token, destination rank); across domains hierarchical or flat. ``rounds``
-    (bounded staging, one domain or flat): each round past the first costs the per-call serial
-    work again (its own launches and signals), one more set of signal words per peer and, across
-    domains, one more network path (a round's receive waits for that round's remote rows)."""
+    (bounded staging): each round past the first costs the per-call serial work again (its own
+    launches and signals, the forwarder's pass in hierarchical mode), one more set of signal
+    words per peer (hierarchical: per other node) and, across domains, one more network path (a
+    round's receive waits for that round's remote rows)."""
     alg, fmt = c.alg, c.alg.fmt
     internode = L.nodes > 1
     hier = internode and alg.internode == "hierarchical"
@@ -405,7 +406,7 @@ def _normal(c: _Costs, L: Layout, loads: Loads, T: int, H: int, k: int, d_dtype:
                             + fmt.epoch_signal_bytes)
         if phase == "dispatch":
             sent_rdma = nsnd.max * net_row + (
-                (L.nodes - 1) * fmt.node_count_bytes(L.m, L.gpn) if hier
+                rounds * (L.nodes - 1) * fmt.node_count_bytes(L.m, L.gpn) if hier
                 else rounds * net_dests * counts)
         else:
             sent_rdma = nsnd.max * net_row
@@ -449,9 +450,9 @@ def predict(system: str | System = "h800", mode: str = "normal", *, ep: int,
     routing. implementation: a name of IMPLEMENTATIONS (default "moe_comm"), an
     Implementation (recalibration), or "bound" (the hardware's lower bound, bound.py).
     hierarchical: normal mode across nodes, hierarchical (True) or flat (False); None = the
-    implementation's default. rounds: normal mode with bounded staging (``Buffer.rounds``; one
-    node, or flat across nodes): every round past the first adds the per-call serial cost, the
-    signal words of one more epoch per peer and, across nodes, one more network path.
+    implementation's default. rounds: normal mode with bounded staging (``Buffer.rounds``):
+    every round past the first adds the per-call serial cost, the signal words of one more
+    epoch per peer and, across nodes, one more network path.
     """
     if isinstance(implementation, str) and implementation.strip().lower() == "bound":
         from .bound import predict_bound
@@ -470,10 +471,9 @@ def predict(system: str | System = "h800", mode: str = "normal", *, ep: int,
                                                         combine_dtype, routing, gpus_per_node,
                                                         sim_tokens)
     rounds = _check_int("rounds", rounds)
-    if rounds > 1 and (mode != "normal" or (layout.nodes > 1 and alg.internode != "flat")):
-        raise ValueError(f"rounds={rounds}: bounded staging runs the normal mode on one node "
-                         f"or flat across nodes (got mode={mode!r}, {layout.nodes} nodes, "
-                         f"{alg.internode})")
+    if rounds > 1 and mode != "normal":
+        raise ValueError(f"rounds={rounds}: bounded staging runs the normal mode only (got "
+                         f"mode={mode!r})")
     if alg.internode == "none" and layout.nodes > 1:
         raise ValueError(f"{impl.name} works inside one NVLink domain only: ep={ep} needs "
                          f"{layout.nodes} domains of {layout.gpn} GPUs")

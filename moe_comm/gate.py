@@ -328,9 +328,10 @@ def gate_runs(cfg: GateConfig) -> list[tuple]:
     hierarchical[, fault_tolerant])`` (the arguments of ``_buffers`` after the dtype)."""
     import torch
 
-    if cfg.ring_slots is not None:  # rounds: the normal mode of one node and flat through the
-        return [("bfloat16", torch.bfloat16, 0, False, False),  # proxy, in bf16 (the other
-                ("bfloat16", torch.bfloat16, 2, False, False)]  # dtypes load rows alone)
+    if cfg.ring_slots is not None:  # rounds: the normal mode of one node, flat and
+        return [("bfloat16", torch.bfloat16, 0, False, False),  # hierarchical through the
+                ("bfloat16", torch.bfloat16, 2, False, False),  # proxy, in bf16 (the other
+                ("bfloat16", torch.bfloat16, 2, False, True)]   # dtypes load rows alone)
     runs = []
     for name in GATE_DTYPES:
         dtype = getattr(torch, name)

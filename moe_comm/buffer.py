@@ -123,11 +123,11 @@ def staging_ring_slots(staging_bytes: int | None, world_size: int, max_tokens: i
                        ranks_per_node: int | None = None) -> int | None:
     """Ring slots per source of the normal mode's staging for a budget of ``staging_bytes``
     (``workspace.ring_slots_for``; None: the whole batch, one round). ``streams``: whether the
-    Buffer's flavour runs a call in rounds (one node, or across nodes through the proxy; no
-    fault tolerance, so far); where it does not, the default budget stages the whole batch and a
-    smaller explicit one is refused. ``outboxes``: the budget pays for the outboxes of a Buffer
-    across nodes through the proxy as well, and with ``ranks_per_node`` (hierarchical) for the
-    forwarders' regions."""
+    Buffer's flavour runs a call in rounds (one node, fault-tolerant or not; across nodes
+    through the proxy without fault tolerance, so far); where it does not, the default budget
+    stages the whole batch and a smaller explicit one is refused. ``outboxes``: the budget pays
+    for the outboxes of a Buffer across nodes through the proxy as well, and with
+    ``ranks_per_node`` (hierarchical) for the forwarders' regions."""
     slots = ring_slots_for(staging_bytes, world_size, max_tokens, hidden, max_topk, dtype,
                            outboxes, ranks_per_node)
     if slots == max_tokens:
@@ -138,9 +138,9 @@ def staging_ring_slots(staging_bytes: int | None, world_size: int, max_tokens: i
         raise ValueError(
             f"staging_bytes={staging_bytes} holds {slots} of max_tokens_per_rank={max_tokens} "
             "slots per source: a call would run in rounds, which the normal mode does on one "
-            "node and across nodes through the proxy (transport='nixl'), without fault "
-            "tolerance so far; pass staging_bytes=None (the whole batch is staged) for NVSHMEM "
-            "across hosts or fault-tolerant Buffers")
+            "node and across nodes through the proxy (transport='nixl'; there without fault "
+            "tolerance so far); pass staging_bytes=None (the whole batch is staged) for NVSHMEM "
+            "across hosts or fault-tolerant Buffers across nodes")
     return slots
 
 
@@ -168,7 +168,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
     ``staging_bytes`` (default ``workspace.DEFAULT_STAGING_BYTES``) bounds the normal mode's
     staging: where the whole batch does not fit, every call runs in ``rounds`` through rings of
     ``ring_slots`` slots per source (``moe_comm.normal_mode``; one node, or across nodes through
-    the proxy, flat or hierarchical; no fault tolerance).
+    the proxy, flat or hierarchical; fault-tolerant Buffers on one node).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, hidden: int, num_experts: int,
@@ -228,7 +228,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         forwarders = via == "nixl" and hierarchical and nodes.count > 1
         ring_slots = staging_ring_slots(
             staging_bytes, world_size, max_tokens_per_rank, hidden, max_topk, dtype,
-            streams=(nodes.count == 1 or via == "nixl") and not rdma and not fault_tolerant,
+            streams=(nodes.count == 1 or (via == "nixl" and not fault_tolerant)) and not rdma,
             outboxes=via == "nixl", ranks_per_node=nodes.ranks_per_node if forwarders else None)
         layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                  num_experts // world_size, max_topk, dtype, low_latency,
@@ -278,7 +278,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         _check_config(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk,
                       dispatch_dtype)
         ring_slots = staging_ring_slots(staging_bytes, world_size, max_tokens_per_rank, hidden,
-                                        max_topk, dtype, streams=not fault_tolerant)
+                                        max_topk, dtype)
         layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                  num_experts // world_size, max_topk, dtype, low_latency,
                                  ring_slots=ring_slots)
@@ -575,6 +575,9 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             owner = (idx.clamp(min=0) // self.num_local_experts).clamp(max=self.world_size - 1)
             live = (torch.ones(self.world_size, dtype=torch.bool, device=self.device)
                     if self._combine_live is None else self._combine_live != 0)
+            if live.dim() == 2:  # rounds: token t summed in round t // ring_slots
+                window = torch.arange(idx.shape[0], device=self.device) // self.ring_slots
+                live = live[window]
             reached = self._reached(idx, live) & (handle.slot_of.gather(1, owner) >= 0)
             out = renormalized(out, idx, handle.topk_weights, reached)
         return out

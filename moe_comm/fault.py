@@ -33,6 +33,22 @@ epoch before it was excluded (``alive`` at send time: not excluded when the send
 A token whose experts are all on excluded ranks comes back as zeros: add the residual (or the
 shared expert) as usual, it is the only part left. Weights are not renormalised by default.
 
+**In rounds** (bounded staging on one node, ``moe_comm.normal_mode``) each round's wait
+excludes on its own, so ``live_i[s]``: rank ``s`` published round ``i``'s epoch. A dispatch
+places every row by round 0's layout (the call's per-expert counts of the sources of
+``live_0``); a later round takes the rows of the sources in ``live_i`` and ``live_0``, so the
+rows of a source that stops after round ``j`` of the window ``[i * W, (i + 1) * W)``, ``i >
+j``, stay as padding rows are (zero, ``src_rank`` / ``src_token`` -1, weight 0) and
+``tokens_per_expert`` still counts them. A combine sums the tokens of window ``i`` over
+``live_i`` (``renormalize=True`` likewise, per token)::
+
+    dispatch:  rows of (s, t) arrive iff live_0[s] and live_{t // W}[s]; the others zero
+    combine:   out[t] = sum(w[t, k] * y(t, k) for k if live_{t // W}[rank_of(topk_idx[t, k])])
+
+A rank's own exclusion still ends its calls: each round's wait checks it, as a call's wait
+does. Across nodes fault-tolerant Buffers stage the whole batch (a smaller ``staging_bytes``
+is refused) so far.
+
 **Stale writes** (a rank that was only slow). Fence: every send of a fault-tolerant Buffer
 first checks this rank's own mask word (CPU ranks: the host, before the launch; GPUs: the
 layout kernel and the low-latency sends' waits, on the device); an excluded rank writes no row
@@ -239,9 +255,11 @@ class FaultTolerance:
 
     def _reached(self, topk_idx: torch.Tensor, rank_contributed: torch.Tensor) -> torch.Tensor:
         """[T, K] bool: the choice is used and its expert rank contributed
-        (``rank_contributed`` [R] bool)."""
+        (``rank_contributed`` [R] bool, or [T, R] bool: per token)."""
         owner = (topk_idx.clamp(min=0) // self.num_local_experts).clamp(max=self.world_size - 1)
-        return (topk_idx >= 0) & (topk_idx < self.num_experts) & rank_contributed[owner]
+        contributed = (rank_contributed[owner] if rank_contributed.dim() == 1
+                       else rank_contributed.gather(1, owner))
+        return (topk_idx >= 0) & (topk_idx < self.num_experts) & contributed
 
     def _clean_round(self, i: int, serial: int, waited: list[int] | None) -> list[bool]:
         """Announces ``serial`` in ``ft_clean[i]`` on every rank and waits (bounded) for

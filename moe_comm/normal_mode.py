@@ -7,7 +7,8 @@ combine = send + reduce (reduce skipped for T = 0); the cached dispatch (combine
 send + expand; with waits in kernels the received layout waits itself (no launch of its own)
 and every other receive adds one ``wait`` launch (a fault-tolerant Buffer's dispatch too). No
 torch op launches a kernel on this path: outputs are allocated, never filled (the expand
-writes every row, padding included). Through the proxy across nodes a dispatch adds
+writes every row, padding included; a fault-tolerant dispatch in rounds fills them first, for
+the rows of a source that stops between rounds). Through the proxy across nodes a dispatch adds
 ``dispatch_outbox`` (and ``dispatch_forward`` in hierarchical mode, with torch ops for the
 node slots), a hierarchical combine adds ``combine_forward``; the host waits for the
 forwarders' inputs are reads of numpy views of the signal words, not of tensors.
@@ -49,6 +50,10 @@ every row's place; every round publishes the same per-expert counts) and records
 offsets (``recv_slot_offsets``: round ``i``'s ``[R + 1]`` at ``i * S``, ``S`` = ``R + 1`` rounded up
 to even); the combine sends back each round's slots to the ring positions they had, and the home
 rank sums the tokens of window ``i`` in round ``i``, each in rank order: the same bits as one round.
+Fault tolerance (one node): each round's wait excludes a silent source on its own and nothing waits
+for an excluded one, so a rank that stops between rounds holds up no one; a later round of a
+dispatch takes only sources that arrived in round 0 as well (rows are placed by round 0's layout),
+and its outputs start as padding rows (``moe_comm.fault``, "In rounds").
 
 Host reads of device data (``self.host_syncs``): dispatch reads the received-row count once to
 size its output (``rows``), none with ``max_recv_rows``; combine and the cached dispatch read
@@ -388,14 +393,22 @@ class NormalMode:
             self._channel_words(COMBINE)[1], rank=self.rank, world_size=self.world_size,
             topk=topk, max_topk=self.max_topk, has_pair=has_pair, flavour=self.flavour, fp8=fp8)
 
-    def _received_layout(self, expert_alignment: int, pending: PendingSend):
+    def _received_layout(self, expert_alignment: int, pending: PendingSend,
+                         within: torch.Tensor | None = None):
         """Waits for every source (in the kernel on GPUs, fault-tolerant ones too, else on the
         host before it) and turns the counts every source published into ``(row_base [R, L],
         tokens_per_expert [L], expert_offsets [L + 1], slot_offsets [R + 1])`` int64
         (``kernels.dispatch.received_layout``: one launch, no host read). The parity is the
         dispatch epoch's, selected on the device (a captured CUDA graph replays it right).
-        With fault tolerance a source that did not arrive counts zero."""
-        fused = self._wait(pending, fusable=True)
+        With fault tolerance a source that did not arrive counts zero. A fault-tolerant call of
+        several rounds waits apart from the layout, so that ``pending.live`` holds who arrived,
+        and ``within`` ([R] int32, round 0's ``live``; None: every source) leaves out the
+        sources that did not arrive in round 0 (a later round places rows by round 0's
+        layout)."""
+        rounds_ft = self.fault_tolerant and self.layout.rounds > 1
+        fused = self._wait(pending, fusable=not rounds_ft)
+        if within is not None:
+            pending.live = within if pending.live is None else pending.live * within
         self.launches["received_layout"] += 1
         layout = dispatch_kernels.received_layout(
             self._region("dispatch_counts"), self._signals[DISPATCH],
@@ -442,19 +455,24 @@ class NormalMode:
             rows = max_recv_rows
         fp8 = pending.fp8 != 0
         nvfp4 = fp8 and pending.ue8m0 == NVFP4
-        out = (torch.empty((rows, self.hidden // 2), device=dev, dtype=torch.uint8) if nvfp4
-               else torch.empty((rows, self.hidden), device=dev,
-                                dtype=torch.float8_e4m3fn if fp8 else self.dtype))
-        global_scale = torch.empty(rows if nvfp4 else 0, dtype=torch.float32, device=dev)
+        # fault tolerance in rounds: the rows of a source that stops after round 0 stay as
+        # padding rows are (zero, src_rank / src_token -1); otherwise the expand writes them all
+        stops = self.fault_tolerant and self.layout.rounds > 1
+        alloc = torch.zeros if stops else torch.empty
+        out = (alloc((rows, self.hidden // 2), device=dev, dtype=torch.uint8) if nvfp4
+               else alloc((rows, self.hidden), device=dev,
+                          dtype=torch.float8_e4m3fn if fp8 else self.dtype))
+        global_scale = alloc(rows if nvfp4 else 0, dtype=torch.float32, device=dev)
         scales, scale_memory, scale_strides = (torch.empty(0, device=dev), None, (0, 0))
         if fp8:
             scales, scale_memory, scale_strides = fp8_scales_out(
                 rows, self.hidden // scale_group(pending.ue8m0), pending.ue8m0,
                 col_major_scales, dev)
-        out_weights = torch.empty(rows if pending.has_weights else 0, dtype=torch.float32,
-                                  device=dev)
-        src_rank = torch.empty(rows, dtype=torch.int64, device=dev)
-        src_token = torch.empty(rows, dtype=torch.int64, device=dev)
+        out_weights = alloc(rows if pending.has_weights else 0, dtype=torch.float32, device=dev)
+        src_rank, src_token = ((torch.full((rows,), -1, dtype=torch.int64, device=dev)
+                                for _ in range(2)) if stops else
+                               (torch.empty(rows, dtype=torch.int64, device=dev)
+                                for _ in range(2)))
         slot_rows = torch.empty((self.world_size * self.max_tokens_per_rank, pending.topk),
                                 dtype=torch.int32, device=dev)  # 4 bytes per (slot, choice)
         staging, meta = self._staging(DISPATCH)
@@ -481,8 +499,11 @@ class NormalMode:
             if self.hierarchical:
                 self._forward_dispatch(epoch, payload, *self._round_nodes(fwd_slots, fwd_n, i),
                                        cached=False)
-            row_base, _, _, offsets = self._received_layout(
-                expert_alignment, dataclasses.replace(pending, epoch=epoch))
+            # every round publishes the call's per-expert counts: round 0's row_base places
+            # every round's rows (with fault tolerance, of the sources that arrived in round 0)
+            _, _, _, offsets = self._received_layout(
+                expert_alignment, dataclasses.replace(pending, epoch=epoch, live=None),
+                within=pending.live)
             view = self._round_view(slot_offsets, i)
             end = self._round_view(slot_offsets, i - 1)[-1]
             torch.add(offsets, end, out=view)
@@ -530,8 +551,10 @@ class NormalMode:
             self._forward_dispatch(pending.epoch, self._row_bytes,
                                    *self._round_nodes(fwd_slots, fwd_n, 0), cached=True)
         self._wait(pending)
-        # the rows of sources that did not arrive stay zero
-        alloc = torch.empty if pending.live is None else torch.zeros
+        # the rows of sources that did not arrive (in some round) stay zero
+        stops = self.fault_tolerant and self.layout.rounds > 1
+        alloc = torch.empty if pending.live is None and not stops else torch.zeros
+        live = pending.live
         out = alloc((num_rows, self.hidden), dtype=self.dtype, device=self.device)
         staging, _ = self._staging(DISPATCH)
         for i in range(self.layout.rounds):
@@ -542,15 +565,16 @@ class NormalMode:
                 if self.hierarchical:
                     self._forward_dispatch(epoch, self._row_bytes,
                                            *self._round_nodes(fwd_slots, fwd_n, i), cached=True)
-                self._wait(dataclasses.replace(pending, epoch=epoch))
+                round_pending = dataclasses.replace(pending, epoch=epoch, live=None)
+                self._wait(round_pending)
+                live = round_pending.live
             self.launches["dispatch_expand"] += dispatch_kernels.dispatch_expand(
                 staging, None, self._channel_words(DISPATCH)[1],
                 slot_offsets if self.layout.rounds == 1 else self._round_view(slot_offsets, i),
                 None, tokens_per_expert, expert_offsets,
                 slot_rows, out, None, None, None, rank=self.rank, topk=slot_rows.shape[1],
                 num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
-                max_topk=self.max_topk, flavour=self.flavour, live=pending.live,
-                bound=self._bound)
+                max_topk=self.max_topk, flavour=self.flavour, live=live, bound=self._bound)
         return out
 
     @poisons_buffer_on_error("combine")
@@ -600,7 +624,8 @@ class NormalMode:
         """:meth:`combine_recv` as steps (as :meth:`dispatch_recv_steps`): round i sums the
         tokens ``[i * W, (i + 1) * W)``, each in rank order as one round does."""
         self._wait(pending)
-        self._combine_live = pending.live  # partials of ranks that did not arrive: left out
+        # partials of ranks that did not arrive are left out, each round by its own wait
+        live, lives = pending.live, [pending.live]
         T, dev = slot_of.shape[0], self.device
         out = torch.empty((T, self.hidden), dtype=self.dtype, device=dev)
         pair_out = torch.empty((T, pending.topk) if want_pair else (0,), dtype=torch.float32,
@@ -613,7 +638,10 @@ class NormalMode:
                 epoch = self._start(COMBINE)
                 pending.send_round(i)
                 yield
-                self._wait(dataclasses.replace(pending, epoch=epoch))
+                round_pending = dataclasses.replace(pending, epoch=epoch, live=None)
+                self._wait(round_pending)
+                live = round_pending.live
+                lives.append(live)
             slots, sums, pair_sums, node_slots = ring, out, pair_out, node_slot_of
             if rounds > 1:
                 window = slice(i * W, (i + 1) * W)
@@ -625,6 +653,17 @@ class NormalMode:
                 flavour=self.flavour, rank=self.rank,
                 node_rows=self._region("hcomb_rows") if self.hierarchical else None,
                 node_meta=self._region("hcomb_meta") if self.hierarchical else None,
-                node_slot_of=node_slots, live=pending.live, fp8=pending.fp8 != 0,
-                bound=self._bound)
+                node_slot_of=node_slots, live=live, fp8=pending.fp8 != 0, bound=self._bound)
+        self._combine_live = self._rounds_live(lives)
         return out, pair_out
+
+    def _rounds_live(self, lives: list) -> torch.Tensor | None:
+        """What the combine's rounds heard, for ``renormalize``: None (every rank, every
+        round), ``[R]`` int32 (one round) or ``[rounds, R]`` int32 (round i's sources
+        at row i)."""
+        if all(live is None for live in lives):
+            return None
+        if len(lives) == 1:
+            return lives[0]
+        every = torch.ones(self.world_size, dtype=torch.int32, device=self.device)
+        return torch.stack([every if live is None else live for live in lives])

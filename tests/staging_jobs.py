@@ -5,12 +5,15 @@ from __future__ import annotations
 import random
 import time
 
+import torch
 import torch.distributed as dist
+from fault_jobs import _die, _renormalised, survivors_inputs
 
 import moe_comm
 from cases import Case, expert_fn, make_inputs
-from moe_comm.workspace import staging_slot_bytes
-from rank_jobs import _digest, check_against_oracle, kernel_waits
+from moe_comm import reference
+from moe_comm.workspace import COMBINE, DISPATCH, staging_slot_bytes
+from rank_jobs import FIELDS, _digest, check_against_oracle, kernel_waits, new_buffer
 
 
 def slots_budget(case: Case, slots: int, outboxes: bool = False,
@@ -46,3 +49,86 @@ def streamed_case(rank, world_size, case: Case, slots: int | None, iterations: i
         return {"rounds": buf.rounds, "ring_slots": buf.ring_slots, "digests": digests,
                 "stats": buf.stats(), "launches": dict(buf.launches),
                 "staging_bytes": buf.staging_bytes, "workspace_bytes": buf.workspace_bytes}
+
+
+def _die_in_round(buf, phase: str) -> None:
+    """This rank's ``phase`` ("dispatch" or "combine") sends its round 0, then the process ends
+    (SIGKILL) where round 1 would be sent."""
+    send = getattr(buf, f"{phase}_send")
+
+    def send_then_die_in_round_1(*args, **kwargs):
+        pending = send(*args, **kwargs)
+        later = pending.send_round
+
+        def round_or_die(i):
+            if i == 1:
+                _die()
+            later(i)
+
+        pending.send_round = round_or_die
+        return pending
+
+    setattr(buf, f"{phase}_send", send_then_die_in_round_1)
+
+
+def rounds_with_failures(rank, world_size, case: Case, kills: dict, calls: int, slots: int,
+                         timeout_s: float, renormalize: bool = False,
+                         in_kernels: bool = False) -> dict:
+    """Fault tolerance in rounds: ``calls`` dispatch + combine calls of a Buffer whose staging
+    holds ``slots`` slots per source; ``kills`` maps a rank to ``(call, point)``, point
+    "dispatch_round" (it dies after round 0 of its dispatch send) or "combine_round" (after
+    round 0 of its combine send). Each survivor checks every call against the reference over
+    the survivors: a source that stops after round 0 leaves its rows of later windows as
+    padding rows (zero, src_rank / src_token -1; still counted in tokens_per_expert); an expert
+    rank that stops after round 0 of the combine contributes to the tokens of window 0 only.
+    Before the call of a death the survivors fill that rank's staging slice of the parity of
+    round 1 (dispatch or combine, where it stops) with garbage: a round that reads it shows."""
+    with kernel_waits(in_kernels):
+        buf = new_buffer(case, fault_tolerant=True, timeout_s=timeout_s, max_topk=case.topk,
+                         staging_bytes=slots_budget(case, slots))
+    W = buf.ring_slots
+    for it in range(calls):
+        stops = {r: p for r, (k, p) in kills.items() if k == it}
+        gone = {r for r, (k, _) in kills.items() if k < it}
+        if rank in stops:
+            _die_in_round(buf, stops[rank].split("_")[0])
+        for r, point in stops.items():  # the parity of round 1 (of the phase it stops in):
+            if r != rank:                 # its other parity may already hold its round 0
+                phase = point.split("_")[0]
+                parity = (buf._epochs[DISPATCH if phase == "dispatch" else COMBINE] + 2) % 2
+                view = buf.layout.view(buf.heap, f"{phase}_rows")
+                view[parity, r].view(torch.uint8).fill_(0xFF)
+        no_expert = gone | {r for r, p in stops.items() if p == "dispatch_round"}
+        late = {r for r, p in stops.items() if p == "combine_round"}
+        xs, idxs, ws, original = survivors_inputs(case, it, gone, no_expert)
+        _, idxs_late, _, _ = survivors_inputs(case, it, gone, no_expert | late)
+        res = buf.dispatch(xs[rank], original[rank], ws[rank])
+        y = expert_fn(res.x, res.expert_offsets)
+        out = buf.combine(y, res.handle, weights=res.weights, renormalize=renormalize)
+        want = reference.dispatch_all(xs, idxs, ws, num_experts=case.num_experts)
+        mine = want[rank]
+        cut = torch.zeros(mine.src_rank.shape, dtype=torch.bool)
+        for r, p in stops.items():
+            if p == "dispatch_round":
+                cut |= (mine.src_rank == r) & (mine.src_token >= W)
+        expect = {f: getattr(mine, f).clone() for f in FIELDS}
+        expect["x"][cut] = 0
+        expect["weights"][cut] = 0
+        expect["src_rank"][cut] = -1
+        expect["src_token"][cut] = -1
+        for field in FIELDS:
+            assert torch.equal(getattr(res, field), expect[field]), \
+                f"rank {rank} call {it}: {field} differs"
+        outs = []
+        for kept in (idxs, idxs_late):
+            ref = reference.dispatch_all(xs, kept, ws, num_experts=case.num_experts)
+            ys = [expert_fn(w.x, w.expert_offsets) for w in ref]
+            o = reference.combine_all(ys, [w.handle for w in ref], [w.weights for w in ref])[rank]
+            outs.append(_renormalised(o, original[rank], kept[rank], ws[rank])
+                        if renormalize else o)
+        first = (torch.arange(out.shape[0]) < W)[:, None]
+        assert torch.equal(out, torch.where(first, outs[0], outs[1])), \
+            f"rank {rank} call {it}: combine differs"
+    return {"active": buf.active_ranks().tolist(), "rounds": buf.rounds,
+            "excluded": sorted({r for r, _, _ in buf.exclusions}),
+            "launches": dict(buf.launches)}

@@ -3,7 +3,8 @@ source in rounds, bit-exact against the reference and against the whole-batch st
 import pytest
 import torch
 from internode_jobs import nodes_case
-from staging_jobs import slots_budget, streamed_case
+from staging_jobs import rounds_with_failures, slots_budget, streamed_case
+from test_fault import TIMEOUT_S, fresh_pool
 from test_loopback import check_case
 
 import moe_comm
@@ -320,14 +321,25 @@ def test_staging_errors_before_anything_is_allocated(ranks):
     for bad in (0, -5, True, 2.5):
         with pytest.raises(ValueError, match="staging_bytes must be a positive int"):
             moe_comm.Buffer.loopback(2, 64, 4, 4, max_topk=2, staging_bytes=bad)
-    with pytest.raises(ValueError, match="without fault tolerance"):
-        moe_comm.Buffer.loopback(2, 64, 4, 4, max_topk=2, fault_tolerant=True,
-                                 staging_bytes=slots_budget(case, 1))
-    # the default stages the whole batch where calls do not run in rounds
-    assert moe_comm.Buffer.loopback(2, 64, 4, 4, max_topk=2, fault_tolerant=True)[0].rounds == 1
+    # fault tolerance runs in rounds on one node
+    assert moe_comm.Buffer.loopback(2, 64, 4, 4, max_topk=2, fault_tolerant=True,
+                                    staging_bytes=slots_budget(case, 1))[0].rounds == 4
     budget = slots_budget(Case(2, 4, 64, 2, (8, 8)), 2)
     errors = ranks(2).run(construct, {0: dict(staging_bytes=budget), 1: dict()})
     assert all(e is not None and "staging_bytes" in e and "rank 1" in e for e in errors), errors
+
+
+def test_fault_tolerant_rounds_across_nodes_are_refused(ranks):
+    """Not yet: refused on every rank before anything is allocated, while the default budget
+    stages the whole batch there."""
+    pytest.importorskip("nixl_cu13")
+    budget = slots_budget(Case(2, 4, 64, 2, (8, 8)), 2)  # one slot with the outboxes
+    across = dict(max_topk=2, ranks_per_node=1, transport="nixl", hierarchical=False,
+                  fault_tolerant=True)
+    errors = ranks(2).run(construct, {"all": dict(across, staging_bytes=budget)})
+    assert all(e is not None and "fault-tolerant Buffers across nodes" in e for e in errors), \
+        errors
+    assert ranks(2).run(construct, {"all": across}) == [None, None]
 
 
 def test_hierarchical_nodes_in_rounds_match_reference(ranks):
@@ -391,3 +403,25 @@ def test_gradients_of_hierarchical_nodes_in_rounds_match_reference_autograd(rank
                  max_topk=4, staging_bytes=slots_budget(case, 2, outboxes=True,
                                                         ranks_per_node=2))
 
+
+
+@pytest.mark.parametrize("in_kernels", [False, True], ids=["host_waits", "kernel_waits"])
+def test_kills_between_rounds_leave_the_survivors_exact(in_kernels):
+    """Fault tolerance in rounds (2 slots per source, 4 rounds a call) on 4 CPU ranks killed
+    for real: rank 1 dies after round 0 of its dispatch in call 1, rank 2 after round 0 of its
+    combine in call 2; weights renormalised. Every survivor's call equals the reference over
+    the survivors (``staging_jobs.rounds_with_failures``: the later windows' rows of rank 1 are
+    padding, rank 2's partials reach window 0 only) and the survivors agree on who is gone."""
+    R = 4
+    case = Case(R, 2 * R, 64, 2, (6, 7, 0, 5), seed=23)
+    kills = {1: (1, "dispatch_round"), 2: (2, "combine_round")}
+    with fresh_pool(R) as pool:
+        results = pool.run(rounds_with_failures, case, kills, 4, 2, TIMEOUT_S,
+                           renormalize=True, in_kernels=in_kernels, may_die=tuple(kills))
+    survivors = [res for r, res in enumerate(results) if r not in kills]
+    assert len(survivors) == 2 and all(res["rounds"] == 4 for res in survivors)
+    assert all(res["active"] == [True, False, False, True] for res in survivors), survivors
+    # host waits list who they excluded (rank 2 may be the one that excluded rank 1, before it
+    # died itself); in-kernel waits write the mask alone, checked above
+    excluded = set().union(*(res["excluded"] for res in survivors))
+    assert excluded <= {1, 2} and (in_kernels or excluded), excluded

@@ -328,10 +328,11 @@ def gate_runs(cfg: GateConfig) -> list[tuple]:
     hierarchical[, fault_tolerant])`` (the arguments of ``_buffers`` after the dtype)."""
     import torch
 
-    if cfg.ring_slots is not None:  # rounds: the normal mode of one node, flat and
-        return [("bfloat16", torch.bfloat16, 0, False, False),  # hierarchical through the
-                ("bfloat16", torch.bfloat16, 2, False, False),  # proxy, in bf16 (the other
-                ("bfloat16", torch.bfloat16, 2, False, True)]   # dtypes load rows alone)
+    if cfg.ring_slots is not None:  # rounds: the normal mode of one node (fault-tolerant
+        return [("bfloat16", torch.bfloat16, 0, False, False),  # too), flat and hierarchical
+                ("bfloat16", torch.bfloat16, 0, False, False, True),  # through the proxy, in
+                ("bfloat16", torch.bfloat16, 2, False, False),  # bf16 (the other dtypes load
+                ("bfloat16", torch.bfloat16, 2, False, True)]   # rows alone)
     runs = []
     for name in GATE_DTYPES:
         dtype = getattr(torch, name)

@@ -123,9 +123,9 @@ def staging_ring_slots(staging_bytes: int | None, world_size: int, max_tokens: i
                        ranks_per_node: int | None = None) -> int | None:
     """Ring slots per source of the normal mode's staging for a budget of ``staging_bytes``
     (``workspace.ring_slots_for``; None: the whole batch, one round). ``streams``: whether the
-    Buffer's flavour runs a call in rounds (one node, fault-tolerant or not; across nodes
-    through the proxy without fault tolerance, so far); where it does not, the default budget
-    stages the whole batch and a smaller explicit one is refused. ``outboxes``: the budget pays
+    Buffer's flavour runs a call in rounds (one node, or across nodes through the proxy; not
+    over NVSHMEM across hosts, so far); where it does not, the default budget stages the whole
+    batch and a smaller explicit one is refused. ``outboxes``: the budget pays
     for the outboxes of a Buffer across nodes through the proxy as well, and with
     ``ranks_per_node`` (hierarchical) for the forwarders' regions."""
     slots = ring_slots_for(staging_bytes, world_size, max_tokens, hidden, max_topk, dtype,
@@ -138,9 +138,8 @@ def staging_ring_slots(staging_bytes: int | None, world_size: int, max_tokens: i
         raise ValueError(
             f"staging_bytes={staging_bytes} holds {slots} of max_tokens_per_rank={max_tokens} "
             "slots per source: a call would run in rounds, which the normal mode does on one "
-            "node and across nodes through the proxy (transport='nixl'; there without fault "
-            "tolerance so far); pass staging_bytes=None (the whole batch is staged) for NVSHMEM "
-            "across hosts or fault-tolerant Buffers across nodes")
+            "node and across nodes through the proxy (transport='nixl'), not yet over NVSHMEM "
+            "across hosts; pass staging_bytes=None there (the whole batch is staged)")
     return slots
 
 
@@ -168,7 +167,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
     ``staging_bytes`` (default ``workspace.DEFAULT_STAGING_BYTES``) bounds the normal mode's
     staging: where the whole batch does not fit, every call runs in ``rounds`` through rings of
     ``ring_slots`` slots per source (``moe_comm.normal_mode``; one node, or across nodes through
-    the proxy, flat or hierarchical; fault-tolerant Buffers on one node).
+    the proxy, flat or hierarchical; fault-tolerant Buffers too).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, hidden: int, num_experts: int,
@@ -228,7 +227,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         forwarders = via == "nixl" and hierarchical and nodes.count > 1
         ring_slots = staging_ring_slots(
             staging_bytes, world_size, max_tokens_per_rank, hidden, max_topk, dtype,
-            streams=(nodes.count == 1 or (via == "nixl" and not fault_tolerant)) and not rdma,
+            streams=(nodes.count == 1 or via == "nixl") and not rdma,
             outboxes=via == "nixl", ranks_per_node=nodes.ranks_per_node if forwarders else None)
         layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                  num_experts // world_size, max_topk, dtype, low_latency,

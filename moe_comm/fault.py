@@ -33,7 +33,8 @@ epoch before it was excluded (``alive`` at send time: not excluded when the send
 A token whose experts are all on excluded ranks comes back as zeros: add the residual (or the
 shared expert) as usual, it is the only part left. Weights are not renormalised by default.
 
-**In rounds** (bounded staging on one node, ``moe_comm.normal_mode``) each round's wait
+**In rounds** (bounded staging, ``moe_comm.normal_mode``; one node, or flat across nodes
+through the proxy) each round's wait
 excludes on its own, so ``live_i[s]``: rank ``s`` published round ``i``'s epoch. A dispatch
 places every row by round 0's layout (the call's per-expert counts of the sources of
 ``live_0``); a later round takes the rows of the sources in ``live_i`` and ``live_0``, so the
@@ -46,8 +47,7 @@ j``, stay as padding rows are (zero, ``src_rank`` / ``src_token`` -1, weight 0) 
     combine:   out[t] = sum(w[t, k] * y(t, k) for k if live_{t // W}[rank_of(topk_idx[t, k])])
 
 A rank's own exclusion still ends its calls: each round's wait checks it, as a call's wait
-does. Across nodes fault-tolerant Buffers stage the whole batch (a smaller ``staging_bytes``
-is refused) so far.
+does.
 
 **Stale writes** (a rank that was only slow). Fence: every send of a fault-tolerant Buffer
 first checks this rank's own mask word (CPU ranks: the host, before the launch; GPUs: the

@@ -50,7 +50,7 @@ every row's place; every round publishes the same per-expert counts) and records
 offsets (``recv_slot_offsets``: round ``i``'s ``[R + 1]`` at ``i * S``, ``S`` = ``R + 1`` rounded up
 to even); the combine sends back each round's slots to the ring positions they had, and the home
 rank sums the tokens of window ``i`` in round ``i``, each in rank order: the same bits as one round.
-Fault tolerance (one node): each round's wait excludes a silent source on its own and nothing waits
+Fault tolerance: each round's wait excludes a silent source on its own and nothing waits
 for an excluded one, so a rank that stops between rounds holds up no one; a later round of a
 dispatch takes only sources that arrived in round 0 as well (rows are placed by round 0's layout),
 and its outputs start as padding rows (``moe_comm.fault``, "In rounds").

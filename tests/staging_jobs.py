@@ -72,8 +72,8 @@ def _die_in_round(buf, phase: str) -> None:
 
 
 def rounds_with_failures(rank, world_size, case: Case, kills: dict, calls: int, slots: int,
-                         timeout_s: float, renormalize: bool = False,
-                         in_kernels: bool = False) -> dict:
+                         timeout_s: float, renormalize: bool = False, in_kernels: bool = False,
+                         **nodes) -> dict:
     """Fault tolerance in rounds: ``calls`` dispatch + combine calls of a Buffer whose staging
     holds ``slots`` slots per source; ``kills`` maps a rank to ``(call, point)``, point
     "dispatch_round" (it dies after round 0 of its dispatch send) or "combine_round" (after
@@ -82,10 +82,12 @@ def rounds_with_failures(rank, world_size, case: Case, kills: dict, calls: int, 
     padding rows (zero, src_rank / src_token -1; still counted in tokens_per_expert); an expert
     rank that stops after round 0 of the combine contributes to the tokens of window 0 only.
     Before the call of a death the survivors fill that rank's staging slice of the parity of
-    round 1 (dispatch or combine, where it stops) with garbage: a round that reads it shows."""
+    round 1 (dispatch or combine, where it stops) with garbage: a round that reads it shows.
+    ``nodes``: across nodes through the proxy (``ranks_per_node``, ``transport="nixl"``)."""
     with kernel_waits(in_kernels):
         buf = new_buffer(case, fault_tolerant=True, timeout_s=timeout_s, max_topk=case.topk,
-                         staging_bytes=slots_budget(case, slots))
+                         staging_bytes=slots_budget(case, slots, outboxes=bool(nodes)),
+                         **nodes)
     W = buf.ring_slots
     for it in range(calls):
         stops = {r: p for r, (k, p) in kills.items() if k == it}

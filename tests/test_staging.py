@@ -4,7 +4,7 @@ import pytest
 import torch
 from internode_jobs import nodes_case
 from staging_jobs import rounds_with_failures, slots_budget, streamed_case
-from test_fault import TIMEOUT_S, fresh_pool
+from test_fault import TIMEOUT_NODES_S, TIMEOUT_S, fresh_pool
 from test_loopback import check_case
 
 import moe_comm
@@ -327,19 +327,12 @@ def test_staging_errors_before_anything_is_allocated(ranks):
     budget = slots_budget(Case(2, 4, 64, 2, (8, 8)), 2)
     errors = ranks(2).run(construct, {0: dict(staging_bytes=budget), 1: dict()})
     assert all(e is not None and "staging_bytes" in e and "rank 1" in e for e in errors), errors
-
-
-def test_fault_tolerant_rounds_across_nodes_are_refused(ranks):
-    """Not yet: refused on every rank before anything is allocated, while the default budget
-    stages the whole batch there."""
-    pytest.importorskip("nixl_cu13")
-    budget = slots_budget(Case(2, 4, 64, 2, (8, 8)), 2)  # one slot with the outboxes
-    across = dict(max_topk=2, ranks_per_node=1, transport="nixl", hierarchical=False,
-                  fault_tolerant=True)
-    errors = ranks(2).run(construct, {"all": dict(across, staging_bytes=budget)})
-    assert all(e is not None and "fault-tolerant Buffers across nodes" in e for e in errors), \
-        errors
-    assert ranks(2).run(construct, {"all": across}) == [None, None]
+    # a flavour that does not run in rounds (NVSHMEM across hosts, which CPU ranks cannot
+    # build): the default stages the whole batch, a smaller budget is refused
+    from moe_comm.buffer import staging_ring_slots
+    assert staging_ring_slots(None, 2, 8, 64, 2, torch.bfloat16, streams=False) is None
+    with pytest.raises(ValueError, match="not yet over NVSHMEM across hosts"):
+        staging_ring_slots(budget, 2, 8, 64, 2, torch.bfloat16, streams=False)
 
 
 def test_hierarchical_nodes_in_rounds_match_reference(ranks):
@@ -425,3 +418,21 @@ def test_kills_between_rounds_leave_the_survivors_exact(in_kernels):
     # died itself); in-kernel waits write the mask alone, checked above
     excluded = set().union(*(res["excluded"] for res in survivors))
     assert excluded <= {1, 2} and (in_kernels or excluded), excluded
+
+
+def test_kills_between_rounds_across_nodes():
+    """Two nodes of two ranks, flat through the proxy, 2 slots per source: rank 1 (first node)
+    dies after round 0 of its dispatch in call 1, rank 2 (second node) after round 0 of its
+    combine in call 2; its node peer excludes it at once, the other node after the timeout.
+    Every survivor's call equals the reference over the survivors."""
+    pytest.importorskip("nixl_cu13")
+    R = 4
+    case = Case(R, 2 * R, 64, 2, (6, 7, 0, 5), seed=29)
+    kills = {1: (1, "dispatch_round"), 2: (2, "combine_round")}
+    with fresh_pool(R) as pool:
+        results = pool.run(rounds_with_failures, case, kills, 4, 2, TIMEOUT_NODES_S,
+                           may_die=tuple(kills), ranks_per_node=2, transport="nixl",
+                           hierarchical=False)
+    survivors = [res for r, res in enumerate(results) if r not in kills]
+    assert all(res["rounds"] == 4 for res in survivors), survivors
+    assert all(res["active"] == [True, False, False, True] for res in survivors), survivors

@@ -120,6 +120,8 @@ class FaultTolerance:
         self._mask_words = self._mask.numpy() if self.heap.device.type == "cpu" else None
         self._clean_serial = 0
         self._combine_live = None  # the last normal combine's arrived sources (None: all)
+        # calls in rounds: each round waits apart and knows its sources (moe_comm.normal_mode)
+        self._ft_rounds = self.fault_tolerant and self.layout.rounds > 1
         self._peer_pids: dict[int, int] = {}  # peers on this node: rank -> process id
         self._pids_checked = 0.0
         self.exclusions: list[tuple[int, str, float]] = []  # (rank, channel, seconds waited)

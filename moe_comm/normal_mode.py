@@ -405,8 +405,7 @@ class NormalMode:
         and ``within`` ([R] int32, round 0's ``live``; None: every source) leaves out the
         sources that did not arrive in round 0 (a later round places rows by round 0's
         layout)."""
-        rounds_ft = self.fault_tolerant and self.layout.rounds > 1
-        fused = self._wait(pending, fusable=not rounds_ft)
+        fused = self._wait(pending, fusable=not self._ft_rounds)
         if within is not None:
             pending.live = within if pending.live is None else pending.live * within
         self.launches["received_layout"] += 1
@@ -457,8 +456,7 @@ class NormalMode:
         nvfp4 = fp8 and pending.ue8m0 == NVFP4
         # fault tolerance in rounds: the rows of a source that stops after round 0 stay as
         # padding rows are (zero, src_rank / src_token -1); otherwise the expand writes them all
-        stops = self.fault_tolerant and self.layout.rounds > 1
-        alloc = torch.zeros if stops else torch.empty
+        alloc = torch.zeros if self._ft_rounds else torch.empty
         out = (alloc((rows, self.hidden // 2), device=dev, dtype=torch.uint8) if nvfp4
                else alloc((rows, self.hidden), device=dev,
                           dtype=torch.float8_e4m3fn if fp8 else self.dtype))
@@ -469,10 +467,11 @@ class NormalMode:
                 rows, self.hidden // scale_group(pending.ue8m0), pending.ue8m0,
                 col_major_scales, dev)
         out_weights = alloc(rows if pending.has_weights else 0, dtype=torch.float32, device=dev)
-        src_rank, src_token = ((torch.full((rows,), -1, dtype=torch.int64, device=dev)
-                                for _ in range(2)) if stops else
-                               (torch.empty(rows, dtype=torch.int64, device=dev)
-                                for _ in range(2)))
+        src_rank = torch.empty(rows, dtype=torch.int64, device=dev)
+        src_token = torch.empty(rows, dtype=torch.int64, device=dev)
+        if self._ft_rounds:
+            src_rank.fill_(-1)
+            src_token.fill_(-1)
         slot_rows = torch.empty((self.world_size * self.max_tokens_per_rank, pending.topk),
                                 dtype=torch.int32, device=dev)  # 4 bytes per (slot, choice)
         staging, meta = self._staging(DISPATCH)
@@ -552,8 +551,7 @@ class NormalMode:
                                    *self._round_nodes(fwd_slots, fwd_n, 0), cached=True)
         self._wait(pending)
         # the rows of sources that did not arrive (in some round) stay zero
-        stops = self.fault_tolerant and self.layout.rounds > 1
-        alloc = torch.empty if pending.live is None and not stops else torch.zeros
+        alloc = torch.empty if pending.live is None and not self._ft_rounds else torch.zeros
         live = pending.live
         out = alloc((num_rows, self.hidden), dtype=self.dtype, device=self.device)
         staging, _ = self._staging(DISPATCH)
@@ -654,7 +652,7 @@ class NormalMode:
                 node_rows=self._region("hcomb_rows") if self.hierarchical else None,
                 node_meta=self._region("hcomb_meta") if self.hierarchical else None,
                 node_slot_of=node_slots, live=live, fp8=pending.fp8 != 0, bound=self._bound)
-        self._combine_live = self._rounds_live(lives)
+        self._combine_live = live if rounds == 1 else self._rounds_live(lives)
         return out, pair_out
 
     def _rounds_live(self, lives: list) -> torch.Tensor | None:

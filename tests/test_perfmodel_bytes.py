@@ -167,30 +167,42 @@ def test_counters_equal_kernels_and_transport_across_nodes(ranks, setup):
         assert getattr(p, phase).bytes.sent_nvlink_bytes == max(nvlink), (phase, setup)
 
 
+def _rounds_across_nodes(ranks, hierarchical: bool, seed: int):
+    """2 nodes x 2 ranks through the proxy, staging of 2 slots per source (3 rounds a call),
+    skewed routing: checks every counter of the kernels and the transport against
+    ``moe_comm_counters(rounds=3)``. Returns ``(measured, counters with rounds=3, counters of
+    one round, (predict with rounds=3, predict of one round), L)``."""
+    pytest.importorskip("nixl_cu13")
+    M, N, E, H, K, T = 2, 2, 16, 128, 4, 6
+    R = M * N
+    ids = _routing("skew", R, T, E, K, seed=seed)
+    budget = 2 * staging_slot_bytes(R, H, K, torch.bfloat16, outboxes=True,
+                                    ranks_per_node=N if hierarchical else None)
+    got = ranks(R).run(link_bytes, torch.from_numpy(ids), H, E, N, hierarchical, False, False,
+                       staging_bytes=budget)
+    counters = dict(ep=R, num_experts=E, hidden=H, gpus_per_node=N, hierarchical=hierarchical)
+    want = moe_comm_counters(ids, rounds=3, **counters)
+    _check(got, want, f"{'hierarchical' if hierarchical else 'flat'}, rounds=3")
+    kwargs = dict(ep=R, tokens_per_rank=T, hidden=H, topk=K, num_experts=E, routing=ids,
+                  gpus_per_node=N, dispatch_dtype="bf16", hierarchical=hierarchical)
+    return (got, want, moe_comm_counters(ids, **counters),
+            (predict("h800", rounds=3, **kwargs), predict("h800", **kwargs)), E // R)
+
+
+def _extra_per_peer(rounds: dict, one: dict) -> list[int]:
+    """Per destination, the dispatch bytes the transport moves in rounds beyond one round."""
+    return [a - b for a, b in zip(rounds["dispatch"]["per_peer"]["dispatch"],
+                                  one["dispatch"]["per_peer"]["dispatch"], strict=True)]
+
+
 def test_counters_count_each_rounds_message_across_nodes_flat(ranks):
     """Flat across 2 nodes, 3 rounds a call: the kernels' and the transport's counts equal the
     model's with ``rounds=3`` (each later round's counts travel in every remote peer's message,
     its epoch to every rank); predict reports the busiest rank's bytes per link and charges
     each later round its serial cost and one more network path."""
-    pytest.importorskip("nixl_cu13")
-    M, N, E, H, K, T = 2, 2, 16, 128, 4, 6
-    R = M * N
-    ids = _routing("skew", R, T, E, K, seed=13)
-    budget = 2 * staging_slot_bytes(R, H, K, torch.bfloat16, outboxes=True)
-    got = ranks(R).run(link_bytes, torch.from_numpy(ids), H, E, N, False, False, False,
-                       staging_bytes=budget)
-    counters = dict(ep=R, num_experts=E, hidden=H, gpus_per_node=N, hierarchical=False)
-    want = moe_comm_counters(ids, rounds=3, **counters)
-    _check(got, want, "flat, rounds=3")
-    one = moe_comm_counters(ids, **counters)
-    L = E // R
+    got, want, one, (p3, p1), L = _rounds_across_nodes(ranks, False, seed=13)
     for w, o in zip(want, one, strict=True):
-        extra = [a - b for a, b in zip(w["dispatch"]["per_peer"]["dispatch"],
-                                       o["dispatch"]["per_peer"]["dispatch"], strict=True)]
-        assert sorted(extra) == [0, 0, 2 * 4 * (L + 1), 2 * 4 * (L + 1)], extra
-    kwargs = dict(ep=R, tokens_per_rank=T, hidden=H, topk=K, num_experts=E, routing=ids,
-                  gpus_per_node=N, dispatch_dtype="bf16", hierarchical=False)
-    p3, p1 = predict("h800", rounds=3, **kwargs), predict("h800", **kwargs)
+        assert sorted(_extra_per_peer(w, o)) == [0, 0, 2 * 4 * (L + 1), 2 * 4 * (L + 1)]
     for phase in ("dispatch", "combine"):
         rdma = max(sum(g[phase]["per_peer"][phase]) for g in got)
         nvlink = max(g[phase][f"{phase}_bytes_to_peers"] for g in got)
@@ -205,27 +217,12 @@ def test_counters_count_each_rounds_message_across_nodes_hierarchical(ranks):
     the message to the rail peer of the other node, its epoch to every rank of the node; the
     forwarded rows are the same); predict's RDMA bytes equal the busiest rank's and each later
     round costs time."""
-    pytest.importorskip("nixl_cu13")
-    M, N, E, H, K, T = 2, 2, 16, 128, 4, 6
-    R = M * N
-    ids = _routing("skew", R, T, E, K, seed=17)
-    budget = 2 * staging_slot_bytes(R, H, K, torch.bfloat16, outboxes=True, ranks_per_node=N)
-    got = ranks(R).run(link_bytes, torch.from_numpy(ids), H, E, N, True, False, False,
-                       staging_bytes=budget)
-    counters = dict(ep=R, num_experts=E, hidden=H, gpus_per_node=N, hierarchical=True)
-    want = moe_comm_counters(ids, rounds=3, **counters)
-    _check(got, want, "hierarchical, rounds=3")
-    one = moe_comm_counters(ids, **counters)
-    L = E // R
+    got, want, one, (p3, p1), L = _rounds_across_nodes(ranks, True, seed=17)
+    N = 2
     for w, o in zip(want, one, strict=True):
-        extra = [a - b for a, b in zip(w["dispatch"]["per_peer"]["dispatch"],
-                                       o["dispatch"]["per_peer"]["dispatch"], strict=True)]
-        assert sorted(extra) == [0, 0, 0, 2 * 4 * (N * (L + 1) + 1)], extra
+        assert sorted(_extra_per_peer(w, o)) == [0, 0, 0, 2 * 4 * (N * (L + 1) + 1)]
         assert w["dispatch"]["dispatch_bytes_forwarded"] == o["dispatch"][
             "dispatch_bytes_forwarded"]
-    kwargs = dict(ep=R, tokens_per_rank=T, hidden=H, topk=K, num_experts=E, routing=ids,
-                  gpus_per_node=N, dispatch_dtype="bf16", hierarchical=True)
-    p3, p1 = predict("h800", rounds=3, **kwargs), predict("h800", **kwargs)
     for phase in ("dispatch", "combine"):
         rdma = max(sum(g[phase]["per_peer"][phase]) for g in got)
         assert getattr(p3, phase).bytes.sent_rdma_bytes == rdma, phase

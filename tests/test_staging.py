@@ -192,19 +192,31 @@ def test_flat_nodes_in_rounds_match_reference_and_move_the_whole_batch_bytes(ran
         assert full["launches"]["dispatch_send"] == calls, rank
         assert part["launches"]["dispatch_send"] == part["launches"]["dispatch_outbox"] \
             == part["launches"]["combine_send"] == calls * 6, rank
-        remote = [p // 2 != rank // 2 for p in range(4)]
-        for p, far in enumerate(remote):
-            extra = part["internode"]["dispatch"][p] - full["internode"]["dispatch"][p]
-            assert extra == (later * 4 * (L + 1) if far else 0), (rank, p, extra)
-        assert part["internode"]["combine"] == full["internode"]["combine"], rank
-        a, b = part["stats"], full["stats"]
-        for key in ("dispatch_bytes_to_outbox", "combine_bytes_to_outbox"):
-            assert a[key] == b[key], (rank, key)
-        signals = later * (4 * (L + 1) + 8)  # a round's counts and epoch, to a rank
-        assert a["dispatch_bytes_to_peers"] - b["dispatch_bytes_to_peers"] == signals, rank
-        assert a["dispatch_bytes_to_self"] - b["dispatch_bytes_to_self"] == signals, rank
-        assert a["combine_bytes_to_peers"] - b["combine_bytes_to_peers"] == later * 8, rank
-        assert a["internode_messages"] == 6 * b["internode_messages"], rank
+        # every remote peer's message carries each later round's counts
+        extras = [later * 4 * (L + 1) if p // 2 != rank // 2 else 0 for p in range(4)]
+        _check_round_extras(rank, part, full, later, L, extras,
+                            ("dispatch_bytes_to_outbox", "combine_bytes_to_outbox"))
+
+
+def _check_round_extras(rank, part, full, later: int, L: int, extras: list[int],
+                        same: tuple[str, ...]) -> None:
+    """Across nodes, what the calls in 6 rounds (``later`` later rounds in all) moved beyond
+    the whole batch on ``rank``: ``extras[p]`` more bytes in the dispatch messages to peer
+    ``p``, the same combine bytes across nodes and the same counters ``same``, each later
+    round's counts and epoch to every rank of the node (8 bytes in a combine), and 6 times the
+    messages."""
+    for p, want in enumerate(extras):
+        extra = part["internode"]["dispatch"][p] - full["internode"]["dispatch"][p]
+        assert extra == want, (rank, p, extra)
+    assert part["internode"]["combine"] == full["internode"]["combine"], rank
+    a, b = part["stats"], full["stats"]
+    for key in same:
+        assert a[key] == b[key], (rank, key)
+    signals = later * (4 * (L + 1) + 8)  # a round's counts and epoch, to a rank
+    assert a["dispatch_bytes_to_peers"] - b["dispatch_bytes_to_peers"] == signals, rank
+    assert a["dispatch_bytes_to_self"] - b["dispatch_bytes_to_self"] == signals, rank
+    assert a["combine_bytes_to_peers"] - b["combine_bytes_to_peers"] == later * 8, rank
+    assert a["internode_messages"] == 6 * b["internode_messages"], rank
 
 
 @pytest.mark.parametrize("fmt", [dict(fp8=True, ue8m0=True, combine_dtype="fp8"),
@@ -357,20 +369,11 @@ def test_hierarchical_nodes_in_rounds_match_reference(ranks):
             == part["launches"]["dispatch_outbox"] == calls * 6, rank
         # a node message carries the counts of each rank of the node, then the node's rows
         node_counts = 4 * (N * (L + 1) + 1)
-        for p in range(4):
-            extra = part["internode"]["dispatch"][p] - full["internode"]["dispatch"][p]
-            forwarder = p // N != rank // N and p % N == rank % N
-            assert extra == (later * node_counts if forwarder else 0), (rank, p, extra)
-        assert part["internode"]["combine"] == full["internode"]["combine"], rank
-        a, b = part["stats"], full["stats"]
-        for key in ("dispatch_bytes_to_outbox", "combine_bytes_to_outbox",
-                    "dispatch_bytes_forwarded", "combine_bytes_to_forwarders"):
-            assert a[key] == b[key], (rank, key)
-        signals = later * (4 * (L + 1) + 8)  # a round's counts and epoch, to a rank
-        assert a["dispatch_bytes_to_peers"] - b["dispatch_bytes_to_peers"] == signals, rank
-        assert a["dispatch_bytes_to_self"] - b["dispatch_bytes_to_self"] == signals, rank
-        assert a["combine_bytes_to_peers"] - b["combine_bytes_to_peers"] == later * 8, rank
-        assert a["internode_messages"] == 6 * b["internode_messages"], rank
+        extras = [later * node_counts if p // N != rank // N and p % N == rank % N else 0
+                  for p in range(4)]  # to the rail peer of the other node only
+        _check_round_extras(rank, part, full, later, L, extras,
+                            ("dispatch_bytes_to_outbox", "combine_bytes_to_outbox",
+                             "dispatch_bytes_forwarded", "combine_bytes_to_forwarders"))
 
 
 @pytest.mark.parametrize("fmt", [dict(fp8=True, ue8m0=True, combine_dtype="fp8"),

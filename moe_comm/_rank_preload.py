@@ -1,10 +1,11 @@
 """What the fork server of ``moe_comm.launch.RankPool`` holds before it forks a rank.
 
 Imported once by the server (``multiprocessing``'s ``forkserver`` start method): the workers'
-environment, torch with one thread, Triton in interpreter mode and the kernels, each kernel run
-once on a tiny problem of virtual ranks (the interpreter prepares a kernel's code on its first
-call: seconds per process). Every rank forked afterwards starts with all of it in memory instead
-of paying it again. Nothing here starts a thread, a process group or a shared-memory segment,
+environment, torch with one thread (and ``torch._dynamo``, which the custom ops import on their
+first call), Triton in interpreter mode and the kernels, each kernel run once on a tiny problem
+of virtual ranks (the interpreter prepares a kernel's code on its first call: seconds per
+process). Every rank forked afterwards starts with all of it in memory instead of paying it
+again. Nothing here starts a thread, a process group or a shared-memory segment,
 so forking stays safe.
 """
 import os
@@ -14,6 +15,7 @@ from .launch import WORKER_ENV
 os.environ.update(WORKER_ENV)
 
 import torch  # noqa: E402
+import torch._dynamo  # noqa: E402,F401  (the custom ops' first call imports it: seconds a rank)
 import torch.distributed  # noqa: E402,F401  (the workers' process groups)
 
 torch.set_num_threads(1)

@@ -178,7 +178,8 @@ def test_flat_nodes_in_rounds_match_reference_and_move_the_whole_batch_bytes(ran
     dispatch, its counts) to every rank of the node."""
     pytest.importorskip("nixl_cu13")
     case = Case(4, 16, 128, 4, (9, 0, 5, 12), torch.bfloat16, "zipf", 16, seed=211)
-    L, calls, later = case.num_experts // 4, 2, 2 * 5
+    L, calls, rounds = case.num_experts // 4, 2, 6
+    later = calls * (rounds - 1)
     # two slots: for 4 sources and both parities, staging and outboxes, a dispatch row and its
     # metadata (1 + 3K words), a combine row and its K values
     budget = 2 * 2 * 2 * 4 * (2 * 128 * 2 + 4 * (1 + 3 * 4) + 4 * 4)
@@ -191,20 +192,21 @@ def test_flat_nodes_in_rounds_match_reference_and_move_the_whole_batch_bytes(ran
         assert full["ring_slots"] == case.max_tokens, rank
         assert full["launches"]["dispatch_send"] == calls, rank
         assert part["launches"]["dispatch_send"] == part["launches"]["dispatch_outbox"] \
-            == part["launches"]["combine_send"] == calls * 6, rank
+            == part["launches"]["combine_send"] == calls * rounds, rank
         # every remote peer's message carries each later round's counts
         extras = [later * 4 * (L + 1) if p // 2 != rank // 2 else 0 for p in range(4)]
-        _check_round_extras(rank, part, full, later, L, extras,
+        _check_round_extras(rank, part, full, calls, rounds, L, extras,
                             ("dispatch_bytes_to_outbox", "combine_bytes_to_outbox"))
 
 
-def _check_round_extras(rank, part, full, later: int, L: int, extras: list[int],
+def _check_round_extras(rank, part, full, calls: int, rounds: int, L: int, extras: list[int],
                         same: tuple[str, ...]) -> None:
-    """Across nodes, what the calls in 6 rounds (``later`` later rounds in all) moved beyond
-    the whole batch on ``rank``: ``extras[p]`` more bytes in the dispatch messages to peer
-    ``p``, the same combine bytes across nodes and the same counters ``same``, each later
-    round's counts and epoch to every rank of the node (8 bytes in a combine), and 6 times the
+    """Across nodes, what ``calls`` calls of ``rounds`` rounds each moved beyond the whole
+    batch on ``rank``: ``extras[p]`` more bytes in the dispatch messages to peer ``p``, the same
+    combine bytes across nodes and the same counters ``same``, each later round's counts and
+    epoch to every rank of the node (8 bytes in a combine), and ``rounds`` times the
     messages."""
+    later = calls * (rounds - 1)
     for p, want in enumerate(extras):
         extra = part["internode"]["dispatch"][p] - full["internode"]["dispatch"][p]
         assert extra == want, (rank, p, extra)
@@ -216,7 +218,7 @@ def _check_round_extras(rank, part, full, later: int, L: int, extras: list[int],
     assert a["dispatch_bytes_to_peers"] - b["dispatch_bytes_to_peers"] == signals, rank
     assert a["dispatch_bytes_to_self"] - b["dispatch_bytes_to_self"] == signals, rank
     assert a["combine_bytes_to_peers"] - b["combine_bytes_to_peers"] == later * 8, rank
-    assert a["internode_messages"] == 6 * b["internode_messages"], rank
+    assert a["internode_messages"] == rounds * b["internode_messages"], rank
 
 
 @pytest.mark.parametrize("fmt", [dict(fp8=True, ue8m0=True, combine_dtype="fp8"),
@@ -356,7 +358,8 @@ def test_hierarchical_nodes_in_rounds_match_reference(ranks):
     the node."""
     pytest.importorskip("nixl_cu13")
     case = Case(4, 16, 128, 4, (9, 0, 5, 12), torch.bfloat16, "zipf", 16, seed=214)
-    L, N, calls, later = case.num_experts // 4, 2, 2, 2 * 5
+    L, N, calls, rounds = case.num_experts // 4, 2, 2, 6
+    later = calls * (rounds - 1)
     budget = slots_budget(case, 2, outboxes=True, ranks_per_node=N)
     runs = {slots: ranks(4).run(nodes_case, case, N, True, iterations=calls, straggle_s=0.02,
                                 max_topk=case.topk,
@@ -366,12 +369,12 @@ def test_hierarchical_nodes_in_rounds_match_reference(ranks):
         assert part["ring_slots"] == 2 and full["ring_slots"] == case.max_tokens, rank
         assert full["launches"]["dispatch_forward"] == calls, rank
         assert part["launches"]["dispatch_forward"] == part["launches"]["combine_forward"] \
-            == part["launches"]["dispatch_outbox"] == calls * 6, rank
+            == part["launches"]["dispatch_outbox"] == calls * rounds, rank
         # a node message carries the counts of each rank of the node, then the node's rows
         node_counts = 4 * (N * (L + 1) + 1)
         extras = [later * node_counts if p // N != rank // N and p % N == rank % N else 0
                   for p in range(4)]  # to the rail peer of the other node only
-        _check_round_extras(rank, part, full, later, L, extras,
+        _check_round_extras(rank, part, full, calls, rounds, L, extras,
                             ("dispatch_bytes_to_outbox", "combine_bytes_to_outbox",
                              "dispatch_bytes_forwarded", "combine_bytes_to_forwarders"))
 

@@ -104,15 +104,22 @@ def megatron_cpu_shims():
 @contextlib.contextmanager
 def megatron_parallel_state(expert_model_parallel_size: int):
     """Megatron's model-parallel groups over the pool's gloo world (TP = PP = 1), destroyed on
-    exit so the next job can build its own."""
+    exit so the next job can build its own. Megatron's ``destroy_model_parallel`` only forgets
+    its groups; c10d keeps them, and with them each gloo group's threads polling in the pool's
+    worker for the rest of the session, so the groups it made are destroyed here too."""
+    import torch.distributed as dist
     from megatron.core import parallel_state
 
+    groups = dist.distributed_c10d._world.pg_map
+    before = set(groups)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
                                              expert_model_parallel_size=expert_model_parallel_size)
     try:
         yield parallel_state
     finally:
         parallel_state.destroy_model_parallel()
+        for group in [g for g in groups if g not in before]:
+            dist.destroy_process_group(group)
 
 
 def deepspeed_cpu_env():

@@ -18,6 +18,14 @@ semantics are Triton's, equivalent to::
             _patch_lang(self.fn)
         return self.rewrite()(*args, **kwargs)
 
+It also gives the interpreter's dtype lookup (``_get_np_dtype``, called by every load, cast,
+splat and binary operation, which builds a 19-entry dict of Triton dtypes on each call) a
+memo per element type, with the same results::
+
+    def np_dtype(tt):                            # _get_np_dtype
+        elem = tt.element_ty if isinstance(tt, tl.block_type) else tt
+        return uint64 if isinstance(elem, tl.pointer_type) else NP_TYPES[elem]
+
 It changes nothing on a GPU (compiled kernels never reach the interpreter) and is a no-op on a
 Triton whose interpreter lacks the names it wraps.
 """
@@ -31,7 +39,8 @@ try:
 except ImportError:  # pragma: no cover - a Triton without the interpreter
     _interp = None
 
-_NAMES = ("GridExecutor", "InterpretedFunction", "_patch_lang", "InterpreterError")
+_NAMES = ("GridExecutor", "InterpretedFunction", "_patch_lang", "InterpreterError",
+          "_get_np_dtype")
 _launch = threading.local()  # .langs: the language modules the running launch patched
 _langs_of: dict[int, frozenset] = {}  # id(fn.__globals__) -> its language modules
 
@@ -73,6 +82,24 @@ def _helper_call(self, *args, **kwargs):
         raise _interp.InterpreterError(repr(e)) from e
 
 
+def _memo_np_dtype(lookup):
+    """``lookup`` (Triton's ``_get_np_dtype``) remembered per element dtype."""
+    memo: dict = {}
+    u64 = lookup(tl.pointer_type(tl.int8))
+
+    def np_dtype(tt_dtype):
+        elem = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(elem, tl.pointer_type):
+            return u64
+        found = memo.get(elem)
+        if found is None:
+            found = memo[elem] = lookup(elem)
+        return found
+    np_dtype.__moe_comm__ = True
+    np_dtype.__wrapped__ = lookup
+    return np_dtype
+
+
 def install() -> bool:
     """Applies the patch once per process; returns whether it is in place."""
     if _interp is None or not all(hasattr(_interp, n) for n in _NAMES) \
@@ -82,6 +109,7 @@ def install() -> bool:
     if getattr(function.__call__, "__moe_comm__", False):
         return True
     executor.__call__ = _wrap_launch(executor.__call__)
+    _interp._get_np_dtype = _memo_np_dtype(_interp._get_np_dtype)
     _helper_call.__moe_comm__ = True
     _helper_call.__wrapped__ = function.__call__
     function.__call__ = _helper_call

@@ -90,3 +90,21 @@ def test_a_helper_that_sees_another_language_module_is_patched(monkeypatch):
     finally:
         interpreter._launch.langs = None
     assert interpreter._helper_call(stub) == 7 and patches == ["with_core", "with_core"]
+
+
+def test_the_dtype_memo_gives_the_interpreters_answers():
+    """Every Triton dtype, as a scalar, a block and a pointer, maps to the numpy dtype Triton's
+    own lookup gives; a dtype Triton does not know raises as it does."""
+    memo, real = _interp._get_np_dtype, _interp._get_np_dtype.__wrapped__
+    assert memo.__moe_comm__ and not hasattr(real, "__moe_comm__")
+    scalars = [tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16,
+               tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64, tl.bfloat16, tl.float8e5,
+               tl.float8e5b16, tl.float8e4nv, tl.float8e4b8, tl.float8e4b15]
+    kinds = scalars + [tl.pointer_type(t) for t in scalars]
+    for tt in kinds + [core.block_type(t, [4, 8]) for t in kinds]:
+        for _ in range(2):  # the second answer comes from the memo
+            assert memo(tt) == real(tt), tt
+    assert {memo(t) for t in scalars[-5:]} == {memo(tl.uint8)}  # FP8 as bytes
+    for lookup in (real, memo):
+        with pytest.raises(KeyError):
+            lookup(tl.void)

@@ -1,6 +1,7 @@
 """GPU tests (``pytest -m gpu``, with ``TRITON_INTERPRET=0``): virtual ranks on one GPU against
 the reference, both low-latency kernel implementations, CUDA-graph capture of the low-latency
-pair and of normal mode sized by ``max_recv_rows``, and the host synchronisations of each op.
+pair and of normal mode sized by ``max_recv_rows``, normal mode in rounds (bounded staging), and
+the host synchronisations of each op.
 
 The reference runs on the CPU from CPU copies of the inputs; GPU results are compared there:
 byte for byte where the GPU computes exactly (rows, FP8 codes and scales, counts, source info),
@@ -143,6 +144,48 @@ def test_normal_mode_matches_reference(world_size, fp8):
     assert all(b._bound.bound_calls > 0 for b in bufs), [b._bound.bound_calls for b in bufs]
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_normal_mode_in_rounds_matches_whole_batch_and_reference(fp8):
+    """Bounded staging on the GPU: rings of 16 slots per source (7 rounds a call at 100 tokens),
+    two calls (both parities of every round), the second sized by ``max_recv_rows``; rows byte
+    for byte against the reference, and every output bit for bit against the same inputs
+    through the whole-batch staging (the same kernels sum in the same order)."""
+    from moe_comm.workspace import staging_slot_bytes
+
+    R, slots = 4, 16
+    case = Case(R, 8 * R, 2048, 8, (64, 73, 0, 100), routing="zipf", alignment=16, seed=17)
+    per_slot = staging_slot_bytes(R, case.hidden, case.topk, case.dtype, False, None)
+    runs = {}
+    for budget in (None, slots * per_slot):
+        bufs = moe_comm.Buffer.loopback(R, case.hidden, case.num_experts, case.max_tokens,
+                                        case.dtype, device=DEV, max_topk=case.topk,
+                                        staging_bytes=budget)
+        assert bufs[0].rounds == (1 if budget is None else -(-case.max_tokens // slots))
+        calls = []
+        for it in range(2):
+            max_rows = _worst_case_rows(case) if it == 1 else None
+            what = f"fp8={fp8} rounds={bufs[0].rounds} call {it}"
+            xs, idxs, ws = make_inputs(case, it)
+            got = lockstep.dispatch(bufs, _cuda(xs), _cuda(idxs), _cuda(ws), case.alignment,
+                                    fp8=fp8, max_recv_rows=max_rows)
+            settle(bufs, what)
+            want = reference.dispatch_all(xs, idxs, ws, num_experts=case.num_experts,
+                                          expert_alignment=case.alignment, fp8=fp8)
+            for r, (g, w) in enumerate(zip(got, want)):
+                check_normal_dispatch(g, w, f"{what} rank {r}")
+            ys_ref = _ys_reference(want, case.dtype)
+            ys = [_padded(y, g.x.shape[0]) for y, g in zip(ys_ref, got)]
+            outs = lockstep.combine(bufs, ys, [g.handle for g in got], [g.weights for g in got])
+            settle(bufs, what)
+            _check_combine(outs, ys_ref, want, what)
+            calls.append(([g.x.cpu() for g in got], [o.cpu() for o in outs]))
+        runs[budget is None] = calls
+    for it, (whole, bounded) in enumerate(zip(runs[True], runs[False])):
+        for r in range(R):
+            same_bytes(bounded[0][r], whole[0][r], f"call {it} rank {r} rows, rounds vs whole")
+            same_bytes(bounded[1][r], whole[1][r], f"call {it} rank {r} combine, rounds vs whole")
+
+
 def test_bound_launches_are_tritons_launches_on_the_gpu(monkeypatch):
     """With real compiled kernels and device addresses: every launch of both modes (FP8 and
     bf16, three calls each) takes Triton's path and is checked against its bound launch (the
@@ -170,15 +213,20 @@ def test_bound_launches_are_tritons_launches_on_the_gpu(monkeypatch):
     assert all(len(b._bound) > 0 for b in bufs + ll_bufs)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_normal_mode_with_max_recv_rows_replays_in_a_cuda_graph(fp8):
+@pytest.mark.parametrize("fp8, rounds", [(False, False), (True, False), (True, True)])
+def test_normal_mode_with_max_recv_rows_replays_in_a_cuda_graph(fp8, rounds):
     """Dispatch (sized by ``max_recv_rows``: no host read), the experts and combine captured
     once in a CUDA graph; each replay with new inputs and new routing gives the reference's
-    rows and sums."""
+    rows and sums. ``rounds``: bounded staging of 16 slots per source (4 rounds a call)."""
+    from moe_comm.workspace import staging_slot_bytes
+
     R, E, H, K, T = 4, 32, 2048, 8, 64
     case = Case(R, E, H, K, (T,) * R, routing="zipf", alignment=16, seed=13)
     max_rows = _worst_case_rows(case)
-    bufs = moe_comm.Buffer.loopback(R, H, E, T, case.dtype, device=DEV)
+    budget = 16 * staging_slot_bytes(R, H, K, case.dtype) if rounds else None
+    bufs = moe_comm.Buffer.loopback(R, H, E, T, case.dtype, device=DEV, max_topk=K,
+                                    staging_bytes=budget)
+    assert bufs[0].rounds == (4 if rounds else 1)
     xs, idxs, ws = (_cuda(v) for v in make_inputs(case, 0))  # the graph's input tensors
 
     def step():
@@ -197,7 +245,7 @@ def test_normal_mode_with_max_recv_rows_replays_in_a_cuda_graph(fp8):
         res, ys, outs = step()
     assert [collections.Counter(b.host_syncs) for b in bufs] == syncs, "host read in capture"
     for it in range(1, 4):
-        what = f"fp8={fp8} replay {it}"
+        what = f"fp8={fp8} rounds={rounds} replay {it}"
         new_x, new_idx, new_w = make_inputs(case, it)
         for dst, src in zip(xs + idxs + ws, new_x + new_idx + new_w):
             dst.copy_(src.to(DEV))

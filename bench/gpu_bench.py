@@ -116,10 +116,12 @@ def kernel_times(op, calls: int = 5) -> dict[str, tuple[float, float]]:
 
 def host_ms(op, iters: int) -> float:
     """Median host time of one call, the device left to run behind (Python, checks and
-    launches: the floor of a call's time when the kernels take less)."""
-    torch.cuda.synchronize()
+    launches: the floor of a call's time when the kernels take less). Each call starts on an
+    idle device: calls queued one after another would fill the launch queue (about a thousand
+    launches; a call in rounds launches hundreds) and the host would then wait for the device."""
     times = []
     for _ in range(iters):
+        torch.cuda.synchronize()
         start = time.perf_counter()
         op()
         times.append((time.perf_counter() - start) * 1e3)

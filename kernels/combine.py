@@ -123,15 +123,19 @@ def _partial_destination(peer_ptrs, s, me, N, parity, plan, local_base, rows_off
 
 
 @triton.jit
-def _add_choice(acc, y, rows, w_bits, k, h, hm, H, HAS_WEIGHTS: tl.constexpr):
-    """``acc + w * y[row]`` (channels ``h``) for choice ``k`` of every slot of the tile: its row
-    in ``rows`` and its weight's bits in ``w_bits`` ([BLOCK_T, BLOCK_K], registers)."""
-    row = column(rows, k)
+def _add_choice(acc, y, slots, jm, weights, k, K, h, hm, H, HAS_WEIGHTS: tl.constexpr):
+    """``acc + w * y[row]`` (channels ``h``) for choice ``k`` of every slot of the tile:
+    ``slots`` points at each slot's row of ``slot_rows``. The row and its weight are loaded
+    where they are used (cached after the first channel tile): taking them out of a tile held in
+    registers would convert layouts through shared memory, with a barrier, per choice and
+    channel tile."""
+    km = jm & (jm.to(tl.int32) * 0 + k < K)  # (a tensor: k and K may both be ints)
+    row = tl.load(slots + k, mask=km, other=-1).to(tl.int64)
     rm = row >= 0
     v = tl.load(y + row[:, None] * H + h[None, :], mask=rm[:, None] & hm[None, :],
                 other=0.0).to(acc.dtype)
     if HAS_WEIGHTS:
-        wk = column(w_bits, k).to(tl.float32, bitcast=True)
+        wk = tl.load(weights + row, mask=rm, other=0.0)
         v = v * wk.to(acc.dtype)[:, None]
     return acc + v
 
@@ -204,20 +208,14 @@ def combine_send_kernel(
         via_stores = jm
         if TRANSPORT == 1:  # partials for an NVSHMEM-only home go to the outbox first
             via_stores = jm & (tl.load(peer_ptrs + s + tl.zeros([BLOCK_T], tl.int32)) != 0)
-        m2 = jm[:, None] & (kk < K)[None, :]
-        # each slot's rows (and weights' bits) loaded once per tile, before any row moves
-        rows = tl.load(slot_rows + (first_slot + j64)[:, None] * K + kk[None, :], mask=m2,
-                       other=-1).to(tl.int64)
-        w_bits = rows  # (unused without weights)
-        if HAS_WEIGHTS:
-            w_bits = tl.load(weights + rows, mask=rows >= 0, other=0.0).to(tl.int32,
-                                                                           bitcast=True)
+        slots = slot_rows + (first_slot + j64) * K  # each slot's rows
         for h0 in range(0, H, BLOCK_H):
             h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
             acc = acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64)
             for k0 in range(0, K, IN_FLIGHT):  # IN_FLIGHT choices' gathers in flight at once
                 for i in tl.static_range(IN_FLIGHT):
-                    acc = _add_choice(acc, y, rows, w_bits, k0 + i, h, hm, H, HAS_WEIGHTS)
+                    acc = _add_choice(acc, y, slots, jm, weights, k0 + i, K, h, hm, H,
+                                      HAS_WEIGHTS)
             if FP8:  # (fp8_rows: a runtime flag with HIER)
                 if fp8_rows:
                     store_fp8_partials(acc, dst.to(tl.pointer_type(tl.uint8), bitcast=True)
@@ -231,6 +229,8 @@ def combine_send_kernel(
             else:
                 _store_partials(dst, box, acc, j64, staged, jm, via_stores, h, hm, H, TRANSPORT)
         if HAS_PAIR:
+            m2 = jm[:, None] & (kk < K)[None, :]
+            rows = tl.load(slots[:, None] + kk[None, :], mask=m2, other=-1).to(tl.int64)
             vals = tl.load(pair_values + rows, mask=rows >= 0, other=0.0)
             tl.store(dst_meta + j64[:, None] * KMAX + kk[None, :], vals,
                      mask=m2 & via_stores[:, None])

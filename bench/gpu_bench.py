@@ -222,14 +222,17 @@ def back_to_back(op, calls: int) -> dict:
 
 # ------------------------------------------------------------------------------ normal mode
 def _normal_config(fp8, xs, idxs, ws, E, args, ceiling, rows, failures,
-                   staging_bytes=None) -> int:
+                   staging_bytes=None, num_sms=None) -> int:
     """Checks, times and checks again one normal-mode configuration; returns max_recv_rows.
-    ``staging_bytes``: the Buffers' staging budget (None: the default)."""
+    ``staging_bytes``: the Buffers' staging budget (None: the default); ``num_sms``: the SMs of
+    the persistent send grids (None: the Buffer's default)."""
     R, T, H = len(xs), xs[0].shape[0], xs[0].shape[1]
     K = idxs[0].shape[1]
     name = f"normal EP{R} T={T} {'fp8' if fp8 else 'bf16'}"
     if staging_bytes is not None:
         name += f" staging {staging_bytes / 2**30:.2f} GiB"
+    if num_sms is not None:
+        name += f" num_sms={num_sms}"
     bufs, bound = [], 0
     try:
         log(f"{name}: reference and check")
@@ -240,7 +243,7 @@ def _normal_config(fp8, xs, idxs, ws, E, args, ceiling, rows, failures,
         ref_outs = reference.combine_all(ys_ref, ref_handles, ref_weights)
         slack = normal_combine_slack(ys_ref, ref_handles, ref_weights)
         bufs = moe_comm.Buffer.loopback(R, H, E, T, torch.bfloat16, device="cuda",
-                                        staging_bytes=staging_bytes)
+                                        staging_bytes=staging_bytes, num_sms=num_sms)
         staging = staging_row(bufs[0], name)
         dispatch = partial(lockstep.dispatch, bufs, xs, idxs, ws, fp8=fp8, max_recv_rows=bound)
 
@@ -305,6 +308,10 @@ def normal_rows(args, ceiling, failures):
     R, T, H, E, K = 8, args.tokens, 7168, 256, 8
     xs, idxs, ws = inputs(R, T, H, E, K)
     rows = []
+    if args.sms_sweep:  # bf16 only, one row pair per SM count of the persistent send grids
+        bounds = [_normal_config(False, xs, idxs, ws, E, args, ceiling, rows, failures,
+                                 num_sms=n) for n in args.sms_sweep]
+        return rows, max(bounds)
     bounds = [_normal_config(fp8, xs, idxs, ws, E, args, ceiling, rows, failures)
               for fp8 in (False, True)]
     # the default budget stages the whole batch at EP 8; an eighth of it runs every call in 8
@@ -517,6 +524,9 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default="")
+    parser.add_argument("--sms-sweep", type=int, nargs="+", default=[],
+                        help="only the bf16 normal mode, once per SM count of the persistent "
+                             "send grids (Buffer num_sms), and no low-latency rows")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
@@ -536,7 +546,7 @@ def main() -> int:
         traceback.print_exc()
     torch.cuda.empty_cache()
     try:
-        rows += low_latency_rows(args, ceiling, failures)
+        rows += [] if args.sms_sweep else low_latency_rows(args, ceiling, failures)
     except Exception as error:
         failures.append(f"low-latency mode: {describe(error)}")
         traceback.print_exc()

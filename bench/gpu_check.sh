@@ -114,8 +114,9 @@ if [[ $BITCODE_RC == 0 ]] && ! grep -q "variants recorded" "$OUT/gpu_gate.txt"; 
 fi
 GATE_STATUS=$(grep -h "exit status" "$OUT/gpu_gate.txt" "$OUT/gpu_gate_retry.txt" 2>/dev/null \
   | tail -1)
-# NVSHMEM-flavour rows of the TSV (the variant shows TRANSPORT=1): all / failing
-NVSHMEM_ROWS=$(awk -F'\t' 'NR > 1 && $4 ~ /TRANSPORT=1/ {n++; if ($12 != "ok") f++}
+# NVSHMEM-flavour rows of the TSV (the variant shows TRANSPORT=1): all / failing (the status
+# is the last column)
+NVSHMEM_ROWS=$(awk -F'\t' 'NR > 1 && $4 ~ /TRANSPORT=1/ {n++; if ($NF != "ok") f++}
   END {printf "%d rows, %d failing", n, f}' "$OUT/gpu_gate.tsv" 2>/dev/null)
 echo "gate: ${GATE_STATUS:-no status}; NVSHMEM-flavour variants: ${NVSHMEM_ROWS:-none};" \
   "Triton cache now $(cache_entries) entries"

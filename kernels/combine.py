@@ -124,11 +124,10 @@ def _partial_destination(peer_ptrs, s, me, N, parity, plan, local_base, rows_off
 
 @triton.jit
 def _add_choice(acc, y, slots, jm, weights, k, K, h, hm, H, HAS_WEIGHTS: tl.constexpr):
-    """``acc + w * y[row]`` (channels ``h``) for choice ``k`` of every slot of the tile:
-    ``slots`` points at each slot's row of ``slot_rows``. The row and its weight are loaded
-    where they are used (cached after the first channel tile): taking them out of a tile held in
-    registers would convert layouts through shared memory, with a barrier, per choice and
-    channel tile."""
+    """``acc + w * y[row]`` (channels ``h``) for row ``k < K`` of every slot of the tile:
+    ``slots`` points at each slot's rows. The row and its weight are loaded where they are used
+    (cached after the first channel tile): taking them out of a tile held in registers would
+    convert layouts through shared memory, with a barrier, per row and channel tile."""
     km = jm & (jm.to(tl.int32) * 0 + k < K)  # (a tensor: k and K may both be ints)
     row = tl.load(slots + k, mask=km, other=-1).to(tl.int64)
     rm = row >= 0
@@ -147,6 +146,8 @@ def combine_send_kernel(
     pair_values,  # [rows] float32 (HAS_PAIR): one value per row, sent back per (token, choice)
     slot_rows,  # [S, K] int32: rows of each received slot, -1 where unused
     slot_offsets,  # [R + 1] int64: first row of each source in slot_rows (its slots: the diff)
+    compact,  # [programs * BLOCK_T * BLOCK_K] int32 scratch: each program's tile of slots' rows,
+              # valid ones first in choice order (see the loop)
     peer_ptrs,  # [R] int64
     stats,  # [4] int64 local: bytes stored (to peers, to itself) at [2], [3]
     xstats,  # [4] int64 local (TRANSPORT 2): bytes for other nodes, outbox [1] or forwarder [3]
@@ -208,13 +209,34 @@ def combine_send_kernel(
         via_stores = jm
         if TRANSPORT == 1:  # partials for an NVSHMEM-only home go to the outbox first
             via_stores = jm & (tl.load(peer_ptrs + s + tl.zeros([BLOCK_T], tl.int32)) != 0)
-        slots = slot_rows + (first_slot + j64) * K  # each slot's rows
+        # Each slot's rows compacted, once per tile: compacted[t, c] = the c-th valid row of
+        # slot t in choice order, -1 past its count. A slot holds the choices of one token
+        # that picked this rank's experts (about 1.5 of top-8 at EP 8), so gathering choice k
+        # of every slot would leave most lanes masked; the c-th rows fill them. The sum keeps
+        # the choice order (a masked choice added +0.0, which changes no sum). The tile goes
+        # through the program's scratch so that the channel loop loads each column where it
+        # is used (a column of a register tile is a layout conversion with a barrier).
+        cc = tl.arange(0, BLOCK_K)
+        rows = tl.load(slot_rows + (first_slot + j64)[:, None] * K + kk[None, :],
+                       mask=jm[:, None] & (kk < K)[None, :], other=-1)
+        valid = (rows >= 0).to(tl.int32)
+        count = tl.sum(valid, axis=1)
+        place = tl.cumsum(valid, axis=1) - 1
+        picked = (valid[:, None, :] != 0) & (place[:, None, :] == cc[None, :, None])
+        compacted = tl.sum(tl.where(picked, rows[:, None, :], 0), axis=2)
+        compacted = tl.where(cc[None, :] < count[:, None], compacted, -1)
+        mine = compact + tl.program_id(0).to(tl.int64) * (BLOCK_T * BLOCK_K)
+        tl.debug_barrier()  # every thread's loads of the previous tile are done
+        tl.store(mine + tl.arange(0, BLOCK_T)[:, None] * BLOCK_K + cc[None, :], compacted)
+        tl.debug_barrier()  # the tile is visible to every thread of the program
+        slots = mine + tl.arange(0, BLOCK_T) * BLOCK_K
+        kmax = tl.max(count, axis=0)  # the most rows of any slot of the tile
         for h0 in range(0, H, BLOCK_H):
             h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
             acc = acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64)
-            for k0 in range(0, K, IN_FLIGHT):  # IN_FLIGHT choices' gathers in flight at once
+            for c0 in range(0, kmax, IN_FLIGHT):  # IN_FLIGHT rows' gathers in flight at once
                 for i in tl.static_range(IN_FLIGHT):
-                    acc = _add_choice(acc, y, slots, jm, weights, k0 + i, K, h, hm, H,
+                    acc = _add_choice(acc, y, slots, jm, weights, c0 + i, kmax, h, hm, H,
                                       HAS_WEIGHTS)
             if FP8:  # (fp8_rows: a runtime flag with HIER)
                 if fp8_rows:
@@ -228,10 +250,9 @@ def combine_send_kernel(
                                     TRANSPORT)
             else:
                 _store_partials(dst, box, acc, j64, staged, jm, via_stores, h, hm, H, TRANSPORT)
-        if HAS_PAIR:
+        if HAS_PAIR:  # per (slot, choice), in choice order
             m2 = jm[:, None] & (kk < K)[None, :]
-            rows = tl.load(slots[:, None] + kk[None, :], mask=m2, other=-1).to(tl.int64)
-            vals = tl.load(pair_values + rows, mask=rows >= 0, other=0.0)
+            vals = tl.load(pair_values + rows.to(tl.int64), mask=rows >= 0, other=0.0)
             tl.store(dst_meta + j64[:, None] * KMAX + kk[None, :], vals,
                      mask=m2 & via_stores[:, None])
             if TRANSPORT == 1:
@@ -430,7 +451,8 @@ def combine_send(y, weights, pair_values, slot_rows, slot_offsets, peer_ptrs, st
                  epochs, *, offsets: dict, rank: int, topk: int, max_topk: int, max_tokens: int,
                  num_sms: int | None = None, flavour: Flavour = CPU_RANKS,
                  box_offsets: tuple = ((0, 0),) * 2, xstats=None, plan=None,
-                 fp8: bool = False, bound: BoundLaunches | None = None) -> bool:
+                 fp8: bool = False, bound: BoundLaunches | None = None,
+                 scratch: dict | None = None) -> bool:
     """Launches the persistent send programs of :func:`send_grid` (every rank is signalled):
     they deal the tiles of every source's slots (``slot_offsets`` [R + 1] int64, the diff being
     each source's slots) round-robin among themselves.
@@ -442,27 +464,30 @@ def combine_send(y, weights, pair_values, slot_rows, slot_offsets, peer_ptrs, st
     ``xstats`` and ``plan`` (``kernels.internode``) say where partials for other nodes go.
     ``fp8``: the partials travel quantized (module docstring; not fp64); hierarchical: those
     for other nodes go to the forwarders unquantized, which send FP8 sums. ``bound``: the
-    owner's bound launches (``kernels.bound``; ``y`` and the dispatch's tensors vary)."""
+    owner's bound launches (``kernels.bound``; ``y`` and the dispatch's tensors vary);
+    ``scratch``: the owner's scratch tensors (:func:`_scratch`), else one per call."""
     H = y.shape[1]
     dummy = slot_offsets
+    R = peer_ptrs.numel()
+    tile = tiles("combine_send", flavour.compiled, H, max(4, y.element_size()))
+    grid = (send_grid(R, max_tokens, H, num_sms, flavour, y.element_size()),)
+    block_k = triton.next_power_of_2(max(topk, 1))
+    compact = _scratch(scratch, y.device, grid[0] * tile.block_t * block_k)
     values = (y, weights if weights is not None else dummy,
               pair_values if pair_values is not None else dummy, slot_rows, slot_offsets,
-              dummy if xstats is None else xstats, dummy if plan is None else plan)
+              compact, dummy if xstats is None else xstats, dummy if plan is None else plan)
     key = ("combine_send", H, topk, specs(values), weights is None,
            pair_values is None, xstats is None, plan is None, id(peer_ptrs), id(stats),
            id(tickets), id(epochs), id(offsets), rank, max_topk, max_tokens, num_sms,
            id(flavour), box_offsets, fp8)
     if call_bound(bound, key, values):
         return True
-    R = peer_ptrs.numel()
-    tile = tiles("combine_send", flavour.compiled, H, max(4, y.element_size()))
-    grid = (send_grid(R, max_tokens, H, num_sms, flavour, y.element_size()),)
     args = (
-        *values[:5], peer_ptrs, stats, values[5], tickets, epochs,
+        *values[:6], peer_ptrs, stats, values[6], tickets, epochs,
         offsets["rows"][0], offsets["meta"][0],
         offsets["signal"], offsets["rows"][1], offsets["meta"][1],
         *(off for off, _ in box_offsets), *(stride for _, stride in box_offsets),
-        flavour.local_base, flavour.errors_addr, values[6],
+        flavour.local_base, flavour.errors_addr, values[7],
         flavour.ring_addr, flavour.timeout_ns, H, topk, R, rank, max_tokens,
         flavour.ranks_per_node or R, flavour.ring_slots)
     kwargs = dict(
@@ -471,13 +496,25 @@ def combine_send(y, weights, pair_values, slot_rows, slot_offsets, peer_ptrs, st
         ACC_FP64=y.dtype == torch.float64, FP8=fp8, TRANSPORT=flavour.transport,
         HIER=flavour.hierarchical,
         ALIGN=flavour.row_align, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
-        BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),
+        BLOCK_H=tile.block_h, BLOCK_K=block_k,
         BLOCK_R=triton.next_power_of_2(R), NUM_THREADS=tile.num_threads,
         IN_FLIGHT=gathers_in_flight(topk, y.element_size(), flavour.compiled),
         **flavour.launch_options(tile))
     launch(bound, key, combine_send_kernel, grid, args, kwargs,
-           ("y", "weights", "pair_values", "slot_rows", "slot_offsets", "xstats", "plan"))
+           ("y", "weights", "pair_values", "slot_rows", "slot_offsets", "compact", "xstats",
+            "plan"))
     return True
+
+
+def _scratch(pool: dict | None, device, numel: int) -> torch.Tensor:
+    """An int32 scratch of ``numel`` words on ``device``: the owner's (``pool``, kept across
+    calls: its kernels run in stream order, so one scratch serves them all), or a new one."""
+    if pool is None:
+        return torch.empty(numel, dtype=torch.int32, device=device)
+    key = (str(device), numel)
+    if key not in pool:
+        pool[key] = torch.empty(numel, dtype=torch.int32, device=device)
+    return pool[key]
 
 
 def gathers_in_flight(topk: int, elem_bytes: int, compiled: bool) -> int:

@@ -299,6 +299,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         self.heap, self.layout, self.proxy = heap, layout, proxy
         self._regions: dict[str, torch.Tensor] = {}  # views of the workspace (``_region``)
         self._offsets: dict = {}  # per-channel launch offsets and word views, made once
+        self._scratch: dict = {}  # kernels' scratch tensors, made once (kernels.combine)
         self._bound = BoundLaunches()  # launches with their fixed arguments bound once
         self.rank, self.world_size = heap.rank, heap.world_size
         self.hidden, self.dtype = layout.hidden, layout.dtype

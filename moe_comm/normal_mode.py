@@ -605,7 +605,7 @@ class NormalMode:
             self.heap.peer_ptrs, self._stats, *words, offsets=offsets, rank=self.rank,
             topk=slot_rows.shape[1], max_topk=self.max_topk, max_tokens=self.layout.ring_slots,
             num_sms=self.num_sms, flavour=self.flavour, box_offsets=boxes, xstats=self._xstats,
-            plan=self._plan, fp8=fp8, bound=self._bound)
+            plan=self._plan, fp8=fp8, bound=self._bound, scratch=self._scratch)
         if self.hierarchical:
             self._forward_combine(self._epochs[COMBINE], *self._round_nodes(fwd_slots, fwd_n, i),
                                   slot_rows.shape[1], pair_values is not None, fp8)

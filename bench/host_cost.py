@@ -63,6 +63,9 @@ from moe_comm.kernels import bound as bound_launches  # noqa: E402
 from moe_comm.kernels.recording import compiled_stand_ins  # noqa: E402
 
 CONFIG = gate.GateConfig("dsv3-decode", 8, 256, 7168, 8, 128, nvshmem=False)
+# bounded staging at the same sizes: every normal-mode call in 4 rounds of 32 slots per source
+ROUNDS_CONFIG = gate.GateConfig("dsv3-decode-rounds", 8, 256, 7168, 8, 128, nvshmem=False,
+                                ring_slots=32)
 DTYPE = torch.bfloat16
 _OURS = tuple(os.path.dirname(m.__file__) + os.sep for m in (moe_comm, moe_comm.kernels))
 _DRIVER = os.path.join(os.path.dirname(moe_comm.kernels.__file__), "recording.py")  # the GPU's
@@ -234,13 +237,17 @@ def _median_us(op, calls: int) -> float:
 
 def measure(calls: int = 200) -> dict:
     """``{op: {launches, triton, torch, bound, aten, allocs, python, host_us, triton_path_us,
-    triton_kernels, torch_ops}}`` per rank."""
+    triton_kernels, torch_ops}}`` per rank; ``dispatch_rounds`` and ``combine_rounds``: the
+    normal mode with a bounded staging (``ROUNDS_CONFIG``: ``rounds`` calls' worth of launches
+    in one)."""
     R = CONFIG.world_size
     out = {}
     with compiled_stand_ins() as launched:
-        for mode in ("normal", "low_latency"):
-            bufs = gate._buffers(CONFIG, DTYPE, mode == "low_latency", 0, 90)
+        for mode, cfg, suffix in (("normal", CONFIG, ""), ("normal", ROUNDS_CONFIG, "_rounds"),
+                                  ("low_latency", CONFIG, "")):
+            bufs = gate._buffers(cfg, DTYPE, mode == "low_latency", 0, 90)
             for name, op in _ops(bufs)[mode].items():
+                name += suffix
                 op()  # warm: first calls fill the Buffer's caches and bind its launches
                 before, bound_before = len(launched), _bound_calls(bufs)
                 with AtenCounter() as counter:

@@ -468,26 +468,27 @@ def combine_send(y, weights, pair_values, slot_rows, slot_offsets, peer_ptrs, st
     ``scratch``: the owner's scratch tensors (:func:`_scratch`), else one per call."""
     H = y.shape[1]
     dummy = slot_offsets
+    values = (y, weights if weights is not None else dummy,
+              pair_values if pair_values is not None else dummy, slot_rows, slot_offsets,
+              dummy if xstats is None else xstats, dummy if plan is None else plan)
+    key = ("combine_send", H, topk, specs(values), weights is None,
+           pair_values is None, xstats is None, plan is None, id(peer_ptrs), id(stats),
+           id(tickets), id(epochs), id(offsets), rank, max_topk, max_tokens, num_sms,
+           id(flavour), box_offsets, fp8, id(scratch))
+    if call_bound(bound, key, values):
+        return True
     R = peer_ptrs.numel()
     tile = tiles("combine_send", flavour.compiled, H, max(4, y.element_size()))
     grid = (send_grid(R, max_tokens, H, num_sms, flavour, y.element_size()),)
     block_k = triton.next_power_of_2(max(topk, 1))
+    # fixed across calls (the bound launch keeps it): the owner's, or this call's
     compact = _scratch(scratch, y.device, grid[0] * tile.block_t * block_k)
-    values = (y, weights if weights is not None else dummy,
-              pair_values if pair_values is not None else dummy, slot_rows, slot_offsets,
-              compact, dummy if xstats is None else xstats, dummy if plan is None else plan)
-    key = ("combine_send", H, topk, specs(values), weights is None,
-           pair_values is None, xstats is None, plan is None, id(peer_ptrs), id(stats),
-           id(tickets), id(epochs), id(offsets), rank, max_topk, max_tokens, num_sms,
-           id(flavour), box_offsets, fp8)
-    if call_bound(bound, key, values):
-        return True
     args = (
-        *values[:6], peer_ptrs, stats, values[6], tickets, epochs,
+        *values[:5], compact, peer_ptrs, stats, values[5], tickets, epochs,
         offsets["rows"][0], offsets["meta"][0],
         offsets["signal"], offsets["rows"][1], offsets["meta"][1],
         *(off for off, _ in box_offsets), *(stride for _, stride in box_offsets),
-        flavour.local_base, flavour.errors_addr, values[7],
+        flavour.local_base, flavour.errors_addr, values[6],
         flavour.ring_addr, flavour.timeout_ns, H, topk, R, rank, max_tokens,
         flavour.ranks_per_node or R, flavour.ring_slots)
     kwargs = dict(
@@ -501,8 +502,7 @@ def combine_send(y, weights, pair_values, slot_rows, slot_offsets, peer_ptrs, st
         IN_FLIGHT=gathers_in_flight(topk, y.element_size(), flavour.compiled),
         **flavour.launch_options(tile))
     launch(bound, key, combine_send_kernel, grid, args, kwargs,
-           ("y", "weights", "pair_values", "slot_rows", "slot_offsets", "compact", "xstats",
-            "plan"))
+           ("y", "weights", "pair_values", "slot_rows", "slot_offsets", "xstats", "plan"))
     return True
 
 

@@ -171,7 +171,7 @@ class NormalMode:
         self.launches["layout"] += 2
         if x_scales is not None:
             x_scales = x_scales.contiguous()
-        K, later = topk_idx.shape[1], None
+        K, later, positions = topk_idx.shape[1], None, slot_of
         if self.layout.rounds == 1:
             self._send_window(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts, K,
                               fp8, ue8m0)
@@ -183,7 +183,8 @@ class NormalMode:
             later = functools.partial(self._send_round, stream)
             later(0)
             node_slot_of = self._empty_int() if stream.node_ring is None else stream.node_ring
-        return PendingSend(DISPATCH, epoch, slot_of, K, topk_weights is not None, fp8, ue8m0,
+            positions = stream.ring  # the handle's slot_of: the combine reads the rings by it
+        return PendingSend(DISPATCH, epoch, positions, K, topk_weights is not None, fp8, ue8m0,
                            node_slot_of, send_round=later)
 
     # ----------------------------------------------------------------- rounds
@@ -220,18 +221,20 @@ class NormalMode:
         return torch.where(hit > 0, rows, -1)[:T].contiguous()
 
     def _stream(self, x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts,
-                topk: int, fp8: int = 0, ue8m0: int = 0) -> Stream:
+                topk: int, fp8: int = 0, ue8m0: int = 0, ring=None, node_ring=None) -> Stream:
         """Several rounds: the :class:`Stream` of a dispatch send (``_send_round`` sends its
-        round i)."""
-        ring, rows = self._ring_positions(slot_of)
-        if counts is not None:  # every round: the call's per-expert counts, its own rows
+        round i). The cached dispatch passes a handle's ring positions as ``ring`` (then
+        ``slot_of`` is unused) and, hierarchical, its node rows as ``node_ring``."""
+        if ring is None:  # every round: the call's per-expert counts, its own rows
+            ring, rows = self._ring_positions(slot_of)
             n, (R, C) = self.layout.rounds, counts.shape
             words = torch.empty((n, -(-R * C // 4) * 4), dtype=torch.int32, device=self.device)
             rounds = words[:, :R * C].view(n, R, C)  # each round's counts 16-byte aligned
             rounds.copy_(counts.expand(n, R, C))
             rounds[:, :, -1] = rows
             counts = rounds
-        node_ring = self._node_ring_positions(ring) if self.hierarchical else None
+        if self.hierarchical and node_ring is None:
+            node_ring = self._node_ring_positions(ring)
         return Stream(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts, node_ring, topk,
                       fp8, ue8m0)
 
@@ -528,8 +531,9 @@ class NormalMode:
             self._send_other_nodes(x, None, None, None, None, slot_of, None,
                                    node_slot_of=node_slot_of)
         else:
-            later = functools.partial(self._send_round,
-                                      self._stream(x, None, None, None, None, slot_of, None, 1))
+            later = functools.partial(self._send_round, self._stream(
+                x, None, None, None, None, None, None, 1, ring=slot_of,
+                node_ring=node_slot_of if self.hierarchical else None))
             later(0)
         return PendingSend(DISPATCH, epoch, send_round=later)
 
@@ -630,7 +634,7 @@ class NormalMode:
                                device=dev)
         staging, meta = self._staging(COMBINE)
         rounds, W = self.layout.rounds, self.layout.ring_slots
-        ring = slot_of if rounds == 1 else self._ring_positions(slot_of)[0]
+        ring = slot_of  # with several rounds the dispatch's ring positions (the handle's)
         for i in range(rounds):
             if i:
                 epoch = self._start(COMBINE)

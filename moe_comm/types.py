@@ -11,7 +11,8 @@ class DispatchHandle:
     """Where every token went and where every received row came from; owned by the caller.
 
     Home side (the rank that sent the tokens):
-      ``slot_of`` [T, R] int32: slot of token t in rank d's staging, -1 if t did not go to d.
+      ``slot_of`` [T, R] int32: slot of token t in rank d's staging, -1 if t did not go to d
+      (with bounded staging, its position in d's ring in its round ``t // ring_slots``).
     Expert side (the rank that received the rows):
       ``slot_rows`` [R * T_max, K] int32: output row of each received (slot, top-k choice), -1
       if the choice is not on this rank (rows past the last slot are unused);

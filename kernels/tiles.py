@@ -76,7 +76,10 @@ _GPU = {
     "routing_layout": (16, 0, 4, 2),
     "checked_topk_idx": (16, 0, 4, 2),
     "quantize": (4, 1024, 8, 2),
-    "dispatch_send": (8, 1024, 16, 1),
+    # 16 tokens a tile: the persistent send waits for its tile's loads once per channel tile,
+    # so the tile is what is in flight (32 KB of bf16 rows; at 8 tokens it moved 26% of the copy
+    # ceiling at 20 SMs on an H200, docs/PERF.md)
+    "dispatch_send": (16, 1024, 16, 1),
     "dispatch_expand": (8, 1024, 8, 2),
     # persistent: 64 slots a tile (at most 32 trips of a program over the slots of uniform
     # routing at DeepSeek-V3 prefill sizes with 20 programs), several choices' gathers in

@@ -114,6 +114,31 @@ def test_home_rank_sums_partials_in_rank_order():
         assert torch.equal(out, torch.ones(3, H)), out[:, 0]
 
 
+def test_combine_sums_a_ranks_choices_in_choice_order():
+    """A token's choices on one rank are summed in order k = 0, 1, ... before the partial goes
+    home (the combine send gathers them compacted per slot: a choice order scrambled there
+    shows here). Each token picks all 4 experts of its one rank in a shuffled order; the row of
+    choice k holds ``_order_values(4)[k]``: choice order gives exactly 1.0."""
+    R, E, H, T = 2, 8, 64, 3
+    bufs = moe_comm.Buffer.loopback(R, H, E, T, torch.float32, max_topk=4)
+    xs = [torch.randn(T, H) for _ in range(R)]
+    # token t of rank r picks the experts of rank (r + t) % 2, in an order that is not sorted
+    idxs = [torch.stack([torch.tensor([2, 0, 3, 1]) + 4 * ((r + t) % R) for t in range(T)])
+            for r in range(R)]
+    got = lockstep.dispatch(bufs, xs, idxs)
+    ys = []
+    for r, g in enumerate(got):
+        y = torch.zeros_like(g.x)
+        for row in range(g.x.shape[0]):
+            e = int(torch.searchsorted(g.expert_offsets[1:], torch.tensor(row), right=True))
+            src, t = int(g.src_rank[row]), int(g.src_token[row])
+            k = int((idxs[src][t] == r * (E // R) + e).nonzero())
+            y[row] = _order_values(4)[k]
+        ys.append(y)
+    for out in lockstep.combine(bufs, ys, [g.handle for g in got]):
+        assert torch.equal(out, torch.ones(T, H)), out[:, 0]
+
+
 def test_low_latency_combine_sums_in_choice_order():
     """The same for the choices of a token in the low-latency combine: ``out[t] = sum over k =
     0, 1, ... of w[t, k] * y_row(t, k)``, from choice 0."""

@@ -173,7 +173,7 @@ def combine_send_kernel(
     ALIGN: tl.constexpr, EVEN_H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     NUM_THREADS: tl.constexpr,
-    IN_FLIGHT: tl.constexpr,  # choices gathered at once (divides BLOCK_K: unused ones are -1)
+    IN_FLIGHT: tl.constexpr,  # rows gathered at once (a slot's compacted rows, -1 past its count)
 ):
     epoch = tl.load(epochs) + 1  # device epochs and a fixed grid: no per-call scalar (graphs)
     parity = epoch % 2

@@ -116,6 +116,25 @@ def test_reference_quantizes_alike_on_the_gpu_and_the_cpu():
 
 
 # ------------------------------------------------------------------------------ normal mode
+def _checked_round_trip(bufs, case: Case, it: int, fp8: bool, max_rows: int | None, what: str):
+    """Dispatch and combine call ``it`` of ``case`` on the virtual ranks ``bufs``, each checked
+    against the reference; returns ``(dispatch results, combine outputs)``."""
+    xs, idxs, ws = make_inputs(case, it)
+    got = lockstep.dispatch(bufs, _cuda(xs), _cuda(idxs), _cuda(ws), case.alignment, fp8=fp8,
+                            max_recv_rows=max_rows)
+    settle(bufs, what)
+    want = reference.dispatch_all(xs, idxs, ws, num_experts=case.num_experts,
+                                  expert_alignment=case.alignment, fp8=fp8)
+    for r, (g, w) in enumerate(zip(got, want)):
+        check_normal_dispatch(g, w, f"{what} rank {r}")
+    ys_ref = _ys_reference(want, case.dtype)
+    ys = [_padded(y, g.x.shape[0]) for y, g in zip(ys_ref, got)]
+    outs = lockstep.combine(bufs, ys, [g.handle for g in got], [g.weights for g in got])
+    settle(bufs, what)
+    _check_combine(outs, ys_ref, want, what)
+    return got, outs
+
+
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_normal_mode_matches_reference(world_size, fp8):
@@ -126,20 +145,8 @@ def test_normal_mode_matches_reference(world_size, fp8):
                                     case.dtype, device=DEV)
     for it in range(3):
         max_rows = _worst_case_rows(case) if it == 1 else None
-        what = f"R={world_size} fp8={fp8} call {it} max_recv_rows={max_rows}"
-        xs, idxs, ws = make_inputs(case, it)
-        got = lockstep.dispatch(bufs, _cuda(xs), _cuda(idxs), _cuda(ws), case.alignment,
-                                fp8=fp8, max_recv_rows=max_rows)
-        settle(bufs, what)
-        want = reference.dispatch_all(xs, idxs, ws, num_experts=case.num_experts,
-                                      expert_alignment=case.alignment, fp8=fp8)
-        for r, (g, w) in enumerate(zip(got, want)):
-            check_normal_dispatch(g, w, f"{what} rank {r}")
-        ys_ref = _ys_reference(want, case.dtype)
-        ys = [_padded(y, g.x.shape[0]) for y, g in zip(ys_ref, got)]
-        outs = lockstep.combine(bufs, ys, [g.handle for g in got], [g.weights for g in got])
-        settle(bufs, what)
-        _check_combine(outs, ys_ref, want, what)
+        _checked_round_trip(bufs, case, it, fp8, max_rows,
+                            f"R={world_size} fp8={fp8} call {it} max_recv_rows={max_rows}")
     # the later calls' launches went through bound launches (kernels/bound.py), and matched
     assert all(b._bound.bound_calls > 0 for b in bufs), [b._bound.bound_calls for b in bufs]
 
@@ -164,20 +171,8 @@ def test_normal_mode_in_rounds_matches_whole_batch_and_reference(fp8):
         calls = []
         for it in range(2):
             max_rows = _worst_case_rows(case) if it == 1 else None
-            what = f"fp8={fp8} rounds={bufs[0].rounds} call {it}"
-            xs, idxs, ws = make_inputs(case, it)
-            got = lockstep.dispatch(bufs, _cuda(xs), _cuda(idxs), _cuda(ws), case.alignment,
-                                    fp8=fp8, max_recv_rows=max_rows)
-            settle(bufs, what)
-            want = reference.dispatch_all(xs, idxs, ws, num_experts=case.num_experts,
-                                          expert_alignment=case.alignment, fp8=fp8)
-            for r, (g, w) in enumerate(zip(got, want)):
-                check_normal_dispatch(g, w, f"{what} rank {r}")
-            ys_ref = _ys_reference(want, case.dtype)
-            ys = [_padded(y, g.x.shape[0]) for y, g in zip(ys_ref, got)]
-            outs = lockstep.combine(bufs, ys, [g.handle for g in got], [g.weights for g in got])
-            settle(bufs, what)
-            _check_combine(outs, ys_ref, want, what)
+            got, outs = _checked_round_trip(bufs, case, it, fp8, max_rows,
+                                            f"fp8={fp8} rounds={bufs[0].rounds} call {it}")
             calls.append(([g.x.cpu() for g in got], [o.cpu() for o in outs]))
         runs[budget is None] = calls
     for it, (whole, bounded) in enumerate(zip(runs[True], runs[False])):

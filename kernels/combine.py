@@ -518,9 +518,10 @@ def _scratch(pool: dict | None, device, numel: int) -> torch.Tensor:
 
 
 def gathers_in_flight(topk: int, elem_bytes: int, compiled: bool) -> int:
-    """Choices a combine send gathers at once: on a GPU as many as registers hold beside the
-    fp32 accumulator (4 rows of 16-bit data, 2 of 32-bit, 1 of 64-bit), never more than the
-    choices' block; the interpreter takes them all (its cost is per operation)."""
+    """Rows of a slot (its compacted choices) a combine send gathers at once: on a GPU as many
+    as registers hold beside the fp32 accumulator (4 rows of 16-bit data, 2 of 32-bit, 1 of
+    64-bit), never more than the choices' block; the interpreter takes them all (its cost is
+    per operation)."""
     block_k = triton.next_power_of_2(max(topk, 1))
     return min(block_k, 8 // elem_bytes if compiled else block_k)
 

@@ -319,3 +319,62 @@ def checked_topk_idx(topk_idx: torch.Tensor, num_experts: int, flavour: Flavour,
                                   BLOCK_K=triton.next_power_of_2(max(K, 1)),
                                   **tile.launch_options())
     return out
+
+
+@triton.jit(do_not_specialize=["T"])
+def ring_positions_kernel(
+    slot_of,  # [T, R] int32: slot of token t on rank d (the layout's), -1 where t does not go
+    counts,  # [R, C] int32: the call's counts per rank (the layout's; C = L + 1)
+    ring,  # [T, R] int32 out: slot_of less rank d's slots of the earlier rounds, -1 where none
+    words,  # [rounds, WORDS] int32 out: round i's [R, C] counts from i * WORDS
+    T: tl.int32, R: tl.int32, C: tl.int32, W: tl.int32, ROUNDS: tl.int32, WORDS: tl.int32,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Program d walks rank d's column round by round: each window's tokens and their count."""
+    d = tl.program_id(0)
+    c = tl.arange(0, BLOCK_C)
+    mine = tl.load(counts + d * C + c, mask=c < C, other=0)
+    before = T * 0  # rank d's slots in the earlier rounds
+    for i in range(ROUNDS):
+        hits = tl.zeros([BLOCK_T], tl.int32)
+        for t0 in range(i * W, i * W + W, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            tm = (t < T) & (t < i * W + W)
+            slot = tl.load(slot_of + t.to(tl.int64) * R + d, mask=tm, other=-1)
+            tl.store(ring + t.to(tl.int64) * R + d, tl.where(slot >= 0, slot - before, -1),
+                     mask=tm)
+            hits += (slot >= 0).to(tl.int32)
+        rows = tl.sum(hits, axis=0)
+        tl.store(words + i * WORDS + d * C + c, tl.where(c == C - 1, rows, mine), mask=c < C)
+        before += rows
+
+
+def ring_positions(slot_of: torch.Tensor, counts: torch.Tensor, ring_slots: int, rounds: int,
+                   flavour: Flavour, bound: BoundLaunches | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A call in ``rounds`` rounds of ``W = ring_slots`` tokens, in one launch: ``(ring [T, R]
+    int32, words [rounds, WORDS] int32)``, ``WORDS`` = R * C rounded up to 4 (each round's counts
+    16-byte aligned). Equivalent PyTorch::
+
+        hits = torch.zeros((rounds * W, R), dtype=torch.int32); hits[:T] = slot_of >= 0
+        rows = hits.view(rounds, W, R).sum(1)                 # each round's rows per rank
+        first = rows.cumsum(0) - rows
+        ring = torch.where(slot_of >= 0, slot_of - first[torch.arange(T) // W], -1)
+        words[i, :R * C].view(R, C) = counts, its last column rows[i]
+    """
+    T, R = slot_of.shape
+    C = counts.shape[1]
+    dev = slot_of.device
+    ring = torch.empty((T, R), dtype=torch.int32, device=dev)
+    words = torch.empty((rounds, -(-R * C // 4) * 4), dtype=torch.int32, device=dev)
+    key = ("ring_positions", R, C, ring_slots, rounds, specs((slot_of, counts, ring, words)),
+           id(flavour))
+    values = (slot_of, counts, ring, words, T)
+    if not call_bound(bound, key, values):
+        tile = tiles("ring_positions", flavour.compiled, 0)
+        launch(bound, key, ring_positions_kernel, (R,),
+               (slot_of, counts, ring, words, T, R, C, ring_slots, rounds, words.shape[1]),
+               dict(BLOCK_T=tile.block_t, BLOCK_C=triton.next_power_of_2(C),
+                    **tile.launch_options()),
+               ("slot_of", "counts", "ring", "words", "T"))
+    return ring, words

@@ -75,6 +75,7 @@ def even(hidden: int, block_h: int) -> bool:
 _GPU = {
     "routing_layout": (16, 0, 4, 2),
     "checked_topk_idx": (16, 0, 4, 2),
+    "ring_positions": (256, 0, 4, 2),  # one program per rank: its column, window by window
     "quantize": (4, 1024, 8, 2),
     # 16 tokens a tile: the persistent send waits for its tile's loads once per channel tile,
     # so the tile is what is in flight (32 KB of bf16 rows; at 8 tokens it moved 26% of the copy
@@ -213,6 +214,8 @@ SCHEDULES = {
     "layout_count_kernel": Schedule(CONTROL, lambda a: 1),
     "layout_place_kernel": Schedule(CONTROL, _layout_place_trips),
     "checked_topk_idx_kernel": Schedule(CONTROL, lambda a: _cdiv(a["T"], a["BLOCK_T"])),
+    "ring_positions_kernel": Schedule(CONTROL, lambda a: a["ROUNDS"] * _cdiv(a["W"],
+                                                                             a["BLOCK_T"])),
     "received_layout_kernel": Schedule(CONTROL, lambda a: 1),
     "wait_epochs_kernel": Schedule(CONTROL, lambda a: 1),
     "ft_wait_epochs_kernel": Schedule(CONTROL, lambda a: 1),

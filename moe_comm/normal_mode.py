@@ -28,7 +28,8 @@ proxy its send fills the outboxes with the window's rows for other nodes and pos
 per peer (flat) or per node (hierarchical) there (``_send_other_nodes``); hierarchical, each round
 adds the forwarder's pass (``_forward_dispatch`` after the round's send, ``_forward_combine`` after
 the round's combine send), which waits for the round's messages from other nodes and stores their
-rows into its node's staging. The ring positions, the rounds' counts and slot offsets are torch ops.
+rows into its node's staging. The ring positions and the rounds' counts are one launch
+(``kernels.layout.ring_positions``), the rounds' slot offsets torch ops.
 A window holds at most ``W`` tokens, so at most ``W`` rows for any rank and at most ``W`` rows in
 any node's message. The order that makes it safe, in each place the kernels run: a rank's send of
 round ``i`` needs nothing but its own inputs (the parity it writes was last read in round ``i - 2``,
@@ -74,7 +75,7 @@ from .host_sync import read_int
 from .kernels import combine as combine_kernels
 from .kernels import dispatch as dispatch_kernels
 from .kernels import internode
-from .kernels.layout import routing_layout
+from .kernels.layout import ring_positions, routing_layout
 from .kernels.quant import MXFP8, NVFP4, scale_group
 from .kernels.rows import payload_bytes, sent_elem_bytes
 from .workspace import COMBINE, DISPATCH
@@ -188,24 +189,6 @@ class NormalMode:
                            node_slot_of, send_round=later)
 
     # ----------------------------------------------------------------- rounds
-    def _ring_positions(self, slot_of: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Several rounds: ``(ring [T, R] int32, rows [rounds, R] int32)``: token t's position
-        in rank d's ring in its round ``t // W`` (its slot less d's slots of the earlier
-        rounds; -1 where t does not go to d), and each round's rows per rank. Equivalent::
-
-            rows[i, d] = (slot_of[i * W:(i + 1) * W, d] >= 0).sum()
-            ring[t, d] = slot_of[t, d] - rows[:t // W, d].sum()   where slot_of[t, d] >= 0
-        """
-        T, R = slot_of.shape
-        W, n = self.layout.ring_slots, self.layout.rounds
-        hits = torch.zeros((n * W, R), dtype=torch.int32, device=self.device)
-        hits[:T] = slot_of >= 0
-        rows = hits.view(n, W, R).sum(1, dtype=torch.int32)
-        first = rows.cumsum(0, dtype=torch.int32) - rows
-        round_of = torch.arange(T, device=self.device) // W
-        ring = torch.where(slot_of >= 0, slot_of - first[round_of], -1).to(torch.int32)
-        return ring, rows
-
     def _node_ring_positions(self, ring: torch.Tensor) -> torch.Tensor:
         """Hierarchical, several rounds: ``[T, M]`` int32, the row of token t in node b's
         message of its round ``t // W`` (-1 where it goes to no rank of node b). Equivalent::
@@ -226,13 +209,11 @@ class NormalMode:
         round i). The cached dispatch passes a handle's ring positions as ``ring`` (then
         ``slot_of`` is unused) and, hierarchical, its node rows as ``node_ring``."""
         if ring is None:  # every round: the call's per-expert counts, its own rows
-            ring, rows = self._ring_positions(slot_of)
             n, (R, C) = self.layout.rounds, counts.shape
-            words = torch.empty((n, -(-R * C // 4) * 4), dtype=torch.int32, device=self.device)
-            rounds = words[:, :R * C].view(n, R, C)  # each round's counts 16-byte aligned
-            rounds.copy_(counts.expand(n, R, C))
-            rounds[:, :, -1] = rows
-            counts = rounds
+            ring, words = ring_positions(slot_of, counts, self.layout.ring_slots, n,
+                                         self.flavour, self._bound)
+            self.launches["ring_positions"] += 1
+            counts = words[:, :R * C].view(n, R, C)  # each round's counts 16-byte aligned
         if self.hierarchical and node_ring is None:
             node_ring = self._node_ring_positions(ring)
         return Stream(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts, node_ring, topk,

@@ -1,14 +1,15 @@
 """The routing layout (two launches over token chunks) and the received layout, each against a
 plain-PyTorch statement of what it computes, on adversarial ids: bad rows (ids out of range, an
 expert twice), all -1 rows, one expert for every token, empty ranks, chunks that do not fill,
-the GPU's 16-token chunks as well as the interpreter's 64, and the fault-tolerance mask."""
+the GPU's 16-token chunks as well as the interpreter's 64, and the fault-tolerance mask; and
+the ring positions of a call in rounds (bounded staging)."""
 import pytest
 import torch
 
 from moe_comm.error_record import ErrorRecord
 from moe_comm.kernels.comm import Flavour
 from moe_comm.kernels.dispatch import received_layout
-from moe_comm.kernels.layout import routing_layout
+from moe_comm.kernels.layout import ring_positions, routing_layout
 
 
 def layout_reference(idx: torch.Tensor, R: int, L: int, excluded=()):
@@ -87,6 +88,41 @@ def test_routing_layout_matches_its_statement(T, R, L, K, routing, gpu_chunks):
         assert words[4] == 0, words
     else:  # the first bad row of all chunks, whichever chunk's program ran first
         assert words[4] == 1 and words[6] == first, (words, first)
+
+
+def ring_reference(slot_of: torch.Tensor, counts: torch.Tensor, W: int, rounds: int):
+    """``(ring [T, R], per-round counts [rounds, R, C])`` of a call in rounds of ``W`` tokens:
+    a token's slot less its rank's slots of the earlier rounds; each round publishes the call's
+    counts with its own rows per rank in the last column."""
+    T, R = slot_of.shape
+    hits = torch.zeros((rounds * W, R), dtype=torch.int32)
+    hits[:T] = slot_of >= 0
+    rows = hits.view(rounds, W, R).sum(1, dtype=torch.int32)
+    first = rows.cumsum(0, dtype=torch.int32) - rows
+    ring = torch.where(slot_of >= 0, slot_of - first[torch.arange(T) // W], -1).to(torch.int32)
+    per_round = counts.expand(rounds, *counts.shape).clone()
+    per_round[:, :, -1] = rows
+    return ring, per_round
+
+
+@pytest.mark.parametrize("gpu_tiles", [False, True], ids=["tiles64", "tiles256"])
+@pytest.mark.parametrize("T, R, L, K, routing, W", [
+    (0, 2, 4, 2, "uniform", 1), (1, 4, 2, 2, "uniform", 1), (17, 2, 4, 3, "bad", 2),
+    (200, 4, 8, 8, "bad", 3), (300, 8, 4, 4, "one_expert", 64), (130, 3, 5, 2, "empty_rank", 16),
+    (70, 4, 4, 4, "all_invalid", 7), (600, 8, 32, 8, "uniform", 272)])
+def test_ring_positions_match_their_statement(T, R, L, K, routing, W, gpu_tiles):
+    """Rounds of one token, of a few, of more than a tile and of a tile that ends past the
+    last token; the layout of adversarial ids gives the slots and counts."""
+    idx = _ids(T, R, L, K, routing, seed=T + W)
+    flavour = Flavour(errors_addr=ErrorRecord(torch.device("cpu")).address, compiled=gpu_tiles)
+    slot_of, _, counts = routing_layout(idx, R, L, flavour)
+    rounds = max(1, -(-T // W))
+    ring, words = ring_positions(slot_of, counts, W, rounds, flavour)
+    want_ring, want_rounds = ring_reference(slot_of, counts, W, rounds)
+    C = counts.shape[1]
+    assert words.shape == (rounds, -(-R * C // 4) * 4)
+    assert torch.equal(ring, want_ring)
+    assert torch.equal(words[:, :R * C].view(rounds, R, C), want_rounds)
 
 
 @pytest.mark.parametrize("excluded, me", [((1,), 0), ((0, 3), 2), ((2,), 2)])

@@ -119,28 +119,16 @@ def _check_config(world_size: int, hidden, num_experts, max_tokens_per_rank, dty
 
 def staging_ring_slots(staging_bytes: int | None, world_size: int, max_tokens: int,
                        hidden: int, max_topk: int, dtype: torch.dtype, *,
-                       streams: bool = True, outboxes: bool = False,
-                       ranks_per_node: int | None = None) -> int | None:
+                       outboxes: bool = False, ranks_per_node: int | None = None,
+                       rdma: bool = False) -> int | None:
     """Ring slots per source of the normal mode's staging for a budget of ``staging_bytes``
-    (``workspace.ring_slots_for``; None: the whole batch, one round). ``streams``: whether the
-    Buffer's flavour runs a call in rounds (one node, or across nodes through the proxy; not
-    over NVSHMEM across hosts, so far); where it does not, the default budget stages the whole
-    batch and a smaller explicit one is refused. ``outboxes``: the budget pays
-    for the outboxes of a Buffer across nodes through the proxy as well, and with
-    ``ranks_per_node`` (hierarchical) for the forwarders' regions."""
+    (``workspace.ring_slots_for``; None: the whole batch, one round). ``outboxes``: the budget
+    pays for the outboxes of a Buffer across nodes through the proxy as well, and with
+    ``ranks_per_node`` (hierarchical) for the forwarders' regions; ``rdma``: for the outboxes
+    of a Buffer across hosts over NVSHMEM."""
     slots = ring_slots_for(staging_bytes, world_size, max_tokens, hidden, max_topk, dtype,
-                           outboxes, ranks_per_node)
-    if slots == max_tokens:
-        return None
-    if not streams:
-        if staging_bytes is None:
-            return None
-        raise ValueError(
-            f"staging_bytes={staging_bytes} holds {slots} of max_tokens_per_rank={max_tokens} "
-            "slots per source: a call would run in rounds, which the normal mode does on one "
-            "node and across nodes through the proxy (transport='nixl'), not yet over NVSHMEM "
-            "across hosts; pass staging_bytes=None there (the whole batch is staged)")
-    return slots
+                           outboxes, ranks_per_node, rdma)
+    return None if slots == max_tokens else slots
 
 
 def _check_same_config(configs: list[dict]) -> None:
@@ -166,8 +154,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
     ``mask_rank``, ``clean_mask``); across nodes through the proxy in flat mode only.
     ``staging_bytes`` (default ``workspace.DEFAULT_STAGING_BYTES``) bounds the normal mode's
     staging: where the whole batch does not fit, every call runs in ``rounds`` through rings of
-    ``ring_slots`` slots per source (``moe_comm.normal_mode``; one node, or across nodes through
-    the proxy, flat or hierarchical; fault-tolerant Buffers too).
+    ``ring_slots`` slots per source (``moe_comm.normal_mode``; one node, across nodes through
+    the proxy, flat or hierarchical, and across hosts over NVSHMEM; fault-tolerant Buffers too).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, hidden: int, num_experts: int,
@@ -223,12 +211,13 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         if via == "nixl" and env.kernel_waits():
             raise ValueError("transport='nixl' runs with host waits so far: MOE_COMM_WAIT=kernel "
                              "is not supported across nodes through the proxy yet")
-        rdma = chosen == "nvshmem" and nodes.num_hosts > 1
+        # NVSHMEM puts to peers without a pointer (through the proxy, its outboxes instead)
+        rdma = chosen == "nvshmem" and nodes.num_hosts > 1 and via != "nixl"
         forwarders = via == "nixl" and hierarchical and nodes.count > 1
         ring_slots = staging_ring_slots(
             staging_bytes, world_size, max_tokens_per_rank, hidden, max_topk, dtype,
-            streams=(nodes.count == 1 or via == "nixl") and not rdma,
-            outboxes=via == "nixl", ranks_per_node=nodes.ranks_per_node if forwarders else None)
+            outboxes=via == "nixl",
+            ranks_per_node=nodes.ranks_per_node if forwarders else None, rdma=rdma)
         layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                  num_experts // world_size, max_topk, dtype, low_latency,
                                  rdma=rdma, ranks_per_node=nodes.ranks_per_node,
@@ -420,10 +409,12 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                                  max_topk: int | None = None, *,
                                  staging_bytes: int | None = None,
                                  ranks_per_node: int | None = None,
-                                 hierarchical: bool | None = None) -> int:
+                                 hierarchical: bool | None = None,
+                                 transport: str = "nixl") -> int:
         """``workspace_bytes`` of a Buffer with these arguments, without allocating it: on one
         node, or (``ranks_per_node`` < ``world_size``) across nodes through the proxy
-        (``transport="nixl"``; ``hierarchical`` as the Buffer's, None: hierarchical). The normal
+        (``transport="nixl"``; ``hierarchical`` as the Buffer's, None: hierarchical) or over
+        NVSHMEM (``transport="nvshmem"``, the nodes on different hosts). The normal
         mode's staging holds ``ring_slots = min(T, staging_bytes // per_slot)`` slots per source
         (below T rounded down to a multiple of 16 where that leaves any; default budget
         ``workspace.DEFAULT_STAGING_BYTES``), with ``ROW = H * b``::
@@ -432,21 +423,31 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             flat:          2 * per_slot(one node)        (the outboxes: a slot per peer)
             hierarchical:  per_slot(one node) + 2 * (M * (4 * ROW + 8 * (1 + 3K + N) + 8 * K)
                                                      + R * (ROW + 4 * K))
+            NVSHMEM:       per_slot(one node) + 2 * (ROW + 4 * (1 + 3K) + R * (ROW + 4 * K))
 
-        (``M`` nodes of ``N`` ranks: the outboxes' slot per node and the forwarders' regions,
-        ``workspace.staging_slot_bytes``); the rest grows with R only through per-peer words
-        (``moe_comm.workspace`` gives every region)."""
+        (``M`` nodes of ``N`` ranks: the outboxes' slot per node and the forwarders' regions;
+        over NVSHMEM the outboxes the puts read; ``workspace.staging_slot_bytes``); the rest
+        grows with R only through per-peer words (``moe_comm.workspace`` gives every
+        region)."""
         max_topk = min(16, num_experts) if max_topk is None else max_topk
         _check_config(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk)
         N = world_size if ranks_per_node is None else ranks_per_node
         if isinstance(N, bool) or not isinstance(N, int) or N < 1 or world_size % N:
             raise ValueError(f"ranks_per_node must be a positive divisor of world_size="
                              f"{world_size}, got {ranks_per_node!r}")
+        if transport not in ("nixl", "nvshmem"):
+            raise ValueError("transport must be 'nixl' (the proxy) or 'nvshmem' (puts across "
+                             f"hosts), got {transport!r}")
         across = N < world_size
-        hier = across and (hierarchical is None or bool(hierarchical))
+        rdma = across and transport == "nvshmem"
+        hier = across and not rdma and (hierarchical is None or bool(hierarchical))
         ring_slots = staging_ring_slots(staging_bytes, world_size, max_tokens_per_rank, hidden,
-                                        max_topk, dtype, outboxes=across,
-                                        ranks_per_node=N if hier else None)
+                                        max_topk, dtype, outboxes=across and not rdma,
+                                        ranks_per_node=N if hier else None, rdma=rdma)
+        if rdma:  # no proxy: a peer on another host has no pointer, NVSHMEM puts reach it
+            return WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
+                                   num_experts // world_size, max_topk, dtype, rdma=True,
+                                   ring_slots=ring_slots).nbytes
         return WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                num_experts // world_size, max_topk, dtype,
                                ranks_per_node=N if across else None, proxy=across,

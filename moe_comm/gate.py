@@ -73,8 +73,8 @@ CONFIGS = (
     GateConfig("dsv3-prefill", 8, 256, 7168, 8, 4096, nvshmem=True),
     GateConfig("dsv3-decode", 8, 256, 7168, 8, 128, nvshmem=True),
     # bounded staging: every normal-mode call in 2 rounds of 2048 slots per source (bf16; one
-    # node and flat across two nodes through the proxy)
-    GateConfig("dsv3-prefill-rounds", 8, 256, 7168, 8, 4096, nvshmem=False, ring_slots=2048),
+    # node, flat and hierarchical across two nodes through the proxy, across hosts over NVSHMEM)
+    GateConfig("dsv3-prefill-rounds", 8, 256, 7168, 8, 4096, nvshmem=True, ring_slots=2048),
 )
 
 
@@ -329,10 +329,11 @@ def gate_runs(cfg: GateConfig) -> list[tuple]:
     import torch
 
     if cfg.ring_slots is not None:  # rounds: the normal mode of one node (fault-tolerant
-        return [("bfloat16", torch.bfloat16, 0, False, False),  # too), flat and hierarchical
+        runs = [("bfloat16", torch.bfloat16, 0, False, False),  # too), flat and hierarchical
                 ("bfloat16", torch.bfloat16, 0, False, False, True),  # through the proxy, in
                 ("bfloat16", torch.bfloat16, 2, False, False),  # bf16 (the other dtypes load
-                ("bfloat16", torch.bfloat16, 2, False, True)]   # rows alone)
+                ("bfloat16", torch.bfloat16, 2, False, True)]   # rows alone), over NVSHMEM
+        return runs + ([("bfloat16", torch.bfloat16, 1, False, False)] if cfg.nvshmem else [])
     runs = []
     for name in GATE_DTYPES:
         dtype = getattr(torch, name)

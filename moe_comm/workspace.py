@@ -73,9 +73,10 @@ or ``H + 4*H/128`` if that is larger, so that FP8 rows with their scales fit too
 Low-latency total: ``2*L*R*T*(S + 4) + 2*T*K*H*b + 8*(2*L*R + 6*R + 8)`` (+ rounding).
 
 Across nodes (``rdma=True``: NVSHMEM puts, whose source must be symmetric memory) the normal
-mode adds outboxes for what it puts: ``rdma_rows`` [P, T, H*b] uint8 and ``rdma_meta``
-[P, T, 1 + 3K] int32 (each token's row and metadata once), ``rdma_counts`` [P, R, L + 1] int32,
-``rdma_combine_rows`` [P, R, T, H] and ``rdma_combine_meta`` [P, R, T, K] float32; the
+mode adds outboxes for what it puts, a round's worth (``W`` slots): ``rdma_rows`` [P, W, H*b]
+uint8 and ``rdma_meta`` [P, W, 1 + 3K] int32 (each token of the round's window: its row and
+metadata once), ``rdma_counts`` [P, R, L + 1] int32, ``rdma_combine_rows`` [P, R, W, H] and
+``rdma_combine_meta`` [P, R, W, K] float32 (a partial per ring slot of each home); the
 low-latency mode adds ``ll_outbox`` [P, T, S] uint8 (each token's row once, put from there)
 and ``ll_combine_outbox`` [P, L, R*T, H] dtype (expert outputs put from there; the caller may
 write them there directly: ``Buffer.low_latency_combine_buffer``). The proxy transport adds the
@@ -154,6 +155,9 @@ def _itemsize(dtype: torch.dtype) -> int:
 STAGING_REGIONS = ("dispatch_meta", "dispatch_rows", "combine_meta", "combine_rows")
 # across nodes through the proxy: a slot of each destination's outbox per staging slot
 OUTBOX_REGIONS = ("px_meta", "px_rows", "px_combine_meta", "px_combine_rows")
+# across hosts over NVSHMEM: the outboxes the puts read, a token's row once per slot, a partial
+# per slot of each home
+RDMA_REGIONS = ("rdma_rows", "rdma_meta", "rdma_combine_rows", "rdma_combine_meta")
 # hierarchical: the forwarders' regions, a slot per source node (per local rank for hc_*)
 FORWARDER_REGIONS = ("fwd_meta", "fwd_rows", "hc_meta", "hc_rows", "hcomb_meta", "hcomb_rows")
 # The normal mode's default staging budget: a DeepSeek-V3 rank (H 7168, bf16, top-8, 4096
@@ -169,7 +173,8 @@ RING_SLOT_MULTIPLE = 16
 
 
 def staging_slot_bytes(world_size: int, hidden: int, max_topk: int, dtype: torch.dtype,
-                       outboxes: bool = False, ranks_per_node: int | None = None) -> int:
+                       outboxes: bool = False, ranks_per_node: int | None = None,
+                       rdma: bool = False) -> int:
     """Bytes one slot index costs in the normal mode's staging: for every source and both
     parities, a dispatch row and its metadata, a combine row and its per-choice values.
     ``outboxes`` (across nodes through the proxy) adds the outboxes' slots
@@ -177,14 +182,22 @@ def staging_slot_bytes(world_size: int, hidden: int, max_topk: int, dtype: torch
     ``ranks_per_node = N`` (hierarchical, ``M = R / N`` nodes) a slot per destination node
     (node metadata of ``1 + 3K + N`` words) and the forwarders' regions
     (``FORWARDER_REGIONS``: a row and node metadata per source node, a partial per local rank
-    and source node, a node sum per node)::
+    and source node, a node sum per node); ``rdma`` (across hosts over NVSHMEM) adds the
+    outboxes the puts read (``RDMA_REGIONS``: a row and metadata per slot, a partial and its
+    values per slot of each home)::
 
         flat:          2 * per_slot
         hierarchical:  per_slot + 2 * (M * (4*ROW + 8*(1 + 3K + N) + 8K) + R * (ROW + 4K))
+        NVSHMEM:       per_slot + 2 * (ROW + 4*(1 + 3K) + R * (ROW + 4K))
     """
     row = hidden * _itemsize(dtype)
     R, K = world_size, max_topk
     per_slot = PARITIES * R * (2 * row + 4 * (1 + 3 * K) + 4 * K)
+    if rdma:
+        if outboxes:
+            raise ValueError("a Buffer across nodes moves rows either over NVSHMEM (rdma) or "
+                             "through the proxy's outboxes, not both")
+        return per_slot + PARITIES * (row + 4 * (1 + 3 * K) + R * (row + 4 * K))
     if not outboxes:
         return per_slot
     if ranks_per_node is None:
@@ -195,24 +208,25 @@ def staging_slot_bytes(world_size: int, hidden: int, max_topk: int, dtype: torch
 
 def ring_slots_for(staging_bytes: int | None, world_size: int, max_tokens: int, hidden: int,
                    max_topk: int, dtype: torch.dtype, outboxes: bool = False,
-                   ranks_per_node: int | None = None) -> int:
+                   ranks_per_node: int | None = None, rdma: bool = False) -> int:
     """Staging slots per source and parity that ``staging_bytes`` pays for (None: the
-    default budget; ``outboxes`` / ``ranks_per_node``: it pays for the outboxes' and the
-    forwarders' slots too, as :func:`staging_slot_bytes` counts them), at most ``max_tokens``
+    default budget; ``outboxes`` / ``ranks_per_node`` / ``rdma``: it pays for the outboxes' and
+    the forwarders' slots too, as :func:`staging_slot_bytes` counts them), at most ``max_tokens``
     (then a call is one round, the whole batch), else rounded down to a multiple of
     ``RING_SLOT_MULTIPLE`` where that leaves any."""
     budget = DEFAULT_STAGING_BYTES if staging_bytes is None else staging_bytes
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"staging_bytes must be a positive int or None, got {staging_bytes!r}")
     per_slot = staging_slot_bytes(world_size, hidden, max_topk, dtype, outboxes,
-                                  ranks_per_node)
+                                  ranks_per_node, rdma)
     if budget < per_slot:
         raise ValueError(f"staging_bytes={budget} is less than one slot per source: the normal "
                          f"mode needs at least {per_slot} bytes at world size {world_size} "
                          f"(2 parities x {world_size} sources x one dispatch and one combine "
                          "row with their metadata" + (", in the staging and in the outboxes)"
                                                       if outboxes else ")")
-                         + (" and the forwarders' regions" if ranks_per_node else ""))
+                         + (" and the forwarders' regions" if ranks_per_node else "")
+                         + (" and the NVSHMEM outboxes" if rdma else ""))
     slots = budget // per_slot
     if slots < max_tokens and slots >= RING_SLOT_MULTIPLE:  # rounds' windows stay aligned
         slots -= slots % RING_SLOT_MULTIPLE
@@ -299,12 +313,11 @@ class WorkspaceLayout:
         self.rdma = rdma
         if rdma:  # NVSHMEM puts read from symmetric memory: outboxes of the normal mode
             specs += [
-                ("rdma_rows", (PARITIES, T, H * torch.empty((), dtype=dtype).element_size()),
-                 torch.uint8),
-                ("rdma_meta", (PARITIES, T, self.meta_stride), torch.int32),
+                ("rdma_rows", (PARITIES, W, H * _itemsize(dtype)), torch.uint8),
+                ("rdma_meta", (PARITIES, W, self.meta_stride), torch.int32),
                 ("rdma_counts", (PARITIES, R, L + 1), torch.int32),
-                ("rdma_combine_rows", (PARITIES, R, T, H), dtype),
-                ("rdma_combine_meta", (PARITIES, R, T, K), torch.float32),
+                ("rdma_combine_rows", (PARITIES, R, W, H), dtype),
+                ("rdma_combine_meta", (PARITIES, R, W, K), torch.float32),
             ]
         if proxy:
             row = H * _itemsize(dtype)
@@ -352,9 +365,10 @@ class WorkspaceLayout:
     @property
     def staging_bytes(self) -> int:
         """Bytes of the normal mode's staging (dispatch and combine rows and metadata; across
-        nodes through the proxy, the outboxes' too, and in hierarchical mode the forwarders')."""
+        nodes through the proxy, the outboxes' too, and in hierarchical mode the forwarders';
+        across hosts over NVSHMEM, the outboxes the puts read)."""
         names = STAGING_REGIONS + (OUTBOX_REGIONS if self.proxy else ()) \
-            + (FORWARDER_REGIONS if self.hierarchical else ())
+            + (FORWARDER_REGIONS if self.hierarchical else ()) + (RDMA_REGIONS if self.rdma else ())
         return sum(self.regions[n].nbytes for n in names)
 
     def __getitem__(self, name: str) -> Region:

@@ -341,12 +341,44 @@ def test_staging_errors_before_anything_is_allocated(ranks):
     budget = slots_budget(Case(2, 4, 64, 2, (8, 8)), 2)
     errors = ranks(2).run(construct, {0: dict(staging_bytes=budget), 1: dict()})
     assert all(e is not None and "staging_bytes" in e and "rank 1" in e for e in errors), errors
-    # a flavour that does not run in rounds (NVSHMEM across hosts, which CPU ranks cannot
-    # build): the default stages the whole batch, a smaller budget is refused
-    from moe_comm.buffer import staging_ring_slots
-    assert staging_ring_slots(None, 2, 8, 64, 2, torch.bfloat16, streams=False) is None
-    with pytest.raises(ValueError, match="not yet over NVSHMEM across hosts"):
-        staging_ring_slots(budget, 2, 8, 64, 2, torch.bfloat16, streams=False)
+    with pytest.raises(ValueError, match="either over NVSHMEM"):
+        staging_slot_bytes(2, 64, 2, torch.bfloat16, outboxes=True, rdma=True)
+    with pytest.raises(ValueError, match="transport must be 'nixl'"):
+        moe_comm.Buffer.required_workspace_bytes(16, 64, 16, 8, ranks_per_node=8,
+                                                 transport="nccl")
+
+
+def test_nvshmem_workspace_across_hosts_from_ep_16_to_1024():
+    """DeepSeek-V3 sizes across hosts over NVSHMEM: the default budget pays for the staging and
+    the outboxes the puts read (a row and metadata per slot, a partial per slot of each home);
+    the whole workspace stays under 2 GiB, does not grow with max_tokens_per_rank, and its
+    outboxes hold one round's slots (the whole batch would take 5 GiB at EP 16)."""
+    from moe_comm.workspace import RDMA_REGIONS, WorkspaceLayout, ring_slots_for
+    H, K, dtype = 7168, 8, torch.bfloat16
+    row, meta = 2 * H, 4 * (1 + 3 * K)
+
+    def per_slot(R):  # both parities: staging, the dispatch outbox, the combine outbox
+        return 2 * R * (2 * row + meta + 4 * K) + 2 * (row + meta) + 2 * R * (row + 4 * K)
+
+    def layout(R, T, slots):
+        return WorkspaceLayout(R, T, H, 256 // R if R <= 256 else 1, K, dtype, rdma=True,
+                               ring_slots=slots)
+
+    for R, rounds in ((16, 3), (64, 12), (256, 52), (1024, 256)):
+        E = max(256, R)
+        slots = ring_slots_for(None, R, 4096, H, K, dtype, rdma=True)
+        assert slots == DEFAULT_STAGING_BYTES // per_slot(R) // 16 * 16, R
+        bounded, whole = layout(R, 4096, slots), layout(R, 4096, None)
+        assert bounded.rounds == rounds, (R, bounded.rounds)
+        outboxes = sum(bounded[name].nbytes for name in RDMA_REGIONS)
+        assert outboxes == slots * 2 * ((row + meta) + R * (row + 4 * K)), R
+        assert bounded.staging_bytes == slots * per_slot(R) <= DEFAULT_STAGING_BYTES, R
+        assert bounded.nbytes < 2 << 30, R
+        assert layout(R, 65536, slots).nbytes == bounded.nbytes, R
+        assert moe_comm.Buffer.required_workspace_bytes(
+            R, H, E, 4096, dtype, K, ranks_per_node=8, transport="nvshmem") == bounded.nbytes, R
+        if R == 16:
+            assert whole.nbytes > 5 << 30
 
 
 def test_hierarchical_nodes_in_rounds_match_reference(ranks):

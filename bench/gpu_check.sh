@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One prepared check for a single lent GPU (a 15-minute window, 10 minutes per command): the
-# versions and device facts, every kernel variant compiled ahead (in parallel, timed), the GPU
-# tests, each with its own time limit, then the checked dispatch/combine table of
-# bench/gpu_bench.py. The whole script ends within GPU_CHECK_BUDGET_S (default 450 s, under
+# versions and device facts, every kernel variant compiled ahead (in parallel, timed), ranks as
+# processes sharing the GPU (tests/test_gpu_processes.py), the virtual-rank GPU tests, each
+# with its own time limit, then the checked dispatch/combine table of bench/gpu_bench.py. The whole script ends within GPU_CHECK_BUDGET_S (default 450 s, under
 # 8 minutes); a phase that would overrun gets a shorter limit or is skipped, and said so.
 # Nothing stops it early: every failure is reported, the summary lists each phase with its time
 # and status, and the exit status is 1 if anything failed.
@@ -132,6 +132,28 @@ else
 fi
 # not a failure by itself: the kernel_impl='cuda' tests report what it means
 SUMMARY+=("$(printf '%-8s %5s  %s' csrc '' "$(head -1 "$OUT/csrc_build.txt")")")
+
+# ---------------------------------------------------------------------------- processes
+# one process per rank, 2 and 4 of them sharing the GPU over the cuda heap (no MPS: their
+# kernels take turns, so what it prints are first-call times, not performance)
+start=$SECONDS
+T=$(limit 160 220)
+if (( T >= 40 )); then
+  note "ranks as processes on one GPU (limit ${T}s)"
+  PT=()
+  "$PY" -c "import pytest_timeout" 2>/dev/null && PT=(--timeout=120)
+  timeout "$T" "$PY" -m pytest -v -s -p no:cacheprovider -o console_output_style=classic \
+    "${PT[@]}" -rfEs --tb=short -m gpu tests/test_gpu_processes.py > "$OUT/gpu_processes.log" 2>&1
+  rc=$?
+  grep -E "mapping|^(FAILED|ERROR)|^E  " "$OUT/gpu_processes.log" | head -40
+  P=$(grep -cE "::.* PASSED" "$OUT/gpu_processes.log")
+  N=$(grep -cE "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/gpu_processes.log")
+  if [[ $rc == 0 ]] && (( N > 0 && P == N )); then done_phase procs "$start" "ok: $P/$N passed"
+  else done_phase procs "$start" \
+    "FAIL (rc $rc$([[ $rc == 124 ]] && echo ': time limit')): $P of $N passed"; fi
+else
+  done_phase procs "$start" "FAIL: skipped, ${T}s left"
+fi
 
 # ---------------------------------------------------------------------------- GPU tests
 start=$SECONDS

@@ -13,6 +13,7 @@ private temporary directory, removed on close; gloo binds to ``lo`` only.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -37,6 +38,23 @@ def _context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["moe_comm._rank_preload"])
     return ctx
+
+
+@contextlib.contextmanager
+def _environment(env: dict | None):
+    """This process's environment is ``env`` inside (a spawned child starts with it, and
+    Triton decides at import whether a kernel compiles or is interpreted); None: unchanged."""
+    if env is None:
+        yield
+        return
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 class RankError(RuntimeError):
@@ -80,20 +98,25 @@ class RankPool:
     """``world_size`` worker processes joined in one gloo process group."""
 
     def __init__(self, world_size: int, *, env: dict | None = None, timeout_s: float = 600.0,
-                 pg_timeout_s: float = 120.0):
+                 pg_timeout_s: float = 120.0, compiled: bool = False):
+        """``compiled``: the ranks launch compiled kernels (GPU processes, which may share one
+        device): spawned, not forked from the interpreter's fork server, with
+        ``TRITON_INTERPRET=0``."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size, self.timeout_s = world_size, timeout_s
         self._dir = tempfile.mkdtemp(prefix="moe_comm_pool_")
-        ctx = _context()
-        worker_env = {**os.environ, **WORKER_ENV, **(env or {})}
+        ctx = mp.get_context("spawn") if compiled else _context()
+        mode = {"TRITON_INTERPRET": "0"} if compiled else {}
+        worker_env = {**os.environ, **WORKER_ENV, **mode, **(env or {})}
         self._conns, self._procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker, daemon=True, name=f"moe_comm-rank{rank}",
                                args=(rank, world_size, os.path.join(self._dir, "store"), child,
                                      worker_env, pg_timeout_s))
-            proc.start()
+            with _environment(worker_env if compiled else None):
+                proc.start()  # (spawned: the kernels are made as it imports, in this env)
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)

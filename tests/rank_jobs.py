@@ -299,3 +299,12 @@ def fp8_case(rank, world_size, case: Case, ue8m0: bool, col_major: bool) -> None
         out = buf.combine(ys[rank], res.handle, weights=res.weights)
         ref_out = reference.combine_all(ys, [w.handle for w in want], [w.weights for w in want])
         assert torch.equal(out, ref_out[rank]), rank
+
+
+def launch_mode(rank, world_size) -> tuple:
+    """How this rank's kernels would launch (the class of a kernel: ``JITFunction`` compiles,
+    ``InterpretedFunction`` interprets), and its group's size."""
+    from moe_comm.kernels import dispatch
+
+    return (os.environ.get("TRITON_INTERPRET"), type(dispatch.dispatch_send_kernel).__name__,
+            dist.get_world_size())

@@ -209,3 +209,85 @@ def test_post_compile_hook_finds_the_kernel_on_this_triton():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "finds the compiled kernel" in proc.stdout
+
+
+class _FakeCupy:
+    """The cupy calls of CudaHeap's CUDA IPC mapping, recorded (addresses are plain ints)."""
+
+    def __init__(self, events: list, rank: int):
+        import contextlib
+        import types
+
+        self.events = events
+        runtime = types.SimpleNamespace(
+            malloc=lambda n: events.append(("malloc", n)) or 1000 + rank,
+            ipcGetMemHandle=lambda ptr: b"handle-of-%d" % ptr,
+            ipcOpenMemHandle=lambda h: events.append(("open", h)) or 5000 + int(h[10:]),
+            ipcCloseMemHandle=lambda ptr: events.append(("close", ptr)),
+            free=lambda ptr: events.append(("free", ptr)))
+        self.cuda = types.SimpleNamespace(
+            runtime=runtime, Device=lambda index: contextlib.nullcontext(),
+            UnownedMemory=lambda ptr, size, owner: (ptr, size),
+            MemoryPointer=lambda memory, offset: memory)
+        self.uint8 = "uint8"
+        self.ndarray = lambda shape, dtype, memptr: ("array", shape, memptr)
+
+
+@pytest.mark.parametrize("refusal", [True, False])
+def test_cuda_heap_maps_by_ipc_where_ranks_share_a_gpu(monkeypatch, refusal):
+    """Rank 1 of 3, all on one GPU of one host. Without the overlap variable, or where torch
+    symmetric memory refuses, each rank's own allocation goes to the others by its IPC handle:
+    the table holds its own base and every peer's opened address; close waits for every rank,
+    unmaps the peers, waits again, then frees its own allocation (no peer maps it any more)."""
+    import sys
+    import types
+
+    from moe_comm.symm import cuda as cuda_heap
+
+    events = []
+    monkeypatch.setitem(sys.modules, "cupy", _FakeCupy(events, rank=1))
+    monkeypatch.setattr(cuda_heap.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_heap.torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(cuda_heap.torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(uuid="GPU-0"))
+    monkeypatch.setattr(cuda_heap.dist, "get_rank", lambda group: 1)
+    monkeypatch.setattr(cuda_heap.dist, "get_world_size", lambda group: 3)
+    monkeypatch.setattr(cuda_heap.dist, "barrier", lambda group=None: events.append("barrier"))
+
+    def all_gather_object(out, obj, group=None):
+        out[:] = [b"handle-of-%d" % (1000 + r) if isinstance(obj, bytes) else obj
+                  for r in range(len(out))]
+        events.append(("gather", type(obj).__name__))
+
+    monkeypatch.setattr(cuda_heap.dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(cuda_heap.torch, "as_tensor",
+                        lambda array, device: torch.full((array[1][0],), 7, dtype=torch.uint8))
+    monkeypatch.setattr(cuda_heap, "peer_table",
+                        lambda addresses, n, device: torch.tensor(addresses, dtype=torch.int64))
+    symm = pytest.importorskip("torch.distributed._symmetric_memory")
+    if refusal:
+        monkeypatch.setenv(cuda_heap.OVERLAP_ENV, "1")
+
+        def refuse(*args, **kwargs):
+            events.append("symmetric memory asked")
+            raise RuntimeError("two ranks on one device")
+
+        monkeypatch.setattr(symm, "empty", refuse)
+    else:
+        monkeypatch.delenv(cuda_heap.OVERLAP_ENV, raising=False)
+        monkeypatch.setattr(symm, "empty", lambda *a, **k: pytest.fail("not to be asked"))
+
+    heap = cuda_heap.CudaHeap(object(), 256, torch.device("cuda", 0))
+    assert heap.peer_ptrs.tolist() == [5000 + 1000, 1001, 5000 + 1002]
+    assert heap.local.numel() == 256 and not heap.local.any()  # zeroed before anyone writes
+    assert heap.mapping.startswith("cuda ipc")
+    assert ("two ranks on one device" in heap.mapping) == refusal
+    opened = [("open", b"handle-of-1000"), ("open", b"handle-of-1002")]
+    assert events == [("gather", "tuple")] + (["symmetric memory asked"] if refusal else []) \
+        + [("malloc", 256), ("gather", "bytes"), *opened, "barrier"]
+    del events[:]
+    heap.close()
+    assert events == ["barrier", ("close", 6000), ("close", 6002), "barrier", ("free", 1001)]
+    assert heap.peer_ptrs.tolist() == [0, 0, 0]
+    heap.close()  # a second close is a no-op
+    assert len(events) == 5

@@ -9,6 +9,7 @@ from rank_jobs import (
     construct,
     count_traffic,
     gradients,
+    launch_mode,
     run_case,
     run_case_kernel_waits,
     skip_one_call,
@@ -162,3 +163,14 @@ def test_bytes_on_the_link_are_the_minimum_and_launches_as_documented(ranks):
         assert _delta(rep["launches"][2], rep["launches"][1]) == \
             {"layout": 0, "dispatch_send": 0, "received_layout": 0, "dispatch_expand": 0,
              "combine_send": 1, "combine_reduce": int(has_tokens)}
+
+
+def test_compiled_pool_spawns_ranks_whose_kernels_compile(ranks):
+    """``RankPool(compiled=True)`` (GPU ranks as processes): spawned, not forked from the
+    interpreter's fork server, so the kernels a rank imports compile; the default pool's
+    ranks interpret them."""
+    from moe_comm.launch import RankPool
+
+    with RankPool(2, compiled=True) as pool:
+        assert pool.run(launch_mode) == [("0", "JITFunction", 2)] * 2
+    assert ranks(2).run(launch_mode) == [("1", "InterpretedFunction", 2)] * 2

@@ -1,0 +1,147 @@
+"""Jobs for GPU ranks as processes (``RankPool(..., compiled=True)``), several of them sharing
+one GPU: ``job(rank, world_size, ...)`` on every rank, each rank its own process with its own
+Buffer over the ``cuda`` heap, every result checked on the rank against the reference run on
+the CPU from every rank's inputs (``cases.make_inputs``), as tests/test_gpu.py checks virtual
+ranks. Without MPS the kernels of different processes take turns on the GPU: a wait for a peer
+ends only after the peer's time slice, so these runs say nothing about speed."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from test_gpu import (  # (test_gpu puts bench/ on the path for gpu_compare's checks)
+    _expert_fn_on_device,
+    _rows_as_floats,
+    _worst_case_rows,
+    _ys_reference,
+    assert_within_one_ulp,
+    check_ll_dispatch,
+    check_normal_dispatch,
+    ll_combine_slack,
+    normal_combine_slack,
+    same_bytes,
+    settle,
+)
+
+import moe_comm
+from cases import Case, make_inputs
+from moe_comm import reference
+
+DEV = "cuda:0"
+
+
+def _buffer(case: Case, **kwargs) -> moe_comm.Buffer:
+    torch.cuda.set_device(0)
+    return moe_comm.Buffer(dist.group.WORLD, case.hidden, case.num_experts, case.max_tokens,
+                           case.dtype, max_topk=case.topk, device=DEV, backend="cuda", **kwargs)
+
+
+def _facts(buf: moe_comm.Buffer, first_call_s: float) -> dict:
+    return dict(mapping=buf.heap.mapping, rounds=buf.rounds, first_call_s=round(first_call_s, 3))
+
+
+def _check_dispatch(rank, case, it, res, fp8, what) -> tuple:
+    """Checks this rank's dispatch of call ``it``; returns the reference's results of every
+    rank and their expert outputs (CPU)."""
+    xs, idxs, ws = make_inputs(case, it)
+    want = reference.dispatch_all(xs, idxs, ws, num_experts=case.num_experts,
+                                  expert_alignment=case.alignment, fp8=fp8)
+    check_normal_dispatch(res, want[rank], f"{what} rank {rank}")
+    return want, _ys_reference(want, case.dtype)
+
+
+def _check_combine(rank, want, ys_ref, out, what) -> None:
+    handles, weights = [w.handle for w in want], [w.weights for w in want]
+    ref = reference.combine_all(ys_ref, handles, weights)
+    slack = normal_combine_slack(ys_ref, handles, weights)
+    assert_within_one_ulp(out, ref[rank], slack[rank], what=f"{what} combine rank {rank}")
+
+
+def normal_mode(rank, world_size, case: Case, fp8: bool, ring_slots: int | None = None,
+                calls: int = 3) -> dict:
+    """``calls`` dispatch + combine calls, new routing each, checked against the reference
+    (``ring_slots``: a staging of that many slots per source, the calls in rounds)."""
+    from moe_comm.workspace import staging_slot_bytes
+
+    budget = (None if ring_slots is None else ring_slots * staging_slot_bytes(
+        world_size, case.hidden, case.topk, case.dtype))
+    with _buffer(case, staging_bytes=budget) as buf:
+        first = None
+        for it in range(calls):
+            what = f"call {it} fp8={fp8} rounds={buf.rounds}"
+            xs, idxs, ws = make_inputs(case, it)
+            start = time.perf_counter()
+            res = buf.dispatch(xs[rank].to(DEV), idxs[rank].to(DEV), ws[rank].to(DEV),
+                               case.alignment, fp8=fp8)
+            settle([buf], what)
+            want, ys_ref = _check_dispatch(rank, case, it, res, fp8, what)
+            out = buf.combine(ys_ref[rank].to(DEV), res.handle, weights=res.weights)
+            settle([buf], what)
+            if first is None:  # the first call compiles or loads every kernel it launches
+                first = time.perf_counter() - start
+            _check_combine(rank, want, ys_ref, out, what)
+        return _facts(buf, first)
+
+
+def normal_mode_graph(rank, world_size, case: Case, fp8: bool) -> dict:
+    """Dispatch sized by ``max_recv_rows``, the experts and combine captured once in a CUDA
+    graph in this process; replays with new inputs give the reference's rows and sums."""
+    max_rows = _worst_case_rows(case)
+    with _buffer(case) as buf:
+        xs, idxs, ws = (v[rank].to(DEV) for v in make_inputs(case, 0))
+
+        def step():
+            res = buf.dispatch(xs, idxs, ws, case.alignment, fp8=fp8, max_recv_rows=max_rows)
+            y = _expert_fn_on_device(_rows_as_floats(res), res.expert_offsets).to(case.dtype)
+            return res, y, buf.combine(y, res.handle, weights=res.weights)
+
+        start = time.perf_counter()
+        step()  # compile and load every kernel outside the capture
+        settle([buf], "warm-up")
+        first = time.perf_counter() - start
+        dist.barrier()  # no rank captures while a peer still runs its warm-up
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            res, y, out = step()
+        for it in range(1, 4):
+            what = f"fp8={fp8} replay {it}"
+            new = [v[rank] for v in make_inputs(case, it)]
+            for dst, src in zip((xs, idxs, ws), new):
+                dst.copy_(src.to(DEV))
+            dist.barrier()  # every process's inputs are in place before any replay
+            graph.replay()
+            settle([buf], what)
+            want, ys_ref = _check_dispatch(rank, case, it, res, fp8, what)
+            same_bytes(y[:ys_ref[rank].shape[0]], ys_ref[rank],
+                       f"{what} rank {rank} expert outputs")
+            _check_combine(rank, want, ys_ref, out, what)
+        return _facts(buf, first)
+
+
+def low_latency(rank, world_size, case: Case, kernel_impl: str, calls: int = 3) -> dict:
+    """Low-latency dispatch + combine ``calls`` times (FP8 and bf16 alternating), checked."""
+    T = case.max_tokens
+    with _buffer(case, low_latency=True, kernel_impl=kernel_impl) as buf:
+        first = None
+        for it in range(calls):
+            fp8 = it % 2 == 0
+            what = f"call {it} fp8={fp8} {kernel_impl}"
+            xs, idxs, ws = make_inputs(case, it)
+            start = time.perf_counter()
+            recv = buf.low_latency_dispatch(xs[rank].to(DEV), idxs[rank].to(DEV), fp8=fp8)
+            settle([buf], what)
+            want = reference.low_latency_dispatch_all(xs, idxs, num_experts=case.num_experts,
+                                                      max_tokens=T, fp8=fp8)
+            check_ll_dispatch(recv, want[rank], f"{what} rank {rank}")
+            gen = torch.Generator().manual_seed(100 + it)
+            ys = [torch.randn(w.x.shape, generator=gen).to(case.dtype) for w in want]
+            out = buf.low_latency_combine(ys[rank].to(DEV), idxs[rank].to(DEV),
+                                          ws[rank].to(DEV), recv.handle)
+            settle([buf], what)
+            first = time.perf_counter() - start if first is None else first
+            ref = reference.low_latency_combine_all(ys, idxs, ws, want, T)
+            slack = ll_combine_slack(ys, [w.count for w in want], idxs, ws)
+            assert_within_one_ulp(out, ref[rank], slack[rank],
+                                  what=f"{what} combine rank {rank}")
+        return _facts(buf, first)

@@ -1,0 +1,90 @@
+"""GPU tests with one process per rank (``pytest -m gpu``, ``TRITON_INTERPRET=0``): 2 and 4
+processes share one GPU, each with its own Buffer over the ``cuda`` heap (every peer's segment
+mapped into every process), both modes, bf16 and FP8, both low-latency kernel implementations,
+bounded staging in rounds, and a CUDA graph captured and replayed in every process; every
+result checked on its rank against the reference (``gpu_process_jobs``).
+
+What it proves and what it does not: the heap's mapping across processes, the in-kernel waits
+on peers that are other processes, and graph replays that wait on other processes' graphs. The
+processes' kernels take turns on the GPU (no MPS), so the times printed (each process's first
+call, which compiles or loads every kernel) are not performance numbers.
+
+Skipped where there is no CUDA device; bench/gpu_check.sh runs them on a lent GPU.
+"""
+import os
+
+import gpu_process_jobs as jobs
+import pytest
+import torch
+
+from cases import Case
+from moe_comm.launch import RankPool
+from moe_comm.symm.cuda import OVERLAP_ENV
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                       reason="GPU tests run compiled kernels: set TRITON_INTERPRET=0"),
+]
+# a wait ends after the peer's time slice; the first call of a process loads its kernels
+ENV = {OVERLAP_ENV: "1", "MOE_COMM_TIMEOUT_S": "60", "CUDA_VISIBLE_DEVICES": "0"}
+
+
+@pytest.fixture(scope="module")
+def gpu_ranks():
+    pools = {}
+
+    def get(world_size: int) -> RankPool:
+        if world_size not in pools or not pools[world_size].healthy():
+            pools[world_size] = RankPool(world_size, env=ENV, compiled=True, timeout_s=300)
+        return pools[world_size]
+
+    yield get
+    for pool in pools.values():
+        pool.close()
+
+
+def _report(what: str, facts: list[dict]) -> None:
+    print(f"{what}: mapping {facts[0]['mapping']!r}, rounds {facts[0]['rounds']}, first call "
+          f"{[f['first_call_s'] for f in facts]} s per process (compile or load included)")
+    assert all(f["mapping"] == facts[0]["mapping"] for f in facts), facts
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_normal_mode_across_processes_matches_reference(gpu_ranks, world_size, fp8):
+    case = Case(world_size, 8 * world_size, 2048, 8,
+                tuple(64 + 9 * r for r in range(world_size)), routing="zipf", alignment=16,
+                seed=world_size)
+    _report(f"normal R={world_size} fp8={fp8}",
+            gpu_ranks(world_size).run(jobs.normal_mode, case, fp8))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_normal_mode_in_rounds_across_processes_matches_reference(gpu_ranks, fp8):
+    """16 slots per source: 7 rounds a call at 100 tokens, each round's wait on other
+    processes."""
+    case = Case(4, 32, 2048, 8, (64, 73, 0, 100), routing="zipf", alignment=16, seed=17)
+    facts = gpu_ranks(4).run(jobs.normal_mode, case, fp8, ring_slots=16)
+    assert facts[0]["rounds"] == 7
+    _report(f"normal in rounds fp8={fp8}", facts)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_normal_mode_graph_replays_across_processes(gpu_ranks, world_size):
+    case = Case(world_size, 8 * world_size, 2048, 8, (64,) * world_size, routing="zipf",
+                alignment=16, seed=13)
+    _report(f"graph R={world_size}",
+            gpu_ranks(world_size).run(jobs.normal_mode_graph, case, True))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("kernel_impl", ["triton", "cuda"])
+def test_low_latency_across_processes_matches_reference(gpu_ranks, world_size, kernel_impl):
+    from test_gpu import _csrc_or_skip
+
+    _csrc_or_skip(kernel_impl)
+    case = Case(world_size, 4 * world_size, 7168, 8, (128,) * world_size, seed=3)
+    _report(f"low latency R={world_size} {kernel_impl}",
+            gpu_ranks(world_size).run(jobs.low_latency, case, kernel_impl))

@@ -17,7 +17,7 @@ export TRITON_CACHE_DIR ?= $(HOME)/.cache/moe_comm/triton
 export MOE_COMM_CACHE_DIR ?= $(HOME)/.cache/moe_comm
 export TRITON_DEFAULT_FP_FUSION ?= 1
 
-.PHONY: bench host-cost test test-quick mutants gpu-gate gpu-gate-triton36 lint clean
+.PHONY: gpu-wheels bench host-cost test test-quick mutants gpu-gate gpu-gate-triton36 lint clean
 
 $(STAMP): setup.py pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ $(STAMP36): setup.py pyproject.toml Makefile
 	$(VENV36)/bin/pip install -q "$(TORCH_SPEC)" "$(TRITON36_SPEC)" numpy "$(NVSHMEM_SPEC)"
 	$(VENV36)/bin/pip install -q --no-deps -e .
 	touch $(STAMP36)
+
+gpu-wheels:  ## wheels bench/gpu_check.sh installs on the GPU machine (Python 3.12): nvshmem4py
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_17_x86_64 -d .whl "nvshmem4py-cu13==0.4.1"
 
 bench: $(STAMP)  ## the dispatch/combine benchmark on 4 CPU ranks, one table
 	$(BIN)/python bench/dispatch_bench.py --ranks 4

@@ -7,7 +7,8 @@
 # Nothing stops it early: every failure is reported, the summary lists each phase with its time
 # and status, and the exit status is 1 if anything failed.
 # Everything goes to $OUT (default bench/results/gpu); copy the table into docs/PERF.md with its
-# date and device only from such a run.
+# date and device only from such a run. Wheels in .whl/ (`make gpu-wheels`: nvshmem4py, which the
+# GPU image lacks; ignored by git, so name .whl in the run's carry) are installed first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu}
@@ -65,6 +66,17 @@ note "install the checkout in place (csrc/ is built for sm_${ARCH} only, next ph
 MOE_COMM_BUILD_CUDA=0 timeout 300 "$PY" -m pip install --no-deps --no-build-isolation -q -e . \
   2>&1 | tail -3 | tee "$OUT/install.txt"
 rc=${PIPESTATUS[0]}
+if compgen -G ".whl/*.whl" > /dev/null; then  # carried wheels (make gpu-wheels): nvshmem4py
+  SITE=/tmp/moe_comm_site
+  timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target "$SITE" .whl/*.whl 2>&1 | tail -3 | tee -a "$OUT/install.txt"
+  (( PIPESTATUS[0] )) && rc=1
+  export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+  echo "carried wheels installed: $(cd .whl && ls ./*.whl | tr '\n' ' ')" | tee -a "$OUT/install.txt"
+else
+  echo "no carried wheels in .whl/ (make gpu-wheels): the NVSHMEM-heap tests will skip" \
+    | tee -a "$OUT/install.txt"
+fi
 if [[ $rc == 0 ]]; then done_phase install "$start" ok; else done_phase install "$start" \
   "FAIL (rc $rc)"; fi
 timeout 60 "$PY" bench/gpu_prepare.py toolchain --arch "$ARCH" 2>&1 | tee -a "$OUT/device.txt"

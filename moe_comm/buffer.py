@@ -193,7 +193,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         _check_same_config(configs)
         _check_config(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk,
                       dispatch_dtype)
-        nodes = Nodes.of(world_size, ranks_per_node, [c["host"] for c in configs], device)
+        nodes = Nodes.of(world_size, ranks_per_node, [c["host"] for c in configs], device,
+                         split_hosts=backend == "nvshmem")
         chosen = choose_backend(backend, device, nodes.num_hosts)
         # IBGDA is not probed: GPUs keep NVSHMEM across nodes unless "nixl" is asked for
         via = choose_transport(transport, device, nodes.count, ibgda=device.type == "cuda")
@@ -211,8 +212,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         if via == "nixl" and env.kernel_waits():
             raise ValueError("transport='nixl' runs with host waits so far: MOE_COMM_WAIT=kernel "
                              "is not supported across nodes through the proxy yet")
-        # NVSHMEM puts to peers without a pointer (through the proxy, its outboxes instead)
-        rdma = chosen == "nvshmem" and nodes.num_hosts > 1 and via != "nixl"
+        # NVSHMEM puts to the ranks of other nodes (through the proxy, its outboxes instead)
+        rdma = chosen == "nvshmem" and nodes.count > 1 and via != "nixl"
         forwarders = via == "nixl" and hierarchical and nodes.count > 1
         ring_slots = staging_ring_slots(
             staging_bytes, world_size, max_tokens_per_rank, hidden, max_topk, dtype,

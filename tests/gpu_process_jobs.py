@@ -33,12 +33,17 @@ DEV = "cuda:0"
 
 def _buffer(case: Case, **kwargs) -> moe_comm.Buffer:
     torch.cuda.set_device(0)
+    kwargs.setdefault("backend", "cuda")
     return moe_comm.Buffer(dist.group.WORLD, case.hidden, case.num_experts, case.max_tokens,
-                           case.dtype, max_topk=case.topk, device=DEV, backend="cuda", **kwargs)
+                           case.dtype, max_topk=case.topk, device=DEV, **kwargs)
 
 
 def _facts(buf: moe_comm.Buffer, first_call_s: float) -> dict:
-    return dict(mapping=buf.heap.mapping, rounds=buf.rounds, first_call_s=round(first_call_s, 3))
+    """What the test reports: how the heap maps peers, the rounds, whether the kernels put
+    through NVSHMEM (transport 1) and the first call's time."""
+    return dict(mapping=getattr(buf.heap, "mapping", type(buf.heap).__name__),
+                rounds=buf.rounds, transport=buf.flavour.transport,
+                first_call_s=round(first_call_s, 3))
 
 
 def _check_dispatch(rank, case, it, res, fp8, what) -> tuple:
@@ -59,14 +64,16 @@ def _check_combine(rank, want, ys_ref, out, what) -> None:
 
 
 def normal_mode(rank, world_size, case: Case, fp8: bool, ring_slots: int | None = None,
-                calls: int = 3) -> dict:
+                calls: int = 3, **buffer_kwargs) -> dict:
     """``calls`` dispatch + combine calls, new routing each, checked against the reference
-    (``ring_slots``: a staging of that many slots per source, the calls in rounds)."""
+    (``ring_slots``: a staging of that many slots per source, the calls in rounds;
+    ``buffer_kwargs``: e.g. the NVSHMEM heap with a node per rank)."""
     from moe_comm.workspace import staging_slot_bytes
 
     budget = (None if ring_slots is None else ring_slots * staging_slot_bytes(
-        world_size, case.hidden, case.topk, case.dtype))
-    with _buffer(case, staging_bytes=budget) as buf:
+        world_size, case.hidden, case.topk, case.dtype,
+        rdma=buffer_kwargs.get("backend") == "nvshmem"))  # (its outboxes: a node per rank)
+    with _buffer(case, staging_bytes=budget, **buffer_kwargs) as buf:
         first = None
         for it in range(calls):
             what = f"call {it} fp8={fp8} rounds={buf.rounds}"
@@ -119,10 +126,11 @@ def normal_mode_graph(rank, world_size, case: Case, fp8: bool) -> dict:
         return _facts(buf, first)
 
 
-def low_latency(rank, world_size, case: Case, kernel_impl: str, calls: int = 3) -> dict:
+def low_latency(rank, world_size, case: Case, kernel_impl: str, calls: int = 3,
+                **buffer_kwargs) -> dict:
     """Low-latency dispatch + combine ``calls`` times (FP8 and bf16 alternating), checked."""
     T = case.max_tokens
-    with _buffer(case, low_latency=True, kernel_impl=kernel_impl) as buf:
+    with _buffer(case, low_latency=True, kernel_impl=kernel_impl, **buffer_kwargs) as buf:
         first = None
         for it in range(calls):
             fp8 = it % 2 == 0

@@ -291,3 +291,51 @@ def test_cuda_heap_maps_by_ipc_where_ranks_share_a_gpu(monkeypatch, refusal):
     assert heap.peer_ptrs.tolist() == [0, 0, 0]
     heap.close()  # a second close is a no-op
     assert len(events) == 5
+
+
+def test_gpu_nodes_split_a_host_only_over_nvshmem():
+    """On GPUs the nodes are the hosts; the NVSHMEM heap may split a host into nodes (several
+    processes of one GPU run the NVSHMEM path as nodes on different hosts would)."""
+    from moe_comm.nodes import Nodes
+
+    hosts = ["a"] * 4
+    assert Nodes.of(4, None, hosts, GPU) == Nodes(4, 1, 1)
+    assert Nodes.of(4, 2, hosts, GPU, split_hosts=True) == Nodes(2, 2, 1)
+    assert Nodes.of(4, 1, hosts, GPU, split_hosts=True) == Nodes(1, 4, 1)
+    with pytest.raises(ValueError, match="on GPUs the nodes are the hosts"):
+        Nodes.of(4, 2, hosts, GPU)
+    with pytest.raises(ValueError, match="must share a host"):  # a split, not a merge
+        Nodes.of(4, 4, ["a", "a", "b", "b"], GPU, split_hosts=True)
+    assert Nodes.of(4, 2, hosts, CPU) == Nodes(2, 2, 1)  # CPU ranks: any split
+
+
+@pytest.mark.parametrize("ranks_per_node, expected", [
+    (None, [7000, 7001, 7002, 7003]), (2, [0, 0, 7002, 7003]), (1, [0, 0, 7002, 0])])
+def test_nvshmem_heap_maps_only_its_own_node(monkeypatch, ranks_per_node, expected):
+    """Rank 2 of 4 PEs that NVSHMEM could all map (one host): the pointer table keeps the
+    ranks of its node and holds 0 for the others, whose rows the kernels then put through
+    NVSHMEM; close waits for every rank before it frees the symmetric segment."""
+    import types
+
+    from moe_comm.symm import nvshmem as heap_module
+
+    events = []
+    local = torch.ones(64, dtype=torch.uint8)
+    core = types.SimpleNamespace(tensor=lambda shape, dtype: local,
+                                 free_tensor=lambda t: events.append("free"))
+    bindings = types.SimpleNamespace(ptr=lambda base, pe: 7000 + pe)
+    monkeypatch.setattr(heap_module, "_import_nvshmem", lambda: (core, bindings))
+    monkeypatch.setattr(heap_module, "init_nvshmem", lambda group, device: None)
+    monkeypatch.setattr(heap_module.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(heap_module.torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(heap_module.dist, "get_rank", lambda group: 2)
+    monkeypatch.setattr(heap_module.dist, "get_world_size", lambda group: 4)
+    monkeypatch.setattr(heap_module.dist, "barrier", lambda group=None: events.append("barrier"))
+    monkeypatch.setattr(heap_module, "peer_table",
+                        lambda addresses, n, device: torch.tensor(addresses, dtype=torch.int64))
+    heap = heap_module.NvshmemHeap(object(), 64, GPU, ranks_per_node)
+    assert heap.peer_ptrs.tolist() == expected
+    assert not heap.local.any()  # zeroed before anyone writes into it
+    assert heap.rdma_peers == [p for p, a in enumerate(expected) if a == 0]
+    heap.close()
+    assert events == ["barrier", "barrier", "free"]

@@ -1,8 +1,10 @@
 """GPU tests with one process per rank (``pytest -m gpu``, ``TRITON_INTERPRET=0``): 2 and 4
 processes share one GPU, each with its own Buffer over the ``cuda`` heap (every peer's segment
 mapped into every process), both modes, bf16 and FP8, both low-latency kernel implementations,
-bounded staging in rounds, and a CUDA graph captured and replayed in every process; every
-result checked on its rank against the reference (``gpu_process_jobs``).
+bounded staging in rounds, and a CUDA graph captured and replayed in every process; then 2
+processes over the ``nvshmem`` heap, each its own node, so that every row between them moves by
+NVSHMEM device puts (Triton's NVSHMEM-linked kernels and csrc/'s); every result checked on its
+rank against the reference (``gpu_process_jobs``).
 
 What it proves and what it does not: the heap's mapping across processes, the in-kernel waits
 on peers that are other processes, and graph replays that wait on other processes' graphs. The
@@ -35,10 +37,12 @@ ENV = {OVERLAP_ENV: "1", "MOE_COMM_TIMEOUT_S": "60", "CUDA_VISIBLE_DEVICES": "0"
 def gpu_ranks():
     pools = {}
 
-    def get(world_size: int) -> RankPool:
-        if world_size not in pools or not pools[world_size].healthy():
-            pools[world_size] = RankPool(world_size, env=ENV, compiled=True, timeout_s=300)
-        return pools[world_size]
+    def get(world_size: int, heap: str = "cuda") -> RankPool:
+        """A pool per size and heap (a process joins one NVSHMEM job for its life)."""
+        key = (world_size, heap)
+        if key not in pools or not pools[key].healthy():
+            pools[key] = RankPool(world_size, env=ENV, compiled=True, timeout_s=300)
+        return pools[key]
 
     yield get
     for pool in pools.values():
@@ -46,8 +50,9 @@ def gpu_ranks():
 
 
 def _report(what: str, facts: list[dict]) -> None:
-    print(f"{what}: mapping {facts[0]['mapping']!r}, rounds {facts[0]['rounds']}, first call "
-          f"{[f['first_call_s'] for f in facts]} s per process (compile or load included)")
+    print(f"{what}: mapping {facts[0]['mapping']!r}, rounds {facts[0]['rounds']}, transport "
+          f"{facts[0]['transport']}, first call {[f['first_call_s'] for f in facts]} s per "
+          "process (compile or load included)")
     assert all(f["mapping"] == facts[0]["mapping"] for f in facts), facts
 
 
@@ -88,3 +93,44 @@ def test_low_latency_across_processes_matches_reference(gpu_ranks, world_size, k
     case = Case(world_size, 4 * world_size, 7168, 8, (128,) * world_size, seed=3)
     _report(f"low latency R={world_size} {kernel_impl}",
             gpu_ranks(world_size).run(jobs.low_latency, case, kernel_impl))
+
+
+# ------------------------------------------------------------------------------ NVSHMEM
+# Two PEs on one GPU, each its own node (ranks_per_node=1): the pointer table holds 0 for the
+# other, so the kernels put to it through NVSHMEM device calls, as to a rank on another host.
+NVSHMEM = dict(backend="nvshmem", ranks_per_node=1)
+
+
+def _nvshmem_or_skip() -> None:
+    pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed (bench/gpu_check.sh "
+                        "installs a carried wheel from .whl/)")
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_nvshmem_puts_between_processes_normal_mode(gpu_ranks, fp8):
+    _nvshmem_or_skip()
+    case = Case(2, 16, 2048, 8, (64, 73), routing="zipf", alignment=16, seed=21)
+    facts = gpu_ranks(2, "nvshmem").run(jobs.normal_mode, case, fp8, **NVSHMEM)
+    assert [f["transport"] for f in facts] == [1, 1], facts
+    _report(f"NVSHMEM normal fp8={fp8}", facts)
+
+
+def test_nvshmem_puts_between_processes_in_rounds(gpu_ranks):
+    _nvshmem_or_skip()
+    case = Case(2, 16, 2048, 8, (64, 100), routing="zipf", alignment=16, seed=22)
+    facts = gpu_ranks(2, "nvshmem").run(jobs.normal_mode, case, True, ring_slots=16,
+                                         **NVSHMEM)
+    assert facts[0]["rounds"] == 7 and facts[0]["transport"] == 1, facts
+    _report("NVSHMEM normal in rounds", facts)
+
+
+@pytest.mark.parametrize("kernel_impl", ["triton", "cuda"])
+def test_nvshmem_puts_between_processes_low_latency(gpu_ranks, kernel_impl):
+    from test_gpu import _csrc_or_skip
+
+    _nvshmem_or_skip()
+    _csrc_or_skip(kernel_impl)
+    case = Case(2, 8, 7168, 8, (128, 128), seed=23)
+    facts = gpu_ranks(2, "nvshmem").run(jobs.low_latency, case, kernel_impl, **NVSHMEM)
+    assert [f["transport"] for f in facts] == [1, 1], facts
+    _report(f"NVSHMEM low latency {kernel_impl}", facts)

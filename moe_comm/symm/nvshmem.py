@@ -68,9 +68,13 @@ def init_nvshmem(group: dist.ProcessGroup, device: torch.device) -> None:
 
 
 class NvshmemHeap(SymmetricHeap):
-    """Collective constructor; ``peer_ptrs`` holds 0 for peers NVSHMEM reaches only by RDMA."""
+    """Collective constructor; ``peer_ptrs`` holds 0 for peers NVSHMEM reaches only by RDMA,
+    and for every rank outside this rank's node of ``ranks_per_node`` ranks: the kernels put to
+    those through NVSHMEM even where it could map them (nodes that split a host, so that
+    several processes of one GPU run the NVSHMEM path as nodes on different hosts would)."""
 
-    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device):
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device,
+                 ranks_per_node: int | None = None):
         if not torch.cuda.is_available():
             raise RuntimeError("the 'nvshmem' heap needs a CUDA build of torch and a GPU")
         core, bindings = _import_nvshmem()
@@ -82,8 +86,10 @@ class NvshmemHeap(SymmetricHeap):
         self.local = core.tensor((self.nbytes,), dtype=torch.uint8)
         self.local.zero_()
         base = self.local.data_ptr()
-        self.peer_ptrs = peer_table([bindings.ptr(base, p) for p in range(self.world_size)],
-                                    self.world_size, device)
+        node = self.rank // (ranks_per_node or self.world_size)
+        self.peer_ptrs = peer_table(
+            [bindings.ptr(base, p) if p // (ranks_per_node or self.world_size) == node else 0
+             for p in range(self.world_size)], self.world_size, device)
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
 

@@ -44,8 +44,9 @@ def default_device() -> torch.device:
 
 def create_heap(backend: str, group: dist.ProcessGroup, nbytes: int,
                 device: torch.device, ranks_per_node: int | None = None) -> SymmetricHeap:
-    """Collective: a heap of ``nbytes`` per rank from the chosen backend (``shm``: only the
-    segments of this rank's node of ``ranks_per_node`` ranks are reachable)."""
+    """Collective: a heap of ``nbytes`` per rank from the chosen backend (``shm`` and
+    ``nvshmem``: only the segments of this rank's node of ``ranks_per_node`` ranks are
+    reachable by load/store)."""
     if backend == "shm":
         from .shm import ShmHeap
 
@@ -57,5 +58,5 @@ def create_heap(backend: str, group: dist.ProcessGroup, nbytes: int,
     if backend == "nvshmem":
         from .nvshmem import NvshmemHeap
 
-        return NvshmemHeap(group, nbytes, device)
+        return NvshmemHeap(group, nbytes, device, ranks_per_node)
     raise ValueError(f"unknown backend {backend!r}")

@@ -404,6 +404,22 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         """Rounds of every normal-mode call: ``ceil(max_tokens_per_rank / ring_slots)``."""
         return self.layout.rounds
 
+    def warmup(self, topk: int | None = None, *, fp8: bool | None = None,
+               backward: bool = True) -> dict:
+        """Compiles every kernel this Buffer's calls launch, before the first call, so that the
+        first call loads them instead of compiling while its peers wait (``moe_comm.warmup``).
+        Local: no peer takes part. ``topk`` (default ``max_topk``): the K the calls will pass;
+        ``fp8`` (default: ``dispatch_dtype`` is FP8, or the low-latency mode): an FP8 dispatch;
+        ``backward``: the ops of the backward pass too. Returns ``{"variants": [kernel names],
+        "seconds": wall time}``; on CPU ranks (interpreted kernels) nothing is compiled.
+        Equivalent, in effect::
+
+            buf.dispatch(x, idx, w, fp8=fp8); buf.combine(y, handle, w)  # (+ backward), but
+            # nothing moves and no peer waits"""
+        from .warmup import compile_ahead
+
+        return compile_ahead(self, topk, fp8, backward)
+
     @staticmethod
     def required_workspace_bytes(world_size: int, hidden: int, num_experts: int,
                                  max_tokens_per_rank: int, dtype: torch.dtype = torch.bfloat16,

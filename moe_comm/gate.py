@@ -128,15 +128,6 @@ class Variant:
 
 
 # ------------------------------------------------------------------------------ recording
-class _RingStandIn:
-    """What the Buffer asks of its proxy while the gate records (no ring, no thread)."""
-
-    ring_addr, slots = 0, 4096
-
-    def check(self) -> None:
-        pass
-
-
 def _buffers(cfg: GateConfig, dtype, low_latency: bool, transport: int, arch: int,
              hierarchical: bool = False, fault_tolerant: bool = False):
     """Virtual ranks on the meta device with the GPU flavour (``transport`` 1: NVSHMEM; 2: the
@@ -145,10 +136,9 @@ def _buffers(cfg: GateConfig, dtype, low_latency: bool, transport: int, arch: in
     they wait on the host, not in a kernel, so far."""
     import torch
 
-    from .buffer import Buffer
     from .kernels.comm import Flavour
     from .kernels.nvshmem import device_bitcode
-    from .symm import create_loopback_heaps
+    from .warmup import RingStandIn, twins
     from .workspace import WorkspaceLayout
 
     L = cfg.num_experts // cfg.world_size
@@ -161,18 +151,12 @@ def _buffers(cfg: GateConfig, dtype, low_latency: bool, transport: int, arch: in
     flavour = Flavour(transport=transport, device_wait=True, compiled=True,
                       bitcode=device_bitcode(arch) if transport == 1 else "",
                       row_align=16 if cfg.hidden * elem % 16 == 0 else elem,
-                      ring_slots=_RingStandIn.slots if proxy else 0, ranks_per_node=N or 0,
+                      ring_slots=RingStandIn.slots if proxy else 0, ranks_per_node=N or 0,
                       hierarchical=layout.hierarchical, fault_tolerant=fault_tolerant,
                       mask_off=layout["ft_mask"].offset)
-    buffers = []
-    for heap in create_loopback_heaps(cfg.world_size, layout.nbytes, "meta"):
-        buf = Buffer.__new__(Buffer)
-        buf._setup(heap, layout, cfg.num_experts, None, None, num_sms=GATE_NUM_SMS,
-                   flavour=flavour, proxy=_RingStandIn() if proxy else None)
+    buffers = twins(layout, cfg.num_experts, flavour, GATE_NUM_SMS, proxy=proxy)
+    for buf in buffers:
         buf.backend = "gate"
-        if proxy:
-            buf._wait_words = lambda *args, **kwargs: None
-        buffers.append(buf)
     return buffers
 
 

@@ -38,12 +38,23 @@ def _buffer(case: Case, **kwargs) -> moe_comm.Buffer:
                            case.dtype, max_topk=case.topk, device=DEV, **kwargs)
 
 
-def _facts(buf: moe_comm.Buffer, first_call_s: float) -> dict:
+def _facts(buf: moe_comm.Buffer, first_call_s: float, warmup: dict | None = None) -> dict:
     """What the test reports: how the heap maps peers, the rounds, whether the kernels put
-    through NVSHMEM (transport 1) and the first call's time."""
+    through NVSHMEM (transport 1), the first call's time and the warm-up's."""
     return dict(mapping=getattr(buf.heap, "mapping", type(buf.heap).__name__),
                 rounds=buf.rounds, transport=buf.flavour.transport,
-                first_call_s=round(first_call_s, 3))
+                first_call_s=round(first_call_s, 3),
+                warmup=None if warmup is None else (len(warmup["variants"]),
+                                                    round(warmup["seconds"], 3)))
+
+
+def _warmed(buf: moe_comm.Buffer, warm: bool, fp8: bool) -> dict | None:
+    """``buf.warmup()`` on every rank, then a barrier: no first call compiles."""
+    if not warm:
+        return None
+    done = buf.warmup(fp8=fp8)
+    dist.barrier()
+    return done
 
 
 def _check_dispatch(rank, case, it, res, fp8, what) -> tuple:
@@ -64,7 +75,7 @@ def _check_combine(rank, want, ys_ref, out, what) -> None:
 
 
 def normal_mode(rank, world_size, case: Case, fp8: bool, ring_slots: int | None = None,
-                calls: int = 3, **buffer_kwargs) -> dict:
+                calls: int = 3, warm: bool = False, **buffer_kwargs) -> dict:
     """``calls`` dispatch + combine calls, new routing each, checked against the reference
     (``ring_slots``: a staging of that many slots per source, the calls in rounds;
     ``buffer_kwargs``: e.g. the NVSHMEM heap with a node per rank)."""
@@ -74,6 +85,7 @@ def normal_mode(rank, world_size, case: Case, fp8: bool, ring_slots: int | None 
         world_size, case.hidden, case.topk, case.dtype,
         rdma=buffer_kwargs.get("backend") == "nvshmem"))  # (its outboxes: a node per rank)
     with _buffer(case, staging_bytes=budget, **buffer_kwargs) as buf:
+        warmed = _warmed(buf, warm, fp8)
         first = None
         for it in range(calls):
             what = f"call {it} fp8={fp8} rounds={buf.rounds}"
@@ -88,7 +100,7 @@ def normal_mode(rank, world_size, case: Case, fp8: bool, ring_slots: int | None 
             if first is None:  # the first call compiles or loads every kernel it launches
                 first = time.perf_counter() - start
             _check_combine(rank, want, ys_ref, out, what)
-        return _facts(buf, first)
+        return _facts(buf, first, warmed)
 
 
 def normal_mode_graph(rank, world_size, case: Case, fp8: bool) -> dict:
@@ -127,10 +139,11 @@ def normal_mode_graph(rank, world_size, case: Case, fp8: bool) -> dict:
 
 
 def low_latency(rank, world_size, case: Case, kernel_impl: str, calls: int = 3,
-                **buffer_kwargs) -> dict:
+                warm: bool = False, **buffer_kwargs) -> dict:
     """Low-latency dispatch + combine ``calls`` times (FP8 and bf16 alternating), checked."""
     T = case.max_tokens
     with _buffer(case, low_latency=True, kernel_impl=kernel_impl, **buffer_kwargs) as buf:
+        warmed = _warmed(buf, warm, True)
         first = None
         for it in range(calls):
             fp8 = it % 2 == 0
@@ -152,4 +165,4 @@ def low_latency(rank, world_size, case: Case, kernel_impl: str, calls: int = 3,
             slack = ll_combine_slack(ys, [w.count for w in want], idxs, ws)
             assert_within_one_ulp(out, ref[rank], slack[rank],
                                   what=f"{what} combine rank {rank}")
-        return _facts(buf, first)
+        return _facts(buf, first, warmed)

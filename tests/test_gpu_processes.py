@@ -50,20 +50,26 @@ def gpu_ranks():
 
 
 def _report(what: str, facts: list[dict]) -> None:
+    warm = facts[0]["warmup"]
     print(f"{what}: mapping {facts[0]['mapping']!r}, rounds {facts[0]['rounds']}, transport "
           f"{facts[0]['transport']}, first call {[f['first_call_s'] for f in facts]} s per "
-          "process (compile or load included)")
+          "process (" + ("compile or load included" if warm is None else
+                         f"after a warm-up of {warm[0]} variants in "
+                         f"{[f['warmup'][1] for f in facts]} s") + ")")
     assert all(f["mapping"] == facts[0]["mapping"] for f in facts), facts
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_normal_mode_across_processes_matches_reference(gpu_ranks, world_size, fp8):
+    """The FP8 runs warm up first (``Buffer.warmup``): their first call loads its kernels."""
     case = Case(world_size, 8 * world_size, 2048, 8,
                 tuple(64 + 9 * r for r in range(world_size)), routing="zipf", alignment=16,
                 seed=world_size)
-    _report(f"normal R={world_size} fp8={fp8}",
-            gpu_ranks(world_size).run(jobs.normal_mode, case, fp8))
+    facts = gpu_ranks(world_size).run(jobs.normal_mode, case, fp8, warm=fp8)
+    if fp8:
+        assert all(f["warmup"][0] > 0 for f in facts), facts
+    _report(f"normal R={world_size} fp8={fp8}", facts)
 
 
 @pytest.mark.parametrize("fp8", [False, True])

@@ -31,9 +31,11 @@ $(STAMP36): setup.py pyproject.toml Makefile
 	$(VENV36)/bin/pip install -q --no-deps -e .
 	touch $(STAMP36)
 
-gpu-wheels:  ## wheels bench/gpu_check.sh installs on the GPU machine (Python 3.12): nvshmem4py
+gpu-wheels:  ## wheels gpu_check.sh installs on the GPU machine (Python 3.12): nvshmem4py, NIXL
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --implementation cp --platform manylinux_2_17_x86_64 -d .whl "nvshmem4py-cu13==0.4.1"
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 -d .whl "nixl-cu13==1.5.1"
 
 bench: $(STAMP)  ## the dispatch/combine benchmark on 4 CPU ranks, one table
 	$(BIN)/python bench/dispatch_bench.py --ranks 4

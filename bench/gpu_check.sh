@@ -149,7 +149,7 @@ SUMMARY+=("$(printf '%-8s %5s  %s' csrc '' "$(head -1 "$OUT/csrc_build.txt")")")
 # one process per rank, 2 and 4 of them sharing the GPU over the cuda heap (no MPS: their
 # kernels take turns, so what it prints are first-call times, not performance)
 start=$SECONDS
-T=$(limit 160 220)
+T=$(limit 200 200)
 if (( T >= 40 )); then
   note "ranks as processes on one GPU (limit ${T}s)"
   PT=()

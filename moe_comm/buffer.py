@@ -212,6 +212,11 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         if via == "nixl" and env.kernel_waits():
             raise ValueError("transport='nixl' runs with host waits so far: MOE_COMM_WAIT=kernel "
                              "is not supported across nodes through the proxy yet")
+        if via == "nixl" and device.type == "cuda":
+            raise ValueError("transport='nixl' on GPUs: the proxy moves device memory "
+                             "(moe_comm.transport.memory) but a Buffer waits through it with "
+                             "host waits, which GPUs do not run, so far; use "
+                             "transport='nvshmem' across nodes on GPUs")
         # NVSHMEM puts to the ranks of other nodes (through the proxy, its outboxes instead)
         rdma = chosen == "nvshmem" and nodes.count > 1 and via != "nixl"
         forwarders = via == "nixl" and hierarchical and nodes.count > 1

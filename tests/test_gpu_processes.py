@@ -140,3 +140,21 @@ def test_nvshmem_puts_between_processes_low_latency(gpu_ranks, kernel_impl):
     facts = gpu_ranks(2, "nvshmem").run(jobs.low_latency, case, kernel_impl, **NVSHMEM)
     assert [f["transport"] for f in facts] == [1, 1], facts
     _report(f"NVSHMEM low latency {kernel_impl}", facts)
+
+
+# ------------------------------------------------------------------------------ the proxy
+def test_proxy_moves_device_memory_between_processes(gpu_ranks):
+    """The proxy's GPU half: descriptors posted by a kernel to a ring in pinned memory, NIXL
+    WRITEs from device memory to the peer's device memory, the signal raised in device memory
+    after the rows landed; contiguous and strided rows, every byte checked."""
+    pytest.importorskip("nixl_cu13", reason="nixl-cu13 is not installed (bench/gpu_check.sh "
+                        "installs a carried wheel from .whl/)")
+    import gpu_proxy_jobs
+
+    facts = gpu_ranks(2, "nixl").run(gpu_proxy_jobs.device_to_device)
+    rows, row = 64, 14336
+    for f in facts:
+        assert f["memory"] == "VRAM"
+        assert f["bytes"] == {"first": rows * row, "second": rows // 2 * row // 2}, f
+        assert f["messages"] == 2, f
+    print(f"proxy device to device: {facts}")

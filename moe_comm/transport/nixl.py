@@ -18,6 +18,10 @@ The thread loops, never blocking on anything but short sleeps when idle:
    place, so raising the local signal word then (to the larger of the two values) is the
    release: a waiter that sees the epoch sees the rows.
 
+The segment may be host memory (CPU ranks) or device memory (GPUs: NIXL moves device memory to
+device memory, the ring is pinned host memory the kernels post to, and a signal word is raised
+by a copy on the proxy's own stream; ``moe_comm.transport.memory``).
+
 Failures are kept (``failure``) and raised as :class:`TransportError` naming the peer by
 :meth:`check`, which the Buffer's waits call; a stopped thread is a failure too. A ``tolerant``
 proxy (a fault-tolerant Buffer) keeps a failure towards one peer to that peer: the peer is
@@ -48,6 +52,7 @@ import torch.distributed as dist
 
 from ..kernels.proxy import DESC_WORDS, MAX_SEGMENTS, RING_HEADER
 from .errors import TransportError
+from .memory import segment_memory
 from .select import nixl_backend
 
 _NOTIF = struct.Struct("<qq")  # (signal byte offset, value)
@@ -76,20 +81,17 @@ class NixlProxy:
                  world_size: int, peers: list[int], *, timeout_s: float,
                  backend: str | None = None, slots: int | None = None,
                  labels: dict[int, str] | None = None, tolerant: bool = False):
-        if segment.device.type != "cpu":
-            raise ValueError("the nixl proxy moves host memory on CPU ranks; on GPUs its ring "
-                             "and kernels compile (the static gate) but the host half that "
-                             "applies signals in device memory is not built yet")
+        memory = segment_memory(segment)  # host (CPU ranks) or device memory (GPUs)
         nixl_agent, nixl_agent_config = _import_nixl()
         self.rank, self.world_size = rank, world_size
         self.peers = sorted(set(peers))
         self.timeout_s = timeout_s
         self.backend = nixl_backend(backend)
         self.slots = slots or max(8, 4 * len(self.peers))
-        self.ring = torch.zeros(RING_HEADER + self.slots * DESC_WORDS, dtype=torch.int64)
+        self._memory = memory
+        self.ring = memory.new_ring(RING_HEADER + self.slots * DESC_WORDS)
         self._ring = self.ring.numpy()
         self._segment = segment
-        self._words = segment.view(torch.int64).numpy()  # signal words (8-byte aligned)
         self._labels = dict(labels or {})
         self._bytes = {label: np.zeros(world_size, dtype=np.int64)
                        for label in [*self._labels.values(), "other"]}
@@ -104,13 +106,19 @@ class NixlProxy:
         self._agent = nixl_agent(name, nixl_agent_config(backends=[self.backend]))
         self._registered = self._agent.register_memory(segment)
         infos: list = [None] * world_size
-        dist.all_gather_object(infos, (self._agent.get_agent_metadata(), segment.data_ptr()),
-                               group=group)
+        dist.all_gather_object(infos, (self._agent.get_agent_metadata(), segment.data_ptr(),
+                                       memory.kind, memory.device_id), group=group)
+        kinds = {info[2] for info in infos}
+        if kinds != {memory.kind}:
+            raise ValueError(f"the ranks' segments are of different kinds {sorted(kinds)}: the "
+                             "proxy moves host to host or device to device memory")
         self._peer_name: dict[int, str] = {}
         self._peer_base: dict[int, int] = {}
+        self._peer_device: dict[int, int] = {}
         for p in self.peers:
             self._peer_name[p] = self._agent.add_remote_agent(infos[p][0])
             self._peer_base[p] = int(infos[p][1])
+            self._peer_device[p] = int(infos[p][3])
         self._rank_of = {n: p for p, n in self._peer_name.items()}
         self._inflight: list[tuple[object, int, float, int]] = []  # handle, peer, start, seq
         self._posted = 0  # transfers posted so far (their sequence numbers)
@@ -200,7 +208,7 @@ class NixlProxy:
             pass
         self._agent = None
         self._segment = None
-        self._words = None
+        self._memory.close()
 
     # ------------------------------------------------------------------ the thread
     def _pending(self) -> bool:
@@ -266,18 +274,19 @@ class NixlProxy:
         if peer in self.lost:  # tolerant: nothing more goes to a peer the transport lost
             return
         local_base, peer_base = self._segment.data_ptr(), self._peer_base[peer]
+        here, there = self._memory.device_id, self._peer_device[peer]
         local, remote, total = [], [], 0
         for src, dst, nbytes, stride, rows in segments:
             if nbytes <= 0 or rows <= 0:
                 continue
             total += nbytes * rows
             if nbytes == stride:  # contiguous rows: one entry
-                local.append((local_base + src, nbytes * rows, 0))
-                remote.append((peer_base + dst, nbytes * rows, 0))
+                local.append((local_base + src, nbytes * rows, here))
+                remote.append((peer_base + dst, nbytes * rows, there))
                 continue
             for r in range(rows):
-                local.append((local_base + src + r * stride, nbytes, 0))
-                remote.append((peer_base + dst + r * stride, nbytes, 0))
+                local.append((local_base + src + r * stride, nbytes, here))
+                remote.append((peer_base + dst + r * stride, nbytes, there))
         notif = _NOTIF.pack(signal_off, value)
         name = self._peer_name[peer]
         self.messages_to[peer] += 1
@@ -288,8 +297,8 @@ class NixlProxy:
                 self._send_fenced()
                 return
             handle = self._agent.initialize_xfer(
-                "WRITE", self._agent.get_xfer_descs(local, "DRAM"),
-                self._agent.get_xfer_descs(remote, "DRAM"), name, notif)
+                "WRITE", self._agent.get_xfer_descs(local, self._memory.kind),
+                self._agent.get_xfer_descs(remote, self._memory.kind), name, notif)
             state = self._agent.transfer(handle)
         except Exception as exc:  # noqa: BLE001 - NIXL raises for a lost peer
             self._fail(peer, f"NIXL: {exc!r}")
@@ -373,8 +382,6 @@ class NixlProxy:
                     self._peers_closing.add(value)
                     busy = True
                     continue
-                word = signal_off // 8
-                if self._words[word] < value:
-                    self._words[word] = value
+                self._memory.raise_to(signal_off // 8, value)
                 busy = True
         return busy

@@ -194,14 +194,19 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         _check_config(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk,
                       dispatch_dtype)
         nodes = Nodes.of(world_size, ranks_per_node, [c["host"] for c in configs], device,
-                         split_hosts=backend == "nvshmem")
+                         split_hosts=backend == "nvshmem" or transport == "nixl")
         chosen = choose_backend(backend, device, nodes.num_hosts)
         # IBGDA is not probed: GPUs keep NVSHMEM across nodes unless "nixl" is asked for
         via = choose_transport(transport, device, nodes.count, ibgda=device.type == "cuda")
         nixl_backend = nixl_backend_name(nixl_backend) if via == "nixl" else None
-        if hierarchical is None:  # fault tolerance across nodes: flat (no forwarders)
-            hierarchical = nodes.count > 1 and not fault_tolerant
+        gpu_proxy = via == "nixl" and device.type == "cuda"
+        if hierarchical is None:  # fault tolerance, and GPUs through the proxy: flat
+            hierarchical = nodes.count > 1 and not fault_tolerant and not gpu_proxy
         hierarchical = bool(hierarchical)
+        if gpu_proxy and hierarchical:
+            raise ValueError("transport='nixl' on GPUs runs flat (hierarchical=False) so far: "
+                             "the hierarchical forwarders wait for their inputs on the host, "
+                             "which cannot read device memory")
         if fault_tolerant and nodes.count > 1 and (via != "nixl" or hierarchical):
             raise ValueError("fault_tolerant=True across nodes runs through the proxy "
                              "(transport='nixl') in flat mode (hierarchical=False: a dead "
@@ -209,14 +214,6 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         if fault_tolerant and kernel_impl == "cuda":
             raise ValueError("fault_tolerant=True runs the Triton kernels: the csrc/ kernels "
                              "(kernel_impl='cuda') do not exclude silent peers")
-        if via == "nixl" and env.kernel_waits():
-            raise ValueError("transport='nixl' runs with host waits so far: MOE_COMM_WAIT=kernel "
-                             "is not supported across nodes through the proxy yet")
-        if via == "nixl" and device.type == "cuda":
-            raise ValueError("transport='nixl' on GPUs: the proxy moves device memory "
-                             "(moe_comm.transport.memory) but a Buffer waits through it with "
-                             "host waits, which GPUs do not run, so far; use "
-                             "transport='nvshmem' across nodes on GPUs")
         # NVSHMEM puts to the ranks of other nodes (through the proxy, its outboxes instead)
         rdma = chosen == "nvshmem" and nodes.count > 1 and via != "nixl"
         forwarders = via == "nixl" and hierarchical and nodes.count > 1
@@ -359,11 +356,13 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                       row_align=16 if self._row_bytes % 16 == 0 else elem,
                       fault_tolerant=self.fault_tolerant,
                       mask_off=self.layout["ft_mask"].offset)
-        if self.proxy is not None:  # peers on other nodes: the proxy (host waits)
+        if self.proxy is not None:  # peers on other nodes: the proxy
             return Flavour(transport=2, ring_addr=self.proxy.ring_addr,
                            ring_slots=self.proxy.slots,
                            ranks_per_node=self.layout.ranks_per_node,
-                           hierarchical=self.layout.hierarchical, **common)
+                           hierarchical=self.layout.hierarchical,
+                           device_wait=on_gpu or env.kernel_waits(), compiled=on_gpu,
+                           **common)
         if not on_gpu:
             return Flavour(device_wait=env.kernel_waits(), **common)
         transport = int(bool((heap.peer_ptrs == 0).any()))
@@ -667,7 +666,18 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                 raise RankExcludedError(self.rank, int(self._mask[self.rank]) - 1)
         if self._failure is None and self.errors.timed_out():
             self._failure = f"a kernel's bounded wait timed out on the {channel} channel"
-            self.errors.raise_timeout(rank=self.rank, channel=channel, timeout_s=self.timeout_s)
+            if self.proxy is not None:  # a transport that failed is the cause: say so
+                self.proxy.check()
+            try:
+                self.errors.raise_timeout(rank=self.rank, channel=channel,
+                                          timeout_s=self.timeout_s)
+            except PeerTimeoutError as exc:  # (a normal-mode wait records the source rank)
+                via = (self._relay_of(exc.peer, channel) if channel in _CHANNEL_NAMES.values()
+                       else None)
+                if via is None:
+                    raise
+                raise PeerTimeoutError(self.rank, exc.peer, channel, exc.expected,
+                                       exc.observed, self.timeout_s, via=via) from None
         if self._failure is not None:
             raise RuntimeError(f"moe_comm Buffer on rank {self.rank} is unusable: "
                                f"{self._failure}. Build a new Buffer on every rank.")
@@ -802,13 +812,18 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                     and not self.hierarchical:
                 raise
             peer = peers[exc.peer]
-            N = self.ranks_per_node
-            via = None
-            if self.hierarchical and peer // N != self.rank // N:
-                via = (self.rank // N) * N + peer % N if channel == "dispatch" else peer
-                via = None if via == self.rank else via
             raise PeerTimeoutError(self.rank, peer, channel, exc.expected, exc.observed,
-                                   self.timeout_s, via=via) from None
+                                   self.timeout_s, via=self._relay_of(peer, channel)) from None
+
+    def _relay_of(self, peer: int, channel: str) -> int | None:
+        """Hierarchical: the rank that forwards ``peer``'s epoch of ``channel`` to this rank
+        (dispatch: this node's rank with the peer's local index; combine: the peer itself sends
+        its node's sums), None where the peer's own words come straight here."""
+        N = self.ranks_per_node
+        if not self.hierarchical or peer // N == self.rank // N:
+            return None
+        via = (self.rank // N) * N + peer % N if channel == "dispatch" else peer
+        return None if via == self.rank else via
 
     def _staging(self, channel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The channel's whole staging regions (rows, meta) [P, R, T_max, ...]: the receive

@@ -74,7 +74,7 @@ def nodes_case(rank, world_size, case: Case, ranks_per_node: int, hierarchical: 
             assert torch.equal(out, ref[rank]), f"rank {rank}: combine differs in iteration {it}"
         report = {"stats": buf.stats(), "internode": buf.internode_bytes(),
                   "launches": dict(buf.launches), "peer_ptrs": buf.heap.peer_ptrs.tolist(),
-                  "ring_slots": buf.ring_slots}
+                  "ring_slots": buf.ring_slots, "device_wait": buf.flavour.device_wait}
     report["threads"] = sorted(t.name for t in threading.enumerate()
                                if t.name.startswith("moe_comm"))
     return report
@@ -221,7 +221,8 @@ def ll_nodes_case(rank, world_size, case: Case, ranks_per_node: int, iterations:
         report = {"ll_dispatch": stats.get("internode_ll_dispatch_bytes", 0),
                   "ll_combine": stats.get("internode_ll_combine_bytes", 0),
                   "want_dispatch": want_out, "want_combine": want_in,
-                  "peer_ptrs": buf.heap.peer_ptrs.tolist()}
+                  "peer_ptrs": buf.heap.peer_ptrs.tolist(),
+                  "device_wait": buf.flavour.device_wait}
     report["threads"] = sorted(t.name for t in threading.enumerate()
                                if t.name.startswith("moe_comm"))
     return report

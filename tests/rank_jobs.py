@@ -88,6 +88,12 @@ def kernel_waits(on: bool = True):
             os.environ["MOE_COMM_WAIT"] = old
 
 
+def with_kernel_waits(rank, world_size, job, *args, **kwargs):
+    """``job`` with the waits of the Buffers it builds inside the kernels."""
+    with kernel_waits():
+        return job(rank, world_size, *args, **kwargs)
+
+
 def run_case_kernel_waits(rank, world_size, case: Case, iterations: int,
                           straggle_s: float) -> list[str]:
     """:func:`run_case` with the waits inside the kernels."""

@@ -279,6 +279,10 @@ def test_cuda_heap_maps_by_ipc_where_ranks_share_a_gpu(monkeypatch, refusal):
 
     heap = cuda_heap.CudaHeap(object(), 256, torch.device("cuda", 0))
     assert heap.peer_ptrs.tolist() == [5000 + 1000, 1001, 5000 + 1002]
+    # nodes that split the host (the proxy between them): only this rank's node is mapped
+    split = cuda_heap.CudaHeap(object(), 256, torch.device("cuda", 0), ranks_per_node=1)
+    assert split.peer_ptrs.tolist() == [0, 1001, 0]
+    del events[len(events) // 2:]  # (the second heap's exchange, as the first's)
     assert heap.local.numel() == 256 and not heap.local.any()  # zeroed before anyone writes
     assert heap.mapping.startswith("cuda ipc")
     assert ("two ranks on one device" in heap.mapping) == refusal

@@ -3,8 +3,10 @@ processes share one GPU, each with its own Buffer over the ``cuda`` heap (every 
 mapped into every process), both modes, bf16 and FP8, both low-latency kernel implementations,
 bounded staging in rounds, and a CUDA graph captured and replayed in every process; then 2
 processes over the ``nvshmem`` heap, each its own node, so that every row between them moves by
-NVSHMEM device puts (Triton's NVSHMEM-linked kernels and csrc/'s); every result checked on its
-rank against the reference (``gpu_process_jobs``).
+NVSHMEM device puts (Triton's NVSHMEM-linked kernels and csrc/'s); then the proxy's GPU half,
+alone (``gpu_proxy_jobs``) and under 2 Buffers, each its own node, whose rows all go through
+the proxy (NIXL, device memory to device memory); every result checked on its rank against the
+reference (``gpu_process_jobs``).
 
 What it proves and what it does not: the heap's mapping across processes, the in-kernel waits
 on peers that are other processes, and graph replays that wait on other processes' graphs. The
@@ -147,8 +149,7 @@ def test_proxy_moves_device_memory_between_processes(gpu_ranks):
     """The proxy's GPU half: descriptors posted by a kernel to a ring in pinned memory, NIXL
     WRITEs from device memory to the peer's device memory, the signal raised in device memory
     after the rows landed; contiguous and strided rows, every byte checked."""
-    pytest.importorskip("nixl_cu13", reason="nixl-cu13 is not installed (bench/gpu_check.sh "
-                        "installs a carried wheel from .whl/)")
+    _nixl_or_skip()
     import gpu_proxy_jobs
 
     facts = gpu_ranks(2, "nixl").run(gpu_proxy_jobs.device_to_device)
@@ -158,3 +159,30 @@ def test_proxy_moves_device_memory_between_processes(gpu_ranks):
         assert f["bytes"] == {"first": rows * row, "second": rows // 2 * row // 2}, f
         assert f["messages"] == 2, f
     print(f"proxy device to device: {facts}")
+
+
+# A Buffer through the proxy: 2 processes of the GPU, each its own node (flat), so every row
+# between them goes through the proxy's ring and NIXL, device memory to device memory.
+PROXY = dict(transport="nixl", ranks_per_node=1, hierarchical=False)
+
+
+def _nixl_or_skip() -> None:
+    pytest.importorskip("nixl_cu13", reason="nixl-cu13 is not installed (bench/gpu_check.sh "
+                        "installs a carried wheel from .whl/)")
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_proxy_between_processes_normal_mode(gpu_ranks, fp8):
+    _nixl_or_skip()
+    case = Case(2, 16, 2048, 8, (64, 73), routing="zipf", alignment=16, seed=24)
+    facts = gpu_ranks(2, "nixl").run(jobs.normal_mode, case, fp8, **PROXY)
+    assert [f["transport"] for f in facts] == [2, 2], facts
+    _report(f"proxy normal fp8={fp8}", facts)
+
+
+def test_proxy_between_processes_low_latency(gpu_ranks):
+    _nixl_or_skip()
+    case = Case(2, 8, 7168, 8, (128, 128), seed=25)
+    facts = gpu_ranks(2, "nixl").run(jobs.low_latency, case, "triton", **PROXY)
+    assert [f["transport"] for f in facts] == [2, 2], facts
+    _report("proxy low latency", facts)

@@ -12,7 +12,7 @@ from internode_jobs import (
 
 from cases import Case
 from ll_jobs import ll_pipelined_dispatches, ll_two_in_flight
-from rank_jobs import gradients
+from rank_jobs import gradients, with_kernel_waits
 
 pytest.importorskip("nixl_cu13")
 
@@ -111,10 +111,36 @@ def test_hierarchical_cross_node_bytes_are_the_minimum_and_below_flat(ranks):
     assert total_flat > 1.5 * total_hier
 
 
-def test_a_stopped_proxy_is_named_by_every_rank_within_the_timeout(ranks):
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "hierarchical"])
+def test_nodes_with_the_waits_in_the_kernels(ranks, hierarchical):
+    """Through the proxy with the waits in the kernels (``MOE_COMM_WAIT=kernel``: how GPUs
+    wait, interpreted), three calls with stragglers, bit for bit (hierarchical: the forwarders
+    still wait on the host)."""
+    case = Case(4, 16, 128, 4, (13, 0, 9, 21), torch.bfloat16, "zipf", 16, seed=51)
+    reports = ranks(4).run(with_kernel_waits, nodes_case, case, 2, hierarchical, iterations=3,
+                           straggle_s=0.05)
+    for rank, rep in enumerate(reports):
+        assert rep["device_wait"] and rep["launches"]["wait"] == 3, (rank, rep["launches"])
+        assert rep["threads"] == [], rank
+
+
+def test_low_latency_across_nodes_with_the_waits_in_the_kernels(ranks):
+    case = Case(4, 8, 256, 4, (16, 16, 16, 16), torch.bfloat16, seed=52)
+    reports = ranks(4).run(with_kernel_waits, ll_nodes_case, case, 2, iterations=3,
+                           straggle_s=0.05)
+    for rank, rep in enumerate(reports):
+        assert rep["device_wait"] and rep["ll_dispatch"] == rep["want_dispatch"], (rank, rep)
+        assert rep["ll_combine"] == rep["want_combine"] and rep["threads"] == [], (rank, rep)
+
+
+@pytest.mark.parametrize("in_kernels", [False, True], ids=["host-waits", "kernel-waits"])
+def test_a_stopped_proxy_is_named_by_every_rank_within_the_timeout(ranks, in_kernels):
+    """Kernel waits: a wait that timed out raises the transport's failure where there is one
+    (the victim's), else names the rank it waited for."""
     case = Case(4, 8, 64, 2, (6, 5, 7, 4), seed=49)
     timeout_s, victim = 3.0, 2
-    reports = ranks(4).run(stopped_proxy, case, 2, victim, timeout_s)
+    job = (with_kernel_waits, stopped_proxy) if in_kernels else (stopped_proxy,)
+    reports = ranks(4).run(*job, case, 2, victim, timeout_s)
     for rank, rep in enumerate(reports):
         assert rep["kind"] is not None, f"rank {rank} did not raise"
         assert rep["seconds"] < timeout_s + 2.0, (rank, rep)

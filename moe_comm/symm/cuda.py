@@ -31,7 +31,8 @@ class CudaHeap(SymmetricHeap):
     _handle = None  # torch symmetric memory's handle (its peers' mappings live with it)
     _ipc = None  # or (device index, own allocation, {peer: opened address}) through CUDA IPC
 
-    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device):
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device,
+                 ranks_per_node: int | None = None):
         if not torch.cuda.is_available():
             raise RuntimeError("the 'cuda' heap needs a CUDA build of torch and a GPU; "
                                f"this torch is {torch.__version__} with no CUDA device")
@@ -56,6 +57,12 @@ class CudaHeap(SymmetricHeap):
             self.mapping = "cuda ipc" + ("" if error is None else
                                          f" (torch symmetric memory refused: {error})")
             self._map_by_ipc(device)
+        if ranks_per_node is not None and ranks_per_node < self.world_size:
+            # nodes that split a host (the proxy between processes of one GPU): the ranks of
+            # other nodes get no pointer, so the kernels hand their rows to the transport
+            node = self.rank // ranks_per_node
+            self.peer_ptrs[torch.arange(self.world_size, device=self.peer_ptrs.device)
+                           // ranks_per_node != node] = 0
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # every segment is zeroed before anyone writes into it
 

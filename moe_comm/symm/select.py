@@ -44,9 +44,8 @@ def default_device() -> torch.device:
 
 def create_heap(backend: str, group: dist.ProcessGroup, nbytes: int,
                 device: torch.device, ranks_per_node: int | None = None) -> SymmetricHeap:
-    """Collective: a heap of ``nbytes`` per rank from the chosen backend (``shm`` and
-    ``nvshmem``: only the segments of this rank's node of ``ranks_per_node`` ranks are
-    reachable by load/store)."""
+    """Collective: a heap of ``nbytes`` per rank from the chosen backend (only the segments of
+    this rank's node of ``ranks_per_node`` ranks are reachable by load/store)."""
     if backend == "shm":
         from .shm import ShmHeap
 
@@ -54,7 +53,7 @@ def create_heap(backend: str, group: dist.ProcessGroup, nbytes: int,
     if backend == "cuda":
         from .cuda import CudaHeap
 
-        return CudaHeap(group, nbytes, device)
+        return CudaHeap(group, nbytes, device, ranks_per_node)
     if backend == "nvshmem":
         from .nvshmem import NvshmemHeap
 

@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # One prepared check for a single lent GPU (a 15-minute window, 10 minutes per command): the
 # versions and device facts, every kernel variant compiled ahead (in parallel, timed), ranks as
-# processes sharing the GPU (tests/test_gpu_processes.py), the virtual-rank GPU tests, each
-# with its own time limit, then the checked dispatch/combine table of bench/gpu_bench.py. The whole script ends within GPU_CHECK_BUDGET_S (default 450 s, under
-# 8 minutes); a phase that would overrun gets a shorter limit or is skipped, and said so.
-# Nothing stops it early: every failure is reported, the summary lists each phase with its time
-# and status, and the exit status is 1 if anything failed.
-# Everything goes to $OUT (default bench/results/gpu); copy the table into docs/PERF.md with its
-# date and device only from such a run. Wheels in .whl/ (`make gpu-wheels`: nvshmem4py, which the
-# GPU image lacks; ignored by git, so name .whl in the run's carry) are installed first.
+# processes sharing the GPU (tests/test_gpu_processes.py: the cuda heap, NVSHMEM puts, the
+# proxy's GPU half), the virtual-rank GPU tests, each with its own time limit, then the checked
+# dispatch/combine table of bench/gpu_bench.py. The whole script ends within
+# GPU_CHECK_BUDGET_S (default 470 s, under 8 minutes); a phase that would overrun gets a shorter
+# limit or is skipped, and said so. Nothing stops it early: every failure is reported, the
+# summary lists each phase with its time and status, and the exit status is 1 if anything
+# failed. Everything goes to $OUT (default bench/results/gpu); copy the table into docs/PERF.md
+# with its date and device only from such a run. Wheels in .whl/ (`make gpu-wheels`: nvshmem4py
+# and nixl-cu13, which the GPU image lacks; ignored by git, so name .whl in the run's carry) are
+# installed first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-BUDGET_S=${GPU_CHECK_BUDGET_S:-450}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-470}
 TEST_TIMEOUT_S=${GPU_TEST_TIMEOUT_S:-120}
 JOBS=${GPU_CHECK_JOBS:-16}
 export TRITON_INTERPRET=0 TRITON_DEFAULT_FP_FUSION=1 MOE_COMM_TIMEOUT_S=30
@@ -146,26 +148,33 @@ fi
 SUMMARY+=("$(printf '%-8s %5s  %s' csrc '' "$(head -1 "$OUT/csrc_build.txt")")")
 
 # ---------------------------------------------------------------------------- processes
-# one process per rank, 2 and 4 of them sharing the GPU over the cuda heap (no MPS: their
-# kernels take turns, so what it prints are first-call times, not performance)
-start=$SECONDS
-T=$(limit 200 200)
-if (( T >= 40 )); then
-  note "ranks as processes on one GPU (limit ${T}s)"
-  PT=()
-  "$PY" -c "import pytest_timeout" 2>/dev/null && PT=(--timeout=120)
-  timeout "$T" "$PY" -m pytest -v -s -p no:cacheprovider -o console_output_style=classic \
-    "${PT[@]}" -rfEs --tb=short -m gpu tests/test_gpu_processes.py > "$OUT/gpu_processes.log" 2>&1
+# one process per rank sharing the GPU (no MPS: their kernels take turns, so what it prints are
+# first-call and warm-up times, not performance): the cuda heap (2 and 4 processes), then
+# NVSHMEM puts between 2 processes, then the proxy's GPU half; each its own phase and limit
+PT=()
+"$PY" -c "import pytest_timeout" 2>/dev/null && PT=(--timeout=120)
+: > "$OUT/gpu_processes.log"
+procs_phase() {  # procs_phase NAME CAP RESERVE -k EXPRESSION
+  local start=$SECONDS t rc P N log=$OUT/gpu_processes.log
+  t=$(limit "$2" "$3")
+  if (( t < 40 )); then done_phase "$1" "$start" "FAIL: skipped, ${t}s left"; return; fi
+  note "ranks as processes on one GPU: $1 (limit ${t}s)"
+  echo "=== $1" >> "$log"
+  timeout "$t" "$PY" -m pytest -v -s -p no:cacheprovider -o console_output_style=classic \
+    "${PT[@]}" -rfEs --tb=short -m gpu -k "$5" tests/test_gpu_processes.py > "$log.part" 2>&1
   rc=$?
-  grep -E "mapping|^(FAILED|ERROR)|^E  " "$OUT/gpu_processes.log" | head -40
-  P=$(grep -cE "::.* PASSED" "$OUT/gpu_processes.log")
-  N=$(grep -cE "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/gpu_processes.log")
-  if [[ $rc == 0 ]] && (( N > 0 && P == N )); then done_phase procs "$start" "ok: $P/$N passed"
-  else done_phase procs "$start" \
+  cat "$log.part" >> "$log"
+  grep -E "mapping|^(FAILED|ERROR)|^E  " "$log.part" | head -30
+  P=$(grep -cE "::.* PASSED" "$log.part")
+  N=$(grep -cE "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$log.part")
+  rm -f "$log.part"
+  if [[ $rc == 0 ]] && (( N > 0 && P == N )); then done_phase "$1" "$start" "ok: $P/$N passed"
+  else done_phase "$1" "$start" \
     "FAIL (rc $rc$([[ $rc == 124 ]] && echo ': time limit')): $P of $N passed"; fi
-else
-  done_phase procs "$start" "FAIL: skipped, ${T}s left"
-fi
+}
+procs_phase procs 150 220 -k "not nvshmem and not proxy"
+procs_phase nvshmem 80 180 -k nvshmem
+procs_phase proxy 80 150 -k proxy
 
 # ---------------------------------------------------------------------------- GPU tests
 start=$SECONDS

@@ -274,6 +274,16 @@ def wait_all_at_least(words, stride, n, expected, SHIFT: tl.constexpr, deadline_
     published before the words is visible to every thread. On timeout records ``(first source
     behind, expected, observed)`` (the first timeout wins; the host raises PeerTimeoutError from
     it) and, HAS_FLAG, sets the device flag ``flag``."""
+    return _wait_named(words, stride, n, expected, SHIFT, deadline_ns, errors, flag, 0, 1,
+                       BLOCK, NUM_THREADS, HAS_FLAG)
+
+
+@triton.jit
+def _wait_named(words, stride, n, expected, SHIFT: tl.constexpr, deadline_ns, errors, flag,
+                first_rank, rank_step, BLOCK: tl.constexpr, NUM_THREADS: tl.constexpr,
+                HAS_FLAG: tl.constexpr):
+    """:func:`wait_all_at_least` where word ``i`` is published for rank ``first_rank + i *
+    rank_step`` (the rank a timeout names)."""
     i = tl.arange(0, BLOCK)
     im = i < n
     _spin(words, stride, i, im, expected, SHIFT, deadline_ns, words, False, NUM_THREADS)
@@ -282,7 +292,7 @@ def wait_all_at_least(words, stride, n, expected, SHIFT: tl.constexpr, deadline_
     arrived = tl.max(late.to(tl.int32), axis=0) == 0
     if not arrived:
         peer = tl.min(tl.where(late, i, BLOCK), axis=0)
-        _record_timeout(errors, flag, peer, expected,
+        _record_timeout(errors, flag, first_rank + peer * rank_step, expected,
                         tl.sum(tl.where(i == peer, seen, 0), axis=0), HAS_FLAG)
     tl.debug_barrier()
     return arrived
@@ -342,6 +352,23 @@ def wait_epochs_kernel(
     wait_all_at_least(signals, 1, R, tl.load(epochs), 0, deadline,
                       errors_addr.to(tl.pointer_type(tl.int64)), signals, BLOCK_R, NUM_THREADS,
                       False)
+
+
+@triton.jit(do_not_specialize=["errors_addr", "timeout_ns", "first_rank"])
+def wait_relayed_epochs_kernel(
+    words,  # [n] int64 local signal words: a hierarchical forwarder's inputs
+    epochs,  # [1] int64 local: the channel's epoch (this rank's send of the round is done)
+    errors_addr: tl.int64, timeout_ns: tl.int64, n: tl.int32,
+    first_rank: tl.int32, rank_step: tl.int32,  # word i is published for this rank
+    BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr,
+):
+    """One program waits for ``words[i] >= epochs[0]`` for every ``i < n`` at once, and a
+    timeout names rank ``first_rank + i * rank_step`` (a forwarder's node messages, ``node``
+    ``a``'s from rank ``a * N + l``; its node's partials, rank ``b * N + i``)."""
+    deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
+    _wait_named(words, 1, n, tl.load(epochs), 0, deadline,
+                errors_addr.to(tl.pointer_type(tl.int64)), words, first_rank, rank_step, BLOCK_R,
+                NUM_THREADS, False)
 
 
 @triton.jit(do_not_specialize=["errors_addr", "timeout_ns", "me"])

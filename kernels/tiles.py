@@ -218,6 +218,7 @@ SCHEDULES = {
                                                                              a["BLOCK_T"])),
     "received_layout_kernel": Schedule(CONTROL, lambda a: 1),
     "wait_epochs_kernel": Schedule(CONTROL, lambda a: 1),
+    "wait_relayed_epochs_kernel": Schedule(CONTROL, lambda a: 1),
     "ft_wait_epochs_kernel": Schedule(CONTROL, lambda a: 1),
     "set_word_on_all_kernel": Schedule(CONTROL, lambda a: 1),
     "quantize_kernel": Schedule(WAVE, lambda a: 1),

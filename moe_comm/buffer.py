@@ -33,6 +33,7 @@ from .kernels.comm import (
     ft_wait_epochs_kernel,
     wait_epochs_kernel,
     wait_for_epochs,
+    wait_relayed_epochs_kernel,
 )
 from .kernels.layout import layout_scratch
 from .kernels.low_latency import TIMED_OUT
@@ -199,14 +200,10 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         # IBGDA is not probed: GPUs keep NVSHMEM across nodes unless "nixl" is asked for
         via = choose_transport(transport, device, nodes.count, ibgda=device.type == "cuda")
         nixl_backend = nixl_backend_name(nixl_backend) if via == "nixl" else None
-        gpu_proxy = via == "nixl" and device.type == "cuda"
-        if hierarchical is None:  # fault tolerance, and GPUs through the proxy: flat
-            hierarchical = nodes.count > 1 and not fault_tolerant and not gpu_proxy
+        if hierarchical is None:  # fault tolerance across nodes: flat (no forwarders)
+            hierarchical = nodes.count > 1 and not fault_tolerant
         hierarchical = bool(hierarchical)
-        if gpu_proxy and hierarchical:
-            raise ValueError("transport='nixl' on GPUs runs flat (hierarchical=False) so far: "
-                             "the hierarchical forwarders wait for their inputs on the host, "
-                             "which cannot read device memory")
+
         if fault_tolerant and nodes.count > 1 and (via != "nixl" or hierarchical):
             raise ValueError("fault_tolerant=True across nodes runs through the proxy "
                              "(transport='nixl') in flat mode (hierarchical=False: a dead "
@@ -814,6 +811,29 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             peer = peers[exc.peer]
             raise PeerTimeoutError(self.rank, peer, channel, exc.expected, exc.observed,
                                    self.timeout_s, via=self._relay_of(peer, channel)) from None
+
+    def _wait_relayed(self, words: torch.Tensor, epoch: int, peers: list[int],
+                      channel: int) -> None:
+        """A hierarchical forwarder's inputs of ``channel``'s epoch ``epoch``: ``words[i] >=
+        epoch``, word i published for rank ``peers[i]`` (equally spaced ranks). A host wait, or
+        with the waits in the kernels a one-program wait kernel ahead of the forwarder's launch
+        (``kernels.comm.wait_relayed_epochs_kernel``: it reads the epoch on the device, and a
+        timeout names the rank)."""
+        name = _CHANNEL_NAMES[channel]
+        if not self.flavour.device_wait:
+            self._wait_words(words, epoch, peers, name)
+            return
+        key = ("wait_relayed", channel, specs((words,)))
+        if not call_bound(self._bound, key, (words,)):
+            tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
+            step = peers[1] - peers[0] if len(peers) > 1 else 1
+            launch(self._bound, key, wait_relayed_epochs_kernel, (1,),
+                   (words, self._channel_words(channel)[1], self.flavour.errors_addr,
+                    self.flavour.timeout_ns, len(peers), peers[0], step),
+                   dict(BLOCK_R=triton.next_power_of_2(len(peers)),
+                        NUM_THREADS=tile.num_threads, **tile.launch_options()), ("words",))
+        self.launches["wait"] += 1
+        self._check_usable(name)
 
     def _relay_of(self, peer: int, channel: str) -> int | None:
         """Hierarchical: the rank that forwards ``peer``'s epoch of ``channel`` to this rank

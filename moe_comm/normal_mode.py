@@ -10,8 +10,9 @@ torch op launches a kernel on this path: outputs are allocated, never filled (th
 writes every row, padding included; a fault-tolerant dispatch in rounds fills them first, for
 the rows of a source that stops between rounds). Through the proxy across nodes a dispatch adds
 ``dispatch_outbox`` (and ``dispatch_forward`` in hierarchical mode, with torch ops for the
-node slots), a hierarchical combine adds ``combine_forward``; the host waits for the
-forwarders' inputs are reads of numpy views of the signal words, not of tensors.
+node slots), a hierarchical combine adds ``combine_forward``; the forwarders' waits for their
+inputs are host reads of numpy views of the signal words (host waits), or with the waits in the
+kernels a ``wait`` launch before each forwarder's (``kernels.comm.wait_relayed_epochs_kernel``).
 
 Rounds (``Buffer(..., staging_bytes=...)``, ``moe_comm.workspace``): the staging holds ``W``
 slots per source and parity. Where ``W < max_tokens_per_rank`` every call runs in ``rounds =
@@ -349,8 +350,8 @@ class NormalMode:
         rank of this node, or with ``cached`` read (rows only, placed as that dispatch placed
         them)."""
         N, M = self.ranks_per_node, self.num_nodes
-        self._wait_words(self._region("node_signals")[0], epoch,
-                         [a * N + self.rank % N for a in range(M)], "dispatch")
+        self._wait_relayed(self._region("node_signals")[0], epoch,
+                           [a * N + self.rank % N for a in range(M)], DISPATCH)
         self.launches["dispatch_forward"] += internode.forward_dispatch(
             self._plan, self.heap.peer_ptrs, fwd_slots, fwd_n, self._xstats,
             self._ticket_words[internode.FORWARD_DISPATCH_TICKET:
@@ -366,8 +367,8 @@ class NormalMode:
         node row and sends one row per token home (``kernels.internode``; ``fp8``: as FP8)."""
         N = self.ranks_per_node
         node = self.rank // N
-        self._wait_words(self._region("hc_signals"), epoch,
-                         [node * N + j for j in range(N)], "combine")
+        self._wait_relayed(self._region("hc_signals"), epoch,
+                           [node * N + j for j in range(N)], COMBINE)
         view = self._region
         self.launches["combine_forward"] += internode.forward_combine(
             view("hc_rows"), view("hc_meta"), view("px_combine_rows"), view("px_combine_meta"),

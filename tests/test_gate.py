@@ -108,6 +108,7 @@ def test_gate_passes_at_the_runtime_configurations():
                                                          "layout_place_kernel",
                                                          "received_layout_kernel",
                                                          "wait_epochs_kernel",
+                                                         "wait_relayed_epochs_kernel",
                                                          "ft_wait_epochs_kernel",
                                                          "set_word_on_all_kernel",
                                                          "checked_topk_idx_kernel",

@@ -114,13 +114,15 @@ def test_hierarchical_cross_node_bytes_are_the_minimum_and_below_flat(ranks):
 @pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "hierarchical"])
 def test_nodes_with_the_waits_in_the_kernels(ranks, hierarchical):
     """Through the proxy with the waits in the kernels (``MOE_COMM_WAIT=kernel``: how GPUs
-    wait, interpreted), three calls with stragglers, bit for bit (hierarchical: the forwarders
-    still wait on the host)."""
+    wait, interpreted), three calls with stragglers, bit for bit. A call waits in one kernel
+    for the combine (the dispatch's received layout waits itself) and, hierarchical, in one
+    more before each of the forwarders' kernels."""
     case = Case(4, 16, 128, 4, (13, 0, 9, 21), torch.bfloat16, "zipf", 16, seed=51)
     reports = ranks(4).run(with_kernel_waits, nodes_case, case, 2, hierarchical, iterations=3,
                            straggle_s=0.05)
     for rank, rep in enumerate(reports):
-        assert rep["device_wait"] and rep["launches"]["wait"] == 3, (rank, rep["launches"])
+        waits = 3 * (3 if hierarchical else 1)
+        assert rep["device_wait"] and rep["launches"]["wait"] == waits, (rank, rep["launches"])
         assert rep["threads"] == [], rank
 
 
@@ -136,7 +138,9 @@ def test_low_latency_across_nodes_with_the_waits_in_the_kernels(ranks):
 @pytest.mark.parametrize("in_kernels", [False, True], ids=["host-waits", "kernel-waits"])
 def test_a_stopped_proxy_is_named_by_every_rank_within_the_timeout(ranks, in_kernels):
     """Kernel waits: a wait that timed out raises the transport's failure where there is one
-    (the victim's), else names the rank it waited for."""
+    (the victim's), else names the rank it waited for; the other node's ranks wait for the
+    victim and name it, a rank of the victim's node may wait for one of them that stopped
+    first (a rank that raised sends no more) and names that one."""
     case = Case(4, 8, 64, 2, (6, 5, 7, 4), seed=49)
     timeout_s, victim = 3.0, 2
     job = (with_kernel_waits, stopped_proxy) if in_kernels else (stopped_proxy,)
@@ -144,7 +148,8 @@ def test_a_stopped_proxy_is_named_by_every_rank_within_the_timeout(ranks, in_ker
     for rank, rep in enumerate(reports):
         assert rep["kind"] is not None, f"rank {rank} did not raise"
         assert rep["seconds"] < timeout_s + 2.0, (rank, rep)
-        assert victim in (rep["peer"], rep["via"]), (rank, rep["message"])
+        if not in_kernels or rank // 2 != victim // 2:
+            assert victim in (rep["peer"], rep["via"]), (rank, rep["message"])
     assert reports[victim]["kind"] == "TransportError"
 
 

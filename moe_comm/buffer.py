@@ -203,7 +203,6 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         if hierarchical is None:  # fault tolerance across nodes: flat (no forwarders)
             hierarchical = nodes.count > 1 and not fault_tolerant
         hierarchical = bool(hierarchical)
-
         if fault_tolerant and nodes.count > 1 and (via != "nixl" or hierarchical):
             raise ValueError("fault_tolerant=True across nodes runs through the proxy "
                              "(transport='nixl') in flat mode (hierarchical=False: a dead "

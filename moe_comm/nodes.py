@@ -28,8 +28,9 @@ class Nodes:
            device: torch.device, split_hosts: bool = False) -> Nodes:
         """``ranks_per_node`` as given (checked), else the ranks per host (hosts must hold
         contiguous, equal blocks of ranks). On GPUs the nodes are the hosts, unless
-        ``split_hosts`` (the NVSHMEM heap: nodes of one host reach each other only by NVSHMEM
-        puts, as nodes on different hosts would; several processes of one GPU test it)."""
+        ``split_hosts`` (the NVSHMEM heap, or the proxy: nodes of one host then reach each other
+        only by NVSHMEM puts or through the proxy, as nodes on different hosts would; several
+        processes of one GPU test it)."""
         num_hosts = len(set(hosts))
         if ranks_per_node is None:
             if num_hosts == 1:
@@ -48,7 +49,7 @@ class Nodes:
         per_host = world_size // num_hosts  # (a node within one host: checked above)
         if device.type == "cuda" and ranks_per_node != per_host and not split_hosts:
             raise ValueError(f"on GPUs the nodes are the hosts ({per_host} ranks each; "
-                             "backend='nvshmem' may split them); got "
+                             "backend='nvshmem' or transport='nixl' may split them); got "
                              f"ranks_per_node={ranks_per_node}")
         return Nodes(ranks_per_node, world_size // ranks_per_node, num_hosts)
 

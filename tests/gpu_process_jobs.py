@@ -28,14 +28,17 @@ import moe_comm
 from cases import Case, make_inputs
 from moe_comm import reference
 
-DEV = "cuda:0"
+GPU = "cuda:0"
 
 
-def _buffer(case: Case, **kwargs) -> moe_comm.Buffer:
-    torch.cuda.set_device(0)
-    kwargs.setdefault("backend", "cuda")
+def _buffer(case: Case, device: str, **kwargs) -> moe_comm.Buffer:
+    """This rank's Buffer on ``device``: the GPU over the ``cuda`` heap unless ``kwargs`` say
+    otherwise, or ``"cpu"`` (CPU ranks: how tests/test_ranks.py checks these jobs)."""
+    if device != "cpu":
+        torch.cuda.set_device(0)
+        kwargs.setdefault("backend", "cuda")
     return moe_comm.Buffer(dist.group.WORLD, case.hidden, case.num_experts, case.max_tokens,
-                           case.dtype, max_topk=case.topk, device=DEV, **kwargs)
+                           case.dtype, max_topk=case.topk, device=device, **kwargs)
 
 
 def _facts(buf: moe_comm.Buffer, first_call_s: float, warmup: dict | None = None) -> dict:
@@ -75,7 +78,8 @@ def _check_combine(rank, want, ys_ref, out, what) -> None:
 
 
 def normal_mode(rank, world_size, case: Case, fp8: bool, ring_slots: int | None = None,
-                calls: int = 3, warm: bool = False, **buffer_kwargs) -> dict:
+                calls: int = 3, warm: bool = False, device: str = GPU,
+                **buffer_kwargs) -> dict:
     """``calls`` dispatch + combine calls, new routing each, checked against the reference
     (``ring_slots``: a staging of that many slots per source, the calls in rounds;
     ``buffer_kwargs``: e.g. the NVSHMEM heap with a node per rank)."""
@@ -84,18 +88,18 @@ def normal_mode(rank, world_size, case: Case, fp8: bool, ring_slots: int | None 
     budget = (None if ring_slots is None else ring_slots * staging_slot_bytes(
         world_size, case.hidden, case.topk, case.dtype,
         rdma=buffer_kwargs.get("backend") == "nvshmem"))  # (its outboxes: a node per rank)
-    with _buffer(case, staging_bytes=budget, **buffer_kwargs) as buf:
+    with _buffer(case, device, staging_bytes=budget, **buffer_kwargs) as buf:
         warmed = _warmed(buf, warm, fp8)
         first = None
         for it in range(calls):
             what = f"call {it} fp8={fp8} rounds={buf.rounds}"
             xs, idxs, ws = make_inputs(case, it)
             start = time.perf_counter()
-            res = buf.dispatch(xs[rank].to(DEV), idxs[rank].to(DEV), ws[rank].to(DEV),
+            res = buf.dispatch(xs[rank].to(device), idxs[rank].to(device), ws[rank].to(device),
                                case.alignment, fp8=fp8)
             settle([buf], what)
             want, ys_ref = _check_dispatch(rank, case, it, res, fp8, what)
-            out = buf.combine(ys_ref[rank].to(DEV), res.handle, weights=res.weights)
+            out = buf.combine(ys_ref[rank].to(device), res.handle, weights=res.weights)
             settle([buf], what)
             if first is None:  # the first call compiles or loads every kernel it launches
                 first = time.perf_counter() - start
@@ -103,12 +107,12 @@ def normal_mode(rank, world_size, case: Case, fp8: bool, ring_slots: int | None 
         return _facts(buf, first, warmed)
 
 
-def normal_mode_graph(rank, world_size, case: Case, fp8: bool) -> dict:
+def normal_mode_graph(rank, world_size, case: Case, fp8: bool, device: str = GPU) -> dict:
     """Dispatch sized by ``max_recv_rows``, the experts and combine captured once in a CUDA
     graph in this process; replays with new inputs give the reference's rows and sums."""
     max_rows = _worst_case_rows(case)
-    with _buffer(case) as buf:
-        xs, idxs, ws = (v[rank].to(DEV) for v in make_inputs(case, 0))
+    with _buffer(case, device) as buf:
+        xs, idxs, ws = (v[rank].to(device) for v in make_inputs(case, 0))
 
         def step():
             res = buf.dispatch(xs, idxs, ws, case.alignment, fp8=fp8, max_recv_rows=max_rows)
@@ -127,7 +131,7 @@ def normal_mode_graph(rank, world_size, case: Case, fp8: bool) -> dict:
             what = f"fp8={fp8} replay {it}"
             new = [v[rank] for v in make_inputs(case, it)]
             for dst, src in zip((xs, idxs, ws), new):
-                dst.copy_(src.to(DEV))
+                dst.copy_(src.to(device))
             dist.barrier()  # every process's inputs are in place before any replay
             graph.replay()
             settle([buf], what)
@@ -139,10 +143,11 @@ def normal_mode_graph(rank, world_size, case: Case, fp8: bool) -> dict:
 
 
 def low_latency(rank, world_size, case: Case, kernel_impl: str, calls: int = 3,
-                warm: bool = False, **buffer_kwargs) -> dict:
+                warm: bool = False, device: str = GPU, **buffer_kwargs) -> dict:
     """Low-latency dispatch + combine ``calls`` times (FP8 and bf16 alternating), checked."""
     T = case.max_tokens
-    with _buffer(case, low_latency=True, kernel_impl=kernel_impl, **buffer_kwargs) as buf:
+    with _buffer(case, device, low_latency=True, kernel_impl=kernel_impl,
+                 **buffer_kwargs) as buf:
         warmed = _warmed(buf, warm, True)
         first = None
         for it in range(calls):
@@ -150,17 +155,18 @@ def low_latency(rank, world_size, case: Case, kernel_impl: str, calls: int = 3,
             what = f"call {it} fp8={fp8} {kernel_impl}"
             xs, idxs, ws = make_inputs(case, it)
             start = time.perf_counter()
-            recv = buf.low_latency_dispatch(xs[rank].to(DEV), idxs[rank].to(DEV), fp8=fp8)
+            recv, _ = buf.low_latency_dispatch(xs[rank].to(device), idxs[rank].to(device), fp8=fp8)
             settle([buf], what)
             want = reference.low_latency_dispatch_all(xs, idxs, num_experts=case.num_experts,
                                                       max_tokens=T, fp8=fp8)
             check_ll_dispatch(recv, want[rank], f"{what} rank {rank}")
             gen = torch.Generator().manual_seed(100 + it)
             ys = [torch.randn(w.x.shape, generator=gen).to(case.dtype) for w in want]
-            out = buf.low_latency_combine(ys[rank].to(DEV), idxs[rank].to(DEV),
-                                          ws[rank].to(DEV), recv.handle)
+            out, _ = buf.low_latency_combine(ys[rank].to(device), idxs[rank].to(device),
+                                             ws[rank].to(device), recv.handle)
             settle([buf], what)
-            first = time.perf_counter() - start if first is None else first
+            if first is None:  # the first call compiles or loads every kernel it launches
+                first = time.perf_counter() - start
             ref = reference.low_latency_combine_all(ys, idxs, ws, want, T)
             slack = ll_combine_slack(ys, [w.count for w in want], idxs, ws)
             assert_within_one_ulp(out, ref[rank], slack[rank],

@@ -13,6 +13,7 @@ from rank_jobs import (
     run_case,
     run_case_kernel_waits,
     skip_one_call,
+    with_kernel_waits,
 )
 
 CASES = [
@@ -174,3 +175,35 @@ def test_compiled_pool_spawns_ranks_whose_kernels_compile(ranks):
     with RankPool(2, compiled=True) as pool:
         assert pool.run(launch_mode) == [("0", "JITFunction", 2)] * 2
     assert ranks(2).run(launch_mode) == [("1", "InterpretedFunction", 2)] * 2
+
+
+@pytest.mark.parametrize("job", ["normal", "rounds", "low-latency", "proxy", "proxy-low-latency"])
+def test_the_gpu_process_jobs_hold_on_cpu_ranks(ranks, job):
+    """The jobs tests/test_gpu_processes.py runs on a GPU, run here on CPU ranks (their checks
+    against the reference, the warm-up, the rounds; through the proxy with a node per rank,
+    the waits in the kernels) so that a GPU run fails only for what a GPU changes."""
+    import gpu_process_jobs as jobs
+
+    proxy = dict(transport="nixl", ranks_per_node=1, hierarchical=False)
+    if job.startswith("proxy"):
+        pytest.importorskip("nixl_cu13")
+    normal = Case(2, 8, 256, 4, (13, 21), routing="zipf", alignment=16, seed=61)
+    low = Case(2, 4, 256, 4, (16, 16), seed=62)
+    run = {
+        "normal": lambda: ranks(2).run(jobs.normal_mode, normal, True, calls=2, warm=True,
+                                       device="cpu"),
+        "rounds": lambda: ranks(2).run(jobs.normal_mode, normal, False, ring_slots=4, calls=2,
+                                       device="cpu"),
+        "low-latency": lambda: ranks(2).run(jobs.low_latency, low, "triton", calls=2,
+                                            device="cpu"),
+        "proxy": lambda: ranks(2).run(with_kernel_waits, jobs.normal_mode, normal, False,
+                                      calls=2, device="cpu", **proxy),
+        "proxy-low-latency": lambda: ranks(2).run(with_kernel_waits, jobs.low_latency, low,
+                                                  "triton", calls=2, device="cpu", **proxy),
+    }[job]
+    facts = run()
+    assert len(facts) == 2 and all(f["first_call_s"] > 0 for f in facts), facts
+    assert facts[0]["rounds"] == (6 if job == "rounds" else 1), facts
+    assert facts[0]["transport"] == (2 if job.startswith("proxy") else 0), facts
+    if job == "normal":
+        assert facts[0]["warmup"][0] == 0, facts  # interpreted kernels: nothing to compile

@@ -10,8 +10,9 @@ Needs a CUDA build of torch >= 2.6 and GPUs that can map each other's memory.
 Several processes on one GPU (tests, or a GPU shared by ranks): torch symmetric memory refuses
 ranks whose devices overlap unless ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``; where it still
 refuses, the segments are mapped with CUDA IPC instead (``cudaIpcGetMemHandle`` of each rank's
-own ``cudaMalloc``, opened by every other process of the host; through cupy), which is what the
-symmetric-memory rendezvous does underneath on one host. ``mapping`` says which one a heap used.
+own ``cudaMalloc``, opened by every other process of the host; through cupy). ``mapping`` says
+which one a heap used. With ``ranks_per_node`` smaller than the group (nodes that split a host:
+the proxy or NVSHMEM between them) the ranks of other nodes get no pointer.
 """
 from __future__ import annotations
 

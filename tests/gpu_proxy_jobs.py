@@ -33,16 +33,23 @@ def _pattern(rank: int, n: int) -> torch.Tensor:
     return ((torch.arange(n, dtype=torch.int64) * 7 + 31 * rank) % 251).to(torch.uint8)
 
 
+def _read_word(words: torch.Tensor, word: int, stream) -> int:
+    if stream is None:  # host memory (CPU ranks)
+        return int(words[word])
+    with torch.cuda.stream(stream):
+        host = words[word:word + 1].to("cpu", non_blocking=True)
+    stream.synchronize()
+    return int(host[0])
+
+
 def _wait_word(segment: torch.Tensor, word: int, value: int, timeout_s: float, peer: int):
-    """Polls ``segment``'s int64 word on a side stream until it reaches ``value`` (bounded; the
-    error names the peer)."""
-    words, stream = segment.view(torch.int64), torch.cuda.Stream(segment.device)
+    """Polls ``segment``'s int64 word (on a GPU from a side stream) until it reaches ``value``
+    (bounded; the error names the peer)."""
+    words = segment.view(torch.int64)
+    stream = torch.cuda.Stream(segment.device) if segment.is_cuda else None
     deadline = time.monotonic() + timeout_s
     while True:
-        with torch.cuda.stream(stream):
-            host = words[word:word + 1].to("cpu", non_blocking=True)
-        stream.synchronize()
-        now = int(host[0])
+        now = _read_word(words, word, stream)
         if now >= value:
             return
         if time.monotonic() > deadline:
@@ -51,15 +58,18 @@ def _wait_word(segment: torch.Tensor, word: int, value: int, timeout_s: float, p
         time.sleep(1e-3)
 
 
-def device_to_device(rank, world_size, row_bytes: int = 14336, rows: int = 64) -> dict:
+def device_to_device(rank, world_size, row_bytes: int = 14336, rows: int = 64,
+                     device: str = "cuda:0") -> dict:
     """Rank r posts to rank r ^ 1: ``rows`` contiguous rows (signal word 0), then the first
     half of every other row (signal word 1; strided: one NIXL entry per row). Returns what the
-    proxy counted."""
-    torch.cuda.set_device(0)
+    proxy counted. ``device="cpu"``: the same between CPU ranks (host memory)."""
+    if device != "cpu":
+        torch.cuda.set_device(0)
     peer, n = rank ^ 1, rows * row_bytes
-    segment = torch.zeros(DATA + 3 * n, dtype=torch.uint8, device="cuda:0")
-    segment[DATA:DATA + n] = _pattern(rank, n).to("cuda:0")
-    torch.cuda.synchronize()
+    segment = torch.zeros(DATA + 3 * n, dtype=torch.uint8, device=device)
+    segment[DATA:DATA + n] = _pattern(rank, n).to(device)
+    if segment.is_cuda:
+        torch.cuda.synchronize()
     proxy = NixlProxy(dist.group.WORLD, segment, rank, world_size, [peer], timeout_s=60.0,
                       labels={SIGNALS: "first", SIGNALS + 8: "second"})
     errors = ErrorRecord(segment.device)
@@ -70,7 +80,8 @@ def device_to_device(rank, world_size, row_bytes: int = 14336, rows: int = 64) -
                 (SIGNALS + 8, DATA + 2 * n, row_bytes // 2, 2 * row_bytes, rows // 2)):
             _post_kernel[(1,)](proxy.ring_addr, proxy.slots, peer, signal, 1, DATA, dst, nbytes,
                                stride, count, errors.address, int(60e9))
-        torch.cuda.synchronize()
+        if segment.is_cuda:
+            torch.cuda.synchronize()
         errors.raise_timeout(rank=rank, channel="the proxy's ring", timeout_s=60.0)
         for word in (0, 1):
             _wait_word(segment, word, 1, 60.0, peer)

@@ -177,6 +177,17 @@ def test_compiled_pool_spawns_ranks_whose_kernels_compile(ranks):
     assert ranks(2).run(launch_mode) == [("1", "InterpretedFunction", 2)] * 2
 
 
+def test_the_gpu_proxy_job_holds_on_cpu_ranks(ranks):
+    """tests/gpu_proxy_jobs.py between CPU ranks (host memory): a kernel posts, the proxy moves
+    contiguous and strided rows and raises each signal after them."""
+    pytest.importorskip("nixl_cu13")
+    import gpu_proxy_jobs
+
+    facts = ranks(2).run(gpu_proxy_jobs.device_to_device, row_bytes=256, rows=8, device="cpu")
+    assert facts == [{"bytes": {"first": 8 * 256, "second": 4 * 128}, "messages": 2,
+                      "memory": "DRAM"}] * 2, facts
+
+
 @pytest.mark.parametrize("job", ["normal", "rounds", "low-latency", "proxy", "proxy-low-latency"])
 def test_the_gpu_process_jobs_hold_on_cpu_ranks(ranks, job):
     """The jobs tests/test_gpu_processes.py runs on a GPU, run here on CPU ranks (their checks

@@ -121,17 +121,18 @@ def test_five_ranks_die_8_ranks():
 NODES = dict(ranks_per_node=2, transport="nixl")  # two nodes of two ranks, flat
 
 
-def test_kill_across_nodes():
+@pytest.mark.parametrize("in_kernels", [False, True], ids=["host-waits", "kernel-waits"])
+def test_kill_across_nodes(in_kernels):
     """Two nodes of two ranks, the proxy between them: rank 3 dies between calls; its node
     peer (stores) and the other node (the proxy) exclude it; the low-latency Buffer finds it
     too; then clean_mask over both nodes. Three calls after the kill (the proxy is slow under
-    the interpreter)."""
+    the interpreter). ``in_kernels``: the waits run in the kernels, as on GPUs."""
     R = 4
     case = Case(R, 2 * R, 128, 2, (6, 5, 7, 5), seed=37)
     with fresh_pool(R) as pool:
         results = pool.run(fault_jobs.normal_mode_with_failures, case, {3: (1, "between")}, 4,
                            TIMEOUT_NODES_S, ll_case=case, clean_after=True, may_die=(3,),
-                           **NODES)
+                           in_kernels=in_kernels, **NODES)
     survivors = _survivors(results, {3})
     for key in ("active", "ll_active", "cleaned"):
         _check_agreement(survivors, {3}, key)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import weakref
 
-_buffers: dict[int, weakref.ref] = {}
+_buffers: dict[str, weakref.ref] = {}
 
 
 def register(buffer) -> None:
@@ -14,7 +14,7 @@ def unregister(buffer) -> None:
     _buffers.pop(buffer.id, None)
 
 
-def lookup(buffer_id: int):
+def lookup(buffer_id: str):
     ref = _buffers.get(buffer_id)
     buffer = ref() if ref is not None else None
     if buffer is None:

@@ -16,6 +16,7 @@ import collections
 import dataclasses
 import itertools
 import os
+import secrets
 import socket
 
 import numpy as np
@@ -61,7 +62,12 @@ from .validation import (
 )
 from .workspace import COMBINE, DISPATCH, WorkspaceLayout, ring_slots_for
 
-_ids = itertools.count(1)
+# Buffer ids: strings unique across processes and runs, not only within one process. The
+# custom ops take the id, and their fake implementations take their shapes from its Buffer
+# (``moe_comm.ops``); under torch.compile a string is a constant of the graph's code (an int
+# would become a symbolic input), so a compiled graph kept on disk (inductor's cache) belongs
+# to that Buffer alone, never to another process's Buffer of other sizes.
+_ids = (f"{secrets.token_hex(6)}-{n}" for n in itertools.count(1))
 _CHANNEL_NAMES = {DISPATCH: "dispatch", COMBINE: "combine"}
 _CONFIG_FIELDS = ("hidden", "num_experts", "max_tokens_per_rank", "dtype", "max_topk",
                   "dispatch_dtype", "low_latency", "backend", "device_type", "kernel_impl",
@@ -524,8 +530,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         of block-scaled GEMMs (``microscale.swizzle_128x4``). Quantized dispatches carry no
         gradient to ``x``; the router weights' gradient flows as with any dispatch.
         """
-        self._check_usable()
-        self._raise_input_errors("an earlier call")
+        self._ready()
         ue8m0 = scale_code(dispatch_dtype, ue8m0)
         check_scale_layout(scale_layout, ue8m0)
         rows, scales, mode = resolve_fp8(
@@ -577,8 +582,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         / sum of the weights whose expert rank contributed`` (0 where none did), computed on the
         rounded output (no change without a failure, up to that rounding).
         """
-        self._check_usable()
-        self._raise_input_errors("an earlier call")
+        self._ready()
         fp8 = combine_is_fp8(combine_dtype, dtype=self.dtype, hidden=self.hidden)
         if env.check_inputs():
             check_combine_inputs(y, handle, weights, buffer_id=self.id,
@@ -650,6 +654,15 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                 f"dtype={self.dtype}, workspace_bytes={self.workspace_bytes})")
 
     # ----------------------------------------------------------------- phases
+    def _ready(self) -> None:
+        """Raises what an earlier call left: the Buffer unusable, or a bad input a kernel
+        recorded (host reads of the error record). A trace under ``torch.compile`` cannot read
+        it; the custom ops check it themselves when they run (``moe_comm.ops``)."""
+        if torch.compiler.is_compiling():
+            return
+        self._check_usable()
+        self._raise_input_errors("an earlier call")
+
     def _check_usable(self, channel: str = "device") -> None:
         """Raises if the Buffer failed, or a kernel's wait recorded a timeout (which makes it
         unusable; with fault tolerance a kernel records one only when it found this rank

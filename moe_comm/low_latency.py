@@ -63,7 +63,7 @@ class LowLatencyHandle:
     ``layout`` [L, R, 2] int32: (first row, rows) of each source's block in the output;
     ``src_k`` [L, R * T_max] int32: the top-k choice of each row at its home rank."""
 
-    buffer_id: int
+    buffer_id: str
     serial: int
     layout: torch.Tensor
     src_info: torch.Tensor
@@ -259,8 +259,7 @@ class LowLatencyMode:
         expert's rows to it. With ``return_hook`` the call returns after the send launch and
         ``hook()`` receives; otherwise the call receives and ``hook`` is None.
         """
-        self._check_usable()
-        self._raise_input_errors("an earlier call")
+        self._ready()
         self._ll_require()
         self._ll_check_in_flight(DISPATCH, "dispatch")
         if env.check_inputs():
@@ -396,8 +395,7 @@ class LowLatencyMode:
         (``out[t] = sum_k w[t, k] * dequantize_fp8(*quantize_fp8(y_row(t, k)))``; error bound
         as in ``Buffer.combine``), Triton kernels only.
         """
-        self._check_usable()
-        self._raise_input_errors("an earlier call")
+        self._ready()
         self._ll_require()
         if not isinstance(handle, LowLatencyHandle):
             raise TypeError(f"handle must be recv.handle of a low_latency_dispatch, got "

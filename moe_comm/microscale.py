@@ -74,7 +74,8 @@ def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_mxfp8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     T, H = q.shape
-    s = (scales.contiguous().view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+    # (bytes first: compilers without an e8m0 type, inductor's CPU backend, read them as such)
+    s = (scales.view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
     return (q.float().reshape(T, H // MX_GROUP, MX_GROUP) * s[..., None]).reshape(T, H)
 
 
@@ -142,7 +143,7 @@ def dequantize_nvfp4(q: torch.Tensor, scales: torch.Tensor, global_scale) -> tor
     T, H = codes.shape
     v = e2m1_values(codes).reshape(T, H // NVFP4_GROUP, NVFP4_GROUP)
     gs = torch.as_tensor(global_scale, dtype=torch.float32, device=q.device)
-    gs = gs.reshape(-1, 1, 1) if gs.numel() != 1 else gs.reshape(1, 1, 1)  # [T] or [1]
+    gs = gs.reshape(-1, 1, 1)  # [T], [1] or a scalar (no branch on the size: traceable)
     return (v * scales.float()[..., None] * gs).reshape(T, H)
 
 

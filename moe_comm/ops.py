@@ -1,6 +1,7 @@
 """torch.library custom ops (with fake implementations) and the autograd Functions over them.
 
-Ops (each one collective over the Buffer's ranks; ``buffer_id`` names the Buffer):
+Ops (each one collective over the Buffer's ranks; ``buffer_id``, a string, names the Buffer
+and is a constant of a compiled graph):
 
 * ``moe_comm::dispatch(buffer_id, x, x_scales?, topk_idx, topk_weights?, expert_alignment, fp8,
   ue8m0, col_major_scales, max_recv_rows?)`` -> received rows, their FP8 scales (empty unless
@@ -36,12 +37,13 @@ from .types import DispatchHandle, DispatchResult
 
 
 @torch.library.custom_op("moe_comm::dispatch", mutates_args=())
-def dispatch_op(buffer_id: int, x: Tensor, x_scales: Optional[Tensor], topk_idx: Tensor,
+def dispatch_op(buffer_id: str, x: Tensor, x_scales: Optional[Tensor], topk_idx: Tensor,
                 topk_weights: Optional[Tensor], expert_alignment: int, fp8: int, ue8m0: int,
                 col_major_scales: bool, max_recv_rows: Optional[int]
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                            Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     buf = lookup(buffer_id)
+    buf._ready()
     pending = buf.dispatch_send(x, topk_idx, topk_weights, x_scales, fp8, ue8m0)
     outs = buf.dispatch_recv(pending, expert_alignment, col_major_scales, max_recv_rows)
     buf._raise_input_errors("dispatch")
@@ -96,12 +98,13 @@ def _node_fakes(buf, x, T):
 
 
 @torch.library.custom_op("moe_comm::dispatch_cached", mutates_args=())
-def dispatch_cached_op(buffer_id: int, x: Tensor, slot_of: Tensor, slot_rows: Tensor,
+def dispatch_cached_op(buffer_id: str, x: Tensor, slot_of: Tensor, slot_rows: Tensor,
                        recv_slot_offsets: Tensor, tokens_per_expert: Tensor,
                        expert_offsets: Tensor, num_rows: int,
                        node_slot_of: Optional[Tensor] = None, fwd_slots: Optional[Tensor] = None,
                        fwd_n: Optional[Tensor] = None) -> Tensor:
     buf = lookup(buffer_id)
+    buf._ready()
     pending = buf.dispatch_cached_send(x, slot_of, node_slot_of)
     return buf.dispatch_cached_recv(pending, slot_rows, recv_slot_offsets, tokens_per_expert,
                                     expert_offsets, num_rows, fwd_slots, fwd_n)
@@ -114,12 +117,13 @@ def _(buffer_id, x, slot_of, slot_rows, recv_slot_offsets, tokens_per_expert, ex
 
 
 @torch.library.custom_op("moe_comm::combine", mutates_args=())
-def combine_op(buffer_id: int, y: Tensor, weights: Optional[Tensor],
+def combine_op(buffer_id: str, y: Tensor, weights: Optional[Tensor],
                pair_values: Optional[Tensor], slot_of: Tensor, slot_rows: Tensor,
                recv_slot_offsets: Tensor, node_slot_of: Optional[Tensor] = None,
                fwd_slots: Optional[Tensor] = None, fwd_n: Optional[Tensor] = None,
                fp8: bool = False) -> tuple[Tensor, Tensor]:
     buf = lookup(buffer_id)
+    buf._ready()
     pending = buf.combine_send(y, weights, pair_values, slot_rows, recv_slot_offsets, fwd_slots,
                                fwd_n, fp8)
     return buf.combine_recv(pending, slot_of, want_pair=pair_values is not None,
@@ -136,6 +140,20 @@ def _(buffer_id, y, weights, pair_values, slot_of, slot_rows, recv_slot_offsets,
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("moe_comm::row_dot", mutates_args=())
+def row_dot_op(a: Tensor, b: Tensor) -> Tensor:
+    """``(a * b).sum(-1)`` in fp32 (fp64 for fp64 rows), as float32: the router-weight
+    gradient of combine. An op of its own so that a compiler cannot reorder its sums: compiled
+    and eager steps give the same bits."""
+    acc = _acc_dtype(a.dtype)
+    return (a.to(acc) * b.to(acc)).sum(-1).to(torch.float32)
+
+
+@row_dot_op.register_fake
+def _(a, b):
+    return a.new_empty(a.shape[:-1], dtype=torch.float32)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -201,7 +219,7 @@ class _Combine(torch.autograd.Function):
             grad_y = (grad_rows.to(acc) * weights.to(acc)[:, None]).to(y.dtype)
             grad_w = None
             if ctx.needs_input_grad[2]:
-                grad_w = (grad_rows.to(acc) * y.to(acc)).sum(-1).to(torch.float32)
+                grad_w = torch.ops.moe_comm.row_dot(grad_rows, y)
         return None, grad_y, grad_w, None, None, None, None, None, None, None, None, None
 
 

@@ -29,7 +29,7 @@ class DispatchHandle:
     ``combine(..., renormalize=True)``.
     """
 
-    buffer_id: int
+    buffer_id: str
     serial: int
     slot_of: torch.Tensor
     slot_rows: torch.Tensor

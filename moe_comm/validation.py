@@ -64,7 +64,7 @@ def check_dispatch_inputs(x, topk_idx, topk_weights, expert_alignment, *, hidden
         raise ValueError(f"max_recv_rows must be None or an int >= 0, got {max_recv_rows!r}")
 
 
-def check_combine_inputs(y, handle, weights, *, buffer_id: int, latest_serial: int,
+def check_combine_inputs(y, handle, weights, *, buffer_id: str, latest_serial: int,
                          hidden: int, dtype: torch.dtype, device: torch.device) -> None:
     """``y`` rows and ``weights`` must match the handle of this Buffer's latest dispatch."""
     if not isinstance(handle, DispatchHandle):

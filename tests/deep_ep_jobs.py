@@ -305,3 +305,60 @@ def _call_while_masked(buf, case: Case, rank: int, masked: int) -> None:
                 row = ys[owner][e - owner * L, origin.index((rank, t))]
                 want[t] += ws[rank][t, k] * row.float()
     assert torch.equal(out, want.to(case.dtype)), f"rank {rank}: combine while masked"
+
+
+def bad_facade_inputs(rank, world_size) -> dict:
+    """Each facade call with a mistake a new user makes: ``{what: "Error: message"}`` (or
+    what came back where nothing was wrong)."""
+    buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0, low_latency_mode=True,
+                         num_qps_per_rank=1)
+    E, T, H, K = 8, 6, 128, 2
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    w = torch.rand(T, K)
+    found = {}
+
+    def probe(what, fn):
+        try:
+            result = fn()
+            found[what] = "ok" if result is not None else "None"
+        except Exception as exc:  # noqa: BLE001 - what a user would see, reported
+            found[what] = f"{type(exc).__name__}: {exc}"
+
+    probe("layout int32 topk_idx", lambda: buf.get_dispatch_layout(idx.int(), E))
+    probe("layout float topk_idx", lambda: buf.get_dispatch_layout(idx.float(), E))
+    probe("layout 1-d topk_idx", lambda: buf.get_dispatch_layout(idx[:, 0], E))
+    probe("layout list topk_idx", lambda: buf.get_dispatch_layout(idx.tolist(), E))
+    probe("layout num_experts float", lambda: buf.get_dispatch_layout(idx, 8.0))
+    probe("layout num_experts 7", lambda: buf.get_dispatch_layout(idx, 7))
+    probe("layout id >= num_experts", lambda: buf.get_dispatch_layout(idx + E, E))
+    layout = buf.get_dispatch_layout(idx, E)
+    per_rank, _, per_expert, in_rank, _ = layout
+
+    def dispatch(x=x, idx=idx, w=w):
+        return buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
+                            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+
+    probe("dispatch x 3-d", lambda: dispatch(x=x[None]))
+    probe("dispatch x fewer tokens", lambda: dispatch(x=x[:3]))
+    probe("dispatch float topk_idx", lambda: dispatch(idx=idx.float()))
+    probe("dispatch int weights", lambda: dispatch(w=w.int()))
+    probe("dispatch weights shape", lambda: dispatch(w=w[:, :1]))
+    probe("dispatch id >= num_experts", lambda: dispatch(idx=idx + E))  # (every rank: in step)
+    res = dispatch()  # a good call: every rank in step
+    handle = res[4]
+    probe("combine tuple handle", lambda: buf.combine(res[0], handle=(1, 2)))
+    probe("combine x 1-d", lambda: buf.combine(res[0][:, 0], handle=handle))
+    probe("cached dispatch tuple handle", lambda: buf.dispatch(x, handle=(1, 2)))
+    out = buf.combine(res[0], handle=handle)  # a good call
+    found["good calls"] = f"ok {tuple(out[0].shape)}"
+    probe("low-latency int32 topk_idx (converted)",
+          lambda: buf.low_latency_dispatch(x, idx.int(), 8, E, use_fp8=False))
+    recv = buf.low_latency_dispatch(x, idx, 8, E, use_fp8=False)
+    probe("low-latency combine tuple handle",
+          lambda: buf.low_latency_combine(recv[0], idx, w, (1, 2)))
+    probe("low-latency combine buffer tuple handle",
+          lambda: buf.get_next_low_latency_combine_buffer((1, 2)))
+    buf.low_latency_combine(recv[0], idx, w, recv[2])  # a good call
+    buf.destroy()
+    return found

@@ -39,6 +39,39 @@ def test_what_cannot_be_honoured_raises_with_a_sentence(ranks):
                    for msg in out.values()), out
 
 
+def test_bad_input_to_every_facade_call_names_the_argument(ranks):
+    """What a new user passes wrongly gets TypeError or ValueError naming the argument before
+    anything runs (int32 ids are converted, as engines keep them); an expert id out of range
+    counts nowhere in the layout and the dispatch raises it once the call is complete."""
+    named = {
+        "layout float topk_idx": "TypeError: topk_idx must be int64",
+        "layout 1-d topk_idx": "ValueError: topk_idx must be [num_tokens, num_topk]",
+        "layout list topk_idx": "TypeError: topk_idx must be a torch.Tensor",
+        "layout num_experts float": "TypeError: num_experts must be a positive int",
+        "layout num_experts 7": "ValueError: num_experts=7 is not divisible",
+        "dispatch x 3-d": "ValueError: x must be [num_tokens, hidden]",
+        "dispatch x fewer tokens": "ValueError: x has 3 tokens, topk_idx 6",
+        "dispatch float topk_idx": "TypeError: topk_idx must be int64",
+        "dispatch int weights": "TypeError: topk_weights must be floating point",
+        "dispatch weights shape": "ValueError: topk_weights has shape (6, 1)",
+        "dispatch id >= num_experts": "ValueError: moe_comm rank",
+        "combine tuple handle": "TypeError: handle must be the handle a dispatch returned",
+        "combine x 1-d": "ValueError: x must be [num_tokens, hidden]",
+        "cached dispatch tuple handle": "TypeError: handle must be the handle a dispatch",
+        "low-latency combine tuple handle": "TypeError: handle must be the handle a "
+                                            "low_latency_dispatch returned",
+        "low-latency combine buffer tuple handle": "TypeError: handle must be the handle a "
+                                                   "low_latency_dispatch returned",
+    }
+    fine = {"layout int32 topk_idx": "ok", "layout id >= num_experts": "ok",
+            "low-latency int32 topk_idx (converted)": "ok", "good calls": "ok (6, 128)"}
+    for rank, found in enumerate(ranks(2).run(deep_ep_jobs.bad_facade_inputs)):
+        assert set(found) == set(named) | set(fine), (rank, found)
+        for what, start in {**named, **fine}.items():
+            assert found[what].startswith(start), (rank, what, found[what])
+        assert "ids must be in [0, num_experts)" in found["dispatch id >= num_experts"], found
+
+
 def test_install_registers_and_refuses_a_real_deep_ep(monkeypatch):
     monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
     monkeypatch.delitem(sys.modules, "deep_ep.utils", raising=False)

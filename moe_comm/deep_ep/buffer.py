@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 import moe_comm
 
+from . import checks
 from .utils import EventHandle, EventOverlap
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -168,12 +169,12 @@ class Buffer:
         """``(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32,
         is_token_in_rank [T, R] bool, event)``, on the device, no host read."""
         self._check_alive()
-        _wait(previous_event)
         R = self.group_size
-        if num_experts % R:
-            raise ValueError(f"num_experts={num_experts} is not divisible by {R} ranks")
-        L = num_experts // R
-        valid = topk_idx >= 0
+        topk_idx = checks.topk_idx(topk_idx)
+        L = checks.num_experts(num_experts, R) // R
+        _wait(previous_event)
+        # ids outside [-1, E) count nowhere here; the dispatch reports them
+        valid = (topk_idx >= 0) & (topk_idx < num_experts)
         ids = torch.where(valid, topk_idx, 0)
         per_expert = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
         per_expert.index_add_(0, ids.flatten(),
@@ -226,7 +227,10 @@ class Buffer:
             raise _unsupported("a dispatch without topk_idx (routing by is_token_in_rank "
                                "alone) is not supported: pass topk_idx, or a handle")
         pair = isinstance(x, tuple)
-        rows = x[0] if pair else x
+        rows = checks.rows(x)
+        topk_idx = checks.topk_idx(topk_idx)
+        topk_weights = checks.weights(topk_weights, topk_idx)
+        checks.tokens_match(rows, topk_idx)
         T, H = rows.shape
         if num_tokens_per_expert is not None:
             num_experts = num_tokens_per_expert.numel()
@@ -235,9 +239,7 @@ class Buffer:
         dtype = torch.bfloat16 if pair else rows.dtype
         buf = self._normal_buffer(T, topk_idx.shape[1], H, dtype, num_experts, rows.device)
         with torch.no_grad():
-            res = buf.dispatch(x, topk_idx.to(torch.int64),
-                               None if topk_weights is None else topk_weights.float(),
-                               expert_alignment=expert_alignment)
+            res = buf.dispatch(x, topk_idx, topk_weights, expert_alignment=expert_alignment)
         h = res.handle
         n = int(h.recv_slot_offsets[-1])
         slot_rows = h.slot_rows[:n].to(torch.int64)  # [N, K] moe_comm row of each choice
@@ -262,10 +264,12 @@ class Buffer:
                 EventOverlap(EventHandle()))
 
     def _cached_dispatch(self, x, handle: _NormalHandle):
+        checks.handle(handle, _NormalHandle, "dispatch")
         if isinstance(x, tuple):
             raise _unsupported("a cached dispatch of an FP8 pair is not supported (moe_comm's "
                                "cached dispatch moves rows of the Buffer's dtype)")
         buf, h, n = handle.buffer, handle.moe, handle.num_recv
+        checks.rows(x)
         if x.dtype != buf.dtype:
             raise TypeError(f"x is {x.dtype}; the dispatch that made the handle moved {buf.dtype}")
         dev, L = x.device, buf.num_local_experts
@@ -291,7 +295,15 @@ class Buffer:
         if bias is not None:
             raise _unsupported("combine(bias=...) is not supported: add the bias to the "
                                "output (DeepEP adds it before rounding)")
+        checks.handle(handle, _NormalHandle, "dispatch")
+        checks.rows(x)
         buf, h, n = handle.buffer, handle.moe, handle.num_recv
+        if x.shape[0] < n:
+            raise ValueError(f"x has {x.shape[0]} rows; the dispatch that made the handle "
+                             f"received {n}")
+        if topk_weights is not None and (topk_weights.dim() != 2 or topk_weights.shape[0] < n):
+            raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}; it must be "
+                             f"[rows, num_topk] like the dispatch's recv_topk_weights")
         if x.dtype != buf.dtype:
             raise TypeError(f"x is {x.dtype}; the dispatch that made the handle moved {buf.dtype}")
         y = torch.zeros((handle.rows, x.shape[1]), dtype=x.dtype, device=x.device)
@@ -350,10 +362,14 @@ class Buffer:
         if round_scale and not use_ue8m0:
             raise _unsupported("round_scale without use_ue8m0 (power-of-two scales kept as "
                                "float32) is not supported")
+        checks.rows(x)
+        topk_idx = checks.topk_idx(topk_idx)
+        checks.tokens_match(x, topk_idx)
+        checks.num_experts(num_experts, self.group_size)
         buf = self._low_latency_buffer(num_max_dispatch_tokens_per_rank, x.shape[1],
                                        num_experts, x.dtype, x.device)
         recv, hook = buf.low_latency_dispatch(
-            x, topk_idx.to(torch.int64), fp8=use_fp8, ue8m0=use_ue8m0, col_major_scales=use_fp8,
+            x, topk_idx, fp8=use_fp8, ue8m0=use_ue8m0, col_major_scales=use_fp8,
             cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
             return_hook=True)
         if not return_recv_hook:
@@ -378,8 +394,11 @@ class Buffer:
         if combine_wait_recv_cost_stats is not None:
             raise _unsupported("combine_wait_recv_cost_stats (GPU cycles per source) is not "
                                "recorded")
+        checks.handle(handle, _LowLatencyHandle, "low_latency_dispatch")
+        topk_idx = checks.topk_idx(topk_idx)
+        topk_weights = checks.weights(topk_weights, topk_idx)
         result, hook = handle.buffer.low_latency_combine(
-            x, topk_idx.to(torch.int64), topk_weights, handle.moe, return_hook=True)
+            x, topk_idx, topk_weights, handle.moe, return_hook=True)
 
         def receive():
             hook()
@@ -392,7 +411,8 @@ class Buffer:
         return (out if out is not None else result), EventOverlap(EventHandle()), receive
 
     def get_next_low_latency_combine_buffer(self, handle: _LowLatencyHandle) -> torch.Tensor:
-        return handle.buffer.low_latency_combine_buffer()
+        return checks.handle(handle, _LowLatencyHandle,
+                             "low_latency_dispatch").buffer.low_latency_combine_buffer()
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:

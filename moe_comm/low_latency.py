@@ -259,7 +259,8 @@ class LowLatencyMode:
         expert's rows to it. With ``return_hook`` the call returns after the send launch and
         ``hook()`` receives; otherwise the call receives and ``hook`` is None.
         """
-        self._ready()
+        self._check_usable()
+        self._raise_input_errors("an earlier call")
         self._ll_require()
         self._ll_check_in_flight(DISPATCH, "dispatch")
         if env.check_inputs():
@@ -395,7 +396,8 @@ class LowLatencyMode:
         (``out[t] = sum_k w[t, k] * dequantize_fp8(*quantize_fp8(y_row(t, k)))``; error bound
         as in ``Buffer.combine``), Triton kernels only.
         """
-        self._ready()
+        self._check_usable()
+        self._raise_input_errors("an earlier call")
         self._ll_require()
         if not isinstance(handle, LowLatencyHandle):
             raise TypeError(f"handle must be recv.handle of a low_latency_dispatch, got "

@@ -174,7 +174,7 @@ procs_phase() {  # procs_phase NAME CAP RESERVE -k EXPRESSION
 }
 procs_phase procs 150 220 -k "not nvshmem and not proxy"
 procs_phase nvshmem 80 180 -k nvshmem
-procs_phase proxy 80 150 -k proxy
+procs_phase proxy 100 150 -k proxy
 
 # ---------------------------------------------------------------------------- GPU tests
 start=$SECONDS

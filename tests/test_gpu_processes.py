@@ -4,9 +4,9 @@ mapped into every process), both modes, bf16 and FP8, both low-latency kernel im
 bounded staging in rounds, and a CUDA graph captured and replayed in every process; then 2
 processes over the ``nvshmem`` heap, each its own node, so that every row between them moves by
 NVSHMEM device puts (Triton's NVSHMEM-linked kernels and csrc/'s); then the proxy's GPU half,
-alone (``gpu_proxy_jobs``) and under 2 Buffers, each its own node, whose rows all go through
-the proxy (NIXL, device memory to device memory); every result checked on its rank against the
-reference (``gpu_process_jobs``).
+alone (``gpu_proxy_jobs``), under 2 Buffers, each its own node, whose rows all go through the
+proxy (NIXL, device memory to device memory), and under 4 in hierarchical mode (two nodes of
+two); every result checked on its rank against the reference (``gpu_process_jobs``).
 
 What it proves and what it does not: the heap's mapping across processes, the in-kernel waits
 on peers that are other processes, and graph replays that wait on other processes' graphs. The
@@ -186,3 +186,14 @@ def test_proxy_between_processes_low_latency(gpu_ranks):
     facts = gpu_ranks(2, "nixl").run(jobs.low_latency, case, "triton", **PROXY)
     assert [f["transport"] for f in facts] == [2, 2], facts
     _report("proxy low latency", facts)
+
+
+def test_proxy_between_processes_hierarchical(gpu_ranks):
+    """Two nodes of two processes, hierarchical: rows cross once per node through the proxy
+    and the forwarders (each waiting in a kernel) store them into their node's staging."""
+    _nixl_or_skip()
+    case = Case(4, 16, 2048, 8, (64, 73, 0, 50), routing="zipf", alignment=16, seed=26)
+    facts = gpu_ranks(4, "nixl").run(jobs.normal_mode, case, False, transport="nixl",
+                                      ranks_per_node=2, hierarchical=True)
+    assert [f["transport"] for f in facts] == [2] * 4, facts
+    _report("proxy normal hierarchical 2x2", facts)

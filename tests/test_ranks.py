@@ -188,7 +188,8 @@ def test_the_gpu_proxy_job_holds_on_cpu_ranks(ranks):
                       "memory": "DRAM"}] * 2, facts
 
 
-@pytest.mark.parametrize("job", ["normal", "rounds", "low-latency", "proxy", "proxy-low-latency"])
+@pytest.mark.parametrize("job", ["normal", "rounds", "low-latency", "proxy", "proxy-low-latency",
+                                 "proxy-hierarchical"])
 def test_the_gpu_process_jobs_hold_on_cpu_ranks(ranks, job):
     """The jobs tests/test_gpu_processes.py runs on a GPU, run here on CPU ranks (their checks
     against the reference, the warm-up, the rounds; through the proxy with a node per rank,
@@ -211,9 +212,15 @@ def test_the_gpu_process_jobs_hold_on_cpu_ranks(ranks, job):
                                       calls=2, device="cpu", **proxy),
         "proxy-low-latency": lambda: ranks(2).run(with_kernel_waits, jobs.low_latency, low,
                                                   "triton", calls=2, device="cpu", **proxy),
+        "proxy-hierarchical": lambda: ranks(4).run(
+            with_kernel_waits, jobs.normal_mode, Case(4, 16, 256, 4, (13, 21, 0, 9),
+                                                      routing="zipf", alignment=16, seed=63),
+            False, calls=2, device="cpu", transport="nixl", ranks_per_node=2,
+            hierarchical=True),
     }[job]
     facts = run()
-    assert len(facts) == 2 and all(f["first_call_s"] > 0 for f in facts), facts
+    assert len(facts) == (4 if job == "proxy-hierarchical" else 2), facts
+    assert all(f["first_call_s"] > 0 for f in facts), facts
     assert facts[0]["rounds"] == (6 if job == "rounds" else 1), facts
     assert facts[0]["transport"] == (2 if job.startswith("proxy") else 0), facts
     if job == "normal":

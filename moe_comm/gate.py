@@ -132,8 +132,7 @@ def _buffers(cfg: GateConfig, dtype, low_latency: bool, transport: int, arch: in
              hierarchical: bool = False, fault_tolerant: bool = False):
     """Virtual ranks on the meta device with the GPU flavour (``transport`` 1: NVSHMEM; 2: the
     proxy, two nodes, ``hierarchical`` or flat; ``fault_tolerant``: the waits exclude silent
-    peers). The proxy flavour's host waits between its kernels (the forwarders') are skipped:
-    they wait on the host, not in a kernel, so far."""
+    peers); their waits, the proxy's forwarders' too, are kernels (``warmup.twins``)."""
     import torch
 
     from .kernels.comm import Flavour

@@ -35,9 +35,8 @@ class RingStandIn:
 
 def twins(layout, num_experts: int, flavour, num_sms: int | None, *, proxy: bool = False,
           dispatch_dtype: torch.dtype | None = None) -> list:
-    """Virtual ranks on the meta device with ``layout`` and ``flavour`` (the GPU's), whose ops
-    launch nothing but can be recorded; a proxy's host waits between its kernels are skipped
-    (they wait on the host, not in a kernel)."""
+    """Virtual ranks on the meta device with ``layout`` and ``flavour`` (the GPU's: every wait,
+    the proxy's forwarders' too, is a kernel), whose ops launch nothing but can be recorded."""
     from .buffer import Buffer
     from .symm import create_loopback_heaps
 
@@ -47,8 +46,6 @@ def twins(layout, num_experts: int, flavour, num_sms: int | None, *, proxy: bool
         buf._setup(heap, layout, num_experts, None, dispatch_dtype, num_sms=num_sms,
                    kernel_impl="triton", flavour=flavour, proxy=RingStandIn() if proxy else None)
         buf.backend = "twin"
-        if proxy:
-            buf._wait_words = lambda *args, **kwargs: None
         buffers.append(buf)
     return buffers
 

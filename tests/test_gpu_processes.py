@@ -109,9 +109,15 @@ def test_low_latency_across_processes_matches_reference(gpu_ranks, world_size, k
 NVSHMEM = dict(backend="nvshmem", ranks_per_node=1)
 
 
+def _carried_or_skip(module: str, wheel: str) -> None:
+    """Skips unless ``module`` imports (the GPU image lacks ``wheel``; bench/gpu_check.sh
+    installs the one carried in .whl/)."""
+    pytest.importorskip(module, reason=f"{wheel} is not installed (bench/gpu_check.sh installs a "
+                        "carried wheel from .whl/)")
+
+
 def _nvshmem_or_skip() -> None:
-    pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed (bench/gpu_check.sh "
-                        "installs a carried wheel from .whl/)")
+    _carried_or_skip("nvshmem.core", "nvshmem4py")
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -167,8 +173,7 @@ PROXY = dict(transport="nixl", ranks_per_node=1, hierarchical=False)
 
 
 def _nixl_or_skip() -> None:
-    pytest.importorskip("nixl_cu13", reason="nixl-cu13 is not installed (bench/gpu_check.sh "
-                        "installs a carried wheel from .whl/)")
+    _carried_or_skip("nixl_cu13", "nixl-cu13")
 
 
 @pytest.mark.parametrize("fp8", [False, True])

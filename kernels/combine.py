@@ -139,6 +139,31 @@ def _add_choice(acc, y, slots, jm, weights, k, K, h, hm, H, HAS_WEIGHTS: tl.cons
     return acc + v
 
 
+@triton.jit
+def source_tiles(slot_offsets, R, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The tiles of ``BLOCK_T`` slots of every source in turn (``slot_offsets`` [R + 1]):
+    ``(first slot of each source, its tiles, cumulative tiles)``, each [BLOCK_R]."""
+    src = tl.arange(0, BLOCK_R)
+    first_slots = tl.load(slot_offsets + src, mask=src < R, other=0)
+    src_tiles = (tl.load(slot_offsets + src + 1, mask=src < R, other=0) - first_slots
+                 + BLOCK_T - 1) // BLOCK_T
+    return first_slots, src_tiles, tl.cumsum(src_tiles, axis=0)
+
+
+@triton.jit
+def source_tile(w, slot_offsets, first_slots, src_tiles, tiles_end, BLOCK_T: tl.constexpr,
+                BLOCK_R: tl.constexpr):
+    """Tile ``w`` of :func:`source_tiles`: ``(source s, its first slot, its slots n, the tile's
+    first slot j0 among them)``."""
+    src = tl.arange(0, BLOCK_R)
+    s = tl.sum((tiles_end <= w).to(tl.int32), axis=0)
+    at_s = src == s
+    first_slot = tl.sum(tl.where(at_s, first_slots, 0), axis=0)
+    n = (tl.load(slot_offsets + s + 1) - first_slot).to(tl.int32)
+    j0 = (w - tl.sum(tl.where(at_s, tiles_end - src_tiles, 0), axis=0)) * BLOCK_T
+    return s, first_slot, n, j0
+
+
 @triton.jit(do_not_specialize=_SEND_PER_CALL)
 def combine_send_kernel(
     y,  # [rows, H] expert outputs
@@ -184,21 +209,14 @@ def combine_send_kernel(
     stride = H * y.dtype.element_ty.primitive_bitwidth // 8  # bytes between partial rows
     box = local_ptr(local_base, box_rows_off, y.dtype.element_ty, ALIGN)  # (TRANSPORT 1)
     # the work: tiles of BLOCK_T slots of every source in turn, dealt round-robin
-    src = tl.arange(0, BLOCK_R)
-    first_slots = tl.load(slot_offsets + src, mask=src < R, other=0)
-    src_tiles = (tl.load(slot_offsets + src + 1, mask=src < R, other=0) - first_slots
-                 + BLOCK_T - 1) // BLOCK_T
-    tiles_end = tl.cumsum(src_tiles, axis=0)
+    first_slots, src_tiles, tiles_end = source_tiles(slot_offsets, R, BLOCK_T, BLOCK_R)
     kk = tl.arange(0, BLOCK_K)
     to_peers = tl.zeros([1], tl.int64)
     to_self = tl.zeros([1], tl.int64)
     other_node = tl.zeros([1], tl.int64)
     for w in range(tl.program_id(0), tl.sum(src_tiles, axis=0), tl.num_programs(0)):
-        s = tl.sum((tiles_end <= w).to(tl.int32), axis=0)  # the source of tile w
-        at_s = src == s
-        first_slot = tl.sum(tl.where(at_s, first_slots, 0), axis=0)
-        n = (tl.load(slot_offsets + s + 1) - first_slot).to(tl.int32)
-        j0 = (w - tl.sum(tl.where(at_s, tiles_end - src_tiles, 0), axis=0)) * BLOCK_T
+        s, first_slot, n, j0 = source_tile(w, slot_offsets, first_slots, src_tiles, tiles_end,
+                                           BLOCK_T, BLOCK_R)
         dst, dst_meta, remote, fp8_rows, payload = _partial_destination(
             peer_ptrs, s, me, N, parity, plan, local_base, rows_off, meta_off, stride, H,
             y.dtype.element_ty, FP8, TRANSPORT, HIER, ALIGN)

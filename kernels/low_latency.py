@@ -33,8 +33,10 @@ Kernels (launches per op: dispatch 2, combine 2):
   publishes the epoch to every rank.
 * ``ll_combine_recv_kernel`` (grid ``min(cdiv(T_max, BLOCK_T) * cdiv(H, BLOCK_H), num_sms)``,
   persistent over the token and channel tiles of the call's ``T`` tokens): ``out[t] =
-  sum_k w[t, k] * slot[t, k]`` in fp32 (choice order), rounded to nearest even; the last
-  program acknowledges.
+  sum_k w[t, k] * slot[t, k]`` in fp32 (choice order, each product and each sum rounded to fp32:
+  compiled without fused multiply-adds), rounded to nearest even; the last program
+  acknowledges. That is the EP-invariant combine's formula (``kernels.invariant``): the
+  low-latency combine's result depends on no placement of experts.
 
 With in-kernel waits (GPUs), every wait polls all its sources' words at once (device memory
 only; the clock every ``comm.SPIN_BUDGET`` polls), a wait that times out records the peer in
@@ -787,6 +789,7 @@ def ll_combine_recv(staging, topk_idx, topk_weights, out, peer_ptrs, state, sign
         ROW_BYTES=row_bytes, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
         BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(K, 1)),
         BLOCK_R=triton.next_power_of_2(R), NUM_THREADS=tile.num_threads,
+        enable_fp_fusion=False,  # each product and sum rounded: the EP-invariant combine's bits
         **flavour.launch_options(tile))
     launch(bound, key, ll_combine_recv_kernel, (persistent_programs(tiles_, num_sms),), args,
            kwargs, ("staging", "topk_idx", "topk_weights", "out", "T"))

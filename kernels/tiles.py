@@ -88,6 +88,10 @@ _GPU = {
     # thread (_TILE_BYTES)
     "combine_send": (64, 1024, 8, 1),
     "combine_reduce": (8, 1024, 8, 2),
+    # the EP-invariant combine (kernels.invariant): persistent over slot tiles, one row of a
+    # (slot, choice) at a time; the reduce as the default one's
+    "invariant_send": (64, 1024, 8, 1),
+    "invariant_reduce": (8, 1024, 8, 2),
     # persistent (at most num_sms programs, one per SM: up to 255 registers for the tile's
     # pair counts and its quantized rows); NVFP4: 16-byte stores of packed codes need 32
     # values a thread
@@ -192,6 +196,11 @@ def _combine_send_trips(a: dict) -> int:
     return _cdiv(a["R"] * uniform_slots(a["TMAX"], a["R"], a["K"]), a["BLOCK_T"] * a["programs"])
 
 
+def _invariant_send_trips(a: dict) -> int:
+    """Slot tiles a program takes (each stores its slots' rows choice by choice)."""
+    return _cdiv(a["R"] * uniform_slots(a["W"], a["R"], a["K"]), a["BLOCK_T"] * a["programs"])
+
+
 def _ll_block_trips(a: dict) -> int:
     """The L x R (expert, source) blocks a program takes; at uniform routing a block holds
     T*K/E pairs, under one tile at decode sizes."""
@@ -226,6 +235,8 @@ SCHEDULES = {
     "dispatch_expand_kernel": Schedule(WAVE, _expand_trips),
     "combine_send_kernel": Schedule(PERSISTENT, _combine_send_trips),
     "combine_reduce_kernel": Schedule(WAVE, lambda a: 1),
+    "invariant_send_kernel": Schedule(PERSISTENT, _invariant_send_trips),
+    "invariant_reduce_kernel": Schedule(WAVE, lambda a: 1),
     # (a tile's pair prefix: one trip of BLOCK_P tokens)
     "ll_dispatch_send_kernel": Schedule(PERSISTENT, lambda a: _per_token_tiles(a) * (
         1 + _cdiv(a["T"], a["BLOCK_P"])) + _cdiv(a["T"], a["BLOCK_P"]), decode=True),

@@ -72,7 +72,7 @@ _CHANNEL_NAMES = {DISPATCH: "dispatch", COMBINE: "combine"}
 _CONFIG_FIELDS = ("hidden", "num_experts", "max_tokens_per_rank", "dtype", "max_topk",
                   "dispatch_dtype", "low_latency", "backend", "device_type", "kernel_impl",
                   "ranks_per_node", "transport", "hierarchical", "nixl_backend",
-                  "fault_tolerant", "staging_bytes")
+                  "fault_tolerant", "staging_bytes", "ep_invariant")
 DEFAULT_GPU_SMS = 20  # persistent send grids on GPUs (DeepEP uses 20-24 SMs)
 KERNEL_IMPLS = ("auto", "triton", "cuda")
 # kernel_impl="auto" on GPUs: the faster implementation per mode on the last measured GPU run
@@ -127,15 +127,29 @@ def _check_config(world_size: int, hidden, num_experts, max_tokens_per_rank, dty
 def staging_ring_slots(staging_bytes: int | None, world_size: int, max_tokens: int,
                        hidden: int, max_topk: int, dtype: torch.dtype, *,
                        outboxes: bool = False, ranks_per_node: int | None = None,
-                       rdma: bool = False) -> int | None:
+                       rdma: bool = False, invariant: bool = False) -> int | None:
     """Ring slots per source of the normal mode's staging for a budget of ``staging_bytes``
     (``workspace.ring_slots_for``; None: the whole batch, one round). ``outboxes``: the budget
     pays for the outboxes of a Buffer across nodes through the proxy as well, and with
     ``ranks_per_node`` (hierarchical) for the forwarders' regions; ``rdma``: for the outboxes
-    of a Buffer across hosts over NVSHMEM."""
+    of a Buffer across hosts over NVSHMEM; ``invariant``: for the EP-invariant combine's rows."""
     slots = ring_slots_for(staging_bytes, world_size, max_tokens, hidden, max_topk, dtype,
-                           outboxes, ranks_per_node, rdma)
+                           outboxes, ranks_per_node, rdma, invariant)
     return None if slots == max_tokens else slots
+
+
+def check_ep_invariant(ep_invariant, num_nodes: int, kernel_impl: str) -> None:
+    """``ep_invariant=True`` runs on one node (the normal mode's invariant combine reaches its
+    peers through pointers) and on the Triton kernels."""
+    if not isinstance(ep_invariant, bool):
+        raise ValueError(f"ep_invariant must be a bool, got {ep_invariant!r}")
+    if ep_invariant and num_nodes > 1:
+        raise ValueError("ep_invariant=True runs on one node so far: the invariant combine "
+                         "stores each (token, choice) row through peer pointers, and no "
+                         f"transport across nodes carries it yet ({num_nodes} nodes asked for)")
+    if ep_invariant and kernel_impl == "cuda":
+        raise ValueError("ep_invariant=True runs the Triton kernels: kernel_impl='cuda' "
+                         "(csrc/) sums with fused multiply-adds")
 
 
 def _check_same_config(configs: list[dict]) -> None:
@@ -173,7 +187,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                  num_sms: int | None = None, kernel_impl: str = "auto",
                  ranks_per_node: int | None = None, transport: str = "auto",
                  hierarchical: bool | None = None, nixl_backend: str | None = None,
-                 comm=None, fault_tolerant: bool = False, staging_bytes: int | None = None):
+                 comm=None, fault_tolerant: bool = False, staging_bytes: int | None = None,
+                 ep_invariant: bool = False):
         if comm is not None:
             if group is not None:
                 raise ValueError("pass either group or comm (an mpi4py communicator), not both")
@@ -193,7 +208,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                       ranks_per_node=ranks_per_node, transport=transport,
                       hierarchical=hierarchical, nixl_backend=nixl_backend,
                       fault_tolerant=bool(fault_tolerant), staging_bytes=staging_bytes,
-                      host=socket.gethostname(), pid=os.getpid())
+                      ep_invariant=bool(ep_invariant), host=socket.gethostname(),
+                      pid=os.getpid())
         world_size = dist.get_world_size(group)
         configs: list = [None] * world_size
         dist.all_gather_object(configs, config, group=group)
@@ -213,6 +229,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             raise ValueError("fault_tolerant=True across nodes runs through the proxy "
                              "(transport='nixl') in flat mode (hierarchical=False: a dead "
                              "forwarder would cut off its whole node) so far")
+        check_ep_invariant(ep_invariant, nodes.count, kernel_impl)
         if fault_tolerant and kernel_impl == "cuda":
             raise ValueError("fault_tolerant=True runs the Triton kernels: the csrc/ kernels "
                              "(kernel_impl='cuda') do not exclude silent peers")
@@ -222,12 +239,13 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         ring_slots = staging_ring_slots(
             staging_bytes, world_size, max_tokens_per_rank, hidden, max_topk, dtype,
             outboxes=via == "nixl",
-            ranks_per_node=nodes.ranks_per_node if forwarders else None, rdma=rdma)
+            ranks_per_node=nodes.ranks_per_node if forwarders else None, rdma=rdma,
+            invariant=bool(ep_invariant))
         layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                  num_experts // world_size, max_topk, dtype, low_latency,
                                  rdma=rdma, ranks_per_node=nodes.ranks_per_node,
                                  proxy=via == "nixl", hierarchical=hierarchical,
-                                 ring_slots=ring_slots)
+                                 ring_slots=ring_slots, invariant=bool(ep_invariant))
         heap = create_heap(chosen, group, layout.nbytes, device, nodes.ranks_per_node)
         proxy = None
         try:
@@ -262,7 +280,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                  dispatch_dtype: torch.dtype | None = None, low_latency: bool = False,
                  timeout_s: float | None = None, device="cpu", num_sms: int | None = None,
                  kernel_impl: str = "auto", fault_tolerant: bool = False,
-                 staging_bytes: int | None = None) -> list[Buffer]:
+                 staging_bytes: int | None = None, ep_invariant: bool = False) -> list[Buffer]:
         """``world_size`` virtual ranks in this process; drive them with ``moe_comm.lockstep``
         (``fault_tolerant``: as ``Buffer(..., fault_tolerant=True)``; ``clean_mask`` needs
         every rank at once, which one thread cannot give)."""
@@ -270,11 +288,12 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             max_topk = min(16, num_experts)
         _check_config(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk,
                       dispatch_dtype)
+        check_ep_invariant(ep_invariant, 1, kernel_impl)
         ring_slots = staging_ring_slots(staging_bytes, world_size, max_tokens_per_rank, hidden,
-                                        max_topk, dtype)
+                                        max_topk, dtype, invariant=bool(ep_invariant))
         layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                  num_experts // world_size, max_topk, dtype, low_latency,
-                                 ring_slots=ring_slots)
+                                 ring_slots=ring_slots, invariant=bool(ep_invariant))
         heaps = create_loopback_heaps(world_size, layout.nbytes, device)
         buffers = []
         for heap in heaps:
@@ -297,6 +316,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         self._bound = BoundLaunches()  # launches with their fixed arguments bound once
         self.rank, self.world_size = heap.rank, heap.world_size
         self.hidden, self.dtype = layout.hidden, layout.dtype
+        self.ep_invariant = layout.invariant
         self.dispatch_dtype = dispatch_dtype or layout.dtype
         self._row_bytes = layout.hidden * torch.empty((), dtype=layout.dtype).element_size()
         self.num_experts, self.num_local_experts = num_experts, layout.num_local_experts
@@ -309,9 +329,10 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                                     or num_sms < 1):
             raise ValueError(f"num_sms must be a positive int or None, got {num_sms!r}")
         self.num_sms = num_sms if num_sms is not None else (DEFAULT_GPU_SMS if on_gpu else None)
-        self.kernel_impl = check_kernel_impl(
+        self.kernel_impl = check_kernel_impl(  # (csrc/ neither excludes peers nor sums unfused)
             kernel_impl, heap.device, layout.low_latency,
-            fault_tolerant or (flavour is not None and flavour.fault_tolerant), proxy is not None)
+            fault_tolerant or (flavour is not None and flavour.fault_tolerant)
+            or layout.invariant, proxy is not None)
         self._kernel_impl_auto = kernel_impl == "auto"  # csrc/ leaves what it lacks to Triton
         self.errors = ErrorRecord(heap.device)
         self._ft_setup(fault_tolerant or (flavour is not None and flavour.fault_tolerant))
@@ -433,7 +454,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                                  staging_bytes: int | None = None,
                                  ranks_per_node: int | None = None,
                                  hierarchical: bool | None = None,
-                                 transport: str = "nixl") -> int:
+                                 transport: str = "nixl", ep_invariant: bool = False) -> int:
         """``workspace_bytes`` of a Buffer with these arguments, without allocating it: on one
         node, or (``ranks_per_node`` < ``world_size``) across nodes through the proxy
         (``transport="nixl"``; ``hierarchical`` as the Buffer's, None: hierarchical) or over
@@ -449,7 +470,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             NVSHMEM:       per_slot(one node) + 2 * (ROW + 4 * (1 + 3K) + R * (ROW + 4 * K))
 
         (``M`` nodes of ``N`` ranks: the outboxes' slot per node and the forwarders' regions;
-        over NVSHMEM the outboxes the puts read; ``workspace.staging_slot_bytes``); the rest
+        over NVSHMEM the outboxes the puts read; ``workspace.staging_slot_bytes``);
+        ``ep_invariant`` (one node) adds ``2 * K * (ROW + 8)`` per slot; the rest
         grows with R only through per-peer words (``moe_comm.workspace`` gives every
         region)."""
         max_topk = min(16, num_experts) if max_topk is None else max_topk
@@ -462,11 +484,13 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             raise ValueError("transport must be 'nixl' (the proxy) or 'nvshmem' (puts across "
                              f"hosts), got {transport!r}")
         across = N < world_size
+        check_ep_invariant(ep_invariant, world_size // N, "auto")
         rdma = across and transport == "nvshmem"
         hier = across and not rdma and (hierarchical is None or bool(hierarchical))
         ring_slots = staging_ring_slots(staging_bytes, world_size, max_tokens_per_rank, hidden,
                                         max_topk, dtype, outboxes=across and not rdma,
-                                        ranks_per_node=N if hier else None, rdma=rdma)
+                                        ranks_per_node=N if hier else None, rdma=rdma,
+                                        invariant=bool(ep_invariant))
         if rdma:  # no proxy: a peer on another host has no pointer, NVSHMEM puts reach it
             return WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                    num_experts // world_size, max_topk, dtype, rdma=True,
@@ -474,7 +498,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         return WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                num_experts // world_size, max_topk, dtype,
                                ranks_per_node=N if across else None, proxy=across,
-                               hierarchical=hier, ring_slots=ring_slots).nbytes
+                               hierarchical=hier, ring_slots=ring_slots,
+                               invariant=bool(ep_invariant)).nbytes
 
     def dispatch(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                  topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None,
@@ -583,7 +608,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         rounded output (no change without a failure, up to that rounding).
         """
         self._ready()
-        fp8 = combine_is_fp8(combine_dtype, dtype=self.dtype, hidden=self.hidden)
+        fp8 = combine_is_fp8(combine_dtype, dtype=self.dtype, hidden=self.hidden,
+                             ep_invariant=self.ep_invariant)
         if env.check_inputs():
             check_combine_inputs(y, handle, weights, buffer_id=self.id,
                                  latest_serial=self.dispatch_serial, hidden=self.hidden,

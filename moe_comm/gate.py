@@ -129,10 +129,11 @@ class Variant:
 
 # ------------------------------------------------------------------------------ recording
 def _buffers(cfg: GateConfig, dtype, low_latency: bool, transport: int, arch: int,
-             hierarchical: bool = False, fault_tolerant: bool = False):
+             hierarchical: bool = False, fault_tolerant: bool = False, invariant: bool = False):
     """Virtual ranks on the meta device with the GPU flavour (``transport`` 1: NVSHMEM; 2: the
     proxy, two nodes, ``hierarchical`` or flat; ``fault_tolerant``: the waits exclude silent
-    peers); their waits, the proxy's forwarders' too, are kernels (``warmup.twins``)."""
+    peers; ``invariant``: the EP-invariant combine); their waits, the proxy's forwarders' too,
+    are kernels (``warmup.twins``)."""
     import torch
 
     from .kernels.comm import Flavour
@@ -145,7 +146,8 @@ def _buffers(cfg: GateConfig, dtype, low_latency: bool, transport: int, arch: in
     N = cfg.world_size // 2 if proxy else None
     layout = WorkspaceLayout(cfg.world_size, cfg.tokens, cfg.hidden, L, cfg.topk, dtype,
                              low_latency, rdma=transport == 1, proxy=proxy, ranks_per_node=N,
-                             hierarchical=hierarchical, ring_slots=cfg.ring_slots)
+                             hierarchical=hierarchical, ring_slots=cfg.ring_slots,
+                             invariant=invariant)
     elem = torch.empty((), dtype=dtype).element_size()
     flavour = Flavour(transport=transport, device_wait=True, compiled=True,
                       bitcode=device_bitcode(arch) if transport == 1 else "",
@@ -251,7 +253,8 @@ def _fp8_combine_ok(bufs, cfg: GateConfig, dtype) -> bool:
     other 16/32-bit dtypes change only the load of y)."""
     import torch
 
-    return cfg.hidden % 128 == 0 and dtype == torch.bfloat16 and bufs[0].kernel_impl == "triton"
+    return (cfg.hidden % 128 == 0 and dtype == torch.bfloat16 and bufs[0].kernel_impl == "triton"
+            and not bufs[0].ep_invariant)
 
 
 def drive_low_latency(bufs, cfg: GateConfig, dtype) -> None:
@@ -308,16 +311,20 @@ CHECKED_IDS_CONFIGS = ("small", "dsv3-decode")  # where the csrc/ low-latency ke
 
 def gate_runs(cfg: GateConfig) -> list[tuple]:
     """The Buffers the gate drives at ``cfg``: ``(dtype name, dtype, transport, low_latency,
-    hierarchical[, fault_tolerant])`` (the arguments of ``_buffers`` after the dtype)."""
+    hierarchical[, fault_tolerant[, invariant]])`` (the arguments of ``_buffers`` after the
+    dtype). The EP-invariant combine runs on one node, in bf16 (the other dtypes change only
+    how rows are loaded)."""
     import torch
 
+    invariant = ("bfloat16", torch.bfloat16, 0, False, False, False, True)
     if cfg.ring_slots is not None:  # rounds: the normal mode of one node (fault-tolerant
         runs = [("bfloat16", torch.bfloat16, 0, False, False),  # too), flat and hierarchical
                 ("bfloat16", torch.bfloat16, 0, False, False, True),  # through the proxy, in
                 ("bfloat16", torch.bfloat16, 2, False, False),  # bf16 (the other dtypes load
                 ("bfloat16", torch.bfloat16, 2, False, True)]   # rows alone), over NVSHMEM
-        return runs + ([("bfloat16", torch.bfloat16, 1, False, False)] if cfg.nvshmem else [])
-    runs = []
+        return runs + [invariant] + ([("bfloat16", torch.bfloat16, 1, False, False)]
+                                     if cfg.nvshmem else [])
+    runs = [invariant]
     for name in GATE_DTYPES:
         dtype = getattr(torch, name)
         for transport in ((0, 1) if cfg.nvshmem and dtype == torch.bfloat16 else (0,)):

@@ -64,7 +64,7 @@ def dispatch(buffers, xs, topk_idxs, topk_weights=None, expert_alignment: int = 
     outs = in_lockstep([buf.dispatch_recv_steps(p, expert_alignment, col_major_scales,
                                                 max_recv_rows)
                         for buf, p in zip(buffers, pending)])
-    results = [wrap_dispatch_outputs(buf, out, idx.shape[1], w is not None, mode, ue8m0)
+    results = [wrap_dispatch_outputs(buf, out, idx.shape[1], w is not None, mode, ue8m0, idx)
                for buf, out, idx, w, (_, _, mode)
                in zip(buffers, outs, topk_idxs, topk_weights, prepared)]
     errors = []
@@ -81,17 +81,19 @@ def dispatch(buffers, xs, topk_idxs, topk_weights=None, expert_alignment: int = 
 def combine(buffers, ys, handles, weights=None, *, combine_dtype=None) -> list[torch.Tensor]:
     """``[buf.combine(y, handle, w, combine_dtype=...) for each virtual rank]``, in lockstep."""
     weights = weights if weights is not None else [None] * len(buffers)
-    fp8 = combine_is_fp8(combine_dtype, dtype=buffers[0].dtype, hidden=buffers[0].hidden)
+    fp8 = combine_is_fp8(combine_dtype, dtype=buffers[0].dtype, hidden=buffers[0].hidden,
+                         ep_invariant=buffers[0].ep_invariant)
     for buf, y, h, w in zip(buffers, ys, handles, weights, strict=True):
         buf._check_usable()
         buf._raise_input_errors("an earlier call")
         check_combine_inputs(y, h, w, buffer_id=buf.id, latest_serial=buf.dispatch_serial,
                              hidden=buf.hidden, dtype=buf.dtype, device=buf.device)
     pending = [buf.combine_send(y, w, None, h.slot_rows, h.recv_slot_offsets,
-                                *h.node_tensors()[1:], fp8=fp8)
+                                *h.node_tensors()[1:], fp8=fp8, src_token=h.src_token)
                for buf, y, h, w in zip(buffers, ys, handles, weights)]
     return [out for out, _ in in_lockstep(
-        [buf.combine_recv_steps(p, h.slot_of, want_pair=False, node_slot_of=h.node_tensors()[0])
+        [buf.combine_recv_steps(p, h.slot_of, want_pair=False, node_slot_of=h.node_tensors()[0],
+                                topk_idx=h.topk_idx)
          for buf, p, h in zip(buffers, pending, handles)])]
 
 
@@ -109,10 +111,11 @@ def combine_with_pairs(buffers, ys, handles, pair_values) -> list[tuple]:
     """Every virtual rank's combine carrying per-row values home (the backward of dispatch:
     ``pair_values`` [rows] float32 per rank): ``(out [T, H], pair_out [T, K])`` per rank."""
     pending = [buf.combine_send(y, None, v, h.slot_rows, h.recv_slot_offsets,
-                                *h.node_tensors()[1:])
+                                *h.node_tensors()[1:], src_token=h.src_token)
                for buf, y, h, v in zip(buffers, ys, handles, pair_values, strict=True)]
     return in_lockstep([buf.combine_recv_steps(p, h.slot_of, want_pair=True,
-                                               node_slot_of=h.node_tensors()[0])
+                                               node_slot_of=h.node_tensors()[0],
+                                               topk_idx=h.topk_idx)
                         for buf, p, h in zip(buffers, pending, handles)])
 
 

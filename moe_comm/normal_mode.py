@@ -76,6 +76,7 @@ from .host_sync import read_int
 from .kernels import combine as combine_kernels
 from .kernels import dispatch as dispatch_kernels
 from .kernels import internode
+from .kernels import invariant as invariant_kernels
 from .kernels.layout import ring_positions, routing_layout
 from .kernels.quant import MXFP8, NVFP4, scale_group
 from .kernels.rows import payload_bytes, sent_elem_bytes
@@ -563,22 +564,44 @@ class NormalMode:
 
     @poisons_buffer_on_error("combine")
     def combine_send(self, y, weights, pair_values, slot_rows, slot_offsets, fwd_slots=None,
-                     fwd_n=None, fp8: bool = False) -> PendingSend:
+                     fwd_n=None, fp8: bool = False, src_token=None) -> PendingSend:
         """Send phase of combine: reduce each received token's rows, put the partial home
         (hierarchical: partials for other nodes to this node's forwarders, which sum and send
         them; ``fwd_slots`` / ``fwd_n`` from the dispatch). ``fp8``: partials travel as FP8
-        per 128 channels (``kernels.combine``)."""
+        per 128 channels (``kernels.combine``). An EP-invariant Buffer puts every (slot,
+        choice) row home on its own instead (``kernels.invariant``; ``src_token``: the
+        dispatch's, each row's token on its home rank)."""
         epoch = self._start(COMBINE)
         topk = slot_rows.shape[1]
         y = y.contiguous()
-        send = functools.partial(self._combine_round, y, weights, pair_values, slot_rows,
-                                 slot_offsets, fwd_slots, fwd_n, fp8)
+        round_send = self._invariant_round if self.ep_invariant else self._combine_round
+        send = functools.partial(round_send, y, weights, pair_values, slot_rows,
+                                 slot_offsets, fwd_slots, fwd_n, fp8, src_token)
         send(0)
-        return PendingSend(COMBINE, epoch, topk=topk, fp8=int(fp8),
-                           send_round=send if self.layout.rounds > 1 else None)
+        return PendingSend(COMBINE, epoch, topk=topk, has_weights=weights is not None,
+                           fp8=int(fp8), send_round=send if self.layout.rounds > 1 else None)
+
+    def _invariant_round(self, y, weights, pair_values, slot_rows, slot_offsets, fwd_slots,
+                         fwd_n, fp8: bool, src_token, i: int) -> None:
+        """Round ``i`` of an EP-invariant combine send: every row of the slots that arrived in
+        round ``i`` of the dispatch to its home's ``inv_rows`` (``kernels.invariant``)."""
+        offsets = self._offsets.get(("inv", COMBINE))
+        if offsets is None:
+            lay = self.layout
+            offsets = self._offsets[("inv", COMBINE)] = {
+                "rows": (lay.offset("inv_rows", 0), lay.parity_stride("inv_rows")),
+                "meta": (lay.offset("inv_meta", 0), lay.parity_stride("inv_meta")),
+                "signal": lay.offset("signals", COMBINE, self.rank)}
+        self.launches["combine_send"] += invariant_kernels.invariant_send(
+            y, weights, pair_values, slot_rows,
+            slot_offsets if self.layout.rounds == 1 else self._round_view(slot_offsets, i),
+            src_token, self.heap.peer_ptrs, self._stats, *self._channel_words(COMBINE),
+            offsets=offsets, rank=self.rank, topk=slot_rows.shape[1], max_topk=self.max_topk,
+            ring_slots=self.layout.ring_slots, num_sms=self.num_sms, flavour=self.flavour,
+            bound=self._bound)
 
     def _combine_round(self, y, weights, pair_values, slot_rows, slot_offsets, fwd_slots, fwd_n,
-                       fp8: bool, i: int) -> None:
+                       fp8: bool, src_token, i: int) -> None:
         """Round ``i`` of a combine send (its epoch is the channel's latest): the partials of
         the slots that arrived in round ``i`` of the dispatch, to the ring positions they had
         there (``kernels.combine``); hierarchical, then the forwarder's sums of this node's
@@ -596,17 +619,19 @@ class NormalMode:
             self._forward_combine(self._epochs[COMBINE], *self._round_nodes(fwd_slots, fwd_n, i),
                                   slot_rows.shape[1], pair_values is not None, fp8)
 
-    def combine_recv(self, pending: PendingSend, slot_of, want_pair: bool, node_slot_of=None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def combine_recv(self, pending: PendingSend, slot_of, want_pair: bool, node_slot_of=None,
+                     topk_idx=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Receive phase of combine (with the later rounds' sends): ``(out [T, H], pair_out
-        [T, K] float32 or empty)``."""
-        return run_steps(self.combine_recv_steps(pending, slot_of, want_pair, node_slot_of))
+        [T, K] float32 or empty)``; ``topk_idx``: the dispatch's (EP-invariant Buffers)."""
+        return run_steps(self.combine_recv_steps(pending, slot_of, want_pair, node_slot_of,
+                                                 topk_idx))
 
     @poisons_buffer_on_error("combine")
     def combine_recv_steps(self, pending: PendingSend, slot_of, want_pair: bool,
-                           node_slot_of=None):
+                           node_slot_of=None, topk_idx=None):
         """:meth:`combine_recv` as steps (as :meth:`dispatch_recv_steps`): round i sums the
-        tokens ``[i * W, (i + 1) * W)``, each in rank order as one round does."""
+        tokens ``[i * W, (i + 1) * W)``, each in rank order as one round does (EP-invariant:
+        in choice order, ``kernels.invariant``)."""
         self._wait(pending)
         # partials of ranks that did not arrive are left out, each round by its own wait
         live, lives = pending.live, [pending.live]
@@ -626,11 +651,20 @@ class NormalMode:
                 self._wait(round_pending)
                 live = round_pending.live
                 lives.append(live)
-            slots, sums, pair_sums, node_slots = ring, out, pair_out, node_slot_of
+            slots, sums, pair_sums, node_slots, ids = ring, out, pair_out, node_slot_of, topk_idx
             if rounds > 1:
                 window = slice(i * W, (i + 1) * W)
                 slots, sums, pair_sums = ring[window], out[window], pair_out[window]
                 node_slots = None if node_slot_of is None else node_slot_of[window]
+                ids = None if topk_idx is None else topk_idx[window]
+            if self.ep_invariant:
+                self.launches["combine_reduce"] += invariant_kernels.invariant_reduce(
+                    self._region("inv_rows"), self._region("inv_meta"),
+                    self._channel_words(COMBINE)[1], ids, slots, sums,
+                    pair_sums if want_pair else None, num_experts=self.num_experts,
+                    max_topk=self.max_topk, has_weights=pending.has_weights, live=live,
+                    flavour=self.flavour, bound=self._bound)
+                continue
             self.launches["combine_reduce"] += combine_kernels.combine_reduce(
                 staging, meta, self._channel_words(COMBINE)[1], slots, sums,
                 pair_sums if want_pair else None, topk=pending.topk, max_topk=self.max_topk,

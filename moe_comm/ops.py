@@ -16,14 +16,20 @@ and is a constant of a compiled graph):
   tokens_per_expert, expert_offsets, num_rows)`` -> rows: the same movement as an earlier
   dispatch, data only (backward of combine).
 * ``moe_comm::combine(buffer_id, y, weights?, pair_values?, slot_of, slot_rows,
-  recv_slot_offsets, ..., fp8=False)`` -> (out [T, H], pair_out [T, K] or [0]); ``fp8``: the
-  partials travel as FP8 per 128 channels.
+  recv_slot_offsets, ..., fp8=False, topk_idx?, src_token?)`` -> (out [T, H], pair_out [T, K]
+  or [0]); ``fp8``: the partials travel as FP8 per 128 channels; ``topk_idx`` (home side) and
+  ``src_token`` (expert side) from the dispatch: an EP-invariant Buffer's combine needs them.
 
 Backward: dispatch's is ``combine(grad_rows)`` with the row-weight gradients riding along as
 ``pair_values`` (each (token, choice) lives on exactly one rank, so summing over ranks returns
 it exactly); combine's is ``dispatch_cached(grad_out)``, then ``grad_y = w * grad_rows`` and
 ``grad_w = <grad_rows, y>`` on the expert's rank. Backward calls are collective too: every rank
 must run the backward of every op (as they do when all ranks train the same model).
+
+EP-invariant Buffers (``Buffer(..., ep_invariant=True)``): both combines (the forward one and
+the dispatch's backward) sum each token's choices in choice order (``kernels.invariant``), and
+``grad_w`` is ``row_dot(..., fixed_order=True)``: so ``grad_x``, ``grad_y``, ``grad_w`` and the
+router weights' gradient have the same bits at any EP size and placement.
 """
 from typing import Optional
 
@@ -121,18 +127,22 @@ def combine_op(buffer_id: str, y: Tensor, weights: Optional[Tensor],
                pair_values: Optional[Tensor], slot_of: Tensor, slot_rows: Tensor,
                recv_slot_offsets: Tensor, node_slot_of: Optional[Tensor] = None,
                fwd_slots: Optional[Tensor] = None, fwd_n: Optional[Tensor] = None,
-               fp8: bool = False) -> tuple[Tensor, Tensor]:
+               fp8: bool = False, topk_idx: Optional[Tensor] = None,
+               src_token: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     buf = lookup(buffer_id)
     buf._ready()
+    if buf.ep_invariant and (topk_idx is None or src_token is None):
+        raise ValueError("an EP-invariant Buffer's combine needs the dispatch's topk_idx and "
+                         "src_token (its handle carries them)")
     pending = buf.combine_send(y, weights, pair_values, slot_rows, recv_slot_offsets, fwd_slots,
-                               fwd_n, fp8)
+                               fwd_n, fp8, src_token)
     return buf.combine_recv(pending, slot_of, want_pair=pair_values is not None,
-                            node_slot_of=node_slot_of)
+                            node_slot_of=node_slot_of, topk_idx=topk_idx)
 
 
 @combine_op.register_fake
 def _(buffer_id, y, weights, pair_values, slot_of, slot_rows, recv_slot_offsets,
-      node_slot_of=None, fwd_slots=None, fwd_n=None, fp8=False):
+      node_slot_of=None, fwd_slots=None, fwd_n=None, fp8=False, topk_idx=None, src_token=None):
     T, K = slot_of.shape[0], slot_rows.shape[1]
     pair_shape = (T, K) if pair_values is not None else (0,)
     return y.new_empty((T, y.shape[1])), y.new_empty(pair_shape, dtype=torch.float32)
@@ -143,16 +153,32 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @torch.library.custom_op("moe_comm::row_dot", mutates_args=())
-def row_dot_op(a: Tensor, b: Tensor) -> Tensor:
+def row_dot_op(a: Tensor, b: Tensor, fixed_order: bool = False) -> Tensor:
     """``(a * b).sum(-1)`` in fp32 (fp64 for fp64 rows), as float32: the router-weight
     gradient of combine. An op of its own so that a compiler cannot reorder its sums: compiled
-    and eager steps give the same bits."""
-    acc = _acc_dtype(a.dtype)
-    return (a.to(acc) * b.to(acc)).sum(-1).to(torch.float32)
+    and eager steps give the same bits.
+
+    ``fixed_order`` (EP-invariant Buffers): fp32 products summed by halving, whatever the
+    device or the number of rows (a reduction kernel's order may follow the row count)::
+
+        p = zero-padded (a.float() * b.float()) to a power-of-two width
+        while p.shape[-1] > 1: p = p[..., :half] + p[..., half:]
+    """
+    if not fixed_order:
+        acc = _acc_dtype(a.dtype)
+        return (a.to(acc) * b.to(acc)).sum(-1).to(torch.float32)
+    p = a.float() * b.float()
+    width = 1 << max(0, p.shape[-1] - 1).bit_length()
+    if width != p.shape[-1]:
+        p = torch.nn.functional.pad(p, (0, width - p.shape[-1]))
+    while p.shape[-1] > 1:
+        half = p.shape[-1] // 2
+        p = p[..., :half] + p[..., half:]
+    return p[..., 0].clone()
 
 
 @row_dot_op.register_fake
-def _(a, b):
+def _(a, b, fixed_order=False):
     return a.new_empty(a.shape[:-1], dtype=torch.float32)
 
 
@@ -166,7 +192,7 @@ class _Dispatch(torch.autograd.Function):
         recv_x, scales, recv_w, src_rank, src_token, tpe, offsets, slot_of, slot_rows, slot_off, \
             *nodes, global_scale = outs
         ctx.buffer_id, ctx.num_rows = buffer_id, recv_x.shape[0]
-        ctx.save_for_backward(slot_of, slot_rows, slot_off, *nodes)
+        ctx.save_for_backward(slot_of, slot_rows, slot_off, topk_idx, src_token, *nodes)
         ctx.mark_non_differentiable(scales, src_rank, src_token, tpe, offsets, slot_of,
                                     slot_rows, slot_off, *nodes, global_scale)
         ctx.fp8 = bool(fp8)
@@ -177,17 +203,18 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_x, _grad_scales, grad_w, *_):
-        slot_of, slot_rows, slot_off, *nodes = ctx.saved_tensors
+        slot_of, slot_rows, slot_off, topk_idx, src_token, *nodes = ctx.saved_tensors
+        buf = lookup(ctx.buffer_id)
         if grad_x is None or ctx.fp8:
-            buf = lookup(ctx.buffer_id)
             grad_x = slot_of.new_zeros((ctx.num_rows, buf.hidden), dtype=buf.dtype)
         # Router-weight gradients always travel (zeros when unused) so that every rank runs the
         # same protocol whatever its own requires_grad flags.
         if grad_w is None or grad_w.numel() != ctx.num_rows:
             grad_w = slot_of.new_zeros((ctx.num_rows,), dtype=torch.float32)
+        invariant = (topk_idx, src_token) if buf.ep_invariant else (None, None)
         dx, dtopk_w = torch.ops.moe_comm.combine(ctx.buffer_id, grad_x.contiguous(), None,
                                                  grad_w.contiguous(), slot_of, slot_rows,
-                                                 slot_off, *nodes)
+                                                 slot_off, *nodes, False, *invariant)
         return (None, dx if ctx.needs_input_grad[1] else None, None, None,
                 dtopk_w if ctx.needs_input_grad[4] else None, None, None, None, None, None)
 
@@ -195,10 +222,11 @@ class _Dispatch(torch.autograd.Function):
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, buffer_id, y, weights, slot_of, slot_rows, slot_off, tokens_per_expert,
-                expert_offsets, node_slot_of, fwd_slots, fwd_n, fp8):
+                expert_offsets, node_slot_of, fwd_slots, fwd_n, fp8, topk_idx, src_token):
         out, _ = torch.ops.moe_comm.combine(buffer_id, y, weights, None, slot_of, slot_rows,
-                                            slot_off, node_slot_of, fwd_slots, fwd_n, fp8)
-        ctx.buffer_id = buffer_id
+                                            slot_off, node_slot_of, fwd_slots, fwd_n, fp8,
+                                            topk_idx, src_token)
+        ctx.buffer_id, ctx.fixed_order = buffer_id, topk_idx is not None
         ctx.save_for_backward(y, weights, slot_of, slot_rows, slot_off, tokens_per_expert,
                               expert_offsets, node_slot_of, fwd_slots, fwd_n)
         return out
@@ -219,8 +247,9 @@ class _Combine(torch.autograd.Function):
             grad_y = (grad_rows.to(acc) * weights.to(acc)[:, None]).to(y.dtype)
             grad_w = None
             if ctx.needs_input_grad[2]:
-                grad_w = torch.ops.moe_comm.row_dot(grad_rows, y)
-        return None, grad_y, grad_w, None, None, None, None, None, None, None, None, None
+                grad_w = torch.ops.moe_comm.row_dot(grad_rows, y, ctx.fixed_order)
+        return (None, grad_y, grad_w, None, None, None, None, None, None, None, None, None, None,
+                None)
 
 
 def dispatch_autograd(buf, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8=0,
@@ -229,16 +258,20 @@ def dispatch_autograd(buf, x, x_scales, topk_idx, topk_weights, expert_alignment
     outs = _Dispatch.apply(buf.id, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8,
                            int(ue8m0), col_major_scales, max_recv_rows)
     return wrap_dispatch_outputs(buf, outs, topk_idx.shape[1], topk_weights is not None, fp8,
-                                 int(ue8m0))
+                                 int(ue8m0), topk_idx)
 
 
-def wrap_dispatch_outputs(buf, outs, topk: int, has_weights: bool, fp8: int, ue8m0: int = 0
-                          ) -> DispatchResult:
-    """The tensors of ``moe_comm::dispatch`` as a DispatchResult with its handle."""
+def wrap_dispatch_outputs(buf, outs, topk: int, has_weights: bool, fp8: int, ue8m0: int = 0,
+                          topk_idx=None) -> DispatchResult:
+    """The tensors of ``moe_comm::dispatch`` as a DispatchResult with its handle (an
+    EP-invariant Buffer's keeps ``topk_idx`` and ``src_token``)."""
     recv_x, scales, recv_w, src_rank, src_token, tpe, offsets, slot_of, slot_rows, slot_off, \
         node_slot_of, fwd_slots, fwd_n, global_scale = outs
+    invariant = buf.ep_invariant
     handle = DispatchHandle(buf.id, buf.dispatch_serial, slot_of, slot_rows, slot_off,
-                            recv_x.shape[0], topk, tpe, offsets, node_slot_of, fwd_slots, fwd_n)
+                            recv_x.shape[0], topk, tpe, offsets, node_slot_of, fwd_slots, fwd_n,
+                            topk_idx=topk_idx if invariant else None,
+                            src_token=src_token if invariant else None)
     return DispatchResult(recv_x, scales if fp8 else None, recv_w if has_weights else None,
                           src_rank, src_token, tpe, offsets, handle,
                           global_scale if fp8 and ue8m0 == NVFP4 else None)
@@ -247,6 +280,7 @@ def wrap_dispatch_outputs(buf, outs, topk: int, has_weights: bool, fp8: int, ue8
 def combine_autograd(buf, y, handle: DispatchHandle, weights, fp8: bool = False) -> Tensor:
     """Runs ``moe_comm::combine`` under autograd with the tensors of ``handle``; the backward
     of an FP8 combine is that of the exact one (straight through the quantization)."""
+    invariant = (handle.topk_idx, handle.src_token) if buf.ep_invariant else (None, None)
     return _Combine.apply(buf.id, y, weights, handle.slot_of, handle.slot_rows,
                           handle.recv_slot_offsets, handle.tokens_per_expert,
-                          handle.expert_offsets, *handle.node_tensors(), fp8)
+                          handle.expert_offsets, *handle.node_tensors(), fp8, *invariant)

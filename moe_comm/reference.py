@@ -232,6 +232,29 @@ def sum_home(back: list[torch.Tensor], send_tokens: list[torch.Tensor], num_toke
     return out.to(dtype)
 
 
+def invariant_combine(choice_rows: torch.Tensor, topk_idx: torch.Tensor,
+                      weights: torch.Tensor | None = None, *, dtype: torch.dtype | None = None,
+                      counts: torch.Tensor | None = None) -> torch.Tensor:
+    """The EP-invariant combine (``Buffer(..., ep_invariant=True)``) on one process:
+    ``choice_rows`` [T, K, H], the expert output row of each (token, choice); ``weights`` [T, K]
+    (None: the rows themselves); ``counts`` [T, K] bool, the choices that count (default
+    ``topk_idx >= 0``). Every product and every addition rounded to fp32, choices in order::
+
+        acc = 0
+        for k in range(K): acc = acc + fl32(fl32(w[t, k]) * fl32(row(t, k)))   where counted
+        out[t] = acc.to(dtype)
+    """
+    counts = topk_idx >= 0 if counts is None else counts
+    T, K, H = choice_rows.shape
+    acc = torch.zeros((T, H), dtype=torch.float32, device=choice_rows.device)
+    for k in range(K):
+        p = choice_rows[:, k].float()
+        if weights is not None:
+            p = p * weights[:, k, None].float()
+        acc = acc + torch.where(counts[:, k, None], p, 0.0)
+    return acc.to(choice_rows.dtype if dtype is None else dtype)
+
+
 # ------------------------------------------------------------------ one process per rank
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` along dim 0 with given splits; backward swaps the splits."""

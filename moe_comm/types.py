@@ -26,7 +26,8 @@ class DispatchHandle:
       and how many.
     ``buffer_id`` and ``serial`` tie the handle to the Buffer call that made it.
     Fault-tolerant Buffers keep the dispatch's ``topk_idx`` and ``topk_weights`` (home side) for
-    ``combine(..., renormalize=True)``.
+    ``combine(..., renormalize=True)``; EP-invariant Buffers keep ``topk_idx`` (home side: the
+    order of the sum) and ``src_token`` [rows] int64 (expert side: where each row goes home).
     """
 
     buffer_id: str
@@ -43,6 +44,7 @@ class DispatchHandle:
     fwd_n: torch.Tensor | None = None
     topk_idx: torch.Tensor | None = None
     topk_weights: torch.Tensor | None = None
+    src_token: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -87,12 +87,16 @@ def check_combine_inputs(y, handle, weights, *, buffer_id: str, latest_serial: i
                              "rows")
 
 
-def combine_is_fp8(combine_dtype, *, dtype: torch.dtype, hidden: int) -> bool:
+def combine_is_fp8(combine_dtype, *, dtype: torch.dtype, hidden: int,
+                   ep_invariant: bool = False) -> bool:
     """Whether a combine sends FP8 partials: ``combine_dtype`` None or the Buffer's dtype (the
     partials travel in it), or ``"fp8"`` / ``torch.float8_e4m3fn`` (per token and 128
-    channels; needs hidden % 128 == 0 and a 16/32-bit dtype)."""
+    channels; needs hidden % 128 == 0 and a 16/32-bit dtype; not with ``ep_invariant``)."""
     if combine_dtype is None or combine_dtype == dtype:
         return False
+    if ep_invariant:
+        raise ValueError(f"combine_dtype={combine_dtype!r}: an EP-invariant Buffer's combine "
+                         f"returns the rows in the Buffer's dtype ({dtype}); pass None")
     if combine_dtype not in ("fp8", torch.float8_e4m3fn):
         raise ValueError(f"combine_dtype must be None, the Buffer's dtype ({dtype}) or 'fp8', "
                          f"got {combine_dtype!r}")

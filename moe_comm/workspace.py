@@ -72,6 +72,18 @@ or ``H + 4*H/128`` if that is larger, so that FP8 rows with their scales fit too
 
 Low-latency total: ``2*L*R*T*(S + 4) + 2*T*K*H*b + 8*(2*L*R + 6*R + 8)`` (+ rounding).
 
+With ``invariant=True`` (``Buffer(..., ep_invariant=True)``, ``kernels.invariant``) the normal
+mode's combine returns every (token, choice) row on its own, into the home rank's slot of that
+pair in the round's window:
+
+======================  ===========================  ============================================
+``inv_rows``            [P, W*K, H] dtype            on the home rank: row ``(t % W) * K + k``,
+                                                     the expert output of token t's choice k
+``inv_meta``            [P, W*K, 2] float32          its weight and its per-choice value
+======================  ===========================  ============================================
+
+They add ``2*W*K*(H*b + 8)`` bytes (``staging_slot_bytes(..., invariant=True)``).
+
 Across nodes (``rdma=True``: NVSHMEM puts, whose source must be symmetric memory) the normal
 mode adds outboxes for what it puts, a round's worth (``W`` slots): ``rdma_rows`` [P, W, H*b]
 uint8 and ``rdma_meta`` [P, W, 1 + 3K] int32 (each token of the round's window: its row and
@@ -134,7 +146,7 @@ DISPATCH, COMBINE = 0, 1  # channels
 _PARITY_SLICED = ("dispatch_counts", "dispatch_meta", "dispatch_rows", "combine_meta",
                   "combine_rows", "px_rows", "px_meta", "px_counts", "px_combine_rows",
                   "px_combine_meta", "fwd_rows", "fwd_meta", "fwd_counts", "hc_rows", "hc_meta",
-                  "hcomb_rows", "hcomb_meta")
+                  "hcomb_rows", "hcomb_meta", "inv_rows", "inv_meta")
 
 
 def _round_up(n: int, to: int) -> int:
@@ -160,6 +172,8 @@ OUTBOX_REGIONS = ("px_meta", "px_rows", "px_combine_meta", "px_combine_rows")
 RDMA_REGIONS = ("rdma_rows", "rdma_meta", "rdma_combine_rows", "rdma_combine_meta")
 # hierarchical: the forwarders' regions, a slot per source node (per local rank for hc_*)
 FORWARDER_REGIONS = ("fwd_meta", "fwd_rows", "hc_meta", "hc_rows", "hcomb_meta", "hcomb_rows")
+# the EP-invariant combine: a row and two floats per (token, choice) of a round's window
+INVARIANT_REGIONS = ("inv_rows", "inv_meta")
 # The normal mode's default staging budget: a DeepSeek-V3 rank (H 7168, bf16, top-8, 4096
 # tokens) keeps its whole staging at EP 8 (1.76 GiB, one round) and stays under 2 GiB at any
 # EP size (EP 64: 544 slots per source, 8 rounds).
@@ -174,7 +188,7 @@ RING_SLOT_MULTIPLE = 16
 
 def staging_slot_bytes(world_size: int, hidden: int, max_topk: int, dtype: torch.dtype,
                        outboxes: bool = False, ranks_per_node: int | None = None,
-                       rdma: bool = False) -> int:
+                       rdma: bool = False, invariant: bool = False) -> int:
     """Bytes one slot index costs in the normal mode's staging: for every source and both
     parities, a dispatch row and its metadata, a combine row and its per-choice values.
     ``outboxes`` (across nodes through the proxy) adds the outboxes' slots
@@ -189,10 +203,15 @@ def staging_slot_bytes(world_size: int, hidden: int, max_topk: int, dtype: torch
         flat:          2 * per_slot
         hierarchical:  per_slot + 2 * (M * (4*ROW + 8*(1 + 3K + N) + 8K) + R * (ROW + 4K))
         NVSHMEM:       per_slot + 2 * (ROW + 4*(1 + 3K) + R * (ROW + 4K))
+
+    ``invariant`` (the EP-invariant combine, one node) adds ``2 * K * (ROW + 8)``: a row and
+    two floats per (token, choice) of the window (``INVARIANT_REGIONS``).
     """
     row = hidden * _itemsize(dtype)
     R, K = world_size, max_topk
     per_slot = PARITIES * R * (2 * row + 4 * (1 + 3 * K) + 4 * K)
+    if invariant:
+        per_slot += PARITIES * K * (row + 8)
     if rdma:
         if outboxes:
             raise ValueError("a Buffer across nodes moves rows either over NVSHMEM (rdma) or "
@@ -208,17 +227,19 @@ def staging_slot_bytes(world_size: int, hidden: int, max_topk: int, dtype: torch
 
 def ring_slots_for(staging_bytes: int | None, world_size: int, max_tokens: int, hidden: int,
                    max_topk: int, dtype: torch.dtype, outboxes: bool = False,
-                   ranks_per_node: int | None = None, rdma: bool = False) -> int:
+                   ranks_per_node: int | None = None, rdma: bool = False,
+                   invariant: bool = False) -> int:
     """Staging slots per source and parity that ``staging_bytes`` pays for (None: the
     default budget; ``outboxes`` / ``ranks_per_node`` / ``rdma``: it pays for the outboxes' and
-    the forwarders' slots too, as :func:`staging_slot_bytes` counts them), at most ``max_tokens``
+    the forwarders' slots too, as :func:`staging_slot_bytes` counts them; ``invariant``: the
+    EP-invariant combine's), at most ``max_tokens``
     (then a call is one round, the whole batch), else rounded down to a multiple of
     ``RING_SLOT_MULTIPLE`` where that leaves any."""
     budget = DEFAULT_STAGING_BYTES if staging_bytes is None else staging_bytes
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"staging_bytes must be a positive int or None, got {staging_bytes!r}")
     per_slot = staging_slot_bytes(world_size, hidden, max_topk, dtype, outboxes,
-                                  ranks_per_node, rdma)
+                                  ranks_per_node, rdma, invariant)
     if budget < per_slot:
         raise ValueError(f"staging_bytes={budget} is less than one slot per source: the normal "
                          f"mode needs at least {per_slot} bytes at world size {world_size} "
@@ -269,7 +290,8 @@ class WorkspaceLayout:
     def __init__(self, world_size: int, max_tokens: int, hidden: int, num_local_experts: int,
                  max_topk: int, dtype: torch.dtype, low_latency: bool = False,
                  rdma: bool = False, ranks_per_node: int | None = None, proxy: bool = False,
-                 hierarchical: bool = False, ring_slots: int | None = None):
+                 hierarchical: bool = False, ring_slots: int | None = None,
+                 invariant: bool = False):
         R, T, H, L, K = world_size, max_tokens, hidden, num_local_experts, max_topk
         W = T if ring_slots is None else ring_slots
         if not 1 <= W <= T:
@@ -298,6 +320,12 @@ class WorkspaceLayout:
             ("combine_meta", (PARITIES, R, W, K), torch.float32),
             ("combine_rows", (PARITIES, R, W, H), dtype),
         ]
+        self.invariant = invariant
+        if invariant:
+            specs += [
+                ("inv_rows", (PARITIES, W * K, H), dtype),
+                ("inv_meta", (PARITIES, W * K, 2), torch.float32),
+            ]
         self.low_latency = low_latency
         self.ll_slot_bytes = low_latency_slot_bytes(H, dtype)
         if low_latency:
@@ -366,9 +394,12 @@ class WorkspaceLayout:
     def staging_bytes(self) -> int:
         """Bytes of the normal mode's staging (dispatch and combine rows and metadata; across
         nodes through the proxy, the outboxes' too, and in hierarchical mode the forwarders';
-        across hosts over NVSHMEM, the outboxes the puts read)."""
-        names = STAGING_REGIONS + (OUTBOX_REGIONS if self.proxy else ()) \
-            + (FORWARDER_REGIONS if self.hierarchical else ()) + (RDMA_REGIONS if self.rdma else ())
+        across hosts over NVSHMEM, the outboxes the puts read; the EP-invariant combine's
+        rows)."""
+        names = (STAGING_REGIONS + (OUTBOX_REGIONS if self.proxy else ())
+                 + (FORWARDER_REGIONS if self.hierarchical else ())
+                 + (RDMA_REGIONS if self.rdma else ())
+                 + (INVARIANT_REGIONS if self.invariant else ()))
         return sum(self.regions[n].nbytes for n in names)
 
     def __getitem__(self, name: str) -> Region:

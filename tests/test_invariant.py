@@ -1,0 +1,185 @@
+"""The EP-invariant combine (``Buffer(..., ep_invariant=True)``): the same tokens and experts
+give the same output bits on 1, 2, 4 and 8 virtual ranks, in rounds, in both modes, whatever the
+other tokens of the batch, and equal ``reference.invariant_combine``; the default combine's
+bits differ on the same data (so the comparisons can fail)."""
+import pytest
+import torch
+
+from moe_comm import Buffer, lockstep
+from moe_comm.reference import invariant_combine
+from moe_comm.workspace import staging_slot_bytes
+
+H, E, K, N = 128, 8, 4, 32  # hidden, experts, top-k, tokens in all
+SCALE = (torch.arange(E, dtype=torch.float32) + 1) / 3
+
+
+def expert(rows: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """Expert ``e[i]`` applied to row i, row by row (no row depends on another)."""
+    return (rows.float() * SCALE[e][:, None] + 0.25).to(rows.dtype)
+
+
+def data(seed: int = 0, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn((N, H), generator=gen).to(dtype)
+    w, idx = torch.randn((N, E), generator=gen).softmax(-1).topk(K, -1)
+    idx[3, 1] = -1  # a choice that goes nowhere
+    idx[5] = -1  # a token that goes nowhere
+    return x, idx, w
+
+
+def want(x, idx, w, dtype=torch.bfloat16):
+    rows = torch.stack([expert(x, idx[:, k].clamp(min=0)) for k in range(K)], 1)
+    return invariant_combine(rows, idx, w, dtype=dtype)
+
+
+def experts_of(res, rank: int, L: int) -> torch.Tensor:
+    """The global expert of every received row of ``res`` (normal mode)."""
+    e = torch.zeros(res.x.shape[0], dtype=torch.long)
+    bounds = res.expert_offsets.tolist()
+    for lo in range(L):
+        e[bounds[lo]:bounds[lo + 1]] = rank * L + lo
+    return e
+
+
+def run_normal(R: int, x, idx, w, *, invariant=True, staging_bytes=None, calls=1,
+               dtype=torch.bfloat16):
+    """Dispatch, experts, combine on R virtual ranks (rank r: tokens ``r * N/R ...``); the
+    outputs in global token order, and the Buffers."""
+    bufs = Buffer.loopback(R, H, E, N // R, dtype, max_topk=K, ep_invariant=invariant,
+                           staging_bytes=staging_bytes)
+    for _ in range(calls):  # repeated calls: both parities
+        res = lockstep.dispatch(bufs, list(x.chunk(R)), list(idx.chunk(R)), list(w.chunk(R)))
+        ys = [expert(rr.x, experts_of(rr, r, E // R)) for r, rr in enumerate(res)]
+        outs = lockstep.combine(bufs, ys, [rr.handle for rr in res], [rr.weights for rr in res])
+    return torch.cat(outs), bufs
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_same_bits_on_1_2_4_8_ranks_and_the_default_combine_differs():
+    x, idx, w = data()
+    expected = want(x, idx, w)
+    default_differs = []
+    for R in (1, 2, 4, 8):
+        out, bufs = run_normal(R, x, idx, w, calls=2)
+        assert same_bits(out, expected), R
+        assert bufs[0].ep_invariant and bufs[0].layout.rounds == 1
+        plain, _ = run_normal(R, x, idx, w, invariant=False)
+        default_differs.append(not same_bits(plain, expected))
+    assert default_differs[1:] == [True, True, True], default_differs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_other_dtypes(dtype):
+    x, idx, w = data(1, dtype)
+    expected = want(x, idx, w, dtype)
+    for R in (2, 8):
+        assert same_bits(run_normal(R, x, idx, w, dtype=dtype)[0], expected), R
+
+
+def test_rounds_of_a_small_staging_give_the_same_bits():
+    x, idx, w = data(2)
+    expected = want(x, idx, w)
+    for R in (2, 4):
+        per_slot = staging_slot_bytes(R, H, K, torch.bfloat16, invariant=True)
+        out, bufs = run_normal(R, x, idx, w, staging_bytes=2 * per_slot, calls=2)
+        assert bufs[0].layout.ring_slots == 2 and bufs[0].layout.rounds == N // R // 2
+        assert same_bits(out, expected), R
+
+
+def test_a_token_s_bits_do_not_depend_on_the_rest_of_the_batch():
+    """Token t keeps its row and choices; the other tokens change (rows, routes, and where t
+    sits): its output bits stay."""
+    x, idx, w = data(3)
+    x2, idx2, w2 = data(4)
+    keep = torch.tensor([0, 7, 12, 30])
+    moved = torch.tensor([9, 1, 25, 14])  # where the kept tokens sit in the second batch
+    x2[moved], idx2[moved], w2[moved] = x[keep], idx[keep], w[keep]
+    first, _ = run_normal(4, x, idx, w)
+    second, _ = run_normal(2, x2, idx2, w2)
+    assert same_bits(first[keep], second[moved])
+
+
+def test_skew_empty_ranks_and_rows_that_go_nowhere():
+    x, _, w = data(5)
+    gen = torch.Generator().manual_seed(5)
+    others = torch.stack([torch.randperm(E - 1, generator=gen)[:K - 1] + 1 for _ in range(N)])
+    idx = torch.cat([torch.zeros((N, 1), dtype=torch.long), others], 1)  # all pick expert 0
+    idx[N // 2:] = -1  # the last ranks send nothing
+    idx[: N // 4, 1:] = torch.tensor([1, 2, 3])  # experts of rank 0 (and 1 at EP 8) only
+    expected = want(x, idx, w)
+    for R in (1, 4, 8):
+        assert same_bits(run_normal(R, x, idx, w, calls=2)[0], expected), R
+
+
+def test_low_latency_mode_gives_the_normal_mode_s_bits():
+    x, idx, w = data(6)
+    expected = want(x, idx, w)
+    for R in (2, 4):
+        T = N // R
+        bufs = Buffer.loopback(R, H, E, T, torch.bfloat16, max_topk=K, low_latency=True,
+                               ep_invariant=True)
+        xs, idxs, ws = list(x.chunk(R)), list(idx.chunk(R)), list(w.chunk(R))
+        for _ in range(2):
+            recv = lockstep.low_latency_dispatch(bufs, xs, idxs, fp8=False)
+            ys = []
+            for r, got in enumerate(recv):
+                L = E // R
+                e = torch.arange(r * L, (r + 1) * L)[:, None].expand(L, R * T).reshape(-1)
+                ys.append(expert(got.x.reshape(L * R * T, H), e).view(L, R * T, H))
+            outs = lockstep.low_latency_combine(bufs, ys, idxs, ws, [g.handle for g in recv])
+        assert same_bits(torch.cat(outs), expected), R
+
+
+def test_values_per_choice_come_home_exactly_and_the_sum_is_invariant():
+    """The dispatch's backward: row gradients summed per token in choice order (no weights),
+    and one value per (token, choice) returned as it was."""
+    x, idx, w = data(7)
+    for R in (2, 8):
+        bufs = Buffer.loopback(R, H, E, N // R, torch.bfloat16, max_topk=K, ep_invariant=True)
+        res = lockstep.dispatch(bufs, list(x.chunk(R)), list(idx.chunk(R)), list(w.chunk(R)))
+        ys = [expert(rr.x, experts_of(rr, r, E // R)) for r, rr in enumerate(res)]
+        values = [rr.weights * 3 - 1 for rr in res]  # any float per row
+        got = lockstep.combine_with_pairs(bufs, ys, [rr.handle for rr in res], values)
+        out = torch.cat([o for o, _ in got])
+        pairs = torch.cat([p for _, p in got])
+        rows = torch.stack([expert(x, idx[:, k].clamp(min=0)) for k in range(K)], 1)
+        assert same_bits(out, invariant_combine(rows, idx, None, dtype=torch.bfloat16)), R
+        assert torch.equal(pairs, torch.where(idx >= 0, w * 3 - 1, 0.0)), R
+
+
+def test_bad_options_are_refused_before_anything_runs():
+    with pytest.raises(ValueError, match="ep_invariant must be a bool"):
+        Buffer.loopback(2, H, E, 8, max_topk=K, ep_invariant=1)
+    bufs = Buffer.loopback(2, H, E, 8, max_topk=K, ep_invariant=True)
+    x, idx, w = data()
+    res = lockstep.dispatch(bufs, list(x[:16].chunk(2)), list(idx[:16].chunk(2)),
+                            list(w[:16].chunk(2)))
+    with pytest.raises(ValueError, match="EP-invariant Buffer's combine returns the rows"):
+        lockstep.combine(bufs, [rr.x for rr in res], [rr.handle for rr in res],
+                         combine_dtype="fp8")
+    with pytest.raises(ValueError, match="one node so far"):
+        Buffer.required_workspace_bytes(4, H, E, 8, max_topk=K, ranks_per_node=2,
+                                        ep_invariant=True)
+    one = Buffer.required_workspace_bytes(4, H, E, 8, max_topk=K)
+    more = Buffer.required_workspace_bytes(4, H, E, 8, max_topk=K, ep_invariant=True)
+    assert more - one >= 2 * 8 * K * (2 * H + 8)  # inv_rows and inv_meta, both parities
+
+
+def test_bytes_stored_are_one_row_and_two_floats_per_pair():
+    x, idx, w = data(8)
+    R = 4
+    _, bufs = run_normal(R, x, idx, w)
+    L, T = E // R, N // R
+    for r, buf in enumerate(bufs):
+        stats = buf.stats()
+        ranks = idx // L  # choices held by each rank, counted where they go home from
+        mine = (idx >= 0) & (ranks == r)
+        home = torch.arange(N) // T
+        to_self = int((mine & (home[:, None] == r)).sum())
+        to_peers = int(mine.sum()) - to_self
+        row = 2 * H + 8
+        assert stats["combine_bytes_to_self"] == to_self * row + 8, r
+        assert stats["combine_bytes_to_peers"] == to_peers * row + 8 * (R - 1), r

@@ -230,6 +230,74 @@ def test_bandwidth_conventions():
     assert bf.dispatch.bytes.local_fraction == pytest.approx(1 / 8)
 
 
+
+# ---------------------------------------------------------------- EP-invariant combine
+def test_ep_invariant_combine_sends_pairs_at_deepseek_v3_sizes():
+    """One node, EP 8: the combine moves one row per (token, choice) pair, 2H + 8 bytes, where
+    the default moves one per (token, rank), 2H bytes; the ratio is the model's own loads'."""
+    H, T = 7168, 4096
+    args = dict(ep=8, tokens_per_rank=T, **DSV3)
+    base = predict("h800", "normal", **args)
+    inv = predict("h800", "normal", ep_invariant=True, **args)
+    assert inv.ep_invariant and not base.ep_invariant
+    assert inv.dispatch == base.dispatch
+    got = loads.compute_loads(loads.Layout(ep=8, gpn=8, m=32), T, 8,
+                              routing.parse_routing("uniform", 256, 8),
+                              ("rank_send_nvl", "rank_recv_nvl", "ll_send_nvl", "ll_recv_nvl"),
+                              np.random.default_rng(0), 65536)
+    rows = max(got["rank_send_nvl"].max, got["rank_recv_nvl"].max)
+    pairs = max(got["ll_send_nvl"].max, got["ll_recv_nvl"].max)
+    ratio = pairs * (2 * H + 8) / (rows * 2 * H)
+    assert got["ll_send_nvl"].mean / got["rank_send_nvl"].mean == pytest.approx(
+        inv.pairs_per_token / inv.ranks_per_token)
+    assert 1.45 < ratio < 1.6
+    assert inv.combine.bytes.nvlink_bytes == pytest.approx(ratio * base.combine.bytes.nvlink_bytes)
+    assert inv.combine.terms_us["nvlink"] == pytest.approx(ratio * base.combine.terms_us["nvlink"])
+    assert inv.combine.bytes.sent_nvlink_bytes - base.combine.bytes.sent_nvlink_bytes == \
+        pytest.approx(got["ll_recv_nvl"].max * (2 * H + 8) - got["rank_recv_nvl"].max * 2 * H)
+    assert inv.combine.bytes.hbm_bytes > base.combine.bytes.hbm_bytes
+    assert base.combine_us < inv.combine_us < ratio * base.combine_us
+    assert inv.combine.bytes.logical_bytes == base.combine.bytes.logical_bytes  # convention
+    # the lower bound counts the pairs too (payload only)
+    b0, b1 = (predict("h800", "normal", implementation="bound", ep_invariant=e, **args)
+              for e in (False, True))
+    assert b1.dispatch == b0.dispatch and b1.ep_invariant
+    assert b1.combine.bytes.nvlink_bytes / b0.combine.bytes.nvlink_bytes == pytest.approx(
+        got["ll_send_nvl"].mean / got["rank_send_nvl"].mean)
+    assert b1.combine_us < inv.combine_us
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert cli.main(["--ep", "8", "--ep-invariant"]) == 0
+    head, row = out.getvalue().strip().splitlines()
+    column = head.split().index("combine_nvlink_MB")
+    assert float(row.split()[column]) == pytest.approx(inv.combine.bytes.nvlink_bytes / 1e6,
+                                                       abs=0.01)
+    assert cli.main(["--ep", "16", "--ep-invariant"]) == 2          # two nodes
+
+
+@pytest.mark.parametrize("ep,impl", [(8, "moe_comm"), (32, "moe_comm"), (8, "bound")])
+def test_ep_invariant_leaves_low_latency_unchanged(ep, impl):
+    args = dict(ep=ep, tokens_per_rank=128, implementation=impl, **DSV3)
+    base = predict("h800", "low_latency", **args)
+    inv = predict("h800", "low_latency", ep_invariant=True, **args)
+    assert dataclasses.replace(inv, ep_invariant=False) == base
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"combine_dtype": "fp8"}, "combine_dtype"),
+    ({"combine_dtype": "nvfp4"}, "combine_dtype"),
+    ({"ep": 16}, "ep_invariant=True in normal mode runs on one node so far"),
+    ({"ep": 16, "implementation": "bound"}, "runs on one node so far"),
+    ({"ep_invariant": 1}, "ep_invariant must be"),
+])
+def test_ep_invariant_errors(kwargs, match):
+    args = dict(system="h800", mode="normal", ep=8, tokens_per_rank=256, ep_invariant=True,
+                **DSV3)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        predict(**args)
+
+
 # ---------------------------------------------------------------- profiles, fit and validation
 # (median |error|, largest |error|) of each profile's validation cases, pinned a little above
 # what the model reaches (docs/PERFMODEL.md section 6: 2.4%/14.0%, 7.4%/11.8%, 3.3%/3.7%,

@@ -11,7 +11,8 @@ perfectly balanced implementation is not excluded):
 
 Payload only (no metadata, headers or scales beyond the dtype's own), datasheet peaks (no
 protocol efficiency), combine the mirror image with the combine dtype. tests/test_perfmodel.py
-checks that no published measurement lies below it.
+checks that no published measurement lies below it. An EP-invariant combine (``ep_invariant``,
+normal mode) brings every (token, choice) pair home un-reduced, so its NVLink rows are pairs.
 """
 from __future__ import annotations
 
@@ -25,18 +26,20 @@ from .model import (
     PhaseBytes,
     PhasePrediction,
     Prediction,
+    _check_ep_invariant,
     _workload,
 )
 from .systems import get_system
 
 _CLASSES = ("rank_send_self", "rank_send_nvl", "rank_recv_nvl")
 _NODE_CLASSES = ("node_send_rdma", "node_recv_rdma")
+_PAIR_CLASSES = ("ll_send_nvl", "ll_recv_nvl")  # the EP-invariant combine's NVLink rows
 
 
 def predict_bound(system, mode: str = "normal", *, ep: int, tokens_per_rank: int, hidden: int,
                   topk: int, num_experts: int, dispatch_dtype="fp8", combine_dtype="bf16",
                   routing="uniform", gpus_per_node: int | None = None, seed: int = 0,
-                  sim_tokens: int = 65536) -> Prediction:
+                  sim_tokens: int = 65536, ep_invariant: bool = False) -> Prediction:
     """`predict(..., implementation="bound")`: the lower bound above, as a Prediction whose
     GB/s follow `mode`'s bandwidth convention (so they compare with published numbers)."""
     sysm = get_system(system)
@@ -45,7 +48,9 @@ def predict_bound(system, mode: str = "normal", *, ep: int, tokens_per_rank: int
     spec, L, T, H, k, d_dtype, c_dtype = _workload(sysm, ep, tokens_per_rank, hidden, topk,
                                                    num_experts, dispatch_dtype, combine_dtype,
                                                    routing, gpus_per_node, sim_tokens)
-    classes = _CLASSES + (_NODE_CLASSES if L.nodes > 1 else ())
+    pairwise = _check_ep_invariant(ep_invariant, mode, L, c_dtype) and mode == "normal"
+    classes = _CLASSES + (_NODE_CLASSES if L.nodes > 1 else ()) + (_PAIR_CLASSES if pairwise
+                                                                   else ())
     loads = compute_loads(L, T, k, spec, classes, np.random.default_rng(seed), sim_tokens)
     nvl_GBps = sysm.nvlink_peak_GBps
     path = sysm.rdma_latency_us if L.nodes > 1 else (sysm.nvlink_latency_us if ep > 1 else 0.0)
@@ -54,7 +59,9 @@ def predict_bound(system, mode: str = "normal", *, ep: int, tokens_per_rank: int
     phases = []
     for phase, dtype in (("dispatch", d_dtype), ("combine", c_dtype)):
         P = payload_bytes(dtype, H)
-        nvl_rows = max(loads["rank_send_nvl"].mean, loads["rank_recv_nvl"].mean)
+        nvl = _PAIR_CLASSES if pairwise and phase == "combine" else ("rank_send_nvl",
+                                                                      "rank_recv_nvl")
+        nvl_rows = max(loads[c].mean for c in nvl)
         net = [loads.stats.get(c, zero).mean for c in _NODE_CLASSES]
         terms = {"nvlink": nvl_rows * P / (nvl_GBps * 1e3)}
         if L.nodes > 1:
@@ -86,4 +93,5 @@ def predict_bound(system, mode: str = "normal", *, ep: int, tokens_per_rank: int
                       dispatch_dtype=d_dtype, combine_dtype=c_dtype, dispatch=phases[0],
                       combine=phases[1], pairs_per_token=loads.pairs_per_token,
                       ranks_per_token=loads.ranks_per_token,
-                      nodes_per_token=loads.nodes_per_token, method=loads.method)
+                      nodes_per_token=loads.nodes_per_token, method=loads.method,
+                      ep_invariant=bool(ep_invariant))

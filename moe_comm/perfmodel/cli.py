@@ -10,7 +10,9 @@ predicted) and `study` (regenerates docs/CODESIGN.md and its plots).
     python -m moe_comm.perfmodel study --out docs
 
 Bytes columns are per rank in MB (1e6 bytes): logical (the mode's bandwidth convention),
-the minimum that must leave a rank, and NVLink / RDMA bytes of the busiest rank.
+the minimum that must leave a rank, and NVLink / RDMA bytes of the busiest rank, of the
+dispatch; combine_nvlink_MB: the combine's NVLink bytes of the busiest rank (``--ep-invariant``
+sends one combine row per (token, choice) pair, so it grows there).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ COLUMNS = (  # header, width-free formatter
     ("min_link_MB", lambda p: f"{p.dispatch.bytes.min_link_bytes / 1e6:.2f}"),
     ("nvlink_MB", lambda p: f"{p.dispatch.bytes.nvlink_bytes / 1e6:.2f}"),
     ("rdma_MB", lambda p: f"{p.dispatch.bytes.rdma_bytes / 1e6:.2f}"),
+    ("combine_nvlink_MB", lambda p: f"{p.combine.bytes.nvlink_bytes / 1e6:.2f}"),
     ("ranks/token", lambda p: f"{p.ranks_per_token:.2f}"),
 )
 _LEFT = {"system", "implementation", "mode", "dispatch_bound", "combine_bound"}
@@ -130,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpus-per-node", type=int, default=None,
                     help="GPUs per NVLink domain used (default: fits the system)")
     ap.add_argument("--num-sms", type=int, default=None)
+    ap.add_argument("--ep-invariant", action="store_true",
+                    help="EP-invariant combine: one row per (token, choice) pair home, summed "
+                         "there in choice order (normal mode: one node, the Buffer's dtype)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", metavar="FILE.png", default=None,
                     help="also draw time and bandwidth against EP size")
@@ -164,7 +170,8 @@ def main(argv=None) -> int:
                             dispatch_dtype=args.dispatch_dtype,
                             combine_dtype=args.combine_dtype, routing=args.routing,
                             gpus_per_node=args.gpus_per_node, num_sms=args.num_sms,
-                            seed=args.seed, implementation=impl, hierarchical=hier))
+                            seed=args.seed, implementation=impl, hierarchical=hier,
+                            ep_invariant=args.ep_invariant))
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 DTYPES = ("fp8", "fp8-ue8m0", "mxfp8", "nvfp4", "bf16", "fp16", "fp32")
 COMBINE_DTYPES = ("bf16", "fp16", "fp32", "fp8", "mxfp8", "nvfp4")
+UNQUANTIZED = ("bf16", "fp16", "fp32")  # dtypes a Buffer holds (no scales)
 _ALIASES = {"float8_e4m3fn": "fp8", "float8_e4m3fnuz": "fp8", "float8_e5m2": "fp8",
             "e4m3": "fp8", "ue8m0": "fp8-ue8m0", "bfloat16": "bf16", "float16": "fp16",
             "half": "fp16", "float32": "fp32", "float": "fp32", "mx-fp8": "mxfp8",

@@ -33,6 +33,15 @@ published numbers compare:
 * normal, several nodes: (token, destination node) pairs, own node included, x hidden x bytes
   per element.
 In both normal conventions an FP8 element counts (1 + 4/128) bytes, i.e. (1 + 4/128)/2 of BF16.
+
+EP-invariant combine (``ep_invariant=True``, normal mode, one node): the combine moves one row
+per (token, top-k choice) pair home, un-reduced, in the Buffer's dtype, each with
+EP_INVARIANT_PAIR_BYTES of metadata, and the home rank sums a token's rows in choice order.
+Its rows on the link are pairs (the ll_* pair classes of loads.py) where the default combine
+has one reduced row per (token, rank) (the rank_* classes); each row costs payload + 8 bytes.
+The dispatch, the signals and the bandwidth convention (logical bytes) stay as they are, so
+the extra bytes show in PhaseBytes (nvlink_bytes, sent_nvlink_bytes, hbm_bytes) and in time.
+Low-latency mode already moves one row per pair: ep_invariant changes no byte there.
 """
 from __future__ import annotations
 
@@ -44,6 +53,7 @@ import numpy as np
 from .formats import (
     COMBINE_DTYPES,
     DTYPES,
+    UNQUANTIZED,
     element_bytes,
     input_bytes,
     normalize_dtype,
@@ -67,6 +77,8 @@ MODES = ("normal", "low_latency")
 BOTTLENECKS = ("nvlink", "rdma", "pcie", "nic_message_rate", "sm_issue", "hbm", "latency")
 DEFAULT_IMPLEMENTATION = "moe_comm"
 FP8_LL_CONVENTION_HEADER = 16  # the low-latency FP8 bandwidth convention counts a 16-byte header
+EP_INVARIANT_PAIR_BYTES = 8    # per (token, choice) combine row: fp32 router weight + fp32 value
+PAIR_CLASSES = ("ll_send_self", "ll_send_nvl", "ll_recv_nvl")  # INTRANODE_CLASSES, in pairs
 
 
 @dataclass(frozen=True)
@@ -124,6 +136,7 @@ class Prediction:
     nodes_per_token: float     # distinct destination nodes per token, own node included
     method: str                # how rank loads were obtained
     notes: tuple = field(default_factory=tuple)
+    ep_invariant: bool = False  # combine rows per (token, choice) pair, summed at home
 
     @property
     def dispatch_us(self) -> float:
@@ -157,6 +170,21 @@ def _check_int(name: str, value, low: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     return int(value)
+
+
+def _check_ep_invariant(ep_invariant, mode: str, layout: Layout, c_dtype: str) -> bool:
+    """ep_invariant, validated: normal mode runs it on one node, in the Buffer's dtype."""
+    if not isinstance(ep_invariant, (bool, np.bool_)):
+        raise ValueError(f"ep_invariant must be True or False, got {ep_invariant!r}")
+    if ep_invariant and mode == "normal":
+        if layout.nodes > 1:
+            raise ValueError(f"ep_invariant=True in normal mode runs on one node so far: "
+                             f"ep={layout.ep} needs {layout.nodes} NVLink domains of "
+                             f"{layout.gpn} GPUs")
+        if c_dtype not in UNQUANTIZED:
+            raise ValueError(f"ep_invariant=True combines in the Buffer's dtype: combine_dtype "
+                             f"must be one of {UNQUANTIZED}, got {c_dtype!r}")
+    return bool(ep_invariant)
 
 
 def _nodes_layout(system: System, ep: int, gpus_per_node) -> int:
@@ -341,12 +369,14 @@ def _low_latency(c: _Costs, L: Layout, loads: Loads, T: int, H: int, k: int, d_d
 
 
 def _normal(c: _Costs, L: Layout, loads: Loads, T: int, H: int, k: int, d_dtype: str,
-            c_dtype: str, rounds: int = 1):
+            c_dtype: str, rounds: int = 1, ep_invariant: bool = False):
     """One row per (token, destination rank); across domains hierarchical or flat. ``rounds``
     (bounded staging): each round past the first costs the per-call serial work again (its own
     launches and signals, the forwarder's pass in hierarchical mode), one more set of signal
     words per peer (hierarchical: per other node) and, across domains, one more network path (a
-    round's receive waits for that round's remote rows)."""
+    round's receive waits for that round's remote rows). ``ep_invariant`` (one domain): the
+    combine moves one row per (token, choice) pair (PAIR_CLASSES), payload +
+    EP_INVARIANT_PAIR_BYTES each."""
     alg, fmt = c.alg, c.alg.fmt
     internode = L.nodes > 1
     hier = internode and alg.internode == "hierarchical"
@@ -380,6 +410,10 @@ def _normal(c: _Costs, L: Layout, loads: Loads, T: int, H: int, k: int, d_dtype:
         elem = element_bytes(dtype)
         P = fmt.payload(dtype, H)
         row = P + (meta if phase == "dispatch" else 0)
+        delivered = rows_total
+        if ep_invariant and phase == "combine":
+            own, direct_snd, direct_rcv = (loads[name] for name in PAIR_CLASSES)
+            row, delivered = P + EP_INVARIANT_PAIR_BYTES, pairs
         net_row = row + (fmt.node_slot_bytes * L.gpn if hier and phase == "dispatch" else 0)
         if hier:   # NVLink carries the forwarded rows (the direct ones of the sender's node too)
             snd = fwd_snd if phase == "dispatch" else fwd_rcv
@@ -418,7 +452,7 @@ def _normal(c: _Costs, L: Layout, loads: Loads, T: int, H: int, k: int, d_dtype:
             pcie_bytes=max(nsnd.max * c.pcie(net_row, True), nrcv.max * c.pcie(net_row, False))
             if internode else 0.0,
             hbm_bytes=terms["hbm"] * c.hbm_Bpus,
-            local_fraction=own.mean / rows_total if rows_total else 0.0,
+            local_fraction=own.mean / delivered if delivered else 0.0,
             nvlink_domain_fraction=in_domain / rows_total if rows_total else 0.0,
             sent_nvlink_bytes=(direct_snd.max if phase == "dispatch" else direct_rcv.max) * row
             + signals,
@@ -435,7 +469,8 @@ def predict(system: str | System = "h800", mode: str = "normal", *, ep: int,
             dispatch_dtype="fp8", combine_dtype="bf16", routing="uniform",
             gpus_per_node: int | None = None, num_sms: int | None = None, seed: int = 0,
             sim_tokens: int = 65536, implementation: str | Implementation = DEFAULT_IMPLEMENTATION,
-            hierarchical: bool | None = None, rounds: int = 1) -> Prediction:
+            hierarchical: bool | None = None, rounds: int = 1,
+            ep_invariant: bool = False) -> Prediction:
     """Predict one dispatch and one combine call of `mode` on `system` for the slowest rank.
 
     system: preset name (SYSTEMS) or a System. mode: "normal" (dedup per destination rank,
@@ -452,7 +487,11 @@ def predict(system: str | System = "h800", mode: str = "normal", *, ep: int,
     hierarchical: normal mode across nodes, hierarchical (True) or flat (False); None = the
     implementation's default. rounds: normal mode with bounded staging (``Buffer.rounds``):
     every round past the first adds the per-call serial cost, the signal words of one more
-    epoch per peer and, across nodes, one more network path.
+    epoch per peer and, across nodes, one more network path. ep_invariant: the EP-invariant
+    combine (module docstring): normal mode sends one row per (token, choice) pair home,
+    payload in combine_dtype (the Buffer's: bf16, fp16 or fp32) + 8 bytes, instead of one
+    reduced row per (token, rank); one node only so far (ValueError across nodes). Low-latency
+    predictions do not change.
     """
     if isinstance(implementation, str) and implementation.strip().lower() == "bound":
         from .bound import predict_bound
@@ -460,7 +499,7 @@ def predict(system: str | System = "h800", mode: str = "normal", *, ep: int,
                              hidden=hidden, topk=topk, num_experts=num_experts,
                              dispatch_dtype=dispatch_dtype, combine_dtype=combine_dtype,
                              routing=routing, gpus_per_node=gpus_per_node, seed=seed,
-                             sim_tokens=sim_tokens)
+                             sim_tokens=sim_tokens, ep_invariant=ep_invariant)
     impl = get_implementation(implementation)
     sysm = get_system(system)
     if mode not in MODES:
@@ -471,6 +510,7 @@ def predict(system: str | System = "h800", mode: str = "normal", *, ep: int,
                                                         combine_dtype, routing, gpus_per_node,
                                                         sim_tokens)
     rounds = _check_int("rounds", rounds)
+    ep_invariant = _check_ep_invariant(ep_invariant, mode, layout, c_dtype)
     if rounds > 1 and mode != "normal":
         raise ValueError(f"rounds={rounds}: bounded staging runs the normal mode only (got "
                          f"mode={mode!r})")
@@ -484,7 +524,7 @@ def predict(system: str | System = "h800", mode: str = "normal", *, ep: int,
     if mode == "low_latency":
         classes = LL_CLASSES
     elif layout.nodes == 1:
-        classes = INTRANODE_CLASSES
+        classes = INTRANODE_CLASSES + (PAIR_CLASSES if ep_invariant else ())
     elif alg.internode == "hierarchical":
         classes = INTERNODE_CLASSES + ("rank_send_nvl", "rank_recv_nvl")
     else:
@@ -494,7 +534,8 @@ def predict(system: str | System = "h800", mode: str = "normal", *, ep: int,
     if mode == "low_latency":
         dispatch, combine = _low_latency(costs, layout, loads, T, H, k, d_dtype, c_dtype)
     else:
-        dispatch, combine = _normal(costs, layout, loads, T, H, k, d_dtype, c_dtype, rounds)
+        dispatch, combine = _normal(costs, layout, loads, T, H, k, d_dtype, c_dtype, rounds,
+                                    ep_invariant)
     notes = []
     if costs.tiers > sysm.tiers:
         notes.append(f"{math.ceil(ep / sysm.planes)} NICs per plane need {costs.tiers} switch "
@@ -508,7 +549,7 @@ def predict(system: str | System = "h800", mode: str = "normal", *, ep: int,
                       pairs_per_token=loads.pairs_per_token,
                       ranks_per_token=loads.ranks_per_token,
                       nodes_per_token=loads.nodes_per_token, method=loads.method,
-                      notes=tuple(notes))
+                      notes=tuple(notes), ep_invariant=ep_invariant)
 
 
 def _workload(sysm: System, ep, tokens_per_rank, hidden, topk, num_experts, dispatch_dtype,

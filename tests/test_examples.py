@@ -73,3 +73,17 @@ def test_benchmark_counts_the_bytes_of_the_link_formats(tmp_path):
     # the FP8 partials back: H + H/32 bytes a row, then one epoch per peer
     assert r["min_combine_link_bytes"] == rows * (H + H // 32)
     assert r["combine_link_bytes"] == r["min_combine_link_bytes"] + R * 8
+
+
+def test_invariant_training_same_bits_at_ep_2_and_4():
+    """Two steps of an MoE layer: with ep_invariant=True the losses and every gradient are the
+    same bits at EP 2 and EP 4; the default combine's are not (so the comparison can fail)."""
+    proc = _run("examples/invariant_training.py", "--ranks", "2", "4")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    invariant = [line for line in lines if line.startswith("ep_invariant=True step")]
+    default = [line for line in lines if line.startswith("default combine")]
+    assert len(invariant) == len(default) == 2, proc.stdout
+    assert all(line.endswith("losses and gradients equal bit for bit") for line in invariant)
+    assert all("differ: " in line for line in default), proc.stdout
+    assert "OK: with ep_invariant=True every EP size trains to the same bits" in proc.stdout

@@ -40,7 +40,7 @@ from .comm import CPU_RANKS, Flavour, draw_last_of, peer_ptr, publish_epoch_to, 
 from .numerics import cast_rne, channel_tile, column
 from .tiles import even, persistent_programs, tiles
 
-META_WORDS = 2  # floats per (token, choice) in inv_meta: the row's weight, its pair value
+META_WORDS = tl.constexpr(2)  # floats per (token, choice) in inv_meta: its weight, its value
 
 
 @triton.jit(do_not_specialize=["signal_off", "local_base", "errors_addr", "me"])

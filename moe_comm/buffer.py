@@ -138,13 +138,16 @@ def staging_ring_slots(staging_bytes: int | None, world_size: int, max_tokens: i
     return None if slots == max_tokens else slots
 
 
-def check_ep_invariant(ep_invariant, num_nodes: int, kernel_impl: str) -> None:
-    """``ep_invariant=True`` runs on one node (the normal mode's invariant combine reaches its
-    peers through pointers) and on the Triton kernels."""
+def check_ep_invariant(ep_invariant, num_nodes: int, kernel_impl: str,
+                       low_latency: bool = False) -> None:
+    """``ep_invariant=True`` runs on the Triton kernels; across nodes in the low-latency mode
+    only (its combine is the invariant one over every transport; the normal mode's invariant
+    combine stores each (token, choice) row through peer pointers, which reach one node)."""
     if not isinstance(ep_invariant, bool):
         raise ValueError(f"ep_invariant must be a bool, got {ep_invariant!r}")
-    if ep_invariant and num_nodes > 1:
-        raise ValueError("ep_invariant=True runs on one node so far: the invariant combine "
+    if ep_invariant and num_nodes > 1 and not low_latency:
+        raise ValueError("ep_invariant=True across nodes runs the low-latency mode only so far "
+                         "(Buffer(..., low_latency=True)): the normal mode's invariant combine "
                          "stores each (token, choice) row through peer pointers, and no "
                          f"transport across nodes carries it yet ({num_nodes} nodes asked for)")
     if ep_invariant and kernel_impl == "cuda":
@@ -177,6 +180,10 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
     staging: where the whole batch does not fit, every call runs in ``rounds`` through rings of
     ``ring_slots`` slots per source (``moe_comm.normal_mode``; one node, across nodes through
     the proxy, flat or hierarchical, and across hosts over NVSHMEM; fault-tolerant Buffers too).
+    ``ep_invariant=True``: every combine sums each token's choices in choice order, each product
+    and sum rounded to fp32, so its bits depend on no EP size or placement
+    (``reference.invariant_combine``, ``kernels.invariant``); on one node, or across nodes in
+    the low-latency mode only; the Buffer's dtype only (no FP8 combine).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, hidden: int, num_experts: int,
@@ -229,7 +236,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             raise ValueError("fault_tolerant=True across nodes runs through the proxy "
                              "(transport='nixl') in flat mode (hierarchical=False: a dead "
                              "forwarder would cut off its whole node) so far")
-        check_ep_invariant(ep_invariant, nodes.count, kernel_impl)
+        check_ep_invariant(ep_invariant, nodes.count, kernel_impl, bool(low_latency))
+        one_node_invariant = bool(ep_invariant) and nodes.count == 1  # the normal mode's regions
         if fault_tolerant and kernel_impl == "cuda":
             raise ValueError("fault_tolerant=True runs the Triton kernels: the csrc/ kernels "
                              "(kernel_impl='cuda') do not exclude silent peers")
@@ -240,12 +248,12 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             staging_bytes, world_size, max_tokens_per_rank, hidden, max_topk, dtype,
             outboxes=via == "nixl",
             ranks_per_node=nodes.ranks_per_node if forwarders else None, rdma=rdma,
-            invariant=bool(ep_invariant))
+            invariant=one_node_invariant)
         layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                  num_experts // world_size, max_topk, dtype, low_latency,
                                  rdma=rdma, ranks_per_node=nodes.ranks_per_node,
                                  proxy=via == "nixl", hierarchical=hierarchical,
-                                 ring_slots=ring_slots, invariant=bool(ep_invariant))
+                                 ring_slots=ring_slots, invariant=one_node_invariant)
         heap = create_heap(chosen, group, layout.nbytes, device, nodes.ranks_per_node)
         proxy = None
         try:
@@ -260,7 +268,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                                   labels=signal_labels(layout, heap.rank),
                                   tolerant=bool(fault_tolerant))
             self._setup(heap, layout, num_experts, timeout_s, dispatch_dtype, num_sms,
-                        kernel_impl, proxy=proxy, fault_tolerant=fault_tolerant)
+                        kernel_impl, proxy=proxy, fault_tolerant=fault_tolerant,
+                        ep_invariant=bool(ep_invariant))
         except BaseException:
             if proxy is not None:
                 proxy.close()
@@ -299,7 +308,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         for heap in heaps:
             buf = cls.__new__(cls)
             buf._setup(heap, layout, num_experts, timeout_s, dispatch_dtype, num_sms,
-                       kernel_impl, fault_tolerant=fault_tolerant)
+                       kernel_impl, fault_tolerant=fault_tolerant,
+                       ep_invariant=bool(ep_invariant))
             buf.backend, buf.transport = "loopback", None
             buffers.append(buf)
         return buffers
@@ -307,8 +317,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
     def _setup(self, heap: SymmetricHeap, layout: WorkspaceLayout, num_experts: int,
                timeout_s: float | None, dispatch_dtype: torch.dtype | None,
                num_sms: int | None = None, kernel_impl: str = "auto",
-               flavour: Flavour | None = None, proxy=None, fault_tolerant: bool = False
-               ) -> None:
+               flavour: Flavour | None = None, proxy=None, fault_tolerant: bool = False,
+               ep_invariant: bool | None = None) -> None:
         self.heap, self.layout, self.proxy = heap, layout, proxy
         self._regions: dict[str, torch.Tensor] = {}  # views of the workspace (``_region``)
         self._offsets: dict = {}  # per-channel launch offsets and word views, made once
@@ -316,7 +326,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         self._bound = BoundLaunches()  # launches with their fixed arguments bound once
         self.rank, self.world_size = heap.rank, heap.world_size
         self.hidden, self.dtype = layout.hidden, layout.dtype
-        self.ep_invariant = layout.invariant
+        # (None: the layout's, as the meta-device twins of moe_comm.warmup build it)
+        self.ep_invariant = layout.invariant if ep_invariant is None else ep_invariant
         self.dispatch_dtype = dispatch_dtype or layout.dtype
         self._row_bytes = layout.hidden * torch.empty((), dtype=layout.dtype).element_size()
         self.num_experts, self.num_local_experts = num_experts, layout.num_local_experts
@@ -332,7 +343,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         self.kernel_impl = check_kernel_impl(  # (csrc/ neither excludes peers nor sums unfused)
             kernel_impl, heap.device, layout.low_latency,
             fault_tolerant or (flavour is not None and flavour.fault_tolerant)
-            or layout.invariant, proxy is not None)
+            or self.ep_invariant, proxy is not None)
         self._kernel_impl_auto = kernel_impl == "auto"  # csrc/ leaves what it lacks to Triton
         self.errors = ErrorRecord(heap.device)
         self._ft_setup(fault_tolerant or (flavour is not None and flavour.fault_tolerant))
@@ -556,6 +567,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         gradient to ``x``; the router weights' gradient flows as with any dispatch.
         """
         self._ready()
+        self._invariant_normal_mode()
         ue8m0 = scale_code(dispatch_dtype, ue8m0)
         check_scale_layout(scale_layout, ue8m0)
         rows, scales, mode = resolve_fp8(
@@ -608,6 +620,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         rounded output (no change without a failure, up to that rounding).
         """
         self._ready()
+        self._invariant_normal_mode()
         fp8 = combine_is_fp8(combine_dtype, dtype=self.dtype, hidden=self.hidden,
                              ep_invariant=self.ep_invariant)
         if env.check_inputs():
@@ -680,6 +693,13 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                 f"dtype={self.dtype}, workspace_bytes={self.workspace_bytes})")
 
     # ----------------------------------------------------------------- phases
+    def _invariant_normal_mode(self) -> None:
+        """An EP-invariant Buffer across nodes runs the low-latency mode only."""
+        if self.ep_invariant and not self.layout.invariant:
+            raise ValueError("this EP-invariant Buffer spans nodes: it runs the low-latency "
+                             "mode only (low_latency_dispatch / low_latency_combine); the "
+                             "normal mode's invariant combine runs on one node so far")
+
     def _ready(self) -> None:
         """Raises what an earlier call left: the Buffer unusable, or a bad input a kernel
         recorded (host reads of the error record). A trace under ``torch.compile`` cannot read

@@ -57,6 +57,13 @@ for an excluded one, so a rank that stops between rounds holds up no one; a late
 dispatch takes only sources that arrived in round 0 as well (rows are placed by round 0's layout),
 and its outputs start as padding rows (``moe_comm.fault``, "In rounds").
 
+EP-invariant Buffers (``ep_invariant=True``, one node): the combine's send is
+``kernels.invariant.invariant_send`` (every (slot, choice) row to its home's ``inv_rows`` at
+``(t % W) * K + k``) and its receive ``invariant_reduce`` (choice order); they run on the combine
+channel's epochs, signals and parities, each round a whole epoch, so the ordering argument above
+holds for them unchanged (a round's rows land in the parity of its epoch, read by the home's
+reduce of that round before the home publishes the next round's epoch).
+
 Host reads of device data (``self.host_syncs``): dispatch reads the received-row count once to
 size its output (``rows``), none with ``max_recv_rows``; combine and the cached dispatch read
 nothing. Every grid is fixed by the Buffer's sizes (the persistent programs read the counts

@@ -131,6 +131,7 @@ def combine_op(buffer_id: str, y: Tensor, weights: Optional[Tensor],
                src_token: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     buf = lookup(buffer_id)
     buf._ready()
+    buf._invariant_normal_mode()
     if buf.ep_invariant and (topk_idx is None or src_token is None):
         raise ValueError("an EP-invariant Buffer's combine needs the dispatch's topk_idx and "
                          "src_token (its handle carries them)")

@@ -4,41 +4,27 @@ other tokens of the batch, and equal ``reference.invariant_combine``; the defaul
 bits differ on the same data (so the comparisons can fail)."""
 import pytest
 import torch
+from invariant_jobs import (
+    E,
+    H,
+    K,
+    N,
+    data,
+    expert,
+    experts_of,
+    low_latency_across_nodes,
+    train_calls,
+)
 
 from moe_comm import Buffer, lockstep
 from moe_comm.reference import invariant_combine
 from moe_comm.workspace import staging_slot_bytes
-
-H, E, K, N = 128, 8, 4, 32  # hidden, experts, top-k, tokens in all
-SCALE = (torch.arange(E, dtype=torch.float32) + 1) / 3
-
-
-def expert(rows: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """Expert ``e[i]`` applied to row i, row by row (no row depends on another)."""
-    return (rows.float() * SCALE[e][:, None] + 0.25).to(rows.dtype)
-
-
-def data(seed: int = 0, dtype=torch.bfloat16):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn((N, H), generator=gen).to(dtype)
-    w, idx = torch.randn((N, E), generator=gen).softmax(-1).topk(K, -1)
-    idx[3, 1] = -1  # a choice that goes nowhere
-    idx[5] = -1  # a token that goes nowhere
-    return x, idx, w
+from rank_jobs import with_kernel_waits
 
 
 def want(x, idx, w, dtype=torch.bfloat16):
     rows = torch.stack([expert(x, idx[:, k].clamp(min=0)) for k in range(K)], 1)
     return invariant_combine(rows, idx, w, dtype=dtype)
-
-
-def experts_of(res, rank: int, L: int) -> torch.Tensor:
-    """The global expert of every received row of ``res`` (normal mode)."""
-    e = torch.zeros(res.x.shape[0], dtype=torch.long)
-    bounds = res.expert_offsets.tolist()
-    for lo in range(L):
-        e[bounds[lo]:bounds[lo + 1]] = rank * L + lo
-    return e
 
 
 def run_normal(R: int, x, idx, w, *, invariant=True, staging_bytes=None, calls=1,
@@ -160,7 +146,7 @@ def test_bad_options_are_refused_before_anything_runs():
     with pytest.raises(ValueError, match="EP-invariant Buffer's combine returns the rows"):
         lockstep.combine(bufs, [rr.x for rr in res], [rr.handle for rr in res],
                          combine_dtype="fp8")
-    with pytest.raises(ValueError, match="one node so far"):
+    with pytest.raises(ValueError, match="across nodes runs the low-latency mode only"):
         Buffer.required_workspace_bytes(4, H, E, 8, max_topk=K, ranks_per_node=2,
                                         ep_invariant=True)
     one = Buffer.required_workspace_bytes(4, H, E, 8, max_topk=K)
@@ -183,3 +169,39 @@ def test_bytes_stored_are_one_row_and_two_floats_per_pair():
         row = 2 * H + 8
         assert stats["combine_bytes_to_self"] == to_self * row + 8, r
         assert stats["combine_bytes_to_peers"] == to_peers * row + 8 * (R - 1), r
+
+
+def _by_call(per_rank: list) -> list:
+    """Every rank's (out, grad x, grad w) of each call, in global token order."""
+    return [tuple(torch.cat([calls[i][j] for calls in per_rank]) for j in range(3))
+            for i in range(len(per_rank[0]))]
+
+
+def test_processes_with_stragglers_train_to_the_same_bits_at_every_ep_size(ranks):
+    """CPU ranks in processes, forward and backward, three calls with random delays: the
+    outputs and the gradients of the tokens and of the gate weights have the same bits on 1, 2
+    and 4 ranks, with waits on the host and in the kernels, fault tolerant or not."""
+    runs = {R: _by_call(ranks(R).run(train_calls, 3, 0.02)) for R in (1, 2, 4)}
+    runs["kernel waits"] = _by_call(ranks(4).run(with_kernel_waits, train_calls, 3, 0.02))
+    runs["fault tolerant"] = _by_call(ranks(2).run(train_calls, 3, 0.0, True))
+    for it, (out, grad_x, grad_w) in enumerate(runs[1]):
+        x, idx, w = data(100 + it)
+        assert same_bits(out, want(x, idx, w)), it
+        for name, calls in runs.items():
+            assert all(same_bits(a, b) for a, b in zip(calls[it], (out, grad_x, grad_w))), \
+                (name, it)
+        assert grad_w.abs().sum() > 0 and grad_x.abs().sum() > 0
+
+
+@pytest.mark.parametrize("nodes", [(2, 2), (4, 2)], ids=["2x2", "4x2"])
+def test_low_latency_across_nodes_gives_the_same_bits(ranks, nodes):
+    """Nodes of CPU ranks through the proxy (2 of 2 ranks, 4 of 2): the low-latency combine of
+    an EP-invariant Buffer gives the one-process reference's bits (those of the normal mode on
+    one node); its normal mode is refused before anything is sent."""
+    m, n = nodes
+    per_rank = ranks(m * n).run(low_latency_across_nodes, n, 2)
+    for calls in per_rank:
+        assert "runs the low-latency mode only" in calls[0]
+    for it in range(2):
+        x, idx, w = data(200 + it)
+        assert same_bits(torch.cat([calls[1 + it] for calls in per_rank]), want(x, idx, w)), it

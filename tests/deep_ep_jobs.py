@@ -362,3 +362,57 @@ def bad_facade_inputs(rank, world_size) -> dict:
     buf.low_latency_combine(recv[0], idx, w, recv[2])  # a good call
     buf.destroy()
     return found
+
+
+def ep_invariant_sums(rank, world_size, case: Case) -> dict:
+    """``deep_ep.Buffer(..., ep_invariant=True)``: whether both moe_comm workspaces are
+    EP-invariant, and each combine against ``reference.invariant_combine``: the normal one adds
+    each token's per-rank rows in choice order (a rank's row on its choice of the lowest expert
+    id there, zero on its other choices), the low-latency one ``w[t, k] * row(t, k)`` in choice
+    order. ``default_differs``: DeepEP's rank-order sum (what the default returns) is not the
+    invariant one for this rank's tokens."""
+    R, E, H, K, T = world_size, case.num_experts, case.hidden, case.topk, case.max_tokens
+    L = E // R
+    buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0, low_latency_mode=True,
+                         ep_invariant=True)
+    xs, idxs, ws = make_inputs(case)
+    idx, n = idxs[rank], xs[rank].shape[0]
+    found: dict = {}
+    # normal mode
+    _, _, per_expert, _, _ = buf.get_dispatch_layout(idx, E)
+    recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
+        xs[rank], num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=ws[rank])
+    origin = deepep_dispatch_model(xs, idxs, ws, rank, E, 1)[4]
+    y = (recv_x.float() * 0.5 + rank).to(case.dtype)
+    combined, combined_w, _ = buf.combine(y, handle, topk_weights=recv_w)
+    received: list = [None] * R
+    dist.all_gather_object(received, (y, recv_w, origin))
+    rows = torch.zeros((n, K, H), dtype=case.dtype)
+    for r, (y_r, _, origin_r) in enumerate(received):
+        for i, (s, t) in enumerate(origin_r):
+            if s == rank:
+                here = [k for k in range(K) if int(idx[t, k]) >= 0 and int(idx[t, k]) // L == r]
+                rows[t, min(here, key=lambda k: int(idx[t, k]))] = y_r[i]
+    want = reference.invariant_combine(rows, idx, dtype=case.dtype)
+    rank_order, want_w = deepep_combine_model(received, rank, n, H, K, case.dtype)
+    found["normal"] = bool(torch.equal(combined, want))
+    found["combined_weights"] = bool(torch.equal(combined_w, want_w))
+    found["default_differs"] = not torch.equal(rank_order, want)
+    # low-latency mode
+    recv_ll, _, ll_handle, _, _ = buf.low_latency_dispatch(xs[rank], idx, T, E, use_fp8=False)
+    ys = [torch.randn((L, R * T, H), generator=torch.Generator().manual_seed(50 + r))
+          .to(case.dtype) for r in range(R)]
+    out, _, _ = buf.low_latency_combine(ys[rank], idx, ws[rank], ll_handle)
+    rows = torch.zeros((n, K, H), dtype=case.dtype)
+    for t in range(n):
+        for k in range(K):
+            e = int(idx[t, k])
+            if e >= 0:
+                owner = e // L
+                source = deepep_low_latency_model(xs, idxs, owner, E)[e - owner * L][1]
+                rows[t, k] = ys[owner][e - owner * L, source.index((rank, t))]
+    found["low_latency"] = bool(torch.equal(
+        out, reference.invariant_combine(rows, idx, ws[rank], dtype=case.dtype)))
+    found["workspaces_ep_invariant"] = (buf._normal.ep_invariant, buf._low_latency.ep_invariant)
+    buf.destroy()
+    return found

@@ -7,6 +7,9 @@ Framework shims are applied here, inside the worker processes, and undone before
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+
+from moe_comm.integrations import BufferCache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -33,6 +36,93 @@ def _compare(named_a: dict, named_b: dict) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------- EP-invariant
+class RecordingCache(BufferCache):
+    """A BufferCache whose Buffers record, per forward, the dispatch's routing and the rows it
+    delivered, and the combine's expert output rows, row weights and output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[dict] = []
+
+    def get(self, *args, **kwargs):
+        buf = super().get(*args, **kwargs)
+        if "dispatch" not in vars(buf):  # each Buffer wrapped once
+            dispatch, combine = buf.dispatch, buf.combine
+
+            def recording_dispatch(x, topk_idx, *more, **options):
+                res = dispatch(x, topk_idx, *more, **options)
+                self.calls.append({"topk_idx": topk_idx.detach().clone(),
+                                   "src_rank": res.src_rank, "src_token": res.src_token,
+                                   "tokens_per_expert": res.tokens_per_expert})
+                return res
+
+            def recording_combine(y, handle, weights=None, **options):
+                out = combine(y, handle, weights, **options)
+                self.calls[-1].update(
+                    y=y.detach().clone(), out=out.detach().clone(),
+                    weights=None if weights is None else weights.detach().clone())
+                return out
+
+            buf.dispatch, buf.combine = recording_dispatch, recording_combine
+        return buf
+
+
+def invariant_reference(calls: list[dict], rank: int, world_size: int, num_experts: int
+                        ) -> list[tuple[bool, float]]:
+    """Per recorded forward: (whether this rank's combine output equals, bit for bit,
+    ``reference.invariant_combine`` of its tokens' expert output rows and row weights, gathered
+    from the ranks that computed them; max |difference|). Collective over the world."""
+    from moe_comm import reference
+
+    L = num_experts // world_size
+    results = []
+    for call in calls:
+        sent = {name: call[name] for name in ("src_rank", "src_token", "tokens_per_expert", "y",
+                                              "weights")}
+        everyone: list = [None] * world_size
+        dist.all_gather_object(everyone, sent)
+        idx, out = call["topk_idx"], call["out"]
+        (T, K), H = idx.shape, out.shape[1]
+        rows = torch.zeros((T, K, H), dtype=call["y"].dtype)
+        weights = None if call["weights"] is None else torch.zeros((T, K))
+        found = torch.zeros((T, K), dtype=torch.bool)
+        for r, got in enumerate(everyone):
+            experts = r * L + torch.repeat_interleave(torch.arange(L), got["tokens_per_expert"])
+            for i, expert in enumerate(experts.tolist()):
+                if int(got["src_rank"][i]) != rank:
+                    continue
+                t = int(got["src_token"][i])
+                (k,) = (idx[t] == expert).nonzero()[:, 0].tolist()
+                rows[t, k] = got["y"][i]
+                if weights is not None:
+                    weights[t, k] = got["weights"][i]
+                found[t, k] = True
+        assert torch.equal(found, idx >= 0), f"rank {rank}: a choice's row is missing"
+        want = reference.invariant_combine(rows, idx, weights, dtype=out.dtype)
+        results.append((bool(torch.equal(out, want)), _diff(out, want)))
+    return results
+
+
+def buffer_cache_keys(rank, world_size) -> dict:
+    """One BufferCache asked for the same sizes with ``ep_invariant`` False and True, twice
+    each: ``{ep_invariant: [the Buffers' ep_invariant]}`` and how many Buffers it holds."""
+    cache = BufferCache()
+    sizes = dict(hidden=16, num_experts=2 * world_size, dtype=torch.float32, max_topk=2,
+                 num_tokens=4, max_tokens_per_rank=8)
+    got = {flag: [cache.get(dist.group.WORLD, **sizes, ep_invariant=flag) for _ in range(2)]
+           for flag in (False, True)}
+    found = {"live": len(cache), "same": [a is b for a, b in got.values()],
+             "distinct": got[False][0] is not got[True][0],
+             "flags": {flag: [buf.ep_invariant for buf in bufs] for flag, bufs in got.items()}}
+    try:
+        cache.get(dist.group.WORLD, **sizes, ep_invariant=None)
+    except ValueError as error:
+        found["error"] = str(error)
+    cache.close()
+    return found
+
+
 # ------------------------------------------------------------------------------- Megatron
 def _megatron_config(world_size: int, dtype: torch.dtype, hidden: int, num_experts: int,
                      topk: int, dispatcher_type: str, capacity_factor: float | None,
@@ -52,7 +142,7 @@ def _megatron_config(world_size: int, dtype: torch.dtype, hidden: int, num_exper
         bias_activation_fusion=False, init_method_std=0.2)
 
 
-def _megatron_layer(config, layer_cls=None):
+def _megatron_layer(config, layer_cls=None, params: dict | None = None):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.spec_utils import build_module
 
@@ -60,6 +150,8 @@ def _megatron_layer(config, layer_cls=None):
                                moe_grouped_gemm=False)
     if layer_cls is not None:
         spec.module = layer_cls
+    if params:
+        spec.params = {**spec.params, **params}
     return build_module(spec, config=config)
 
 
@@ -93,18 +185,22 @@ def _side_by_side(theirs, ours, report: dict, rank: int, seed: int, steps: int, 
 def megatron_parity(rank, world_size, dtype_name: str, hidden: int, num_experts: int,
                     topk: int, tokens: tuple, seed: int, *, dispatcher_type: str = "alltoall",
                     use: str = "spec", capacity_factor: float | None = None,
-                    shared_expert: bool = False, steps: int = 2) -> dict:
+                    shared_expert: bool = False, steps: int = 2,
+                    ep_invariant: bool | None = None) -> dict:
     """Megatron's own alltoall dispatcher vs moe_comm's, same weights and inputs, ``steps``
     forward+backward passes (new inputs each); ``use`` = "spec" (``MoeCommMoELayer``) or
-    "apply" (``apply_megatron()`` then a plain spec with ``dispatcher_type``)."""
+    "apply" (``apply_megatron()`` then a plain spec with ``dispatcher_type``). With
+    ``ep_invariant`` (spec: ``params={"ep_invariant": ...}``; apply: ``apply_megatron(
+    ep_invariant=...)``) the report also has the Buffer's ``ep_invariant`` and, per step,
+    ``invariant_reference`` (see :func:`invariant_reference`)."""
     from framework_shims import megatron_cpu_shims, megatron_parallel_state
-    from moe_comm.integrations import BufferCache
     from moe_comm.integrations import megatron as plugin
 
     dtype = DTYPES[dtype_name]
     seq, batch = tokens[rank]
     report: dict = {"steps": []}
-    cache = BufferCache()
+    cache = RecordingCache()
+    options = {} if ep_invariant is None else {"ep_invariant": ep_invariant}
     with megatron_cpu_shims(), megatron_parallel_state(world_size):
         torch.manual_seed(seed)
         theirs = _megatron_layer(_megatron_config(world_size, dtype, hidden, num_experts, topk,
@@ -112,14 +208,16 @@ def megatron_parity(rank, world_size, dtype_name: str, hidden: int, num_experts:
         config = _megatron_config(world_size, dtype, hidden, num_experts, topk,
                                   dispatcher_type, capacity_factor, shared_expert)
         if use == "spec":
-            ours = _megatron_layer(config, plugin.MoeCommMoELayer)
+            ours = _megatron_layer(config, plugin.MoeCommMoELayer, params=options)
         else:
-            assert plugin.apply_megatron() and plugin.apply_megatron()  # idempotent
+            settings = dict(plugin._settings)
+            assert plugin.apply_megatron(**options) and plugin.apply_megatron(**options)
             report["applied"] = plugin.is_applied()
             try:
                 ours = _megatron_layer(config)
             finally:
                 plugin.revert_megatron()
+                plugin._settings.update(settings)  # the next job in this worker starts afresh
             report["reverted"] = not plugin.is_applied()
         ours.token_dispatcher.buffer_cache = cache
         _side_by_side(theirs, ours, report, rank, seed, steps, (seq, batch, hidden), dtype)
@@ -127,6 +225,10 @@ def megatron_parity(rank, world_size, dtype_name: str, hidden: int, num_experts:
         report["bytes_to_peers"] = buf.stats()["dispatch_bytes_to_peers"]
         report["dropped"] = int((ours.token_dispatcher.topk_idx < 0).sum())
         report["buffers"] = len(cache)
+        report["ep_invariant"] = buf.ep_invariant
+        if ep_invariant is not None:
+            report["invariant_reference"] = invariant_reference(cache.calls, rank, world_size,
+                                                                num_experts)
         cache.close()
     return report
 
@@ -195,35 +297,42 @@ def _run_deepspeed_moe(moe, x: torch.Tensor, grad_out: torch.Tensor) -> dict:
 def deepspeed_parity(rank, world_size, dtype_name: str, hidden: int, num_experts: int,
                      topk: int, tokens: int, seed: int, *, mode: str, drop_tokens: bool,
                      capacity_factor: float = 1.0, min_capacity: int = 1, steps: int = 2,
-                     use: str = "class", plugin_drop_tokens: bool | None = None) -> dict:
+                     use: str = "class", plugin_drop_tokens: bool | None = None,
+                     ep_invariant: bool | None = None) -> dict:
     """DeepSpeed's ``MOELayer`` vs ``MoeCommMOELayer`` in ``mode`` ("capacity" or
     "dropless"), same weights and inputs. The reference runs with ``drop_tokens``, the plugin's
     layer is built with ``plugin_drop_tokens`` (default: the same); ``use`` = "class"
-    (``convert`` the layer) or "apply" (``apply_deepspeed()`` before ``MoE(...)``)."""
+    (``convert`` the layer) or "apply" (``apply_deepspeed()`` before ``MoE(...)``). With
+    ``ep_invariant`` (passed to ``convert`` or ``apply_deepspeed``) the report also has the
+    Buffer's ``ep_invariant`` and, per step, ``invariant_reference`` (see
+    :func:`invariant_reference`)."""
     from framework_shims import deepspeed_cpu_env
 
     deepspeed = deepspeed_cpu_env()
-    from moe_comm.integrations import BufferCache
     from moe_comm.integrations import deepspeed as plugin
 
     dtype = DTYPES[dtype_name]
-    cache = BufferCache()
+    cache = RecordingCache()
+    options = {} if ep_invariant is None else {"ep_invariant": ep_invariant}
     theirs = _deepspeed_moe(deepspeed, world_size, hidden, num_experts, topk, drop_tokens, seed,
                             capacity_factor, min_capacity)
     if plugin_drop_tokens is not None:
         drop_tokens = plugin_drop_tokens
     report: dict = {"steps": []}
     if use == "apply":
-        assert plugin.apply_deepspeed(mode=mode) and plugin.apply_deepspeed(mode=mode)
+        settings = dict(plugin._settings)
+        assert plugin.apply_deepspeed(mode=mode, **options) and \
+            plugin.apply_deepspeed(mode=mode, **options)
         try:
             ours = _deepspeed_moe(deepspeed, world_size, hidden, num_experts, topk, drop_tokens,
                                   seed, capacity_factor, min_capacity)
         finally:
             plugin.revert_deepspeed()
+            plugin._settings.update(settings)  # the next job in this worker starts afresh
     else:
         ours = _deepspeed_moe(deepspeed, world_size, hidden, num_experts, topk, drop_tokens,
                               seed, capacity_factor, min_capacity)
-        plugin.convert(ours, mode=mode)
+        plugin.convert(ours, mode=mode, **options)
     ours.deepspeed_moe.buffer_cache = cache
     ours.load_state_dict(theirs.state_dict())
     theirs.to(dtype)
@@ -238,6 +347,10 @@ def deepspeed_parity(rank, world_size, dtype_name: str, hidden: int, num_experts
         b = _run_deepspeed_moe(ours, x, grad_out)
         report["steps"].append(_compare(a, b))
     report["bytes_to_peers"] = ours.deepspeed_moe.buffer.stats()["dispatch_bytes_to_peers"]
+    report["ep_invariant"] = ours.deepspeed_moe.buffer.ep_invariant
+    if ep_invariant is not None:
+        report["invariant_reference"] = invariant_reference(cache.calls, rank, world_size,
+                                                            num_experts)
     with torch.no_grad():  # the last step's routing, recomputed by DeepSpeed's gate
         gate_out = theirs.deepspeed_moe.gate(x.reshape(-1, hidden), None, True)
     report["dropped"] = int((gate_out[3] < 0).sum())

@@ -6,6 +6,7 @@ import types
 
 import deep_ep_jobs
 import pytest
+import torch
 
 from cases import Case
 from moe_comm import deep_ep
@@ -28,6 +29,21 @@ def test_normal_mode_fp8_pairs(ranks):
 def test_low_latency_matches_deepep_semantics(ranks, R, fp8, ue8m0):
     case = Case(R, 2 * R, 512 if ue8m0 else 256, 2, tuple(4 + r for r in range(R)), seed=5 + R)
     ranks(R).run(deep_ep_jobs.low_latency, case, fp8=fp8, ue8m0=ue8m0)
+
+
+def test_ep_invariant_sums_in_choice_order(ranks):
+    """``Buffer(..., ep_invariant=True)`` builds both moe_comm workspaces EP-invariant: the
+    normal combine adds each token's per-rank rows in choice order, the low-latency one its
+    weighted rows, both as ``reference.invariant_combine``. Four ranks, top-4, fp32: some token
+    sums three or more rows, whose rank order (DeepEP's, the default) rounds differently."""
+    case = Case(4, 8, 128, 4, (6, 5, 4, 6), dtype=torch.float32, seed=17)
+    found = ranks(4).run(deep_ep_jobs.ep_invariant_sums, case)
+    for rank, out in enumerate(found):
+        assert out["workspaces_ep_invariant"] == (True, True), (rank, out)
+        assert out["normal"] and out["combined_weights"] and out["low_latency"], (rank, out)
+    assert any(out["default_differs"] for out in found), "rank order sums alike: weak test"
+    with pytest.raises(ValueError, match="ep_invariant must be True or False, got 1"):
+        deep_ep.Buffer(None, ep_invariant=1)
 
 
 def test_what_cannot_be_honoured_raises_with_a_sentence(ranks):

@@ -98,6 +98,39 @@ def test_apply_deepspeed_builds_the_plugin_layer(ranks):
     check(reports, 2)
 
 
+def check_ep_invariant(reports, steps: int = 2):
+    for rank, rep in enumerate(reports):
+        assert rep["ep_invariant"] is True, f"rank {rank}: the Buffer is not EP-invariant"
+        assert [equal for equal, _ in rep["invariant_reference"]] == [True] * steps, (rank, rep)
+
+
+@pytest.mark.parametrize("topk, dtype", [(4, "float32"), (2, "bfloat16")])
+def test_ep_invariant_capacity_mode_output_equals_deepspeed_exactly(ranks, topk, dtype):
+    """``convert(..., ep_invariant=True)``: the Buffer sums each token's ``gate * row`` in
+    choice order in fp32 and rounds once, as DeepSpeed's combine does: the output equals
+    DeepSpeed's bit for bit where the default's per-rank partials differ (top-4 fp32, top-2
+    bf16), and ``reference.invariant_combine`` of the rows. The gradients stay within fp32
+    rounding (``grad_w`` sums in a fixed order of its own)."""
+    reports = ranks(2).run(deepspeed_parity, dtype, 16, 8, topk, 16, seed=41, mode="capacity",
+                           drop_tokens=True, ep_invariant=True)
+    check(reports, 2, exact=False, rtol=FP32_RTOL if dtype == "float32" else 2 ** -8)
+    for rank, rep in enumerate(reports):
+        for step, tensors in enumerate(rep["steps"]):
+            assert tensors["out"][0], f"rank {rank} step {step}: out differs from DeepSpeed's"
+    check_ep_invariant(reports)
+
+
+def test_ep_invariant_dropless_mode_through_apply_deepspeed(ranks):
+    """``apply_deepspeed(ep_invariant=True)``: the layer built afterwards has an EP-invariant
+    Buffer; its output is ``reference.invariant_combine`` of the expert rows bit for bit."""
+    reports = ranks(2).run(deepspeed_parity, "float32", 16, 8, 4, 16, seed=42, mode="dropless",
+                           drop_tokens=False, use="apply", ep_invariant=True)
+    check(reports, 2, exact=False)
+    check_ep_invariant(reports)
+    with pytest.raises(ValueError, match="ep_invariant must be True or False"):
+        plugin.apply_deepspeed(ep_invariant="yes")
+
+
 def test_capacity_slots_follow_deepspeed_order():
     """Rows come grouped by (local expert, source rank, token); top-2's second choices go
     after the first choices of the same (expert, source)."""

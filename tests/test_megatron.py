@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("megatron.core.transformer.moe.moe_layer",
                     reason="megatron-core is not installed (pip install -e .[megatron])")
 
-from integration_jobs import megatron_parity, megatron_rejects
+from integration_jobs import buffer_cache_keys, megatron_parity, megatron_rejects
 from moe_comm.integrations import megatron as plugin
 
 INEXACT_WITH_TOPK_ABOVE_2 = {"out", "x.grad"}
@@ -83,6 +83,36 @@ def test_apply_megatron_replaces_alltoall_and_flex(ranks, dispatcher_type):
     check(reports, 2)
     for rep in reports:
         assert rep["applied"] and rep["reverted"]
+
+
+@pytest.mark.parametrize("use, world_size, dtype, tokens", [
+    ("spec", 2, "float32", ((6, 2), (5, 2))),
+    ("apply", 4, "bfloat16", ((6, 2), (5, 2), (4, 2), (7, 1))),
+], ids=["spec-R2-fp32", "apply-R4-bf16"])
+def test_ep_invariant_top4_equals_megatron_and_the_reference(ranks, use, world_size, dtype,
+                                                               tokens):
+    """``ep_invariant=True`` (``ModuleSpec`` params of ``MoeCommMoELayer``, or
+    ``apply_megatron(ep_invariant=True)``) reaches the layer's Buffer, whose combine sums a
+    token's expert outputs in choice (= expert) order: the output equals, bit for bit,
+    ``reference.invariant_combine`` of the expert output rows, and with top-4 (where the
+    default's rank-partial sums differ) Megatron's own alltoall dispatcher in every tensor."""
+    reports = ranks(world_size).run(megatron_parity, dtype, 16, 8, 4, tokens, seed=31, use=use,
+                                    ep_invariant=True)
+    check(reports, world_size)
+    for rank, rep in enumerate(reports):
+        assert rep["ep_invariant"] is True, f"rank {rank}: the Buffer is not EP-invariant"
+        assert [equal for equal, _ in rep["invariant_reference"]] == [True, True], (rank, rep)
+    with pytest.raises(ValueError, match="ep_invariant must be True or False"):
+        plugin.apply_megatron(ep_invariant=1)
+
+
+def test_buffer_cache_keeps_invariant_and_default_buffers_apart(ranks):
+    """The plugins' BufferCache keys its Buffers by ``ep_invariant`` too: an invariant layer
+    and a default one of the same sizes never share a Buffer."""
+    for found in ranks(2).run(buffer_cache_keys):
+        assert found["live"] == 2 and found["same"] == [True, True] and found["distinct"]
+        assert found["flags"] == {False: [False, False], True: [True, True]}, found
+        assert "ep_invariant must be True or False, got None" in found["error"], found
 
 
 def test_unsupported_configs_are_refused_with_a_reason(ranks):

@@ -25,6 +25,13 @@ synchronises with the host too). The low-latency workspace is built at the first
 ``low_latency_dispatch`` from ``num_max_dispatch_tokens_per_rank``, hidden and the number of
 experts, as DeepEP's hint sizes it.
 
+EP-invariant sums (``Buffer(..., ep_invariant=True)``, one node; not a DeepEP argument): both
+workspaces are ``moe_comm.Buffer(..., ep_invariant=True)``. The normal combine then adds a
+token's rows in fp32 in the order of its choices (of each rank's choices one carries the rank's
+row, the others add zero) instead of in rank order, rounding once. The low-latency combine
+already sums ``w[t, k] * x_row(t, k)`` in choice order, so its output has the same bits at any
+EP size and expert placement with or without the option.
+
 Streams: moe_comm runs on the caller's current stream, so ``async_finish`` and
 ``allocate_on_comm_stream`` change no result; ``previous_event`` is waited for first.
 """
@@ -95,7 +102,8 @@ class Buffer:
     One node so far (``num_rdma_bytes`` for internode normal mode is not used: moe_comm's
     cross-node transports are chosen by ``moe_comm.Buffer``); ``allow_mnnvl`` and
     ``num_qps_per_rank`` change nothing. ``enable_shrink=True`` builds the low-latency
-    workspace fault tolerant (``moe_comm.fault``) for the mask calls."""
+    workspace fault tolerant (``moe_comm.fault``) for the mask calls; ``ep_invariant=True``
+    (moe_comm's, not DeepEP's) builds both workspaces EP-invariant (see the module doc)."""
 
     num_sms: int = 20
 
@@ -103,7 +111,8 @@ class Buffer:
                  num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, explicitly_destroy: bool = False,
-                 enable_shrink: bool = False, comm=None):
+                 enable_shrink: bool = False, comm=None, ep_invariant: bool = False):
+        self.ep_invariant = checks.flag(ep_invariant, "ep_invariant")
         if comm is not None:
             from moe_comm.mpi import process_group
 
@@ -209,7 +218,8 @@ class Buffer:
             buf.close()
         self._normal = moe_comm.Buffer(
             self.group, hidden=H, num_experts=E, max_tokens_per_rank=max(1, T), dtype=dtype,
-            max_topk=K, device=device, num_sms=Buffer.num_sms if device.type == "cuda" else None)
+            max_topk=K, device=device, num_sms=Buffer.num_sms if device.type == "cuda" else None,
+            ep_invariant=self.ep_invariant)
         return self._normal
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
@@ -322,7 +332,7 @@ class Buffer:
         with torch.no_grad():
             out, pair_out = torch.ops.moe_comm.combine(
                 buf.id, y, None, pair_values, h.slot_of, h.slot_rows, h.recv_slot_offsets,
-                *h.node_tensors())
+                *h.node_tensors(), False, h.topk_idx, h.src_token)  # (EP-invariant: not None)
         return out, pair_out if topk_weights is not None else None, EventOverlap(EventHandle())
 
     # ----------------------------------------------------------------- low-latency mode
@@ -340,7 +350,7 @@ class Buffer:
         self._low_latency = moe_comm.Buffer(
             self.group, hidden=hidden, num_experts=num_experts, max_tokens_per_rank=max_tokens,
             dtype=dtype, max_topk=min(16, num_experts), low_latency=True, device=device,
-            fault_tolerant=self.enable_shrink)
+            fault_tolerant=self.enable_shrink, ep_invariant=self.ep_invariant)
         return self._low_latency
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,

@@ -26,6 +26,13 @@ def topk_idx(value, name: str = "topk_idx") -> torch.Tensor:
     return t.to(torch.int64)
 
 
+def flag(value, name: str) -> bool:
+    """A bool option of the Buffer (``ep_invariant``): True or False, nothing else."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def num_experts(value, group_size: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise TypeError(f"num_experts must be a positive int, got {value!r}")

@@ -27,6 +27,12 @@ Modes:
   ``Experts`` module on it. Outputs and gradients equal DeepSpeed's bit for bit for k <= 2 in
   fp32, and for k = 1 in any dtype (see docs/INTEGRATIONS.md for the rest).
 
+``ep_invariant=True`` (in ``apply_deepspeed``, ``convert`` or the class; one node) builds the
+layer's Buffer with ``moe_comm.Buffer(..., ep_invariant=True)``: its combine sums each token's
+``gate value * expert output row`` in fp32 in the order of the token's choices (DeepSpeed's
+``k`` order) and rounds once, so the combined output is a function of those rows and gate
+values alone, whatever the EP size and expert placement.
+
 The forward returns what DeepSpeed's returns (``MoE`` then gives ``out, l_aux, exp_counts``).
 Expert ``e`` lives on rank ``e // num_local_experts`` of the expert-parallel group, as in
 DeepSpeed. Not supported: tensor parallelism of the non-expert part (``groups.mpu`` with TP >
@@ -41,7 +47,7 @@ import warnings
 import torch
 from torch import nn
 
-from . import BufferCache, buffers
+from . import BufferCache, _check_ep_invariant, buffers
 
 # MoeCommMOELayer subclasses DeepSpeed's MOELayer, so it is made on first access (module
 # __getattr__), when deepspeed is imported.
@@ -50,7 +56,7 @@ __all__ = ["apply_deepspeed", "revert_deepspeed", "convert", "is_applied", "avai
 
 MODES = ("dropless", "capacity")
 _originals: dict[str, type] = {}
-_settings: dict = {"mode": "dropless", "max_tokens_per_rank": None}
+_settings: dict = {"mode": "dropless", "max_tokens_per_rank": None, "ep_invariant": False}
 _classes: dict[str, type] = {}
 
 
@@ -80,19 +86,23 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"mode={mode!r}; choose one of {MODES}")
 
 
-def apply_deepspeed(mode: str = "dropless", max_tokens_per_rank: int | None = None) -> bool:
+def apply_deepspeed(mode: str = "dropless", max_tokens_per_rank: int | None = None,
+                    ep_invariant: bool = False) -> bool:
     """Makes every ``deepspeed.moe.layer.MoE`` built from now on use :class:`MoeCommMOELayer`
-    in ``mode``. Idempotent (a second call only updates ``mode`` and ``max_tokens_per_rank``
-    for layers built afterwards). Returns False, with a warning and no change, when DeepSpeed
-    is not installed."""
+    in ``mode`` (``ep_invariant``: its Buffer's ``moe_comm.Buffer(..., ep_invariant=...)``).
+    Idempotent (a second call only updates ``mode``, ``max_tokens_per_rank`` and
+    ``ep_invariant`` for layers built afterwards). Returns False, with a warning and no change,
+    when DeepSpeed is not installed."""
     _check_mode(mode)
+    _check_ep_invariant(ep_invariant)
     try:
         layer, _ = _import_deepspeed_moe()
     except ImportError as error:
         warnings.warn(f"apply_deepspeed(): deepspeed is not importable ({error}); nothing was "
                       "changed. pip install deepspeed to use the plugin.", stacklevel=2)
         return False
-    _settings.update(mode=mode, max_tokens_per_rank=max_tokens_per_rank)
+    _settings.update(mode=mode, max_tokens_per_rank=max_tokens_per_rank,
+                     ep_invariant=ep_invariant)
     if not _originals:
         _originals["MOELayer"] = layer.MOELayer
         layer.MOELayer = _layer_class()
@@ -108,18 +118,19 @@ def revert_deepspeed() -> None:
 
 
 def convert(module: nn.Module, mode: str = "dropless", max_tokens_per_rank: int | None = None,
-            buffer_cache: BufferCache | None = None) -> int:
+            buffer_cache: BufferCache | None = None, ep_invariant: bool = False) -> int:
     """Turns every DeepSpeed ``MOELayer`` inside ``module`` into a :class:`MoeCommMOELayer`
     in place (same parameters, same process groups); returns how many were converted.
-    Layers converted before get the new ``mode``."""
+    Layers converted before get the new ``mode`` and ``ep_invariant``."""
     _check_mode(mode)
+    _check_ep_invariant(ep_invariant)
     _, sharded_moe = _import_deepspeed_moe()
     cls = _layer_class()
     count = 0
     for sub in module.modules():
         if isinstance(sub, sharded_moe.MOELayer):
             sub.__class__ = cls
-            sub._moe_comm_setup(mode, max_tokens_per_rank, buffer_cache)
+            sub._moe_comm_setup(mode, max_tokens_per_rank, buffer_cache, ep_invariant)
             count += 1
     return count
 
@@ -162,18 +173,23 @@ def _layer_class() -> type:
     class MoeCommMOELayer(sharded_moe.MOELayer):
         """DeepSpeed ``MOELayer`` whose token movement is ``moe_comm`` dispatch/combine (see
         the module doc). Same constructor as DeepSpeed's, plus keyword-only ``mode``,
-        ``max_tokens_per_rank`` and ``buffer_cache``."""
+        ``max_tokens_per_rank``, ``buffer_cache`` and ``ep_invariant`` (None for ``mode``,
+        ``max_tokens_per_rank`` and ``ep_invariant``: :func:`apply_deepspeed`'s)."""
 
         def __init__(self, *args, mode: str | None = None,
                      max_tokens_per_rank: int | None = None,
-                     buffer_cache: BufferCache | None = None, **kwargs):
+                     buffer_cache: BufferCache | None = None,
+                     ep_invariant: bool | None = None, **kwargs):
             super().__init__(*args, **kwargs)
-            self._moe_comm_setup(mode, max_tokens_per_rank, buffer_cache)
+            self._moe_comm_setup(mode, max_tokens_per_rank, buffer_cache, ep_invariant)
 
-        def _moe_comm_setup(self, mode, max_tokens_per_rank, buffer_cache) -> None:
+        def _moe_comm_setup(self, mode, max_tokens_per_rank, buffer_cache,
+                            ep_invariant=None) -> None:
             mode = _settings["mode"] if mode is None else mode
             _check_mode(mode)
             self.mode = mode
+            self.ep_invariant = _check_ep_invariant(
+                _settings["ep_invariant"] if ep_invariant is None else ep_invariant)
             self.max_tokens_per_rank = (max_tokens_per_rank if max_tokens_per_rank is not None
                                         else _settings["max_tokens_per_rank"])
             self.buffer_cache = buffer_cache if buffer_cache is not None else buffers
@@ -213,7 +229,8 @@ def _layer_class() -> type:
             self.buffer = self.buffer_cache.get(
                 self.ep_group, hidden=hidden, num_experts=num_experts, dtype=x.dtype,
                 max_topk=topk, num_tokens=x.shape[0],
-                max_tokens_per_rank=self.max_tokens_per_rank, device=x.device)
+                max_tokens_per_rank=self.max_tokens_per_rank, device=x.device,
+                ep_invariant=self.ep_invariant)
             res = self.buffer.dispatch(x.contiguous(), topk_idx, weights.contiguous())
             if self.mode == "capacity":
                 y, row_weights = self._capacity_experts(res, int(capacity), second)

@@ -38,6 +38,13 @@ the flex dispatcher's DeepEP manager) and CUDA-graph capture of the MoE layer.
 
 The layer's moe_comm Buffers come from :data:`moe_comm.integrations.buffers` (see
 :class:`~moe_comm.integrations.BufferCache` for how they are sized).
+
+EP-invariant output (one node): ``apply_megatron(ep_invariant=True)``, ``MoeCommMoELayer``
+built with ``ep_invariant=True`` (``ModuleSpec(..., params={"ep_invariant": True})``) or
+``MoeCommTokenDispatcher(..., ep_invariant=True)``. The layer's Buffer is then
+``moe_comm.Buffer(..., ep_invariant=True)``: its combine sums each token's expert output rows
+in fp32 in ascending expert order (the choice order here) and rounds once, so the combined
+output is a function of those rows alone, whatever the EP size and expert placement.
 """
 from __future__ import annotations
 
@@ -47,7 +54,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from . import BufferCache, buffers
+from . import BufferCache, _check_ep_invariant, buffers
 
 # MoeCommTokenDispatcher and MoeCommMoELayer subclass Megatron's classes, so they are made on
 # first access (module __getattr__), when megatron-core is imported.
@@ -55,7 +62,7 @@ __all__ = ["apply_megatron", "revert_megatron", "is_applied", "available", "rout
 
 _REPLACED = ("MoEAlltoAllTokenDispatcher", "MoEFlexTokenDispatcher")
 _originals: dict[str, type] = {}
-_settings: dict = {"max_tokens_per_rank": None}
+_settings: dict = {"max_tokens_per_rank": None, "ep_invariant": False}
 _classes: dict[str, type] = {}
 
 
@@ -72,18 +79,22 @@ def is_applied() -> bool:
     return bool(_originals)
 
 
-def apply_megatron(max_tokens_per_rank: int | None = None) -> bool:
+def apply_megatron(max_tokens_per_rank: int | None = None,
+                   ep_invariant: bool = False) -> bool:
     """Makes every ``MoELayer`` built from now on with ``moe_token_dispatcher_type`` "alltoall"
     or "flex" dispatch with moe_comm. Idempotent (a second call only updates
-    ``max_tokens_per_rank``, the fixed Buffer size; ``None`` sizes by the batch). Returns
-    False, with a warning and no change, when megatron-core is not installed."""
+    ``max_tokens_per_rank``, the fixed Buffer size; ``None`` sizes by the batch; and
+    ``ep_invariant``, the Buffers' ``moe_comm.Buffer(..., ep_invariant=...)``, for layers built
+    afterwards; also the default of ``MoeCommMoELayer`` and ``MoeCommTokenDispatcher``).
+    Returns False, with a warning and no change, when megatron-core is not installed."""
+    _check_ep_invariant(ep_invariant)
     try:
         from megatron.core.transformer.moe import moe_layer
     except ImportError as error:
         warnings.warn(f"apply_megatron(): megatron-core is not importable ({error}); nothing "
                       "was changed. pip install megatron-core to use the plugin.", stacklevel=2)
         return False
-    _settings["max_tokens_per_rank"] = max_tokens_per_rank
+    _settings.update(max_tokens_per_rank=max_tokens_per_rank, ep_invariant=ep_invariant)
     dispatcher = _dispatcher_class()
     if not _originals:
         for name in _REPLACED:
@@ -165,7 +176,7 @@ def _dispatcher_class() -> type:
 
         def __init__(self, num_local_experts: int, local_expert_indices: list[int], config,
                      pg_collection=None, *, max_tokens_per_rank: int | None = None,
-                     buffer_cache: BufferCache | None = None):
+                     ep_invariant: bool | None = None, buffer_cache: BufferCache | None = None):
             if pg_collection is None:
                 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
@@ -184,6 +195,8 @@ def _dispatcher_class() -> type:
                                  f"{num_local_experts}")
             self.max_tokens_per_rank = (max_tokens_per_rank if max_tokens_per_rank is not None
                                         else _settings["max_tokens_per_rank"])
+            self.ep_invariant = _check_ep_invariant(
+                ep_invariant if ep_invariant is not None else _settings["ep_invariant"])
             self.buffer_cache = buffer_cache if buffer_cache is not None else buffers
             self.buffer = None  # the Buffer of the current dispatch
             self.cudagraph_attrs = []
@@ -210,7 +223,7 @@ def _dispatcher_class() -> type:
                 self.ep_group, hidden=hidden_states.shape[1], num_experts=self.num_experts,
                 dtype=hidden_states.dtype, max_topk=self.topk,
                 num_tokens=hidden_states.shape[0], max_tokens_per_rank=self.max_tokens_per_rank,
-                device=hidden_states.device)
+                device=hidden_states.device, ep_invariant=self.ep_invariant)
             res = self.buffer.dispatch(hidden_states, self.topk_idx, probs)
             self.handle, self.tokens_per_expert = res.handle, res.tokens_per_expert
             return res.x, res.weights
@@ -258,12 +271,18 @@ def _layer_class() -> type:
     class MoeCommMoELayer(moe_layer.MoELayer):
         """``MoELayer`` whose token dispatcher is moe_comm's, whatever
         ``moe_token_dispatcher_type`` says; use it as ``ModuleSpec(module=MoeCommMoELayer,
-        submodules=MoESubmodules(...))``."""
+        submodules=MoESubmodules(...))`` (``params={"ep_invariant": True}``: the dispatcher's
+        ``ep_invariant``; None: :func:`apply_megatron`'s, False unless set there)."""
 
-        def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
+        def __init__(self, config, submodules=None, layer_number=None, pg_collection=None,
+                     ep_invariant: bool | None = None):
+            if ep_invariant is not None:
+                _check_ep_invariant(ep_invariant)
             with _dispatchers_replaced(moe_layer, dispatcher):
                 super().__init__(config=config, submodules=submodules,
                                  layer_number=layer_number, pg_collection=pg_collection)
+            if ep_invariant is not None:
+                self.token_dispatcher.ep_invariant = ep_invariant
 
     _classes["layer"] = MoeCommMoELayer
     return MoeCommMoELayer

@@ -41,7 +41,20 @@ F = "tests/test_fault.py::"
 ST = "tests/test_staging.py::"
 FL = "tests/test_fault_layers.py::"
 
+IV = "tests/test_invariant.py::"
+
 MUTANTS = (
+    # ---- the EP-invariant combine
+    Mutant("invariant_sum_in_reverse_choice_order",
+           "ep_invariant=True sums each token's choices in choice order",
+           "kernels/invariant.py", "for k in range(K):", "for k in range(K - 1, -1, -1):",
+           (IV + "test_other_dtypes[dtype0]",),  # fp32 output: bf16 would hide the order
+           nth=2),  # (the docstring's, the send's, the reduce's)
+    Mutant("invariant_sums_an_excluded_rank",
+           "ep_invariant with fault tolerance leaves the choices of an excluded rank out",
+           "kernels/invariant.py",
+           "valid = valid & (tl.load(live + rank, mask=valid, other=0) != 0)", "valid = valid",
+           (IV + "test_a_rank_excluded_after_the_dispatch_is_left_out_of_the_sum[host_waits]",)),
     # ---- fault tolerance: each exclusion layer alone
     Mutant("combine_sums_excluded_partials",
            "combine leaves out the partials of excluded expert ranks",

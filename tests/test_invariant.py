@@ -19,7 +19,7 @@ from invariant_jobs import (
 from moe_comm import Buffer, lockstep
 from moe_comm.reference import invariant_combine
 from moe_comm.workspace import staging_slot_bytes
-from rank_jobs import with_kernel_waits
+from rank_jobs import kernel_waits, with_kernel_waits
 
 
 def want(x, idx, w, dtype=torch.bfloat16):
@@ -34,10 +34,16 @@ def run_normal(R: int, x, idx, w, *, invariant=True, staging_bytes=None, calls=1
     bufs = Buffer.loopback(R, H, E, N // R, dtype, max_topk=K, ep_invariant=invariant,
                            staging_bytes=staging_bytes)
     for _ in range(calls):  # repeated calls: both parities
-        res = lockstep.dispatch(bufs, list(x.chunk(R)), list(idx.chunk(R)), list(w.chunk(R)))
-        ys = [expert(rr.x, experts_of(rr, r, E // R)) for r, rr in enumerate(res)]
-        outs = lockstep.combine(bufs, ys, [rr.handle for rr in res], [rr.weights for rr in res])
+        outs = run_calls(bufs, x, idx, w)
     return torch.cat(outs), bufs
+
+
+def run_calls(bufs, x, idx, w) -> list:
+    """One dispatch and combine on the virtual ranks ``bufs``: each rank's output."""
+    R = len(bufs)
+    res = lockstep.dispatch(bufs, list(x.chunk(R)), list(idx.chunk(R)), list(w.chunk(R)))
+    ys = [expert(rr.x, experts_of(rr, r, E // R)) for r, rr in enumerate(res)]
+    return lockstep.combine(bufs, ys, [rr.handle for rr in res], [rr.weights for rr in res])
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -205,3 +211,33 @@ def test_low_latency_across_nodes_gives_the_same_bits(ranks, nodes):
     for it in range(2):
         x, idx, w = data(200 + it)
         assert same_bits(torch.cat([calls[1 + it] for calls in per_rank]), want(x, idx, w)), it
+
+
+@pytest.mark.parametrize("in_kernels", [False, True], ids=["host_waits", "kernel_waits"])
+def test_a_rank_excluded_after_the_dispatch_is_left_out_of_the_sum(in_kernels):
+    """Fault tolerance: calls 0 and 1 fill both parities; in call 2 rank 3 gets its rows, is
+    then excluded and sends nothing back. The others' sums leave its choices out (their slots
+    hold garbage: NaN in every byte) and equal the reference over the choices that count."""
+    R, dead = 4, 3
+    with kernel_waits(in_kernels):
+        bufs = Buffer.loopback(R, H, E, N // R, torch.bfloat16, max_topk=K, ep_invariant=True,
+                               fault_tolerant=True, timeout_s=30.0)
+    for it in range(2):
+        run_calls(bufs, *data(300 + it))
+    x, idx, w = data(302)
+    res = lockstep.dispatch(bufs, list(x.chunk(R)), list(idx.chunk(R)), list(w.chunk(R)))
+    bufs[0].mask_rank(dead)
+    live = [r for r in range(R) if r != dead]
+    for r in live:
+        bufs[r].layout.view(bufs[r].heap, "inv_rows").view(torch.uint8).fill_(0xFF)
+    pending = {r: bufs[r].combine_send(expert(res[r].x, experts_of(res[r], r, E // R)),
+                                       res[r].weights, None, res[r].handle.slot_rows,
+                                       res[r].handle.recv_slot_offsets,
+                                       src_token=res[r].handle.src_token) for r in live}
+    counts = (idx >= 0) & (idx // (E // R) != dead)
+    rows = torch.stack([expert(x, idx[:, k].clamp(min=0)) for k in range(K)], 1)
+    expected = invariant_combine(rows, idx, w, counts=counts).chunk(R)
+    for r in live:
+        out, _ = bufs[r].combine_recv(pending[r], res[r].handle.slot_of, want_pair=False,
+                                      topk_idx=res[r].handle.topk_idx)
+        assert same_bits(out, expected[r]), r

@@ -19,7 +19,11 @@ the slot's source token, ``W`` the ring slots: a round's window) and the pair
 ``(weights[r], pair_values[r])`` as two floats into ``inv_meta[p, (t % W) * K + k]``. The last
 program publishes the combine epoch to every rank. Bytes stored into rank ``s``:
 ``pairs_s * (H * elem + 8) + 8``: one row per (token, choice) instead of one partial per
-(token, rank).
+(token, rank). Across nodes through the proxy (flat, ``TRANSPORT`` 2) a home on another node has
+no pointer: its rows and pairs go to the outbox ``inv_box_rows[p, s]`` / ``inv_box_meta[p, s]``
+at the same index, one descriptor per (token, choice) moves both to the home (its no-op signal
+keeps them ahead of the epoch), and the last program posts the epoch to every such home after
+them.
 
 **Reduce** (``invariant_reduce_kernel``, on the home rank, after every epoch arrived): program
 ``(i, c)`` sums channel tile ``c`` of token tile ``i`` over ``k = 0 .. K-1`` in that order; a
@@ -36,8 +40,18 @@ import triton.language as tl
 
 from .bound import BoundLaunches, call_bound, launch, specs
 from .combine import source_tile, source_tiles
-from .comm import CPU_RANKS, Flavour, draw_last_of, peer_ptr, publish_epoch_to, timed_out
+from .comm import (
+    CPU_RANKS,
+    Flavour,
+    draw_last_of,
+    local_ptr,
+    one_thread,
+    peer_ptr,
+    publish_epoch_to,
+    timed_out,
+)
 from .numerics import cast_rne, channel_tile, column
+from .proxy import post_signal_to_remote, post_transfer
 from .tiles import even, persistent_programs, tiles
 
 META_WORDS = tl.constexpr(2)  # floats per (token, choice) in inv_meta: its weight, its value
@@ -58,8 +72,13 @@ def invariant_send_kernel(
     rows_off: tl.int64, meta_off: tl.int64, signal_off: tl.int64,  # inv_rows, inv_meta (p 0)
     rows_parity: tl.int64, meta_parity: tl.int64,  # bytes per parity
     local_base: tl.int64, errors_addr: tl.int64,
+    xstats,  # [4] int64 local (TRANSPORT 2): bytes into the outbox at [1]
+    box_rows_off: tl.int64, box_meta_off: tl.int64,  # TRANSPORT 2: inv_box_rows, _meta (p 0)
+    box_rows_parity: tl.int64, box_meta_parity: tl.int64,
+    ring_addr: tl.int64, RING_SLOTS: tl.int64, timeout_ns: tl.int64,  # TRANSPORT 2: the proxy
     H: tl.int32, K: tl.int32, R: tl.int32, me: tl.int32, W: tl.int32,
     KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr,
+    TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; 2: the proxy where none (flat)
     ALIGN: tl.constexpr, EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr,
 ):
@@ -67,17 +86,29 @@ def invariant_send_kernel(
     parity = epoch % 2
     rows_off += parity * rows_parity
     meta_off += parity * meta_parity
+    box_rows_off += parity * box_rows_parity
+    box_meta_off += parity * box_meta_parity
     stride = H * y.dtype.element_ty.primitive_bitwidth // 8  # bytes of a row
+    errors = errors_addr.to(tl.pointer_type(tl.int64))
     first_slots, src_tiles, tiles_end = source_tiles(slot_offsets, R, BLOCK_T, BLOCK_R)
     kk = tl.arange(0, BLOCK_K)
     two = tl.arange(0, META_WORDS)
     to_peers = tl.zeros([1], tl.int64)
     to_self = tl.zeros([1], tl.int64)
+    other_node = tl.zeros([1], tl.int64)
     for w in range(tl.program_id(0), tl.sum(src_tiles, axis=0), tl.num_programs(0)):
         s, first_slot, n, j0 = source_tile(w, slot_offsets, first_slots, src_tiles, tiles_end,
                                            BLOCK_T, BLOCK_R)
         dst = peer_ptr(peer_ptrs, s, rows_off, y.dtype.element_ty, ALIGN)
         dst_meta = peer_ptr(peer_ptrs, s, meta_off, tl.float32, 8)
+        remote = False
+        box_rows = box_rows_off + s.to(tl.int64) * (W * KMAX) * stride  # (TRANSPORT 2)
+        box_meta = box_meta_off + s.to(tl.int64) * (W * KMAX) * (4 * META_WORDS)
+        if TRANSPORT == 2:
+            remote = tl.load(peer_ptrs + s) == 0
+            if remote:  # home s on another node: into its outbox slice, the proxy moves it
+                dst = local_ptr(local_base, box_rows, y.dtype.element_ty, ALIGN)
+                dst_meta = local_ptr(local_base, box_meta, tl.float32, 8)
         j = j0 + tl.arange(0, BLOCK_T)
         jm = j < n
         slots = (first_slot + j).to(tl.int64)
@@ -105,19 +136,60 @@ def invariant_send_kernel(
             both = tl.where(two[None, :] == 0, wv[:, None], pv[:, None])
             tl.store(dst_meta + at[:, None] * META_WORDS + two[None, :], both, mask=rm[:, None])
             pairs += tl.sum(rm.to(tl.int64), axis=0)
+        if TRANSPORT == 2:
+            if remote:  # one descriptor per (slot, choice): the row and its two floats
+                tl.debug_barrier()
+                for i in range(BLOCK_T):
+                    if j0 + i < n:
+                        _post_slot(slot_rows, src_token, (first_slot + j0 + i).to(tl.int64), s,
+                                   K, W, KMAX, stride, rows_off, meta_off, box_rows, box_meta,
+                                   signal_off, ring_addr, RING_SLOTS, errors, timeout_ns)
         nbytes = pairs * (stride + 4 * META_WORDS)
+        if TRANSPORT == 2:  # kept apart: the outbox's
+            other_node += tl.where(remote, nbytes, 0)
+            nbytes = tl.where(remote, 0, nbytes)
         to_peers += tl.where(s != me, nbytes, 0)
         to_self += tl.where(s == me, nbytes, 0)
+    if TRANSPORT == 2:
+        tl.atomic_add(xstats + 1 + tl.arange(0, 1), other_node, sem="relaxed")
     tl.atomic_add(stats + 2 + tl.arange(0, 1), to_peers, sem="relaxed")
     tl.atomic_add(stats + 3 + tl.arange(0, 1), to_self, sem="relaxed")
     if draw_last_of(tickets, tl.num_programs(0)):
-        if not timed_out(errors_addr.to(tl.pointer_type(tl.int64)), NUM_THREADS):
+        if not timed_out(errors, NUM_THREADS):
             for d in range(R):
-                publish_epoch_to(peer_ptrs, d, signal_off, epoch, local_base, 0)
+                publish_epoch_to(peer_ptrs, d, signal_off, epoch, local_base, TRANSPORT)
+            reached = R
+            if TRANSPORT == 2:  # after this rank's pairs to each (the proxy keeps the order)
+                if one_thread():
+                    post_signal_to_remote(peer_ptrs, signal_off - me * 8, me, epoch, R,
+                                          ring_addr, RING_SLOTS, errors, timeout_ns)
+                reached = 0
+                for d in range(R):
+                    reached += (tl.load(peer_ptrs + d) != 0).to(tl.int32)
             signal_bytes = 8 + tl.zeros([1], tl.int64)
-            tl.atomic_add(stats + 2 + tl.arange(0, 1), (R - 1) * signal_bytes, sem="relaxed")
+            tl.atomic_add(stats + 2 + tl.arange(0, 1), (reached - 1) * signal_bytes,
+                          sem="relaxed")
             tl.atomic_add(stats + 3 + tl.arange(0, 1), signal_bytes, sem="relaxed")
         tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
+
+
+@triton.jit
+def _post_slot(slot_rows, src_token, slot, s, K, W, KMAX: tl.constexpr, stride, rows_off,
+               meta_off, box_rows, box_meta, signal_off, ring_addr, RING_SLOTS, errors,
+               timeout_ns):
+    """Through the proxy: one descriptor for each choice of ``slot`` on this rank, moving its
+    row and its two floats from the outbox to home ``s`` at the same index; a no-op signal (0)
+    keeps it ahead of the epoch (call after the tile's stores, from every thread: one posts)."""
+    for k in range(K):
+        row = tl.load(slot_rows + slot * K + k)
+        if row >= 0:
+            at = (tl.load(src_token + row) % W) * KMAX + k
+            if one_thread():
+                post_transfer(ring_addr, RING_SLOTS, s, signal_off, 0, 2,
+                              box_rows + at * stride, rows_off + at * stride, stride, stride, 1,
+                              box_meta + at * (4 * META_WORDS), meta_off + at * (4 * META_WORDS),
+                              4 * META_WORDS, 4 * META_WORDS, 1, 0, 0, 0, 0, 0, errors,
+                              timeout_ns)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -185,11 +257,13 @@ def send_grid(world_size: int, max_tokens: int, hidden: int, num_sms: int | None
 def invariant_send(y, weights, pair_values, slot_rows, slot_offsets, src_token, peer_ptrs,
                    stats, tickets, epochs, *, offsets: dict, rank: int, topk: int,
                    max_topk: int, ring_slots: int, num_sms: int | None = None,
-                   flavour: Flavour = CPU_RANKS, bound: BoundLaunches | None = None) -> bool:
+                   flavour: Flavour = CPU_RANKS, bound: BoundLaunches | None = None,
+                   xstats=None) -> bool:
     """Launches the :func:`send_grid` programs (every rank is signalled). ``offsets``: rows /
     meta -> (byte offset of parity 0 of ``inv_rows`` / ``inv_meta``, bytes per parity),
-    signal -> byte offset of this rank's combine signal word; ``slot_offsets`` [R + 1] int64
-    (a round's); ``ring_slots``: ``W``."""
+    signal -> byte offset of this rank's combine signal word, and through the proxy box_rows /
+    box_meta -> the outboxes' (``inv_box_rows`` / ``inv_box_meta``); ``slot_offsets`` [R + 1]
+    int64 (a round's); ``ring_slots``: ``W``; ``xstats``: the outbox byte counters (proxy)."""
     H = y.shape[1]
     dummy = slot_offsets
     values = (y, weights if weights is not None else dummy,
@@ -203,11 +277,15 @@ def invariant_send(y, weights, pair_values, slot_rows, slot_offsets, src_token, 
     R = peer_ptrs.numel()
     tile = tiles("invariant_send", flavour.compiled, H, y.element_size())
     grid = (send_grid(R, ring_slots, H, num_sms, flavour, y.element_size()),)
+    box_rows, box_meta = offsets.get("box_rows", (0, 0)), offsets.get("box_meta", (0, 0))
     args = (*values, peer_ptrs, stats, tickets, epochs, offsets["rows"][0], offsets["meta"][0],
             offsets["signal"], offsets["rows"][1], offsets["meta"][1], flavour.local_base,
-            flavour.errors_addr, H, topk, R, rank, ring_slots)
+            flavour.errors_addr, stats if xstats is None else xstats, box_rows[0], box_meta[0],
+            box_rows[1], box_meta[1], flavour.ring_addr, flavour.ring_slots, flavour.timeout_ns,
+            H, topk, R, rank, ring_slots)
     kwargs = dict(
         KMAX=max_topk, HAS_WEIGHTS=weights is not None, HAS_PAIR=pair_values is not None,
+        TRANSPORT=flavour.transport,
         ALIGN=flavour.row_align, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
         BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),
         BLOCK_R=triton.next_power_of_2(R), NUM_THREADS=tile.num_threads,

@@ -139,17 +139,24 @@ def staging_ring_slots(staging_bytes: int | None, world_size: int, max_tokens: i
 
 
 def check_ep_invariant(ep_invariant, num_nodes: int, kernel_impl: str,
-                       low_latency: bool = False) -> None:
-    """``ep_invariant=True`` runs on the Triton kernels; across nodes in the low-latency mode
-    only (its combine is the invariant one over every transport; the normal mode's invariant
-    combine stores each (token, choice) row through peer pointers, which reach one node)."""
+                       low_latency: bool = False, via: str | None = "nixl",
+                       hierarchical: bool = False) -> None:
+    """``ep_invariant=True`` runs on the Triton kernels; across nodes the normal mode's
+    invariant combine runs through the proxy, flat (each (token, choice) row goes to its home
+    by a descriptor of its own), and the low-latency mode's over every transport."""
     if not isinstance(ep_invariant, bool):
         raise ValueError(f"ep_invariant must be a bool, got {ep_invariant!r}")
     if ep_invariant and num_nodes > 1 and not low_latency:
-        raise ValueError("ep_invariant=True across nodes runs the low-latency mode only so far "
-                         "(Buffer(..., low_latency=True)): the normal mode's invariant combine "
-                         "stores each (token, choice) row through peer pointers, and no "
-                         f"transport across nodes carries it yet ({num_nodes} nodes asked for)")
+        if via != "nixl":
+            raise ValueError("ep_invariant=True across nodes runs the normal mode through the "
+                             "proxy (transport='nixl') so far, or the low-latency mode "
+                             "(low_latency=True) over any transport: no NVSHMEM put moves the "
+                             f"invariant combine's rows yet ({num_nodes} nodes asked for)")
+        if hierarchical:
+            raise ValueError("ep_invariant=True across nodes runs the normal mode flat "
+                             "(hierarchical=False): the forwarders of the hierarchical mode sum "
+                             "partials per node, and the invariant combine sends each "
+                             "(token, choice) row home on its own")
     if ep_invariant and kernel_impl == "cuda":
         raise ValueError("ep_invariant=True runs the Triton kernels: kernel_impl='cuda' "
                          "(csrc/) sums with fused multiply-adds")
@@ -182,8 +189,9 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
     the proxy, flat or hierarchical, and across hosts over NVSHMEM; fault-tolerant Buffers too).
     ``ep_invariant=True``: every combine sums each token's choices in choice order, each product
     and sum rounded to fp32, so its bits depend on no EP size or placement
-    (``reference.invariant_combine``, ``kernels.invariant``); on one node, or across nodes in
-    the low-latency mode only; the Buffer's dtype only (no FP8 combine).
+    (``reference.invariant_combine``, ``kernels.invariant``); on one node, across nodes flat
+    through the proxy (the default there), and in the low-latency mode over any transport; the
+    Buffer's dtype only (no FP8 combine).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, hidden: int, num_experts: int,
@@ -229,15 +237,18 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         # IBGDA is not probed: GPUs keep NVSHMEM across nodes unless "nixl" is asked for
         via = choose_transport(transport, device, nodes.count, ibgda=device.type == "cuda")
         nixl_backend = nixl_backend_name(nixl_backend) if via == "nixl" else None
-        if hierarchical is None:  # fault tolerance across nodes: flat (no forwarders)
-            hierarchical = nodes.count > 1 and not fault_tolerant
+        if hierarchical is None:  # fault tolerance, ep_invariant across nodes: flat
+            hierarchical = nodes.count > 1 and not fault_tolerant and not ep_invariant
         hierarchical = bool(hierarchical)
         if fault_tolerant and nodes.count > 1 and (via != "nixl" or hierarchical):
             raise ValueError("fault_tolerant=True across nodes runs through the proxy "
                              "(transport='nixl') in flat mode (hierarchical=False: a dead "
                              "forwarder would cut off its whole node) so far")
-        check_ep_invariant(ep_invariant, nodes.count, kernel_impl, bool(low_latency))
-        one_node_invariant = bool(ep_invariant) and nodes.count == 1  # the normal mode's regions
+        check_ep_invariant(ep_invariant, nodes.count, kernel_impl, bool(low_latency), via,
+                           hierarchical)
+        # the normal mode's invariant regions: one node, or flat through the proxy
+        one_node_invariant = bool(ep_invariant) and (nodes.count == 1
+                                                     or (via == "nixl" and not hierarchical))
         if fault_tolerant and kernel_impl == "cuda":
             raise ValueError("fault_tolerant=True runs the Triton kernels: the csrc/ kernels "
                              "(kernel_impl='cuda') do not exclude silent peers")
@@ -262,6 +273,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                 # the low-latency mode posts a descriptor per (token, expert) pair and per expert
                 slots = 4 * len(peers) + (max_tokens_per_rank * max_topk + num_experts
                                           if low_latency else 0)
+                if layout.invariant:  # a descriptor per (token, choice) of a round
+                    slots += layout.ring_slots * max_topk
                 proxy = NixlProxy(group, heap.local, heap.rank, world_size, peers,
                                   timeout_s=env.timeout_s() if timeout_s is None
                                   else float(timeout_s), backend=nixl_backend, slots=max(8, slots),
@@ -495,9 +508,11 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             raise ValueError("transport must be 'nixl' (the proxy) or 'nvshmem' (puts across "
                              f"hosts), got {transport!r}")
         across = N < world_size
-        check_ep_invariant(ep_invariant, world_size // N, "auto")
         rdma = across and transport == "nvshmem"
-        hier = across and not rdma and (hierarchical is None or bool(hierarchical))
+        hier = across and not rdma and (bool(hierarchical) if hierarchical is not None
+                                        else not ep_invariant)
+        check_ep_invariant(ep_invariant, world_size // N, "auto", via=transport,
+                           hierarchical=hier)
         ring_slots = staging_ring_slots(staging_bytes, world_size, max_tokens_per_rank, hidden,
                                         max_topk, dtype, outboxes=across and not rdma,
                                         ranks_per_node=N if hier else None, rdma=rdma,
@@ -694,11 +709,13 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
 
     # ----------------------------------------------------------------- phases
     def _invariant_normal_mode(self) -> None:
-        """An EP-invariant Buffer across nodes runs the low-latency mode only."""
+        """An EP-invariant low-latency Buffer across nodes over NVSHMEM or hierarchical runs the
+        low-latency mode only."""
         if self.ep_invariant and not self.layout.invariant:
-            raise ValueError("this EP-invariant Buffer spans nodes: it runs the low-latency "
-                             "mode only (low_latency_dispatch / low_latency_combine); the "
-                             "normal mode's invariant combine runs on one node so far")
+            raise ValueError("this EP-invariant Buffer spans nodes over NVSHMEM or in "
+                             "hierarchical mode: it runs the low-latency mode only "
+                             "(low_latency_dispatch / low_latency_combine); the normal mode's "
+                             "invariant combine runs on one node or flat through the proxy")
 
     def _ready(self) -> None:
         """Raises what an earlier call left: the Buffer unusable, or a bad input a kernel

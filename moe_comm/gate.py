@@ -312,19 +312,23 @@ CHECKED_IDS_CONFIGS = ("small", "dsv3-decode")  # where the csrc/ low-latency ke
 def gate_runs(cfg: GateConfig) -> list[tuple]:
     """The Buffers the gate drives at ``cfg``: ``(dtype name, dtype, transport, low_latency,
     hierarchical[, fault_tolerant[, invariant]])`` (the arguments of ``_buffers`` after the
-    dtype). The EP-invariant combine runs on one node, in bf16 (the other dtypes change only
-    how rows are loaded)."""
+    dtype). The EP-invariant combine runs on one node and flat through the proxy, in bf16 (the
+    other dtypes change only how rows are loaded)."""
     import torch
 
     invariant = ("bfloat16", torch.bfloat16, 0, False, False, False, True)
+    if cfg.nvshmem:  # and flat through the proxy
+        invariant = [invariant, ("bfloat16", torch.bfloat16, 2, False, False, False, True)]
+    else:
+        invariant = [invariant]
     if cfg.ring_slots is not None:  # rounds: the normal mode of one node (fault-tolerant
         runs = [("bfloat16", torch.bfloat16, 0, False, False),  # too), flat and hierarchical
                 ("bfloat16", torch.bfloat16, 0, False, False, True),  # through the proxy, in
                 ("bfloat16", torch.bfloat16, 2, False, False),  # bf16 (the other dtypes load
                 ("bfloat16", torch.bfloat16, 2, False, True)]   # rows alone), over NVSHMEM
-        return runs + [invariant] + ([("bfloat16", torch.bfloat16, 1, False, False)]
-                                     if cfg.nvshmem else [])
-    runs = [invariant]
+        return runs + invariant + ([("bfloat16", torch.bfloat16, 1, False, False)]
+                                   if cfg.nvshmem else [])
+    runs = list(invariant)
     for name in GATE_DTYPES:
         dtype = getattr(torch, name)
         for transport in ((0, 1) if cfg.nvshmem and dtype == torch.bfloat16 else (0,)):

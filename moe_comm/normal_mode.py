@@ -57,7 +57,9 @@ for an excluded one, so a rank that stops between rounds holds up no one; a late
 dispatch takes only sources that arrived in round 0 as well (rows are placed by round 0's layout),
 and its outputs start as padding rows (``moe_comm.fault``, "In rounds").
 
-EP-invariant Buffers (``ep_invariant=True``, one node): the combine's send is
+EP-invariant Buffers (``ep_invariant=True``; one node, or flat through the proxy, where each
+row for another node goes by a descriptor of its own and the epoch follows them): the combine's
+send is
 ``kernels.invariant.invariant_send`` (every (slot, choice) row to its home's ``inv_rows`` at
 ``(t % W) * K + k``) and its receive ``invariant_reduce`` (choice order); they run on the combine
 channel's epochs, signals and parities, each round a whole epoch, so the ordering argument above
@@ -596,16 +598,18 @@ class NormalMode:
         if offsets is None:
             lay = self.layout
             offsets = self._offsets[("inv", COMBINE)] = {
-                "rows": (lay.offset("inv_rows", 0), lay.parity_stride("inv_rows")),
-                "meta": (lay.offset("inv_meta", 0), lay.parity_stride("inv_meta")),
-                "signal": lay.offset("signals", COMBINE, self.rank)}
+                name: (lay.offset(region, 0), lay.parity_stride(region))
+                for name, region in (("rows", "inv_rows"), ("meta", "inv_meta"),
+                                     ("box_rows", "inv_box_rows"), ("box_meta", "inv_box_meta"))
+                if region in lay.regions}
+            offsets["signal"] = lay.offset("signals", COMBINE, self.rank)
         self.launches["combine_send"] += invariant_kernels.invariant_send(
             y, weights, pair_values, slot_rows,
             slot_offsets if self.layout.rounds == 1 else self._round_view(slot_offsets, i),
             src_token, self.heap.peer_ptrs, self._stats, *self._channel_words(COMBINE),
             offsets=offsets, rank=self.rank, topk=slot_rows.shape[1], max_topk=self.max_topk,
             ring_slots=self.layout.ring_slots, num_sms=self.num_sms, flavour=self.flavour,
-            bound=self._bound)
+            bound=self._bound, xstats=self._xstats if self.proxy is not None else None)
 
     def _combine_round(self, y, weights, pair_values, slot_rows, slot_offsets, fwd_slots, fwd_n,
                        fp8: bool, src_token, i: int) -> None:

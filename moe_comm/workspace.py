@@ -82,7 +82,10 @@ pair in the round's window:
 ``inv_meta``            [P, W*K, 2] float32          its weight and its per-choice value
 ======================  ===========================  ============================================
 
-They add ``2*W*K*(H*b + 8)`` bytes (``staging_slot_bytes(..., invariant=True)``).
+They add ``2*W*K*(H*b + 8)`` bytes (``staging_slot_bytes(..., invariant=True)``). Across nodes
+through the proxy (flat) the rows for homes on other nodes wait in outboxes at the same index:
+``inv_box_rows`` [P, R, W*K, H] dtype and ``inv_box_meta`` [P, R, W*K, 2] float32 (a slice per
+rank; those of the rank's own node unused), ``2*R*W*K*(H*b + 8)`` bytes more.
 
 Across nodes (``rdma=True``: NVSHMEM puts, whose source must be symmetric memory) the normal
 mode adds outboxes for what it puts, a round's worth (``W`` slots): ``rdma_rows`` [P, W, H*b]
@@ -146,7 +149,8 @@ DISPATCH, COMBINE = 0, 1  # channels
 _PARITY_SLICED = ("dispatch_counts", "dispatch_meta", "dispatch_rows", "combine_meta",
                   "combine_rows", "px_rows", "px_meta", "px_counts", "px_combine_rows",
                   "px_combine_meta", "fwd_rows", "fwd_meta", "fwd_counts", "hc_rows", "hc_meta",
-                  "hcomb_rows", "hcomb_meta", "inv_rows", "inv_meta")
+                  "hcomb_rows", "hcomb_meta", "inv_rows", "inv_meta", "inv_box_rows",
+                  "inv_box_meta")
 
 
 def _round_up(n: int, to: int) -> int:
@@ -174,6 +178,7 @@ RDMA_REGIONS = ("rdma_rows", "rdma_meta", "rdma_combine_rows", "rdma_combine_met
 FORWARDER_REGIONS = ("fwd_meta", "fwd_rows", "hc_meta", "hc_rows", "hcomb_meta", "hcomb_rows")
 # the EP-invariant combine: a row and two floats per (token, choice) of a round's window
 INVARIANT_REGIONS = ("inv_rows", "inv_meta")
+INVARIANT_OUTBOX_REGIONS = ("inv_box_rows", "inv_box_meta")  # flat through the proxy
 # The normal mode's default staging budget: a DeepSeek-V3 rank (H 7168, bf16, top-8, 4096
 # tokens) keeps its whole staging at EP 8 (1.76 GiB, one round) and stays under 2 GiB at any
 # EP size (EP 64: 544 slots per source, 8 rounds).
@@ -204,25 +209,26 @@ def staging_slot_bytes(world_size: int, hidden: int, max_topk: int, dtype: torch
         hierarchical:  per_slot + 2 * (M * (4*ROW + 8*(1 + 3K + N) + 8K) + R * (ROW + 4K))
         NVSHMEM:       per_slot + 2 * (ROW + 4*(1 + 3K) + R * (ROW + 4K))
 
-    ``invariant`` (the EP-invariant combine, one node) adds ``2 * K * (ROW + 8)``: a row and
-    two floats per (token, choice) of the window (``INVARIANT_REGIONS``).
+    ``invariant`` (the EP-invariant combine) adds ``2 * K * (ROW + 8)``: a row and two floats
+    per (token, choice) of the window (``INVARIANT_REGIONS``); with ``outboxes`` (flat through
+    the proxy) ``2 * R * K * (ROW + 8)`` more, an outbox slot per rank.
     """
     row = hidden * _itemsize(dtype)
     R, K = world_size, max_topk
     per_slot = PARITIES * R * (2 * row + 4 * (1 + 3 * K) + 4 * K)
-    if invariant:
-        per_slot += PARITIES * K * (row + 8)
+    extra = PARITIES * K * (row + 8) * (1 + (R if outboxes else 0)) if invariant else 0
     if rdma:
         if outboxes:
             raise ValueError("a Buffer across nodes moves rows either over NVSHMEM (rdma) or "
                              "through the proxy's outboxes, not both")
-        return per_slot + PARITIES * (row + 4 * (1 + 3 * K) + R * (row + 4 * K))
+        return per_slot + PARITIES * (row + 4 * (1 + 3 * K) + R * (row + 4 * K)) + extra
     if not outboxes:
-        return per_slot
+        return per_slot + extra
     if ranks_per_node is None:
-        return 2 * per_slot
+        return 2 * per_slot + extra
     M, node_meta = R // ranks_per_node, 1 + 3 * K + ranks_per_node
-    return per_slot + PARITIES * (M * (4 * row + 8 * node_meta + 8 * K) + R * (row + 4 * K))
+    return (per_slot + PARITIES * (M * (4 * row + 8 * node_meta + 8 * K) + R * (row + 4 * K))
+            + extra)
 
 
 def ring_slots_for(staging_bytes: int | None, world_size: int, max_tokens: int, hidden: int,
@@ -347,6 +353,11 @@ class WorkspaceLayout:
                 ("rdma_combine_rows", (PARITIES, R, W, H), dtype),
                 ("rdma_combine_meta", (PARITIES, R, W, K), torch.float32),
             ]
+        if invariant and proxy:  # (flat: Buffer refuses the hierarchical mode)
+            specs += [
+                ("inv_box_rows", (PARITIES, R, W * K, H), dtype),
+                ("inv_box_meta", (PARITIES, R, W * K, 2), torch.float32),
+            ]
         if proxy:
             row = H * _itemsize(dtype)
             hier = self.hierarchical
@@ -399,7 +410,8 @@ class WorkspaceLayout:
         names = (STAGING_REGIONS + (OUTBOX_REGIONS if self.proxy else ())
                  + (FORWARDER_REGIONS if self.hierarchical else ())
                  + (RDMA_REGIONS if self.rdma else ())
-                 + (INVARIANT_REGIONS if self.invariant else ()))
+                 + (INVARIANT_REGIONS if self.invariant else ())
+                 + (INVARIANT_OUTBOX_REGIONS if self.invariant and self.proxy else ()))
         return sum(self.regions[n].nbytes for n in names)
 
     def __getitem__(self, name: str) -> Region:

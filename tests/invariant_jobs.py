@@ -38,14 +38,16 @@ def experts_of(res, rank: int, L: int) -> torch.Tensor:
 
 
 def train_calls(rank, world_size, calls: int, straggle_s: float = 0.0,
-                fault_tolerant: bool = False) -> list:
+                **buffer_kwargs) -> list:
     """``calls`` forward and backward passes through an EP-invariant Buffer (rank r: tokens
     ``r * N/R ...`` of the global batch, new data each call, random delays before each op with
-    ``straggle_s``): per call this rank's ``(out, grad of x, grad of the gate weights)``."""
+    ``straggle_s``; ``buffer_kwargs``: more of the Buffer's arguments): per call this rank's
+    ``(out, grad of x, grad of the gate weights)``."""
     T, L = N // world_size, E // world_size
     delay = random.Random(rank)
     buf = moe_comm.Buffer(dist.group.WORLD, H, E, T, torch.bfloat16, max_topk=K,
-                          ep_invariant=True, fault_tolerant=fault_tolerant)
+                          ep_invariant=True, **buffer_kwargs)
+    assert buf.transport == buffer_kwargs.get("transport", buf.transport)
     got = []
     try:
         for it in range(calls):
@@ -66,12 +68,13 @@ def train_calls(rank, world_size, calls: int, straggle_s: float = 0.0,
 
 
 def low_latency_across_nodes(rank, world_size, ranks_per_node: int, calls: int) -> list:
-    """An EP-invariant low-latency Buffer across nodes through the proxy: per call this rank's
-    combined rows (the normal mode of such a Buffer is refused, naming the reason)."""
+    """An EP-invariant low-latency Buffer across nodes through the proxy, hierarchical: per
+    call this rank's combined rows (the normal mode of such a Buffer is refused, naming the
+    reason)."""
     T, L = N // world_size, E // world_size
     buf = moe_comm.Buffer(dist.group.WORLD, H, E, T, torch.bfloat16, max_topk=K,
                           low_latency=True, ranks_per_node=ranks_per_node, transport="nixl",
-                          ep_invariant=True)
+                          hierarchical=True, ep_invariant=True)
     got = []
     try:
         x, idx, w = data(200)
@@ -94,3 +97,23 @@ def low_latency_across_nodes(rank, world_size, ranks_per_node: int, calls: int) 
     finally:
         buf.close()
     return got
+
+
+def bytes_across_nodes(rank, world_size, ranks_per_node: int) -> dict:
+    """One call of an EP-invariant Buffer flat through the proxy: the combine bytes the transport
+    was asked to move, and the minimum: one row and two floats per pair this rank holds for a
+    home on another node."""
+    T, L = N // world_size, E // world_size
+    buf = moe_comm.Buffer(dist.group.WORLD, H, E, T, torch.bfloat16, max_topk=K,
+                          ranks_per_node=ranks_per_node, transport="nixl", ep_invariant=True)
+    try:
+        x, idx, w = data(400)
+        mine = slice(rank * T, (rank + 1) * T)
+        res = buf.dispatch(x[mine], idx[mine], w[mine])
+        buf.combine(expert(res.x, experts_of(res, rank, L)), res.handle, weights=res.weights)
+        remote = (res.src_rank >= 0) & (res.src_rank // ranks_per_node != rank // ranks_per_node)
+        moved = buf.internode_bytes().get("combine", [])
+        return {"moved": sum(moved), "want": int(remote.sum()) * (2 * H + 8),
+                "hierarchical": buf.hierarchical}
+    finally:
+        buf.close()

@@ -9,6 +9,7 @@ from invariant_jobs import (
     H,
     K,
     N,
+    bytes_across_nodes,
     data,
     expert,
     experts_of,
@@ -152,12 +153,20 @@ def test_bad_options_are_refused_before_anything_runs():
     with pytest.raises(ValueError, match="EP-invariant Buffer's combine returns the rows"):
         lockstep.combine(bufs, [rr.x for rr in res], [rr.handle for rr in res],
                          combine_dtype="fp8")
-    with pytest.raises(ValueError, match="across nodes runs the low-latency mode only"):
+    with pytest.raises(ValueError, match="runs the normal mode flat"):
         Buffer.required_workspace_bytes(4, H, E, 8, max_topk=K, ranks_per_node=2,
-                                        ep_invariant=True)
+                                        hierarchical=True, ep_invariant=True)
+    with pytest.raises(ValueError, match="through the proxy"):
+        Buffer.required_workspace_bytes(4, H, E, 8, max_topk=K, ranks_per_node=2,
+                                        transport="nvshmem", ep_invariant=True)
     one = Buffer.required_workspace_bytes(4, H, E, 8, max_topk=K)
     more = Buffer.required_workspace_bytes(4, H, E, 8, max_topk=K, ep_invariant=True)
     assert more - one >= 2 * 8 * K * (2 * H + 8)  # inv_rows and inv_meta, both parities
+    flat = Buffer.required_workspace_bytes(4, H, E, 8, max_topk=K, ranks_per_node=2,
+                                           hierarchical=False)
+    flat_more = Buffer.required_workspace_bytes(4, H, E, 8, max_topk=K, ranks_per_node=2,
+                                                ep_invariant=True)  # flat: its default
+    assert flat_more - flat >= 2 * 8 * K * (2 * H + 8) * (1 + 4)  # and an outbox per rank
 
 
 def test_bytes_stored_are_one_row_and_two_floats_per_pair():
@@ -186,10 +195,14 @@ def _by_call(per_rank: list) -> list:
 def test_processes_with_stragglers_train_to_the_same_bits_at_every_ep_size(ranks):
     """CPU ranks in processes, forward and backward, three calls with random delays: the
     outputs and the gradients of the tokens and of the gate weights have the same bits on 1, 2
-    and 4 ranks, with waits on the host and in the kernels, fault tolerant or not."""
+    and 4 ranks, with waits on the host and in the kernels, fault tolerant or not, and on 2x2
+    and 4x2 nodes through the proxy (flat)."""
     runs = {R: _by_call(ranks(R).run(train_calls, 3, 0.02)) for R in (1, 2, 4)}
     runs["kernel waits"] = _by_call(ranks(4).run(with_kernel_waits, train_calls, 3, 0.02))
-    runs["fault tolerant"] = _by_call(ranks(2).run(train_calls, 3, 0.0, True))
+    runs["fault tolerant"] = _by_call(ranks(2).run(train_calls, 3, 0.0, fault_tolerant=True))
+    for m, n in ((2, 2), (4, 2)):  # nodes through the proxy, flat
+        runs[f"{m}x{n} nodes"] = _by_call(ranks(m * n).run(
+            train_calls, 3, 0.02, ranks_per_node=n, transport="nixl"))
     for it, (out, grad_x, grad_w) in enumerate(runs[1]):
         x, idx, w = data(100 + it)
         assert same_bits(out, want(x, idx, w)), it
@@ -201,9 +214,9 @@ def test_processes_with_stragglers_train_to_the_same_bits_at_every_ep_size(ranks
 
 @pytest.mark.parametrize("nodes", [(2, 2), (4, 2)], ids=["2x2", "4x2"])
 def test_low_latency_across_nodes_gives_the_same_bits(ranks, nodes):
-    """Nodes of CPU ranks through the proxy (2 of 2 ranks, 4 of 2): the low-latency combine of
-    an EP-invariant Buffer gives the one-process reference's bits (those of the normal mode on
-    one node); its normal mode is refused before anything is sent."""
+    """Nodes of CPU ranks through the proxy (2 of 2 ranks, 4 of 2), hierarchical: the
+    low-latency combine of an EP-invariant Buffer gives the one-process reference's bits (those
+    of the normal mode on one node); its normal mode is refused before anything is sent."""
     m, n = nodes
     per_rank = ranks(m * n).run(low_latency_across_nodes, n, 2)
     for calls in per_rank:
@@ -241,3 +254,13 @@ def test_a_rank_excluded_after_the_dispatch_is_left_out_of_the_sum(in_kernels):
         out, _ = bufs[r].combine_recv(pending[r], res[r].handle.slot_of, want_pair=False,
                                       topk_idx=res[r].handle.topk_idx)
         assert same_bits(out, expected[r]), r
+
+
+def test_across_nodes_the_transport_moves_one_row_and_two_floats_per_remote_pair(ranks):
+    """Flat through the proxy (the default of an EP-invariant Buffer across nodes): the combine
+    bytes the transport was asked to move are exactly a row and 8 bytes per pair whose home is
+    on another node."""
+    reports = ranks(4).run(bytes_across_nodes, 2)
+    for rank, rep in enumerate(reports):
+        assert not rep["hierarchical"]
+        assert rep["moved"] == rep["want"] > 0, (rank, rep)

@@ -142,8 +142,9 @@ def check_ep_invariant(ep_invariant, num_nodes: int, kernel_impl: str,
                        low_latency: bool = False, via: str | None = "nixl",
                        hierarchical: bool = False) -> None:
     """``ep_invariant=True`` runs on the Triton kernels; across nodes the normal mode's
-    invariant combine runs through the proxy, flat (each (token, choice) row goes to its home
-    by a descriptor of its own), and the low-latency mode's over every transport."""
+    invariant combine runs through the proxy (each (token, choice) row goes to its home by a
+    descriptor of its own, flat or hierarchical: the dispatch keeps its forwarders, the combine
+    none), and the low-latency mode's over every transport."""
     if not isinstance(ep_invariant, bool):
         raise ValueError(f"ep_invariant must be a bool, got {ep_invariant!r}")
     if ep_invariant and num_nodes > 1 and not low_latency:
@@ -152,11 +153,6 @@ def check_ep_invariant(ep_invariant, num_nodes: int, kernel_impl: str,
                              "proxy (transport='nixl') so far, or the low-latency mode "
                              "(low_latency=True) over any transport: no NVSHMEM put moves the "
                              f"invariant combine's rows yet ({num_nodes} nodes asked for)")
-        if hierarchical:
-            raise ValueError("ep_invariant=True across nodes runs the normal mode flat "
-                             "(hierarchical=False): the forwarders of the hierarchical mode sum "
-                             "partials per node, and the invariant combine sends each "
-                             "(token, choice) row home on its own")
     if ep_invariant and kernel_impl == "cuda":
         raise ValueError("ep_invariant=True runs the Triton kernels: kernel_impl='cuda' "
                          "(csrc/) sums with fused multiply-adds")
@@ -189,9 +185,9 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
     the proxy, flat or hierarchical, and across hosts over NVSHMEM; fault-tolerant Buffers too).
     ``ep_invariant=True``: every combine sums each token's choices in choice order, each product
     and sum rounded to fp32, so its bits depend on no EP size or placement
-    (``reference.invariant_combine``, ``kernels.invariant``); on one node, across nodes flat
-    through the proxy (the default there), and in the low-latency mode over any transport; the
-    Buffer's dtype only (no FP8 combine).
+    (``reference.invariant_combine``, ``kernels.invariant``); on one node, across nodes through
+    the proxy (flat by default there; hierarchical keeps its forwarders for the dispatch), and
+    in the low-latency mode over any transport; the Buffer's dtype only (no FP8 combine).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, hidden: int, num_experts: int,
@@ -246,9 +242,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                              "forwarder would cut off its whole node) so far")
         check_ep_invariant(ep_invariant, nodes.count, kernel_impl, bool(low_latency), via,
                            hierarchical)
-        # the normal mode's invariant regions: one node, or flat through the proxy
-        one_node_invariant = bool(ep_invariant) and (nodes.count == 1
-                                                     or (via == "nixl" and not hierarchical))
+        # the normal mode's invariant regions: one node, or through the proxy
+        one_node_invariant = bool(ep_invariant) and (nodes.count == 1 or via == "nixl")
         if fault_tolerant and kernel_impl == "cuda":
             raise ValueError("fault_tolerant=True runs the Triton kernels: the csrc/ kernels "
                              "(kernel_impl='cuda') do not exclude silent peers")
@@ -709,13 +704,13 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
 
     # ----------------------------------------------------------------- phases
     def _invariant_normal_mode(self) -> None:
-        """An EP-invariant low-latency Buffer across nodes over NVSHMEM or hierarchical runs the
-        low-latency mode only."""
+        """An EP-invariant low-latency Buffer across hosts over NVSHMEM runs the low-latency
+        mode only."""
         if self.ep_invariant and not self.layout.invariant:
-            raise ValueError("this EP-invariant Buffer spans nodes over NVSHMEM or in "
-                             "hierarchical mode: it runs the low-latency mode only "
-                             "(low_latency_dispatch / low_latency_combine); the normal mode's "
-                             "invariant combine runs on one node or flat through the proxy")
+            raise ValueError("this EP-invariant Buffer spans hosts over NVSHMEM: it runs the "
+                             "low-latency mode only (low_latency_dispatch / "
+                             "low_latency_combine); the normal mode's invariant combine runs on "
+                             "one node or through the proxy (transport='nixl')")
 
     def _ready(self) -> None:
         """Raises what an earlier call left: the Buffer unusable, or a bad input a kernel

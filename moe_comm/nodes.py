@@ -55,12 +55,14 @@ class Nodes:
 
 
 def internode_peers(layout: WorkspaceLayout, rank: int) -> list[int]:
-    """Ranks on other nodes that ``rank`` exchanges data with: all of them (flat, and the
-    low-latency mode, which puts each pair straight into its expert's rank), or those with its
-    local index (hierarchical normal mode only)."""
+    """Ranks on other nodes that ``rank`` exchanges data with: all of them (flat, the
+    low-latency mode, which puts each pair straight into its expert's rank, and the EP-invariant
+    combine, which sends each (token, choice) row straight home), or those with its local index
+    (hierarchical normal mode only)."""
     N, R = layout.ranks_per_node, layout.world_size
     return [p for p in range(R) if p // N != rank // N
-            and (not layout.hierarchical or layout.low_latency or p % N == rank % N)]
+            and (not layout.hierarchical or layout.low_latency or layout.invariant
+                 or p % N == rank % N)]
 
 
 def signal_labels(layout: WorkspaceLayout, rank: int) -> dict[int, str]:
@@ -91,6 +93,8 @@ def never_signalled(layout: WorkspaceLayout, rank: int) -> list[tuple[str, tuple
     node, local = divmod(rank, N)
     words = [("node_signals", (0, node))] + [("node_signals", (1, b))
                                               for b in range(layout.num_nodes)]
-    # combine: from another node only its forwarder for this rank (its local index) sends
-    words += [("signals", (1, p)) for p in range(R) if p // N != node and p % N != local]
+    # combine: from another node only its forwarder for this rank (its local index) sends (the
+    # EP-invariant combine: every rank, its rows straight home)
+    words += [("signals", (1, p)) for p in range(R)
+              if p // N != node and p % N != local and not layout.invariant]
     return words

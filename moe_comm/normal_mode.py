@@ -57,9 +57,9 @@ for an excluded one, so a rank that stops between rounds holds up no one; a late
 dispatch takes only sources that arrived in round 0 as well (rows are placed by round 0's layout),
 and its outputs start as padding rows (``moe_comm.fault``, "In rounds").
 
-EP-invariant Buffers (``ep_invariant=True``; one node, or flat through the proxy, where each
-row for another node goes by a descriptor of its own and the epoch follows them): the combine's
-send is
+EP-invariant Buffers (``ep_invariant=True``; one node, or through the proxy, where each row
+for another node goes by a descriptor of its own and the epoch follows them, flat or
+hierarchical alike: no forwarder takes part in this combine): the combine's send is
 ``kernels.invariant.invariant_send`` (every (slot, choice) row to its home's ``inv_rows`` at
 ``(t % W) * K + k``) and its receive ``invariant_reduce`` (choice order); they run on the combine
 channel's epochs, signals and parities, each round a whole epoch, so the ordering argument above

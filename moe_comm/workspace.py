@@ -353,7 +353,7 @@ class WorkspaceLayout:
                 ("rdma_combine_rows", (PARITIES, R, W, H), dtype),
                 ("rdma_combine_meta", (PARITIES, R, W, K), torch.float32),
             ]
-        if invariant and proxy:  # (flat: Buffer refuses the hierarchical mode)
+        if invariant and proxy:  # (hierarchical too: the invariant combine has no forwarders)
             specs += [
                 ("inv_box_rows", (PARITIES, R, W * K, H), dtype),
                 ("inv_box_meta", (PARITIES, R, W * K, 2), torch.float32),

@@ -153,9 +153,6 @@ def test_bad_options_are_refused_before_anything_runs():
     with pytest.raises(ValueError, match="EP-invariant Buffer's combine returns the rows"):
         lockstep.combine(bufs, [rr.x for rr in res], [rr.handle for rr in res],
                          combine_dtype="fp8")
-    with pytest.raises(ValueError, match="runs the normal mode flat"):
-        Buffer.required_workspace_bytes(4, H, E, 8, max_topk=K, ranks_per_node=2,
-                                        hierarchical=True, ep_invariant=True)
     with pytest.raises(ValueError, match="through the proxy"):
         Buffer.required_workspace_bytes(4, H, E, 8, max_topk=K, ranks_per_node=2,
                                         transport="nvshmem", ep_invariant=True)
@@ -196,13 +193,14 @@ def test_processes_with_stragglers_train_to_the_same_bits_at_every_ep_size(ranks
     """CPU ranks in processes, forward and backward, three calls with random delays: the
     outputs and the gradients of the tokens and of the gate weights have the same bits on 1, 2
     and 4 ranks, with waits on the host and in the kernels, fault tolerant or not, and on 2x2
-    and 4x2 nodes through the proxy (flat)."""
+    and 4x2 nodes through the proxy, flat and hierarchical."""
     runs = {R: _by_call(ranks(R).run(train_calls, 3, 0.02)) for R in (1, 2, 4)}
     runs["kernel waits"] = _by_call(ranks(4).run(with_kernel_waits, train_calls, 3, 0.02))
     runs["fault tolerant"] = _by_call(ranks(2).run(train_calls, 3, 0.0, fault_tolerant=True))
-    for m, n in ((2, 2), (4, 2)):  # nodes through the proxy, flat
-        runs[f"{m}x{n} nodes"] = _by_call(ranks(m * n).run(
-            train_calls, 3, 0.02, ranks_per_node=n, transport="nixl"))
+    for m, n, hierarchical in ((2, 2, False), (4, 2, False), (2, 2, True), (4, 2, True)):
+        runs[f"{m}x{n} nodes, hierarchical={hierarchical}"] = _by_call(ranks(m * n).run(
+            train_calls, 3, 0.02, ranks_per_node=n, transport="nixl",
+            hierarchical=hierarchical))
     for it, (out, grad_x, grad_w) in enumerate(runs[1]):
         x, idx, w = data(100 + it)
         assert same_bits(out, want(x, idx, w)), it
@@ -214,16 +212,14 @@ def test_processes_with_stragglers_train_to_the_same_bits_at_every_ep_size(ranks
 
 @pytest.mark.parametrize("nodes", [(2, 2), (4, 2)], ids=["2x2", "4x2"])
 def test_low_latency_across_nodes_gives_the_same_bits(ranks, nodes):
-    """Nodes of CPU ranks through the proxy (2 of 2 ranks, 4 of 2), hierarchical: the
-    low-latency combine of an EP-invariant Buffer gives the one-process reference's bits (those
-    of the normal mode on one node); its normal mode is refused before anything is sent."""
+    """Nodes of CPU ranks through the proxy (2 of 2 ranks, 4 of 2): the low-latency combine of
+    an EP-invariant Buffer gives the one-process reference's bits (those of the normal mode on
+    one node)."""
     m, n = nodes
     per_rank = ranks(m * n).run(low_latency_across_nodes, n, 2)
-    for calls in per_rank:
-        assert "runs the low-latency mode only" in calls[0]
     for it in range(2):
         x, idx, w = data(200 + it)
-        assert same_bits(torch.cat([calls[1 + it] for calls in per_rank]), want(x, idx, w)), it
+        assert same_bits(torch.cat([calls[it] for calls in per_rank]), want(x, idx, w)), it
 
 
 @pytest.mark.parametrize("in_kernels", [False, True], ids=["host_waits", "kernel_waits"])

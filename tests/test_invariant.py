@@ -64,7 +64,7 @@ def test_same_bits_on_1_2_4_8_ranks_and_the_default_combine_differs():
     assert default_differs[1:] == [True, True, True], default_differs
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
 def test_other_dtypes(dtype):
     x, idx, w = data(1, dtype)
     expected = want(x, idx, w, dtype)

@@ -272,7 +272,64 @@ def test_ep_invariant_combine_sends_pairs_at_deepseek_v3_sizes():
     column = head.split().index("combine_nvlink_MB")
     assert float(row.split()[column]) == pytest.approx(inv.combine.bytes.nvlink_bytes / 1e6,
                                                        abs=0.01)
-    assert cli.main(["--ep", "16", "--ep-invariant"]) == 2          # two nodes
+    with redirect_stdout(io.StringIO()):                           # two nodes: flat
+        assert cli.main(["--ep", "16", "--ep-invariant"]) == 0
+    assert cli.main(["--ep", "16", "--ep-invariant", "--hierarchical", "yes"]) == 2
+
+
+def test_ep_invariant_flat_across_nodes_sends_remote_pairs_at_deepseek_v3_sizes():
+    """EP 16 on two 8-GPU nodes: the invariant combine runs flat (hierarchical=None resolves to
+    it) and puts every (token, choice) pair whose expert is on the other node over the network
+    on its own, 2H + 8 bytes and one NIC message each, where the default flat combine sends one
+    2H row per (token, remote rank); same-node pairs go over NVLink. The dispatch is the flat
+    dispatch unchanged."""
+    H, T, ep, gpn = 7168, 4096, 16, 8
+    args = dict(ep=ep, tokens_per_rank=T, **DSV3)
+    flat = predict("h800", "normal", hierarchical=False, **args)
+    inv = predict("h800", "normal", ep_invariant=True, **args)
+    assert inv == predict("h800", "normal", ep_invariant=True, hierarchical=False, **args)
+    assert inv.nodes == 2 and inv.ep_invariant
+    assert inv.dispatch == flat.dispatch
+    assert inv.dispatch != predict("h800", "normal", **args).dispatch   # not hierarchical
+    got = loads.compute_loads(loads.Layout(ep=ep, gpn=gpn, m=256 // ep), T, 8,
+                              routing.parse_routing("uniform", 256, 8),
+                              ("rank_send_rdma", "rank_recv_rdma", "ll_send_rdma",
+                               "ll_recv_rdma", "ll_send_nvl", "ll_recv_nvl"),
+                              np.random.default_rng(0), 65536)
+    pair, row = 2 * H + 8, 2 * H
+    remote = max(got["ll_send_rdma"].max, got["ll_recv_rdma"].max)     # busiest rank, pairs
+    rows = max(got["rank_send_rdma"].max, got["rank_recv_rdma"].max)   # (token, remote rank)
+    assert got["ll_send_rdma"].mean == pytest.approx(T * 8 * (ep - gpn) / ep)
+    # the busiest rank hands the NIC its remote pairs, 2H + 8 bytes each
+    c, f = inv.combine.bytes, flat.combine.bytes
+    assert c.sent_rdma_bytes == pytest.approx(got["ll_recv_rdma"].max * pair)
+    assert f.sent_rdma_bytes == pytest.approx(got["rank_recv_rdma"].max * row)
+    sysm = SYSTEMS["h800"]
+
+    def wire(msg):
+        return msg + math.ceil(msg / sysm.rdma_mtu_bytes) * sysm.rdma_header_bytes_per_packet \
+            + sysm.rdma_header_bytes_per_message
+    assert c.rdma_bytes == pytest.approx(remote * wire(pair))
+    assert f.rdma_bytes == pytest.approx(rows * wire(row))
+    assert c.rdma_bytes > 1.15 * f.rdma_bytes and c.sent_rdma_bytes > f.sent_rdma_bytes
+    assert c.nvlink_bytes == pytest.approx(max(got["ll_send_nvl"].max,
+                                               got["ll_recv_nvl"].max) * pair)
+    assert c.nvlink_domain_fraction == pytest.approx(0.5)
+    # one NIC message per pair (plus the count signals to the other node's ranks)
+    assert inv.combine.terms_us["nic_message_rate"] / flat.combine.terms_us[
+        "nic_message_rate"] == pytest.approx((remote + ep - gpn) / (rows + ep - gpn))
+    assert inv.combine.terms_us["rdma"] == pytest.approx(
+        flat.combine.terms_us["rdma"] * remote * wire(pair) / (rows * wire(row)))
+    assert inv.combine.bottleneck == flat.combine.bottleneck == "rdma"
+    assert flat.combine_us < inv.combine_us
+    assert c.logical_bytes == f.logical_bytes                            # convention
+    # the lower bound: payload of the remote pairs, below the prediction
+    b0, b1 = (predict("h800", "normal", implementation="bound", ep_invariant=e, **args)
+              for e in (False, True))
+    assert b1.dispatch == b0.dispatch
+    assert b1.combine.bytes.rdma_bytes == pytest.approx(
+        max(got["ll_send_rdma"].mean, got["ll_recv_rdma"].mean) * row)
+    assert b0.combine_us < b1.combine_us < inv.combine_us
 
 
 @pytest.mark.parametrize("ep,impl", [(8, "moe_comm"), (32, "moe_comm"), (8, "bound")])
@@ -286,8 +343,10 @@ def test_ep_invariant_leaves_low_latency_unchanged(ep, impl):
 @pytest.mark.parametrize("kwargs,match", [
     ({"combine_dtype": "fp8"}, "combine_dtype"),
     ({"combine_dtype": "nvfp4"}, "combine_dtype"),
-    ({"ep": 16}, "ep_invariant=True in normal mode runs on one node so far"),
-    ({"ep": 16, "implementation": "bound"}, "runs on one node so far"),
+    ({"ep": 16, "hierarchical": True}, r"modelled flat only \(hierarchical=False"),
+    ({"ep": 32, "hierarchical": True, "implementation": "deepep-v1"}, "hierarchical=True"),
+    ({"ep": 16, "combine_dtype": "fp8"}, "combine_dtype"),
+    ({"ep": 16, "combine_dtype": "fp8", "implementation": "bound"}, "combine_dtype"),
     ({"ep_invariant": 1}, "ep_invariant must be"),
 ])
 def test_ep_invariant_errors(kwargs, match):
@@ -296,6 +355,18 @@ def test_ep_invariant_errors(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         predict(**args)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"hierarchical": False}, {"implementation": "bound"},
+                                    {"implementation": "deepep-v1", "ep": 32}])
+def test_ep_invariant_normal_across_nodes_predicts_flat(kwargs):
+    """Across nodes the normal mode's invariant combine runs flat: EP 16 (two nodes) predicts."""
+    args = dict(system="h800", mode="normal", ep=16, tokens_per_rank=256, **DSV3)
+    args.update(kwargs)
+    inv = predict(ep_invariant=True, **args)
+    assert inv.ep_invariant and inv.nodes > 1
+    assert inv.dispatch == predict(**{**args, "hierarchical": False}).dispatch
+    assert inv.combine.bytes.rdma_bytes > predict(**args).combine.bytes.rdma_bytes > 0
 
 
 # ---------------------------------------------------------------- profiles, fit and validation

@@ -12,7 +12,9 @@ perfectly balanced implementation is not excluded):
 Payload only (no metadata, headers or scales beyond the dtype's own), datasheet peaks (no
 protocol efficiency), combine the mirror image with the combine dtype. tests/test_perfmodel.py
 checks that no published measurement lies below it. An EP-invariant combine (``ep_invariant``,
-normal mode) brings every (token, choice) pair home un-reduced, so its NVLink rows are pairs.
+normal mode) brings every (token, choice) pair home un-reduced, so its rows are pairs: NVLink
+rows the pairs whose expert is on another rank of the home's domain, network rows the pairs
+whose expert is in another domain (one per (token, choice), not per (token, domain)).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from .systems import get_system
 _CLASSES = ("rank_send_self", "rank_send_nvl", "rank_recv_nvl")
 _NODE_CLASSES = ("node_send_rdma", "node_recv_rdma")
 _PAIR_CLASSES = ("ll_send_nvl", "ll_recv_nvl")  # the EP-invariant combine's NVLink rows
+_PAIR_NODE_CLASSES = ("ll_send_rdma", "ll_recv_rdma")  # and its network rows
 
 
 def predict_bound(system, mode: str = "normal", *, ep: int, tokens_per_rank: int, hidden: int,
@@ -49,8 +52,8 @@ def predict_bound(system, mode: str = "normal", *, ep: int, tokens_per_rank: int
                                                    num_experts, dispatch_dtype, combine_dtype,
                                                    routing, gpus_per_node, sim_tokens)
     pairwise = _check_ep_invariant(ep_invariant, mode, L, c_dtype) and mode == "normal"
-    classes = _CLASSES + (_NODE_CLASSES if L.nodes > 1 else ()) + (_PAIR_CLASSES if pairwise
-                                                                   else ())
+    classes = _CLASSES + (_NODE_CLASSES if L.nodes > 1 else ()) + (
+        _PAIR_CLASSES + (_PAIR_NODE_CLASSES if L.nodes > 1 else ()) if pairwise else ())
     loads = compute_loads(L, T, k, spec, classes, np.random.default_rng(seed), sim_tokens)
     nvl_GBps = sysm.nvlink_peak_GBps
     path = sysm.rdma_latency_us if L.nodes > 1 else (sysm.nvlink_latency_us if ep > 1 else 0.0)
@@ -59,10 +62,11 @@ def predict_bound(system, mode: str = "normal", *, ep: int, tokens_per_rank: int
     phases = []
     for phase, dtype in (("dispatch", d_dtype), ("combine", c_dtype)):
         P = payload_bytes(dtype, H)
-        nvl = _PAIR_CLASSES if pairwise and phase == "combine" else ("rank_send_nvl",
-                                                                      "rank_recv_nvl")
+        pair_rows = pairwise and phase == "combine"
+        nvl = _PAIR_CLASSES if pair_rows else ("rank_send_nvl", "rank_recv_nvl")
         nvl_rows = max(loads[c].mean for c in nvl)
-        net = [loads.stats.get(c, zero).mean for c in _NODE_CLASSES]
+        net = [loads.stats.get(c, zero).mean for c in (_PAIR_NODE_CLASSES if pair_rows
+                                                        else _NODE_CLASSES)]
         terms = {"nvlink": nvl_rows * P / (nvl_GBps * 1e3)}
         if L.nodes > 1:
             terms["rdma"] = max(net) * P / (sysm.nic_GBps * 1e3)
@@ -81,8 +85,9 @@ def predict_bound(system, mode: str = "normal", *, ep: int, tokens_per_rank: int
             nvlink_bytes=nvl_rows * P, rdma_bytes=max(net) * P if L.nodes > 1 else 0.0,
             pcie_bytes=0.0, hbm_bytes=0.0,
             local_fraction=loads["rank_send_self"].mean / max(T * loads.ranks_per_token, 1e-12),
-            nvlink_domain_fraction=1.0 - (loads.stats["node_send_rdma"].mean / max(
-                T * loads.nodes_per_token, 1e-12) if L.nodes > 1 else 0.0))
+            nvlink_domain_fraction=1.0 - (net[0] / max(
+                pairs if pair_rows else T * loads.nodes_per_token, 1e-12) if L.nodes > 1
+                else 0.0))
         phases.append(PhasePrediction(
             time_us=time_us, GBps=logical / time_us / 1e3 if time_us else 0.0,
             bottleneck="latency" if path > worst else name, terms_us=terms, latency_us=path,

@@ -12,7 +12,8 @@ predicted) and `study` (regenerates docs/CODESIGN.md and its plots).
 Bytes columns are per rank in MB (1e6 bytes): logical (the mode's bandwidth convention),
 the minimum that must leave a rank, and NVLink / RDMA bytes of the busiest rank, of the
 dispatch; combine_nvlink_MB: the combine's NVLink bytes of the busiest rank (``--ep-invariant``
-sends one combine row per (token, choice) pair, so it grows there).
+sends one combine row per (token, choice) pair, so it grows there; across nodes it runs flat,
+where the combine's network rows are pairs too).
 """
 from __future__ import annotations
 
@@ -135,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-sms", type=int, default=None)
     ap.add_argument("--ep-invariant", action="store_true",
                     help="EP-invariant combine: one row per (token, choice) pair home, summed "
-                         "there in choice order (normal mode: one node, the Buffer's dtype)")
+                         "there in choice order (normal mode: one node or flat across nodes, "
+                         "the Buffer's dtype)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", metavar="FILE.png", default=None,
                     help="also draw time and bandwidth against EP size")

@@ -34,14 +34,23 @@ published numbers compare:
   per element.
 In both normal conventions an FP8 element counts (1 + 4/128) bytes, i.e. (1 + 4/128)/2 of BF16.
 
-EP-invariant combine (``ep_invariant=True``, normal mode, one node): the combine moves one row
-per (token, top-k choice) pair home, un-reduced, in the Buffer's dtype, each with
-EP_INVARIANT_PAIR_BYTES of metadata, and the home rank sums a token's rows in choice order.
-Its rows on the link are pairs (the ll_* pair classes of loads.py) where the default combine
-has one reduced row per (token, rank) (the rank_* classes); each row costs payload + 8 bytes.
-The dispatch, the signals and the bandwidth convention (logical bytes) stay as they are, so
-the extra bytes show in PhaseBytes (nvlink_bytes, sent_nvlink_bytes, hbm_bytes) and in time.
-Low-latency mode already moves one row per pair: ep_invariant changes no byte there.
+EP-invariant combine (``ep_invariant=True``, normal mode, one node or flat across nodes): the
+combine moves one row per (token, top-k choice) pair home, un-reduced, in the Buffer's dtype,
+each with EP_INVARIANT_PAIR_BYTES of metadata, and the home rank sums a token's rows in choice
+order. Its rows are pairs (the ll_* pair classes of loads.py) where the default combine has
+one reduced row per (token, rank) (the rank_* classes); each row costs payload + 8 bytes:
+
+    NVLink rows  = same-node pairs   (PAIR_CLASSES: ll_send_self, ll_send_nvl, ll_recv_nvl)
+    network rows = other-node pairs  (PAIR_RDMA_CLASSES: ll_send_rdma, ll_recv_rdma), one RDMA
+                   write (one NIC message, one post) of payload + 8 bytes per pair
+
+Across nodes it is modelled in flat mode (``hierarchical=None`` resolves to flat, as the
+library's Buffer does; hierarchical=True is not modelled yet), so
+the dispatch is the flat dispatch and the combine's network rows replace the flat combine's
+(token, remote rank) rows. The signals and the bandwidth convention (logical bytes) stay as
+they are, so the extra bytes show in PhaseBytes (nvlink_bytes, rdma_bytes, pcie_bytes,
+sent_nvlink_bytes, sent_rdma_bytes, hbm_bytes) and in time. Low-latency mode already moves one
+row per pair: ep_invariant changes no byte there.
 """
 from __future__ import annotations
 
@@ -79,6 +88,7 @@ DEFAULT_IMPLEMENTATION = "moe_comm"
 FP8_LL_CONVENTION_HEADER = 16  # the low-latency FP8 bandwidth convention counts a 16-byte header
 EP_INVARIANT_PAIR_BYTES = 8    # per (token, choice) combine row: fp32 router weight + fp32 value
 PAIR_CLASSES = ("ll_send_self", "ll_send_nvl", "ll_recv_nvl")  # INTRANODE_CLASSES, in pairs
+PAIR_RDMA_CLASSES = ("ll_send_rdma", "ll_recv_rdma")  # rank_send_rdma, rank_recv_rdma in pairs
 
 
 @dataclass(frozen=True)
@@ -172,15 +182,20 @@ def _check_int(name: str, value, low: int = 1) -> int:
     return int(value)
 
 
-def _check_ep_invariant(ep_invariant, mode: str, layout: Layout, c_dtype: str) -> bool:
-    """ep_invariant, validated: normal mode runs it on one node, in the Buffer's dtype."""
+def _check_ep_invariant(ep_invariant, mode: str, layout: Layout, c_dtype: str,
+                        hierarchical: bool | None = None) -> bool:
+    """ep_invariant, validated: normal mode runs it on one node or flat across nodes, in the
+    Buffer's dtype."""
     if not isinstance(ep_invariant, (bool, np.bool_)):
         raise ValueError(f"ep_invariant must be True or False, got {ep_invariant!r}")
     if ep_invariant and mode == "normal":
-        if layout.nodes > 1:
-            raise ValueError(f"ep_invariant=True in normal mode runs on one node so far: "
-                             f"ep={layout.ep} needs {layout.nodes} NVLink domains of "
-                             f"{layout.gpn} GPUs")
+        if layout.nodes > 1 and hierarchical:
+            raise ValueError(f"ep_invariant=True across nodes is modelled flat only "
+                             f"(hierarchical=False; None resolves to it), got hierarchical="
+                             f"{hierarchical!r}: ep={layout.ep} spans {layout.nodes} NVLink "
+                             f"domains of {layout.gpn} GPUs; a hierarchical invariant Buffer "
+                             f"sends its combine as the flat one does, its dispatch through "
+                             f"the forwarders")
         if c_dtype not in UNQUANTIZED:
             raise ValueError(f"ep_invariant=True combines in the Buffer's dtype: combine_dtype "
                              f"must be one of {UNQUANTIZED}, got {c_dtype!r}")
@@ -374,9 +389,10 @@ def _normal(c: _Costs, L: Layout, loads: Loads, T: int, H: int, k: int, d_dtype:
     (bounded staging): each round past the first costs the per-call serial work again (its own
     launches and signals, the forwarder's pass in hierarchical mode), one more set of signal
     words per peer (hierarchical: per other node) and, across domains, one more network path (a
-    round's receive waits for that round's remote rows). ``ep_invariant`` (one domain): the
-    combine moves one row per (token, choice) pair (PAIR_CLASSES), payload +
-    EP_INVARIANT_PAIR_BYTES each."""
+    round's receive waits for that round's remote rows). ``ep_invariant`` (one domain, or flat
+    across domains): the combine moves one row per (token, choice) pair, payload +
+    EP_INVARIANT_PAIR_BYTES each, same-node pairs over NVLink (PAIR_CLASSES) and other-node
+    pairs over the network (PAIR_RDMA_CLASSES), one message each."""
     alg, fmt = c.alg, c.alg.fmt
     internode = L.nodes > 1
     hier = internode and alg.internode == "hierarchical"
@@ -411,9 +427,13 @@ def _normal(c: _Costs, L: Layout, loads: Loads, T: int, H: int, k: int, d_dtype:
         P = fmt.payload(dtype, H)
         row = P + (meta if phase == "dispatch" else 0)
         delivered = rows_total
+        domain_fraction = in_domain / rows_total if rows_total else 0.0
         if ep_invariant and phase == "combine":
             own, direct_snd, direct_rcv = (loads[name] for name in PAIR_CLASSES)
+            if internode:   # flat: every other-node pair is a network row of its own
+                net_snd, net_rcv = (loads[name] for name in PAIR_RDMA_CLASSES)
             row, delivered = P + EP_INVARIANT_PAIR_BYTES, pairs
+            domain_fraction = 1.0 - net_snd.mean / pairs if pairs else 0.0
         net_row = row + (fmt.node_slot_bytes * L.gpn if hier and phase == "dispatch" else 0)
         if hier:   # NVLink carries the forwarded rows (the direct ones of the sender's node too)
             snd = fwd_snd if phase == "dispatch" else fwd_rcv
@@ -453,7 +473,7 @@ def _normal(c: _Costs, L: Layout, loads: Loads, T: int, H: int, k: int, d_dtype:
             if internode else 0.0,
             hbm_bytes=terms["hbm"] * c.hbm_Bpus,
             local_fraction=own.mean / delivered if delivered else 0.0,
-            nvlink_domain_fraction=in_domain / rows_total if rows_total else 0.0,
+            nvlink_domain_fraction=domain_fraction,
             sent_nvlink_bytes=(direct_snd.max if phase == "dispatch" else direct_rcv.max) * row
             + signals,
             sent_rdma_bytes=sent_rdma if internode else 0.0)
@@ -485,13 +505,15 @@ def predict(system: str | System = "h800", mode: str = "normal", *, ep: int,
     routing. implementation: a name of IMPLEMENTATIONS (default "moe_comm"), an
     Implementation (recalibration), or "bound" (the hardware's lower bound, bound.py).
     hierarchical: normal mode across nodes, hierarchical (True) or flat (False); None = the
-    implementation's default. rounds: normal mode with bounded staging (``Buffer.rounds``):
-    every round past the first adds the per-call serial cost, the signal words of one more
-    epoch per peer and, across nodes, one more network path. ep_invariant: the EP-invariant
+    implementation's default (flat with ep_invariant in normal mode). rounds: normal mode with
+    bounded staging (``Buffer.rounds``): every round past the first adds the per-call serial
+    cost, the signal words of one more epoch per peer and, across nodes, one more network
+    path. ep_invariant: the EP-invariant
     combine (module docstring): normal mode sends one row per (token, choice) pair home,
     payload in combine_dtype (the Buffer's: bf16, fp16 or fp32) + 8 bytes, instead of one
-    reduced row per (token, rank); one node only so far (ValueError across nodes). Low-latency
-    predictions do not change.
+    reduced row per (token, rank); same-node pairs over NVLink, other-node pairs one network
+    write each. Across nodes it runs flat: hierarchical=None means flat there, and
+    hierarchical=True is not modelled yet (ValueError). Low-latency predictions do not change.
     """
     if isinstance(implementation, str) and implementation.strip().lower() == "bound":
         from .bound import predict_bound
@@ -510,7 +532,9 @@ def predict(system: str | System = "h800", mode: str = "normal", *, ep: int,
                                                         combine_dtype, routing, gpus_per_node,
                                                         sim_tokens)
     rounds = _check_int("rounds", rounds)
-    ep_invariant = _check_ep_invariant(ep_invariant, mode, layout, c_dtype)
+    ep_invariant = _check_ep_invariant(ep_invariant, mode, layout, c_dtype, hierarchical)
+    if ep_invariant and mode == "normal" and hierarchical is None:
+        alg = impl.algorithm(mode, False)   # as Buffer(ep_invariant=True): flat across nodes
     if rounds > 1 and mode != "normal":
         raise ValueError(f"rounds={rounds}: bounded staging runs the normal mode only (got "
                          f"mode={mode!r})")
@@ -528,7 +552,7 @@ def predict(system: str | System = "h800", mode: str = "normal", *, ep: int,
     elif alg.internode == "hierarchical":
         classes = INTERNODE_CLASSES + ("rank_send_nvl", "rank_recv_nvl")
     else:
-        classes = FLAT_CLASSES
+        classes = FLAT_CLASSES + ((PAIR_CLASSES + PAIR_RDMA_CLASSES) if ep_invariant else ())
     loads = compute_loads(layout, T, k, spec, classes, np.random.default_rng(seed), sim_tokens)
     costs = _Costs(sysm, alg, sms, layout, any_to_any=(mode == "low_latency"))
     if mode == "low_latency":

@@ -62,6 +62,9 @@ class Facts:
     markers_emitted: list = field(default_factory=list)  # "file:line" of marked lines in the PTX
     host_loads: int = 0  # loads from host memory outside loops (one per program each)
     host_loads_in_loops: int = 0  # loads from host memory inside a loop or a spin
+    # fp32 fused multiply-adds in a kernel compiled without contraction (enable_fp_fusion=False:
+    # the EP-invariant sums round each product and sum); -1 where contraction is allowed
+    fused_mul_adds: int = -1
     programs: int = 0  # the launch's grid (the gate fills these three from the recording)
     max_trips: int = 0
     schedule: str = ""
@@ -341,6 +344,9 @@ def inspect_launch(launch, arch: int, config: str, variant: str) -> Facts:
     facts.nvshmem_issuers = nvshmem_issuers(compiled.asm["ttir"],
                                             32 * int(launch.options.get("num_warps", 4)))
     facts.host_loads, facts.host_loads_in_loops = host_loads(compiled.asm["ttir"])
+    if launch.options.get("enable_fp_fusion") is False:
+        facts.fused_mul_adds = sum(line.lstrip().startswith("fma.rn.f32")
+                                   for line in compiled.asm["ptx"].splitlines())
     return facts
 
 
@@ -363,6 +369,9 @@ def violations(facts: Facts, rows_aligned: bool, host_rules: bool = True) -> lis
                          f"(its scope means {'the whole block' if scoped else 'one thread'})")
     for where in facts.unordered_signals:
         found.append(f"signal without release/acquire ordering: {where}")
+    if facts.fused_mul_adds > 0:
+        found.append(f"{facts.fused_mul_adds} fp32 fused multiply-adds though compiled without "
+                     "contraction (each product and sum must round: the EP-invariant sums)")
     if not host_rules:
         return found
     if facts.host_loads_in_loops:

@@ -2,11 +2,14 @@
 documented semantics (written here from DeepEP's README and tests, not from moe_comm)."""
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 import torch.distributed as dist
 
 from cases import Case, make_inputs
-from moe_comm import deep_ep, reference
+from moe_comm import deep_ep, reference, workspace
 
 
 def deepep_dispatch_model(xs, idxs, ws, rank: int, num_experts: int, alignment: int):
@@ -48,11 +51,76 @@ def deepep_combine_model(received, home: int, num_tokens: int, hidden: int, topk
     return acc.to(dtype), wacc
 
 
-def normal_mode(rank, world_size, case: Case, iterations: int = 2, fp8: bool = False) -> None:
+@contextlib.contextmanager
+def _setting(env: dict | None = None, staging_bytes: int | None = None):
+    """Environment variables (``env``) and moe_comm's default staging budget (``staging_bytes``:
+    small enough, calls run in rounds) for the block, restored after it."""
+    saved_env = {k: os.environ.get(k) for k in env or {}}
+    saved_staging = workspace.DEFAULT_STAGING_BYTES
+    os.environ.update(env or {})
+    if staging_bytes is not None:
+        workspace.DEFAULT_STAGING_BYTES = staging_bytes
+    try:
+        yield
+    finally:
+        workspace.DEFAULT_STAGING_BYTES = saved_staging
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def nodes_combine_model(received, xs, idxs, ws, home: int, case: Case, ranks_per_node: int):
+    """The facade's combine across nodes at ``home``: moe_comm's hierarchical sum order
+    (``reference.combine_all(..., hierarchical_nodes=N)``) of DeepEP's rows, each (source,
+    token) row laid on its first row of moe_comm's expert-major receive (the other rows
+    zero). ``received[r] = (rows y_r, weight rows, origin)`` in DeepEP's order."""
+    want = reference.dispatch_all(xs, idxs, ws, num_experts=case.num_experts)
+    ys = []
+    for d, (y, _, origin) in enumerate(received):
+        rows = torch.zeros((want[d].x.shape[0], case.hidden), dtype=case.dtype)
+        for i, (s, t) in enumerate(origin):
+            hit = ((want[d].src_rank == s) & (want[d].src_token == t)).nonzero().flatten()
+            rows[int(hit.min())] = y[i]
+        ys.append(rows)
+    return reference.combine_all(ys, [w.handle for w in want],
+                                 hierarchical_nodes=ranks_per_node)[home]
+
+
+def normal_mode(rank, world_size, case: Case, iterations: int = 2, fp8: bool = False,
+                ranks_per_node: int | None = None, by_env: bool = False,
+                staging_bytes: int | None = None) -> dict:
     """get_dispatch_layout, dispatch (bf16 or an FP8 pair), a cached dispatch, combine with
-    weights, ``num_worst_tokens``: each against the model, over calls of different sizes."""
-    buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0)
+    and without weights, ``num_worst_tokens``: each against the model, over calls of different
+    sizes. ``ranks_per_node``: DeepEP's internode mode (``num_rdma_bytes > 0``) over nodes of
+    that many ranks, given as the Buffer's argument or (``by_env``) as
+    ``MOE_COMM_RANKS_PER_NODE`` with ``num_rdma_bytes`` from ``Config``'s hint; the
+    combine then against ``reference.combine_all(..., hierarchical_nodes=N)``.
+    ``staging_bytes``: moe_comm's default staging budget for the job (calls in rounds).
+    Returns what the facade built."""
     E, R = case.num_experts, world_size
+    N = ranks_per_node
+    env = {"MOE_COMM_RANKS_PER_NODE": str(N)} if by_env else {}
+    with _setting(env, staging_bytes):
+        if N is None:
+            buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0)
+        elif by_env:
+            hint = deep_ep.Config().get_rdma_buffer_size_hint(case.hidden * 2, R)
+            assert hint > 0, hint
+            buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), hint)
+        else:
+            buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), int(1e9), ranks_per_node=N)
+        report = _normal_mode_calls(buf, rank, R, E, case, iterations, fp8, N)
+        report.update(nodes=(buf.num_rdma_ranks, buf.num_nvl_ranks),
+                      transport=buf._normal.transport, hierarchical=buf._normal.hierarchical,
+                      rounds=buf._normal.rounds)
+        buf.destroy()
+    return report
+
+
+def _normal_mode_calls(buf, rank: int, R: int, E: int, case: Case, iterations: int, fp8: bool,
+                       N: int | None) -> dict:
     for it in range(iterations):
         xs, idxs, ws = make_inputs(case, it)
         if it % 2:  # a smaller batch on the second call: the workspace is reused
@@ -60,12 +128,17 @@ def normal_mode(rank, world_size, case: Case, iterations: int = 2, fp8: bool = F
         per_rank, rdma, per_expert, in_rank, event = buf.get_dispatch_layout(idxs[rank], E)
         L = E // R
         valid = idxs[rank] >= 0
-        assert rdma is None
         assert torch.equal(per_expert, torch.bincount(idxs[rank][valid], minlength=E).int())
         want_in_rank = torch.stack([((idxs[rank] >= d * L) & (idxs[rank] < d * L + L)).any(1)
                                     for d in range(R)], 1)
         assert torch.equal(in_rank, want_in_rank) and torch.equal(per_rank,
                                                                   want_in_rank.sum(0).int())
+        if N is None:
+            assert rdma is None
+        else:  # tokens with an expert on any rank of each node
+            want_rdma = [int(want_in_rank[:, b * N:b * N + N].any(1).sum())
+                         for b in range(R // N)]
+            assert rdma.dtype == torch.int32 and rdma.tolist() == want_rdma, (rdma, want_rdma)
         sent = xs
         if fp8:
             pairs = [reference.quantize_fp8(x) for x in xs]
@@ -74,9 +147,9 @@ def normal_mode(rank, world_size, case: Case, iterations: int = 2, fp8: bool = F
         else:
             x_in = xs[rank]
         recv_x, recv_idx, recv_w, counts, handle, event = buf.dispatch(
-            x_in, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=idxs[rank], topk_weights=ws[rank],
-            expert_alignment=case.alignment)
+            x_in, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=rdma,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idxs[rank],
+            topk_weights=ws[rank], expert_alignment=case.alignment)
         event.current_stream_wait()
         want_x, want_idx, want_w, want_counts, origin = deepep_dispatch_model(
             sent, idxs, ws, rank, E, case.alignment)
@@ -95,12 +168,16 @@ def normal_mode(rank, world_size, case: Case, iterations: int = 2, fp8: bool = F
         # combine: the rows this rank got (as they are: DeepEP's combine does not weight them)
         y = (got_x.float() * 0.5 + rank).to(case.dtype)
         combined, combined_w, _ = buf.combine(y, handle, topk_weights=recv_w)
+        plain, no_w, _ = buf.combine(y, handle)  # (DeepEP's rows read in place)
         received = [None] * R
         dist.all_gather_object(received, (y, recv_w, origin))
         want_out, want_cw = deepep_combine_model(received, rank, xs[rank].shape[0], case.hidden,
                                                  case.topk, case.dtype)
+        if N is not None:
+            want_out = nodes_combine_model(received, xs, idxs, ws, rank, case, N)
         assert torch.equal(combined, want_out), f"rank {rank} call {it}: combine"
         assert torch.equal(combined_w, want_cw), f"rank {rank} call {it}: combined weights"
+        assert no_w is None and torch.equal(plain, want_out), f"rank {rank} call {it}: plain"
         # num_worst_tokens: the same rows, padded
         worst = R * xs[rank].shape[0] + 8
         padded_x, padded_idx, padded_w, _, _, _ = buf.dispatch(
@@ -115,7 +192,7 @@ def normal_mode(rank, world_size, case: Case, iterations: int = 2, fp8: bool = F
         assert not padded_rows[n:].view(torch.uint8).any(), "padding rows are not zero"
         if fp8:
             assert torch.equal(padded_x[1][:n], recv_x[1]) and not padded_x[1][n:].any()
-    buf.destroy()
+    return {}
 
 
 def refusals(rank, world_size, case: Case) -> dict:
@@ -166,16 +243,17 @@ def deepep_low_latency_model(xs, idxs, rank: int, num_experts: int):
 
 
 def low_latency(rank, world_size, case: Case, iterations: int = 2, fp8: bool = False,
-                ue8m0: bool = False) -> None:
+                ue8m0: bool = False, ranks_per_node: int | None = None) -> dict:
     """low_latency_dispatch (bf16; FP8 with column-major scales; with ``ue8m0`` power-of-two
     scales packed four exponents per int32, DeepEP's ``round_scale=True, use_ue8m0=True``)
     with a hook and ``cumulative_local_expert_recv_stats``, then low_latency_combine into
-    ``out=`` and into the zero-copy buffer, against the model."""
+    ``out=`` and into the zero-copy buffer, against the model. ``ranks_per_node``: across
+    nodes of that many ranks. Returns the nodes and transport of the workspace."""
     T = case.max_tokens
     R, E, H = world_size, case.num_experts, case.hidden
     L = E // R
     buf = deep_ep.Buffer(dist.group.WORLD, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(
-        T, H, R, E), low_latency_mode=True, num_qps_per_rank=L)
+        T, H, R, E), low_latency_mode=True, num_qps_per_rank=L, ranks_per_node=ranks_per_node)
     stats = torch.full((L,), 3, dtype=torch.int32)   # counts are added to what is there
     want_stats = stats.clone()
     for it in range(iterations):
@@ -234,7 +312,9 @@ def low_latency(rank, world_size, case: Case, iterations: int = 2, fp8: bool = F
                 want[t] += ws[rank][t, k] * row.float()
         assert combined is out and torch.equal(out, want.to(case.dtype)), f"rank {rank} {it}"
     buf.clean_low_latency_buffer(T, H, E)
+    report = {"nodes": buf._low_latency.num_nodes, "transport": buf._low_latency.transport}
     buf.destroy()
+    return report
 
 
 def shrink_masks(rank, world_size, case: Case) -> list:
@@ -364,17 +444,18 @@ def bad_facade_inputs(rank, world_size) -> dict:
     return found
 
 
-def ep_invariant_sums(rank, world_size, case: Case) -> dict:
+def ep_invariant_sums(rank, world_size, case: Case, ranks_per_node: int | None = None) -> dict:
     """``deep_ep.Buffer(..., ep_invariant=True)``: whether both moe_comm workspaces are
     EP-invariant, and each combine against ``reference.invariant_combine``: the normal one adds
     each token's per-rank rows in choice order (a rank's row on its choice of the lowest expert
     id there, zero on its other choices), the low-latency one ``w[t, k] * row(t, k)`` in choice
     order. ``default_differs``: DeepEP's rank-order sum (what the default returns) is not the
-    invariant one for this rank's tokens."""
+    invariant one for this rank's tokens. ``ranks_per_node``: across nodes of that many ranks
+    (``num_rdma_bytes > 0``)."""
     R, E, H, K, T = world_size, case.num_experts, case.hidden, case.topk, case.max_tokens
     L = E // R
-    buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0, low_latency_mode=True,
-                         ep_invariant=True)
+    buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0 if ranks_per_node is None else int(1e9),
+                         low_latency_mode=True, ep_invariant=True, ranks_per_node=ranks_per_node)
     xs, idxs, ws = make_inputs(case)
     idx, n = idxs[rank], xs[rank].shape[0]
     found: dict = {}
@@ -414,5 +495,6 @@ def ep_invariant_sums(rank, world_size, case: Case) -> dict:
     found["low_latency"] = bool(torch.equal(
         out, reference.invariant_combine(rows, idx, ws[rank], dtype=case.dtype)))
     found["workspaces_ep_invariant"] = (buf._normal.ep_invariant, buf._low_latency.ep_invariant)
+    found["nodes"] = (buf._normal.num_nodes, buf._low_latency.num_nodes)
     buf.destroy()
     return found

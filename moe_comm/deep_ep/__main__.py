@@ -10,13 +10,17 @@ HONOURED = [
     ("Buffer.num_sms / set_num_sms / get_dispatch_config / get_combine_config / Config", "yes",
      "num_sms sizes moe_comm's GPU grids; chunk sizes change nothing"),
     ("get_low_latency_rdma_size_hint", "yes", "moe_comm's low-latency workspace bytes"),
-    ("get_dispatch_layout", "yes", "no host read; num_tokens_per_rdma_rank is None (one node)"),
+    ("get_dispatch_layout", "yes",
+     "no host read; num_tokens_per_rdma_rank across nodes, None on one node"),
     ("dispatch (top-k, FP8 pair, expert_alignment, num_worst_tokens)", "yes",
-     "DeepEP's row order; one host read of the row count, one small all-reduce of sizes"),
-    ("dispatch(handle=...) cached", "yes", "rows of the Buffer's dtype (not FP8 pairs)"),
+     "DeepEP's row order (one copy of the rows into it); one host read of the row count, one "
+     "small all-reduce of sizes"),
+    ("dispatch(handle=...) cached", "yes",
+     "rows of the Buffer's dtype (not FP8 pairs), written in DeepEP's order directly"),
     ("dispatch without topk_idx", "no", "NotImplementedError"),
     ("combine (topk_weights)", "yes",
-     "weights must be 0 where recv_topk_idx is -1 (checked, else NotImplementedError)"),
+     "reads DeepEP's rows in place (with topk_weights: one expert-major copy); weights must be "
+     "0 where recv_topk_idx is -1 (checked, else NotImplementedError)"),
     ("combine(bias=...)", "no", "NotImplementedError"),
     ("async_finish / previous_event / allocate_on_comm_stream", "yes",
      "one stream: ordered already; previous_event is waited for"),
@@ -32,7 +36,9 @@ HONOURED = [
      "moe_comm's fault-tolerance mask; unmasking one rank: NotImplementedError; clean is "
      "collective over the live ranks"),
     ("get_local_buffer_tensor", "no", "NotImplementedError"),
-    ("internode normal mode (num_rdma_bytes)", "no", "one node; moe_comm.Buffer has its own"),
+    ("internode normal mode (num_rdma_bytes > 0, more ranks than a node)", "yes",
+     "nodes of ranks_per_node= / MOE_COMM_RANKS_PER_NODE / 8 ranks, NIXL proxy between them, "
+     "hierarchical (flat with ep_invariant); low-latency mode across the same nodes"),
     ("deep_ep.utils.EventOverlap / EventHandle", "yes", ""),
 ]
 

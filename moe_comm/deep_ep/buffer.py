@@ -1,6 +1,6 @@
 """DeepEP V1's ``Buffer`` (normal and low-latency modes) over ``moe_comm.Buffer``.
 
-Normal mode, DeepEP's layout (the receive order of its intranode kernels)::
+Normal mode, DeepEP's layout (the receive order of its intranode and internode kernels)::
 
     recv_x[i]            one row per (source rank s, token t of s) with an expert on this rank,
                          ordered by s, then t (FP8: the pair (codes, scales [N, H/128]))
@@ -8,24 +8,54 @@ Normal mode, DeepEP's layout (the receive order of its intranode kernels)::
     recv_topk_weights    topk_weights_s[t, k] where recv_topk_idx[i, k] >= 0, else 0
     num_recv_tokens_per_expert_list[e]   rows of local expert e, rounded up to expert_alignment
     combine(x, handle)   out[t] = sum over the ranks r that got token t of x_r[row of t]
-                         (unweighted, fp32, rank order, rounded once); with topk_weights,
-                         combined_topk_weights[t, k] = the weight row of the rank that holds
-                         choice k (each choice is local to one rank)
+                         (unweighted, fp32, rank order, rounded once; across nodes see below);
+                         with topk_weights, combined_topk_weights[t, k] = the weight row of the
+                         rank that holds choice k (each choice is local to one rank)
     dispatch(x, handle=h)   the rows of x moved as the dispatch that made h moved them
 
-moe_comm's own dispatch is expert-major; the facade gathers its rows into DeepEP's order (one
-copy of the received rows) and reads the received-row count on the host (as DeepEP's normal
-dispatch does). combine and the cached dispatch use the handle's routing tables directly.
+moe_comm's own dispatch is expert-major (a row per (token, local choice)). The facade gathers
+one row per (source, token) from it into DeepEP's order: one copy, ``N * H`` elements read and
+written per call (FP8 pairs: ``N * (H + 4 * H / 128)`` bytes), the only copy the facade adds;
+moe_comm's receive kernel would have to store each received slot once at its DeepEP row for it
+to go. It reads the received-row count on the host (as DeepEP's normal dispatch does). combine
+and the cached dispatch move DeepEP's rows in place: the handle maps each received (source,
+token) slot to its DeepEP row, which moe_comm's kernels read (combine) or write (cached
+dispatch) directly; a combine with ``topk_weights``, or of an EP-invariant Buffer, first lays the
+rows out expert-major (one zero-filled buffer of moe_comm's rows), as the weights go per choice.
+Where moe_comm's staging runs a call in rounds (``moe_comm.Buffer.rounds``: large batches,
+many ranks) its slots arrive by round; the facade still orders them by source, then token.
+
+Internode normal mode (DeepEP: ``num_rdma_bytes > 0`` with more ranks than one node holds): the
+workspaces span the nodes, ``moe_comm.Buffer(..., ranks_per_node=N, transport="nixl")`` (stores
+within a node, the NIXL proxy between nodes; hierarchical, moe_comm's default there and DeepEP's
+design: a token crosses to each node once; flat with ``ep_invariant=True``). ``N``, the ranks
+per node: ``Buffer(..., ranks_per_node=N)`` (moe_comm's argument, not DeepEP's), else the
+environment variable ``MOE_COMM_RANKS_PER_NODE``, else 8 (DeepEP's ``NUM_MAX_NVL_PEERS``); a
+group of at most ``N`` ranks is one node, a larger one must be whole nodes. The calls and
+layouts are the intranode ones, as in DeepEP: ``get_dispatch_layout`` returns
+``num_tokens_per_rdma_rank`` [nodes] int32 (tokens with an expert on any rank of the node; None
+on one node), ``dispatch`` takes it, the handle stays opaque; dispatch, cached dispatch and
+combined weights have the intranode bits. combine's sum follows moe_comm's hierarchical order
+(``reference.combine_all(..., hierarchical_nodes=N)``): a token's rows on each other node are
+summed there in fp32, rank order, rounded once; the home adds, in fp32 and node order, its own
+node's rows one by one and each other node's sum, rounding once (DeepEP's internode combine
+also rounds each node's sum). ``num_rdma_bytes = 0`` keeps one ``moe_comm.Buffer`` over the
+group with the nodes moe_comm finds (its hosts), as before. The low-latency workspace spans the
+same nodes. ``ep_invariant=True`` goes to both workspaces as it is: across nodes
+``moe_comm.Buffer`` then runs its normal mode flat (each (token, choice) row home through the
+proxy on its own, summed there in choice order: the one-node bits) and the low-latency mode as
+on one node.
 
 Sizing: DeepEP sizes its buffer in bytes up front; moe_comm's workspace needs the shapes, so it
 is built at the first call and grows to the largest call seen (``num_nvl_bytes`` and
-``num_rdma_bytes`` are kept for callers that compare them). Every normal dispatch agrees on the
-sizes with one small all-reduce over the group (a host collective; DeepEP's normal dispatch
-synchronises with the host too). The low-latency workspace is built at the first
-``low_latency_dispatch`` from ``num_max_dispatch_tokens_per_rank``, hidden and the number of
-experts, as DeepEP's hint sizes it.
+``num_rdma_bytes`` are kept for callers that compare them; ``num_rdma_bytes > 0`` only chooses
+the internode mode). Every normal dispatch agrees on the sizes with one small all-reduce over
+the group (a host collective; DeepEP's normal dispatch synchronises with the host too). The
+low-latency workspace is built at the first ``low_latency_dispatch`` from
+``num_max_dispatch_tokens_per_rank``, hidden and the number of experts, as DeepEP's hint sizes
+it.
 
-EP-invariant sums (``Buffer(..., ep_invariant=True)``, one node; not a DeepEP argument): both
+EP-invariant sums (``Buffer(..., ep_invariant=True)``; not a DeepEP argument): both
 workspaces are ``moe_comm.Buffer(..., ep_invariant=True)``. The normal combine then adds a
 token's rows in fp32 in the order of its choices (of each rank's choices one carries the rank's
 row, the others add zero) instead of in rank order, rounding once. The low-latency combine
@@ -37,6 +67,7 @@ Streams: moe_comm runs on the caller's current stream, so ``async_finish`` and
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +79,26 @@ from . import checks
 from .utils import EventHandle, EventOverlap
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+NUM_MAX_NVL_PEERS = 8  # DeepEP's ranks per node: the default of ``ranks_per_node``
+RANKS_PER_NODE_ENV = "MOE_COMM_RANKS_PER_NODE"
+
+
+def ranks_per_node_setting(value: int | None = None) -> int:
+    """Ranks per node of the facade: ``value`` (``Buffer(..., ranks_per_node=)``), else
+    ``MOE_COMM_RANKS_PER_NODE``, else ``NUM_MAX_NVL_PEERS`` (8, DeepEP's)."""
+    if value is not None:
+        return checks.positive_int(value, "ranks_per_node")
+    raw = os.environ.get(RANKS_PER_NODE_ENV, "")
+    if not raw:
+        return NUM_MAX_NVL_PEERS
+    try:
+        number = int(raw)
+    except ValueError:
+        number = None
+    if number is None or number < 1:
+        raise ValueError(f"{RANKS_PER_NODE_ENV}={raw!r}: the ranks per node must be a positive "
+                         "int")
+    return number
 
 
 def _unsupported(what: str) -> NotImplementedError:
@@ -71,7 +122,13 @@ class Config:
         return num_ranks * self.num_max_nvl_chunked_recv_tokens * hidden_bytes
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        return 0
+        """0 on one node (as DeepEP's); across nodes (more than ``MOE_COMM_RANKS_PER_NODE``
+        ranks, default 8) the bytes of the chunked queues per node, so that callers which pass
+        the hint as ``num_rdma_bytes`` get the internode mode."""
+        N = ranks_per_node_setting()
+        if num_ranks <= N:
+            return 0
+        return (num_ranks // N) * self.num_max_rdma_chunked_recv_tokens * hidden_bytes
 
 
 @dataclass(eq=False)
@@ -80,7 +137,9 @@ class _NormalHandle:
 
     buffer: moe_comm.Buffer
     moe: moe_comm.DispatchHandle
-    first_row: torch.Tensor  # [N] int64: moe_comm row of each DeepEP row
+    first_row: torch.Tensor  # [N] int64: moe_comm row of each DeepEP row (its first choice)
+    choice_rows: torch.Tensor  # [N, K] int64: moe_comm row of each DeepEP row's choices, or -1
+    slot_rows: torch.Tensor  # [slots, 1] int32: DeepEP row of each received slot, -1 past them
     num_recv: int
     rows: int  # moe_comm's expert-major rows
 
@@ -99,11 +158,14 @@ def _wait(previous_event) -> None:
 class Buffer:
     """``deep_ep.Buffer`` over moe_comm (see the module docstring for what each call returns).
 
-    One node so far (``num_rdma_bytes`` for internode normal mode is not used: moe_comm's
-    cross-node transports are chosen by ``moe_comm.Buffer``); ``allow_mnnvl`` and
+    ``num_rdma_bytes > 0`` with more ranks than a node holds runs DeepEP's internode mode over
+    moe_comm's nodes (``ranks_per_node``, moe_comm's argument: default
+    ``MOE_COMM_RANKS_PER_NODE``, else 8; the module doc); ``allow_mnnvl`` and
     ``num_qps_per_rank`` change nothing. ``enable_shrink=True`` builds the low-latency
     workspace fault tolerant (``moe_comm.fault``) for the mask calls; ``ep_invariant=True``
-    (moe_comm's, not DeepEP's) builds both workspaces EP-invariant (see the module doc)."""
+    (moe_comm's, not DeepEP's) builds both workspaces EP-invariant (see the module doc).
+    ``num_nvl_ranks`` / ``num_rdma_ranks``: the ranks per node and the nodes the workspaces
+    span (1 node without ``num_rdma_bytes``)."""
 
     num_sms: int = 20
 
@@ -111,8 +173,10 @@ class Buffer:
                  num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, explicitly_destroy: bool = False,
-                 enable_shrink: bool = False, comm=None, ep_invariant: bool = False):
+                 enable_shrink: bool = False, comm=None, ep_invariant: bool = False,
+                 ranks_per_node: int | None = None):
         self.ep_invariant = checks.flag(ep_invariant, "ep_invariant")
+        per_node = ranks_per_node_setting(ranks_per_node)  # (checked before the group is touched)
         if comm is not None:
             from moe_comm.mpi import process_group
 
@@ -121,6 +185,10 @@ class Buffer:
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
         self.num_nvl_bytes, self.num_rdma_bytes = int(num_nvl_bytes), int(num_rdma_bytes)
+        self.num_nvl_ranks, self.num_rdma_ranks = self.group_size, 1
+        if self.num_rdma_bytes > 0 and self.group_size > per_node:  # DeepEP's internode mode
+            checks.whole_nodes(self.group_size, per_node)
+            self.num_nvl_ranks, self.num_rdma_ranks = per_node, self.group_size // per_node
         self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy, self.enable_shrink = explicitly_destroy, bool(enable_shrink)
         self._normal: moe_comm.Buffer | None = None
@@ -171,12 +239,24 @@ class Buffer:
         if self._destroyed:
             raise RuntimeError("moe_comm.deep_ep.Buffer: destroy() was called")
 
+    @property
+    def internode(self) -> bool:
+        """The workspaces span several nodes (DeepEP's internode mode)."""
+        return self.num_rdma_ranks > 1
+
+    def _nodes(self) -> dict:
+        """``moe_comm.Buffer`` arguments of the facade's nodes (none on one node)."""
+        if not self.internode:
+            return {}
+        return dict(ranks_per_node=self.num_nvl_ranks, transport="nixl")
+
     # ----------------------------------------------------------------- normal mode
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event=None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False):
-        """``(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32,
-        is_token_in_rank [T, R] bool, event)``, on the device, no host read."""
+        """``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [nodes] int32 across
+        nodes (tokens with an expert on any rank of the node) else None, num_tokens_per_expert
+        [E] int32, is_token_in_rank [T, R] bool, event)``, on the device, no host read."""
         self._check_alive()
         R = self.group_size
         topk_idx = checks.topk_idx(topk_idx)
@@ -191,7 +271,11 @@ class Buffer:
         hits = torch.nn.functional.one_hot(ids // L, R).to(torch.bool) & valid[..., None]
         in_rank = hits.any(1)
         per_rank = in_rank.sum(0, dtype=torch.int32)
-        return per_rank, None, per_expert, in_rank, EventOverlap(EventHandle())
+        per_node = None
+        if self.internode:
+            per_node = in_rank.view(-1, self.num_rdma_ranks, self.num_nvl_ranks).any(2) \
+                .sum(0, dtype=torch.int32)
+        return per_rank, per_node, per_expert, in_rank, EventOverlap(EventHandle())
 
     def _normal_buffer(self, tokens: int, topk: int, hidden: int, dtype: torch.dtype,
                        num_experts: int, device: torch.device) -> moe_comm.Buffer:
@@ -219,7 +303,7 @@ class Buffer:
         self._normal = moe_comm.Buffer(
             self.group, hidden=H, num_experts=E, max_tokens_per_rank=max(1, T), dtype=dtype,
             max_topk=K, device=device, num_sms=Buffer.num_sms if device.type == "cuda" else None,
-            ep_invariant=self.ep_invariant)
+            ep_invariant=self.ep_invariant, **self._nodes())
         return self._normal
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
@@ -251,16 +335,25 @@ class Buffer:
         with torch.no_grad():
             res = buf.dispatch(x, topk_idx, topk_weights, expert_alignment=expert_alignment)
         h = res.handle
-        n = int(h.recv_slot_offsets[-1])
-        slot_rows = h.slot_rows[:n].to(torch.int64)  # [N, K] moe_comm row of each choice
-        used = slot_rows >= 0
-        first = torch.where(used, slot_rows, h.num_rows).amin(1)
-        recv_x = res.x[first]
-        local = torch.searchsorted(res.expert_offsets, slot_rows.clamp(min=0), right=True) - 1
+        n = int(h.recv_slot_offsets[-1])  # received slots: one per (source, token)
+        choice_rows = h.slot_rows[:n].to(torch.int64)  # [N, K] moe_comm row of each choice
+        used = choice_rows >= 0
+        first = torch.where(used, choice_rows, h.num_rows).amin(1)
+        slot_row = torch.arange(n, dtype=torch.int32, device=first.device)
+        if buf.rounds > 1:  # slots by round, then source, then token: DeepEP's is by source
+            order = torch.argsort(res.src_rank[first] * buf.max_tokens_per_rank
+                                  + res.src_token[first])
+            first, choice_rows, used = first[order], choice_rows[order], used[order]
+            slot_row = torch.empty_like(slot_row).index_copy_(0, order, slot_row)
+        slot_rows = torch.full((h.slot_rows.shape[0], 1), -1, dtype=torch.int32,
+                               device=first.device)
+        slot_rows[:n, 0] = slot_row
+        recv_x = res.x[first]  # the facade's one copy: expert-major rows to DeepEP's order
+        local = torch.searchsorted(res.expert_offsets, choice_rows.clamp(min=0), right=True) - 1
         recv_idx = torch.where(used, local, -1)
         recv_w = None
         if res.weights is not None:
-            recv_w = torch.where(used, res.weights[slot_rows.clamp(min=0)], 0.0)
+            recv_w = torch.where(used, res.weights[choice_rows.clamp(min=0)], 0.0)
         if pair:
             recv_x = (recv_x, res.x_scales[first])
         per_expert = (res.tokens_per_expert + expert_alignment - 1) // expert_alignment \
@@ -269,7 +362,7 @@ class Buffer:
             if n > num_worst_tokens:
                 raise RuntimeError(f"{n} rows arrived but num_worst_tokens={num_worst_tokens}")
             recv_x, recv_idx, recv_w = _pad_rows(recv_x, recv_idx, recv_w, num_worst_tokens)
-        out_handle = _NormalHandle(buf, h, first, n, h.num_rows)
+        out_handle = _NormalHandle(buf, h, first, choice_rows, slot_rows, n, h.num_rows)
         return (recv_x, recv_idx, recv_w, per_expert.tolist(), out_handle,
                 EventOverlap(EventHandle()))
 
@@ -283,17 +376,14 @@ class Buffer:
         if x.dtype != buf.dtype:
             raise TypeError(f"x is {x.dtype}; the dispatch that made the handle moved {buf.dtype}")
         dev, L = x.device, buf.num_local_experts
-        slots = h.slot_rows.shape[0]
-        identity = torch.arange(slots, dtype=torch.int32, device=dev)
-        identity = torch.where(identity < n, identity, -1)[:, None]  # slot g -> row g
         one_group = torch.zeros(L, dtype=torch.int64, device=dev)
         one_group[0] = n
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev),
                              one_group.cumsum(0)])
         with torch.no_grad():
             recv_x = torch.ops.moe_comm.dispatch_cached(
-                buf.id, x.contiguous(), h.slot_of, identity, h.recv_slot_offsets, one_group,
-                offsets, n, *h.node_tensors())
+                buf.id, x.contiguous(), h.slot_of, handle.slot_rows, h.recv_slot_offsets,
+                one_group, offsets, n, *h.node_tensors())  # each slot straight to its row
         return recv_x, None, None, None, None, EventOverlap(EventHandle())
 
     def combine(self, x: torch.Tensor, handle: _NormalHandle, topk_weights=None, bias=None,
@@ -316,11 +406,18 @@ class Buffer:
                              f"[rows, num_topk] like the dispatch's recv_topk_weights")
         if x.dtype != buf.dtype:
             raise TypeError(f"x is {x.dtype}; the dispatch that made the handle moved {buf.dtype}")
+        if topk_weights is None and not buf.ep_invariant:  # each slot's one row, in place
+            with torch.no_grad():
+                out, _ = torch.ops.moe_comm.combine(
+                    buf.id, x[:n].contiguous(), None, None, h.slot_of, handle.slot_rows,
+                    h.recv_slot_offsets, *h.node_tensors(), False, None, None)
+            return out, None, EventOverlap(EventHandle())
+        # per choice (weights; EP-invariant sums): moe_comm's expert-major rows
         y = torch.zeros((handle.rows, x.shape[1]), dtype=x.dtype, device=x.device)
         y[handle.first_row] = x[:n]  # one row per token: its other rows add zeros
         pair_values = None
         if topk_weights is not None:
-            slot_rows = h.slot_rows[:n].to(torch.int64)
+            slot_rows = handle.choice_rows
             used = slot_rows >= 0
             w = topk_weights[:n].float()
             if bool((w[~used] != 0).any()):
@@ -350,7 +447,7 @@ class Buffer:
         self._low_latency = moe_comm.Buffer(
             self.group, hidden=hidden, num_experts=num_experts, max_tokens_per_rank=max_tokens,
             dtype=dtype, max_topk=min(16, num_experts), low_latency=True, device=device,
-            fault_tolerant=self.enable_shrink, ep_invariant=self.ep_invariant)
+            fault_tolerant=self.enable_shrink, ep_invariant=self.ep_invariant, **self._nodes())
         return self._low_latency
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,

@@ -33,6 +33,22 @@ def flag(value, name: str) -> bool:
     return value
 
 
+def positive_int(value, name: str) -> int:
+    """A positive int option of the Buffer (``ranks_per_node``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def whole_nodes(group_size: int, ranks_per_node: int) -> None:
+    """Across nodes the group is whole nodes of ``ranks_per_node`` ranks (as DeepEP's group is
+    whole nodes of 8)."""
+    if group_size % ranks_per_node:
+        raise ValueError(f"the group's {group_size} ranks are not whole nodes of "
+                         f"{ranks_per_node} ranks (ranks_per_node, or MOE_COMM_RANKS_PER_NODE; "
+                         "default 8 as DeepEP's)")
+
+
 def num_experts(value, group_size: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise TypeError(f"num_experts must be a positive int, got {value!r}")

@@ -36,6 +36,99 @@ def _compare(named_a: dict, named_b: dict) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------- formats
+def quantize_dequantize(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``x [..., H]`` through ``fmt``'s quantizer and dequantizer, per token, back in x's dtype:
+    what the plugins' experts get from a dispatch in ``fmt`` (the kernels quantize bit for bit
+    as these references; NVFP4's global scale from all of ``x``, as the send computes it)."""
+    from moe_comm import microscale, reference
+
+    rows = x.detach().reshape(-1, x.shape[-1])
+    if fmt == "fp8":
+        out = reference.dequantize_fp8(*reference.quantize_fp8(rows))
+    elif fmt == "mxfp8":
+        out = microscale.dequantize_mxfp8(*microscale.quantize_mxfp8(rows))
+    else:
+        out = microscale.dequantize_nvfp4(*microscale.quantize_nvfp4(rows))
+    return out.to(x.dtype).reshape(x.shape)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """``quantize_dequantize`` forward, identity backward: the frameworks' own path fed the rows
+    the plugin's experts see, with the gradient the plugin gives ``x``."""
+
+    @staticmethod
+    def forward(ctx, x, fmt):
+        return quantize_dequantize(x, fmt)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def format_error_bound(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Bound of ``|quantize_dequantize(x) - x|`` per element. FP8 (README "FP8 dispatch"): at most
+    ``2**-4 |x|`` in e4m3's normal range, ``2**-10 * scale`` in its subnormal range, scale =
+    max(amax of the 128-channel group, 1e-4) / 448; MXFP8 the same with the power-of-two scale
+    of its 32-channel block. NVFP4 (from its grid: e2m1 keeps one mantissa bit, its smallest
+    step is 0.5): ``2**-2 |x|`` plus ``2**-2 * s * g`` (s, g: the block and global scales)."""
+    from moe_comm import microscale, reference
+
+    rows = x.detach().float().reshape(-1, x.shape[-1])
+    T, H = rows.shape
+    if fmt == "nvfp4":
+        _, s, g = microscale.quantize_nvfp4(rows)
+        step = (s.float() * g).repeat_interleave(microscale.NVFP4_GROUP, dim=1)
+        return (rows.abs() * 2.0 ** -2 + step * 2.0 ** -2).reshape(x.shape)
+    if fmt == "fp8":
+        scale = reference.quantize_fp8(rows)[1].repeat_interleave(128, dim=1)
+    else:
+        codes = microscale.quantize_mxfp8(rows)[1].view(torch.uint8).to(torch.int32)
+        scale = (codes << 23).view(torch.float32).repeat_interleave(microscale.MX_GROUP, dim=1)
+    return (rows.abs() * 2.0 ** -4 + scale * 2.0 ** -10).reshape(x.shape)
+
+
+def input_within_format_bound(x: torch.Tensor, fmt: str) -> bool:
+    err = (quantize_dequantize(x, fmt).double() - x.double()).abs()
+    return bool((err <= format_error_bound(x, fmt).double()).all())
+
+
+def fp8_combine_bounds(calls: list[dict], rank: int, world_size: int
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per recorded forward: the exact combine of this rank's tokens (float64, no rounding of
+    the partials) and the error bound of an FP8 combine from README "FP8 combine": per partial
+    (the sum of a token's weighted rows on one expert rank) ``2**-4`` of each element, or
+    ``2**-10 * amax / 448`` of its 128-channel group; the ranks' errors add. Collective."""
+    results = []
+    for call in calls:
+        sent = {name: call[name] for name in ("src_rank", "src_token", "y", "weights")}
+        everyone: list = [None] * world_size
+        dist.all_gather_object(everyone, sent)
+        T, H = call["out"].shape
+        parts = torch.zeros((world_size, T, H), dtype=torch.float64)
+        for d, got in enumerate(everyone):
+            mine = got["src_rank"] == rank
+            rows = got["y"][mine].double()
+            if got["weights"] is not None:
+                rows = rows * got["weights"][mine].double()[:, None]
+            parts[d].index_add_(0, got["src_token"][mine], rows)
+        amax = parts.abs().reshape(world_size, T, H // 128, 128).amax(-1).clamp(min=1e-4)
+        floor = (amax * 2.0 ** -10 / 448).repeat_interleave(128, dim=-1)
+        bound = (parts.abs() * 2.0 ** -4 + floor).sum(0)
+        results.append((parts.sum(0), bound, parts.abs().sum(0)))
+    return results
+
+
+def check_fp8_combine(ours: torch.Tensor, theirs: torch.Tensor, bounds: tuple) -> float:
+    """Largest excess of ``|ours - theirs|`` over the FP8 combine's bound (<= 0: within it):
+    ``theirs`` is the exact combine rounded to the dtype, so the bound gets two roundings of
+    the dtype (and 1e-5 of itself for the fp32 partials) on top."""
+    _, bound, magnitude = bounds
+    eps = torch.finfo(ours.dtype).eps
+    allowed = bound * (1 + 1e-5) + 2 * eps * magnitude + 1e-30
+    return float(((ours.double() - theirs.double()).abs() - allowed).max())
+
+
 # ------------------------------------------------------------------------------- EP-invariant
 class RecordingCache(BufferCache):
     """A BufferCache whose Buffers record, per forward, the dispatch's routing and the rows it
@@ -119,6 +212,29 @@ def buffer_cache_keys(rank, world_size) -> dict:
         cache.get(dist.group.WORLD, **sizes, ep_invariant=None)
     except ValueError as error:
         found["error"] = str(error)
+    cache.close()
+    return found
+
+
+def buffer_cache_fault_tolerant(rank, world_size) -> dict:
+    """The cache keys its Buffers by ``fault_tolerant`` too, and a fault-tolerant Buffer needs a
+    fixed size (sizing by the batch is a collective)."""
+    cache = BufferCache()
+    sizes = dict(hidden=16, num_experts=2 * world_size, dtype=torch.float32, max_topk=2,
+                 num_tokens=4)
+    got = {flag: [cache.get(dist.group.WORLD, **sizes, max_tokens_per_rank=8,
+                            fault_tolerant=flag) for _ in range(2)] for flag in (False, True)}
+    found = {"live": len(cache), "same": [a is b for a, b in got.values()],
+             "distinct": got[False][0] is not got[True][0],
+             "flags": {flag: [buf.fault_tolerant for buf in bufs] for flag, bufs in got.items()},
+             "errors": []}
+    for bad in (dict(max_tokens_per_rank=None, fault_tolerant=True),
+                dict(max_tokens_per_rank=8, fault_tolerant="yes")):
+        try:
+            cache.get(dist.group.WORLD, **sizes, **bad)
+        except ValueError as error:
+            found["errors"].append(str(error))
+    found["live_after"] = len(cache)
     cache.close()
     return found
 
@@ -255,7 +371,179 @@ def megatron_rejects(rank, world_size) -> dict:
             layer.token_dispatcher.set_shared_experts(None)
         except ValueError as error:
             errors["shared_expert_overlap"] = str(error)
+        # options that do not fit the layer: refused when it is built (hidden 16 here)
+        for name, params in (("fp8_hidden", {"dispatch_dtype": "fp8"}),
+                             ("mxfp8_hidden", {"dispatch_dtype": "mxfp8"}),
+                             ("combine_hidden", {"combine_dtype": "fp8"}),
+                             ("bad_dispatch_dtype", {"dispatch_dtype": "int8"}),
+                             ("bad_combine_dtype", {"combine_dtype": torch.bfloat16}),
+                             ("bad_fault_tolerant", {"fault_tolerant": 1}),
+                             ("unsized_fault_tolerant", {"fault_tolerant": True}),
+                             ("invariant_fp8_combine", {"ep_invariant": True,
+                                                        "combine_dtype": "fp8"})):
+            try:
+                _megatron_layer(_megatron_config(**base), plugin.MoeCommMoELayer, params=params)
+            except ValueError as error:
+                errors[name] = str(error)
+        layer = _megatron_layer(_megatron_config(**base), plugin.MoeCommMoELayer,
+                                params={"dispatch_dtype": "nvfp4"})  # 16 % 16 == 0: fits
+        errors["nvfp4_fits"] = layer.token_dispatcher.dispatch_dtype
     return errors
+
+
+def _run_megatron_step(layer, x, grad_out, optimizer=None) -> dict:
+    """One training step: forward, backward of ``<out, grad_out>``, then ``optimizer.step()``."""
+    tensors = _run_megatron_layer(layer, x, grad_out)
+    if optimizer is not None:
+        optimizer.step()
+    return tensors
+
+
+def megatron_formats(rank, world_size, dtype_name: str, hidden: int, num_experts: int,
+                     topk: int, tokens: tuple, seed: int, *, dispatch_dtype: str | None = None,
+                     combine_dtype: str | None = None, use: str = "spec",
+                     steps: int = 2) -> dict:
+    """The plugin's layer with ``dispatch_dtype`` / ``combine_dtype`` (``use``: "spec",
+    ``MoeCommMoELayer`` params; "apply", ``apply_megatron(...)``) against Megatron's own
+    alltoall dispatcher fed the same rows: its dispatcher's input goes through
+    ``quantize_dequantize`` (identity backward), so both layers' experts see the same
+    dequantized rows. Per step: ``_compare`` of everything; ``plain_differs``, whether the
+    output differs from Megatron's unquantized path; ``input_in_bound``, the dequantized rows
+    within the format's bound of ``x``; with the FP8 combine, ``combine_excess`` (see
+    :func:`check_fp8_combine`) and whether the output differs from Megatron's."""
+    from framework_shims import megatron_cpu_shims, megatron_parallel_state
+    from moe_comm.integrations import megatron as plugin
+
+    dtype = DTYPES[dtype_name]
+    seq, batch = tokens[rank]
+    report: dict = {"steps": []}
+    cache = RecordingCache()
+    options = {"dispatch_dtype": dispatch_dtype, "combine_dtype": combine_dtype}
+    with megatron_cpu_shims(), megatron_parallel_state(world_size):
+        torch.manual_seed(seed)
+        config = _megatron_config(world_size, dtype, hidden, num_experts, topk, "alltoall",
+                                  None, False)
+        theirs = _megatron_layer(config)
+        if use == "spec":
+            ours = _megatron_layer(config, plugin.MoeCommMoELayer, params=options)
+        else:
+            settings = dict(plugin._settings)
+            assert plugin.apply_megatron(**options)
+            try:
+                ours = _megatron_layer(config)
+            finally:
+                plugin.revert_megatron()
+                plugin._settings.update(settings)
+        ours.token_dispatcher.buffer_cache = cache
+        ours.load_state_dict(theirs.state_dict())
+        report["our_dispatcher"] = type(ours.token_dispatcher).__name__
+        report["formats"] = (ours.token_dispatcher.dispatch_dtype,
+                             ours.token_dispatcher.combine_dtype)
+        preprocess = theirs.token_dispatcher.dispatch_preprocess
+        fed = {"quantized": False}
+
+        def quantized_preprocess(hidden_states, routing_map, probs):
+            if fed["quantized"] and dispatch_dtype is not None:
+                hidden_states = _StraightThrough.apply(hidden_states, dispatch_dtype)
+            return preprocess(hidden_states, routing_map, probs)
+
+        theirs.token_dispatcher.dispatch_preprocess = quantized_preprocess
+        g = torch.Generator().manual_seed(seed * 100 + rank)
+        outs = []
+        for _ in range(steps):
+            x = torch.randn((seq, batch, hidden), generator=g).to(dtype)
+            grad_out = torch.randn((seq, batch, hidden), generator=g).to(dtype)
+            plain = _run_megatron_layer(theirs, x, grad_out)["out"]
+            fed["quantized"] = True
+            want = _run_megatron_layer(theirs, x, grad_out)
+            fed["quantized"] = False
+            got = _run_megatron_layer(ours, x, grad_out)
+            compared = _compare(want, got)
+            compared["plain_differs"] = not torch.equal(plain, got["out"])
+            compared["input_in_bound"] = (dispatch_dtype is None
+                                          or input_within_format_bound(x, dispatch_dtype))
+            report["steps"].append(compared)
+            outs.append((got["out"].reshape(-1, hidden), want["out"].reshape(-1, hidden)))
+        if combine_dtype is not None:
+            for step, bounds in zip(report["steps"],
+                                    fp8_combine_bounds(cache.calls, rank, world_size)):
+                ours_out, their_out = outs.pop(0)
+                step["combine_excess"] = check_fp8_combine(ours_out, their_out, bounds)
+        report["bytes_to_peers"] = ours.token_dispatcher.buffer.stats()["dispatch_bytes_to_peers"]
+        cache.close()
+    return report
+
+
+def _kill_at(obj, name: str) -> None:
+    """This process dies (SIGKILL) when ``obj.name`` is next called."""
+    import os
+    import signal
+
+    setattr(obj, name, lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL))
+
+
+def megatron_fault_step(rank, world_size, hidden: int, num_experts: int, topk: int,
+                        tokens: tuple, seed: int, doomed: int, max_tokens: int) -> dict:
+    """``apply_megatron(fault_tolerant=True, max_tokens_per_rank=max_tokens)``; step 0 on every
+    rank; rank ``doomed`` dies (SIGKILL) inside training step 1, when its layer reaches the
+    dispatch; the survivors complete steps 1 and 2 (forward, backward, SGD). The reference,
+    computed before the death by Megatron's own alltoall dispatcher on every rank: the same
+    steps with the router's choices of the dead rank's experts dropped and the dead rank
+    sending no token (what the survivors' layers see). Per survivor: ``_compare`` of each
+    step, the parameters after the steps, and the Buffer's active ranks."""
+    from framework_shims import megatron_cpu_shims, megatron_parallel_state
+    from moe_comm.integrations import megatron as plugin
+
+    seq, batch = tokens[rank]
+    report: dict = {}
+    L = num_experts // world_size
+    with megatron_cpu_shims(), megatron_parallel_state(world_size):
+        torch.manual_seed(seed)
+        config = _megatron_config(world_size, torch.float32, hidden, num_experts, topk,
+                                  "alltoall", None, False)
+        theirs = _megatron_layer(config)
+        settings = dict(plugin._settings)
+        assert plugin.apply_megatron(max_tokens_per_rank=max_tokens, fault_tolerant=True)
+        try:
+            ours = _megatron_layer(config)
+        finally:
+            plugin.revert_megatron()
+            plugin._settings.update(settings)
+        ours.token_dispatcher.buffer_cache = cache = BufferCache()
+        ours.load_state_dict(theirs.state_dict())
+        g = torch.Generator().manual_seed(seed * 100 + rank)
+        inputs = [(torch.randn((seq, batch, hidden), generator=g),
+                   torch.randn((seq, batch, hidden), generator=g)) for _ in range(3)]
+        report["step0"] = _compare(_run_megatron_step(theirs, *inputs[0]),
+                                   _run_megatron_step(ours, *inputs[0]))
+        report["fault_tolerant"] = ours.token_dispatcher.buffer.fault_tolerant
+        route = theirs.router.forward
+        keep = torch.ones(num_experts, dtype=torch.bool)
+        keep[doomed * L:(doomed + 1) * L] = False
+        if rank == doomed:
+            keep[:] = False
+
+        def survivors_route(*args, **kwargs):
+            probs, routing_map = route(*args, **kwargs)
+            return probs * keep, routing_map & keep
+
+        theirs.router.forward = survivors_route
+        sgd = torch.optim.SGD(theirs.parameters(), lr=0.1)
+        want = [_run_megatron_step(theirs, *inputs[s], sgd) for s in (1, 2)]
+        report["dropped"] = int((~keep).sum())
+        if rank == doomed:
+            _kill_at(ours.token_dispatcher.buffer, "dispatch")
+        sgd = torch.optim.SGD(ours.parameters(), lr=0.1)
+        got = [_run_megatron_step(ours, *inputs[s], sgd) for s in (1, 2)]
+        report["steps"] = [_compare(a, b) for a, b in zip(want, got)]
+        mine = dict(ours.named_parameters())
+        report["params_equal"] = all(torch.equal(p, mine[name])
+                                     for name, p in theirs.named_parameters())
+        report["finite"] = all(bool(torch.isfinite(t).all()) for step in got
+                               for t in step.values() if t is not None)
+        report["active"] = ours.token_dispatcher.buffer.active_ranks().tolist()
+        cache.close()
+    return report
 
 
 # ------------------------------------------------------------------------------- DeepSpeed
@@ -357,6 +645,187 @@ def deepspeed_parity(rank, world_size, dtype_name: str, hidden: int, num_experts
     report["capacity"] = int(gate_out[1])
     cache.close()
     return report
+
+
+def deepspeed_formats(rank, world_size, dtype_name: str, hidden: int, num_experts: int,
+                      topk: int, tokens: int, seed: int, *, mode: str, drop_tokens: bool,
+                      dispatch_dtype: str | None = None, combine_dtype: str | None = None,
+                      use: str = "class", steps: int = 2) -> dict:
+    """``MoeCommMOELayer`` with ``dispatch_dtype`` / ``combine_dtype`` (``use``: "class",
+    ``convert(...)``; "apply", ``apply_deepspeed(...)``) against DeepSpeed's own ``MOELayer``
+    fed the same rows: the tokens it places in its expert blocks (``sharded_moe._sparse_encode``)
+    go through ``quantize_dequantize`` (identity backward). Reports as
+    :func:`megatron_formats`."""
+    from framework_shims import deepspeed_cpu_env
+
+    deepspeed = deepspeed_cpu_env()
+    from deepspeed.moe import sharded_moe
+
+    from moe_comm.integrations import deepspeed as plugin
+
+    dtype = DTYPES[dtype_name]
+    cache = RecordingCache()
+    options = {"dispatch_dtype": dispatch_dtype, "combine_dtype": combine_dtype}
+    theirs = _deepspeed_moe(deepspeed, world_size, hidden, num_experts, topk, drop_tokens, seed,
+                            1.0, 1)
+    if use == "apply":
+        settings = dict(plugin._settings)
+        assert plugin.apply_deepspeed(mode=mode, **options)
+        try:
+            ours = _deepspeed_moe(deepspeed, world_size, hidden, num_experts, topk, drop_tokens,
+                                  seed, 1.0, 1)
+        finally:
+            plugin.revert_deepspeed()
+            plugin._settings.update(settings)
+    else:
+        ours = _deepspeed_moe(deepspeed, world_size, hidden, num_experts, topk, drop_tokens,
+                              seed, 1.0, 1)
+        plugin.convert(ours, mode=mode, **options)
+    layer = ours.deepspeed_moe
+    layer.buffer_cache = cache
+    ours.load_state_dict(theirs.state_dict())
+    theirs.to(dtype)
+    ours.to(dtype)
+    report: dict = {"steps": [], "our_layer": type(layer).__name__,
+                    "formats": (layer.dispatch_dtype, layer.combine_dtype)}
+    encode = sharded_moe._sparse_encode
+
+    def quantized_encode(reshaped_input, *args):
+        return encode(_StraightThrough.apply(reshaped_input, dispatch_dtype), *args)
+
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    outs = []
+    for _ in range(steps):
+        x = torch.randn((2, tokens // 2, hidden), generator=g).to(dtype)
+        grad_out = torch.randn((2, tokens // 2, hidden), generator=g).to(dtype)
+        plain = _run_deepspeed_moe(theirs, x, grad_out)["out"]
+        if dispatch_dtype is not None:
+            sharded_moe._sparse_encode = quantized_encode
+        try:
+            want = _run_deepspeed_moe(theirs, x, grad_out)
+        finally:
+            sharded_moe._sparse_encode = encode
+        got = _run_deepspeed_moe(ours, x, grad_out)
+        compared = _compare(want, got)
+        compared["plain_differs"] = not torch.equal(plain, got["out"])
+        compared["input_in_bound"] = (dispatch_dtype is None
+                                      or input_within_format_bound(x, dispatch_dtype))
+        report["steps"].append(compared)
+        outs.append((got["out"].reshape(-1, hidden), want["out"].reshape(-1, hidden)))
+    if combine_dtype is not None:
+        for step, bounds in zip(report["steps"],
+                                fp8_combine_bounds(cache.calls, rank, world_size)):
+            ours_out, their_out = outs.pop(0)
+            step["combine_excess"] = check_fp8_combine(ours_out, their_out, bounds)
+    report["bytes_to_peers"] = layer.buffer.stats()["dispatch_bytes_to_peers"]
+    cache.close()
+    return report
+
+
+def deepspeed_fault_step(rank, world_size, hidden: int, num_experts: int, topk: int,
+                         tokens: int, seed: int, doomed: int, max_tokens: int,
+                         mode: str = "dropless") -> dict:
+    """``convert(..., mode, fault_tolerant=True, max_tokens_per_rank=max_tokens)``; step 0 on
+    every rank; rank ``doomed`` dies (SIGKILL) inside training step 1, when its layer calls the
+    Buffer's dispatch; the survivors complete steps 1 and 2 (forward, backward, SGD). The
+    reference, computed before the death by DeepSpeed's own ``MOELayer`` (``drop_tokens=False``
+    for the dropless mode) on every rank: the same steps with the gate's choices of the dead
+    rank's experts dropped (index -1) and the dead rank sending no token. Reports as
+    :func:`megatron_fault_step`."""
+    from framework_shims import deepspeed_cpu_env
+
+    deepspeed = deepspeed_cpu_env()
+    from moe_comm.integrations import deepspeed as plugin
+
+    drop_tokens = mode == "capacity"
+    L = num_experts // world_size
+    theirs = _deepspeed_moe(deepspeed, world_size, hidden, num_experts, topk, drop_tokens, seed,
+                            1.0, 1)
+    ours = _deepspeed_moe(deepspeed, world_size, hidden, num_experts, topk, drop_tokens, seed,
+                          1.0, 1)
+    cache = BufferCache()
+    plugin.convert(ours, mode=mode, fault_tolerant=True, max_tokens_per_rank=max_tokens,
+                   buffer_cache=cache)
+    ours.load_state_dict(theirs.state_dict())
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    inputs = [(torch.randn((2, tokens // 2, hidden), generator=g),
+               torch.randn((2, tokens // 2, hidden), generator=g)) for _ in range(3)]
+    report: dict = {"step0": _compare(_run_deepspeed_moe(theirs, *inputs[0]),
+                                      _run_deepspeed_moe(ours, *inputs[0]))}
+    layer = ours.deepspeed_moe
+    report["fault_tolerant"] = layer.buffer.fault_tolerant
+    gate = theirs.deepspeed_moe.gate
+    route = gate.forward
+
+    def survivors_route(*args, **kwargs):
+        out = list(route(*args, **kwargs))
+        indices = out[3]
+        drop = (indices >= 0) & ((indices.long() // L == doomed) | (rank == doomed))
+        out[3] = torch.where(drop, torch.full_like(indices, -1), indices)
+        report["dropped"] = report.get("dropped", 0) + int(drop.sum())
+        return tuple(out)
+
+    gate.forward = survivors_route
+
+    def step(moe, optimizer, x, grad_out):
+        tensors = _run_deepspeed_moe(moe, x, grad_out)
+        optimizer.step()
+        return tensors
+
+    sgd = torch.optim.SGD(theirs.parameters(), lr=0.1)
+    want = [step(theirs, sgd, *inputs[s]) for s in (1, 2)]
+    if rank == doomed:
+        _kill_at(layer.buffer, "dispatch")
+    sgd = torch.optim.SGD(ours.parameters(), lr=0.1)
+    got = [step(ours, sgd, *inputs[s]) for s in (1, 2)]
+    report["steps"] = [_compare(a, b) for a, b in zip(want, got)]
+    mine = dict(ours.named_parameters())
+    with torch.no_grad():
+        report["params_diff"] = max(_diff(p, mine[name])
+                                    for name, p in theirs.named_parameters())
+        report["params_scale"] = max(float(p.abs().max()) for p in theirs.parameters())
+    report["finite"] = all(bool(torch.isfinite(t.float()).all()) for s in got
+                           for t in s.values() if t is not None)
+    report["active"] = layer.buffer.active_ranks().tolist()
+    cache.close()
+    return report
+
+
+def deepspeed_rejects(rank, world_size) -> dict:
+    """What the plugin refuses, each with its message, before anything is sent."""
+    from framework_shims import deepspeed_cpu_env
+
+    deepspeed = deepspeed_cpu_env()
+    from moe_comm.integrations import deepspeed as plugin
+
+    errors = {}
+    x = torch.randn((2, 4, 16))
+    for name, options, drop_tokens in (
+            ("fp8_hidden", {"dispatch_dtype": "fp8"}, True),
+            ("combine_hidden", {"combine_dtype": "fp8"}, True),
+            ("capacity_without_drops", {"mode": "capacity", "fault_tolerant": True,
+                                        "max_tokens_per_rank": 8}, False)):
+        moe = _deepspeed_moe(deepspeed, world_size, 16, 2 * world_size, 2, drop_tokens, 1,
+                             1.0, 1)
+        plugin.convert(moe, **options)
+        try:
+            moe(x)
+        except ValueError as error:
+            errors[name] = str(error)
+        if moe.deepspeed_moe.buffer is not None:
+            errors[name + ": sent"] = True
+    moe = _deepspeed_moe(deepspeed, world_size, 16, 2 * world_size, 2, True, 1, 1.0, 1)
+    for name, options in (("bad_dispatch_dtype", {"dispatch_dtype": "fp4"}),
+                          ("bad_combine_dtype", {"combine_dtype": "nvfp4"}),
+                          ("bad_fault_tolerant", {"fault_tolerant": None}),
+                          ("unsized_fault_tolerant", {"fault_tolerant": True}),
+                          ("invariant_fp8_combine", {"ep_invariant": True,
+                                                     "combine_dtype": "fp8"})):
+        try:
+            plugin.convert(moe, **options)
+        except ValueError as error:
+            errors[name] = str(error)
+    return errors
 
 
 # ------------------------------------------------------------------------------- benchmark

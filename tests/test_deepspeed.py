@@ -22,8 +22,14 @@ pytest.importorskip("deepspeed.moe.sharded_moe",
 
 import torch
 
-from integration_jobs import deepspeed_parity
+from integration_jobs import (
+    deepspeed_fault_step,
+    deepspeed_formats,
+    deepspeed_parity,
+    deepspeed_rejects,
+)
 from moe_comm.integrations import deepspeed as plugin
+from moe_comm.launch import RankPool
 
 FP32_RTOL = 1e-5
 
@@ -129,6 +135,119 @@ def test_ep_invariant_dropless_mode_through_apply_deepspeed(ranks):
     check_ep_invariant(reports)
     with pytest.raises(ValueError, match="ep_invariant must be True or False"):
         plugin.apply_deepspeed(ep_invariant="yes")
+
+
+def check_formats(reports, *, exact: bool, fp8_combine: bool = False):
+    """Every tensor of every step equal to DeepSpeed's (``exact``; else within fp32 rounding,
+    the dropless mode's), the output within the FP8 combine's bound instead with
+    ``fp8_combine``; the format visible in the output."""
+    for rank, rep in enumerate(reports):
+        assert rep["our_layer"] == "MoeCommMOELayer" and rep["bytes_to_peers"] > 0, rep
+        for step, tensors in enumerate(rep["steps"]):
+            where = f"rank {rank} step {step}"
+            assert tensors.pop("plain_differs"), f"{where}: the output is the unquantized one"
+            assert tensors.pop("input_in_bound"), f"{where}: rows outside the format's bound"
+            excess = tensors.pop("combine_excess", None)
+            if fp8_combine:
+                assert excess is not None and excess <= 0, \
+                    f"{where}: the FP8 combine exceeds its bound by {excess}"
+                assert not tensors["out"][0], f"{where}: the FP8 combine changed nothing"
+            for name in ("out", "x.grad", "deepspeed_moe.gate.wg.weight.grad"):
+                assert tensors[name][2] > 0, f"{where}: {name} is all zeros"
+            assert tensors["exp_counts"][0] and tensors["l_aux"][0], "routing differs"
+            for name, (equal, diff, scale) in tensors.items():
+                if fp8_combine and name == "out":
+                    continue
+                if exact:
+                    assert equal, f"{where}: {name} differs by {diff:.3e}"
+                else:
+                    assert diff <= FP32_RTOL * max(scale, 1.0), \
+                        f"{where}: {name} differs by {diff:.3e}"
+
+
+@pytest.mark.parametrize("dispatch_dtype, use", [("fp8", "class"), ("mxfp8", "class"),
+                                                 ("nvfp4", "apply")])
+def test_quantized_dispatch_equals_deepspeed_fed_the_same_rows(ranks, dispatch_dtype, use):
+    """``convert(..., dispatch_dtype=...)`` (or ``apply_deepspeed``), capacity mode, top-2 fp32:
+    the tokens travel quantized and the experts get them dequantized. DeepSpeed's own layer
+    with the tokens it places in its expert blocks put through ``dequantize(quantize(x))``
+    (identity backward: the plugin's straight-through gradient) gives the same output and
+    gradients bit for bit; the rows are within the format's bound of ``x`` (FP8, MXFP8: 2**-4
+    relative, 2**-10 * scale near zero, README "FP8 dispatch"; NVFP4: 2**-2 relative plus
+    2**-2 * block scale, from its grid), and the output differs from DeepSpeed's unquantized
+    one."""
+    reports = ranks(2).run(deepspeed_formats, "float32", 128, 8, 2, 16, seed=71,
+                           mode="capacity", drop_tokens=True, dispatch_dtype=dispatch_dtype,
+                           use=use)
+    for rep in reports:
+        assert rep["formats"] == (dispatch_dtype, None)
+    check_formats(reports, exact=True)
+
+
+@pytest.mark.parametrize("mode, dispatch_dtype", [("capacity", "fp8"), ("dropless", "nvfp4")])
+def test_fp8_combine_output_within_its_bound(ranks, mode, dispatch_dtype):
+    """``combine_dtype="fp8"``: each expert rank's weighted partial sum of a token travels as
+    FP8. The output differs from DeepSpeed's (fed the same rows) by at most the documented
+    bound of the FP8 combine (README "FP8 combine": per partial 2**-4 of each element or
+    2**-10 * amax / 448 of its 128-channel group, the ranks' errors added; plus the dtype's
+    rounding of both outputs), computed from the rows and gate values the ranks combined. The
+    backward is the exact combine's: gradients bit for bit in capacity mode, to fp32 rounding
+    in dropless mode (as without the formats)."""
+    reports = ranks(2).run(deepspeed_formats, "float32", 128, 8, 2, 16, seed=72, mode=mode,
+                           drop_tokens=mode == "capacity", dispatch_dtype=dispatch_dtype,
+                           combine_dtype="fp8")
+    check_formats(reports, exact=mode == "capacity", fp8_combine=True)
+
+
+@pytest.mark.parametrize("mode", ["dropless", "capacity"])
+def test_fault_tolerant_step_completes_on_the_survivors(mode):
+    """``convert(..., fault_tolerant=True, max_tokens_per_rank=16)`` on 3 ranks; rank 1 is
+    killed (SIGKILL) inside training step 1, as its layer calls the dispatch. Ranks 0 and 2
+    complete steps 1 and 2 (forward, backward, SGD) against DeepSpeed's own layer running the
+    same steps (before the death, on all ranks) with the gate's choices of rank 1's experts
+    dropped and rank 1 sending no token: bit for bit in capacity mode (``drop_tokens=True``),
+    to fp32 rounding in dropless mode (against ``drop_tokens=False``, as without faults; its
+    gate then skips DeepSpeed's capacity all_reduce, which would wait for the dead rank)."""
+    with RankPool(3) as pool:  # of its own: a killed rank breaks its process group
+        reports = pool.run(deepspeed_fault_step, 16, 6, 2, 16, 81, doomed=1, max_tokens=16,
+                           mode=mode, may_die=(1,))
+    assert reports[1] is None, "rank 1 was not killed"
+    exact = mode == "capacity"
+    for rank in (0, 2):
+        rep = reports[rank]
+        assert rep["fault_tolerant"] and rep["active"] == [True, False, True], rep
+        assert rep["dropped"] > 0 and rep["finite"], rep
+        assert rep["params_diff"] <= (0.0 if exact else FP32_RTOL * rep["params_scale"]), rep
+        for step, tensors in enumerate([rep["step0"], *rep["steps"]]):
+            for name in ("out", "x.grad", "deepspeed_moe.gate.wg.weight.grad"):
+                assert tensors[name][2] > 0, f"rank {rank} step {step}: {name} is all zeros"
+            for name, (equal, diff, scale) in tensors.items():
+                where = f"rank {rank} step {step}: {name}"
+                if exact:
+                    assert equal, f"{where} differs by {diff:.3e}"
+                else:
+                    assert diff <= FP32_RTOL * max(scale, 1.0), f"{where} differs by {diff:.3e}"
+
+
+def test_format_and_fault_tolerance_options_are_refused_before_anything_is_sent(ranks):
+    for errors in ranks(2).run(deepspeed_rejects):
+        assert "dispatch_dtype='fp8' needs hidden % 128 == 0" in errors["fp8_hidden"]
+        assert "combine_dtype='fp8' needs hidden % 128 == 0" in errors["combine_hidden"]
+        assert "needs drop_tokens=True" in errors["capacity_without_drops"]
+        assert "dispatch_dtype must be one of" in errors["bad_dispatch_dtype"]
+        assert "combine_dtype must be one of" in errors["bad_combine_dtype"]
+        assert "fault_tolerant must be True or False" in errors["bad_fault_tolerant"]
+        assert "needs a fixed max_tokens_per_rank" in errors["unsized_fault_tolerant"]
+        assert "cannot go with ep_invariant=True" in errors["invariant_fp8_combine"]
+        assert not any(name.endswith(": sent") for name in errors), errors
+    settings = dict(plugin._settings)
+    for options, message in (({"dispatch_dtype": "e4m3"}, "dispatch_dtype must be one of"),
+                             ({"combine_dtype": "nvfp4"}, "combine_dtype must be one of"),
+                             ({"fault_tolerant": 0}, "fault_tolerant must be True or False"),
+                             ({"fault_tolerant": True}, "needs a fixed max_tokens_per_rank")):
+        with pytest.raises(ValueError, match=message):
+            plugin.apply_deepspeed(**options)
+    assert not plugin.is_applied() and plugin._settings == settings
 
 
 def test_capacity_slots_follow_deepspeed_order():

@@ -38,6 +38,20 @@ Expert ``e`` lives on rank ``e // num_local_experts`` of the expert-parallel gro
 DeepSpeed. Not supported: tensor parallelism of the non-expert part (``groups.mpu`` with TP >
 1) and Tutel's dispatcher (ignored). Expert modules must act row-wise on ``[..., H]``, which
 DeepSpeed's own padded blocks already assume.
+
+Fault tolerance and formats (README "Fault tolerance", "FP8 dispatch", "FP8 combine";
+:mod:`moe_comm.integrations`), in ``apply_deepspeed``, ``convert`` and the class:
+``fault_tolerant=True`` (with ``max_tokens_per_rank``) builds the Buffer with
+``moe_comm.Buffer(..., fault_tolerant=True)``: a rank that dies is excluded and the survivors'
+layers complete forward and backward, the dead rank's experts left out of each token's sum (as
+if the gate had dropped those choices). The dropless mode's gate then skips DeepSpeed's capacity
+agreement (an all_reduce over the expert-parallel group whose result that mode does not use);
+the capacity mode needs ``drop_tokens=True`` (its capacity is then computed locally; with
+``drop_tokens=False`` it is agreed by that all_reduce: refused). ``dispatch_dtype="fp8" |
+"mxfp8" | "nvfp4"``: the tokens travel quantized and the experts get them dequantized to the
+layer's dtype, the input gradient straight through; ``combine_dtype="fp8"``: the weighted
+partial sums travel as FP8. Bad values raise ValueError naming the option before anything is
+sent.
 """
 from __future__ import annotations
 
@@ -47,7 +61,18 @@ import warnings
 import torch
 from torch import nn
 
-from . import BufferCache, _check_ep_invariant, buffers
+from . import (
+    FROM_SETTINGS,
+    BufferCache,
+    _check_combine_dtype,
+    _check_dispatch_dtype,
+    _check_ep_invariant,
+    _check_fault_tolerant,
+    _check_formats,
+    _check_sizing,
+    buffers,
+    dispatch,
+)
 
 # MoeCommMOELayer subclasses DeepSpeed's MOELayer, so it is made on first access (module
 # __getattr__), when deepspeed is imported.
@@ -56,7 +81,8 @@ __all__ = ["apply_deepspeed", "revert_deepspeed", "convert", "is_applied", "avai
 
 MODES = ("dropless", "capacity")
 _originals: dict[str, type] = {}
-_settings: dict = {"mode": "dropless", "max_tokens_per_rank": None, "ep_invariant": False}
+_settings: dict = {"mode": "dropless", "max_tokens_per_rank": None, "ep_invariant": False,
+                   "fault_tolerant": False, "dispatch_dtype": None, "combine_dtype": None}
 _classes: dict[str, type] = {}
 
 
@@ -86,15 +112,27 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"mode={mode!r}; choose one of {MODES}")
 
 
-def apply_deepspeed(mode: str = "dropless", max_tokens_per_rank: int | None = None,
-                    ep_invariant: bool = False) -> bool:
-    """Makes every ``deepspeed.moe.layer.MoE`` built from now on use :class:`MoeCommMOELayer`
-    in ``mode`` (``ep_invariant``: its Buffer's ``moe_comm.Buffer(..., ep_invariant=...)``).
-    Idempotent (a second call only updates ``mode``, ``max_tokens_per_rank`` and
-    ``ep_invariant`` for layers built afterwards). Returns False, with a warning and no change,
-    when DeepSpeed is not installed."""
+def _check_options(mode, max_tokens_per_rank, ep_invariant, fault_tolerant, dispatch_dtype,
+                   combine_dtype) -> None:
     _check_mode(mode)
     _check_ep_invariant(ep_invariant)
+    _check_fault_tolerant(fault_tolerant)
+    _check_sizing(fault_tolerant, max_tokens_per_rank)
+    _check_formats(dispatch_dtype, combine_dtype, ep_invariant=ep_invariant)
+
+
+def apply_deepspeed(mode: str = "dropless", max_tokens_per_rank: int | None = None,
+                    ep_invariant: bool = False, fault_tolerant: bool = False,
+                    dispatch_dtype: str | None = None, combine_dtype: str | None = None) -> bool:
+    """Makes every ``deepspeed.moe.layer.MoE`` built from now on use :class:`MoeCommMOELayer`
+    in ``mode`` (``ep_invariant``, ``fault_tolerant``: its Buffer's ``moe_comm.Buffer(...,
+    ep_invariant=..., fault_tolerant=...)``, ``fault_tolerant`` with ``max_tokens_per_rank``;
+    ``dispatch_dtype`` None, "fp8", "mxfp8", "nvfp4" and ``combine_dtype`` None, "fp8": the
+    formats on the wire). Idempotent (a second call only updates the options for layers built
+    afterwards). Returns False, with a warning and no change, when DeepSpeed is not
+    installed."""
+    _check_options(mode, max_tokens_per_rank, ep_invariant, fault_tolerant, dispatch_dtype,
+                   combine_dtype)
     try:
         layer, _ = _import_deepspeed_moe()
     except ImportError as error:
@@ -102,7 +140,8 @@ def apply_deepspeed(mode: str = "dropless", max_tokens_per_rank: int | None = No
                       "changed. pip install deepspeed to use the plugin.", stacklevel=2)
         return False
     _settings.update(mode=mode, max_tokens_per_rank=max_tokens_per_rank,
-                     ep_invariant=ep_invariant)
+                     ep_invariant=ep_invariant, fault_tolerant=fault_tolerant,
+                     dispatch_dtype=dispatch_dtype, combine_dtype=combine_dtype)
     if not _originals:
         _originals["MOELayer"] = layer.MOELayer
         layer.MOELayer = _layer_class()
@@ -118,19 +157,22 @@ def revert_deepspeed() -> None:
 
 
 def convert(module: nn.Module, mode: str = "dropless", max_tokens_per_rank: int | None = None,
-            buffer_cache: BufferCache | None = None, ep_invariant: bool = False) -> int:
+            buffer_cache: BufferCache | None = None, ep_invariant: bool = False,
+            fault_tolerant: bool = False, dispatch_dtype: str | None = None,
+            combine_dtype: str | None = None) -> int:
     """Turns every DeepSpeed ``MOELayer`` inside ``module`` into a :class:`MoeCommMOELayer`
     in place (same parameters, same process groups); returns how many were converted.
-    Layers converted before get the new ``mode`` and ``ep_invariant``."""
-    _check_mode(mode)
-    _check_ep_invariant(ep_invariant)
+    Layers converted before get the new options."""
+    _check_options(mode, max_tokens_per_rank, ep_invariant, fault_tolerant, dispatch_dtype,
+                   combine_dtype)
     _, sharded_moe = _import_deepspeed_moe()
     cls = _layer_class()
     count = 0
     for sub in module.modules():
         if isinstance(sub, sharded_moe.MOELayer):
             sub.__class__ = cls
-            sub._moe_comm_setup(mode, max_tokens_per_rank, buffer_cache, ep_invariant)
+            sub._moe_comm_setup(mode, max_tokens_per_rank, buffer_cache, ep_invariant,
+                                fault_tolerant, dispatch_dtype, combine_dtype)
             count += 1
     return count
 
@@ -173,37 +215,54 @@ def _layer_class() -> type:
     class MoeCommMOELayer(sharded_moe.MOELayer):
         """DeepSpeed ``MOELayer`` whose token movement is ``moe_comm`` dispatch/combine (see
         the module doc). Same constructor as DeepSpeed's, plus keyword-only ``mode``,
-        ``max_tokens_per_rank``, ``buffer_cache`` and ``ep_invariant`` (None for ``mode``,
-        ``max_tokens_per_rank`` and ``ep_invariant``: :func:`apply_deepspeed`'s)."""
+        ``max_tokens_per_rank``, ``buffer_cache``, ``ep_invariant``, ``fault_tolerant``,
+        ``dispatch_dtype`` and ``combine_dtype`` (None for ``mode``, ``max_tokens_per_rank``,
+        ``ep_invariant`` and ``fault_tolerant``, and the two formats left out:
+        :func:`apply_deepspeed`'s; a format given as None: no quantization)."""
 
         def __init__(self, *args, mode: str | None = None,
                      max_tokens_per_rank: int | None = None,
                      buffer_cache: BufferCache | None = None,
-                     ep_invariant: bool | None = None, **kwargs):
+                     ep_invariant: bool | None = None, fault_tolerant: bool | None = None,
+                     dispatch_dtype=FROM_SETTINGS, combine_dtype=FROM_SETTINGS, **kwargs):
+            for check, value in ((_check_ep_invariant, ep_invariant),
+                                 (_check_fault_tolerant, fault_tolerant)):
+                if value is not None:
+                    check(value)
+            if dispatch_dtype is not FROM_SETTINGS:
+                _check_dispatch_dtype(dispatch_dtype)
+            if combine_dtype is not FROM_SETTINGS:
+                _check_combine_dtype(combine_dtype)
             super().__init__(*args, **kwargs)
-            self._moe_comm_setup(mode, max_tokens_per_rank, buffer_cache, ep_invariant)
+            self._moe_comm_setup(mode, max_tokens_per_rank, buffer_cache, ep_invariant,
+                                 fault_tolerant, dispatch_dtype, combine_dtype)
 
         def _moe_comm_setup(self, mode, max_tokens_per_rank, buffer_cache,
-                            ep_invariant=None) -> None:
-            mode = _settings["mode"] if mode is None else mode
-            _check_mode(mode)
-            self.mode = mode
-            self.ep_invariant = _check_ep_invariant(
-                _settings["ep_invariant"] if ep_invariant is None else ep_invariant)
-            self.max_tokens_per_rank = (max_tokens_per_rank if max_tokens_per_rank is not None
-                                        else _settings["max_tokens_per_rank"])
+                            ep_invariant=None, fault_tolerant=None,
+                            dispatch_dtype=FROM_SETTINGS, combine_dtype=FROM_SETTINGS) -> None:
+            options = dict(mode=mode, max_tokens_per_rank=max_tokens_per_rank,
+                           ep_invariant=ep_invariant, fault_tolerant=fault_tolerant)
+            options = {k: _settings[k] if v is None else v for k, v in options.items()}
+            for name, value in (("dispatch_dtype", dispatch_dtype),
+                                ("combine_dtype", combine_dtype)):
+                options[name] = _settings[name] if value is FROM_SETTINGS else value
+            _check_options(**options)
+            for name, value in options.items():
+                setattr(self, name, value)
             self.buffer_cache = buffer_cache if buffer_cache is not None else buffers
             self.buffer = None
 
         def _gate(self, reshaped_input, used_token):
             if self.mode == "capacity":
                 return self.gate(reshaped_input, used_token, True, False)
-            drop = self.gate.drop_tokens
+            drop, group = self.gate.drop_tokens, self.gate.ep_group
             self.gate.drop_tokens = False
+            if self.fault_tolerant:  # no capacity agreement (all_reduce): dropless ignores it
+                self.gate.ep_group = None
             try:
                 return self.gate(reshaped_input, used_token, True, False)
             finally:
-                self.gate.drop_tokens = drop
+                self.gate.drop_tokens, self.gate.ep_group = drop, group
 
         def forward(self, *input: torch.Tensor, **kwargs) -> torch.Tensor:
             if bwc_tensor_model_parallel_world_size(groups.mpu) > 1:
@@ -214,6 +273,14 @@ def _layer_class() -> type:
                                    "MoE.set_deepspeed_parallelism() or deepspeed.initialize()")
             hidden = input[0].shape[-1]
             x = input[0].reshape(-1, hidden)
+            _check_formats(self.dispatch_dtype, self.combine_dtype, hidden=hidden,
+                           dtype=x.dtype, ep_invariant=self.ep_invariant)
+            _check_sizing(self.fault_tolerant, self.max_tokens_per_rank)
+            if self.fault_tolerant and self.mode == "capacity" and not self.gate.drop_tokens:
+                raise ValueError("fault_tolerant=True in mode='capacity' needs drop_tokens=True: "
+                                 "with drop_tokens=False DeepSpeed's gate agrees on the "
+                                 "capacity with an all_reduce over the expert-parallel group, "
+                                 "which a dead rank would block; use mode='dropless'")
             used_token = input[1] if len(input) > 1 else None
             self.l_aux, capacity, num_experts, indices, locations, gates, self.exp_counts = \
                 self._gate(x, used_token)
@@ -230,13 +297,15 @@ def _layer_class() -> type:
                 self.ep_group, hidden=hidden, num_experts=num_experts, dtype=x.dtype,
                 max_topk=topk, num_tokens=x.shape[0],
                 max_tokens_per_rank=self.max_tokens_per_rank, device=x.device,
-                ep_invariant=self.ep_invariant)
-            res = self.buffer.dispatch(x.contiguous(), topk_idx, weights.contiguous())
+                ep_invariant=self.ep_invariant, fault_tolerant=self.fault_tolerant)
+            res = dispatch(self.buffer, x.contiguous(), topk_idx, weights.contiguous(),
+                           self.dispatch_dtype)
             if self.mode == "capacity":
                 y, row_weights = self._capacity_experts(res, int(capacity), second)
             else:
                 y, row_weights = self._dropless_experts(res), res.weights
-            out = self.buffer.combine(y, res.handle, weights=row_weights)
+            out = self.buffer.combine(y, res.handle, weights=row_weights,
+                                      combine_dtype=self.combine_dtype)
             return out.reshape(input[0].shape)
 
         def _dropless_experts(self, res) -> torch.Tensor:

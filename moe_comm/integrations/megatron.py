@@ -45,6 +45,18 @@ built with ``ep_invariant=True`` (``ModuleSpec(..., params={"ep_invariant": True
 ``moe_comm.Buffer(..., ep_invariant=True)``: its combine sums each token's expert output rows
 in fp32 in ascending expert order (the choice order here) and rounds once, so the combined
 output is a function of those rows alone, whatever the EP size and expert placement.
+
+Fault tolerance and formats (README "Fault tolerance", "FP8 dispatch", "FP8 combine";
+:mod:`moe_comm.integrations`): ``apply_megatron(fault_tolerant=True, max_tokens_per_rank=N)``
+builds the Buffers with ``moe_comm.Buffer(..., fault_tolerant=True)``: a rank that dies is
+excluded and each survivor's layer completes forward and backward, the dead rank's experts left
+out of its tokens' sums (as if the router had dropped those choices; the experts' gradients get
+no rows from the dead rank's tokens). ``dispatch_dtype="fp8" | "mxfp8" | "nvfp4"``: the rows
+travel quantized and the experts get them dequantized to the layer's dtype, the input gradient
+straight through; ``combine_dtype="fp8"``: the expert outputs' partial sums travel as FP8. The
+same keywords on ``MoeCommMoELayer`` (``params={...}``, with ``max_tokens_per_rank``) and
+``MoeCommTokenDispatcher``; bad values raise ValueError naming the option when the layer is built
+or the plugin applied, before anything is sent.
 """
 from __future__ import annotations
 
@@ -54,7 +66,18 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from . import BufferCache, _check_ep_invariant, buffers
+from . import (
+    FROM_SETTINGS,
+    BufferCache,
+    _check_combine_dtype,
+    _check_dispatch_dtype,
+    _check_ep_invariant,
+    _check_fault_tolerant,
+    _check_formats,
+    _check_sizing,
+    buffers,
+    dispatch,
+)
 
 # MoeCommTokenDispatcher and MoeCommMoELayer subclass Megatron's classes, so they are made on
 # first access (module __getattr__), when megatron-core is imported.
@@ -62,7 +85,8 @@ __all__ = ["apply_megatron", "revert_megatron", "is_applied", "available", "rout
 
 _REPLACED = ("MoEAlltoAllTokenDispatcher", "MoEFlexTokenDispatcher")
 _originals: dict[str, type] = {}
-_settings: dict = {"max_tokens_per_rank": None, "ep_invariant": False}
+_settings: dict = {"max_tokens_per_rank": None, "ep_invariant": False, "fault_tolerant": False,
+                   "dispatch_dtype": None, "combine_dtype": None}
 _classes: dict[str, type] = {}
 
 
@@ -80,21 +104,30 @@ def is_applied() -> bool:
 
 
 def apply_megatron(max_tokens_per_rank: int | None = None,
-                   ep_invariant: bool = False) -> bool:
+                   ep_invariant: bool = False, fault_tolerant: bool = False,
+                   dispatch_dtype: str | None = None, combine_dtype: str | None = None) -> bool:
     """Makes every ``MoELayer`` built from now on with ``moe_token_dispatcher_type`` "alltoall"
-    or "flex" dispatch with moe_comm. Idempotent (a second call only updates
-    ``max_tokens_per_rank``, the fixed Buffer size; ``None`` sizes by the batch; and
-    ``ep_invariant``, the Buffers' ``moe_comm.Buffer(..., ep_invariant=...)``, for layers built
-    afterwards; also the default of ``MoeCommMoELayer`` and ``MoeCommTokenDispatcher``).
+    or "flex" dispatch with moe_comm. Idempotent (a second call only updates the options for
+    layers built afterwards; they are also the defaults of ``MoeCommMoELayer`` and
+    ``MoeCommTokenDispatcher``): ``max_tokens_per_rank``, the fixed Buffer size (``None``
+    sizes by the batch); ``ep_invariant`` and ``fault_tolerant``, the Buffers'
+    ``moe_comm.Buffer(..., ep_invariant=..., fault_tolerant=...)`` (``fault_tolerant`` needs
+    ``max_tokens_per_rank``); ``dispatch_dtype`` (None, "fp8", "mxfp8", "nvfp4") and
+    ``combine_dtype`` (None, "fp8"), the formats on the wire (see the module doc).
     Returns False, with a warning and no change, when megatron-core is not installed."""
     _check_ep_invariant(ep_invariant)
+    _check_fault_tolerant(fault_tolerant)
+    _check_sizing(fault_tolerant, max_tokens_per_rank)
+    _check_formats(dispatch_dtype, combine_dtype, ep_invariant=ep_invariant)
     try:
         from megatron.core.transformer.moe import moe_layer
     except ImportError as error:
         warnings.warn(f"apply_megatron(): megatron-core is not importable ({error}); nothing "
                       "was changed. pip install megatron-core to use the plugin.", stacklevel=2)
         return False
-    _settings.update(max_tokens_per_rank=max_tokens_per_rank, ep_invariant=ep_invariant)
+    _settings.update(max_tokens_per_rank=max_tokens_per_rank, ep_invariant=ep_invariant,
+                     fault_tolerant=fault_tolerant, dispatch_dtype=dispatch_dtype,
+                     combine_dtype=combine_dtype)
     dispatcher = _dispatcher_class()
     if not _originals:
         for name in _REPLACED:
@@ -176,7 +209,9 @@ def _dispatcher_class() -> type:
 
         def __init__(self, num_local_experts: int, local_expert_indices: list[int], config,
                      pg_collection=None, *, max_tokens_per_rank: int | None = None,
-                     ep_invariant: bool | None = None, buffer_cache: BufferCache | None = None):
+                     ep_invariant: bool | None = None, buffer_cache: BufferCache | None = None,
+                     fault_tolerant: bool | None = None, dispatch_dtype=FROM_SETTINGS,
+                     combine_dtype=FROM_SETTINGS):
             if pg_collection is None:
                 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
@@ -193,13 +228,35 @@ def _dispatcher_class() -> type:
                 raise ValueError(f"local experts {self.local_expert_indices} on EP rank "
                                  f"{ep_rank}: moe_comm places expert e on rank e // "
                                  f"{num_local_experts}")
-            self.max_tokens_per_rank = (max_tokens_per_rank if max_tokens_per_rank is not None
-                                        else _settings["max_tokens_per_rank"])
-            self.ep_invariant = _check_ep_invariant(
-                ep_invariant if ep_invariant is not None else _settings["ep_invariant"])
             self.buffer_cache = buffer_cache if buffer_cache is not None else buffers
             self.buffer = None  # the Buffer of the current dispatch
             self.cudagraph_attrs = []
+            self.configure(max_tokens_per_rank=max_tokens_per_rank, ep_invariant=ep_invariant,
+                           fault_tolerant=fault_tolerant, dispatch_dtype=dispatch_dtype,
+                           combine_dtype=combine_dtype, defaults=True)
+
+        def configure(self, *, max_tokens_per_rank=None, ep_invariant=None,
+                      fault_tolerant=None, dispatch_dtype=FROM_SETTINGS,
+                      combine_dtype=FROM_SETTINGS, defaults: bool = False) -> None:
+            """Sets the given options (the others stay; with ``defaults``, the others take
+            :func:`apply_megatron`'s), checked together against the layer's config."""
+            given = {"max_tokens_per_rank": max_tokens_per_rank, "ep_invariant": ep_invariant,
+                     "fault_tolerant": fault_tolerant}
+            given = {k: v for k, v in given.items() if v is not None}
+            for name, value in (("dispatch_dtype", dispatch_dtype),
+                                ("combine_dtype", combine_dtype)):
+                if value is not FROM_SETTINGS:
+                    given[name] = value
+            options = {name: given.get(name, _settings[name] if defaults else
+                                       getattr(self, name)) for name in _settings}
+            _check_ep_invariant(options["ep_invariant"])
+            _check_fault_tolerant(options["fault_tolerant"])
+            _check_sizing(options["fault_tolerant"], options["max_tokens_per_rank"])
+            _check_formats(options["dispatch_dtype"], options["combine_dtype"],
+                           hidden=self.config.hidden_size, dtype=self.config.params_dtype,
+                           ep_invariant=options["ep_invariant"])
+            for name, value in options.items():
+                setattr(self, name, value)
 
         def set_shared_experts(self, shared_experts):
             raise ValueError(
@@ -219,12 +276,17 @@ def _dispatcher_class() -> type:
             return x, topk_weights
 
         def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+            _check_formats(self.dispatch_dtype, self.combine_dtype,
+                           hidden=hidden_states.shape[1], dtype=hidden_states.dtype,
+                           ep_invariant=self.ep_invariant)
             self.buffer = self.buffer_cache.get(
                 self.ep_group, hidden=hidden_states.shape[1], num_experts=self.num_experts,
                 dtype=hidden_states.dtype, max_topk=self.topk,
                 num_tokens=hidden_states.shape[0], max_tokens_per_rank=self.max_tokens_per_rank,
-                device=hidden_states.device, ep_invariant=self.ep_invariant)
-            res = self.buffer.dispatch(hidden_states, self.topk_idx, probs)
+                device=hidden_states.device, ep_invariant=self.ep_invariant,
+                fault_tolerant=self.fault_tolerant)
+            res = dispatch(self.buffer, hidden_states, self.topk_idx, probs,
+                           self.dispatch_dtype)
             self.handle, self.tokens_per_expert = res.handle, res.tokens_per_expert
             return res.x, res.weights
 
@@ -238,7 +300,8 @@ def _dispatcher_class() -> type:
 
         def token_combine(self, hidden_states: torch.Tensor, async_finish: bool = True,
                           allocate_on_comm_stream: bool = True):
-            out = self.buffer.combine(hidden_states.contiguous(), self.handle)
+            out = self.buffer.combine(hidden_states.contiguous(), self.handle,
+                                      combine_dtype=self.combine_dtype)
             self.handle = None
             return out
 
@@ -272,17 +335,30 @@ def _layer_class() -> type:
         """``MoELayer`` whose token dispatcher is moe_comm's, whatever
         ``moe_token_dispatcher_type`` says; use it as ``ModuleSpec(module=MoeCommMoELayer,
         submodules=MoESubmodules(...))`` (``params={"ep_invariant": True}``: the dispatcher's
-        ``ep_invariant``; None: :func:`apply_megatron`'s, False unless set there)."""
+        ``ep_invariant``; None: :func:`apply_megatron`'s, False unless set there; likewise
+        ``max_tokens_per_rank``, ``fault_tolerant``, and ``dispatch_dtype`` /
+        ``combine_dtype``, where None means no quantization and leaving them out
+        :func:`apply_megatron`'s)."""
 
         def __init__(self, config, submodules=None, layer_number=None, pg_collection=None,
-                     ep_invariant: bool | None = None):
+                     ep_invariant: bool | None = None, max_tokens_per_rank: int | None = None,
+                     fault_tolerant: bool | None = None, dispatch_dtype=FROM_SETTINGS,
+                     combine_dtype=FROM_SETTINGS):
             if ep_invariant is not None:
                 _check_ep_invariant(ep_invariant)
+            if fault_tolerant is not None:
+                _check_fault_tolerant(fault_tolerant)
+            if dispatch_dtype is not FROM_SETTINGS:
+                _check_dispatch_dtype(dispatch_dtype)
+            if combine_dtype is not FROM_SETTINGS:
+                _check_combine_dtype(combine_dtype)
             with _dispatchers_replaced(moe_layer, dispatcher):
                 super().__init__(config=config, submodules=submodules,
                                  layer_number=layer_number, pg_collection=pg_collection)
-            if ep_invariant is not None:
-                self.token_dispatcher.ep_invariant = ep_invariant
+            self.token_dispatcher.configure(
+                max_tokens_per_rank=max_tokens_per_rank, ep_invariant=ep_invariant,
+                fault_tolerant=fault_tolerant, dispatch_dtype=dispatch_dtype,
+                combine_dtype=combine_dtype)
 
     _classes["layer"] = MoeCommMoELayer
     return MoeCommMoELayer

@@ -73,6 +73,24 @@ def _all_to_all_single_with_list_splits(original):
 
 
 @contextlib.contextmanager
+def patched(patches: list[tuple]):
+    """``setattr(obj, name, value)`` for each ``(obj, name, value)`` while the block runs; each
+    attribute is put back (or removed, where it did not exist) afterwards, in reverse order."""
+    missing = object()
+    saved = [(obj, name, getattr(obj, name, missing)) for obj, name, _ in patches]
+    try:
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            if value is missing:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
+
+
+@contextlib.contextmanager
 def megatron_cpu_shims():
     """The patches listed in the module doc, undone on exit."""
     from megatron.core.transformer.moe import moe_utils
@@ -87,18 +105,8 @@ def megatron_cpu_shims():
          dist.all_to_all_single if getattr(dist.all_to_all_single, "shimmed", False)
          else _all_to_all_single_with_list_splits(dist.all_to_all_single)),
     ]
-    missing = object()
-    saved = [(obj, name, getattr(obj, name, missing)) for obj, name, _ in patches]
-    try:
-        for obj, name, value in patches:
-            setattr(obj, name, value)
+    with patched(patches):
         yield
-    finally:
-        for obj, name, value in reversed(saved):
-            if value is missing:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, value)
 
 
 @contextlib.contextmanager

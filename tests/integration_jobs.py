@@ -119,6 +119,14 @@ def fp8_combine_bounds(calls: list[dict], rank: int, world_size: int
     return results
 
 
+def check_fp8_combine_steps(steps: list, outs: list, cache, rank: int, world_size: int):
+    """Each step's ``combine_excess`` (:func:`check_fp8_combine`) from ``outs``, one ``(ours,
+    theirs)`` pair of outputs per step, against the bounds of the combines ``cache`` recorded."""
+    for step, bounds, (ours_out, their_out) in zip(
+            steps, fp8_combine_bounds(cache.calls, rank, world_size), outs):
+        step["combine_excess"] = check_fp8_combine(ours_out, their_out, bounds)
+
+
 def check_fp8_combine(ours: torch.Tensor, theirs: torch.Tensor, bounds: tuple) -> float:
     """Largest excess of ``|ours - theirs|`` over the FP8 combine's bound (<= 0: within it):
     ``theirs`` is the exact combine rounded to the dtype, so the bound gets two roundings of
@@ -465,10 +473,7 @@ def megatron_formats(rank, world_size, dtype_name: str, hidden: int, num_experts
             report["steps"].append(compared)
             outs.append((got["out"].reshape(-1, hidden), want["out"].reshape(-1, hidden)))
         if combine_dtype is not None:
-            for step, bounds in zip(report["steps"],
-                                    fp8_combine_bounds(cache.calls, rank, world_size)):
-                ours_out, their_out = outs.pop(0)
-                step["combine_excess"] = check_fp8_combine(ours_out, their_out, bounds)
+            check_fp8_combine_steps(report["steps"], outs, cache, rank, world_size)
         report["bytes_to_peers"] = ours.token_dispatcher.buffer.stats()["dispatch_bytes_to_peers"]
         cache.close()
     return report
@@ -713,10 +718,7 @@ def deepspeed_formats(rank, world_size, dtype_name: str, hidden: int, num_expert
         report["steps"].append(compared)
         outs.append((got["out"].reshape(-1, hidden), want["out"].reshape(-1, hidden)))
     if combine_dtype is not None:
-        for step, bounds in zip(report["steps"],
-                                fp8_combine_bounds(cache.calls, rank, world_size)):
-            ours_out, their_out = outs.pop(0)
-            step["combine_excess"] = check_fp8_combine(ours_out, their_out, bounds)
+        check_fp8_combine_steps(report["steps"], outs, cache, rank, world_size)
     report["bytes_to_peers"] = layer.buffer.stats()["dispatch_bytes_to_peers"]
     cache.close()
     return report

@@ -55,6 +55,8 @@ import types
 
 import torch
 
+from framework_shims import patched
+
 SGLANG_VERSION = "0.5.21"
 H100_SMS = 132
 FP8_MAX = 448.0
@@ -196,15 +198,5 @@ def sglang_cpu_shims():
         (deep_gemm_wrapper, "DEEPGEMM_SCALE_UE8M0", False),
         (deepep, "sglang_per_token_group_quant_fp8", fp8_group_quant),
     ]
-    missing = object()
-    saved = [(obj, name, getattr(obj, name, missing)) for obj, name, _ in patches]
-    try:
-        for obj, name, value in patches:
-            setattr(obj, name, value)
+    with patched(patches):
         yield
-    finally:
-        for obj, name, value in reversed(saved):
-            if value is missing:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, value)

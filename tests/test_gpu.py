@@ -431,3 +431,82 @@ def test_low_latency_host_syncs_on_the_gpu(kernel_impl):
         assert rec.sync_deltas == [{}] * 4, f"fp8={fp8}"
         assert rec.launch_deltas == [{"ll_combine_send": 1, "ll_combine_recv": 1, **check}] * 4
         settle(bufs, f"low latency fp8={fp8}")
+
+
+# ------------------------------------------------------------------------------ EP invariance
+def _invariant_case(seed: int):
+    """A DeepSeek-like batch for the invariant combine: 512 tokens in all, H 2048, 64 experts,
+    top 8, Zipf-like skew (the first experts are drawn most), a choice and a token to -1."""
+    N, H, E, K = 512, 2048, 64, 8
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn((N, H), generator=gen).to(torch.bfloat16)
+    bias = torch.arange(E, 0, -1, dtype=torch.float32).log() * 2
+    w, idx = (torch.randn((N, E), generator=gen) + bias).softmax(-1).topk(K, -1)
+    idx[3, 1] = -1
+    idx[5] = -1
+    return x, idx, w.float(), E
+
+
+def _invariant_expert(rows: torch.Tensor, e: torch.Tensor, E: int) -> torch.Tensor:
+    """Expert ``e[i]`` on row i: one multiply, then one add, each an exact IEEE operation on
+    the CPU and the GPU alike (two torch kernels, nothing to fuse)."""
+    scale = ((torch.arange(E, dtype=torch.float32) + 1) / 3).to(rows.device)
+    return (rows.float() * scale[e][:, None] + 0.25).to(rows.dtype)
+
+
+def _invariant_outputs(R: int, x, idx, w, E: int, *, invariant: bool, low_latency: bool = False,
+                       staging_bytes=None, calls: int = 2) -> torch.Tensor:
+    """Dispatch, experts, combine on R virtual ranks of the GPU (rank r: tokens ``r*N/R...``);
+    the last call's outputs in global token order, on the CPU."""
+    N, H = x.shape
+    T, L, K = N // R, E // R, idx.shape[1]
+    bufs = moe_comm.Buffer.loopback(R, H, E, T, torch.bfloat16, max_topk=K, device=DEV,
+                                    ep_invariant=invariant, low_latency=low_latency,
+                                    staging_bytes=staging_bytes)
+    xs, idxs, ws = (_cuda(list(v.chunk(R))) for v in (x, idx, w))
+    for _ in range(calls):  # both parities
+        if low_latency:
+            recv = lockstep.low_latency_dispatch(bufs, xs, idxs, fp8=False)
+            ys = []
+            for r, got in enumerate(recv):
+                e = torch.arange(r * L, (r + 1) * L, device=DEV)[:, None].expand(L, R * T)
+                ys.append(_invariant_expert(got.x.reshape(L * R * T, H), e.reshape(-1), E)
+                          .view(L, R * T, H))
+            outs = lockstep.low_latency_combine(bufs, ys, idxs, ws, [g.handle for g in recv])
+        else:
+            res = lockstep.dispatch(bufs, xs, idxs, ws)
+            ys = []
+            for r, rr in enumerate(res):
+                bounds = rr.expert_offsets.tolist()
+                e = torch.zeros(rr.x.shape[0], dtype=torch.long)
+                for lo in range(L):
+                    e[bounds[lo]:bounds[lo + 1]] = r * L + lo
+                ys.append(_invariant_expert(rr.x, e.to(DEV), E))
+            outs = lockstep.combine(bufs, ys, [rr.handle for rr in res],
+                                    [rr.weights for rr in res])
+        settle(bufs, f"invariant={invariant} R={R} low_latency={low_latency}")
+    return torch.cat(outs).cpu()
+
+
+def test_ep_invariant_combine_gives_the_same_bits_on_1_2_4_8_ranks_on_the_gpu():
+    """The compiled kernels (launched without contraction, so no fused multiply-add) give the
+    CPU reference's bits at every EP size, in rounds, and in the low-latency mode; the default
+    combine's bits differ at some EP size on the same data (the comparison can fail)."""
+    from moe_comm.workspace import staging_slot_bytes
+    x, idx, w, E = _invariant_case(27)
+    K = idx.shape[1]
+    rows = torch.stack([_invariant_expert(x, idx[:, k].clamp(min=0), E) for k in range(K)], 1)
+    want = reference.invariant_combine(rows, idx, w, dtype=torch.bfloat16)
+    default_differs = []
+    for R in (1, 2, 4, 8):
+        got = _invariant_outputs(R, x, idx, w, E, invariant=True)
+        same_bytes(got, want, f"invariant combine R={R}")
+        plain = _invariant_outputs(R, x, idx, w, E, invariant=False, calls=1)
+        default_differs.append(not torch.equal(plain.view(torch.int16), want.view(torch.int16)))
+    assert any(default_differs), default_differs
+    per_slot = staging_slot_bytes(4, x.shape[1], K, torch.bfloat16, invariant=True)
+    same_bytes(_invariant_outputs(4, x, idx, w, E, invariant=True, staging_bytes=16 * per_slot),
+               want, "invariant combine R=4 in rounds of 16 slots")
+    for R in (2, 8):
+        same_bytes(_invariant_outputs(R, x, idx, w, E, invariant=True, low_latency=True), want,
+                   f"invariant low-latency combine R={R}")

@@ -72,7 +72,10 @@ class _StandInDriver:
         return True
 
     def get_current_device(self) -> int:
-        return 0
+        """Not a real device's index: Triton keeps the kernels it compiled per device, and a
+        kernel this process already compiled for its GPU (device 0) would be found there and
+        launched with the recording's meta tensors instead of being recorded."""
+        return -self._target.arch
 
     def get_current_stream(self, device=None) -> int:
         return 0

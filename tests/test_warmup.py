@@ -37,6 +37,15 @@ def test_warmup_compiles_for_the_gpu_arch(recorded):
             "dispatch_expand_kernel", "combine_send_kernel", "combine_reduce_kernel"} <= compiled
 
 
+def test_warmup_records_kernels_the_gpu_already_compiled(recorded):
+    """Kernels this process already compiled and ran on its GPU are recorded and compiled
+    again (a cache hit), never launched with the recording's meta tensors (which, on a GPU,
+    was an illegal memory access)."""
+    row = recorded["after_a_real_compile"]
+    assert row["launched"] == [], row
+    assert row["recorded"] == len(recorded["compiled"]), row  # what compile_ahead compiled
+
+
 def test_warmup_on_cpu_ranks_compiles_nothing_and_checks_topk():
     buf = moe_comm.Buffer.loopback(2, 64, 4, 8, max_topk=2)[0]
     assert buf.warmup() == {"variants": [], "seconds": 0.0}

@@ -51,6 +51,47 @@ def later_calls(bufs, cfg, K: int, fp8: bool) -> set:
     return {(launch.name, launch.key) for launch in rec}
 
 
+def recorded_after_a_real_compile(bufs) -> dict:
+    """What ``warmup.launches`` does in a process whose GPU already ran the same kernels: each
+    kernel's cache for device 0 (Triton's, per device) is given a compiled kernel for every
+    key, as after real calls, and must not be launched: ``{"recorded": n, "launched": [...]}``.
+    """
+    from triton.runtime import driver
+
+    from moe_comm.kernels.recording import _StandInDriver
+
+    launched = []
+
+    class Compiled:  # what a real call left in the cache; any use of it is a launch
+        def __getattr__(self, name):
+            launched.append(name)
+            raise RuntimeError(f"a compiled kernel was launched ({name})")
+
+    class EveryKey(dict):
+        def get(self, key, default=None):
+            return Compiled()
+
+    kernels = {id(launch.kernel): launch.kernel
+               for launch in warmup.launches(bufs[0], SMALL.topk, False, True, 90)}
+    previous = getattr(driver, "_active", None)
+    driver.set_active(_StandInDriver(90))
+    try:
+        saved = {k: dict(fn.device_caches) for k, fn in kernels.items()}
+        for fn in kernels.values():
+            fn.device_caches[0] = (EveryKey(),) + tuple(fn.create_binder())[1:]
+    finally:
+        driver.set_active(previous)
+    try:
+        n = len(warmup.launches(bufs[0], SMALL.topk, False, True, 90))
+    except RuntimeError as err:
+        n = str(err)
+    finally:
+        for k, fn in kernels.items():
+            fn.device_caches.clear()
+            fn.device_caches.update(saved[k])
+    return {"recorded": n, "launched": launched}
+
+
 def main() -> None:
     out = {}
     setups = {"normal": (SMALL, False, 0, False), "normal-fp8": (SMALL, False, 0, True),
@@ -67,6 +108,7 @@ def main() -> None:
         out[name] = row
     bufs = gate._buffers(SMALL, torch.bfloat16, False, 0, 90)
     out["compiled"] = warmup.compile_ahead(bufs[0], arch=90)["variants"]
+    out["after_a_real_compile"] = recorded_after_a_real_compile(bufs)
     print(json.dumps(out))
 
 

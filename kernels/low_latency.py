@@ -303,14 +303,15 @@ def ll_dispatch_send_kernel(
                            mask=by_stores(peer_ptrs, d, em, TRANSPORT), sem="release",
                            scope="sys")
             if TRANSPORT != 0:
-                if one_thread():
-                    for g in range(E):
-                        dg = g // L
-                        if (tl.load(peer_ptrs + dg) == 0) \
-                                & ~_excluded(dg, True, mask_off, local_base, FT):
-                            n = tl.sum(tl.where(lane == g, total, 0)).to(tl.int64)
-                            signal_off = (signals_off + parity * signals_parity_stride
-                                          + ((g - dg * L) * R + me) * 8)
+                for g in range(E):
+                    dg = g // L
+                    if (tl.load(peer_ptrs + dg) == 0) \
+                            & ~_excluded(dg, True, mask_off, local_base, FT):
+                        # a reduction: every thread of the program takes part
+                        n = tl.sum(tl.where(lane == g, total, 0)).to(tl.int64)
+                        signal_off = (signals_off + parity * signals_parity_stride
+                                      + ((g - dg * L) * R + me) * 8)
+                        if one_thread():
                             if TRANSPORT == 1:
                                 signal_set(local_base, signal_off, (epoch << 32) | n, dg)
                             else:  # after this rank's pair transfers to dg (a fence)

@@ -44,11 +44,26 @@ def gpu_ranks():
         key = (world_size, heap)
         if key not in pools or not pools[key].healthy():
             pools[key] = RankPool(world_size, env=ENV, compiled=True, timeout_s=300)
-        return pools[key]
+        return _EndedByFailure(pools[key])
 
     yield get
     for pool in pools.values():
         pool.close()
+
+
+class _EndedByFailure:
+    """A pool whose failed job ends it: a process whose CUDA context took an error (sticky
+    after an illegal access) would fail every later test, so the next one gets new processes."""
+
+    def __init__(self, pool: RankPool):
+        self.pool = pool
+
+    def run(self, *args, **kwargs) -> list:
+        try:
+            return self.pool.run(*args, **kwargs)
+        except BaseException:
+            self.pool.close(force=True)
+            raise
 
 
 def _report(what: str, facts: list[dict]) -> None:

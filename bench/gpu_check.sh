@@ -20,6 +20,8 @@ BUDGET_S=${GPU_CHECK_BUDGET_S:-470}
 TEST_TIMEOUT_S=${GPU_TEST_TIMEOUT_S:-120}
 JOBS=${GPU_CHECK_JOBS:-16}
 export TRITON_INTERPRET=0 TRITON_DEFAULT_FP_FUSION=1 MOE_COMM_TIMEOUT_S=30
+# each failure printed as it happens (tests/conftest.py): a phase killed at its limit still says why
+export MOE_COMM_FAILURES_AT_ONCE=1
 export MOE_COMM_CACHE_DIR=${MOE_COMM_CACHE_DIR:-$PWD/.moe_comm_cache}
 # the gate compiles into this cache and the tests and the benchmark launch from it
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}

@@ -34,6 +34,17 @@ def pytest_runtest_makereport(item, call):
         _fail_skip_in_ci(report, "test")
 
 
+# MOE_COMM_FAILURES_AT_ONCE=1 (bench/gpu_check.sh): each failure's traceback is printed as it
+# happens, so a run killed at its time limit still shows why the tests before it failed
+FAILURES_AT_ONCE = os.environ.get("MOE_COMM_FAILURES_AT_ONCE", "") == "1"
+
+
+def pytest_runtest_logreport(report):
+    if FAILURES_AT_ONCE and report.failed:
+        print(f"\n---- {report.nodeid} failed ({report.when}):\n{report.longreprtext}\n",
+              flush=True)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector):
     """The same for a whole module skipped at import (``pytest.importorskip``)."""

@@ -212,7 +212,6 @@ def refusals(rank, world_size, case: Case) -> dict:
     record("no_topk", lambda: buf.dispatch(xs[rank], num_tokens_per_rank=per_rank,
                                            is_token_in_rank=in_rank,
                                            num_tokens_per_expert=per_expert))
-    record("local_buffer", lambda: buf.get_local_buffer_tensor(torch.bfloat16))
     recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
         xs[rank], num_tokens_per_expert=per_expert, topk_idx=idxs[rank], topk_weights=ws[rank])
     record("bias", lambda: buf.combine(recv_x, handle, bias=torch.zeros_like(xs[rank])))
@@ -343,6 +342,15 @@ def shrink_masks(rank, world_size, case: Case) -> list:
     recv_x, count, _, _, _ = buf.low_latency_dispatch(xs[rank], idxs[rank], T, E, use_fp8=False)
     blocks = deepep_low_latency_model(xs, idxs, rank, E)
     assert count.tolist() == [len(rows) for rows, _ in blocks]
+    # vLLM's clean_buffers: what get_local_buffer_tensor hands out zeroed on every rank (no
+    # barrier: a rank may zero while a faster one is in the clean), then the clean
+    local = buf.get_local_buffer_tensor(dtype=torch.int8, use_rdma_buffer=True)
+    assert local.data_ptr() > buf._low_latency.heap.local.data_ptr() and local.any()
+    local.zero_()
+    buf.low_latency_clean_mask_buffer()
+    query()
+    for _ in range(2):  # both parities: a whole dispatch and combine checked
+        _call_while_masked(buf, case, rank, masked=-1)
     buf.destroy()
     return statuses
 
@@ -405,6 +413,7 @@ def bad_facade_inputs(rank, world_size) -> dict:
         except Exception as exc:  # noqa: BLE001 - what a user would see, reported
             found[what] = f"{type(exc).__name__}: {exc}"
 
+    probe("local buffer before a call", lambda: buf.get_local_buffer_tensor(torch.int8))
     probe("layout int32 topk_idx", lambda: buf.get_dispatch_layout(idx.int(), E))
     probe("layout float topk_idx", lambda: buf.get_dispatch_layout(idx.float(), E))
     probe("layout 1-d topk_idx", lambda: buf.get_dispatch_layout(idx[:, 0], E))
@@ -432,6 +441,12 @@ def bad_facade_inputs(rank, world_size) -> dict:
     probe("cached dispatch tuple handle", lambda: buf.dispatch(x, handle=(1, 2)))
     out = buf.combine(res[0], handle=handle)  # a good call
     found["good calls"] = f"ok {tuple(out[0].shape)}"
+    probe("local buffer dtype str", lambda: buf.get_local_buffer_tensor("int8"))
+    probe("local buffer odd offset", lambda: buf.get_local_buffer_tensor(torch.int32, offset=2))
+    probe("local buffer size too large", lambda: buf.get_local_buffer_tensor(
+        torch.int8, size=(1 << 40,)))
+    probe("local buffer int32 [4, 2] at 8", lambda: buf.get_local_buffer_tensor(
+        torch.int32, size=(4, 2), offset=8))
     probe("low-latency int32 topk_idx (converted)",
           lambda: buf.low_latency_dispatch(x, idx.int(), 8, E, use_fp8=False))
     recv = buf.low_latency_dispatch(x, idx, 8, E, use_fp8=False)

@@ -128,8 +128,7 @@ def test_ep_invariant_on_two_nodes(ranks):
 def test_what_cannot_be_honoured_raises_with_a_sentence(ranks):
     case = Case(2, 8, 256, 2, (5, 6), seed=9)
     for out in ranks(2).run(deep_ep_jobs.refusals, case):
-        assert set(out) == {"no_topk", "local_buffer", "bias", "nonlocal_weights", "logfmt",
-                            "round_scale"}, out
+        assert set(out) == {"no_topk", "bias", "nonlocal_weights", "logfmt", "round_scale"}, out
         assert all(msg.startswith("moe_comm.deep_ep: ") and len(msg) > 40
                    for msg in out.values()), out
 
@@ -157,9 +156,15 @@ def test_bad_input_to_every_facade_call_names_the_argument(ranks):
                                             "low_latency_dispatch returned",
         "low-latency combine buffer tuple handle": "TypeError: handle must be the handle a "
                                                    "low_latency_dispatch returned",
+        "local buffer before a call": "RuntimeError: moe_comm builds each workspace at its "
+                                      "first call",
+        "local buffer dtype str": "TypeError: dtype must be a torch.dtype",
+        "local buffer odd offset": "ValueError: offset must be a byte offset",
+        "local buffer size too large": "ValueError: size (1099511627776,) needs",
     }
     fine = {"layout int32 topk_idx": "ok", "layout id >= num_experts": "ok",
-            "low-latency int32 topk_idx (converted)": "ok", "good calls": "ok (6, 128)"}
+            "low-latency int32 topk_idx (converted)": "ok", "good calls": "ok (6, 128)",
+            "local buffer int32 [4, 2] at 8": "ok"}
     for rank, found in enumerate(ranks(2).run(deep_ep_jobs.bad_facade_inputs)):
         assert set(found) == set(named) | set(fine), (rank, found)
         for what, start in {**named, **fine}.items():
@@ -192,4 +197,4 @@ def test_shrink_mask_calls(ranks):
     R = 4
     case = Case(R, 2 * R, 128, 2, (4, 5, 3, 4), seed=13)
     for statuses in ranks(R).run(deep_ep_jobs.shrink_masks, case):   # a call while masked
-        assert statuses == [[0] * R, [0] * (R - 1) + [1], [0] * R], statuses
+        assert statuses == [[0] * R, [0] * (R - 1) + [1], [0] * R, [0] * R], statuses

@@ -67,6 +67,7 @@ Streams: moe_comm runs on the caller's current stream, so ``async_finish`` and
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -218,10 +219,40 @@ class Buffer:
         return moe_comm.Buffer.low_latency_workspace_bytes(
             num_ranks, hidden, num_experts, num_max_dispatch_tokens_per_rank)
 
-    def get_local_buffer_tensor(self, dtype, size=None, offset: int = 0,
-                                use_rdma_buffer: bool = False):
-        raise _unsupported("get_local_buffer_tensor: moe_comm's workspace has no raw DeepEP "
-                           "buffer layout to hand out")
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size=None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """This rank's workspace as ``dtype`` from byte ``offset`` (``size``: a shape; default
+        all that follows), a view: ``use_rdma_buffer=True`` the low-latency workspace (DeepEP's
+        RDMA buffer; the normal one where low_latency_mode is off), else the normal-mode one.
+        Its layout is moe_comm's, not DeepEP's; what a caller may do with it is zero it with no
+        call in flight and then, on every live rank, ``low_latency_clean_mask_buffer()`` (vLLM's
+        ``clean_buffers``), which sets the epochs and acknowledgements again. The view starts
+        after the fault-tolerance words the clean itself exchanges (a rank zeroing them after
+        a faster peer announced itself there would erase the announcement)::
+
+            seg = workspace bytes of this rank after its fault-tolerance words
+            return seg[offset:].view(dtype)[:prod(size)].view(size)
+        """
+        self._check_alive()
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        buf = self._low_latency if use_rdma_buffer and self.low_latency_mode else self._normal
+        if buf is None:
+            raise RuntimeError("moe_comm builds each workspace at its first call (it needs the "
+                               "sizes): call low_latency_dispatch or dispatch first")
+        seg = buf.heap.local[_after_fault_tolerance_words(buf.layout):]
+        item = torch.empty((), dtype=dtype).element_size()
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 \
+                or offset % item or offset > seg.numel():
+            raise ValueError(f"offset must be a byte offset in [0, {seg.numel()}] and a multiple "
+                             f"of {dtype}'s {item} bytes, got {offset!r}")
+        room = (seg.numel() - offset) // item
+        shape = (room,) if size is None else tuple(torch.Size(size))
+        count = math.prod(shape)
+        if count > room:
+            raise ValueError(f"size {shape} needs {count * item} bytes; the workspace has "
+                             f"{room * item} from offset {offset}")
+        return seg[offset:offset + count * item].view(dtype).view(shape)
 
     @staticmethod
     def capture() -> EventOverlap:
@@ -552,6 +583,13 @@ class Buffer:
         """Every rank active again: collective over the live ranks (``clean_mask(readmit=
         True)``; DeepEP's is local, here every live rank must call it)."""
         self._shrinkable().clean_mask(readmit=True)
+
+
+def _after_fault_tolerance_words(layout) -> int:
+    """The byte offset where the workspace's regions after ``ft_*`` begin (0 without them)."""
+    ends = [layout.offset(name) + region.nbytes for name, region in layout.regions.items()
+            if name.startswith("ft_")]
+    return max(ends, default=0)
 
 
 def _pad_rows(recv_x, recv_idx, recv_w, rows: int):

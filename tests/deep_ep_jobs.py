@@ -220,6 +220,9 @@ def refusals(rank, world_size, case: Case) -> dict:
     record("logfmt", lambda: buf.low_latency_combine(None, None, None, None, use_logfmt=True))
     record("round_scale", lambda: buf.low_latency_dispatch(
         xs[rank], idxs[rank], case.max_tokens, case.num_experts, round_scale=True))
+    record("nvfp4", lambda: buf.low_latency_dispatch(
+        xs[rank], idxs[rank], case.max_tokens, case.num_experts, use_nvfp4=True,
+        x_global_scale=torch.ones(1)))
     buf.destroy()
     return out
 

@@ -128,7 +128,8 @@ def test_ep_invariant_on_two_nodes(ranks):
 def test_what_cannot_be_honoured_raises_with_a_sentence(ranks):
     case = Case(2, 8, 256, 2, (5, 6), seed=9)
     for out in ranks(2).run(deep_ep_jobs.refusals, case):
-        assert set(out) == {"no_topk", "bias", "nonlocal_weights", "logfmt", "round_scale"}, out
+        assert set(out) == {"no_topk", "bias", "nonlocal_weights", "logfmt", "round_scale",
+                            "nvfp4"}, out
         assert all(msg.startswith("moe_comm.deep_ep: ") and len(msg) > 40
                    for msg in out.values()), out
 

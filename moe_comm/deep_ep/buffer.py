@@ -486,12 +486,19 @@ class Buffer:
                              cumulative_local_expert_recv_stats=None,
                              dispatch_wait_recv_cost_stats=None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False,
-                             async_finish: bool = False, return_recv_hook: bool = False):
+                             async_finish: bool = False, return_recv_hook: bool = False,
+                             use_nvfp4: bool = False, x_global_scale=None):
         """``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` [L, R * T_max, H] (FP8:
         the pair (codes, column-major scales [L, R * T_max, H/128], or packed UE8M0 int32 with
         ``use_ue8m0``)), ``recv_count`` [L] int32; ``hook`` receives (``return_recv_hook``),
         else the call has received and ``hook`` is None."""
         self._check_alive()
+        if use_nvfp4 or x_global_scale is not None:  # (DeepEP's hybrid-ep branch, SGLang, vLLM)
+            raise _unsupported("use_nvfp4 / x_global_scale: the NVFP4 layout of DeepEP's "
+                               "hybrid-ep branch (rows as [R*T, H/2, L], swizzled scales for "
+                               "CuTe-DSL) is not reproduced; moe_comm.Buffer(..., "
+                               "dispatch_dtype='nvfp4') has moe_comm's NVFP4 low-latency "
+                               "dispatch")
         if dispatch_wait_recv_cost_stats is not None:
             raise _unsupported("dispatch_wait_recv_cost_stats (GPU cycles per source) is not "
                                "recorded; on CPU ranks recv.source_wait_s has the seconds")

@@ -252,13 +252,14 @@ def dispatch_expand_kernel(
     tokens_per_expert,  # [L] int64: rows of each local expert, without padding
     expert_offsets,  # [L + 1] int64: first row of each local expert's padded group
     slot_rows,  # [R * TMAX, K] int32: output row of (slot, choice) or -1; written, or read
-    out,  # [max_rows, H] (FP8: uint8 view of float8_e4m3fn; NVFP4: H is half the channels)
+    out,  # [max_rows, H] (FP8: uint8 view of float8_e4m3fn; NVFP4: H is half the channels);
+    # SLOT_MAJOR: [slots, H], the row of slot i at i (each received token once)
     out_scales,  # FP8: [rows, G] float32, or UE8M0: uint8 view of packed int32 [rows, G/4]
-    out_global,  # NVFP4 (GLOBAL): [rows] float32, each row's global scale
+    out_global,  # NVFP4 (GLOBAL): [rows] float32, each row's global scale (SLOT_MAJOR: slots)
     out_weights,  # [rows] float32 (not CACHED, HAS_WEIGHTS)
     out_src_rank, out_src_token,  # [rows] int64 (not CACHED)
     errors_addr: tl.int64,  # input record: more rows arrived than `out` holds
-    max_rows: tl.int64,  # rows of `out`
+    max_rows: tl.int64,  # rows of `out` (SLOT_MAJOR: of out_weights / out_src_*)
     TMAX: tl.int32,  # staging slots per source (the ring's)
     SLOTS: tl.int64,  # rows of slot_rows (R * max_tokens)
     H: tl.int32, K: tl.int32, L: tl.int32, me: tl.int32,
@@ -274,6 +275,7 @@ def dispatch_expand_kernel(
                           # bytes of a row's int32 words: the last word's spare bytes are zeros)
     GLOBAL: tl.constexpr,  # NVFP4: a float32 global scale between the codes and the scales
     LIVE: tl.constexpr, EVEN_H: tl.constexpr,
+    SLOT_MAJOR: tl.constexpr,  # rows (and scales) by slot, once each; the rest by output row
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_Z: tl.constexpr,  # rows per padding tile (stores of constants: wider than BLOCK_T)
 ):
@@ -325,10 +327,14 @@ def dispatch_expand_kernel(
             h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
             tile = tl.load(staging + staged[:, None] * ROW_ELEMS + h[None, :],
                            mask=jm[:, None] & hm[None, :])
-            for k in range(K):  # each choice's output row from registers: no load to wait on
-                dst_row = column(row, k)
-                tl.store(out + dst_row[:, None] * H + h[None, :], tile,  # gate: row
-                         mask=(dst_row >= 0)[:, None] & hm[None, :])
+            if SLOT_MAJOR:  # the slot's row once, at the slot
+                tl.store(out + first_row[:, None] * H + h[None, :], tile,  # gate: row
+                         mask=jm[:, None] & hm[None, :])
+            else:
+                for k in range(K):  # each choice's output row from registers: no load to wait on
+                    dst_row = column(row, k)
+                    tl.store(out + dst_row[:, None] * H + h[None, :], tile,  # gate: row
+                             mask=(dst_row >= 0)[:, None] & hm[None, :])
         if FP8:  # the scales follow the H code bytes of each staging row (kernels.rows)
             g = tl.arange(0, BLOCK_G)
             gm = jm[:, None] & (g < G)[None, :]
@@ -340,12 +346,18 @@ def dispatch_expand_kernel(
                 sc = tl.load(staging_f32 + codes_end[:, None] // 4 + g[None, :], mask=gm)
             if GLOBAL:
                 glob = tl.load(staging_f32 + codes_end // 4, mask=jm)
-            for k in range(K):
-                dst_row = column(row, k)
+            if SLOT_MAJOR:
                 if GLOBAL:
-                    tl.store(out_global + dst_row, glob, mask=dst_row >= 0)
-                _store_scales(out_scales, dst_row, g, sc, gm & (dst_row >= 0)[:, None],
-                              SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE, UE8M0)
+                    tl.store(out_global + first_row, glob, mask=jm)
+                _store_scales(out_scales, first_row, g, sc, gm, SCALE_ROW_STRIDE,
+                              SCALE_GROUP_STRIDE, UE8M0)
+            else:
+                for k in range(K):
+                    dst_row = column(row, k)
+                    if GLOBAL:
+                        tl.store(out_global + dst_row, glob, mask=dst_row >= 0)
+                    _store_scales(out_scales, dst_row, g, sc, gm & (dst_row >= 0)[:, None],
+                                  SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE, UE8M0)
     # padding rows are the only rows zeroed (with src_rank/src_token -1, weight and scales 0):
     # fewer than expert_alignment per expert, by program e; and the rows of `out` past the
     # last group (from expert_offsets[L] to max_rows), in tiles spread over every program
@@ -357,12 +369,12 @@ def dispatch_expand_kernel(
             _zero_rows(out, out_scales, out_global, out_weights, out_src_rank, out_src_token,
                        r0 + tl.arange(0, BLOCK_Z), end, H, G, SCALE_ROW_STRIDE,
                        SCALE_GROUP_STRIDE, CACHED, HAS_WEIGHTS, FP8, UE8M0, GLOBAL, EVEN_H,
-                       BLOCK_Z, BLOCK_H, BLOCK_G)
+                       not SLOT_MAJOR, BLOCK_Z, BLOCK_H, BLOCK_G)
     for r0 in range(total + q * BLOCK_Z, max_rows, R * P * BLOCK_Z):
         _zero_rows(out, out_scales, out_global, out_weights, out_src_rank, out_src_token,
                    r0 + tl.arange(0, BLOCK_Z), max_rows, H, G, SCALE_ROW_STRIDE,
-                   SCALE_GROUP_STRIDE, CACHED, HAS_WEIGHTS, FP8, UE8M0, GLOBAL, EVEN_H, BLOCK_Z,
-                   BLOCK_H, BLOCK_G)
+                   SCALE_GROUP_STRIDE, CACHED, HAS_WEIGHTS, FP8, UE8M0, GLOBAL, EVEN_H,
+                   not SLOT_MAJOR, BLOCK_Z, BLOCK_H, BLOCK_G)
     if not CACHED:  # slot_rows past the last slot: -1 (every row of it is written)
         for r0 in range(tl.load(slot_offsets + R) + q * BLOCK_Z, SLOTS, R * P * BLOCK_Z):
             r = (r0 + tl.arange(0, BLOCK_Z)).to(tl.int64)
@@ -388,10 +400,10 @@ def _store_scales(out_scales, dst_row, g, sc, mask, SCALE_ROW_STRIDE, SCALE_GROU
 def _zero_rows(out, out_scales, out_global, out_weights, out_src_rank, out_src_token, r, end, H,
                G, SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE, CACHED: tl.constexpr,
                HAS_WEIGHTS: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr,
-               GLOBAL: tl.constexpr, EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr,
-               BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr):
+               GLOBAL: tl.constexpr, EVEN_H: tl.constexpr, DATA: tl.constexpr,
+               BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr):
     """Output rows ``r`` (those below ``end``) as padding: zero data, scales and weight, source
-    -1."""
+    -1 (without ``DATA``, whose rows and scales are by slot: weight and source only)."""
     rm = r < end
     r64 = r.to(tl.int64)
     if not CACHED:
@@ -399,18 +411,19 @@ def _zero_rows(out, out_scales, out_global, out_weights, out_src_rank, out_src_t
         tl.store(out_src_token + r64, tl.full([BLOCK_T], -1, tl.int64), mask=rm)
         if HAS_WEIGHTS:
             tl.store(out_weights + r64, tl.zeros([BLOCK_T], tl.float32), mask=rm)
-        if FP8:
+        if FP8 and DATA:
             g = tl.arange(0, BLOCK_G)
             zeros = tl.zeros([BLOCK_T, BLOCK_G], out_scales.dtype.element_ty)
             _store_scales(out_scales, r64, g, zeros, rm[:, None] & (g < G)[None, :],
                           SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE, UE8M0)
             if GLOBAL:
                 tl.store(out_global + r64, tl.zeros([BLOCK_T], tl.float32), mask=rm)
-    for h0 in range(0, H, BLOCK_H):
-        h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
-        tl.store(out + r64[:, None] * H + h[None, :],  # gate: row
-                 tl.zeros([BLOCK_T, BLOCK_H], out.dtype.element_ty),
-                 mask=rm[:, None] & hm[None, :])
+    if DATA:
+        for h0 in range(0, H, BLOCK_H):
+            h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
+            tl.store(out + r64[:, None] * H + h[None, :],  # gate: row
+                     tl.zeros([BLOCK_T, BLOCK_H], out.dtype.element_ty),
+                     mask=rm[:, None] & hm[None, :])
 
 
 def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptrs, stats,
@@ -505,7 +518,7 @@ def dispatch_expand(staging, meta, epochs, slot_offsets, row_base, tokens_per_ex
                     rank: int, topk: int, num_local_experts: int, meta_stride: int,
                     max_topk: int, flavour: Flavour = CPU_RANKS, out_scales=None,
                     scale_strides=(0, 0), ue8m0: int = 0, out_global=None, live=None,
-                    bound: BoundLaunches | None = None) -> bool:
+                    bound: BoundLaunches | None = None, slot_major: bool = False) -> bool:
     """Launches the ``(R, P)`` expand programs of :func:`expand_grid`.
 
     ``staging`` / ``meta``: the whole dispatch_rows / dispatch_meta regions [P, R, TMAX, ...];
@@ -516,7 +529,12 @@ def dispatch_expand(staging, meta, epochs, slot_offsets, row_base, tokens_per_ex
     weight 0 there), and every row of ``slot_rows`` (-1 past ``slot_offsets[-1]``).
     With ``meta=None`` (the cached form) rows are placed by the given ``slot_rows`` alone;
     ``live`` [R] int32 (fault tolerance): the sources whose rows arrived (the others' rows are
-    not read: ``out`` must be zeros there).
+    not read: ``out`` must be zeros there). ``slot_major`` (not cached): ``out``, its scales
+    and global scales are [slots, ...]: received slot ``i`` (``slot_offsets`` order) once at
+    ``i`` (DeepEP's order within a round); weights and sources stay by output row
+    (``out_src_rank``'s rows, padding included)::
+
+        out[i] = staged row of slot i        (instead of out[slot_rows[i, k]] for each k)
     Quantized rows (``out_scales`` given; ``out`` float8, or uint8 [rows, H/2] for NVFP4):
     ``staging`` is the uint8 view, ``out_scales`` the contiguous memory of the scales
     (float32, or int32 words of byte scales with ``ue8m0``: exponents per 128 channels, E8M0
@@ -532,6 +550,8 @@ def dispatch_expand(staging, meta, epochs, slot_offsets, row_base, tokens_per_ex
     nvfp4 = fp8 and ue8m0 == NVFP4
     elem_bytes = out.element_size()
     cached = meta is None
+    if slot_major and cached:
+        raise ValueError("slot_major is a first dispatch's (meta given)")
     has_weights = out_weights is not None
     dummy = slot_offsets
     if fp8:
@@ -543,11 +563,11 @@ def dispatch_expand(staging, meta, epochs, slot_offsets, row_base, tokens_per_ex
               expert_offsets, slot_rows, out, out_scales if fp8 else dummy,
               out_global if nvfp4 else dummy, out_weights if has_weights else dummy,
               dummy if cached else out_src_rank, dummy if cached else out_src_token,
-              out.shape[0])
+              out.shape[0] if cached else out_src_rank.shape[0])
     key = ("dispatch_expand", staging.shape, staging.stride(), slot_rows.shape, H, elem_bytes,
            specs(values[:15]), live is None, cached, has_weights,
            None if cached else meta.stride(0), id(epochs), rank, topk, num_local_experts,
-           meta_stride, max_topk, id(flavour), scale_strides, ue8m0)
+           meta_stride, max_topk, id(flavour), scale_strides, ue8m0, slot_major)
     if call_bound(bound, key, values):
         return True
     groups = (2 * H if nvfp4 else H) // scale_group(ue8m0) if fp8 else 0
@@ -555,14 +575,15 @@ def dispatch_expand(staging, meta, epochs, slot_offsets, row_base, tokens_per_ex
     tile = tiles("dispatch_expand", flavour.compiled, H, elem_bytes)
     args = (
         *values[:3], epochs, *values[3:15],
-        flavour.errors_addr, out.shape[0],
+        flavour.errors_addr, values[15],
         TMAX, slot_rows.shape[0], H, topk, num_local_experts, rank, per_row, groups,
         staging.stride(2),
         staging.stride(0), 0 if cached else meta.stride(0), scale_strides[0], scale_strides[1])
     kwargs = dict(
         META_STRIDE=meta_stride, KMAX=max_topk, CACHED=cached, HAS_WEIGHTS=has_weights,
         FP8=fp8, UE8M0=bool(fp8 and ue8m0), GLOBAL=nvfp4, LIVE=live is not None,
-        EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t, BLOCK_H=tile.block_h,
+        EVEN_H=even(H, tile.block_h), SLOT_MAJOR=slot_major, BLOCK_T=tile.block_t,
+        BLOCK_H=tile.block_h,
         BLOCK_K=triton.next_power_of_2(max(topk, 1)),
         BLOCK_G=triton.next_power_of_2(max(per_row, 1)), BLOCK_Z=ZERO_TILES * tile.block_t,
         **tile.launch_options())

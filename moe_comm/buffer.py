@@ -44,7 +44,7 @@ from .low_latency import LowLatencyMode
 from .microscale import swizzle_128x4
 from .nodes import NEVER, Nodes, internode_peers, never_signalled, plan_values, signal_labels
 from .normal_mode import NormalMode, PendingSend
-from .ops import combine_autograd, dispatch_autograd
+from .ops import combine_autograd, dispatch_autograd, wrap_dispatch_outputs
 from .symm import SymmetricHeap, create_loopback_heaps
 from .symm.select import choose_backend, create_heap, default_device
 from .transport import NixlProxy, TransportError, choose_transport
@@ -594,6 +594,49 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         if scale_layout == "swizzled":
             res = dataclasses.replace(res, x_scales=swizzle_128x4(res.x_scales))
         if self.fault_tolerant:  # for combine(..., renormalize=True)
+            res = dataclasses.replace(res, handle=dataclasses.replace(
+                res.handle, topk_idx=topk_idx, topk_weights=topk_weights))
+        return res
+
+    def dispatch_by_slot(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                         topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None,
+                         expert_alignment: int = 1, *, fp8: bool | None = None,
+                         ue8m0: bool = False, col_major_scales: bool = False) -> DispatchResult:
+        """:meth:`dispatch` whose ``res.x`` (and ``res.x_scales``) hold each received token
+        once, in slot order (source rank, then token: DeepEP's normal-mode order); the rest
+        (weights, ``src_rank``, ``src_token``, the counts, the handle) by output row, as
+        :meth:`dispatch` returns them. Equivalent to::
+
+            res = self.dispatch(x, topk_idx, topk_weights, expert_alignment, ...)
+            n = res.handle.recv_slot_offsets[-1]                  # tokens received
+            first = where(slot_rows[:n] >= 0, slot_rows[:n], big).min(1)  # a row per token
+            res.x, res.x_scales = res.x[first], res.x_scales[first]
+
+        without that copy (the expand kernel stores each token's row once, at its slot). Not
+        differentiable; one round (a staging budget that holds the whole batch); one host
+        synchronisation, as :meth:`dispatch` without ``max_recv_rows``."""
+        self._ready()
+        self._invariant_normal_mode()
+        if self.layout.rounds > 1:
+            raise ValueError(f"dispatch_by_slot needs one round; this Buffer runs a call in "
+                             f"{self.layout.rounds} (staging_bytes={self.staging_bytes})")
+        ue8m0 = scale_code(None, ue8m0)
+        rows, scales, mode = resolve_fp8(
+            x, fp8, ue8m0, col_major_scales, default_fp8=self.dispatch_dtype != self.dtype,
+            hidden=self.hidden, device=self.device)
+        if env.check_inputs():
+            dtype, width = sent_rows_check(mode, ue8m0, self.hidden, self.dtype)
+            check_dispatch_inputs(rows, topk_idx, topk_weights, expert_alignment,
+                                  hidden=width, max_tokens=self.max_tokens_per_rank,
+                                  max_topk=self.max_topk, dtype=dtype, device=self.device)
+        with torch.no_grad():
+            pending = self.dispatch_send(rows, topk_idx, topk_weights, scales, mode, ue8m0)
+            outs = self.dispatch_recv(pending, expert_alignment, col_major_scales,
+                                      slot_major=True)
+        self._raise_input_errors("dispatch")
+        res = wrap_dispatch_outputs(self, outs, topk_idx.shape[1], topk_weights is not None,
+                                    mode, int(ue8m0), topk_idx)
+        if self.fault_tolerant:
             res = dataclasses.replace(res, handle=dataclasses.replace(
                 res.handle, topk_idx=topk_idx, topk_weights=topk_weights))
         return res

@@ -209,6 +209,11 @@ def drive_normal(bufs, cfg: GateConfig, dtype) -> None:
                                         dispatch_dtype=fmt)
         if i == 0:  # combine and both backward ops follow the weighted bf16 dispatch
             _drive_combines(bufs, cfg, dtype, xs, res, rows)
+    if bufs[0].layout.rounds == 1:  # rows by slot (the DeepEP facade's), bf16 and FP8
+        for fp8 in (False, True) if fp8_ok else (False,):
+            for _ in range(2):
+                lockstep.dispatch(bufs, xs, idxs, ws, fp8=fp8, max_recv_rows=rows,
+                                  by_slot=True)
 
 
 def _quantized_meta(shape, hidden: int, fmt: str | None) -> tuple:

@@ -42,8 +42,10 @@ def in_lockstep(steps: list) -> list:
 def dispatch(buffers, xs, topk_idxs, topk_weights=None, expert_alignment: int = 1, *,
              fp8: bool | None = None, ue8m0: bool = False, col_major_scales: bool = False,
              max_recv_rows: int | None = None, dispatch_dtype: str | None = None,
-             global_scale=None) -> list[DispatchResult]:
-    """``[buf.dispatch(x, idx, w, expert_alignment, ...) for each virtual rank]``, in lockstep."""
+             global_scale=None, by_slot: bool = False) -> list[DispatchResult]:
+    """``[buf.dispatch(x, idx, w, expert_alignment, ...) for each virtual rank]``, in lockstep
+    (``by_slot``: ``buf.dispatch_by_slot``'s rows, here with ``max_recv_rows`` too: a row for
+    every slot a source may fill, zero past the count)."""
     topk_weights = topk_weights if topk_weights is not None else [None] * len(buffers)
     ue8m0 = scale_code(dispatch_dtype, ue8m0)
     prepared = []
@@ -62,7 +64,7 @@ def dispatch(buffers, xs, topk_idxs, topk_weights=None, expert_alignment: int = 
                for buf, (rows, scales, mode), idx, w
                in zip(buffers, prepared, topk_idxs, topk_weights)]
     outs = in_lockstep([buf.dispatch_recv_steps(p, expert_alignment, col_major_scales,
-                                                max_recv_rows)
+                                                max_recv_rows, by_slot)
                         for buf, p in zip(buffers, pending)])
     results = [wrap_dispatch_outputs(buf, out, idx.shape[1], w is not None, mode, ue8m0, idx)
                for buf, out, idx, w, (_, _, mode)

@@ -415,15 +415,20 @@ class NormalMode:
         return layout
 
     def dispatch_recv(self, pending: PendingSend, expert_alignment: int,
-                      col_major_scales: bool = False, max_recv_rows: int | None = None) -> tuple:
+                      col_major_scales: bool = False, max_recv_rows: int | None = None,
+                      slot_major: bool = False) -> tuple:
         """Receive phase of dispatch (with the later rounds' sends); returns the tensors of
-        ``moe_comm::dispatch``."""
+        ``moe_comm::dispatch``. ``slot_major`` (one round): the rows, scales and global scales
+        are by received slot, each (source, token) once in ``slot_offsets`` order
+        (``kernels.dispatch.dispatch_expand``), the rest as without; with ``max_recv_rows``
+        they have a row for every slot a source may fill, zero past the count."""
         return run_steps(self.dispatch_recv_steps(pending, expert_alignment, col_major_scales,
-                                                  max_recv_rows))
+                                                  max_recv_rows, slot_major))
 
     @poisons_buffer_on_error("dispatch")
     def dispatch_recv_steps(self, pending: PendingSend, expert_alignment: int,
-                            col_major_scales: bool = False, max_recv_rows: int | None = None):
+                            col_major_scales: bool = False, max_recv_rows: int | None = None,
+                            slot_major: bool = False):
         """:meth:`dispatch_recv` as steps: it yields after the send of each round past the
         first, before that round's receive (``moe_comm.lockstep`` runs every virtual rank's
         step before any rank receives), and returns the tensors of ``moe_comm::dispatch``.
@@ -442,24 +447,36 @@ class NormalMode:
         L, dev = self.num_local_experts, self.device
         row_base, tokens_per_expert, expert_offsets, slot_offsets = \
             self._received_layout(expert_alignment, pending)
-        if max_recv_rows is None:
+        data_rows = None  # rows of the data outputs, where not `rows` (slot_major: the slots)
+        if slot_major and self.layout.rounds > 1:
+            raise ValueError("slot_major needs one round")
+        if slot_major and max_recv_rows is None:  # both counts in one read
+            self.host_syncs["rows"] += 1
+            rows, data_rows = torch.stack((expert_offsets[-1], slot_offsets[-1])).tolist()
+            self._check_usable("dispatch")
+        elif slot_major:  # every slot a source may fill; those past the count stay zero
+            rows, data_rows = max_recv_rows, self.world_size * self.max_tokens_per_rank
+        elif max_recv_rows is None:
             rows = read_int(self.host_syncs, "rows", expert_offsets[-1])
             self._check_usable("dispatch")  # the wait kernel has run: a timeout shows now
         else:
             rows = max_recv_rows
+        if data_rows is None:
+            data_rows = rows
         fp8 = pending.fp8 != 0
         nvfp4 = fp8 and pending.ue8m0 == NVFP4
         # fault tolerance in rounds: the rows of a source that stops after round 0 stay as
         # padding rows are (zero, src_rank / src_token -1); otherwise the expand writes them all
-        alloc = torch.zeros if self._ft_rounds else torch.empty
-        out = (alloc((rows, self.hidden // 2), device=dev, dtype=torch.uint8) if nvfp4
-               else alloc((rows, self.hidden), device=dev,
+        alloc = torch.zeros if self._ft_rounds or (slot_major and (
+            pending.live is not None or max_recv_rows is not None)) else torch.empty
+        out = (alloc((data_rows, self.hidden // 2), device=dev, dtype=torch.uint8) if nvfp4
+               else alloc((data_rows, self.hidden), device=dev,
                           dtype=torch.float8_e4m3fn if fp8 else self.dtype))
-        global_scale = alloc(rows if nvfp4 else 0, dtype=torch.float32, device=dev)
+        global_scale = alloc(data_rows if nvfp4 else 0, dtype=torch.float32, device=dev)
         scales, scale_memory, scale_strides = (torch.empty(0, device=dev), None, (0, 0))
         if fp8:
             scales, scale_memory, scale_strides = fp8_scales_out(
-                rows, self.hidden // scale_group(pending.ue8m0), pending.ue8m0,
+                data_rows, self.hidden // scale_group(pending.ue8m0), pending.ue8m0,
                 col_major_scales, dev)
         out_weights = alloc(rows if pending.has_weights else 0, dtype=torch.float32, device=dev)
         src_rank = torch.empty(rows, dtype=torch.int64, device=dev)
@@ -477,7 +494,7 @@ class NormalMode:
             rank=self.rank, topk=pending.topk, num_local_experts=L,
             meta_stride=self.layout.meta_stride, max_topk=self.max_topk, flavour=self.flavour,
             out_scales=scale_memory, scale_strides=scale_strides, ue8m0=pending.ue8m0,
-            out_global=global_scale, bound=self._bound)
+            out_global=global_scale, bound=self._bound, slot_major=slot_major)
         outputs = (slot_rows, out, out_weights if pending.has_weights else None, src_rank,
                    src_token)
         first = slot_offsets

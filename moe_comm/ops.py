@@ -265,12 +265,13 @@ def dispatch_autograd(buf, x, x_scales, topk_idx, topk_weights, expert_alignment
 def wrap_dispatch_outputs(buf, outs, topk: int, has_weights: bool, fp8: int, ue8m0: int = 0,
                           topk_idx=None) -> DispatchResult:
     """The tensors of ``moe_comm::dispatch`` as a DispatchResult with its handle (an
-    EP-invariant Buffer's keeps ``topk_idx`` and ``src_token``)."""
+    EP-invariant Buffer's keeps ``topk_idx`` and ``src_token``; the handle's rows are those of
+    ``src_rank``, which a slot-major dispatch's ``recv_x`` does not have)."""
     recv_x, scales, recv_w, src_rank, src_token, tpe, offsets, slot_of, slot_rows, slot_off, \
         node_slot_of, fwd_slots, fwd_n, global_scale = outs
     invariant = buf.ep_invariant
     handle = DispatchHandle(buf.id, buf.dispatch_serial, slot_of, slot_rows, slot_off,
-                            recv_x.shape[0], topk, tpe, offsets, node_slot_of, fwd_slots, fwd_n,
+                            src_rank.shape[0], topk, tpe, offsets, node_slot_of, fwd_slots, fwd_n,
                             topk_idx=topk_idx if invariant else None,
                             src_token=src_token if invariant else None)
     return DispatchResult(recv_x, scales if fp8 else None, recv_w if has_weights else None,

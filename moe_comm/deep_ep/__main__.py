@@ -13,8 +13,8 @@ HONOURED = [
     ("get_dispatch_layout", "yes",
      "no host read; num_tokens_per_rdma_rank across nodes, None on one node"),
     ("dispatch (top-k, FP8 pair, expert_alignment, num_worst_tokens)", "yes",
-     "DeepEP's row order (one copy of the rows into it); one host read of the row count, one "
-     "small all-reduce of sizes"),
+     "DeepEP's row order, stored there by moe_comm's receive (in rounds: one copy into it); "
+     "one host read of the row count, one small all-reduce of sizes"),
     ("dispatch(handle=...) cached", "yes",
      "rows of the Buffer's dtype (not FP8 pairs), written in DeepEP's order directly"),
     ("dispatch without topk_idx", "no", "NotImplementedError"),

@@ -13,11 +13,13 @@ Normal mode, DeepEP's layout (the receive order of its intranode and internode k
                          rank that holds choice k (each choice is local to one rank)
     dispatch(x, handle=h)   the rows of x moved as the dispatch that made h moved them
 
-moe_comm's own dispatch is expert-major (a row per (token, local choice)). The facade gathers
-one row per (source, token) from it into DeepEP's order: one copy, ``N * H`` elements read and
-written per call (FP8 pairs: ``N * (H + 4 * H / 128)`` bytes), the only copy the facade adds;
-moe_comm's receive kernel would have to store each received slot once at its DeepEP row for it
-to go. It reads the received-row count on the host (as DeepEP's normal dispatch does). combine
+moe_comm's own dispatch is expert-major (a row per (token, local choice)). The facade asks for
+the rows by slot instead (``Buffer.dispatch_by_slot``): the receive kernel stores each received
+(source, token) once, in DeepEP's order, so the facade adds no copy of the rows. Only where the
+staging runs a call in rounds (slots by round, then source) does it gather one row per (source,
+token) into DeepEP's order: one copy, ``N * H`` elements read and written per call (FP8 pairs:
+``N * (H + 4 * H / 128)`` bytes). It reads the received-row count on the host (as DeepEP's
+normal dispatch does). combine
 and the cached dispatch move DeepEP's rows in place: the handle maps each received (source,
 token) slot to its DeepEP row, which moe_comm's kernels read (combine) or write (cached
 dispatch) directly; a combine with ``topk_weights``, or of an EP-invariant Buffer, first lays the
@@ -363,10 +365,13 @@ class Buffer:
             raise ValueError("num_tokens_per_expert (from get_dispatch_layout) is needed")
         dtype = torch.bfloat16 if pair else rows.dtype
         buf = self._normal_buffer(T, topk_idx.shape[1], H, dtype, num_experts, rows.device)
+        by_slot = buf.rounds == 1  # rows arrive in DeepEP's order: no copy here
         with torch.no_grad():
-            res = buf.dispatch(x, topk_idx, topk_weights, expert_alignment=expert_alignment)
+            res = (buf.dispatch_by_slot if by_slot else buf.dispatch)(
+                x, topk_idx, topk_weights, expert_alignment=expert_alignment)
         h = res.handle
-        n = int(h.recv_slot_offsets[-1])  # received slots: one per (source, token)
+        # received slots: one per (source, token)
+        n = res.x.shape[0] if by_slot else int(h.recv_slot_offsets[-1])
         choice_rows = h.slot_rows[:n].to(torch.int64)  # [N, K] moe_comm row of each choice
         used = choice_rows >= 0
         first = torch.where(used, choice_rows, h.num_rows).amin(1)
@@ -379,14 +384,15 @@ class Buffer:
         slot_rows = torch.full((h.slot_rows.shape[0], 1), -1, dtype=torch.int32,
                                device=first.device)
         slot_rows[:n, 0] = slot_row
-        recv_x = res.x[first]  # the facade's one copy: expert-major rows to DeepEP's order
+        # in rounds the facade's one copy: expert-major rows to DeepEP's order
+        recv_x = res.x if by_slot else res.x[first]
         local = torch.searchsorted(res.expert_offsets, choice_rows.clamp(min=0), right=True) - 1
         recv_idx = torch.where(used, local, -1)
         recv_w = None
         if res.weights is not None:
             recv_w = torch.where(used, res.weights[choice_rows.clamp(min=0)], 0.0)
         if pair:
-            recv_x = (recv_x, res.x_scales[first])
+            recv_x = (recv_x, res.x_scales if by_slot else res.x_scales[first])
         per_expert = (res.tokens_per_expert + expert_alignment - 1) // expert_alignment \
             * expert_alignment
         if num_worst_tokens:

@@ -37,10 +37,12 @@ def compile_ranks():
 
 
 @pytest.mark.parametrize("world_size, fmt, backend", [
-    (2, None, "inductor"), (4, None, "inductor"), (2, "fp8", "inductor"),
-    (2, "nvfp4", "inductor"), (2, "mxfp8", "aot_eager")],
-    ids=["bf16-2", "bf16-4", "fp8-2", "nvfp4-2", "mxfp8-2-aot_eager"])
+    (4, None, "inductor"), (2, "fp8", "inductor"), (2, "nvfp4", "inductor"),
+    (2, "mxfp8", "aot_eager")],
+    ids=["bf16-4", "fp8-2", "nvfp4-2", "mxfp8-2-aot_eager"])
 def test_compiled_layer_matches_eager_bit_for_bit(compile_ranks, world_size, fmt, backend):
+    """bf16 (the output and every gradient, x's too) on 4 ranks; the quantized formats (the
+    output and the router weights' gradient) on 2 ranks."""
     case = Case(world_size, 4 * world_size, 256, 4, (0,) * world_size, torch.bfloat16, "zipf",
                 1, seed=70 + world_size)
     reports = compile_ranks(world_size).run(compiled_layer, case, (17, 29), fmt, True, backend,
@@ -54,8 +56,8 @@ def test_compiled_layer_matches_eager_bit_for_bit(compile_ranks, world_size, fmt
 
 
 @pytest.mark.parametrize("world_size, fp8s, dynamic, token_counts", [
-    (2, (False, False), None, (24, 24, 13, 7)), (2, (True, True), True, (24, 24, 13)),
-    (4, (True, False), True, (12, 12, 5))],
+    (2, (False, False), None, (24, 24, 13, 7)), (2, (True, True), True, (24, 13)),
+    (4, (True, False), True, (12, 5))],
     ids=["bf16-2", "fp8-2", "fp8+bf16-4"])
 def test_compiled_low_latency_matches_eager_bit_for_bit(compile_ranks, world_size, fp8s,
                                                         dynamic, token_counts):

@@ -2,7 +2,6 @@
 facade's normal dispatch, without a copy), equal to ``dispatch``'s rows gathered by slot."""
 import by_slot_jobs as jobs
 import pytest
-import torch
 
 from cases import Case
 

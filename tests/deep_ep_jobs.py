@@ -3,6 +3,7 @@ documented semantics (written here from DeepEP's README and tests, not from moe_
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -402,7 +403,7 @@ def bad_facade_inputs(rank, world_size) -> dict:
     """Each facade call with a mistake a new user makes: ``{what: "Error: message"}`` (or
     what came back where nothing was wrong)."""
     buf = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0, low_latency_mode=True,
-                         num_qps_per_rank=1)
+                         num_qps_per_rank=1, enable_shrink=True)
     E, T, H, K = 8, 6, 128, 2
     x = torch.randn(T, H, dtype=torch.bfloat16)
     idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
@@ -416,7 +417,9 @@ def bad_facade_inputs(rank, world_size) -> dict:
         except Exception as exc:  # noqa: BLE001 - what a user would see, reported
             found[what] = f"{type(exc).__name__}: {exc}"
 
-    probe("local buffer before a call", lambda: buf.get_local_buffer_tensor(torch.int8))
+    probe("local buffer before a call", lambda: buf.get_local_buffer_tensor(
+        torch.int8, use_rdma_buffer=True))
+    probe("local buffer normal workspace", lambda: buf.get_local_buffer_tensor(torch.int8))
     probe("layout int32 topk_idx", lambda: buf.get_dispatch_layout(idx.int(), E))
     probe("layout float topk_idx", lambda: buf.get_dispatch_layout(idx.float(), E))
     probe("layout 1-d topk_idx", lambda: buf.get_dispatch_layout(idx[:, 0], E))
@@ -444,12 +447,6 @@ def bad_facade_inputs(rank, world_size) -> dict:
     probe("cached dispatch tuple handle", lambda: buf.dispatch(x, handle=(1, 2)))
     out = buf.combine(res[0], handle=handle)  # a good call
     found["good calls"] = f"ok {tuple(out[0].shape)}"
-    probe("local buffer dtype str", lambda: buf.get_local_buffer_tensor("int8"))
-    probe("local buffer odd offset", lambda: buf.get_local_buffer_tensor(torch.int32, offset=2))
-    probe("local buffer size too large", lambda: buf.get_local_buffer_tensor(
-        torch.int8, size=(1 << 40,)))
-    probe("local buffer int32 [4, 2] at 8", lambda: buf.get_local_buffer_tensor(
-        torch.int32, size=(4, 2), offset=8))
     probe("low-latency int32 topk_idx (converted)",
           lambda: buf.low_latency_dispatch(x, idx.int(), 8, E, use_fp8=False))
     recv = buf.low_latency_dispatch(x, idx, 8, E, use_fp8=False)
@@ -458,6 +455,11 @@ def bad_facade_inputs(rank, world_size) -> dict:
     probe("low-latency combine buffer tuple handle",
           lambda: buf.get_next_low_latency_combine_buffer((1, 2)))
     buf.low_latency_combine(recv[0], idx, w, recv[2])  # a good call
+    local = functools.partial(buf.get_local_buffer_tensor, use_rdma_buffer=True)
+    probe("local buffer dtype str", lambda: local("int8"))
+    probe("local buffer odd offset", lambda: local(torch.int32, offset=2))
+    probe("local buffer size too large", lambda: local(torch.int8, size=(1 << 40,)))
+    probe("local buffer int32 [4, 2] at 8", lambda: local(torch.int32, size=(4, 2), offset=8))
     buf.destroy()
     return found
 

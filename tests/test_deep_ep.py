@@ -157,8 +157,10 @@ def test_bad_input_to_every_facade_call_names_the_argument(ranks):
                                             "low_latency_dispatch returned",
         "low-latency combine buffer tuple handle": "TypeError: handle must be the handle a "
                                                    "low_latency_dispatch returned",
-        "local buffer before a call": "RuntimeError: moe_comm builds each workspace at its "
-                                      "first call",
+        "local buffer before a call": "RuntimeError: moe_comm builds the low-latency "
+                                      "workspace at the first low_latency_dispatch",
+        "local buffer normal workspace": "NotImplementedError: moe_comm.deep_ep: "
+                                         "get_local_buffer_tensor hands out the low-latency",
         "local buffer dtype str": "TypeError: dtype must be a torch.dtype",
         "local buffer odd offset": "ValueError: offset must be a byte offset",
         "local buffer size too large": "ValueError: size (1099511627776,) needs",

@@ -38,10 +38,10 @@ HONOURED = [
     ("enable_shrink: update (mask=True) / query / clean mask", "yes",
      "moe_comm's fault-tolerance mask; unmasking one rank: NotImplementedError; clean is "
      "collective over the live ranks"),
-    ("get_local_buffer_tensor", "yes",
-     "a view of moe_comm's workspace (its layout, not DeepEP's) after the fault-tolerance "
+    ("get_local_buffer_tensor(use_rdma_buffer=True) with enable_shrink", "yes",
+     "a view of moe_comm's low-latency workspace (its layout, not DeepEP's) after its protocol "
      "words: zeroing it, then the clean mask call on every live rank, resets it (vLLM's "
-     "clean_buffers)"),
+     "clean_buffers); other workspaces: NotImplementedError"),
     ("internode normal mode (num_rdma_bytes > 0, more ranks than a node)", "yes",
      "nodes of ranks_per_node= / MOE_COMM_RANKS_PER_NODE / 8 ranks, NIXL proxy between them, "
      "hierarchical (flat with ep_invariant); low-latency mode across the same nodes"),

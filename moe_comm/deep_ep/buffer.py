@@ -223,25 +223,32 @@ class Buffer:
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size=None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
-        """This rank's workspace as ``dtype`` from byte ``offset`` (``size``: a shape; default
-        all that follows), a view: ``use_rdma_buffer=True`` the low-latency workspace (DeepEP's
-        RDMA buffer; the normal one where low_latency_mode is off), else the normal-mode one.
-        Its layout is moe_comm's, not DeepEP's; what a caller may do with it is zero it with no
-        call in flight and then, on every live rank, ``low_latency_clean_mask_buffer()`` (vLLM's
-        ``clean_buffers``), which sets the epochs and acknowledgements again. The view starts
-        after the fault-tolerance words the clean itself exchanges (a rank zeroing them after
-        a faster peer announced itself there would erase the announcement)::
+        """The low-latency workspace (DeepEP's RDMA buffer: ``use_rdma_buffer=True``, a Buffer
+        built with ``low_latency_mode`` and ``enable_shrink``) as ``dtype`` from byte ``offset``
+        (``size``: a shape; default all that follows), a view. Its layout is moe_comm's, not
+        DeepEP's; what a caller may do with it is zero it with no call in flight and then, on
+        every live rank, ``low_latency_clean_mask_buffer()`` (vLLM's ``clean_buffers``), which
+        sets the epochs and acknowledgements again. The view starts after the normal mode's
+        signal words and the fault-tolerance words that clean exchanges (a rank zeroing them
+        after a faster peer announced itself there would erase the announcement). The other
+        workspaces have no call that sets them up again after a zeroing: refused::
 
             seg = workspace bytes of this rank after its fault-tolerance words
             return seg[offset:].view(dtype)[:prod(size)].view(size)
         """
         self._check_alive()
+        if not (use_rdma_buffer and self.low_latency_mode and self.enable_shrink):
+            raise _unsupported("get_local_buffer_tensor hands out the low-latency workspace "
+                               "of a Buffer built with low_latency_mode=True and "
+                               "enable_shrink=True (use_rdma_buffer=True) only: after a zeroing "
+                               "low_latency_clean_mask_buffer() sets it up again; the other "
+                               "workspaces have no such call")
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
-        buf = self._low_latency if use_rdma_buffer and self.low_latency_mode else self._normal
+        buf = self._low_latency
         if buf is None:
-            raise RuntimeError("moe_comm builds each workspace at its first call (it needs the "
-                               "sizes): call low_latency_dispatch or dispatch first")
+            raise RuntimeError("moe_comm builds the low-latency workspace at the first "
+                               "low_latency_dispatch (it needs the sizes): call it first")
         seg = buf.heap.local[_after_fault_tolerance_words(buf.layout):]
         item = torch.empty((), dtype=dtype).element_size()
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 \
@@ -599,10 +606,13 @@ class Buffer:
 
 
 def _after_fault_tolerance_words(layout) -> int:
-    """The byte offset where the workspace's regions after ``ft_*`` begin (0 without them)."""
+    """The byte offset where the workspace's regions after ``ft_*`` begin (those come after
+    the normal mode's signal, ticket and epoch words)."""
     ends = [layout.offset(name) + region.nbytes for name, region in layout.regions.items()
             if name.startswith("ft_")]
-    return max(ends, default=0)
+    if not ends:
+        raise ValueError("a fault-tolerant workspace has ft_* regions")
+    return max(ends)
 
 
 def _pad_rows(recv_x, recv_idx, recv_w, rows: int):

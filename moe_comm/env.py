@@ -34,3 +34,19 @@ def kernel_waits() -> bool:
     if raw not in ("host", "kernel"):
         raise ValueError(f"MOE_COMM_WAIT must be 'host' or 'kernel', got {raw!r}")
     return raw == "kernel"
+
+
+def ranks_per_node(default: int) -> int:
+    """``MOE_COMM_RANKS_PER_NODE``: ranks per node of ``moe_comm.deep_ep``'s internode mode
+    (``default`` where unset)."""
+    raw = os.environ.get("MOE_COMM_RANKS_PER_NODE", "")
+    if not raw:
+        return default
+    try:
+        number = int(raw)
+    except ValueError:
+        number = None
+    if number is None or number < 1:
+        raise ValueError(f"MOE_COMM_RANKS_PER_NODE={raw!r}: the ranks per node must be a "
+                         "positive int")
+    return number

@@ -70,7 +70,6 @@ Streams: moe_comm runs on the caller's current stream, so ``async_finish`` and
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -78,30 +77,18 @@ import torch.distributed as dist
 
 import moe_comm
 
+from .. import env
 from . import checks
 from .utils import EventHandle, EventOverlap
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 NUM_MAX_NVL_PEERS = 8  # DeepEP's ranks per node: the default of ``ranks_per_node``
-RANKS_PER_NODE_ENV = "MOE_COMM_RANKS_PER_NODE"
-
-
 def ranks_per_node_setting(value: int | None = None) -> int:
     """Ranks per node of the facade: ``value`` (``Buffer(..., ranks_per_node=)``), else
     ``MOE_COMM_RANKS_PER_NODE``, else ``NUM_MAX_NVL_PEERS`` (8, DeepEP's)."""
     if value is not None:
         return checks.positive_int(value, "ranks_per_node")
-    raw = os.environ.get(RANKS_PER_NODE_ENV, "")
-    if not raw:
-        return NUM_MAX_NVL_PEERS
-    try:
-        number = int(raw)
-    except ValueError:
-        number = None
-    if number is None or number < 1:
-        raise ValueError(f"{RANKS_PER_NODE_ENV}={raw!r}: the ranks per node must be a positive "
-                         "int")
-    return number
+    return env.ranks_per_node(NUM_MAX_NVL_PEERS)
 
 
 def _unsupported(what: str) -> NotImplementedError:

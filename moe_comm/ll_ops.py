@@ -72,11 +72,9 @@ _CHANNELS = {DISPATCH: "dispatch", COMBINE: "combine"}
 
 def _pending(buf) -> dict:
     """Hooks of sends made through the ops whose receive has not run: ``(channel, serial)`` ->
-    what the receive needs. Kept on the Buffer (it lives and dies with it)."""
-    table = buf.__dict__.get("_ll_op_pending")
-    if table is None:
-        table = buf.__dict__["_ll_op_pending"] = {}
-    return table
+    what the receive needs. Kept on the Buffer (``Buffer._setup`` makes it: it lives and dies
+    with the Buffer)."""
+    return buf._ll_op_pending
 
 
 def _ticket(channel: int, serial: int) -> Tensor:

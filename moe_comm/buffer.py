@@ -581,6 +581,19 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         self._invariant_normal_mode()
         ue8m0 = scale_code(dispatch_dtype, ue8m0)
         check_scale_layout(scale_layout, ue8m0)
+        rows, scales, mode = self._dispatch_inputs(
+            x, topk_idx, topk_weights, expert_alignment, fp8, ue8m0, col_major_scales,
+            max_recv_rows, global_scale)
+        res = dispatch_autograd(self, rows, scales, topk_idx, topk_weights, expert_alignment,
+                                mode, ue8m0, col_major_scales, max_recv_rows)
+        if scale_layout == "swizzled":
+            res = dataclasses.replace(res, x_scales=swizzle_128x4(res.x_scales))
+        return self._with_routing(res, topk_idx, topk_weights)
+
+    def _dispatch_inputs(self, x, topk_idx, topk_weights, expert_alignment, fp8, ue8m0: int,
+                         col_major_scales, max_recv_rows=None, global_scale=None) -> tuple:
+        """``(rows, scales, mode)`` of a dispatch's ``x`` (``validation.resolve_fp8``), the
+        inputs checked unless ``MOE_COMM_CHECK_INPUTS=0``."""
         rows, scales, mode = resolve_fp8(
             x, fp8, ue8m0, col_major_scales, default_fp8=self.dispatch_dtype != self.dtype,
             hidden=self.hidden, device=self.device, global_scale=global_scale)
@@ -590,14 +603,15 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                                   hidden=width, max_tokens=self.max_tokens_per_rank,
                                   max_topk=self.max_topk, dtype=dtype,
                                   device=self.device, max_recv_rows=max_recv_rows)
-        res = dispatch_autograd(self, rows, scales, topk_idx, topk_weights, expert_alignment,
-                                mode, ue8m0, col_major_scales, max_recv_rows)
-        if scale_layout == "swizzled":
-            res = dataclasses.replace(res, x_scales=swizzle_128x4(res.x_scales))
-        if self.fault_tolerant:  # for combine(..., renormalize=True)
-            res = dataclasses.replace(res, handle=dataclasses.replace(
-                res.handle, topk_idx=topk_idx, topk_weights=topk_weights))
-        return res
+        return rows, scales, mode
+
+    def _with_routing(self, res: DispatchResult, topk_idx, topk_weights) -> DispatchResult:
+        """A fault-tolerant Buffer's handle keeps the routing (for ``combine(...,
+        renormalize=True)``); ``res`` as it is otherwise."""
+        if not self.fault_tolerant:
+            return res
+        return dataclasses.replace(res, handle=dataclasses.replace(
+            res.handle, topk_idx=topk_idx, topk_weights=topk_weights))
 
     def dispatch_by_slot(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                          topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None,
@@ -622,25 +636,16 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             raise ValueError(f"dispatch_by_slot needs one round; this Buffer runs a call in "
                              f"{self.layout.rounds} (staging_bytes={self.staging_bytes})")
         ue8m0 = scale_code(None, ue8m0)
-        rows, scales, mode = resolve_fp8(
-            x, fp8, ue8m0, col_major_scales, default_fp8=self.dispatch_dtype != self.dtype,
-            hidden=self.hidden, device=self.device)
-        if env.check_inputs():
-            dtype, width = sent_rows_check(mode, ue8m0, self.hidden, self.dtype)
-            check_dispatch_inputs(rows, topk_idx, topk_weights, expert_alignment,
-                                  hidden=width, max_tokens=self.max_tokens_per_rank,
-                                  max_topk=self.max_topk, dtype=dtype, device=self.device)
+        rows, scales, mode = self._dispatch_inputs(x, topk_idx, topk_weights, expert_alignment,
+                                                   fp8, ue8m0, col_major_scales)
         with torch.no_grad():
             pending = self.dispatch_send(rows, topk_idx, topk_weights, scales, mode, ue8m0)
             outs = self.dispatch_recv(pending, expert_alignment, col_major_scales,
                                       slot_major=True)
         self._raise_input_errors("dispatch")
-        res = wrap_dispatch_outputs(self, outs, topk_idx.shape[1], topk_weights is not None,
-                                    mode, int(ue8m0), topk_idx)
-        if self.fault_tolerant:
-            res = dataclasses.replace(res, handle=dataclasses.replace(
-                res.handle, topk_idx=topk_idx, topk_weights=topk_weights))
-        return res
+        return self._with_routing(wrap_dispatch_outputs(
+            self, outs, topk_idx.shape[1], topk_weights is not None, mode, int(ue8m0), topk_idx),
+            topk_idx, topk_weights)
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle,
                 weights: torch.Tensor | None = None, *, renormalize: bool = False,

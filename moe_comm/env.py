@@ -6,18 +6,24 @@ import os
 DEFAULT_TIMEOUT_S = 120.0
 
 
+def _positive(name: str, default, convert, what: str):
+    """The positive number in ``name`` (``convert``: float or int; ``what`` names its kind in
+    the error), ``default`` where unset."""
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        value = convert(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not {what}") from None
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, got {raw!r}")
+    return value
+
+
 def timeout_s() -> float:
     """``MOE_COMM_TIMEOUT_S``: seconds a rank waits for a peer before failing (default 120)."""
-    raw = os.environ.get("MOE_COMM_TIMEOUT_S", "")
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"MOE_COMM_TIMEOUT_S={raw!r} is not a number of seconds") from None
-    if not value > 0:
-        raise ValueError(f"MOE_COMM_TIMEOUT_S must be positive, got {raw!r}")
-    return value
+    return _positive("MOE_COMM_TIMEOUT_S", DEFAULT_TIMEOUT_S, float, "a number of seconds")
 
 
 def check_inputs() -> bool:
@@ -39,14 +45,4 @@ def kernel_waits() -> bool:
 def ranks_per_node(default: int) -> int:
     """``MOE_COMM_RANKS_PER_NODE``: ranks per node of ``moe_comm.deep_ep``'s internode mode
     (``default`` where unset)."""
-    raw = os.environ.get("MOE_COMM_RANKS_PER_NODE", "")
-    if not raw:
-        return default
-    try:
-        number = int(raw)
-    except ValueError:
-        number = None
-    if number is None or number < 1:
-        raise ValueError(f"MOE_COMM_RANKS_PER_NODE={raw!r}: the ranks per node must be a "
-                         "positive int")
-    return number
+    return _positive("MOE_COMM_RANKS_PER_NODE", default, int, "an int (ranks per node)")

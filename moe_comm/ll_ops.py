@@ -70,13 +70,6 @@ from .workspace import COMBINE, DISPATCH
 _CHANNELS = {DISPATCH: "dispatch", COMBINE: "combine"}
 
 
-def _pending(buf) -> dict:
-    """Hooks of sends made through the ops whose receive has not run: ``(channel, serial)`` ->
-    what the receive needs. Kept on the Buffer (``Buffer._setup`` makes it: it lives and dies
-    with the Buffer)."""
-    return buf._ll_op_pending
-
-
 def _ticket(channel: int, serial: int) -> Tensor:
     return torch.tensor([channel, serial], dtype=torch.int64)
 
@@ -93,7 +86,7 @@ def _take(buf, ticket: Tensor, channel: int, static: tuple):
     kind, serial = ticket.tolist()
     if kind != channel:
         raise ValueError(f"ll_{what}_recv got a ticket of ll_{_CHANNELS.get(kind, kind)}_send")
-    pending = _pending(buf)
+    pending = buf._ll_op_pending
     entry = pending.get((channel, serial))
     if entry is None:
         raise RuntimeError(f"no low-latency {what} send with serial {serial} waits for its "
@@ -134,7 +127,7 @@ def ll_dispatch_send_op(buffer_id: str, x: Tensor, topk_idx: Tensor, fp8: bool,
                                           dispatch_dtype=dispatch_dtype,
                                           global_scale=global_scale, return_hook=True)
     serial = recv.handle.serial
-    _pending(buf)[(DISPATCH, serial)] = (recv, hook, (fp8, ue8m0, col_major_scales,
+    buf._ll_op_pending[(DISPATCH, serial)] = (recv, hook, (fp8, ue8m0, col_major_scales,
                                                       dispatch_dtype))
     return _ticket(DISPATCH, serial)
 
@@ -193,7 +186,7 @@ def ll_combine_send_op(buffer_id: str, y: Tensor, topk_idx: Tensor, topk_weights
                                         renormalize=renormalize,
                                         combine_dtype="fp8" if fp8 else None)
     serial = buf._ll_epochs[COMBINE]
-    _pending(buf)[(COMBINE, serial)] = (out, hook, (topk_idx.shape[0],))
+    buf._ll_op_pending[(COMBINE, serial)] = (out, hook, (topk_idx.shape[0],))
     return _ticket(COMBINE, serial)
 
 

@@ -7,7 +7,9 @@ calls and host microseconds, on virtual ranks on the ``meta`` device (no GPU, no
 The static gate's virtual ranks (``moe_comm.gate``: the GPU flavour, in-kernel waits, one node,
 DeepSeek-V3 decode sizes: 8 ranks, 128 tokens, H 7168, top-8, 256 experts, bf16) run each op
 in lockstep; ``dispatch_rounds`` and ``combine_rounds`` are the normal mode with a bounded
-staging of 32 slots per source (4 rounds a call). Triton believes it drives an sm_90 GPU
+staging of 32 slots per source (4 rounds a call; the ranks launch what ranks in processes of
+their own launch, so a combine's rounds are one launch, ``kernels.combine_rounds``). Triton
+believes it drives an sm_90 GPU
 whose compiled kernels are stand-ins that record their launches
 (``kernels.recording.compiled_stand_ins``): every launch takes Triton's whole launch path, or
 the Buffer's bound one (``kernels.bound``), and ends in a launcher that does nothing. Per op

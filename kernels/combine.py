@@ -164,48 +164,18 @@ def source_tile(w, slot_offsets, first_slots, src_tiles, tiles_end, BLOCK_T: tl.
     return s, first_slot, n, j0
 
 
-@triton.jit(do_not_specialize=_SEND_PER_CALL)
-def combine_send_kernel(
-    y,  # [rows, H] expert outputs
-    weights,  # [rows] float32 (HAS_WEIGHTS)
-    pair_values,  # [rows] float32 (HAS_PAIR): one value per row, sent back per (token, choice)
-    slot_rows,  # [S, K] int32: rows of each received slot, -1 where unused
-    slot_offsets,  # [R + 1] int64: first row of each source in slot_rows (its slots: the diff)
-    compact,  # [programs * BLOCK_T * BLOCK_K] int32 scratch: each program's tile of slots' rows,
-              # valid ones first in choice order (see the loop)
-    peer_ptrs,  # [R] int64
-    stats,  # [4] int64 local: bytes stored (to peers, to itself) at [2], [3]
-    xstats,  # [4] int64 local (TRANSPORT 2): bytes for other nodes, outbox [1] or forwarder [3]
-    tickets,  # [1] int64 local ticket counter of this channel
-    epochs,  # [1] int64 local: this channel's latest epoch; the last program advances it
-    rows_off: tl.int64, meta_off: tl.int64, signal_off: tl.int64,  # this rank's regions
-    rows_parity: tl.int64, meta_parity: tl.int64,  # (parity 0) and bytes per parity
-    box_rows_off: tl.int64, box_meta_off: tl.int64,  # TRANSPORT 1: rdma_combine_rows, _meta
-    box_rows_parity: tl.int64, box_meta_parity: tl.int64,
-    local_base: tl.int64,  # TRANSPORT 1: address of this rank's segment (symmetric addresses)
-    errors_addr: tl.int64,  # the error record: nothing is published after a timeout
-    plan,  # TRANSPORT 2: [PLAN_FIELDS] int64 byte offsets (kernels.internode)
-    ring_addr: tl.int64, timeout_ns: tl.int64,  # TRANSPORT 2: the proxy's ring (flat)
-    H: tl.int32, K: tl.int32, R: tl.int32, me: tl.int32, TMAX: tl.int32,
-    N: tl.int32, RING_SLOTS: tl.int32,  # TRANSPORT 2: ranks per node, ring slots
-    KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr,
-    ACC_FP64: tl.constexpr,
-    FP8: tl.constexpr,  # partials travel as FP8 per 128 channels (not with ACC_FP64; with HIER
-                        # those for other nodes go to the forwarder as they are, it sends FP8)
-    TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; where the pointer is 0,
-                              # 1: NVSHMEM; 2: the proxy (flat: an outbox; HIER: the forwarder)
-    HIER: tl.constexpr,
-    ALIGN: tl.constexpr, EVEN_H: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    NUM_THREADS: tl.constexpr,
-    IN_FLIGHT: tl.constexpr,  # rows gathered at once (a slot's compacted rows, -1 past its count)
-):
-    epoch = tl.load(epochs) + 1  # device epochs and a fixed grid: no per-call scalar (graphs)
-    parity = epoch % 2
-    rows_off += parity * rows_parity
-    meta_off += parity * meta_parity
-    box_rows_off += parity * box_rows_parity
-    box_meta_off += parity * box_meta_parity
+@triton.jit
+def send_partials(pid, programs, parity, y, weights, pair_values, slot_rows, slot_offsets,
+                  compact, peer_ptrs, stats, xstats, rows_off, meta_off, box_rows_off,
+                  box_meta_off, local_base, plan, H, K, R, me, TMAX, N, KMAX: tl.constexpr,
+                  HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr, ACC_FP64: tl.constexpr,
+                  FP8: tl.constexpr, TRANSPORT: tl.constexpr, HIER: tl.constexpr,
+                  ALIGN: tl.constexpr, EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                  IN_FLIGHT: tl.constexpr):
+    """Program ``pid`` of ``programs``: its tiles of the send (the slots of ``slot_offsets``,
+    dealt round-robin) reduced and stored into parity ``parity`` (the offsets are that
+    parity's), and its bytes added to ``stats`` (``combine_send_kernel``'s arguments)."""
     stride = H * y.dtype.element_ty.primitive_bitwidth // 8  # bytes between partial rows
     box = local_ptr(local_base, box_rows_off, y.dtype.element_ty, ALIGN)  # (TRANSPORT 1)
     # the work: tiles of BLOCK_T slots of every source in turn, dealt round-robin
@@ -214,7 +184,7 @@ def combine_send_kernel(
     to_peers = tl.zeros([1], tl.int64)
     to_self = tl.zeros([1], tl.int64)
     other_node = tl.zeros([1], tl.int64)
-    for w in range(tl.program_id(0), tl.sum(src_tiles, axis=0), tl.num_programs(0)):
+    for w in range(pid, tl.sum(src_tiles, axis=0), programs):
         s, first_slot, n, j0 = source_tile(w, slot_offsets, first_slots, src_tiles, tiles_end,
                                            BLOCK_T, BLOCK_R)
         dst, dst_meta, remote, fp8_rows, payload = _partial_destination(
@@ -243,7 +213,7 @@ def combine_send_kernel(
         picked = (valid[:, None, :] != 0) & (place[:, None, :] == cc[None, :, None])
         compacted = tl.sum(tl.where(picked, rows[:, None, :], 0), axis=2)
         compacted = tl.where(cc[None, :] < count[:, None], compacted, -1)
-        mine = compact + tl.program_id(0).to(tl.int64) * (BLOCK_T * BLOCK_K)
+        mine = compact + pid.to(tl.int64) * (BLOCK_T * BLOCK_K)
         tl.debug_barrier()  # every thread's loads of the previous tile are done
         tl.store(mine + tl.arange(0, BLOCK_T)[:, None] * BLOCK_K + cc[None, :], compacted)
         tl.debug_barrier()  # the tile is visible to every thread of the program
@@ -304,6 +274,55 @@ def combine_send_kernel(
         tl.atomic_add(xstats + 1 + 2 * HIER + tl.arange(0, 1), other_node, sem="relaxed")
     tl.atomic_add(stats + 2 + tl.arange(0, 1), to_peers, sem="relaxed")
     tl.atomic_add(stats + 3 + tl.arange(0, 1), to_self, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=_SEND_PER_CALL)
+def combine_send_kernel(
+    y,  # [rows, H] expert outputs
+    weights,  # [rows] float32 (HAS_WEIGHTS)
+    pair_values,  # [rows] float32 (HAS_PAIR): one value per row, sent back per (token, choice)
+    slot_rows,  # [S, K] int32: rows of each received slot, -1 where unused
+    slot_offsets,  # [R + 1] int64: first row of each source in slot_rows (its slots: the diff)
+    compact,  # [programs * BLOCK_T * BLOCK_K] int32 scratch: each program's tile of slots' rows,
+              # valid ones first in choice order (see the loop)
+    peer_ptrs,  # [R] int64
+    stats,  # [4] int64 local: bytes stored (to peers, to itself) at [2], [3]
+    xstats,  # [4] int64 local (TRANSPORT 2): bytes for other nodes, outbox [1] or forwarder [3]
+    tickets,  # [1] int64 local ticket counter of this channel
+    epochs,  # [1] int64 local: this channel's latest epoch; the last program advances it
+    rows_off: tl.int64, meta_off: tl.int64, signal_off: tl.int64,  # this rank's regions
+    rows_parity: tl.int64, meta_parity: tl.int64,  # (parity 0) and bytes per parity
+    box_rows_off: tl.int64, box_meta_off: tl.int64,  # TRANSPORT 1: rdma_combine_rows, _meta
+    box_rows_parity: tl.int64, box_meta_parity: tl.int64,
+    local_base: tl.int64,  # TRANSPORT 1: address of this rank's segment (symmetric addresses)
+    errors_addr: tl.int64,  # the error record: nothing is published after a timeout
+    plan,  # TRANSPORT 2: [PLAN_FIELDS] int64 byte offsets (kernels.internode)
+    ring_addr: tl.int64, timeout_ns: tl.int64,  # TRANSPORT 2: the proxy's ring (flat)
+    H: tl.int32, K: tl.int32, R: tl.int32, me: tl.int32, TMAX: tl.int32,
+    N: tl.int32, RING_SLOTS: tl.int32,  # TRANSPORT 2: ranks per node, ring slots
+    KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr,
+    ACC_FP64: tl.constexpr,
+    FP8: tl.constexpr,  # partials travel as FP8 per 128 channels (not with ACC_FP64; with HIER
+                        # those for other nodes go to the forwarder as they are, it sends FP8)
+    TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; where the pointer is 0,
+                              # 1: NVSHMEM; 2: the proxy (flat: an outbox; HIER: the forwarder)
+    HIER: tl.constexpr,
+    ALIGN: tl.constexpr, EVEN_H: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    NUM_THREADS: tl.constexpr,
+    IN_FLIGHT: tl.constexpr,  # rows gathered at once (a slot's compacted rows, -1 past its count)
+):
+    epoch = tl.load(epochs) + 1  # device epochs and a fixed grid: no per-call scalar (graphs)
+    parity = epoch % 2
+    rows_off += parity * rows_parity
+    meta_off += parity * meta_parity
+    box_rows_off += parity * box_rows_parity
+    box_meta_off += parity * box_meta_parity
+    send_partials(tl.program_id(0), tl.num_programs(0), parity, y, weights, pair_values,
+                  slot_rows, slot_offsets, compact, peer_ptrs, stats, xstats, rows_off,
+                  meta_off, box_rows_off, box_meta_off, local_base, plan, H, K, R, me, TMAX, N,
+                  KMAX, HAS_WEIGHTS, HAS_PAIR, ACC_FP64, FP8, TRANSPORT, HIER, ALIGN, EVEN_H,
+                  BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R, IN_FLIGHT)
     if draw_last_of(tickets, tl.num_programs(0)):
         if not timed_out(errors_addr.to(tl.pointer_type(tl.int64)), NUM_THREADS):
             for d in range(R):
@@ -316,6 +335,7 @@ def combine_send_kernel(
                         publish_epoch(peer_ptrs, (me // N) * N + f,
                                       _at(plan, HC_SIGNALS) + (me % N) * 8, epoch)
                 elif one_thread():
+                    stride = H * y.dtype.element_ty.primitive_bitwidth // 8  # a partial row
                     flat_payload = stride
                     if FP8:
                         flat_payload = H + 4 * (H // 128)
@@ -382,6 +402,58 @@ def _sum_in_order(acc, staging, node_staging, slots, node_slots, me, R, N,
     return acc
 
 
+@triton.jit
+def reduce_tile(i, c, staging, meta, node_rows, node_meta, slot_of, node_slot_of, out, pair_out,
+                live, T, H, K, R, TMAX, N, me, KMAX: tl.constexpr, HAS_PAIR: tl.constexpr,
+                ACC_FP64: tl.constexpr, EVEN_H: tl.constexpr, HIER: tl.constexpr,
+                LIVE: tl.constexpr, FP8: tl.constexpr, ROW_BYTES, BLOCK_T: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """Channel tile ``c`` of token tile ``i`` of ``combine_reduce_kernel`` (its arguments;
+    ``staging``, ``meta``, ``node_rows`` and ``node_meta`` at the parity to read)."""
+    t = i * BLOCK_T + tl.arange(0, BLOCK_T)
+    tm = t < T
+    t64 = t.to(tl.int64)
+    lanes = tl.arange(0, BLOCK_R)  # every token's slot on every rank, loaded once
+    slots = tl.load(slot_of + t64[:, None] * R + lanes[None, :],
+                    mask=tm[:, None] & (lanes < R)[None, :], other=-1)
+    node_lanes = tl.arange(0, BLOCK_M)
+    node_slots = slots
+    if HIER:
+        node_slots = tl.load(node_slot_of + t64[:, None] * (R // N) + node_lanes[None, :],
+                             mask=tm[:, None] & (node_lanes < R // N)[None, :], other=-1)
+    h0 = c * BLOCK_H
+    h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
+    if FP8 and HIER:  # this node's partials one by one, every other node's sum as one
+        acc = acc_zeros(BLOCK_T, BLOCK_H, False)
+        for b in range(R // N):
+            if b == me // N:
+                acc = _add_fp8_partials(acc, staging, slots, b * N, b * N + N, TMAX, h0,
+                                        h, hm, H, ROW_BYTES, live, False, BLOCK_T, BLOCK_H)
+            else:
+                acc = _add_fp8_partials(acc, node_rows, node_slots, b, b + 1, TMAX,
+                                        h0, h, hm, H, ROW_BYTES, live, False, BLOCK_T, BLOCK_H)
+    elif FP8:
+        acc = _add_fp8_partials(acc_zeros(BLOCK_T, BLOCK_H, False), staging, slots, 0, R,
+                                TMAX, h0, h, hm, H, ROW_BYTES, live, LIVE, BLOCK_T, BLOCK_H)
+    else:
+        acc = _sum_in_order(acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64), staging, node_rows, slots,
+                            node_slots, me, R, N, TMAX, h, hm, H, HIER, live,
+                            LIVE)
+    result = cast_rne(acc, out.dtype.element_ty)
+    tl.store(out + t64[:, None] * H + h[None, :], result,  # gate: row
+             mask=tm[:, None] & hm[None, :])
+    if HAS_PAIR:
+        if c == 0:
+            kk = tl.arange(0, BLOCK_K)
+            km = kk < K
+            pacc = _sum_in_order(tl.zeros([BLOCK_T, BLOCK_K], tl.float32), meta, node_meta,
+                                 slots, node_slots, me, R, N, TMAX, kk, km,
+                                 KMAX, HIER, live, LIVE)
+            tl.store(pair_out + t64[:, None] * K + kk[None, :], pacc,
+                     mask=tm[:, None] & km[None, :])
+
+
 @triton.jit(do_not_specialize=["T", "me"])
 def combine_reduce_kernel(
     staging,  # [P, R, TMAX, H] local combine_rows
@@ -413,47 +485,10 @@ def combine_reduce_kernel(
     meta += parity * META_PARITY
     node_rows += parity * NODE_PARITY
     node_meta += parity * NODE_META_PARITY
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tm = t < T
-    t64 = t.to(tl.int64)
-    lanes = tl.arange(0, BLOCK_R)  # every token's slot on every rank, loaded once
-    slots = tl.load(slot_of + t64[:, None] * R + lanes[None, :],
-                    mask=tm[:, None] & (lanes < R)[None, :], other=-1)
-    node_lanes = tl.arange(0, BLOCK_M)
-    node_slots = slots
-    if HIER:
-        node_slots = tl.load(node_slot_of + t64[:, None] * (R // N) + node_lanes[None, :],
-                             mask=tm[:, None] & (node_lanes < R // N)[None, :], other=-1)
-    h0 = tl.program_id(1) * BLOCK_H
-    h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
-    if FP8 and HIER:  # this node's partials one by one, every other node's sum as one
-        acc = acc_zeros(BLOCK_T, BLOCK_H, False)
-        for b in range(R // N):
-            if b == me // N:
-                acc = _add_fp8_partials(acc, staging, slots, b * N, b * N + N, TMAX, h0,
-                                        h, hm, H, ROW_BYTES, live, False, BLOCK_T, BLOCK_H)
-            else:
-                acc = _add_fp8_partials(acc, node_rows, node_slots, b, b + 1, TMAX,
-                                        h0, h, hm, H, ROW_BYTES, live, False, BLOCK_T, BLOCK_H)
-    elif FP8:
-        acc = _add_fp8_partials(acc_zeros(BLOCK_T, BLOCK_H, False), staging, slots, 0, R,
-                                TMAX, h0, h, hm, H, ROW_BYTES, live, LIVE, BLOCK_T, BLOCK_H)
-    else:
-        acc = _sum_in_order(acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64), staging, node_rows, slots,
-                            node_slots, me, R, N, TMAX, h, hm, H, HIER, live,
-                            LIVE)
-    result = cast_rne(acc, out.dtype.element_ty)
-    tl.store(out + t64[:, None] * H + h[None, :], result,  # gate: row
-             mask=tm[:, None] & hm[None, :])
-    if HAS_PAIR:
-        if tl.program_id(1) == 0:
-            kk = tl.arange(0, BLOCK_K)
-            km = kk < K
-            pacc = _sum_in_order(tl.zeros([BLOCK_T, BLOCK_K], tl.float32), meta, node_meta,
-                                 slots, node_slots, me, R, N, TMAX, kk, km,
-                                 KMAX, HIER, live, LIVE)
-            tl.store(pair_out + t64[:, None] * K + kk[None, :], pacc,
-                     mask=tm[:, None] & km[None, :])
+    reduce_tile(tl.program_id(0), tl.program_id(1), staging, meta, node_rows, node_meta, slot_of,
+                node_slot_of, out, pair_out, live, T, H, K, R, TMAX, N, me, KMAX, HAS_PAIR,
+                ACC_FP64, EVEN_H, HIER, LIVE, FP8, ROW_BYTES, BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R,
+                BLOCK_M)
 
 
 def send_grid(world_size: int, max_tokens: int, hidden: int, num_sms: int | None,

@@ -88,6 +88,10 @@ _GPU = {
     # thread (_TILE_BYTES)
     "combine_send": (64, 1024, 8, 1),
     "combine_reduce": (8, 1024, 8, 2),
+    # a combine in rounds as one launch (kernels.combine_rounds): its reduce runs on the send's
+    # programs (one per SM, up to 248 registers), so a round's tokens in fat tiles of 64 fp32
+    # sums a thread (128 spill beside what the send holds across the rounds)
+    "combine_rounds_reduce": (16, 1024, 8, 1),
     # the EP-invariant combine (kernels.invariant): persistent over slot tiles, one row of a
     # (slot, choice) at a time; the reduce as the default one's
     "invariant_send": (64, 1024, 8, 1),
@@ -106,7 +110,8 @@ _GPU = {
     "received_layout": (1, 0, 4, 2),
 }
 _INTERPRETER_ROWS = {"ll_dispatch_recv": 16, "ll_combine_send": 16}
-_TILE_BYTES = {"combine_send": 2 * TILE_BYTES_PER_THREAD}  # bytes of a row tile a thread holds
+_TILE_BYTES = {"combine_send": 2 * TILE_BYTES_PER_THREAD,  # bytes of a row tile a thread holds
+               "combine_rounds_reduce": 4 * TILE_BYTES_PER_THREAD}
 
 
 @functools.cache
@@ -196,6 +201,16 @@ def _combine_send_trips(a: dict) -> int:
     return _cdiv(a["R"] * uniform_slots(a["TMAX"], a["R"], a["K"]), a["BLOCK_T"] * a["programs"])
 
 
+def combine_round_trips(R: int, W: int, K: int, H: int, programs: int, send_block_t: int,
+                        reduce_t: int, reduce_h: int) -> int:
+    """Serial trips of one round of ``kernels.combine_rounds`` on ``programs`` programs: the
+    send's tiles of the slots a rank holds (at uniform routing) and the reduce's (token,
+    channel) tiles of the round's ``W`` tokens. Counted per round: the rounds are the ring's
+    passes, which launches per round also run one after another."""
+    return (_cdiv(R * uniform_slots(W, R, K), send_block_t * programs)
+            + _cdiv(_cdiv(W, reduce_t) * _cdiv(H, reduce_h), programs))
+
+
 def _invariant_send_trips(a: dict) -> int:
     """Slot tiles a program takes (each stores its slots' rows choice by choice)."""
     return _cdiv(a["R"] * uniform_slots(a["W"], a["R"], a["K"]), a["BLOCK_T"] * a["programs"])
@@ -235,6 +250,9 @@ SCHEDULES = {
     "dispatch_expand_kernel": Schedule(WAVE, _expand_trips),
     "combine_send_kernel": Schedule(PERSISTENT, _combine_send_trips),
     "combine_reduce_kernel": Schedule(WAVE, lambda a: 1),
+    "combine_rounds_kernel": Schedule(PERSISTENT, lambda a: combine_round_trips(
+        a["R"], a["W"], a["K"], a["H"], a["programs"], a["BLOCK_T"], a["REDUCE_T"],
+        a["REDUCE_H"])),
     "invariant_send_kernel": Schedule(PERSISTENT, _invariant_send_trips),
     "invariant_reduce_kernel": Schedule(WAVE, lambda a: 1),
     # (a tile's pair prefix: one trip of BLOCK_P tokens)

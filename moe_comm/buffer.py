@@ -28,6 +28,7 @@ from . import _registry, env
 from .error_record import ErrorRecord
 from .fault import FaultTolerance, RankExcludedError, renormalized
 from .kernels.bound import BoundLaunches, call_bound, launch, specs
+from .kernels.combine_rounds import fits_one_launch
 from .kernels.comm import (
     Flavour,
     PeerTimeoutError,
@@ -277,7 +278,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                                   tolerant=bool(fault_tolerant))
             self._setup(heap, layout, num_experts, timeout_s, dispatch_dtype, num_sms,
                         kernel_impl, proxy=proxy, fault_tolerant=fault_tolerant,
-                        ep_invariant=bool(ep_invariant))
+                        ep_invariant=bool(ep_invariant), own_process=True)
         except BaseException:
             if proxy is not None:
                 proxy.close()
@@ -326,7 +327,10 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                timeout_s: float | None, dispatch_dtype: torch.dtype | None,
                num_sms: int | None = None, kernel_impl: str = "auto",
                flavour: Flavour | None = None, proxy=None, fault_tolerant: bool = False,
-               ep_invariant: bool | None = None) -> None:
+               ep_invariant: bool | None = None, own_process: bool = False) -> None:
+        """``own_process``: every rank drives its Buffer from a process of its own (not
+        virtual ranks of one process), so a rank's launch may wait for peers that run at the
+        same time (``kernels.combine_rounds``)."""
         self.heap, self.layout, self.proxy = heap, layout, proxy
         self._regions: dict[str, torch.Tensor] = {}  # views of the workspace (``_region``)
         self._offsets: dict = {}  # per-channel launch offsets and word views, made once
@@ -387,6 +391,18 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             table = (torch.arange(T, device=heap.device)[:, None] * 32
                      + torch.arange(K, device=heap.device)[None, :])
             layout.view(heap, "ll_meta_table").copy_(table.to(torch.int32))
+        # a combine in rounds as one launch (kernels.combine_rounds), [exact, FP8 partials]:
+        # ranks in processes of their own, waits in the kernels, every peer reached by stores,
+        # no fault tolerance, and on GPUs a ring small enough for the launch's programs
+        f = self.flavour
+        self.own_process = own_process
+        one_launch = (own_process and layout.rounds > 1 and f.device_wait and f.transport == 0
+                      and proxy is None and not self.fault_tolerant and not self.ep_invariant)
+        self._combine_in_one_launch = [
+            one_launch and fits_one_launch(self.world_size, layout.ring_slots, self.hidden,
+                                           self.max_topk, self.num_sms, f,
+                                           self._row_bytes // self.hidden, fp8)
+            for fp8 in (False, True)]
         _registry.register(self)
 
     def _default_flavour(self, on_gpu: bool) -> Flavour:

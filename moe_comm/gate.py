@@ -72,9 +72,10 @@ CONFIGS = (
     GateConfig("small", 2, 8, 512, 2, 64, nvshmem=False),
     GateConfig("dsv3-prefill", 8, 256, 7168, 8, 4096, nvshmem=True),
     GateConfig("dsv3-decode", 8, 256, 7168, 8, 128, nvshmem=True),
-    # bounded staging: every normal-mode call in 2 rounds of 2048 slots per source (bf16; one
-    # node, flat and hierarchical across two nodes through the proxy, across hosts over NVSHMEM)
-    GateConfig("dsv3-prefill-rounds", 8, 256, 7168, 8, 4096, nvshmem=True, ring_slots=2048),
+    # bounded staging: every normal-mode call in 8 rounds of 512 slots per source (bf16; one
+    # node, flat and hierarchical across two nodes through the proxy, across hosts over NVSHMEM;
+    # one node runs a combine's rounds, FP8 too, as one launch: kernels.combine_rounds)
+    GateConfig("dsv3-prefill-rounds", 8, 256, 7168, 8, 4096, nvshmem=True, ring_slots=512),
 )
 
 
@@ -155,7 +156,8 @@ def _buffers(cfg: GateConfig, dtype, low_latency: bool, transport: int, arch: in
                       ring_slots=RingStandIn.slots if proxy else 0, ranks_per_node=N or 0,
                       hierarchical=layout.hierarchical, fault_tolerant=fault_tolerant,
                       mask_off=layout["ft_mask"].offset)
-    buffers = twins(layout, cfg.num_experts, flavour, GATE_NUM_SMS, proxy=proxy)
+    buffers = twins(layout, cfg.num_experts, flavour, GATE_NUM_SMS, proxy=proxy,
+                    own_process=True)  # as one process per GPU launches
     for buf in buffers:
         buf.backend = "gate"
     return buffers

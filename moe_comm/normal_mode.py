@@ -24,7 +24,11 @@ epoch of the channel for the source tokens ``[i * W, (i + 1) * W)``::
         publish epoch (dispatch: with the call's per-expert counts and the round's rows)
         wait for every rank's epoch of round i; expand (dispatch) or sum (combine) its rows
 
-Each round launches what a call of one round does (without the layout). Across nodes through the
+Each round launches what a call of one round does (without the layout), but for one node's
+combine where every rank runs in a process of its own with waits in the kernels (GPUs, or CPU
+ranks with ``MOE_COMM_WAIT=kernel``): there one launch runs every round's send, wait and reduce
+(``kernels.combine_rounds``, which says why it cannot deadlock; on GPUs where a round fits the
+launch's ``num_sms`` programs, ``fits_one_launch``). Across nodes through the
 proxy its send fills the outboxes with the window's rows for other nodes and posts one descriptor
 per peer (flat) or per node (hierarchical) there (``_send_other_nodes``); hierarchical, each round
 adds the forwarder's pass (``_forward_dispatch`` after the round's send, ``_forward_combine`` after
@@ -86,6 +90,7 @@ from .kernels import combine as combine_kernels
 from .kernels import dispatch as dispatch_kernels
 from .kernels import internode
 from .kernels import invariant as invariant_kernels
+from .kernels.combine_rounds import combine_rounds
 from .kernels.layout import ring_positions, routing_layout
 from .kernels.quant import MXFP8, NVFP4, scale_group
 from .kernels.rows import payload_bytes, sent_elem_bytes
@@ -109,6 +114,9 @@ class PendingSend:
     live: torch.Tensor | None = None
     # a Buffer of several rounds: ``send_round(i)`` sends round i (round 0 is sent)
     send_round: Callable[[int], None] | None = None
+    # a combine whose rounds run in one launch (kernels.combine_rounds), nothing sent yet:
+    # ``all_rounds(ring, out, pair_out)`` launches it
+    all_rounds: Callable | None = None
 
 
 @dataclass
@@ -600,6 +608,13 @@ class NormalMode:
         epoch = self._start(COMBINE)
         topk = slot_rows.shape[1]
         y = y.contiguous()
+        if self._combine_in_one_launch[fp8]:  # every round's epoch, the launch in the receive
+            for _ in range(1, self.layout.rounds):
+                self._start(COMBINE)
+            return PendingSend(COMBINE, epoch, topk=topk, has_weights=weights is not None,
+                               fp8=int(fp8), all_rounds=functools.partial(
+                                   self._combine_rounds, y, weights, pair_values, slot_rows,
+                                   slot_offsets, fp8))
         round_send = self._invariant_round if self.ep_invariant else self._combine_round
         send = functools.partial(round_send, y, weights, pair_values, slot_rows,
                                  slot_offsets, fwd_slots, fwd_n, fp8, src_token)
@@ -647,6 +662,25 @@ class NormalMode:
             self._forward_combine(self._epochs[COMBINE], *self._round_nodes(fwd_slots, fwd_n, i),
                                   slot_rows.shape[1], pair_values is not None, fp8)
 
+    def _combine_rounds(self, y, weights, pair_values, slot_rows, slot_offsets, fp8: bool,
+                        ring, out, pair_out) -> None:
+        """A whole combine of several rounds in one launch (``kernels.combine_rounds``): into
+        ``out`` [T, H] and ``pair_out`` (None without pair values), ``ring``: the dispatch's
+        ring positions."""
+        fixed = self._offsets.get(("rounds", COMBINE))
+        if fixed is None:  # made once: the bound launch is found by these tensors' ids
+            words, offsets, _ = self._send_fixed(COMBINE)
+            fixed = self._offsets[("rounds", COMBINE)] = (
+                *self._staging(COMBINE), *words, self._signals[COMBINE], offsets)
+        staging, meta, tickets, epochs, signals, offsets = fixed
+        self.launches["combine_rounds"] += combine_rounds(
+            y, weights, pair_values, slot_rows, slot_offsets, ring, out, pair_out, staging, meta,
+            self.heap.peer_ptrs, self._stats, tickets, epochs, signals, offsets=offsets,
+            rank=self.rank, topk=slot_rows.shape[1], max_topk=self.max_topk,
+            rounds=self.layout.rounds, offsets_stride=self._round_stride(),
+            num_sms=self.num_sms, flavour=self.flavour, fp8=fp8, bound=self._bound,
+            scratch=self._scratch)
+
     def combine_recv(self, pending: PendingSend, slot_of, want_pair: bool, node_slot_of=None,
                      topk_idx=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Receive phase of combine (with the later rounds' sends): ``(out [T, H], pair_out
@@ -660,13 +694,18 @@ class NormalMode:
         """:meth:`combine_recv` as steps (as :meth:`dispatch_recv_steps`): round i sums the
         tokens ``[i * W, (i + 1) * W)``, each in rank order as one round does (EP-invariant:
         in choice order, ``kernels.invariant``)."""
-        self._wait(pending)
-        # partials of ranks that did not arrive are left out, each round by its own wait
-        live, lives = pending.live, [pending.live]
         T, dev = slot_of.shape[0], self.device
         out = torch.empty((T, self.hidden), dtype=self.dtype, device=dev)
         pair_out = torch.empty((T, pending.topk) if want_pair else (0,), dtype=torch.float32,
                                device=dev)
+        if pending.all_rounds is not None:  # (slot_of: the dispatch's ring positions)
+            pending.all_rounds(slot_of, out, pair_out if want_pair else None)
+            self._check_usable("combine")  # its waits ran in the kernel: a timeout shows now
+            self._combine_live = None
+            return out, pair_out
+        self._wait(pending)
+        # partials of ranks that did not arrive are left out, each round by its own wait
+        live, lives = pending.live, [pending.live]
         staging, meta = self._staging(COMBINE)
         rounds, W = self.layout.rounds, self.layout.ring_slots
         ring = slot_of  # with several rounds the dispatch's ring positions (the handle's)

@@ -34,9 +34,10 @@ class RingStandIn:
 
 
 def twins(layout, num_experts: int, flavour, num_sms: int | None, *, proxy: bool = False,
-          dispatch_dtype: torch.dtype | None = None) -> list:
+          dispatch_dtype: torch.dtype | None = None, own_process: bool = False) -> list:
     """Virtual ranks on the meta device with ``layout`` and ``flavour`` (the GPU's: every wait,
-    the proxy's forwarders' too, is a kernel), whose ops launch nothing but can be recorded."""
+    the proxy's forwarders' too, is a kernel), whose ops launch nothing but can be recorded;
+    ``own_process``: they launch what ranks in processes of their own launch."""
     from .buffer import Buffer
     from .symm import create_loopback_heaps
 
@@ -44,7 +45,8 @@ def twins(layout, num_experts: int, flavour, num_sms: int | None, *, proxy: bool
     for heap in create_loopback_heaps(layout.world_size, layout.nbytes, "meta"):
         buf = Buffer.__new__(Buffer)
         buf._setup(heap, layout, num_experts, None, dispatch_dtype, num_sms=num_sms,
-                   kernel_impl="triton", flavour=flavour, proxy=RingStandIn() if proxy else None)
+                   kernel_impl="triton", flavour=flavour, proxy=RingStandIn() if proxy else None,
+                   own_process=own_process)
         buf.backend = "twin"
         buffers.append(buf)
     return buffers
@@ -86,7 +88,8 @@ def launches(buf, topk: int, fp8: bool, backward: bool, arch: int) -> list:
     from .kernels.recording import recording
 
     bufs = twins(buf.layout, buf.num_experts, buf.flavour, buf.num_sms,
-                 proxy=buf.proxy is not None, dispatch_dtype=buf.dispatch_dtype)
+                 proxy=buf.proxy is not None, dispatch_dtype=buf.dispatch_dtype,
+                 own_process=buf.own_process)
     with recording(arch) as recorded:
         drive(bufs, topk, fp8, backward)
     return list({launch.key: launch for launch in recorded}.values())

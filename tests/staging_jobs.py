@@ -134,3 +134,59 @@ def rounds_with_failures(rank, world_size, case: Case, kills: dict, calls: int, 
     return {"active": buf.active_ranks().tolist(), "rounds": buf.rounds,
             "excluded": sorted({r for r, _, _ in buf.exclusions}),
             "launches": dict(buf.launches)}
+
+
+def combine_forms(rank, world_size, case: Case, slots: int, in_kernels: bool,
+                  iterations: int = 2, straggle_s: float = 0.0) -> dict:
+    """Every form of a combine in rounds of ``slots`` slots, ``iterations`` times (new routing
+    each time, random delays before each combine): with weights (checked against the oracle),
+    without, with FP8 partials, and the per-row values of dispatch's backward
+    (``moe_comm.ops``: the router weights' gradient). ``in_kernels``: waits in the kernels,
+    so a Buffer of processes runs each combine as one launch (``kernels.combine_rounds``);
+    host waits launch per round. Returns the digests and the launches."""
+    delay = random.Random(2000 * case.seed + rank)
+    digests = []
+    with kernel_waits(in_kernels):
+        buf = new_buffer(case, max_topk=case.topk, staging_bytes=slots_budget(case, slots))
+    with buf:
+        for it in range(iterations):
+            xs, idxs, ws = make_inputs(case, it)
+            res = buf.dispatch(xs[rank], idxs[rank], ws[rank], expert_alignment=case.alignment)
+            y = expert_fn(res.x, res.expert_offsets)
+            time.sleep(delay.uniform(0, straggle_s))
+            out = buf.combine(y, res.handle, weights=res.weights)
+            check_against_oracle(rank, case, it, res, out, xs, idxs, ws)
+            time.sleep(delay.uniform(0, straggle_s))
+            plain = buf.combine(y, res.handle)
+            fp8 = buf.combine(y, res.handle, weights=res.weights, combine_dtype="fp8")
+            values = torch.linspace(-1, 1, res.x.shape[0]) * (rank + 1)
+            h = res.handle
+            pair_sum, pairs = torch.ops.moe_comm.combine(
+                buf.id, y, res.weights, values, h.slot_of, h.slot_rows, h.recv_slot_offsets)
+            digests.append(_digest(out, plain, fp8, pair_sum, pairs))
+        return {"digests": digests, "launches": dict(buf.launches), "rounds": buf.rounds}
+
+
+def skip_one_combine(rank, world_size, case: Case, slots: int, skipper: int,
+                     wait_timeout_s: float) -> dict:
+    """Waits in the kernels, rounds of ``slots`` slots: every rank dispatches, ``skipper``
+    does not combine; the others' combines (one launch each) must fail within the timeout,
+    naming it."""
+    xs, idxs, ws = make_inputs(case)
+    with kernel_waits():
+        buf = new_buffer(case, max_topk=case.topk, staging_bytes=slots_budget(case, slots),
+                         timeout_s=wait_timeout_s)
+    report = {"raised": None, "rounds": buf.rounds}
+    res = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+    if rank != skipper:
+        start = time.monotonic()
+        try:
+            buf.combine(expert_fn(res.x, res.expert_offsets), res.handle, weights=res.weights)
+        except RuntimeError as error:
+            report["raised"] = str(error)
+            report["peer"] = getattr(error, "peer", None)
+        report["elapsed_s"] = time.monotonic() - start
+        report["launches"] = dict(buf.launches)
+    dist.barrier()
+    buf.close()
+    return report

@@ -3,7 +3,13 @@ source in rounds, bit-exact against the reference and against the whole-batch st
 import pytest
 import torch
 from internode_jobs import nodes_case
-from staging_jobs import rounds_with_failures, slots_budget, streamed_case
+from staging_jobs import (
+    combine_forms,
+    rounds_with_failures,
+    skip_one_combine,
+    slots_budget,
+    streamed_case,
+)
 from test_fault import TIMEOUT_NODES_S, TIMEOUT_S, fresh_pool
 from test_loopback import check_case
 
@@ -163,6 +169,13 @@ def test_cpu_ranks_with_stragglers_give_the_whole_batch_bits(ranks):
             assert part[r]["rounds"] == 6 and full[r]["rounds"] == 1
             assert part[r]["digests"] == full[r]["digests"], (in_kernels, r)
             assert part[r]["staging_bytes"] * 4 < full[r]["staging_bytes"]
+            # waits in the kernels: each combine's six rounds in one launch
+            # (kernels.combine_rounds); host waits: a send per round
+            launches = part[r]["launches"]
+            combines = (launches.get("combine_rounds", 0), launches.get("combine_send", 0))
+            assert combines == ((3, 0) if in_kernels else (0, 18)), (in_kernels, r, launches)
+            assert full[r]["stats"]["combine_bytes_to_peers"] \
+                + 5 * 3 * 3 * 8 == part[r]["stats"]["combine_bytes_to_peers"], r
 
 
 def test_gradients_in_rounds_match_reference_autograd(ranks):
@@ -474,3 +487,39 @@ def test_kills_between_rounds_across_nodes():
     survivors = [res for r, res in enumerate(results) if r not in kills]
     assert all(res["rounds"] == 4 for res in survivors), survivors
     assert all(res["active"] == [True, False, False, True] for res in survivors), survivors
+
+
+def test_one_launch_combines_give_the_bits_of_launches_per_round(ranks):
+    """Processes with waits in the kernels run a combine in rounds as one launch
+    (``kernels.combine_rounds``): with weights (against the oracle), without, FP8 partials and
+    per-row values, rounds of one slot and of two, stragglers: the same bits as the launches
+    per round of host waits."""
+    case = Case(4, 16, 128, 4, (7, 0, 5, 3), routing="zipf", seed=211)
+    for slots in (1, 2):
+        per_round = ranks(4).run(combine_forms, case, slots, False)
+        one_launch = ranks(4).run(combine_forms, case, slots, True, straggle_s=0.02)
+        rounds = -(-case.max_tokens // slots)
+        for r in range(4):
+            assert one_launch[r]["rounds"] == rounds, one_launch[r]
+            assert one_launch[r]["digests"] == per_round[r]["digests"], (slots, r)
+            # 4 combines a call, 2 calls
+            assert one_launch[r]["launches"]["combine_rounds"] == 8, one_launch[r]
+            assert "combine_send" not in one_launch[r]["launches"], one_launch[r]
+            assert "combine_rounds" not in per_round[r]["launches"], per_round[r]
+            assert per_round[r]["launches"]["combine_send"] == 8 * rounds, per_round[r]
+
+
+def test_one_launch_combine_names_a_peer_that_skips_it(ranks):
+    case = Case(4, 8, 64, 2, (6, 6, 6, 6), seed=212)
+    timeout_s = 2.0
+    reports = ranks(4).run(skip_one_combine, case, 2, skipper=1,
+                           wait_timeout_s=timeout_s)
+    for rank, report in enumerate(reports):
+        assert report["rounds"] == 3, report
+        if rank == 1:
+            assert report["raised"] is None
+            continue
+        assert report["launches"]["combine_rounds"] == 1, report
+        assert report["peer"] == 1, report
+        assert f"moe_comm rank {rank}" in report["raised"] and "rank 1" in report["raised"]
+        assert timeout_s <= report["elapsed_s"] < timeout_s + 5, report

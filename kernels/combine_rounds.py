@@ -1,0 +1,219 @@
+"""A combine in rounds as one launch: every round's send, wait and reduce in one persistent kernel.
+
+Where the staging holds ``W`` slots per source, a combine runs in ``rounds`` (``moe_comm.
+normal_mode``). Launched per round, that is a send, a wait and a reduce per round. Where every
+rank drives its Buffer from a process of its own (one process per GPU, or CPU ranks as
+processes) and peers are reached by stores (one node), one launch runs all rounds. Equivalent
+PyTorch, for every round ``i`` (the tokens of window ``[i * W, (i + 1) * W)``)::
+
+    send round i's partials home, as combine_send_kernel       # parity (epoch + i) % 2
+    the last program to finish: publish epoch + i to every rank
+    wait until every rank published epoch + i                   # bounded, names the rank
+    out[window i] = reduce of window i, as combine_reduce_kernel
+
+Why it cannot deadlock: a wait of round ``i`` needs every rank's send of round ``i``, which
+every rank issues before its own wait of round ``i`` (ranks in other processes run at the same
+time); the send of round ``i + 1`` writes the parity its home last read in the reduce of round
+``i - 1``, and the home published round ``i`` (which the sender waited for) only after every
+one of its programs had finished that reduce (each program reduces round ``i - 1`` before it
+sends round ``i``, and only the last program of round ``i`` publishes). Inside the launch a
+program waits for its own rank's epoch, which the last program of the launch publishes: so
+every program must be running at once. On GPUs the grid is at most ``num_sms`` programs (one
+per SM at most, resident together, as DeepEP's persistent kernels); the interpreter runs the
+programs of a launch one after another, so on CPU ranks the grid is one program. Virtual ranks
+of one process cannot use it (a rank's launch would wait for a peer not yet launched): they
+launch per round.
+
+Bytes and signals are those of the launches per round: each round's partial rows and its epoch
+(8 bytes) to every rank, counted in ``stats`` as ``combine_send_kernel`` counts them.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .bound import BoundLaunches, call_bound, launch, specs
+from .combine import _scratch, gathers_in_flight, reduce_tile, send_grid, send_partials
+from .comm import (
+    CPU_RANKS,
+    Flavour,
+    draw_last_of,
+    publish_epoch,
+    timed_out,
+    uniform_now_ns,
+    wait_all_at_least,
+)
+from .tiles import MAX_TRIPS, combine_round_trips, even, tiles
+
+_PER_CALL = ["rows_off", "meta_off", "signal_off", "local_base", "errors_addr", "timeout_ns",
+             "T", "me"]
+
+
+@triton.jit(do_not_specialize=_PER_CALL)
+def combine_rounds_kernel(
+    y,  # [rows, H] expert outputs
+    weights,  # [rows] float32 (HAS_WEIGHTS)
+    pair_values,  # [rows] float32 (HAS_PAIR)
+    slot_rows,  # [S, K] int32: rows of each received slot, -1 where unused
+    slot_offsets,  # int64: round i's [R + 1] offsets at i * OFFSETS_STRIDE (the dispatch's)
+    compact,  # [programs * BLOCK_T * BLOCK_K] int32 scratch (combine_send_kernel's)
+    peer_ptrs,  # [R] int64
+    stats,  # [4] int64 local: bytes stored (to peers, to itself) at [2], [3]
+    tickets,  # [1] int64 local ticket counter of the combine channel
+    epochs,  # [1] int64 local: the channel's epoch; each round's last program advances it
+    signals,  # [R] int64 local: the combine channel's signal words, one per source
+    staging,  # [2, R, W, H] local combine_rows (FP8: uint8 rows ROW_BYTES apart)
+    meta,  # [2, R, W, KMAX] float32 local combine_meta (HAS_PAIR)
+    ring,  # [T, R] int32: the ring position of token t on rank d in its round, -1 if none
+    out,  # [T, H]
+    pair_out,  # [T, K] float32 (HAS_PAIR)
+    rows_off: tl.int64, meta_off: tl.int64, signal_off: tl.int64,  # this rank's regions
+    rows_parity: tl.int64, meta_parity: tl.int64,  # (parity 0) and bytes per parity
+    STAGING_PARITY: tl.int64, META_PARITY: tl.int64,  # elements between the two parities
+    ROW_BYTES: tl.int64,
+    local_base: tl.int64,  # address of this rank's segment (no outbox is read from it)
+    errors_addr: tl.int64, timeout_ns: tl.int64,
+    T: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, me: tl.int32,
+    W: tl.int32,  # ring slots per source: the tokens of a round
+    ROUNDS: tl.int32, OFFSETS_STRIDE: tl.int32,
+    KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr,
+    ACC_FP64: tl.constexpr, FP8: tl.constexpr, ALIGN: tl.constexpr, EVEN_H: tl.constexpr,
+    REDUCE_EVEN_H: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,  # the send's tiles
+    REDUCE_T: tl.constexpr, REDUCE_H: tl.constexpr,  # the reduce's tiles
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr,
+    IN_FLIGHT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    errors = errors_addr.to(tl.pointer_type(tl.int64))
+    base = tl.load(epochs)  # read by every program before any draws its first ticket
+    channel_tiles = tl.cdiv(H, REDUCE_H)
+    # after a timeout (of an earlier launch) nothing is sent; a wait of this launch that times
+    # out ends its program's rounds, and a round whose programs did not all draw a ticket has
+    # no last program: nothing is published after it (the error record, host memory, is read
+    # once, outside the rounds)
+    ok = ~timed_out(errors, NUM_THREADS)
+    for i in range(ROUNDS):
+        if ok:
+            epoch = base + 1 + i
+            parity = epoch % 2
+            offsets = slot_offsets + i * OFFSETS_STRIDE
+            send_partials(pid, programs, parity, y, weights, pair_values, slot_rows, offsets,
+                          compact, peer_ptrs, stats, stats, rows_off + parity * rows_parity,
+                          meta_off + parity * meta_parity, 0, 0, local_base, offsets, H, K, R,
+                          me, W, R,
+                          KMAX, HAS_WEIGHTS, HAS_PAIR, ACC_FP64, FP8, 0, False, ALIGN, EVEN_H,
+                          BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R, IN_FLIGHT)
+            if draw_last_of(tickets, programs):
+                for d in range(R):
+                    publish_epoch(peer_ptrs, d, signal_off, epoch)
+                signal_bytes = 8 + tl.zeros([1], tl.int64)
+                tl.atomic_add(stats + 2 + tl.arange(0, 1), (R - 1) * signal_bytes, sem="relaxed")
+                tl.atomic_add(stats + 3 + tl.arange(0, 1), signal_bytes, sem="relaxed")
+                tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
+            deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
+            ok = wait_all_at_least(signals, 1, R, epoch, 0, deadline, errors, signals, BLOCK_R,
+                                   NUM_THREADS, False)
+            if ok:  # the tokens of window i, each in rank order (combine_reduce_kernel's sum)
+                first = tl.cast(i, tl.int64) * W
+                n = tl.minimum(T - first, W).to(tl.int32)
+                for q in range(pid, tl.cdiv(n, REDUCE_T) * channel_tiles, programs):
+                    reduce_tile(q // channel_tiles, q % channel_tiles,
+                                staging + parity * STAGING_PARITY, meta + parity * META_PARITY,
+                                staging, meta, ring + first * R, ring, out + first * H,
+                                pair_out + first * K, ring, n, H, K, R, W, R, me, KMAX,
+                                HAS_PAIR, ACC_FP64, REDUCE_EVEN_H, False, False, FP8, ROW_BYTES,
+                                REDUCE_T, REDUCE_H, BLOCK_K, BLOCK_R, 1)
+
+
+def rounds_grid(world_size: int, ring_slots: int, hidden: int, num_sms: int | None,
+                flavour: Flavour, elem_bytes: int) -> int:
+    """Programs of :func:`combine_rounds`: the combine send's (at most ``num_sms``, all resident
+    at once) on GPUs, one in the interpreter (its programs run one after another). On GPUs a
+    Buffer may launch both kernels (FP8 partials per round, exact ones in one launch): they
+    share the channel's ticket word, so their grids must be equal (``draw_last_of``)."""
+    if not flavour.compiled:
+        return 1
+    return send_grid(world_size, ring_slots, hidden, num_sms, flavour, elem_bytes)
+
+
+def reduce_tiles(compiled: bool, hidden: int, elem_bytes: int, fp8: bool):
+    """The reduce's tiles in :func:`combine_rounds_kernel`: fp32 sums (fp64 for fp64 rows);
+    FP8 partials, dequantized on the way, in tiles of half the channels (at DeepSeek-V3 sizes
+    a full tile's sums and codes spill beside what the send holds)."""
+    return tiles("combine_rounds_reduce", compiled, hidden, 8 if fp8 else max(4, elem_bytes))
+
+
+def fits_one_launch(world_size: int, ring_slots: int, hidden: int, topk: int,
+                    num_sms: int | None, flavour: Flavour, elem_bytes: int, fp8: bool) -> bool:
+    """Whether a combine in rounds (``fp8``: of FP8 partials) runs as one launch: always in the
+    interpreter; on GPUs where a round's serial trips on :func:`rounds_grid`'s programs stay
+    within the gate's ``MAX_TRIPS`` (``kernels.tiles.combine_round_trips``: at DeepSeek-V3
+    sizes on 20 programs, rings of up to about 1100 slots, 640 for FP8; the default budget
+    gives 1088 at EP 32, 544 at EP 64, 128 at EP 256). Larger rings launch per round: a reduce
+    of their window on ``num_sms`` programs would be a serial kernel, a full-wave one is not."""
+    if not flavour.compiled:
+        return True
+    send_tile = tiles("combine_send", True, hidden, max(4, elem_bytes))
+    reduce_tile_ = reduce_tiles(True, hidden, elem_bytes, fp8)
+    programs = rounds_grid(world_size, ring_slots, hidden, num_sms, flavour, elem_bytes)
+    return combine_round_trips(world_size, ring_slots, topk, hidden, programs,
+                               send_tile.block_t, reduce_tile_.block_t,
+                               reduce_tile_.block_h) <= MAX_TRIPS
+
+
+def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, pair_out,
+                   staging, meta, peer_ptrs, stats, tickets, epochs, signals, *, offsets: dict,
+                   rank: int, topk: int, max_topk: int, rounds: int, offsets_stride: int,
+                   num_sms: int | None = None, flavour: Flavour = CPU_RANKS, fp8: bool = False,
+                   bound: BoundLaunches | None = None, scratch: dict | None = None) -> bool:
+    """Launches :func:`combine_rounds_kernel` (module docstring): the whole combine of
+    ``rounds`` rounds. ``offsets``: rows / meta -> (byte offset of this rank's slice of parity
+    0, bytes per parity), signal -> byte offset (``combine_send``'s); ``staging`` / ``meta``
+    the whole combine_rows / combine_meta regions; ``ring`` [T, R] int32 and ``slot_offsets``
+    (round i's at ``i * offsets_stride``) from the dispatch's handle; ``out`` [T, H] and
+    ``pair_out`` [T, K] (None without pair values) are written."""
+    if flavour.transport or flavour.hierarchical or flavour.fault_tolerant:
+        raise ValueError("a combine in one launch reaches every peer by stores, without "
+                         "fault tolerance")
+    T, H = out.shape
+    R, W = staging.shape[1:3]
+    row_bytes = staging.stride(2) * staging.element_size()
+    if fp8:
+        staging = staging.view(torch.uint8)
+    has_pair = pair_out is not None
+    values = (y, weights if weights is not None else y,
+              pair_values if pair_values is not None else y, slot_rows, slot_offsets, ring, out,
+              pair_out if has_pair else out, T)
+    key = ("combine_rounds", H, topk, specs(values[:8]), weights is None, pair_values is None,
+           has_pair, id(peer_ptrs), id(stats), id(tickets), id(epochs), id(signals),
+           id(staging), id(meta), staging.shape, row_bytes, id(offsets), rank,
+           max_topk, rounds, offsets_stride, num_sms, id(flavour), fp8, id(scratch))
+    if call_bound(bound, key, values):
+        return True
+    send_tile = tiles("combine_send", flavour.compiled, H, max(4, y.element_size()))
+    reduce_tile_ = reduce_tiles(flavour.compiled, H, y.element_size(), fp8)
+    grid = (rounds_grid(R, W, H, num_sms, flavour, y.element_size()),)
+    block_k = triton.next_power_of_2(max(topk, 1))
+    compact = _scratch(scratch, y.device, grid[0] * send_tile.block_t * block_k)
+    args = (
+        *values[:5], compact, peer_ptrs, stats, tickets, epochs, signals, staging, meta,
+        *values[5:8], offsets["rows"][0], offsets["meta"][0], offsets["signal"],
+        offsets["rows"][1], offsets["meta"][1], staging.stride(0), meta.stride(0), row_bytes,
+        flavour.local_base, flavour.errors_addr, flavour.timeout_ns, T, H, topk, R, rank, W,
+        rounds, offsets_stride)
+    kwargs = dict(
+        KMAX=max_topk, HAS_WEIGHTS=weights is not None, HAS_PAIR=pair_values is not None,
+        ACC_FP64=y.dtype == torch.float64, FP8=fp8, ALIGN=flavour.row_align,
+        EVEN_H=even(H, send_tile.block_h), REDUCE_EVEN_H=even(H, reduce_tile_.block_h),
+        BLOCK_T=send_tile.block_t, BLOCK_H=send_tile.block_h, REDUCE_T=reduce_tile_.block_t,
+        REDUCE_H=reduce_tile_.block_h, BLOCK_K=block_k, BLOCK_R=triton.next_power_of_2(R),
+        NUM_THREADS=send_tile.num_threads,
+        IN_FLIGHT=gathers_in_flight(topk, y.element_size(), flavour.compiled),
+        **flavour.launch_options(send_tile))
+    launch(bound, key, combine_rounds_kernel, grid, args, kwargs,
+           ("y", "weights", "pair_values", "slot_rows", "slot_offsets", "ring", "out",
+            "pair_out", "T"))
+    return True

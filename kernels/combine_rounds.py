@@ -18,9 +18,9 @@ time); the send of round ``i + 1`` writes the parity its home last read in the r
 one of its programs had finished that reduce (each program reduces round ``i - 1`` before it
 sends round ``i``, and only the last program of round ``i`` publishes). Inside the launch a
 program waits for its own rank's epoch, which the last program of the launch publishes: so
-every program must be running at once. On GPUs the grid is at most ``num_sms`` programs (one
-per SM at most, resident together, as DeepEP's persistent kernels); the interpreter runs the
-programs of a launch one after another, so on CPU ranks the grid is one program. Virtual ranks
+every program must be running at once. On GPUs the grid is ``num_sms`` programs (one per SM,
+resident together, as DeepEP's persistent kernels); the interpreter runs the programs of a
+launch one after another, so on CPU ranks the grid is one program. Virtual ranks
 of one process cannot use it (a rank's launch would wait for a peer not yet launched): they
 launch per round.
 
@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .bound import BoundLaunches, call_bound, launch, specs
-from .combine import _scratch, gathers_in_flight, reduce_tile, send_grid, send_partials
+from .combine import _scratch, gathers_in_flight, reduce_tile, send_partials
 from .comm import (
     CPU_RANKS,
     Flavour,
@@ -46,6 +46,7 @@ from .comm import (
 )
 from .tiles import MAX_TRIPS, combine_round_trips, even, tiles
 
+ROUNDS_TICKET = 6  # the word of ``tickets`` this kernel draws from (kernels.dispatch_rounds: 5)
 _PER_CALL = ["rows_off", "meta_off", "signal_off", "local_base", "errors_addr", "timeout_ns",
              "T", "me"]
 
@@ -60,7 +61,7 @@ def combine_rounds_kernel(
     compact,  # [programs * BLOCK_T * BLOCK_K] int32 scratch (combine_send_kernel's)
     peer_ptrs,  # [R] int64
     stats,  # [4] int64 local: bytes stored (to peers, to itself) at [2], [3]
-    tickets,  # [1] int64 local ticket counter of the combine channel
+    tickets,  # [1] int64 local: this kernel's own ticket word (ROUNDS_TICKET)
     epochs,  # [1] int64 local: the channel's epoch; each round's last program advances it
     signals,  # [R] int64 local: the combine channel's signal words, one per source
     staging,  # [2, R, W, H] local combine_rows (FP8: uint8 rows ROW_BYTES apart)
@@ -128,15 +129,11 @@ def combine_rounds_kernel(
                                 REDUCE_T, REDUCE_H, BLOCK_K, BLOCK_R, 1)
 
 
-def rounds_grid(world_size: int, ring_slots: int, hidden: int, num_sms: int | None,
-                flavour: Flavour, elem_bytes: int) -> int:
-    """Programs of :func:`combine_rounds`: the combine send's (at most ``num_sms``, all resident
-    at once) on GPUs, one in the interpreter (its programs run one after another). On GPUs a
-    Buffer may launch both kernels (FP8 partials per round, exact ones in one launch): they
-    share the channel's ticket word, so their grids must be equal (``draw_last_of``)."""
-    if not flavour.compiled:
-        return 1
-    return send_grid(world_size, ring_slots, hidden, num_sms, flavour, elem_bytes)
+def rounds_grid(num_sms: int | None, flavour: Flavour) -> int:
+    """Programs of :func:`combine_rounds`: ``num_sms`` on GPUs (one per SM, resident together),
+    one in the interpreter (its programs run one after another). The launch draws from a
+    ticket word of its own (``ROUNDS_TICKET``), so its grid need not be the send's."""
+    return num_sms if flavour.compiled and num_sms else 1
 
 
 def reduce_tiles(compiled: bool, hidden: int, elem_bytes: int, fp8: bool):
@@ -158,7 +155,7 @@ def fits_one_launch(world_size: int, ring_slots: int, hidden: int, topk: int,
         return True
     send_tile = tiles("combine_send", True, hidden, max(4, elem_bytes))
     reduce_tile_ = reduce_tiles(True, hidden, elem_bytes, fp8)
-    programs = rounds_grid(world_size, ring_slots, hidden, num_sms, flavour, elem_bytes)
+    programs = rounds_grid(num_sms, flavour)
     return combine_round_trips(world_size, ring_slots, topk, hidden, programs,
                                send_tile.block_t, reduce_tile_.block_t,
                                reduce_tile_.block_h) <= MAX_TRIPS
@@ -195,7 +192,7 @@ def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, 
         return True
     send_tile = tiles("combine_send", flavour.compiled, H, max(4, y.element_size()))
     reduce_tile_ = reduce_tiles(flavour.compiled, H, y.element_size(), fp8)
-    grid = (rounds_grid(R, W, H, num_sms, flavour, y.element_size()),)
+    grid = (rounds_grid(num_sms, flavour),)
     block_k = triton.next_power_of_2(max(topk, 1))
     compact = _scratch(scratch, y.device, grid[0] * send_tile.block_t * block_k)
     args = (

@@ -69,58 +69,23 @@ _SEND_PER_CALL = ["rows_off", "meta_off", "counts_off", "signal_off", "local_bas
                   "errors_addr", "T", "t_base", "me"]
 
 
-@triton.jit(do_not_specialize=_SEND_PER_CALL)
-def dispatch_send_kernel(
-    x,  # [T, H] rows to send (FP8 == 2: uint8 view of float8_e4m3fn rows)
-    x_scales,  # FP8 == 2: [T, H // GS] scales (NVFP4: bytes, rows.load_send_tile); NVFP4 and
-               # FP8 == 1: [1] float32, the global scale
-    topk_idx,  # [T, K] int64 (SEND_META)
-    topk_weights,  # [T, K] float32 (SEND_META and HAS_WEIGHTS)
-    slot_of,  # [T, R] int32: slot on rank d, -1 if not sent there
-    pair_pos,  # [T, K] int32 (SEND_META): position among this rank's tokens for that expert
-    counts,  # [R, L + 1] int32 (SEND_META): published to each rank d as dispatch_counts[p, me]
-    peer_ptrs,  # [R] int64
-    stats,  # [4] int64 local: bytes stored (to peers, to itself) at [0], [1]
-    tickets,  # [1] int64 local ticket counter of this channel
-    epochs,  # [1] int64 local: this channel's latest epoch; the last program advances it
-    rows_off: tl.int64, meta_off: tl.int64, counts_off: tl.int64,  # this source's regions
-    signal_off: tl.int64,  # (parity 0; the parity's offset is added here)
-    rows_parity: tl.int64, meta_parity: tl.int64, counts_parity: tl.int64,  # bytes per parity
-    box_rows_off: tl.int64, box_meta_off: tl.int64,  # TRANSPORT 1: the outboxes (parity 0)
-    box_counts_off: tl.int64,
-    box_rows_parity: tl.int64, box_meta_parity: tl.int64, box_counts_parity: tl.int64,
-    local_base: tl.int64,  # TRANSPORT 1: address of this rank's segment (symmetric addresses)
-    errors_addr: tl.int64,  # the error record: nothing is published after a timeout
-    T: tl.int32,  # tokens of this round (rows of x)
-    t_base: tl.int32,  # index of x's first token in the call (sent as each slot's token)
-    H: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, me: tl.int32,
-    ROW_BYTES: tl.int64,  # bytes between staging rows
-    META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
-    SEND_META: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-    FP8: tl.constexpr,  # 0: copy rows as they are; 1: quantize here; 2: rows come quantized
-    UE8M0: tl.constexpr,  # power-of-two scales, sent as exponent bytes
-    GS: tl.constexpr,  # channels per scale: 128, 32 (MXFP8, with UE8M0) or 16 (NVFP4)
-    TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; where the pointer is 0,
-                              # 1: NVSHMEM; 2: nothing here (kernels.internode, the proxy)
-    ALIGN: tl.constexpr,  # bytes every staging row address is a multiple of
-    EVEN_H: tl.constexpr,  # BLOCK_H divides H: no channel masks
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-    NUM_THREADS: tl.constexpr,
-):
-    epoch = tl.load(epochs) + 1  # device epochs and a fixed grid: no per-call scalar (graphs)
-    parity = epoch % 2
-    rows_off += parity * rows_parity
-    meta_off += parity * meta_parity
-    counts_off += parity * counts_parity
-    box_rows_off += parity * box_rows_parity
-    box_meta_off += parity * box_meta_parity
-    box_counts_off += parity * box_counts_parity
+@triton.jit
+def send_tokens(pid, programs, x, x_scales, topk_idx, topk_weights, slot_of, pair_pos,
+                peer_ptrs, stats, rows_off, meta_off, box_rows_off, box_meta_off, local_base, T,
+                t_base, H, K, R, me, ROW_BYTES, META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
+                SEND_META: tl.constexpr, HAS_WEIGHTS: tl.constexpr, FP8: tl.constexpr,
+                UE8M0: tl.constexpr, GS: tl.constexpr, TRANSPORT: tl.constexpr,
+                ALIGN: tl.constexpr, EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``pid`` of ``programs``: its token tiles of the send (every ``programs``-th)
+    stored into every destination's staging at the offsets given (those of the epoch's
+    parity), and its bytes added to ``stats`` (``dispatch_send_kernel``'s arguments)."""
     row_bytes = row_payload(x, H, FP8, UE8M0, GS)
     if SEND_META:
         row_bytes += 4 * (1 + 3 * K)
     to_peers = tl.zeros([1], tl.int64)
     to_self = tl.zeros([1], tl.int64)
-    for t0 in range(tl.program_id(0) * BLOCK_T, T, tl.num_programs(0) * BLOCK_T):  # persistent
+    for t0 in range(pid * BLOCK_T, T, programs * BLOCK_T):  # persistent
         t = t0 + tl.arange(0, BLOCK_T)
         tm = t < T
         t64 = t.to(tl.int64)
@@ -205,98 +170,117 @@ def dispatch_send_kernel(
             quiet()
     tl.atomic_add(stats + tl.arange(0, 1), to_peers, sem="relaxed")
     tl.atomic_add(stats + 1 + tl.arange(0, 1), to_self, sem="relaxed")
+
+
+@triton.jit
+def publish_counts(counts, peer_ptrs, stats, counts_off, signal_off, box_counts_off, local_base,
+                   epoch, R, L, SEND_META: tl.constexpr, TRANSPORT: tl.constexpr,
+                   BLOCK_L: tl.constexpr):
+    """The last program of a send: to every rank ``d``, its per-expert counts (``SEND_META``:
+    ``counts[d]``, [L + 1]) and then ``epoch``; their bytes added to ``stats``."""
+    lane = tl.arange(0, BLOCK_L)
+    for d in range(R):
+        if SEND_META:
+            c = tl.load(counts + d * (L + 1) + lane, mask=lane < L + 1)
+            dst_counts = peer_ptr(peer_ptrs, d, counts_off, tl.int32, 4)
+            tl.store(dst_counts + lane, c,
+                     mask=by_stores(peer_ptrs, d + lane * 0, lane < L + 1, TRANSPORT))
+            if TRANSPORT == 1:
+                if tl.load(peer_ptrs + d) == 0:  # counts travel from the outbox
+                    box_counts = local_ptr(local_base, box_counts_off, tl.int32, 4)
+                    tl.store(box_counts + d * (L + 1) + lane, c, mask=lane < L + 1)
+                    tl.debug_barrier()
+                    put_bytes(local_base, counts_off,
+                              box_counts_off + d * (L + 1) * 4, 4 * (L + 1), d)
+                    tl.debug_barrier()
+                    if one_thread():
+                        quiet()
+        tl.debug_barrier()
+        publish_epoch_to(peer_ptrs, d, signal_off, epoch, local_base, TRANSPORT)
+    signal_bytes = 8 + SEND_META * 4 * (L + 1) + tl.zeros([1], tl.int64)
+    reached = R
+    if TRANSPORT == 2:
+        reached = 0
+        for d in range(R):
+            reached += (tl.load(peer_ptrs + d) != 0).to(tl.int32)
+    tl.atomic_add(stats + tl.arange(0, 1), (reached - 1) * signal_bytes, sem="relaxed")
+    tl.atomic_add(stats + 1 + tl.arange(0, 1), signal_bytes, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=_SEND_PER_CALL)
+def dispatch_send_kernel(
+    x,  # [T, H] rows to send (FP8 == 2: uint8 view of float8_e4m3fn rows)
+    x_scales,  # FP8 == 2: [T, H // GS] scales (NVFP4: bytes, rows.load_send_tile); NVFP4 and
+               # FP8 == 1: [1] float32, the global scale
+    topk_idx,  # [T, K] int64 (SEND_META)
+    topk_weights,  # [T, K] float32 (SEND_META and HAS_WEIGHTS)
+    slot_of,  # [T, R] int32: slot on rank d, -1 if not sent there
+    pair_pos,  # [T, K] int32 (SEND_META): position among this rank's tokens for that expert
+    counts,  # [R, L + 1] int32 (SEND_META): published to each rank d as dispatch_counts[p, me]
+    peer_ptrs,  # [R] int64
+    stats,  # [4] int64 local: bytes stored (to peers, to itself) at [0], [1]
+    tickets,  # [1] int64 local ticket counter of this channel
+    epochs,  # [1] int64 local: this channel's latest epoch; the last program advances it
+    rows_off: tl.int64, meta_off: tl.int64, counts_off: tl.int64,  # this source's regions
+    signal_off: tl.int64,  # (parity 0; the parity's offset is added here)
+    rows_parity: tl.int64, meta_parity: tl.int64, counts_parity: tl.int64,  # bytes per parity
+    box_rows_off: tl.int64, box_meta_off: tl.int64,  # TRANSPORT 1: the outboxes (parity 0)
+    box_counts_off: tl.int64,
+    box_rows_parity: tl.int64, box_meta_parity: tl.int64, box_counts_parity: tl.int64,
+    local_base: tl.int64,  # TRANSPORT 1: address of this rank's segment (symmetric addresses)
+    errors_addr: tl.int64,  # the error record: nothing is published after a timeout
+    T: tl.int32,  # tokens of this round (rows of x)
+    t_base: tl.int32,  # index of x's first token in the call (sent as each slot's token)
+    H: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, me: tl.int32,
+    ROW_BYTES: tl.int64,  # bytes between staging rows
+    META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
+    SEND_META: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    FP8: tl.constexpr,  # 0: copy rows as they are; 1: quantize here; 2: rows come quantized
+    UE8M0: tl.constexpr,  # power-of-two scales, sent as exponent bytes
+    GS: tl.constexpr,  # channels per scale: 128, 32 (MXFP8, with UE8M0) or 16 (NVFP4)
+    TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; where the pointer is 0,
+                              # 1: NVSHMEM; 2: nothing here (kernels.internode, the proxy)
+    ALIGN: tl.constexpr,  # bytes every staging row address is a multiple of
+    EVEN_H: tl.constexpr,  # BLOCK_H divides H: no channel masks
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
+    NUM_THREADS: tl.constexpr,
+):
+    epoch = tl.load(epochs) + 1  # device epochs and a fixed grid: no per-call scalar (graphs)
+    parity = epoch % 2
+    rows_off += parity * rows_parity
+    meta_off += parity * meta_parity
+    counts_off += parity * counts_parity
+    box_rows_off += parity * box_rows_parity
+    box_meta_off += parity * box_meta_parity
+    box_counts_off += parity * box_counts_parity
+    send_tokens(tl.program_id(0), tl.num_programs(0), x, x_scales, topk_idx, topk_weights,
+                slot_of, pair_pos, peer_ptrs, stats, rows_off, meta_off, box_rows_off,
+                box_meta_off, local_base, T, t_base, H, K, R, me, ROW_BYTES, META_STRIDE, KMAX,
+                SEND_META, HAS_WEIGHTS, FP8, UE8M0, GS, TRANSPORT, ALIGN, EVEN_H, BLOCK_T,
+                BLOCK_H, BLOCK_K)
     if draw_last_of(tickets, tl.num_programs(0)):
         if not timed_out(errors_addr.to(tl.pointer_type(tl.int64)), NUM_THREADS):
-            lane = tl.arange(0, BLOCK_L)
-            for d in range(R):
-                if SEND_META:
-                    c = tl.load(counts + d * (L + 1) + lane, mask=lane < L + 1)
-                    dst_counts = peer_ptr(peer_ptrs, d, counts_off, tl.int32, 4)
-                    tl.store(dst_counts + lane, c,
-                             mask=by_stores(peer_ptrs, d + lane * 0, lane < L + 1, TRANSPORT))
-                    if TRANSPORT == 1:
-                        if tl.load(peer_ptrs + d) == 0:  # counts travel from the outbox
-                            box_counts = local_ptr(local_base, box_counts_off, tl.int32, 4)
-                            tl.store(box_counts + d * (L + 1) + lane, c, mask=lane < L + 1)
-                            tl.debug_barrier()
-                            put_bytes(local_base, counts_off,
-                                      box_counts_off + d * (L + 1) * 4, 4 * (L + 1), d)
-                            tl.debug_barrier()
-                            if one_thread():
-                                quiet()
-                tl.debug_barrier()
-                publish_epoch_to(peer_ptrs, d, signal_off, epoch, local_base, TRANSPORT)
-            signal_bytes = 8 + SEND_META * 4 * (L + 1) + tl.zeros([1], tl.int64)
-            reached = R
-            if TRANSPORT == 2:
-                reached = 0
-                for d in range(R):
-                    reached += (tl.load(peer_ptrs + d) != 0).to(tl.int32)
-            tl.atomic_add(stats + tl.arange(0, 1), (reached - 1) * signal_bytes, sem="relaxed")
-            tl.atomic_add(stats + 1 + tl.arange(0, 1), signal_bytes, sem="relaxed")
+            publish_counts(counts, peer_ptrs, stats, counts_off, signal_off, box_counts_off,
+                           local_base, epoch, R, L, SEND_META, TRANSPORT, BLOCK_L)
         tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
 
 
 _EXPAND_PER_CALL = ["errors_addr", "max_rows", "me"]
 
 
-@triton.jit(do_not_specialize=_EXPAND_PER_CALL)
-def dispatch_expand_kernel(
-    staging,  # [P, R, TMAX, ROW_BYTES / elem] local dispatch_rows (FP8: uint8)
-    staging_f32,  # the same memory as float32 (FP8 scales)
-    meta,  # [P, R, TMAX, META_STRIDE] int32 local dispatch_meta (not CACHED)
-    epochs,  # [1] int64 local: the dispatch epoch (this call's: its parity is read here)
-    slot_offsets,  # [R + 1] int64: first row of each source in slot_rows (its slots: the diff)
-    live,  # [R] int32 (LIVE): 0 for a source whose rows did not arrive (none are read)
-    row_base,  # [R, L] int64: first output row of (source, local expert) (not CACHED)
-    tokens_per_expert,  # [L] int64: rows of each local expert, without padding
-    expert_offsets,  # [L + 1] int64: first row of each local expert's padded group
-    slot_rows,  # [R * TMAX, K] int32: output row of (slot, choice) or -1; written, or read
-    out,  # [max_rows, H] (FP8: uint8 view of float8_e4m3fn; NVFP4: H is half the channels);
-    # SLOT_MAJOR: [slots, H], the row of slot i at i (each received token once)
-    out_scales,  # FP8: [rows, G] float32, or UE8M0: uint8 view of packed int32 [rows, G/4]
-    out_global,  # NVFP4 (GLOBAL): [rows] float32, each row's global scale (SLOT_MAJOR: slots)
-    out_weights,  # [rows] float32 (not CACHED, HAS_WEIGHTS)
-    out_src_rank, out_src_token,  # [rows] int64 (not CACHED)
-    errors_addr: tl.int64,  # input record: more rows arrived than `out` holds
-    max_rows: tl.int64,  # rows of `out` (SLOT_MAJOR: of out_weights / out_src_*)
-    TMAX: tl.int32,  # staging slots per source (the ring's)
-    SLOTS: tl.int64,  # rows of slot_rows (R * max_tokens)
-    H: tl.int32, K: tl.int32, L: tl.int32, me: tl.int32,
-    G: tl.int32,  # FP8: scales per output row (UE8M0: bytes of its int32 words)
-    SCALES: tl.int32,  # FP8: scales per staging row (UE8M0: the first SCALES of the G bytes)
-    ROW_ELEMS: tl.int64,  # staging row stride in elements of `staging`
-    STAGING_PARITY: tl.int64, META_PARITY: tl.int64,  # elements between the two parities
-    SCALE_ROW_STRIDE: tl.int64, SCALE_GROUP_STRIDE: tl.int64,  # out_scales strides (elements;
-                                                               # int32 words for UE8M0)
-    META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
-    CACHED: tl.constexpr, HAS_WEIGHTS: tl.constexpr, FP8: tl.constexpr,
-    UE8M0: tl.constexpr,  # byte scales: exponents, MXFP8's E8M0 or NVFP4's e4m3 (G counts the
-                          # bytes of a row's int32 words: the last word's spare bytes are zeros)
-    GLOBAL: tl.constexpr,  # NVFP4: a float32 global scale between the codes and the scales
-    LIVE: tl.constexpr, EVEN_H: tl.constexpr,
-    SLOT_MAJOR: tl.constexpr,  # rows (and scales) by slot, once each; the rest by output row
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_Z: tl.constexpr,  # rows per padding tile (stores of constants: wider than BLOCK_T)
-):
-    s = tl.program_id(0)
-    p = tl.program_id(1)
-    P = tl.num_programs(1)
-    R = tl.num_programs(0)
-    parity = tl.load(epochs) % 2
-    staging += parity * STAGING_PARITY
-    staging_f32 += parity * STAGING_PARITY * staging.dtype.element_ty.primitive_bitwidth // 32
-    if not CACHED:
-        meta += parity * META_PARITY
-    first_slot = tl.load(slot_offsets + s)
-    n = (tl.load(slot_offsets + s + 1) - first_slot).to(tl.int32)
-    if LIVE:
-        n = tl.where(tl.load(live + s) != 0, n, 0)
-    total = tl.load(expert_offsets + L)
-    if (s == 0) & (p == 0):
-        if total > max_rows:
-            record_error(errors_addr.to(tl.pointer_type(tl.int64)), INPUT_RECORD, TOO_MANY_ROWS,
-                         total, max_rows)
+@triton.jit
+def expand_rows(s, first_slot, n, p, P, staging, staging_f32, meta, row_base, slot_rows, out,
+                out_scales, out_global, out_weights, out_src_rank, out_src_token, max_rows, TMAX,
+                H, K, L, me, G, SCALES, ROW_ELEMS, SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE,
+                META_STRIDE: tl.constexpr, KMAX: tl.constexpr, CACHED: tl.constexpr,
+                HAS_WEIGHTS: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr,
+                GLOBAL: tl.constexpr, EVEN_H: tl.constexpr, SLOT_MAJOR: tl.constexpr,
+                BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_G: tl.constexpr):
+    """Program ``p`` of ``P`` of source ``s``: every ``P``-th tile of its ``n`` slots, the
+    first at ``first_slot`` of ``slot_rows``, copied from the staging (``staging`` and
+    ``meta`` at the parity to read) to the output rows (``dispatch_expand_kernel``'s
+    arguments)."""
     kk = tl.arange(0, BLOCK_K)
     for j0 in range(p * BLOCK_T, n, P * BLOCK_T):
         j = j0 + tl.arange(0, BLOCK_T)
@@ -358,11 +342,92 @@ def dispatch_expand_kernel(
                         tl.store(out_global + dst_row, glob, mask=dst_row >= 0)
                     _store_scales(out_scales, dst_row, g, sc, gm & (dst_row >= 0)[:, None],
                                   SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE, UE8M0)
-    # padding rows are the only rows zeroed (with src_rank/src_token -1, weight and scales 0):
-    # fewer than expert_alignment per expert, by program e; and the rows of `out` past the
-    # last group (from expert_offsets[L] to max_rows), in tiles spread over every program
-    q = s * P + p
-    for e in range(q, L, R * P):
+
+
+@triton.jit(do_not_specialize=_EXPAND_PER_CALL)
+def dispatch_expand_kernel(
+    staging,  # [P, R, TMAX, ROW_BYTES / elem] local dispatch_rows (FP8: uint8)
+    staging_f32,  # the same memory as float32 (FP8 scales)
+    meta,  # [P, R, TMAX, META_STRIDE] int32 local dispatch_meta (not CACHED)
+    epochs,  # [1] int64 local: the dispatch epoch (this call's: its parity is read here)
+    slot_offsets,  # [R + 1] int64: first row of each source in slot_rows (its slots: the diff)
+    live,  # [R] int32 (LIVE): 0 for a source whose rows did not arrive (none are read)
+    row_base,  # [R, L] int64: first output row of (source, local expert) (not CACHED)
+    tokens_per_expert,  # [L] int64: rows of each local expert, without padding
+    expert_offsets,  # [L + 1] int64: first row of each local expert's padded group
+    slot_rows,  # [R * TMAX, K] int32: output row of (slot, choice) or -1; written, or read
+    out,  # [max_rows, H] (FP8: uint8 view of float8_e4m3fn; NVFP4: H is half the channels);
+    # SLOT_MAJOR: [slots, H], the row of slot i at i (each received token once)
+    out_scales,  # FP8: [rows, G] float32, or UE8M0: uint8 view of packed int32 [rows, G/4]
+    out_global,  # NVFP4 (GLOBAL): [rows] float32, each row's global scale (SLOT_MAJOR: slots)
+    out_weights,  # [rows] float32 (not CACHED, HAS_WEIGHTS)
+    out_src_rank, out_src_token,  # [rows] int64 (not CACHED)
+    errors_addr: tl.int64,  # input record: more rows arrived than `out` holds
+    max_rows: tl.int64,  # rows of `out` (SLOT_MAJOR: of out_weights / out_src_*)
+    TMAX: tl.int32,  # staging slots per source (the ring's)
+    SLOTS: tl.int64,  # rows of slot_rows (R * max_tokens)
+    H: tl.int32, K: tl.int32, L: tl.int32, me: tl.int32,
+    G: tl.int32,  # FP8: scales per output row (UE8M0: bytes of its int32 words)
+    SCALES: tl.int32,  # FP8: scales per staging row (UE8M0: the first SCALES of the G bytes)
+    ROW_ELEMS: tl.int64,  # staging row stride in elements of `staging`
+    STAGING_PARITY: tl.int64, META_PARITY: tl.int64,  # elements between the two parities
+    SCALE_ROW_STRIDE: tl.int64, SCALE_GROUP_STRIDE: tl.int64,  # out_scales strides (elements;
+                                                               # int32 words for UE8M0)
+    META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
+    CACHED: tl.constexpr, HAS_WEIGHTS: tl.constexpr, FP8: tl.constexpr,
+    UE8M0: tl.constexpr,  # byte scales: exponents, MXFP8's E8M0 or NVFP4's e4m3 (G counts the
+                          # bytes of a row's int32 words: the last word's spare bytes are zeros)
+    GLOBAL: tl.constexpr,  # NVFP4: a float32 global scale between the codes and the scales
+    LIVE: tl.constexpr, EVEN_H: tl.constexpr,
+    SLOT_MAJOR: tl.constexpr,  # rows (and scales) by slot, once each; the rest by output row
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_Z: tl.constexpr,  # rows per padding tile (stores of constants: wider than BLOCK_T)
+):
+    s = tl.program_id(0)
+    p = tl.program_id(1)
+    P = tl.num_programs(1)
+    R = tl.num_programs(0)
+    parity = tl.load(epochs) % 2
+    staging += parity * STAGING_PARITY
+    staging_f32 += parity * STAGING_PARITY * staging.dtype.element_ty.primitive_bitwidth // 32
+    if not CACHED:
+        meta += parity * META_PARITY
+    first_slot = tl.load(slot_offsets + s)
+    n = (tl.load(slot_offsets + s + 1) - first_slot).to(tl.int32)
+    if LIVE:
+        n = tl.where(tl.load(live + s) != 0, n, 0)
+    total = tl.load(expert_offsets + L)
+    if (s == 0) & (p == 0):
+        if total > max_rows:
+            record_error(errors_addr.to(tl.pointer_type(tl.int64)), INPUT_RECORD, TOO_MANY_ROWS,
+                         total, max_rows)
+    expand_rows(s, first_slot, n, p, P, staging, staging_f32, meta, row_base, slot_rows, out,
+                out_scales, out_global, out_weights, out_src_rank, out_src_token, max_rows, TMAX,
+                H, K, L, me, G, SCALES, ROW_ELEMS, SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE,
+                META_STRIDE, KMAX, CACHED, HAS_WEIGHTS, FP8, UE8M0, GLOBAL, EVEN_H, SLOT_MAJOR,
+                BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_G)
+    expand_padding(s * P + p, R * P, expert_offsets, tokens_per_expert, total,
+                   tl.load(slot_offsets + R), slot_rows, out, out_scales, out_global,
+                   out_weights, out_src_rank, out_src_token, max_rows, SLOTS, H, K, L, G,
+                   SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE, CACHED, HAS_WEIGHTS, FP8, UE8M0,
+                   GLOBAL, EVEN_H, SLOT_MAJOR, BLOCK_H, BLOCK_K, BLOCK_G, BLOCK_Z)
+
+
+@triton.jit
+def expand_padding(q, Q, expert_offsets, tokens_per_expert, total, slots_end, slot_rows, out,
+                   out_scales, out_global, out_weights, out_src_rank, out_src_token, max_rows,
+                   SLOTS, H, K, L, G, SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE,
+                   CACHED: tl.constexpr, HAS_WEIGHTS: tl.constexpr, FP8: tl.constexpr,
+                   UE8M0: tl.constexpr, GLOBAL: tl.constexpr, EVEN_H: tl.constexpr,
+                   SLOT_MAJOR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_Z: tl.constexpr):
+    """Program ``q`` of ``Q``: its share of the rows of an expand that no slot fills. The
+    padding rows are the only rows zeroed (with src_rank/src_token -1, weight and scales 0):
+    fewer than expert_alignment per expert, by program e; and the rows of ``out`` past the
+    last group (from ``total`` = expert_offsets[L] to max_rows), in tiles spread over every
+    program; and (not CACHED) the rows of ``slot_rows`` from ``slots_end`` on, -1."""
+    kk = tl.arange(0, BLOCK_K)
+    for e in range(q, L, Q):
         start = tl.load(expert_offsets + e) + tl.load(tokens_per_expert + e)
         end = tl.minimum(tl.load(expert_offsets + e + 1), max_rows)
         for r0 in range(start, end, BLOCK_Z):
@@ -370,13 +435,13 @@ def dispatch_expand_kernel(
                        r0 + tl.arange(0, BLOCK_Z), end, H, G, SCALE_ROW_STRIDE,
                        SCALE_GROUP_STRIDE, CACHED, HAS_WEIGHTS, FP8, UE8M0, GLOBAL, EVEN_H,
                        not SLOT_MAJOR, BLOCK_Z, BLOCK_H, BLOCK_G)
-    for r0 in range(total + q * BLOCK_Z, max_rows, R * P * BLOCK_Z):
+    for r0 in range(total + q * BLOCK_Z, max_rows, Q * BLOCK_Z):
         _zero_rows(out, out_scales, out_global, out_weights, out_src_rank, out_src_token,
                    r0 + tl.arange(0, BLOCK_Z), max_rows, H, G, SCALE_ROW_STRIDE,
                    SCALE_GROUP_STRIDE, CACHED, HAS_WEIGHTS, FP8, UE8M0, GLOBAL, EVEN_H,
                    not SLOT_MAJOR, BLOCK_Z, BLOCK_H, BLOCK_G)
     if not CACHED:  # slot_rows past the last slot: -1 (every row of it is written)
-        for r0 in range(tl.load(slot_offsets + R) + q * BLOCK_Z, SLOTS, R * P * BLOCK_Z):
+        for r0 in range(slots_end + q * BLOCK_Z, SLOTS, Q * BLOCK_Z):
             r = (r0 + tl.arange(0, BLOCK_Z)).to(tl.int64)
             tl.store(slot_rows + r[:, None] * K + kk[None, :],
                      tl.full([BLOCK_Z, BLOCK_K], -1, tl.int32),
@@ -662,10 +727,11 @@ def received_layout_kernel(
 
 def received_layout(counts, signals, epochs, live, *, world_size: int, num_local_experts: int,
                     alignment: int, wait: bool, flavour: Flavour = CPU_RANKS, peer_ptrs=None,
-                    rank: int = 0, bound: BoundLaunches | None = None
-                    ) -> tuple[torch.Tensor, ...]:
+                    rank: int = 0, bound: BoundLaunches | None = None,
+                    slot_offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Launches :func:`received_layout_kernel`; returns fresh int64 tensors
-    ``(row_base [R, L], tokens_per_expert [L], expert_offsets [L + 1], slot_offsets [R + 1])``.
+    ``(row_base [R, L], tokens_per_expert [L], expert_offsets [L + 1], slot_offsets [R + 1])``
+    (``slot_offsets`` given: written there, a view of the caller's).
     Equivalent PyTorch (``counts`` [R, L + 1] of this call's parity, zero for the sources not
     ``live``)::
 
@@ -685,7 +751,9 @@ def received_layout(counts, signals, epochs, live, *, world_size: int, num_local
     R, L = world_size, num_local_experts
     dev = epochs.device
     outs = tuple([torch.empty(shape, dtype=torch.int64, device=dev)
-                  for shape in ((R, L), (L,), (L + 1,), (R + 1,))])
+                  for shape in ((R, L), (L,), (L + 1,))])
+    outs += (torch.empty(R + 1, dtype=torch.int64, device=dev) if slot_offsets is None
+             else slot_offsets,)
     values = (signals, epochs, epochs if live is None else live, *outs)
     key = ("received_layout", specs(values), id(counts), id(peer_ptrs), R, L,
            alignment, wait, live is None, rank, id(flavour))

@@ -86,6 +86,10 @@ _GPU = {
     # routing at DeepSeek-V3 prefill sizes with 20 programs), several choices' gathers in
     # flight (combine.gathers_in_flight); one program per SM, so a 128-byte accumulator a
     # thread (_TILE_BYTES)
+    # a dispatch's later rounds as one launch (kernels.dispatch_rounds): the send's and the
+    # expand's tiles with 8 warps, one program per SM
+    "dispatch_rounds_send": (16, 1024, 8, 1),
+    "dispatch_rounds_expand": (8, 1024, 8, 1),
     "combine_send": (64, 1024, 8, 1),
     "combine_reduce": (8, 1024, 8, 2),
     # a combine in rounds as one launch (kernels.combine_rounds): its reduce runs on the send's
@@ -211,6 +215,18 @@ def combine_round_trips(R: int, W: int, K: int, H: int, programs: int, send_bloc
             + _cdiv(_cdiv(W, reduce_t) * _cdiv(H, reduce_h), programs))
 
 
+def dispatch_round_trips(R: int, W: int, K: int, programs: int, send_block_t: int,
+                         expand_block_t: int) -> int:
+    """Serial trips of one round of ``kernels.dispatch_rounds`` on ``programs`` programs: the
+    send's token tiles of the round's ``W`` tokens, and the expand's tiles of every source's
+    slots, all sources' dealt round-robin: at uniform routing ``R * u`` slots in all, in at
+    most ``R * u / tile`` full tiles and a partial one per source that sent any (at most
+    ``min(R, R * u)`` of them)."""
+    slots = R * uniform_slots(W, R, K)
+    return (_cdiv(W, send_block_t * programs)
+            + _cdiv(slots / expand_block_t + min(R, slots), programs))
+
+
 def _invariant_send_trips(a: dict) -> int:
     """Slot tiles a program takes (each stores its slots' rows choice by choice)."""
     return _cdiv(a["R"] * uniform_slots(a["W"], a["R"], a["K"]), a["BLOCK_T"] * a["programs"])
@@ -250,6 +266,8 @@ SCHEDULES = {
     "dispatch_expand_kernel": Schedule(WAVE, _expand_trips),
     "combine_send_kernel": Schedule(PERSISTENT, _combine_send_trips),
     "combine_reduce_kernel": Schedule(WAVE, lambda a: 1),
+    "dispatch_rounds_kernel": Schedule(PERSISTENT, lambda a: dispatch_round_trips(
+        a["R"], a["W"], a["K"], a["programs"], a["BLOCK_T"], a["EXPAND_T"])),
     "combine_rounds_kernel": Schedule(PERSISTENT, lambda a: combine_round_trips(
         a["R"], a["W"], a["K"], a["H"], a["programs"], a["BLOCK_T"], a["REDUCE_T"],
         a["REDUCE_H"])),

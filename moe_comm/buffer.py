@@ -37,6 +37,7 @@ from .kernels.comm import (
     wait_for_epochs,
     wait_relayed_epochs_kernel,
 )
+from .kernels.dispatch_rounds import fits_one_launch as fits_dispatch_rounds
 from .kernels.layout import layout_scratch
 from .kernels.low_latency import TIMED_OUT
 from .kernels.nvshmem import device_bitcode, install_module_init_hook
@@ -397,12 +398,21 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         f = self.flavour
         self.own_process = own_process
         one_launch = (own_process and layout.rounds > 1 and f.device_wait and f.transport == 0
-                      and proxy is None and not self.fault_tolerant and not self.ep_invariant)
+                      and proxy is None and not self.fault_tolerant)
         self._combine_in_one_launch = [
-            one_launch and fits_one_launch(self.world_size, layout.ring_slots, self.hidden,
-                                           self.max_topk, self.num_sms, f,
-                                           self._row_bytes // self.hidden, fp8)
-            for fp8 in (False, True)]
+            one_launch and not self.ep_invariant
+            and fits_one_launch(self.world_size, layout.ring_slots, self.hidden,
+                                self.max_topk, self.num_sms, f, self._row_bytes // self.hidden,
+                                fp8) for fp8 in (False, True)]
+        # a dispatch's rounds after its first send as one launch (kernels.dispatch_rounds), by
+        # the send's format (fp8, ue8m0, the rows' element bytes): the same conditions (the
+        # EP-invariant combine changes no dispatch)
+        self._dispatch_in_one_launch = {
+            (fp8, ue8m0, elem): one_launch and fits_dispatch_rounds(
+                self.world_size, layout.ring_slots, self.hidden, self.max_topk, self.num_sms, f,
+                fp8, ue8m0, elem)
+            for fp8 in (0, 1, 2) for ue8m0 in (0, 1, 2, 3)
+            for elem in {self._row_bytes // self.hidden, 1}}
         _registry.register(self)
 
     def _default_flavour(self, on_gpu: bool) -> Flavour:

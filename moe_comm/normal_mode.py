@@ -24,17 +24,20 @@ epoch of the channel for the source tokens ``[i * W, (i + 1) * W)``::
         publish epoch (dispatch: with the call's per-expert counts and the round's rows)
         wait for every rank's epoch of round i; expand (dispatch) or sum (combine) its rows
 
-Each round launches what a call of one round does (without the layout), but for one node's
-combine where every rank runs in a process of its own with waits in the kernels (GPUs, or CPU
-ranks with ``MOE_COMM_WAIT=kernel``): there one launch runs every round's send, wait and reduce
-(``kernels.combine_rounds``, which says why it cannot deadlock; on GPUs where a round fits the
-launch's ``num_sms`` programs, ``fits_one_launch``). Across nodes through the
-proxy its send fills the outboxes with the window's rows for other nodes and posts one descriptor
-per peer (flat) or per node (hierarchical) there (``_send_other_nodes``); hierarchical, each round
-adds the forwarder's pass (``_forward_dispatch`` after the round's send, ``_forward_combine`` after
-the round's combine send), which waits for the round's messages from other nodes and stores their
-rows into its node's staging. The ring positions and the rounds' counts are one launch
-(``kernels.layout.ring_positions``), the rounds' slot offsets torch ops.
+Each round launches what a call of one round does (without the layout), but on one node where
+every rank runs in a process of its own with waits in the kernels (GPUs, or CPU ranks with
+``MOE_COMM_WAIT=kernel``), without fault tolerance: there one launch runs a combine's rounds
+(``kernels.combine_rounds``: each round's send, wait and reduce), and one launch a dispatch's
+after its round 0 is sent and laid out (``kernels.dispatch_rounds``: round 0's expand, then each
+later round's send, wait and expand); both say why they cannot deadlock, and on GPUs they run
+where a round fits the launch's ``num_sms`` programs (``fits_one_launch``). Across nodes through
+the proxy its send fills the outboxes with the window's rows for other nodes and posts one
+descriptor per peer (flat) or per node (hierarchical) there (``_send_other_nodes``);
+hierarchical, each round adds the forwarder's pass (``_forward_dispatch`` after the round's
+send, ``_forward_combine`` after the round's combine send), which waits for the round's
+messages from other nodes and stores their rows into its node's staging. The ring positions
+and the rounds' counts are one launch (``kernels.layout.ring_positions``), the rounds' slot
+offsets torch ops (written by the one launch where there is one).
 A window holds at most ``W`` tokens, so at most ``W`` rows for any rank and at most ``W`` rows in
 any node's message. The order that makes it safe, in each place the kernels run: a rank's send of
 round ``i`` needs nothing but its own inputs (the parity it writes was last read in round ``i - 2``,
@@ -87,10 +90,11 @@ import torch
 from ._guard import poisons_buffer_on_error, run_steps
 from .host_sync import read_int
 from .kernels import combine as combine_kernels
+from .kernels import combine_rounds as combine_rounds_kernels
 from .kernels import dispatch as dispatch_kernels
+from .kernels import dispatch_rounds as dispatch_rounds_kernels
 from .kernels import internode
 from .kernels import invariant as invariant_kernels
-from .kernels.combine_rounds import combine_rounds
 from .kernels.layout import ring_positions, routing_layout
 from .kernels.quant import MXFP8, NVFP4, scale_group
 from .kernels.rows import payload_bytes, sent_elem_bytes
@@ -114,6 +118,8 @@ class PendingSend:
     live: torch.Tensor | None = None
     # a Buffer of several rounds: ``send_round(i)`` sends round i (round 0 is sent)
     send_round: Callable[[int], None] | None = None
+    # a dispatch of several rounds (not cached): what its rounds send
+    stream: Stream | None = None
     # a combine whose rounds run in one launch (kernels.combine_rounds), nothing sent yet:
     # ``all_rounds(ring, out, pair_out)`` launches it
     all_rounds: Callable | None = None
@@ -191,7 +197,7 @@ class NormalMode:
         self.launches["layout"] += 2
         if x_scales is not None:
             x_scales = x_scales.contiguous()
-        K, later, positions = topk_idx.shape[1], None, slot_of
+        K, later, positions, stream = topk_idx.shape[1], None, slot_of, None
         if self.layout.rounds == 1:
             self._send_window(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts, K,
                               fp8, ue8m0)
@@ -205,7 +211,7 @@ class NormalMode:
             node_slot_of = self._empty_int() if stream.node_ring is None else stream.node_ring
             positions = stream.ring  # the handle's slot_of: the combine reads the rings by it
         return PendingSend(DISPATCH, epoch, positions, K, topk_weights is not None, fp8, ue8m0,
-                           node_slot_of, send_round=later)
+                           node_slot_of, send_round=later, stream=stream)
 
     # ----------------------------------------------------------------- rounds
     def _node_ring_positions(self, ring: torch.Tensor) -> torch.Tensor:
@@ -397,7 +403,7 @@ class NormalMode:
             topk=topk, max_topk=self.max_topk, has_pair=has_pair, flavour=self.flavour, fp8=fp8)
 
     def _received_layout(self, expert_alignment: int, pending: PendingSend,
-                         within: torch.Tensor | None = None):
+                         within: torch.Tensor | None = None, slot_offsets=None):
         """Waits for every source (in the kernel on GPUs, fault-tolerant ones too, else on the
         host before it) and turns the counts every source published into ``(row_base [R, L],
         tokens_per_expert [L], expert_offsets [L + 1], slot_offsets [R + 1])`` int64
@@ -407,7 +413,7 @@ class NormalMode:
         several rounds waits apart from the layout, so that ``pending.live`` holds who arrived,
         and ``within`` ([R] int32, round 0's ``live``; None: every source) leaves out the
         sources that did not arrive in round 0 (a later round places rows by round 0's
-        layout)."""
+        layout). ``slot_offsets``: where to write them ([R + 1] int64 view)."""
         fused = self._wait(pending, fusable=not self._ft_rounds)
         if within is not None:
             pending.live = within if pending.live is None else pending.live * within
@@ -417,7 +423,8 @@ class NormalMode:
             self._channel_words(DISPATCH)[1], pending.live,
             world_size=self.world_size, num_local_experts=self.num_local_experts,
             alignment=expert_alignment, wait=fused, flavour=self.flavour,
-            peer_ptrs=self.heap.peer_ptrs, rank=self.rank, bound=self._bound)
+            peer_ptrs=self.heap.peer_ptrs, rank=self.rank, bound=self._bound,
+            slot_offsets=slot_offsets)
         if fused:
             self._check_usable("dispatch")  # a timeout (or this rank excluded) shows here
         return layout
@@ -453,8 +460,14 @@ class NormalMode:
             self._forward_dispatch(pending.epoch, payload,
                                    *self._round_nodes(fwd_slots, fwd_n, 0), cached=False)
         L, dev = self.num_local_experts, self.device
-        row_base, tokens_per_expert, expert_offsets, slot_offsets = \
-            self._received_layout(expert_alignment, pending)
+        stream = pending.stream  # later rounds in one launch: every round's offsets in one
+        one_launch = stream is not None and self._dispatch_in_one_launch[  # tensor from here
+            stream.fp8, stream.ue8m0, stream.x.element_size()]
+        every_round = (torch.empty(self.slot_offsets_size(), dtype=torch.int64, device=dev)
+                       if one_launch else None)
+        row_base, tokens_per_expert, expert_offsets, slot_offsets = self._received_layout(
+            expert_alignment, pending,
+            slot_offsets=None if every_round is None else self._round_view(every_round, 0))
         data_rows = None  # rows of the data outputs, where not `rows` (slot_major: the slots)
         if slot_major and self.layout.rounds > 1:
             raise ValueError("slot_major needs one round")
@@ -506,12 +519,24 @@ class NormalMode:
         outputs = (slot_rows, out, out_weights if pending.has_weights else None, src_rank,
                    src_token)
         first = slot_offsets
-        if self.layout.rounds > 1:  # every round's offsets, each after the earlier rounds'
+        if every_round is not None:  # (the one launch writes the later rounds' and the gaps)
+            slot_offsets = every_round
+        elif self.layout.rounds > 1:  # every round's offsets, each after the earlier rounds'
             slot_offsets = torch.zeros(self.slot_offsets_size(), dtype=torch.int64, device=dev)
             first = self._round_view(slot_offsets, 0).copy_(first)
-        self.launches["dispatch_expand"] += expand(
-            first, row_base, tokens_per_expert, expert_offsets, *outputs, **options)
-        for i in range(1, self.layout.rounds):
+        later = range(1, self.layout.rounds)
+        if one_launch:  # round 0's expand, then the later rounds' sends, waits and expands
+            for _ in later:  # every round's epoch
+                self._start(DISPATCH)
+            self._dispatch_rounds(stream, row_base, tokens_per_expert, expert_offsets,
+                                  slot_offsets, outputs, scale_memory, scale_strides,
+                                  global_scale)
+            self._check_usable("dispatch")  # its waits ran in the kernel: a timeout shows now
+            later = ()
+        else:
+            self.launches["dispatch_expand"] += expand(
+                first, row_base, tokens_per_expert, expert_offsets, *outputs, **options)
+        for i in later:
             epoch = self._start(DISPATCH)
             pending.send_round(i)
             yield
@@ -536,6 +561,35 @@ class NormalMode:
         return (out, scales, out_weights, src_rank, src_token, tokens_per_expert,
                 expert_offsets, pending.slot_of, slot_rows, slot_offsets, node_slot_of,
                 fwd_slots, fwd_n, global_scale)
+
+    def _dispatch_rounds(self, stream: Stream, row_base, tokens_per_expert, expert_offsets,
+                         slot_offsets, outputs: tuple, scale_memory, scale_strides,
+                         global_scale) -> None:
+        """Round 0's expand and rounds ``1..rounds - 1`` of a dispatch in one launch
+        (``kernels.dispatch_rounds``): ``stream``'s sends, and into ``outputs``
+        (``(slot_rows, out, out_weights, src_rank, src_token)``, as an expand gets them) and
+        ``slot_offsets`` (every round's; round 0's given) the rows of every round."""
+        fixed = self._offsets.get(("rounds", DISPATCH))
+        if fixed is None:  # made once: the bound launch is found by these tensors' ids
+            (_, epochs), offsets, _ = self._send_fixed(DISPATCH)
+            ticket = dispatch_rounds_kernels.ROUNDS_TICKET  # its own: not the send grid
+            fixed = self._offsets[("rounds", DISPATCH)] = (
+                *self._staging(DISPATCH), self._region("dispatch_counts"),
+                self._ticket_words[ticket:ticket + 1], epochs, self._signals[DISPATCH], offsets)
+        staging, meta, dcounts, tickets, epochs, signals, offsets = fixed
+        slot_rows, out, out_weights, src_rank, src_token = outputs
+        self.launches["dispatch_rounds"] += dispatch_rounds_kernels.dispatch_rounds(
+            stream.x, stream.x_scales, stream.topk_idx, stream.topk_weights, stream.pair_pos,
+            stream.ring, stream.counts, row_base, tokens_per_expert, expert_offsets, slot_rows,
+            slot_offsets, out, out_weights, src_rank, src_token, staging, meta, dcounts,
+            self.heap.peer_ptrs, self._stats, tickets, epochs, signals, offsets=offsets,
+            rank=self.rank,
+            num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
+            max_topk=self.max_topk, ring_slots=self.layout.ring_slots,
+            rounds=self.layout.rounds, offsets_stride=self._round_stride(),
+            row_bytes=self._row_bytes, fp8=stream.fp8, ue8m0=stream.ue8m0,
+            out_scales=scale_memory, scale_strides=scale_strides, out_global=global_scale,
+            num_sms=self.num_sms, flavour=self.flavour, bound=self._bound)
 
     @poisons_buffer_on_error("dispatch")
     def dispatch_cached_send(self, x, slot_of, node_slot_of=None) -> PendingSend:
@@ -669,11 +723,13 @@ class NormalMode:
         ring positions."""
         fixed = self._offsets.get(("rounds", COMBINE))
         if fixed is None:  # made once: the bound launch is found by these tensors' ids
-            words, offsets, _ = self._send_fixed(COMBINE)
+            (_, epochs), offsets, _ = self._send_fixed(COMBINE)
+            ticket = combine_rounds_kernels.ROUNDS_TICKET  # its own: not the send grid
             fixed = self._offsets[("rounds", COMBINE)] = (
-                *self._staging(COMBINE), *words, self._signals[COMBINE], offsets)
+                *self._staging(COMBINE), self._ticket_words[ticket:ticket + 1], epochs,
+                self._signals[COMBINE], offsets)
         staging, meta, tickets, epochs, signals, offsets = fixed
-        self.launches["combine_rounds"] += combine_rounds(
+        self.launches["combine_rounds"] += combine_rounds_kernels.combine_rounds(
             y, weights, pair_values, slot_rows, slot_offsets, ring, out, pair_out, staging, meta,
             self.heap.peer_ptrs, self._stats, tickets, epochs, signals, offsets=offsets,
             rank=self.rank, topk=slot_rows.shape[1], max_topk=self.max_topk,

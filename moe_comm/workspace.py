@@ -16,7 +16,10 @@ region                  shape, dtype                 contents, on rank ``d``
                                                      finished its puts into ``d``. Never reset.
 ``tickets``             [8] int64                    local: programs finished so far of the
                                                      dispatch and combine sends, then of the
-                                                     internode kernels (``kernels.internode``)
+                                                     internode kernels (``kernels.internode``),
+                                                     then of the rounds in one launch
+                                                     (``kernels.dispatch_rounds``, 5, and
+                                                     ``kernels.combine_rounds``, 6)
 ``epochs``              [2 channels] int64           local: epoch of this rank's latest send
                                                      per channel (the send's last program
                                                      advances it; kernels take epoch and parity

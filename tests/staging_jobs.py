@@ -11,7 +11,7 @@ from fault_jobs import _die, _renormalised, survivors_inputs
 
 import moe_comm
 from cases import Case, expert_fn, make_inputs
-from moe_comm import reference
+from moe_comm import microscale, reference
 from moe_comm.workspace import COMBINE, DISPATCH, staging_slot_bytes
 from rank_jobs import FIELDS, _digest, check_against_oracle, kernel_waits, new_buffer
 
@@ -136,6 +136,26 @@ def rounds_with_failures(rank, world_size, case: Case, kills: dict, calls: int, 
             "launches": dict(buf.launches)}
 
 
+def _bounded_buffer(case: Case, slots: int, in_kernels: bool = True, **kwargs):
+    """A Buffer whose staging holds ``slots`` slots per source (``in_kernels``: waits in the
+    kernels)."""
+    with kernel_waits(in_kernels):
+        return new_buffer(case, max_topk=case.topk, staging_bytes=slots_budget(case, slots),
+                          **kwargs)
+
+
+def _failure(report: dict, call) -> None:
+    """``call()``, and into ``report`` what it raised (``raised``, the ``peer`` named), and how
+    long it took (``elapsed_s``)."""
+    start = time.monotonic()
+    try:
+        call()
+    except RuntimeError as error:
+        report["raised"] = str(error)
+        report["peer"] = getattr(error, "peer", None)
+    report["elapsed_s"] = time.monotonic() - start
+
+
 def combine_forms(rank, world_size, case: Case, slots: int, in_kernels: bool,
                   iterations: int = 2, straggle_s: float = 0.0) -> dict:
     """Every form of a combine in rounds of ``slots`` slots, ``iterations`` times (new routing
@@ -146,9 +166,7 @@ def combine_forms(rank, world_size, case: Case, slots: int, in_kernels: bool,
     host waits launch per round. Returns the digests and the launches."""
     delay = random.Random(2000 * case.seed + rank)
     digests = []
-    with kernel_waits(in_kernels):
-        buf = new_buffer(case, max_topk=case.topk, staging_bytes=slots_budget(case, slots))
-    with buf:
+    with _bounded_buffer(case, slots, in_kernels) as buf:
         for it in range(iterations):
             xs, idxs, ws = make_inputs(case, it)
             res = buf.dispatch(xs[rank], idxs[rank], ws[rank], expert_alignment=case.alignment)
@@ -173,20 +191,81 @@ def skip_one_combine(rank, world_size, case: Case, slots: int, skipper: int,
     does not combine; the others' combines (one launch each) must fail within the timeout,
     naming it."""
     xs, idxs, ws = make_inputs(case)
-    with kernel_waits():
-        buf = new_buffer(case, max_topk=case.topk, staging_bytes=slots_budget(case, slots),
-                         timeout_s=wait_timeout_s)
+    buf = _bounded_buffer(case, slots, timeout_s=wait_timeout_s)
     report = {"raised": None, "rounds": buf.rounds}
     res = buf.dispatch(xs[rank], idxs[rank], ws[rank])
     if rank != skipper:
-        start = time.monotonic()
-        try:
-            buf.combine(expert_fn(res.x, res.expert_offsets), res.handle, weights=res.weights)
-        except RuntimeError as error:
-            report["raised"] = str(error)
-            report["peer"] = getattr(error, "peer", None)
-        report["elapsed_s"] = time.monotonic() - start
+        _failure(report, lambda: buf.combine(expert_fn(res.x, res.expert_offsets), res.handle,
+                                             weights=res.weights))
         report["launches"] = dict(buf.launches)
     dist.barrier()
     buf.close()
+    return report
+
+
+DISPATCH_FORMS = ("bf16", "fp8", "fp8-ue8m0-colmajor", "fp8-pair", "mxfp8", "mxfp8-pair",
+                  "nvfp4", "nvfp4-triple", "max-recv-rows")
+
+
+def _dispatch_form(buf, case: Case, rank: int, form: str, x, idx, w):
+    """``buf.dispatch`` of this rank's tokens in ``form`` (``DISPATCH_FORMS``)."""
+    kwargs = {"fp8": dict(fp8=True),
+              "fp8-ue8m0-colmajor": dict(fp8=True, ue8m0=True, col_major_scales=True),
+              "fp8-pair": dict(fp8=True), "mxfp8": dict(dispatch_dtype="mxfp8"),
+              "mxfp8-pair": dict(dispatch_dtype="mxfp8"),
+              "nvfp4": dict(dispatch_dtype="nvfp4", global_scale=torch.tensor([0.05])),
+              "nvfp4-triple": dict(dispatch_dtype="nvfp4"),
+              "max-recv-rows": dict(max_recv_rows=4 * case.max_tokens * case.topk)}.get(form, {})
+    sent = x
+    if form == "fp8-pair":
+        sent = reference.quantize_fp8(x)
+    elif form == "mxfp8-pair":
+        sent = microscale.quantize_mxfp8(x)
+    elif form == "nvfp4-triple":  # a global scale per row, as after an earlier receive
+        q, s, g = microscale.quantize_nvfp4(x)
+        sent = (q, s, g.expand(q.shape[0]).contiguous())
+    return buf.dispatch(sent, idx, w, expert_alignment=case.alignment, **kwargs)
+
+
+def dispatch_forms(rank, world_size, case: Case, slots: int, in_kernels: bool,
+                   iterations: int = 2, straggle_s: float = 0.0) -> dict:
+    """Every format of a dispatch in rounds of ``slots`` slots (``DISPATCH_FORMS``),
+    ``iterations`` times with new routing and random delays; the bf16 one checked against the
+    oracle with its combine. ``in_kernels``: waits in the kernels, so a Buffer of processes
+    runs a dispatch's later rounds as one launch (``kernels.dispatch_rounds``); host waits
+    launch per round. Returns a digest per call and form, and the launches."""
+    delay = random.Random(3000 * case.seed + rank)
+    digests = []
+    with _bounded_buffer(case, slots, in_kernels) as buf:
+        for it in range(iterations):
+            xs, idxs, ws = make_inputs(case, it)
+            for form in DISPATCH_FORMS:
+                time.sleep(delay.uniform(0, straggle_s))
+                res = _dispatch_form(buf, case, rank, form, xs[rank], idxs[rank], ws[rank])
+                out = buf.combine(expert_fn(res.x, res.expert_offsets), res.handle,
+                                  weights=res.weights) if form == "bf16" else None
+                if form == "bf16":
+                    check_against_oracle(rank, case, it, res, out, xs, idxs, ws)
+                scales = getattr(res, "x_scales", None)  # (column-major: read row by row)
+                scales = None if scales is None else scales.reshape(-1).clone()
+                digests.append(_digest(res.x.view(torch.uint8), scales, res.weights,
+                                       res.src_rank, res.src_token, res.expert_offsets,
+                                       res.handle.recv_slot_offsets, res.handle.slot_rows,
+                                       getattr(res, "x_global_scale", None), out))
+        return {"digests": digests, "launches": dict(buf.launches), "rounds": buf.rounds}
+
+
+def dies_after_round_0(rank, world_size, case: Case, slots: int, victim: int,
+                       wait_timeout_s: float) -> dict:
+    """Waits in the kernels, rounds of ``slots`` slots, no fault tolerance: ``victim`` sends
+    and lays out round 0 of its dispatch, then its process ends (SIGKILL) where the launch of
+    the later rounds would start. The others' launch (``kernels.dispatch_rounds``) must fail
+    within the timeout, naming it."""
+    xs, idxs, ws = make_inputs(case)
+    buf = _bounded_buffer(case, slots, timeout_s=wait_timeout_s)
+    report = {"raised": None, "rounds": buf.rounds}
+    if rank == victim:
+        buf._dispatch_rounds = lambda *args, **kwargs: _die()
+    _failure(report, lambda: buf.dispatch(xs[rank], idxs[rank], ws[rank]))
+    report["launches"] = dict(buf.launches)
     return report

@@ -4,7 +4,10 @@ import pytest
 import torch
 from internode_jobs import nodes_case
 from staging_jobs import (
+    DISPATCH_FORMS,
     combine_forms,
+    dies_after_round_0,
+    dispatch_forms,
     rounds_with_failures,
     skip_one_combine,
     slots_budget,
@@ -170,12 +173,24 @@ def test_cpu_ranks_with_stragglers_give_the_whole_batch_bits(ranks):
             assert part[r]["digests"] == full[r]["digests"], (in_kernels, r)
             assert part[r]["staging_bytes"] * 4 < full[r]["staging_bytes"]
             # waits in the kernels: each combine's six rounds in one launch
-            # (kernels.combine_rounds); host waits: a send per round
+            # (kernels.combine_rounds), each dispatch's round-0 expand and five later rounds
+            # in one (kernels.dispatch_rounds); host waits: a send per round
             launches = part[r]["launches"]
             combines = (launches.get("combine_rounds", 0), launches.get("combine_send", 0))
             assert combines == ((3, 0) if in_kernels else (0, 18)), (in_kernels, r, launches)
-            assert full[r]["stats"]["combine_bytes_to_peers"] \
-                + 5 * 3 * 3 * 8 == part[r]["stats"]["combine_bytes_to_peers"], r
+            dispatches = (launches.get("dispatch_rounds", 0), launches["dispatch_send"],
+                          launches.get("dispatch_expand", 0), launches["received_layout"])
+            assert dispatches == ((3, 3, 0, 3) if in_kernels else (0, 18, 18, 18)), \
+                (in_kernels, r, launches)
+            # the later rounds' signal words, 3 calls of 5 (per peer and to itself: the epoch,
+            # and a dispatch's counts, 4 * (L + 1) bytes)
+            full_stats, part_stats = full[r]["stats"], part[r]["stats"]
+            L = case.num_experts // 4
+            for op, words in (("combine", 8), ("dispatch", 8 + 4 * (L + 1))):
+                assert part_stats[f"{op}_bytes_to_peers"] - full_stats[f"{op}_bytes_to_peers"] \
+                    == 3 * 5 * 3 * words, (op, r)
+                assert part_stats[f"{op}_bytes_to_self"] - full_stats[f"{op}_bytes_to_self"] \
+                    == 3 * 5 * words, (op, r)
 
 
 def test_gradients_in_rounds_match_reference_autograd(ranks):
@@ -522,4 +537,40 @@ def test_one_launch_combine_names_a_peer_that_skips_it(ranks):
         assert report["launches"]["combine_rounds"] == 1, report
         assert report["peer"] == 1, report
         assert f"moe_comm rank {rank}" in report["raised"] and "rank 1" in report["raised"]
+        assert timeout_s <= report["elapsed_s"] < timeout_s + 5, report
+
+
+def test_one_launch_dispatches_give_the_bits_of_launches_per_round(ranks):
+    """Processes with waits in the kernels run a dispatch's later rounds as one launch
+    (``kernels.dispatch_rounds``): bf16 (against the oracle), FP8 (quantized by the send,
+    UE8M0 column-major, pre-quantized), MXFP8, NVFP4 (a global scale, or one per row) and
+    ``max_recv_rows``, rounds of one slot and of two, stragglers: the rows, scales, layout and
+    handle have the bits of the launches per round."""
+    case = Case(4, 16, 256, 4, (7, 2, 0, 5), routing="zipf", seed=213)
+    for slots in (1, 2):
+        per_round = ranks(4).run(dispatch_forms, case, slots, False)
+        one_launch = ranks(4).run(dispatch_forms, case, slots, True, straggle_s=0.02)
+        rounds = -(-case.max_tokens // slots)
+        calls = 2 * len(DISPATCH_FORMS)
+        for r in range(4):
+            assert one_launch[r]["rounds"] == rounds, one_launch[r]
+            assert one_launch[r]["digests"] == per_round[r]["digests"], (slots, r)
+            got = one_launch[r]["launches"]
+            assert (got["dispatch_rounds"], got["dispatch_send"], got["received_layout"]) \
+                == (calls, calls, calls) and "dispatch_expand" not in got, got
+            assert "dispatch_rounds" not in per_round[r]["launches"], per_round[r]
+            assert per_round[r]["launches"]["dispatch_send"] == calls * rounds, per_round[r]
+
+
+def test_one_launch_dispatch_names_a_peer_that_stops_after_round_0():
+    case = Case(4, 8, 64, 2, (6, 6, 6, 6), seed=214)
+    timeout_s = 2.0
+    with fresh_pool(4) as pool:
+        reports = pool.run(dies_after_round_0, case, 2, victim=3, wait_timeout_s=timeout_s,
+                           may_die=(3,))
+    assert reports[3] is None  # (killed)
+    for rank, report in enumerate(reports[:3]):
+        assert report["rounds"] == 3 and report["launches"]["dispatch_rounds"] == 1, report
+        assert report["peer"] == 3, report
+        assert f"moe_comm rank {rank}" in report["raised"] and "rank 3" in report["raised"]
         assert timeout_s <= report["elapsed_s"] < timeout_s + 5, report

@@ -1,0 +1,315 @@
+"""A dispatch in rounds after its first send as one launch: round 0's expand, then each later
+round's send, wait and expand in a loop.
+
+A dispatch in rounds (``moe_comm.normal_mode``) sends round 0, waits for it and computes the
+received layout (round 0 fixes every row's place: every round publishes the call's per-expert
+counts) and sizes the outputs. Where every rank drives its Buffer from a process of its own,
+with waits in the kernels, one node and no fault tolerance, the rest is one launch instead of
+an expand, and a send, a received layout, a torch add and an expand per later round.
+Equivalent PyTorch (``S``: ``OFFSETS_STRIDE``)::
+
+    expand round 0's rows, as dispatch_expand_kernel, with the padding rows and slot_rows -1
+    for i in range(1, rounds):                 # the tokens of window [i * W, (i + 1) * W)
+        send round i's tokens, as dispatch_send_kernel   # parity (epoch0 + i) % 2
+        the last program to finish: publish round i's counts and epoch0 + i to every rank
+        wait until every rank published epoch0 + i       # bounded, names the rank
+        n[s] = rows source s sent this rank in round i    # the counts' last column
+        slot_offsets[i * S:i * S + R + 1] = end + cat([0], n.cumsum(0))  # end: earlier rounds'
+        expand round i's rows, every source's tiles dealt round-robin over the programs
+
+It cannot deadlock for the reasons of ``kernels.combine_rounds``: a wait of round ``i`` needs
+every rank's send of round ``i``, issued before any rank's wait of round ``i``; the send of
+round ``i + 1`` writes the parity its destination last read in round ``i - 1``, which every
+program of the destination expanded before it sent round ``i`` (the round the sender waited
+for, published by the destination's last program). Every program waits for its own rank's
+epoch, published by the launch's last program: on GPUs the grid is ``num_sms`` programs (one
+per SM, resident together, as DeepEP's persistent kernels), in the interpreter one program.
+The launch draws from a ticket word of its own (``ROUNDS_TICKET``), so its grid need not be
+the send's. Each program keeps the running end of the slot offsets in registers: program 0
+writes each round's offsets, which no program reads back. The -1 rows of ``slot_rows`` past
+round 0's slots are stored by each program before its first send, so before any later round's
+rows there (they wait for that send).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .bound import BoundLaunches, call_bound, launch, specs
+from .comm import (
+    CPU_RANKS,
+    INPUT_RECORD,
+    TOO_MANY_ROWS,
+    Flavour,
+    draw_last_of,
+    record_error,
+    timed_out,
+    uniform_now_ns,
+    wait_all_at_least,
+)
+from .dispatch import expand_padding, expand_rows, publish_counts, send_tokens
+from .quant import NVFP4, scale_group
+from .rows import sent_elem_bytes
+from .tiles import MAX_TRIPS, ZERO_TILES, dispatch_round_trips, even, tiles
+
+ROUNDS_TICKET = 5  # the word of ``tickets`` this kernel draws from (kernels.internode: 2-4)
+_PER_CALL = ["rows_off", "meta_off", "counts_off", "signal_off", "local_base", "errors_addr",
+             "timeout_ns", "T", "max_rows", "me"]
+
+
+@triton.jit
+def _expand_round(pid, programs, ends, n, parity, src, staging, staging_f32, meta, row_base,
+                  slot_rows, out, out_scales, out_global, out_weights, out_src_rank,
+                  out_src_token, STAGING_PARITY, META_PARITY, max_rows, W, OUT_H, K, L, me, G,
+                  SCALES, ROW_ELEMS, SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE,
+                  META_STRIDE: tl.constexpr, KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+                  FP8: tl.constexpr, UE8M0: tl.constexpr, GLOBAL: tl.constexpr,
+                  EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Program ``pid``'s tiles of a round's rows (``n`` [BLOCK_R] slots per source, ending at
+    ``ends`` in slot_rows; staged in parity ``parity``): the tiles of every source's slots in
+    turn, dealt round-robin; tile t of source s is ``expand_rows``' program t of as many as s
+    has tiles."""
+    src_tiles = (n + BLOCK_T - 1) // BLOCK_T
+    tiles_end = tl.cumsum(src_tiles, axis=0)
+    rows_parity_off = parity * STAGING_PARITY
+    for w in range(pid, tl.sum(src_tiles, axis=0), programs):
+        s = tl.sum((tiles_end <= w).to(tl.int32), axis=0)
+        at_s = src == s
+        expand_rows(s, tl.sum(tl.where(at_s, ends - n, 0), axis=0),
+                    tl.sum(tl.where(at_s, n, 0), axis=0).to(tl.int32),
+                    (w - tl.sum(tl.where(at_s, tiles_end - src_tiles, 0), axis=0)).to(tl.int32),
+                    tl.sum(tl.where(at_s, src_tiles, 0), axis=0).to(tl.int32),
+                    staging + rows_parity_off,
+                    staging_f32 + rows_parity_off
+                    * staging.dtype.element_ty.primitive_bitwidth // 32,
+                    meta + parity * META_PARITY, row_base, slot_rows, out, out_scales,
+                    out_global, out_weights, out_src_rank, out_src_token, max_rows, W, OUT_H, K,
+                    L, me, G, SCALES, ROW_ELEMS, SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE,
+                    META_STRIDE, KMAX, False, HAS_WEIGHTS, FP8, UE8M0, GLOBAL, EVEN_H, False,
+                    BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_G)
+
+
+@triton.jit(do_not_specialize=_PER_CALL)
+def dispatch_rounds_kernel(
+    # the send: the call's tensors, round i's window at token i * W
+    x,  # [T, X_ROW] rows (FP8 == 2: uint8 codes), as dispatch_send_kernel's
+    x_scales,  # as dispatch_send_kernel's; per token (SCALE_ROW elements a token) or global
+    topk_idx, topk_weights, pair_pos,  # [T, K]
+    ring,  # [T, R] int32: the ring position of token t on rank d in its round, -1 if none
+    counts,  # int32: round i's [R, L + 1] counts at i * COUNTS_STRIDE
+    peer_ptrs, stats,  # as dispatch_send_kernel's
+    tickets,  # [1] int64 local: this kernel's own ticket word (ROUNDS_TICKET)
+    epochs,  # [1] int64 local: the dispatch channel's epoch (round 0's at the launch)
+    signals,  # [R] int64 local: the dispatch channel's signal words
+    # the receive
+    staging, staging_f32,  # the whole dispatch_rows region (FP8: uint8) and its float32 view
+    meta,  # the whole dispatch_meta region [2, R, W, META_STRIDE] int32
+    dcounts,  # the whole dispatch_counts region [2, R, L + 1] int32
+    row_base, tokens_per_expert, expert_offsets,  # round 0's received layout
+    slot_rows,  # [SLOTS, K] int32 out: as the expand's
+    slot_offsets,  # int64: round i's [R + 1] at i * OFFSETS_STRIDE (round 0's given, the rest
+                   # and the gaps between them written here)
+    out, out_scales, out_global, out_weights, out_src_rank, out_src_token,  # as the expand's
+    rows_off: tl.int64, meta_off: tl.int64, counts_off: tl.int64, signal_off: tl.int64,
+    rows_parity: tl.int64, meta_parity: tl.int64, counts_parity: tl.int64,  # bytes
+    STAGING_PARITY: tl.int64, META_PARITY: tl.int64, COUNT_PARITY: tl.int64,  # elements
+    local_base: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
+    T: tl.int32, W: tl.int32, ROUNDS: tl.int32,
+    X_ROW: tl.int64, SCALE_ROW: tl.int64, COUNTS_STRIDE: tl.int64, OFFSETS_STRIDE: tl.int32,
+    max_rows: tl.int64, SLOTS: tl.int64, H: tl.int32, OUT_H: tl.int32, K: tl.int32,
+    R: tl.int32, L: tl.int32, me: tl.int32, ROW_BYTES: tl.int64, G: tl.int32,
+    SCALES: tl.int32, ROW_ELEMS: tl.int64, SCALE_ROW_STRIDE: tl.int64,
+    SCALE_GROUP_STRIDE: tl.int64,
+    META_STRIDE: tl.constexpr, KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    FP8: tl.constexpr, UE8M0: tl.constexpr, GS: tl.constexpr, GLOBAL: tl.constexpr,
+    ALIGN: tl.constexpr, EVEN_H: tl.constexpr, EXPAND_EVEN_H: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,  # the send's tiles
+    EXPAND_T: tl.constexpr, EXPAND_H: tl.constexpr,  # the expand's tiles
+    BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_Z: tl.constexpr, NUM_THREADS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    errors = errors_addr.to(tl.pointer_type(tl.int64))
+    base = tl.load(epochs)  # round 0's epoch, read before any program draws a ticket
+    src = tl.arange(0, BLOCK_R)
+    sm = src < R
+    ends = tl.load(slot_offsets + src + 1, mask=sm, other=0)  # round 0's (received layout)
+    n = ends - tl.load(slot_offsets + src, mask=sm, other=0)
+    end = tl.load(slot_offsets + R)
+    total = tl.load(expert_offsets + L)
+    if pid == 0:
+        if total > max_rows:
+            record_error(errors, INPUT_RECORD, TOO_MANY_ROWS, total, max_rows)
+    _expand_round(pid, programs, ends, n, base % 2, src, staging, staging_f32, meta, row_base,
+                  slot_rows, out, out_scales, out_global, out_weights, out_src_rank,
+                  out_src_token, STAGING_PARITY, META_PARITY, max_rows, W, OUT_H, K, L, me, G,
+                  SCALES, ROW_ELEMS, SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE, META_STRIDE, KMAX,
+                  HAS_WEIGHTS, FP8 != 0, UE8M0, GLOBAL, EXPAND_EVEN_H, EXPAND_T, EXPAND_H,
+                  BLOCK_K, BLOCK_G)
+    # every row no slot fills (each program before its first send: later rounds' slots are
+    # stored after every program's -1 past round 0's, which they wait for)
+    expand_padding(pid, programs, expert_offsets, tokens_per_expert, total, end, slot_rows,
+                   out, out_scales, out_global, out_weights, out_src_rank, out_src_token,
+                   max_rows, SLOTS, OUT_H, K, L, G, SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE, False,
+                   HAS_WEIGHTS, FP8 != 0, UE8M0, GLOBAL, EXPAND_EVEN_H, False, EXPAND_H,
+                   BLOCK_K, BLOCK_G, BLOCK_Z)
+    ok = ~timed_out(errors, NUM_THREADS)  # read once, outside the rounds (host memory)
+    for i in range(1, ROUNDS):
+        if ok:
+            epoch = base + i
+            parity = epoch % 2
+            first = tl.cast(i, tl.int64) * W
+            send_tokens(pid, programs, x + first * X_ROW, x_scales + first * SCALE_ROW,
+                        topk_idx + first * K, topk_weights + first * K, ring + first * R,
+                        pair_pos + first * K, peer_ptrs, stats, rows_off + parity * rows_parity,
+                        meta_off + parity * meta_parity, 0, 0, local_base,
+                        tl.minimum(T - first, W).to(tl.int32), (first + 0).to(tl.int32), H, K,
+                        R, me, ROW_BYTES, META_STRIDE, KMAX, True, HAS_WEIGHTS, FP8, UE8M0, GS,
+                        0, ALIGN, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K)
+            if draw_last_of(tickets, programs):
+                publish_counts(counts + i * COUNTS_STRIDE, peer_ptrs, stats,
+                               counts_off + parity * counts_parity, signal_off, 0, local_base,
+                               epoch, R, L, True, 0, BLOCK_L)
+                tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
+            deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
+            ok = wait_all_at_least(signals, 1, R, epoch, 0, deadline, errors, signals, BLOCK_R,
+                                   NUM_THREADS, False)
+            if ok:  # the round's slots of every source, after the earlier rounds'
+                n = tl.load(dcounts + parity * COUNT_PARITY + src * (L + 1) + L, mask=sm,
+                            other=0).to(tl.int64)
+                ends = end + tl.cumsum(n, axis=0)
+                if pid == 0:  # (and zeros between the earlier round's offsets and these)
+                    view = slot_offsets + i * OFFSETS_STRIDE
+                    tl.store(view + src + 1, ends, mask=sm)
+                    tl.store(view + tl.arange(0, 1), end + tl.zeros([1], tl.int64))
+                    tl.store(view - OFFSETS_STRIDE + R + 1 + src, tl.zeros_like(ends),
+                             mask=src < OFFSETS_STRIDE - R - 1)
+                _expand_round(pid, programs, ends, n, parity, src, staging, staging_f32, meta,
+                              row_base, slot_rows, out, out_scales, out_global, out_weights,
+                              out_src_rank, out_src_token, STAGING_PARITY, META_PARITY,
+                              max_rows, W, OUT_H, K, L, me, G, SCALES, ROW_ELEMS,
+                              SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE, META_STRIDE, KMAX,
+                              HAS_WEIGHTS, FP8 != 0, UE8M0, GLOBAL, EXPAND_EVEN_H, EXPAND_T,
+                              EXPAND_H, BLOCK_K, BLOCK_G)
+                end = end + tl.sum(n, axis=0)
+
+
+def rounds_grid(num_sms: int | None, flavour: Flavour) -> int:
+    """Programs of :func:`dispatch_rounds`: ``num_sms`` on GPUs (one per SM, resident
+    together), one in the interpreter (its programs run one after another)."""
+    return num_sms if flavour.compiled and num_sms else 1
+
+
+def round_tiles(compiled: bool, hidden: int, elem_bytes: float, out_elem_bytes: float):
+    """``(send, expand)`` tiles of :func:`dispatch_rounds_kernel`: one program per SM with the
+    expand's warps (``kernels.tiles``)."""
+    return (tiles("dispatch_rounds_send", compiled, hidden, elem_bytes),
+            tiles("dispatch_rounds_expand", compiled, hidden, out_elem_bytes))
+
+
+def fits_one_launch(world_size: int, ring_slots: int, hidden: int, topk: int,
+                    num_sms: int | None, flavour: Flavour, fp8: int, ue8m0: int,
+                    x_elem_bytes: int) -> bool:
+    """Whether a dispatch's rounds after its first send run as one launch (``fp8``, ``ue8m0``:
+    the send's format, ``x_elem_bytes`` the caller's rows'): always in the interpreter; on GPUs
+    where a round's serial trips on :func:`rounds_grid`'s programs stay within ``MAX_TRIPS``
+    (``kernels.tiles.dispatch_round_trips``), but not where the send quantizes to NVFP4 (its
+    quantization beside the expand spills). At DeepSeek-V3 sizes on 20 programs: rings of up
+    to 871 slots at EP 8, 566 at EP 64, 348 at EP 256, 69 at EP 1024; the default budget gives
+    544 at EP 64, 128 at EP 256 and 32 at EP 1024 (one launch), 1088 at EP 32 (launches per
+    round). Larger rings launch per round: an expand of their window on ``num_sms`` programs
+    would be a serial kernel."""
+    if not flavour.compiled:
+        return True
+    if fp8 == 1 and ue8m0 == NVFP4:
+        return False
+    elem = sent_elem_bytes(fp8, ue8m0, x_elem_bytes)
+    send, expand = round_tiles(True, hidden, elem, elem)
+    programs = rounds_grid(num_sms, flavour)
+    return dispatch_round_trips(world_size, ring_slots, topk, programs, send.block_t,
+                                expand.block_t) <= MAX_TRIPS
+
+
+_VARYING = ("x", "x_scales", "topk_idx", "topk_weights", "pair_pos", "ring", "counts",
+            "row_base", "tokens_per_expert", "expert_offsets", "slot_rows", "slot_offsets",
+            "out", "out_scales", "out_global", "out_weights", "out_src_rank", "out_src_token",
+            "T", "COUNTS_STRIDE", "max_rows")
+
+
+def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts, row_base,
+                    tokens_per_expert, expert_offsets, slot_rows, slot_offsets, out,
+                    out_weights, out_src_rank, out_src_token,
+                    staging, meta, dcounts, peer_ptrs, stats, tickets, epochs, signals, *,
+                    offsets: dict, rank: int, num_local_experts: int, meta_stride: int,
+                    max_topk: int, ring_slots: int, rounds: int, offsets_stride: int,
+                    row_bytes: int, fp8: int = 0, ue8m0: int = 0, out_scales=None,
+                    scale_strides=(0, 0), out_global=None, num_sms: int | None = None,
+                    flavour: Flavour = CPU_RANKS, bound: BoundLaunches | None = None) -> bool:
+    """Launches :func:`dispatch_rounds_kernel` (module docstring): rounds ``1..rounds - 1`` of
+    a dispatch whose round 0 was sent, laid out and expanded. The send's arguments are
+    ``dispatch_send``'s for the whole call (``counts`` [rounds, R, L + 1], ``ring`` the ring
+    positions), the receive's ``dispatch_expand``'s (``row_base``: round 0's;
+    ``slot_offsets`` every round's, round ``i``'s at ``i * offsets_stride``, written here past
+    round 0's); ``staging`` / ``meta`` / ``dcounts`` the whole dispatch_rows / dispatch_meta /
+    dispatch_counts regions; ``offsets`` the send's (``kernels.dispatch.dispatch_send``)."""
+    if flavour.transport or flavour.fault_tolerant:
+        raise ValueError("a dispatch's rounds in one launch reach every peer by stores, "
+                         "without fault tolerance")
+    T, H = x.shape
+    if fp8 == 2 and ue8m0 == NVFP4:  # x: two e2m1 codes per byte
+        H *= 2
+    has_weights = topk_weights is not None
+    quantized = out_scales is not None
+    nvfp4 = quantized and ue8m0 == NVFP4
+    if fp8 == 2:
+        x = x.view(torch.uint8)
+        x_scales = x_scales.view(torch.uint8) if ue8m0 else x_scales
+    dummy = slot_offsets
+    out8 = out.view(torch.uint8) if quantized else out
+    scales8 = (out_scales.view(torch.uint8) if ue8m0 else out_scales) if quantized else dummy
+    values = (x, dummy if x_scales is None else x_scales, topk_idx,
+              topk_weights if has_weights else dummy, pair_pos, ring, counts, row_base,
+              tokens_per_expert, expert_offsets, slot_rows, slot_offsets, out8, scales8,
+              out_global if nvfp4 else dummy, out_weights if has_weights else dummy,
+              out_src_rank, out_src_token, T, counts.stride(0), out_src_rank.shape[0])
+    key = ("dispatch_rounds", H, out.shape[1], topk_idx.shape[1], specs(values[:18]),
+           x_scales is None, has_weights, quantized, id(peer_ptrs), id(stats), id(tickets),
+           id(epochs), id(signals), id(staging), id(meta), id(dcounts), id(offsets), rank,
+           num_local_experts, meta_stride, max_topk, ring_slots, rounds, offsets_stride,
+           row_bytes, fp8, ue8m0, scale_strides, num_sms, id(flavour))
+    if call_bound(bound, key, values):
+        return True
+    R, L, K = peer_ptrs.numel(), num_local_experts, topk_idx.shape[1]
+    elem = sent_elem_bytes(fp8, ue8m0, x.element_size())
+    send_tile, expand_tile = round_tiles(flavour.compiled, H, elem, out.element_size())
+    programs = rounds_grid(num_sms, flavour)
+    stg = staging.view(torch.uint8) if quantized else staging
+    groups = (2 * out.shape[1] if nvfp4 else out.shape[1]) // scale_group(ue8m0) \
+        if quantized else 0
+    per_row = 4 * triton.cdiv(groups, 4) if quantized and ue8m0 else groups
+    scale_row = x_scales.stride(0) if fp8 == 2 else 0  # per token, or one global scale
+    args = (
+        *values[:7], peer_ptrs, stats, tickets, epochs, signals, stg,
+        stg.view(torch.float32) if quantized else dummy, meta, dcounts, *values[7:18],
+        offsets["rows"][0], offsets["meta"][0],
+        offsets["counts"][0], offsets["signal"], offsets["rows"][1], offsets["meta"][1],
+        offsets["counts"][1], stg.stride(0), meta.stride(0), dcounts.stride(0),
+        flavour.local_base, flavour.errors_addr, flavour.timeout_ns, T, ring_slots, rounds,
+        x.stride(0), scale_row, values[19], offsets_stride, values[20], slot_rows.shape[0], H,
+        out.shape[1], K, R, L, rank, row_bytes, per_row, groups, stg.stride(2),
+        scale_strides[0], scale_strides[1])
+    kwargs = dict(
+        META_STRIDE=meta_stride, KMAX=max_topk, HAS_WEIGHTS=has_weights, FP8=fp8,
+        UE8M0=bool(ue8m0), GS=scale_group(ue8m0), GLOBAL=nvfp4, ALIGN=flavour.row_align,
+        EVEN_H=even(H, send_tile.block_h), EXPAND_EVEN_H=even(out.shape[1], expand_tile.block_h),
+        BLOCK_T=send_tile.block_t, BLOCK_H=send_tile.block_h, EXPAND_T=expand_tile.block_t,
+        EXPAND_H=expand_tile.block_h, BLOCK_K=triton.next_power_of_2(max(K, 1)),
+        BLOCK_G=triton.next_power_of_2(max(per_row, 1)),
+        BLOCK_L=triton.next_power_of_2(L + 1), BLOCK_R=triton.next_power_of_2(R),
+        BLOCK_Z=ZERO_TILES * expand_tile.block_t,
+        NUM_THREADS=expand_tile.num_threads, **flavour.launch_options(send_tile))
+    launch(bound, key, dispatch_rounds_kernel, (programs,), args, kwargs, _VARYING)
+    return True

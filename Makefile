@@ -111,7 +111,8 @@ gpu-gate: $(STAMP)  ## every kernel as launched on a GPU, compiled for sm_90/sm_
 
 gpu-gate-triton36: $(STAMP36)  ## the same gate under Triton 3.6 (sm_90, DeepSeek-V3 sizes)
 	TRITON_INTERPRET=0 $(VENV36)/bin/python -m moe_comm.gate --arch 90 \
-		--config dsv3-prefill dsv3-decode --out bench/results/gpu_gate_triton36.tsv
+		--config dsv3-prefill dsv3-decode dsv3-prefill-rounds \
+		--out bench/results/gpu_gate_triton36.tsv
 
 lint: $(STAMP)
 	$(BIN)/pip install -q ruff

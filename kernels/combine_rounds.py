@@ -104,9 +104,8 @@ def combine_rounds_kernel(
             send_partials(pid, programs, parity, y, weights, pair_values, slot_rows, offsets,
                           compact, peer_ptrs, stats, stats, rows_off + parity * rows_parity,
                           meta_off + parity * meta_parity, 0, 0, local_base, offsets, H, K, R,
-                          me, W, R,
-                          KMAX, HAS_WEIGHTS, HAS_PAIR, ACC_FP64, FP8, 0, False, ALIGN, EVEN_H,
-                          BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R, IN_FLIGHT)
+                          me, W, R, KMAX, HAS_WEIGHTS, HAS_PAIR, ACC_FP64, FP8, 0, False, ALIGN,
+                          EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R, IN_FLIGHT)
             if draw_last_of(tickets, programs):
                 for d in range(R):
                     publish_epoch(peer_ptrs, d, signal_off, epoch)

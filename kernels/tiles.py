@@ -82,14 +82,14 @@ _GPU = {
     # ceiling at 20 SMs on an H200, docs/PERF.md)
     "dispatch_send": (16, 1024, 16, 1),
     "dispatch_expand": (8, 1024, 8, 2),
+    # a dispatch's rounds after its first send as one launch (kernels.dispatch_rounds): the
+    # send's and the expand's tiles with 8 warps, one program per SM
+    "dispatch_rounds_send": (16, 1024, 8, 1),
+    "dispatch_rounds_expand": (8, 1024, 8, 1),
     # persistent: 64 slots a tile (at most 32 trips of a program over the slots of uniform
     # routing at DeepSeek-V3 prefill sizes with 20 programs), several choices' gathers in
     # flight (combine.gathers_in_flight); one program per SM, so a 128-byte accumulator a
     # thread (_TILE_BYTES)
-    # a dispatch's later rounds as one launch (kernels.dispatch_rounds): the send's and the
-    # expand's tiles with 8 warps, one program per SM
-    "dispatch_rounds_send": (16, 1024, 8, 1),
-    "dispatch_rounds_expand": (8, 1024, 8, 1),
     "combine_send": (64, 1024, 8, 1),
     "combine_reduce": (8, 1024, 8, 2),
     # a combine in rounds as one launch (kernels.combine_rounds): its reduce runs on the send's

@@ -28,7 +28,7 @@ from . import _registry, env
 from .error_record import ErrorRecord
 from .fault import FaultTolerance, RankExcludedError, renormalized
 from .kernels.bound import BoundLaunches, call_bound, launch, specs
-from .kernels.combine_rounds import fits_one_launch
+from .kernels.combine_rounds import fits_one_launch as fits_combine_rounds
 from .kernels.comm import (
     Flavour,
     PeerTimeoutError,
@@ -331,7 +331,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                ep_invariant: bool | None = None, own_process: bool = False) -> None:
         """``own_process``: every rank drives its Buffer from a process of its own (not
         virtual ranks of one process), so a rank's launch may wait for peers that run at the
-        same time (``kernels.combine_rounds``)."""
+        same time (``kernels.combine_rounds``, ``kernels.dispatch_rounds``)."""
         self.heap, self.layout, self.proxy = heap, layout, proxy
         self._regions: dict[str, torch.Tensor] = {}  # views of the workspace (``_region``)
         self._offsets: dict = {}  # per-channel launch offsets and word views, made once
@@ -401,9 +401,10 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                       and proxy is None and not self.fault_tolerant)
         self._combine_in_one_launch = [
             one_launch and not self.ep_invariant
-            and fits_one_launch(self.world_size, layout.ring_slots, self.hidden,
-                                self.max_topk, self.num_sms, f, self._row_bytes // self.hidden,
-                                fp8) for fp8 in (False, True)]
+            and fits_combine_rounds(self.world_size, layout.ring_slots, self.hidden,
+                                    self.max_topk, self.num_sms, f,
+                                    self._row_bytes // self.hidden, fp8)
+            for fp8 in (False, True)]
         # a dispatch's rounds after its first send as one launch (kernels.dispatch_rounds), by
         # the send's format (fp8, ue8m0, the rows' element bytes): the same conditions (the
         # EP-invariant combine changes no dispatch)

@@ -507,52 +507,52 @@ class NormalMode:
             src_token.fill_(-1)
         slot_rows = torch.empty((self.world_size * self.max_tokens_per_rank, pending.topk),
                                 dtype=torch.int32, device=dev)  # 4 bytes per (slot, choice)
-        staging, meta = self._staging(DISPATCH)
-        expand = functools.partial(
-            dispatch_kernels.dispatch_expand, staging.view(torch.uint8) if fp8 else staging,
-            meta, self._channel_words(DISPATCH)[1])
-        options = dict(
-            rank=self.rank, topk=pending.topk, num_local_experts=L,
-            meta_stride=self.layout.meta_stride, max_topk=self.max_topk, flavour=self.flavour,
-            out_scales=scale_memory, scale_strides=scale_strides, ue8m0=pending.ue8m0,
-            out_global=global_scale, bound=self._bound, slot_major=slot_major)
         outputs = (slot_rows, out, out_weights if pending.has_weights else None, src_rank,
                    src_token)
-        first = slot_offsets
-        if every_round is not None:  # (the one launch writes the later rounds' and the gaps)
-            slot_offsets = every_round
-        elif self.layout.rounds > 1:  # every round's offsets, each after the earlier rounds'
-            slot_offsets = torch.zeros(self.slot_offsets_size(), dtype=torch.int64, device=dev)
-            first = self._round_view(slot_offsets, 0).copy_(first)
-        later = range(1, self.layout.rounds)
         if one_launch:  # round 0's expand, then the later rounds' sends, waits and expands
-            for _ in later:  # every round's epoch
+            for _ in range(1, self.layout.rounds):  # every round's epoch
                 self._start(DISPATCH)
+            slot_offsets = every_round  # (the launch writes the later rounds' and the gaps)
             self._dispatch_rounds(stream, row_base, tokens_per_expert, expert_offsets,
                                   slot_offsets, outputs, scale_memory, scale_strides,
                                   global_scale)
             self._check_usable("dispatch")  # its waits ran in the kernel: a timeout shows now
-            later = ()
         else:
+            staging, meta = self._staging(DISPATCH)
+            expand = functools.partial(
+                dispatch_kernels.dispatch_expand, staging.view(torch.uint8) if fp8 else staging,
+                meta, self._channel_words(DISPATCH)[1])
+            options = dict(
+                rank=self.rank, topk=pending.topk, num_local_experts=L,
+                meta_stride=self.layout.meta_stride, max_topk=self.max_topk,
+                flavour=self.flavour, out_scales=scale_memory, scale_strides=scale_strides,
+                ue8m0=pending.ue8m0, out_global=global_scale, bound=self._bound,
+                slot_major=slot_major)
+            first = slot_offsets
+            if self.layout.rounds > 1:  # every round's offsets, each after the earlier rounds'
+                slot_offsets = torch.zeros(self.slot_offsets_size(), dtype=torch.int64,
+                                           device=dev)
+                first = self._round_view(slot_offsets, 0).copy_(first)
             self.launches["dispatch_expand"] += expand(
                 first, row_base, tokens_per_expert, expert_offsets, *outputs, **options)
-        for i in later:
-            epoch = self._start(DISPATCH)
-            pending.send_round(i)
-            yield
-            if self.hierarchical:
-                self._forward_dispatch(epoch, payload, *self._round_nodes(fwd_slots, fwd_n, i),
-                                       cached=False)
-            # every round publishes the call's per-expert counts: round 0's row_base places
-            # every round's rows (with fault tolerance, of the sources that arrived in round 0)
-            _, _, _, offsets = self._received_layout(
-                expert_alignment, dataclasses.replace(pending, epoch=epoch, live=None),
-                within=pending.live)
-            view = self._round_view(slot_offsets, i)
-            end = self._round_view(slot_offsets, i - 1)[-1]
-            torch.add(offsets, end, out=view)
-            self.launches["dispatch_expand"] += expand(
-                view, row_base, tokens_per_expert, expert_offsets, *outputs, **options)
+            for i in range(1, self.layout.rounds):
+                epoch = self._start(DISPATCH)
+                pending.send_round(i)
+                yield
+                if self.hierarchical:
+                    self._forward_dispatch(epoch, payload,
+                                           *self._round_nodes(fwd_slots, fwd_n, i), cached=False)
+                # every round publishes the call's per-expert counts: round 0's row_base places
+                # every round's rows (with fault tolerance, of the sources that arrived in
+                # round 0)
+                _, _, _, offsets = self._received_layout(
+                    expert_alignment, dataclasses.replace(pending, epoch=epoch, live=None),
+                    within=pending.live)
+                view = self._round_view(slot_offsets, i)
+                end = self._round_view(slot_offsets, i - 1)[-1]
+                torch.add(offsets, end, out=view)
+                self.launches["dispatch_expand"] += expand(
+                    view, row_base, tokens_per_expert, expert_offsets, *outputs, **options)
         if pending.ue8m0 >= MXFP8:  # rows of G bytes (contiguous unless G % 4)
             scales = scales.contiguous()
         self._dispatch_serial += 1

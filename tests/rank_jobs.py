@@ -164,6 +164,18 @@ def _combine_latest(buf, y, res, weights):
     return buf.combine(y, res.handle, weights=weights)
 
 
+def record_failure(report: dict, call) -> None:
+    """``call()``, and into ``report`` what it raised (``raised``, the ``peer`` named), and how
+    long it took (``elapsed_s``)."""
+    start = time.monotonic()
+    try:
+        call()
+    except RuntimeError as error:
+        report["raised"] = str(error)
+        report["peer"] = getattr(error, "peer", None)
+    report["elapsed_s"] = time.monotonic() - start
+
+
 def skip_one_call(rank, world_size, case: Case, skipper: int, wait_timeout_s: float,
                   in_kernels: bool = False) -> dict:
     """``skipper`` does not dispatch; the others must fail within the timeout, naming it
@@ -173,13 +185,7 @@ def skip_one_call(rank, world_size, case: Case, skipper: int, wait_timeout_s: fl
         buf = new_buffer(case, timeout_s=wait_timeout_s)
     report = {"raised": None}
     if rank != skipper:
-        start = time.monotonic()
-        try:
-            buf.dispatch(xs[rank], idxs[rank], ws[rank])
-        except RuntimeError as error:
-            report["raised"] = str(error)
-            report["peer"] = getattr(error, "peer", None)
-        report["elapsed_s"] = time.monotonic() - start
+        record_failure(report, lambda: buf.dispatch(xs[rank], idxs[rank], ws[rank]))
         try:
             buf.dispatch(xs[rank], idxs[rank], ws[rank])
         except RuntimeError as error:

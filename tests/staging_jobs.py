@@ -13,7 +13,14 @@ import moe_comm
 from cases import Case, expert_fn, make_inputs
 from moe_comm import microscale, reference
 from moe_comm.workspace import COMBINE, DISPATCH, staging_slot_bytes
-from rank_jobs import FIELDS, _digest, check_against_oracle, kernel_waits, new_buffer
+from rank_jobs import (
+    FIELDS,
+    _digest,
+    check_against_oracle,
+    kernel_waits,
+    new_buffer,
+    record_failure,
+)
 
 
 def slots_budget(case: Case, slots: int, outboxes: bool = False,
@@ -144,18 +151,6 @@ def _bounded_buffer(case: Case, slots: int, in_kernels: bool = True, **kwargs):
                           **kwargs)
 
 
-def _failure(report: dict, call) -> None:
-    """``call()``, and into ``report`` what it raised (``raised``, the ``peer`` named), and how
-    long it took (``elapsed_s``)."""
-    start = time.monotonic()
-    try:
-        call()
-    except RuntimeError as error:
-        report["raised"] = str(error)
-        report["peer"] = getattr(error, "peer", None)
-    report["elapsed_s"] = time.monotonic() - start
-
-
 def combine_forms(rank, world_size, case: Case, slots: int, in_kernels: bool,
                   iterations: int = 2, straggle_s: float = 0.0) -> dict:
     """Every form of a combine in rounds of ``slots`` slots, ``iterations`` times (new routing
@@ -195,7 +190,7 @@ def skip_one_combine(rank, world_size, case: Case, slots: int, skipper: int,
     report = {"raised": None, "rounds": buf.rounds}
     res = buf.dispatch(xs[rank], idxs[rank], ws[rank])
     if rank != skipper:
-        _failure(report, lambda: buf.combine(expert_fn(res.x, res.expert_offsets), res.handle,
+        record_failure(report, lambda: buf.combine(expert_fn(res.x, res.expert_offsets), res.handle,
                                              weights=res.weights))
         report["launches"] = dict(buf.launches)
     dist.barrier()
@@ -266,6 +261,6 @@ def dies_after_round_0(rank, world_size, case: Case, slots: int, victim: int,
     report = {"raised": None, "rounds": buf.rounds}
     if rank == victim:
         buf._dispatch_rounds = lambda *args, **kwargs: _die()
-    _failure(report, lambda: buf.dispatch(xs[rank], idxs[rank], ws[rank]))
+    record_failure(report, lambda: buf.dispatch(xs[rank], idxs[rank], ws[rank]))
     report["launches"] = dict(buf.launches)
     return report

@@ -83,6 +83,8 @@ from .utils import EventHandle, EventOverlap
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 NUM_MAX_NVL_PEERS = 8  # DeepEP's ranks per node: the default of ``ranks_per_node``
+
+
 def ranks_per_node_setting(value: int | None = None) -> int:
     """Ranks per node of the facade: ``value`` (``Buffer(..., ranks_per_node=)``), else
     ``MOE_COMM_RANKS_PER_NODE``, else ``NUM_MAX_NVL_PEERS`` (8, DeepEP's)."""

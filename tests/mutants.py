@@ -49,7 +49,7 @@ MUTANTS = (
            "ep_invariant=True sums each token's choices in choice order",
            "kernels/invariant.py", "for k in range(K):", "for k in range(K - 1, -1, -1):",
            (IV + "test_other_dtypes[dtype0]",),  # fp32 output: bf16 would hide the order
-           nth=2),  # (the docstring's, the send's, the reduce's)
+           nth=3),  # (the docstring's, the send's, the proxy descriptors', the reduce's)
     Mutant("invariant_sums_an_excluded_rank",
            "ep_invariant with fault tolerance leaves the choices of an excluded rank out",
            "kernels/invariant.py",
@@ -263,13 +263,23 @@ MUTANTS = (
            "across nodes, flat, the staging budget pays for the outboxes' slots too",
            "moe_comm/workspace.py", "return 2 * per_slot", "return per_slot",
            (ST + "test_flat_nodes_in_rounds_match_reference_and_move_the_whole_batch_bytes",)),
+    Mutant("one_launch_combine_reads_the_other_parity",
+           "a combine's rounds in one launch give the bits of the launches per round",
+           "kernels/combine_rounds.py",
+           "staging + parity * STAGING_PARITY, meta + parity * META_PARITY,",
+           "staging + (1 - parity) * STAGING_PARITY, meta + parity * META_PARITY,",
+           (ST + "test_one_launch_combines_give_the_bits_of_launches_per_round",)),
+    Mutant("one_launch_dispatch_forgets_the_earlier_rounds_slots",
+           "a dispatch's rounds in one launch give the bits of the launches per round",
+           "kernels/dispatch_rounds.py", "end = end + tl.sum(n, axis=0)", "end = end + 0",
+           (ST + "test_one_launch_dispatches_give_the_bits_of_launches_per_round",)),
     Mutant("forwarders_not_paid_from_the_budget",
            "across nodes, hierarchical, the staging budget pays for the outboxes' slot per node "
            "and the forwarders' regions",
            "moe_comm/workspace.py",
-           "return per_slot + PARITIES * (M * (4 * row + 8 * node_meta + 8 * K)"
+           "return (per_slot + PARITIES * (M * (4 * row + 8 * node_meta + 8 * K)"
            " + R * (row + 4 * K))",
-           "return 2 * per_slot",
+           "return (2 * per_slot",
            (ST + "test_hierarchical_workspace_across_nodes_from_ep_16_to_256",)),
     Mutant("node_rows_numbered_across_the_call",
            "hierarchical rounds number each node's message rows within the round's window",

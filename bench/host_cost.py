@@ -8,7 +8,9 @@ The static gate's virtual ranks (``moe_comm.gate``: the GPU flavour, in-kernel w
 DeepSeek-V3 decode sizes: 8 ranks, 128 tokens, H 7168, top-8, 256 experts, bf16) run each op
 in lockstep; ``dispatch_rounds`` and ``combine_rounds`` are the normal mode with a bounded
 staging of 32 slots per source (4 rounds a call; the ranks launch what ranks in processes of
-their own launch, so a combine's rounds are one launch, ``kernels.combine_rounds``). Triton
+their own launch, so a combine's rounds are one launch, ``kernels.combine_rounds``, and a
+dispatch's five: the layout's two, the ring positions, round 0's send, which lays out what
+arrived, and ``kernels.dispatch_rounds``). Triton
 believes it drives an sm_90 GPU
 whose compiled kernels are stand-ins that record their launches
 (``kernels.recording.compiled_stand_ins``): every launch takes Triton's whole launch path, or

@@ -18,7 +18,11 @@ number of tokens sent to ``d``.
 **Received layout** (``received_layout_kernel``, on the destination, one program): with
 waits in kernels it first waits for every source's epoch (all at once), then turns the counts
 the sources published into the receive's offsets (``row_base``, ``tokens_per_expert``,
-``expert_offsets``, ``slot_offsets``): no host read, no torch op.
+``expert_offsets``, ``slot_offsets``): no host read, no torch op. Where every rank runs its own
+send at once (a process per rank, waits in the kernels, every peer reached by stores) the send's
+last program does this itself, after it has published (``LAY_OUT``: round 0 of a dispatch in
+rounds, ``moe_comm.normal_mode``): every other program has finished by then and every rank
+publishes before it waits, so none waits for a rank that is waiting.
 
 **Expand** (``dispatch_expand_kernel``, on the destination, after every source's epoch
 arrived): grid ``(R, P)`` of ``GPU_PROGRAMS`` programs on a GPU (a full wave whatever the counts:
@@ -66,7 +70,7 @@ from .rows import load_send_tile, row_payload, sent_elem_bytes, store_rows
 from .tiles import ZERO_TILES, even, per_source_programs, persistent_programs, tiles
 
 _SEND_PER_CALL = ["rows_off", "meta_off", "counts_off", "signal_off", "local_base",
-                  "errors_addr", "T", "t_base", "me"]
+                  "errors_addr", "T", "t_base", "me", "timeout_ns", "alignment"]
 
 
 @triton.jit
@@ -233,8 +237,12 @@ def dispatch_send_kernel(
     t_base: tl.int32,  # index of x's first token in the call (sent as each slot's token)
     H: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, me: tl.int32,
     ROW_BYTES: tl.int64,  # bytes between staging rows
+    # LAY_OUT: received_layout_kernel's counts, signals and outputs, its timeout and alignment
+    recv_counts, signals, row_base, tokens_per_expert, expert_offsets, slot_offsets,
+    timeout_ns: tl.int64, alignment: tl.int32, COUNT_PARITY: tl.int64,
     META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
     SEND_META: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    LAY_OUT: tl.constexpr,  # the last program then waits for every source and lays them out
     FP8: tl.constexpr,  # 0: copy rows as they are; 1: quantize here; 2: rows come quantized
     UE8M0: tl.constexpr,  # power-of-two scales, sent as exponent bytes
     GS: tl.constexpr,  # channels per scale: 128, 32 (MXFP8, with UE8M0) or 16 (NVFP4)
@@ -243,7 +251,7 @@ def dispatch_send_kernel(
     ALIGN: tl.constexpr,  # bytes every staging row address is a multiple of
     EVEN_H: tl.constexpr,  # BLOCK_H divides H: no channel masks
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-    NUM_THREADS: tl.constexpr,
+    BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr,
 ):
     epoch = tl.load(epochs) + 1  # device epochs and a fixed grid: no per-call scalar (graphs)
     parity = epoch % 2
@@ -263,6 +271,11 @@ def dispatch_send_kernel(
             publish_counts(counts, peer_ptrs, stats, counts_off, signal_off, box_counts_off,
                            local_base, epoch, R, L, SEND_META, TRANSPORT, BLOCK_L)
         tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
+        if LAY_OUT:  # every program of this send has stored: waiting holds up no peer
+            lay_out_received(recv_counts, signals, epoch, signals, row_base, tokens_per_expert,
+                             expert_offsets, slot_offsets, peer_ptrs, errors_addr, timeout_ns, 0,
+                             local_base, R, L, alignment, me, COUNT_PARITY, True, False, False,
+                             0, BLOCK_R, BLOCK_L, NUM_THREADS)
 
 
 _EXPAND_PER_CALL = ["errors_addr", "max_rows", "me"]
@@ -496,7 +509,8 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
                   meta_stride: int, max_topk: int, grid: int, topk: int, row_bytes: int,
                   fp8: int = 0, x_scales=None, ue8m0: int = 0,
                   flavour: Flavour = CPU_RANKS, box_offsets: tuple = ((0, 0),) * 3,
-                  bound: BoundLaunches | None = None, t_base: int = 0) -> bool:
+                  bound: BoundLaunches | None = None, t_base: int = 0,
+                  lay_out: tuple | None = None) -> bool:
     """Launches ``grid`` persistent send programs (:func:`send_grid`, fixed by the Buffer).
 
     ``x`` (and the per-token tensors) may be one round's window of a call's tokens, ``t_base``
@@ -517,6 +531,13 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
     Across nodes (``flavour.transport == 1``) ``box_offsets`` are (offset, parity stride) of
     the rdma_rows / rdma_meta / rdma_counts outboxes. ``bound``: the owner's bound launches
     (``kernels.bound``; the caller's tensors, the layout's and the token count vary).
+
+    ``lay_out`` (waits in the kernel, every peer reached by stores, no fault tolerance):
+    ``(counts, signals, row_base, tokens_per_expert, expert_offsets, slot_offsets,
+    alignment)``, :func:`received_layout`'s. The send's last program then also does what
+    that launch would: it waits for every source's epoch and writes the receive's layout.
+    Only where every rank runs its own launch at once (processes of their own): a send that
+    waits would hold up a virtual rank sending after it.
     """
     T, H = x.shape
     if fp8 == 2 and ue8m0 == NVFP4:  # x: two e2m1 codes per byte
@@ -527,13 +548,14 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
     if fp8 == 2:
         x = x.view(torch.uint8)
         x_scales = x_scales.view(torch.uint8) if ue8m0 else x_scales
+    recv_counts, signals, *outs, alignment = lay_out or (*(epochs,) * 6, 1)  # (the Buffer's)
     values = (x, dummy if x_scales is None else x_scales, topk_idx if send_meta else dummy,
               topk_weights if has_weights else dummy, slot_of, pair_pos if send_meta else dummy,
-              counts if send_meta else dummy, T, t_base)
-    key = ("dispatch_send", H, topk, specs(values[:7]), x_scales is None,
+              counts if send_meta else dummy, T, t_base, *outs)
+    key = ("dispatch_send", H, topk, specs((*values[:7], *outs)), x_scales is None,
            send_meta, has_weights, id(peer_ptrs), id(stats), id(tickets), id(epochs),
            id(offsets), rank, num_local_experts, meta_stride, max_topk, grid, row_bytes, fp8,
-           ue8m0, id(flavour), box_offsets)
+           ue8m0, id(flavour), box_offsets, id(recv_counts), id(signals), alignment)
     if call_bound(bound, key, values):
         return True
     R = peer_ptrs.numel()
@@ -544,18 +566,21 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
         offsets["meta"][0], offsets["counts"][0], offsets["signal"], offsets["rows"][1],
         offsets["meta"][1], offsets["counts"][1], *(off for off, _ in box_offsets),
         *(stride for _, stride in box_offsets), flavour.local_base, flavour.errors_addr, T,
-        t_base, H, topk, R, num_local_experts, rank, row_bytes)
+        t_base, H, topk, R, num_local_experts, rank, row_bytes, recv_counts, signals, *outs,
+        flavour.timeout_ns, alignment, recv_counts.stride(0) if lay_out else 0)
     kwargs = dict(
         META_STRIDE=meta_stride, KMAX=max_topk,
-        SEND_META=send_meta, HAS_WEIGHTS=has_weights, FP8=fp8, UE8M0=bool(ue8m0),
+        SEND_META=send_meta, HAS_WEIGHTS=has_weights, LAY_OUT=lay_out is not None, FP8=fp8,
+        UE8M0=bool(ue8m0),
         GS=scale_group(ue8m0), TRANSPORT=flavour.transport, ALIGN=flavour.row_align,
         EVEN_H=even(H, tile.block_h),
         BLOCK_T=tile.block_t, BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),
         BLOCK_L=triton.next_power_of_2(num_local_experts + 1),
+        BLOCK_R=triton.next_power_of_2(R) if lay_out else 1,
         NUM_THREADS=tile.num_threads, **flavour.launch_options(tile))
     launch(bound, key, dispatch_send_kernel, (grid,), args, kwargs,
            ("x", "x_scales", "topk_idx", "topk_weights", "slot_of", "pair_pos", "counts", "T",
-            "t_base"))
+            "t_base", "row_base", "tokens_per_expert", "expert_offsets", "slot_offsets"))
     return True
 
 
@@ -660,31 +685,17 @@ def dispatch_expand(staging, meta, epochs, slot_offsets, row_base, tokens_per_ex
 _RECV_LAYOUT_PER_CALL = ["errors_addr", "timeout_ns", "alignment", "local_base", "me"]
 
 
-@triton.jit(do_not_specialize=_RECV_LAYOUT_PER_CALL)
-def received_layout_kernel(
-    counts,  # [P, R, L + 1] int32 local dispatch_counts
-    signals,  # [R] int64 local signal words of the dispatch channel (WAIT)
-    epochs,  # [1] int64 local: the dispatch epoch (this call's)
-    live,  # [R] int32 (LIVE): 0 for a source that did not arrive (fault tolerance)
-    row_base,  # [R, L] int64 out: first output row of (source, local expert)
-    tokens_per_expert,  # [L] int64 out: rows of each local expert, without padding
-    expert_offsets,  # [L + 1] int64 out: first row of each local expert's padded group
-    slot_offsets,  # [R + 1] int64 out: first row of each source in slot_rows
-    peer_ptrs,  # [R] int64 (FT: the exclusions go to every rank)
-    errors_addr: tl.int64, timeout_ns: tl.int64,
-    mask_off: tl.int64, local_base: tl.int64,  # FT: the mask words in this rank's segment
-    R: tl.int32, L: tl.int32, alignment: tl.int32, me: tl.int32,
-    COUNT_PARITY: tl.int64,  # elements between the two parities of counts
-    WAIT: tl.constexpr, LIVE: tl.constexpr,
-    FT: tl.constexpr,  # (with WAIT) a source silent until the deadline is excluded, counts 0
-    TRANSPORT: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, NUM_THREADS: tl.constexpr,
-):
-    """One program: with WAIT it first waits for every source's epoch (all at once, bounded;
-    a timeout leaves every count zero; FT: a source that stays silent is excluded and counts
-    zero, and a rank that finds itself excluded counts nothing), then turns the counts the
-    sources published into the receive's layout (no host read)."""
-    expected = tl.load(epochs)
+@triton.jit
+def lay_out_received(counts, signals, expected, live, row_base, tokens_per_expert,
+                     expert_offsets, slot_offsets, peer_ptrs, errors_addr, timeout_ns, mask_off,
+                     local_base, R, L, alignment, me, COUNT_PARITY, WAIT: tl.constexpr,
+                     LIVE: tl.constexpr, FT: tl.constexpr, TRANSPORT: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, NUM_THREADS: tl.constexpr):
+    """One program, the dispatch epoch ``expected``: with WAIT it first waits for every
+    source's epoch (all at once, bounded; a timeout leaves every count zero; FT: a source that
+    stays silent is excluded and counts zero, and a rank that finds itself excluded counts
+    nothing), then turns the counts the sources published into the receive's layout (no host
+    read; the arguments are :func:`received_layout_kernel`'s)."""
     src = tl.arange(0, BLOCK_R)
     sm = src < R
     arrived = sm
@@ -725,6 +736,44 @@ def received_layout_kernel(
     tl.store(slot_offsets + tl.arange(0, 1), zero)
 
 
+@triton.jit(do_not_specialize=_RECV_LAYOUT_PER_CALL)
+def received_layout_kernel(
+    counts,  # [P, R, L + 1] int32 local dispatch_counts
+    signals,  # [R] int64 local signal words of the dispatch channel (WAIT)
+    epochs,  # [1] int64 local: the dispatch epoch (this call's)
+    live,  # [R] int32 (LIVE): 0 for a source that did not arrive (fault tolerance)
+    row_base,  # [R, L] int64 out: first output row of (source, local expert)
+    tokens_per_expert,  # [L] int64 out: rows of each local expert, without padding
+    expert_offsets,  # [L + 1] int64 out: first row of each local expert's padded group
+    slot_offsets,  # [R + 1] int64 out: first row of each source in slot_rows
+    peer_ptrs,  # [R] int64 (FT: the exclusions go to every rank)
+    errors_addr: tl.int64, timeout_ns: tl.int64,
+    mask_off: tl.int64, local_base: tl.int64,  # FT: the mask words in this rank's segment
+    R: tl.int32, L: tl.int32, alignment: tl.int32, me: tl.int32,
+    COUNT_PARITY: tl.int64,  # elements between the two parities of counts
+    WAIT: tl.constexpr, LIVE: tl.constexpr,
+    FT: tl.constexpr,  # (with WAIT) a source silent until the deadline is excluded, counts 0
+    TRANSPORT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, NUM_THREADS: tl.constexpr,
+):
+    """One program: :func:`lay_out_received` of this call's epoch."""
+    lay_out_received(counts, signals, tl.load(epochs), live, row_base, tokens_per_expert,
+                     expert_offsets, slot_offsets, peer_ptrs, errors_addr, timeout_ns, mask_off,
+                     local_base, R, L, alignment, me, COUNT_PARITY, WAIT, LIVE, FT, TRANSPORT,
+                     BLOCK_R, BLOCK_L, NUM_THREADS)
+
+
+def received_layout_outputs(world_size: int, num_local_experts: int, device,
+                            slot_offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """Uninitialised ``(row_base [R, L], tokens_per_expert [L], expert_offsets [L + 1],
+    slot_offsets [R + 1])`` int64 for :func:`received_layout` (``slot_offsets`` given: it)."""
+    R, L = world_size, num_local_experts
+    outs = tuple([torch.empty(shape, dtype=torch.int64, device=device)
+                  for shape in ((R, L), (L,), (L + 1,))])
+    return outs + (torch.empty(R + 1, dtype=torch.int64, device=device) if slot_offsets is None
+                   else slot_offsets,)
+
+
 def received_layout(counts, signals, epochs, live, *, world_size: int, num_local_experts: int,
                     alignment: int, wait: bool, flavour: Flavour = CPU_RANKS, peer_ptrs=None,
                     rank: int = 0, bound: BoundLaunches | None = None,
@@ -749,11 +798,7 @@ def received_layout(counts, signals, epochs, live, *, world_size: int, num_local
     ``flavour.fault_tolerant`` it excludes the silent ones, reaching every rank through
     ``peer_ptrs``, and ``rank`` is this rank); ``bound``: the owner's bound launches."""
     R, L = world_size, num_local_experts
-    dev = epochs.device
-    outs = tuple([torch.empty(shape, dtype=torch.int64, device=dev)
-                  for shape in ((R, L), (L,), (L + 1,))])
-    outs += (torch.empty(R + 1, dtype=torch.int64, device=dev) if slot_offsets is None
-             else slot_offsets,)
+    outs = received_layout_outputs(R, L, epochs.device, slot_offsets)
     values = (signals, epochs, epochs if live is None else live, *outs)
     key = ("received_layout", specs(values), id(counts), id(peer_ptrs), R, L,
            alignment, wait, live is None, rank, id(flavour))

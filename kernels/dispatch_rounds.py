@@ -1,12 +1,14 @@
 """A dispatch in rounds after its first send as one launch: round 0's expand, then each later
-round's send, wait and expand in a loop.
+round's send, wait and expand in a loop; and the cached dispatch (the backward of combine) in
+rounds as one launch, every round's send, wait and expand.
 
 A dispatch in rounds (``moe_comm.normal_mode``) sends round 0, waits for it and computes the
 received layout (round 0 fixes every row's place: every round publishes the call's per-expert
-counts) and sizes the outputs. Where every rank drives its Buffer from a process of its own,
-with waits in the kernels, one node and no fault tolerance, the rest is one launch instead of
-an expand, and a send, a received layout, a torch add and an expand per later round.
-Equivalent PyTorch (``S``: ``OFFSETS_STRIDE``)::
+counts; where this launch follows, round 0's send does that in its last program,
+``kernels.dispatch.dispatch_send``'s ``lay_out``) and sizes the outputs. Where every rank
+drives its Buffer from a process of its own, with waits in the kernels, one node and no fault
+tolerance, the rest is one launch instead of an expand, and a send, a received layout, a torch
+add and an expand per later round. Equivalent PyTorch (``S``: ``OFFSETS_STRIDE``)::
 
     expand round 0's rows, as dispatch_expand_kernel, with the padding rows and slot_rows -1
     for i in range(1, rounds):                 # the tokens of window [i * W, (i + 1) * W)
@@ -17,18 +19,28 @@ Equivalent PyTorch (``S``: ``OFFSETS_STRIDE``)::
         slot_offsets[i * S:i * S + R + 1] = end + cat([0], n.cumsum(0))  # end: earlier rounds'
         expand round i's rows, every source's tiles dealt round-robin over the programs
 
+The cached form (``CACHED``) needs no layout: the earlier dispatch's handle gives every
+round's slot offsets and ``slot_rows``. The host takes every round's epoch and launches once::
+
+    zero the padding rows of out
+    for i in range(rounds):
+        send round i's rows (no metadata, no counts), publish epoch0 + i, wait for every rank
+        expand round i's rows by slot_rows, slot_offsets[i * S:i * S + R + 1] the handle's
+
 It cannot deadlock for the reasons of ``kernels.combine_rounds``: a wait of round ``i`` needs
 every rank's send of round ``i``, issued before any rank's wait of round ``i``; the send of
 round ``i + 1`` writes the parity its destination last read in round ``i - 1``, which every
 program of the destination expanded before it sent round ``i`` (the round the sender waited
-for, published by the destination's last program). Every program waits for its own rank's
-epoch, published by the launch's last program: on GPUs the grid is ``num_sms`` programs (one
-per SM, resident together, as DeepEP's persistent kernels), in the interpreter one program.
-The launch draws from a ticket word of its own (``ROUNDS_TICKET``), so its grid need not be
-the send's. Each program keeps the running end of the slot offsets in registers: program 0
-writes each round's offsets, which no program reads back. The -1 rows of ``slot_rows`` past
+for, published by the destination's last program); the cached form's round 0 (epoch ``E``)
+writes what every destination read in epoch ``E - 2`` before it published ``E - 1``, which the
+sender's earlier op waited for, as any call's first send does. Every program waits for its own
+rank's epoch, published by the launch's last program: on GPUs the grid is ``num_sms`` programs
+(one per SM, resident together, as DeepEP's persistent kernels), in the interpreter one
+program. The launch draws from a ticket word of its own (``ROUNDS_TICKET``), so its grid need
+not be the send's. Each program keeps the running end of the slot offsets in registers: program
+0 writes each round's offsets, which no program reads back. The -1 rows of ``slot_rows`` past
 round 0's slots are stored by each program before its first send, so before any later round's
-rows there (they wait for that send).
+rows there (they wait for that send); the cached form writes neither (they are the handle's).
 """
 from __future__ import annotations
 
@@ -63,10 +75,10 @@ def _expand_round(pid, programs, ends, n, parity, src, staging, staging_f32, met
                   slot_rows, out, out_scales, out_global, out_weights, out_src_rank,
                   out_src_token, STAGING_PARITY, META_PARITY, max_rows, W, OUT_H, K, L, me, G,
                   SCALES, ROW_ELEMS, SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE,
-                  META_STRIDE: tl.constexpr, KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-                  FP8: tl.constexpr, UE8M0: tl.constexpr, GLOBAL: tl.constexpr,
-                  EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
+                  META_STRIDE: tl.constexpr, KMAX: tl.constexpr, CACHED: tl.constexpr,
+                  HAS_WEIGHTS: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr,
+                  GLOBAL: tl.constexpr, EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
     """Program ``pid``'s tiles of a round's rows (``n`` [BLOCK_R] slots per source, ending at
     ``ends`` in slot_rows; staged in parity ``parity``): the tiles of every source's slots in
     turn, dealt round-robin; tile t of source s is ``expand_rows``' program t of as many as s
@@ -87,7 +99,7 @@ def _expand_round(pid, programs, ends, n, parity, src, staging, staging_f32, met
                     meta + parity * META_PARITY, row_base, slot_rows, out, out_scales,
                     out_global, out_weights, out_src_rank, out_src_token, max_rows, W, OUT_H, K,
                     L, me, G, SCALES, ROW_ELEMS, SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE,
-                    META_STRIDE, KMAX, False, HAS_WEIGHTS, FP8, UE8M0, GLOBAL, EVEN_H, False,
+                    META_STRIDE, KMAX, CACHED, HAS_WEIGHTS, FP8, UE8M0, GLOBAL, EVEN_H, False,
                     BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_G)
 
 
@@ -122,7 +134,9 @@ def dispatch_rounds_kernel(
     R: tl.int32, L: tl.int32, me: tl.int32, ROW_BYTES: tl.int64, G: tl.int32,
     SCALES: tl.int32, ROW_ELEMS: tl.int64, SCALE_ROW_STRIDE: tl.int64,
     SCALE_GROUP_STRIDE: tl.int64,
-    META_STRIDE: tl.constexpr, KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
+    CACHED: tl.constexpr,  # the cached form (module docstring): rows only, round 0 here too
+    HAS_WEIGHTS: tl.constexpr,
     FP8: tl.constexpr, UE8M0: tl.constexpr, GS: tl.constexpr, GLOBAL: tl.constexpr,
     ALIGN: tl.constexpr, EVEN_H: tl.constexpr, EXPAND_EVEN_H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,  # the send's tiles
@@ -133,31 +147,34 @@ def dispatch_rounds_kernel(
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     errors = errors_addr.to(tl.pointer_type(tl.int64))
-    base = tl.load(epochs)  # round 0's epoch, read before any program draws a ticket
+    # round 0's epoch (the cached form: the epoch before it), read before any program draws
+    # a ticket
+    base = tl.load(epochs) + CACHED
     src = tl.arange(0, BLOCK_R)
     sm = src < R
-    ends = tl.load(slot_offsets + src + 1, mask=sm, other=0)  # round 0's (received layout)
-    n = ends - tl.load(slot_offsets + src, mask=sm, other=0)
     end = tl.load(slot_offsets + R)
     total = tl.load(expert_offsets + L)
     if pid == 0:
         if total > max_rows:
             record_error(errors, INPUT_RECORD, TOO_MANY_ROWS, total, max_rows)
-    _expand_round(pid, programs, ends, n, base % 2, src, staging, staging_f32, meta, row_base,
-                  slot_rows, out, out_scales, out_global, out_weights, out_src_rank,
-                  out_src_token, STAGING_PARITY, META_PARITY, max_rows, W, OUT_H, K, L, me, G,
-                  SCALES, ROW_ELEMS, SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE, META_STRIDE, KMAX,
-                  HAS_WEIGHTS, FP8 != 0, UE8M0, GLOBAL, EXPAND_EVEN_H, EXPAND_T, EXPAND_H,
-                  BLOCK_K, BLOCK_G)
+    if not CACHED:
+        ends = tl.load(slot_offsets + src + 1, mask=sm, other=0)  # round 0's (received layout)
+        n = ends - tl.load(slot_offsets + src, mask=sm, other=0)
+        _expand_round(pid, programs, ends, n, base % 2, src, staging, staging_f32, meta,
+                      row_base, slot_rows, out, out_scales, out_global, out_weights,
+                      out_src_rank, out_src_token, STAGING_PARITY, META_PARITY, max_rows, W,
+                      OUT_H, K, L, me, G, SCALES, ROW_ELEMS, SCALE_ROW_STRIDE,
+                      SCALE_GROUP_STRIDE, META_STRIDE, KMAX, False, HAS_WEIGHTS, FP8 != 0,
+                      UE8M0, GLOBAL, EXPAND_EVEN_H, EXPAND_T, EXPAND_H, BLOCK_K, BLOCK_G)
     # every row no slot fills (each program before its first send: later rounds' slots are
     # stored after every program's -1 past round 0's, which they wait for)
     expand_padding(pid, programs, expert_offsets, tokens_per_expert, total, end, slot_rows,
                    out, out_scales, out_global, out_weights, out_src_rank, out_src_token,
-                   max_rows, SLOTS, OUT_H, K, L, G, SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE, False,
+                   max_rows, SLOTS, OUT_H, K, L, G, SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE, CACHED,
                    HAS_WEIGHTS, FP8 != 0, UE8M0, GLOBAL, EXPAND_EVEN_H, False, EXPAND_H,
                    BLOCK_K, BLOCK_G, BLOCK_Z)
     ok = ~timed_out(errors, NUM_THREADS)  # read once, outside the rounds (host memory)
-    for i in range(1, ROUNDS):
+    for i in range(1 - CACHED, ROUNDS):
         if ok:
             epoch = base + i
             parity = epoch % 2
@@ -167,31 +184,35 @@ def dispatch_rounds_kernel(
                         pair_pos + first * K, peer_ptrs, stats, rows_off + parity * rows_parity,
                         meta_off + parity * meta_parity, 0, 0, local_base,
                         tl.minimum(T - first, W).to(tl.int32), (first + 0).to(tl.int32), H, K,
-                        R, me, ROW_BYTES, META_STRIDE, KMAX, True, HAS_WEIGHTS, FP8, UE8M0, GS,
-                        0, ALIGN, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K)
+                        R, me, ROW_BYTES, META_STRIDE, KMAX, not CACHED, HAS_WEIGHTS, FP8,
+                        UE8M0, GS, 0, ALIGN, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K)
             if draw_last_of(tickets, programs):
                 publish_counts(counts + i * COUNTS_STRIDE, peer_ptrs, stats,
                                counts_off + parity * counts_parity, signal_off, 0, local_base,
-                               epoch, R, L, True, 0, BLOCK_L)
+                               epoch, R, L, not CACHED, 0, BLOCK_L)
                 tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
             deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
             ok = wait_all_at_least(signals, 1, R, epoch, 0, deadline, errors, signals, BLOCK_R,
                                    NUM_THREADS, False)
             if ok:  # the round's slots of every source, after the earlier rounds'
-                n = tl.load(dcounts + parity * COUNT_PARITY + src * (L + 1) + L, mask=sm,
-                            other=0).to(tl.int64)
-                ends = end + tl.cumsum(n, axis=0)
-                if pid == 0:  # (and zeros between the earlier round's offsets and these)
-                    view = slot_offsets + i * OFFSETS_STRIDE
-                    tl.store(view + src + 1, ends, mask=sm)
-                    tl.store(view + tl.arange(0, 1), end + tl.zeros([1], tl.int64))
-                    tl.store(view - OFFSETS_STRIDE + R + 1 + src, tl.zeros_like(ends),
-                             mask=src < OFFSETS_STRIDE - R - 1)
+                view = slot_offsets + i * OFFSETS_STRIDE
+                if CACHED:  # the dispatch's (the handle's)
+                    ends = tl.load(view + src + 1, mask=sm, other=0)
+                    n = ends - tl.load(view + src, mask=sm, other=0)
+                else:
+                    n = tl.load(dcounts + parity * COUNT_PARITY + src * (L + 1) + L, mask=sm,
+                                other=0).to(tl.int64)
+                    ends = end + tl.cumsum(n, axis=0)
+                    if pid == 0:  # (and zeros between the earlier round's offsets and these)
+                        tl.store(view + src + 1, ends, mask=sm)
+                        tl.store(view + tl.arange(0, 1), end + tl.zeros([1], tl.int64))
+                        tl.store(view - OFFSETS_STRIDE + R + 1 + src, tl.zeros_like(ends),
+                                 mask=src < OFFSETS_STRIDE - R - 1)
                 _expand_round(pid, programs, ends, n, parity, src, staging, staging_f32, meta,
                               row_base, slot_rows, out, out_scales, out_global, out_weights,
                               out_src_rank, out_src_token, STAGING_PARITY, META_PARITY,
                               max_rows, W, OUT_H, K, L, me, G, SCALES, ROW_ELEMS,
-                              SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE, META_STRIDE, KMAX,
+                              SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE, META_STRIDE, KMAX, CACHED,
                               HAS_WEIGHTS, FP8 != 0, UE8M0, GLOBAL, EXPAND_EVEN_H, EXPAND_T,
                               EXPAND_H, BLOCK_K, BLOCK_G)
                 end = end + tl.sum(n, axis=0)
@@ -254,13 +275,20 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
     positions), the receive's ``dispatch_expand``'s (``row_base``: round 0's;
     ``slot_offsets`` every round's, round ``i``'s at ``i * offsets_stride``, written here past
     round 0's); ``staging`` / ``meta`` / ``dcounts`` the whole dispatch_rows / dispatch_meta /
-    dispatch_counts regions; ``offsets`` the send's (``kernels.dispatch.dispatch_send``)."""
+    dispatch_counts regions; ``offsets`` the send's (``kernels.dispatch.dispatch_send``).
+
+    With ``topk_idx=None`` the cached form (the backward of combine): every round, round 0
+    too, sends ``x``'s rows alone to ``ring`` and expands them into ``out`` by the earlier
+    dispatch's ``slot_rows`` and ``slot_offsets`` (zero in padding); ``x_scales``,
+    ``topk_weights``, ``pair_pos``, ``counts``, ``row_base`` and the source outputs are
+    None."""
     if flavour.transport or flavour.fault_tolerant:
         raise ValueError("a dispatch's rounds in one launch reach every peer by stores, "
                          "without fault tolerance")
     T, H = x.shape
     if fp8 == 2 and ue8m0 == NVFP4:  # x: two e2m1 codes per byte
         H *= 2
+    cached = topk_idx is None
     has_weights = topk_weights is not None
     quantized = out_scales is not None
     nvfp4 = quantized and ue8m0 == NVFP4
@@ -270,19 +298,23 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
     dummy = slot_offsets
     out8 = out.view(torch.uint8) if quantized else out
     scales8 = (out_scales.view(torch.uint8) if ue8m0 else out_scales) if quantized else dummy
-    values = (x, dummy if x_scales is None else x_scales, topk_idx,
-              topk_weights if has_weights else dummy, pair_pos, ring, counts, row_base,
-              tokens_per_expert, expert_offsets, slot_rows, slot_offsets, out8, scales8,
-              out_global if nvfp4 else dummy, out_weights if has_weights else dummy,
-              out_src_rank, out_src_token, T, counts.stride(0), out_src_rank.shape[0])
-    key = ("dispatch_rounds", H, out.shape[1], topk_idx.shape[1], specs(values[:18]),
+    per_token = (dummy,) * 3 if cached else (topk_idx, topk_weights if has_weights else dummy,
+                                             pair_pos)
+    layout = (dummy, dummy) if cached else (counts, row_base)
+    sources = (dummy,) * 3 if cached else (out_weights if has_weights else dummy, out_src_rank,
+                                           out_src_token)
+    values = (x, dummy if x_scales is None else x_scales, *per_token, ring,
+              *layout, tokens_per_expert, expert_offsets, slot_rows, slot_offsets, out8,
+              scales8, out_global if nvfp4 else dummy, *sources, T,
+              0 if cached else counts.stride(0), out.shape[0])
+    key = ("dispatch_rounds", H, out.shape[1], slot_rows.shape[1], specs(values[:18]),
            x_scales is None, has_weights, quantized, id(peer_ptrs), id(stats), id(tickets),
            id(epochs), id(signals), id(staging), id(meta), id(dcounts), id(offsets), rank,
            num_local_experts, meta_stride, max_topk, ring_slots, rounds, offsets_stride,
-           row_bytes, fp8, ue8m0, scale_strides, num_sms, id(flavour))
+           row_bytes, fp8, ue8m0, scale_strides, num_sms, id(flavour), cached)
     if call_bound(bound, key, values):
         return True
-    R, L, K = peer_ptrs.numel(), num_local_experts, topk_idx.shape[1]
+    R, L, K = peer_ptrs.numel(), num_local_experts, slot_rows.shape[1]
     elem = sent_elem_bytes(fp8, ue8m0, x.element_size())
     send_tile, expand_tile = round_tiles(flavour.compiled, H, elem, out.element_size())
     programs = rounds_grid(num_sms, flavour)
@@ -302,7 +334,7 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
         out.shape[1], K, R, L, rank, row_bytes, per_row, groups, stg.stride(2),
         scale_strides[0], scale_strides[1])
     kwargs = dict(
-        META_STRIDE=meta_stride, KMAX=max_topk, HAS_WEIGHTS=has_weights, FP8=fp8,
+        META_STRIDE=meta_stride, KMAX=max_topk, CACHED=cached, HAS_WEIGHTS=has_weights, FP8=fp8,
         UE8M0=bool(ue8m0), GS=scale_group(ue8m0), GLOBAL=nvfp4, ALIGN=flavour.row_align,
         EVEN_H=even(H, send_tile.block_h), EXPAND_EVEN_H=even(out.shape[1], expand_tile.block_h),
         BLOCK_T=send_tile.block_t, BLOCK_H=send_tile.block_h, EXPAND_T=expand_tile.block_t,

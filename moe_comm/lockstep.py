@@ -60,7 +60,7 @@ def dispatch(buffers, xs, topk_idxs, topk_weights=None, expert_alignment: int = 
                               max_tokens=buf.max_tokens_per_rank, max_topk=buf.max_topk,
                               device=buf.device, max_recv_rows=max_recv_rows, dtype=dtype)
         prepared.append((rows, scales, mode))
-    pending = [buf.dispatch_send(rows, idx, w, scales, mode, ue8m0)
+    pending = [buf.dispatch_send(rows, idx, w, scales, mode, ue8m0, expert_alignment)
                for buf, (rows, scales, mode), idx, w
                in zip(buffers, prepared, topk_idxs, topk_weights)]
     outs = in_lockstep([buf.dispatch_recv_steps(p, expert_alignment, col_major_scales,

@@ -30,12 +30,18 @@ every rank runs in a process of its own with waits in the kernels (GPUs, or CPU 
 (``kernels.combine_rounds``: each round's send, wait and reduce), and one launch a dispatch's
 after its round 0 is sent and laid out (``kernels.dispatch_rounds``: round 0's expand, then each
 later round's send, wait and expand); both say why they cannot deadlock, and on GPUs they run
-where a round fits the launch's ``num_sms`` programs (``fits_one_launch``). Across nodes through
-the proxy its send fills the outboxes with the window's rows for other nodes and posts one
-descriptor per peer (flat) or per node (hierarchical) there (``_send_other_nodes``);
-hierarchical, each round adds the forwarder's pass (``_forward_dispatch`` after the round's
-send, ``_forward_combine`` after the round's combine send), which waits for the round's
-messages from other nodes and stores their rows into its node's staging. The ring positions
+where a round fits the launch's ``num_sms`` programs (``fits_one_launch``). There round 0's send
+lays out what arrived too: its last program, after it has published, waits for every source's
+round 0 and writes the received layout (what ``received_layout`` launches otherwise). Every
+other program of that send has finished, and every rank's last program publishes before it
+waits, so no rank waits for one that is waiting; the host read that sizes the outputs follows.
+A dispatch in rounds is then five launches: the layout's two, the ring positions, round 0's send
+and the one launch. Across nodes through the proxy its send fills the outboxes with the window's
+rows for other nodes and posts one descriptor per peer (flat) or per node (hierarchical) there
+(``_send_other_nodes``); hierarchical, each round adds the forwarder's pass
+(``_forward_dispatch`` after the round's send, ``_forward_combine`` after the round's combine
+send), which waits for the round's messages from other nodes and stores their rows into its
+node's staging. The ring positions
 and the rounds' counts are one launch (``kernels.layout.ring_positions``), the rounds' slot
 offsets torch ops (written by the one launch where there is one).
 A window holds at most ``W`` tokens, so at most ``W`` rows for any rank and at most ``W`` rows in
@@ -121,8 +127,14 @@ class PendingSend:
     # a dispatch of several rounds (not cached): what its rounds send
     stream: Stream | None = None
     # a combine whose rounds run in one launch (kernels.combine_rounds), nothing sent yet:
-    # ``all_rounds(ring, out, pair_out)`` launches it
+    # ``all_rounds(ring, out, pair_out)`` launches it; a cached dispatch likewise
+    # (kernels.dispatch_rounds): ``all_rounds(slot_rows, slot_offsets, tokens_per_expert,
+    # expert_offsets, out)``
     all_rounds: Callable | None = None
+    # a dispatch whose rounds after the first run in one launch: the received layout its
+    # round 0's send wrote, ``(row_base, tokens_per_expert, expert_offsets, every round's
+    # slot_offsets, expert_alignment)`` (``_received_layout``'s, round 0's slot offsets first)
+    received: tuple | None = None
 
 
 @dataclass
@@ -183,9 +195,13 @@ class NormalMode:
 
     @poisons_buffer_on_error("dispatch")
     def dispatch_send(self, x, topk_idx, topk_weights, x_scales=None, fp8: int = 0,
-                      ue8m0: int = 0) -> PendingSend:
+                      ue8m0: int = 0, expert_alignment: int | None = None) -> PendingSend:
         """Send phase of dispatch: layout + put rows and metadata (``fp8`` as in PendingSend).
-        Bad rows of ``topk_idx`` are sent nowhere and recorded (raised after the call)."""
+        Bad rows of ``topk_idx`` are sent nowhere and recorded (raised after the call).
+        ``expert_alignment`` (the receive's, given where the receive follows at once): a
+        dispatch whose later rounds run in one launch has its round 0's send wait for every
+        source and lay them out (``kernels.dispatch.dispatch_send``, ``lay_out``): a launch
+        less."""
         epoch = self._start(DISPATCH)
         x = x.contiguous()
         topk_idx = topk_idx.contiguous()  # (the layout drops the choices of excluded ranks)
@@ -197,7 +213,7 @@ class NormalMode:
         self.launches["layout"] += 2
         if x_scales is not None:
             x_scales = x_scales.contiguous()
-        K, later, positions, stream = topk_idx.shape[1], None, slot_of, None
+        K, later, positions, stream, received = topk_idx.shape[1], None, slot_of, None, None
         if self.layout.rounds == 1:
             self._send_window(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts, K,
                               fp8, ue8m0)
@@ -207,11 +223,17 @@ class NormalMode:
             stream = self._stream(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts,
                                   K, fp8, ue8m0)
             later = functools.partial(self._send_round, stream)
-            later(0)
+            if expert_alignment is not None and self._dispatch_in_one_launch[
+                    fp8, ue8m0, x.element_size()]:
+                received = (*dispatch_kernels.received_layout_outputs(
+                    self.world_size, self.num_local_experts, self.device,
+                    torch.empty(self.slot_offsets_size(), dtype=torch.int64,
+                                device=self.device)), expert_alignment)
+            later(0, received)
             node_slot_of = self._empty_int() if stream.node_ring is None else stream.node_ring
             positions = stream.ring  # the handle's slot_of: the combine reads the rings by it
         return PendingSend(DISPATCH, epoch, positions, K, topk_weights is not None, fp8, ue8m0,
-                           node_slot_of, send_round=later, stream=stream)
+                           node_slot_of, send_round=later, stream=stream, received=received)
 
     # ----------------------------------------------------------------- rounds
     def _node_ring_positions(self, ring: torch.Tensor) -> torch.Tensor:
@@ -244,13 +266,14 @@ class NormalMode:
         return Stream(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts, node_ring, topk,
                       fp8, ue8m0)
 
-    def _send_round(self, stream: Stream, i: int) -> None:
+    def _send_round(self, stream: Stream, i: int, received: tuple | None = None) -> None:
         """Round ``i`` of a dispatch send of several rounds (its epoch is the channel's latest:
         ``_start``): the window's tokens into their ring positions on every destination, then
         the round's counts and epoch to every rank (across nodes: the window's rows for other
         nodes into the outboxes, one descriptor per peer (flat) or node (hierarchical: each
         row once per node, at its row in the node's message of the round), as a call of one
-        round)."""
+        round). ``received`` (round 0): the layout outputs its send writes (:class:`PendingSend`:
+        round 0's slot offsets at the front of every round's)."""
         t_base = i * self.layout.ring_slots
         window = slice(t_base, t_base + self.layout.ring_slots)
         x, idx, weights, pos, ring = (None if t is None else t[window] for t in (
@@ -259,17 +282,26 @@ class NormalMode:
         if stream.fp8 == 2:
             scales = scales[window]
         counts = None if stream.counts is None else stream.counts[i]
+        lay_out = None
+        if received is not None:  # the last program waits for every source and lays them out
+            *outs, every_round, alignment = received
+            words = self._offsets.get(("lay_out", DISPATCH))
+            if words is None:  # made once: the bound send is found by these tensors' ids
+                words = self._offsets[("lay_out", DISPATCH)] = (
+                    self._region("dispatch_counts"), self._signals[DISPATCH])
+            lay_out = (*words, *outs, self._round_view(every_round, 0), alignment)
         self._send_window(x, scales, idx, weights, pos, ring, counts, stream.topk, stream.fp8,
-                          stream.ue8m0, t_base)
+                          stream.ue8m0, t_base, lay_out)
         node_ring = None if stream.node_ring is None else stream.node_ring[window]
         self._send_other_nodes(x, scales, idx, weights, pos, ring, counts, stream.fp8,
                                stream.ue8m0, node_ring, t_base)
 
     def _send_window(self, x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
-                     topk: int, fp8: int = 0, ue8m0: int = 0, t_base: int = 0) -> None:
+                     topk: int, fp8: int = 0, ue8m0: int = 0, t_base: int = 0,
+                     lay_out: tuple | None = None) -> None:
         """The dispatch send of tokens ``t_base + [0, len(x))`` to their positions ``ring`` in
         every destination's staging, then the counts and epoch to every rank
-        (``kernels.dispatch``)."""
+        (``kernels.dispatch``; ``lay_out``: its)."""
         words, offsets, boxes = (self._offsets.get(("fixed", DISPATCH))
                                  or self._send_fixed(DISPATCH))
         grid = dispatch_kernels.send_grid(self.layout.ring_slots, self.hidden, self.num_sms,
@@ -281,7 +313,7 @@ class NormalMode:
             num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
             max_topk=self.max_topk, grid=grid, topk=topk, row_bytes=self._row_bytes, fp8=fp8,
             x_scales=x_scales, ue8m0=ue8m0, flavour=self.flavour, box_offsets=boxes,
-            bound=self._bound, t_base=t_base)
+            bound=self._bound, t_base=t_base, lay_out=lay_out)
 
     def _send_fixed(self, channel: int) -> tuple:
         """(ticket and epoch words, send offsets, outbox offsets) of ``channel``'s send, made
@@ -463,11 +495,16 @@ class NormalMode:
         stream = pending.stream  # later rounds in one launch: every round's offsets in one
         one_launch = stream is not None and self._dispatch_in_one_launch[  # tensor from here
             stream.fp8, stream.ue8m0, stream.x.element_size()]
-        every_round = (torch.empty(self.slot_offsets_size(), dtype=torch.int64, device=dev)
-                       if one_launch else None)
-        row_base, tokens_per_expert, expert_offsets, slot_offsets = self._received_layout(
-            expert_alignment, pending,
-            slot_offsets=None if every_round is None else self._round_view(every_round, 0))
+        received = pending.received
+        if received is not None and received[-1] == expert_alignment:  # round 0's send laid
+            row_base, tokens_per_expert, expert_offsets, every_round, _ = received  # them out
+            slot_offsets = self._round_view(every_round, 0)
+        else:
+            every_round = (torch.empty(self.slot_offsets_size(), dtype=torch.int64, device=dev)
+                           if one_launch else None)
+            row_base, tokens_per_expert, expert_offsets, slot_offsets = self._received_layout(
+                expert_alignment, pending,
+                slot_offsets=None if every_round is None else self._round_view(every_round, 0))
         data_rows = None  # rows of the data outputs, where not `rows` (slot_major: the slots)
         if slot_major and self.layout.rounds > 1:
             raise ValueError("slot_major needs one round")
@@ -569,27 +606,49 @@ class NormalMode:
         (``kernels.dispatch_rounds``): ``stream``'s sends, and into ``outputs``
         (``(slot_rows, out, out_weights, src_rank, src_token)``, as an expand gets them) and
         ``slot_offsets`` (every round's; round 0's given) the rows of every round."""
-        fixed = self._offsets.get(("rounds", DISPATCH))
-        if fixed is None:  # made once: the bound launch is found by these tensors' ids
-            (_, epochs), offsets, _ = self._send_fixed(DISPATCH)
-            ticket = dispatch_rounds_kernels.ROUNDS_TICKET  # its own: not the send grid
-            fixed = self._offsets[("rounds", DISPATCH)] = (
-                *self._staging(DISPATCH), self._region("dispatch_counts"),
-                self._ticket_words[ticket:ticket + 1], epochs, self._signals[DISPATCH], offsets)
-        staging, meta, dcounts, tickets, epochs, signals, offsets = fixed
         slot_rows, out, out_weights, src_rank, src_token = outputs
         self.launches["dispatch_rounds"] += dispatch_rounds_kernels.dispatch_rounds(
             stream.x, stream.x_scales, stream.topk_idx, stream.topk_weights, stream.pair_pos,
             stream.ring, stream.counts, row_base, tokens_per_expert, expert_offsets, slot_rows,
-            slot_offsets, out, out_weights, src_rank, src_token, staging, meta, dcounts,
-            self.heap.peer_ptrs, self._stats, tickets, epochs, signals, offsets=offsets,
-            rank=self.rank,
-            num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
-            max_topk=self.max_topk, ring_slots=self.layout.ring_slots,
-            rounds=self.layout.rounds, offsets_stride=self._round_stride(),
-            row_bytes=self._row_bytes, fp8=stream.fp8, ue8m0=stream.ue8m0,
-            out_scales=scale_memory, scale_strides=scale_strides, out_global=global_scale,
-            num_sms=self.num_sms, flavour=self.flavour, bound=self._bound)
+            slot_offsets, out, out_weights, src_rank, src_token, *self._rounds_fixed(),
+            fp8=stream.fp8, ue8m0=stream.ue8m0, out_scales=scale_memory,
+            scale_strides=scale_strides, out_global=global_scale, **self._rounds_options())
+
+    def _rounds_fixed(self) -> tuple:
+        """The Buffer's tensors ``kernels.dispatch_rounds.dispatch_rounds`` takes, made once
+        (the bound launch is found by their ids)."""
+        fixed = self._offsets.get(("rounds", DISPATCH))
+        if fixed is None:
+            ticket = dispatch_rounds_kernels.ROUNDS_TICKET  # its own: not the send grid
+            fixed = self._offsets[("rounds", DISPATCH)] = (
+                *self._staging(DISPATCH), self._region("dispatch_counts"),
+                self.heap.peer_ptrs, self._stats, self._ticket_words[ticket:ticket + 1],
+                self._channel_words(DISPATCH)[1], self._signals[DISPATCH])
+        return fixed
+
+    def _rounds_options(self) -> dict:
+        """The keywords of ``kernels.dispatch_rounds.dispatch_rounds`` fixed by the Buffer."""
+        options = self._offsets.get(("rounds options", DISPATCH))
+        if options is None:
+            options = self._offsets[("rounds options", DISPATCH)] = dict(
+                offsets=self._send_offsets(DISPATCH), rank=self.rank,
+                num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
+                max_topk=self.max_topk, ring_slots=self.layout.ring_slots,
+                rounds=self.layout.rounds, offsets_stride=self._round_stride(),
+                row_bytes=self._row_bytes, num_sms=self.num_sms, flavour=self.flavour,
+                bound=self._bound)
+        return options
+
+    def _cached_dispatch_rounds(self, x, ring, slot_rows, slot_offsets, tokens_per_expert,
+                                expert_offsets, out) -> None:
+        """A whole cached dispatch of several rounds in one launch
+        (``kernels.dispatch_rounds``, its cached form): ``x``'s rows to their ring positions
+        ``ring``, into ``out`` by the handle's ``slot_rows`` and every round's
+        ``slot_offsets``."""
+        self.launches["dispatch_rounds"] += dispatch_rounds_kernels.dispatch_rounds(
+            x, None, None, None, None, ring, None, None, tokens_per_expert, expert_offsets,
+            slot_rows, slot_offsets, out, None, None, None, *self._rounds_fixed(),
+            **self._rounds_options())
 
     @poisons_buffer_on_error("dispatch")
     def dispatch_cached_send(self, x, slot_of, node_slot_of=None) -> PendingSend:
@@ -597,6 +656,12 @@ class NormalMode:
         epoch = self._start(DISPATCH)
         x = x.contiguous()
         later = None
+        if self.layout.rounds > 1 and self._dispatch_in_one_launch.get(
+                (0, 0, x.element_size()), False):  # every round's epoch, the launch in the
+            for _ in range(1, self.layout.rounds):  # receive (slot_of: the ring positions)
+                self._start(DISPATCH)
+            return PendingSend(DISPATCH, epoch, all_rounds=functools.partial(
+                self._cached_dispatch_rounds, x, slot_of))
         if self.layout.rounds == 1:
             self._send_window(x, None, None, None, None, slot_of, None, 1)
             self._send_other_nodes(x, None, None, None, None, slot_of, None,
@@ -621,6 +686,11 @@ class NormalMode:
                                    tokens_per_expert, expert_offsets, num_rows: int,
                                    fwd_slots=None, fwd_n=None):
         """:meth:`dispatch_cached_recv` as steps (as :meth:`dispatch_recv_steps`)."""
+        if pending.all_rounds is not None:  # every round in one launch, from here
+            out = torch.empty((num_rows, self.hidden), dtype=self.dtype, device=self.device)
+            pending.all_rounds(slot_rows, slot_offsets, tokens_per_expert, expert_offsets, out)
+            self._check_usable("dispatch")  # its waits ran in the kernel: a timeout shows now
+            return out
         if self.hierarchical:
             self._forward_dispatch(pending.epoch, self._row_bytes,
                                    *self._round_nodes(fwd_slots, fwd_n, 0), cached=True)

@@ -50,7 +50,7 @@ def dispatch_op(buffer_id: str, x: Tensor, x_scales: Optional[Tensor], topk_idx:
                            Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     buf = lookup(buffer_id)
     buf._ready()
-    pending = buf.dispatch_send(x, topk_idx, topk_weights, x_scales, fp8, ue8m0)
+    pending = buf.dispatch_send(x, topk_idx, topk_weights, x_scales, fp8, ue8m0, expert_alignment)
     outs = buf.dispatch_recv(pending, expert_alignment, col_major_scales, max_recv_rows)
     buf._raise_input_errors("dispatch")
     return outs

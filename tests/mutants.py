@@ -273,6 +273,18 @@ MUTANTS = (
            "a dispatch's rounds in one launch give the bits of the launches per round",
            "kernels/dispatch_rounds.py", "end = end + tl.sum(n, axis=0)", "end = end + 0",
            (ST + "test_one_launch_dispatches_give_the_bits_of_launches_per_round",)),
+    Mutant("one_launch_cached_dispatch_expands_round_0s_slots_each_round",
+           "combine's backward in rounds as one launch gives the bits of the launches per round",
+           "kernels/dispatch_rounds.py", "ends = tl.load(view + src + 1, mask=sm, other=0)",
+           "ends = tl.load(slot_offsets + src + 1, mask=sm, other=0)",
+           (ST + "test_one_launch_combines_give_the_bits_of_launches_per_round",)),
+    Mutant("round_0_send_lays_out_without_waiting",
+           "a dispatch in rounds whose round 0's send lays out what arrived waits for every "
+           "source first, bounded, naming a late one",
+           "kernels/dispatch.py", "local_base, R, L, alignment, me, COUNT_PARITY, True, False,",
+           "local_base, R, L, alignment, me, COUNT_PARITY, False, False,",
+           (ST + "test_one_launch_op_names_a_peer_that_skips_it[dispatch]",
+            ST + "test_one_launch_dispatches_give_the_bits_of_launches_per_round")),
     Mutant("forwarders_not_paid_from_the_budget",
            "across nodes, hierarchical, the staging budget pays for the outboxes' slot per node "
            "and the forwarders' regions",

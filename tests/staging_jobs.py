@@ -2,6 +2,7 @@
 runs in rounds through rings of a few slots per source."""
 from __future__ import annotations
 
+import functools
 import random
 import time
 
@@ -156,9 +157,11 @@ def combine_forms(rank, world_size, case: Case, slots: int, in_kernels: bool,
     """Every form of a combine in rounds of ``slots`` slots, ``iterations`` times (new routing
     each time, random delays before each combine): with weights (checked against the oracle),
     without, with FP8 partials, and the per-row values of dispatch's backward
-    (``moe_comm.ops``: the router weights' gradient). ``in_kernels``: waits in the kernels,
-    so a Buffer of processes runs each combine as one launch (``kernels.combine_rounds``);
-    host waits launch per round. Returns the digests and the launches."""
+    (``moe_comm.ops``: the router weights' gradient); then combine's backward, the cached
+    dispatch of a gradient. ``in_kernels``: waits in the kernels, so a Buffer of processes
+    runs each combine and each cached dispatch as one launch (``kernels.combine_rounds``,
+    ``kernels.dispatch_rounds``); host waits launch per round. Returns the digests and the
+    launches."""
     delay = random.Random(2000 * case.seed + rank)
     digests = []
     with _bounded_buffer(case, slots, in_kernels) as buf:
@@ -176,22 +179,37 @@ def combine_forms(rank, world_size, case: Case, slots: int, in_kernels: bool,
             h = res.handle
             pair_sum, pairs = torch.ops.moe_comm.combine(
                 buf.id, y, res.weights, values, h.slot_of, h.slot_rows, h.recv_slot_offsets)
-            digests.append(_digest(out, plain, fp8, pair_sum, pairs))
+            # a gradient of each source's tokens (exact in every dtype): row t of rank s is
+            # base[t] * (s + 1) * (it + 1); each received row must be its source token's
+            base = ((torch.arange(case.max_tokens * case.hidden) % 11) * 0.125 - 0.5).reshape(
+                case.max_tokens, case.hidden)
+            grad = (base[:xs[rank].shape[0]] * (rank + 1) * (it + 1)).to(case.dtype)
+            time.sleep(delay.uniform(0, straggle_s))
+            backward = torch.ops.moe_comm.dispatch_cached(
+                buf.id, grad, h.slot_of, h.slot_rows, h.recv_slot_offsets,
+                res.tokens_per_expert, res.expert_offsets, res.x.shape[0])
+            real = res.src_rank >= 0
+            want = torch.where(real[:, None], base[res.src_token.clamp(min=0)]
+                               * (res.src_rank[:, None] + 1) * (it + 1), 0).to(case.dtype)
+            assert torch.equal(backward, want), (rank, it)
+            digests.append(_digest(out, plain, fp8, pair_sum, pairs, backward))
         return {"digests": digests, "launches": dict(buf.launches), "rounds": buf.rounds}
 
 
-def skip_one_combine(rank, world_size, case: Case, slots: int, skipper: int,
-                     wait_timeout_s: float) -> dict:
-    """Waits in the kernels, rounds of ``slots`` slots: every rank dispatches, ``skipper``
-    does not combine; the others' combines (one launch each) must fail within the timeout,
+def skip_one_op(rank, world_size, case: Case, slots: int, skipper: int, wait_timeout_s: float,
+                op: str) -> dict:
+    """Waits in the kernels, rounds of ``slots`` slots: ``skipper`` does not run ``op``
+    ("dispatch": nobody's round 0 arrives from it; "combine": every rank dispatches first);
+    the others' op (its waits in round 0's send and one launch) must fail within the timeout,
     naming it."""
     xs, idxs, ws = make_inputs(case)
     buf = _bounded_buffer(case, slots, timeout_s=wait_timeout_s)
     report = {"raised": None, "rounds": buf.rounds}
-    res = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+    dispatch = functools.partial(buf.dispatch, xs[rank], idxs[rank], ws[rank])
+    res = dispatch() if op == "combine" else None
     if rank != skipper:
-        record_failure(report, lambda: buf.combine(expert_fn(res.x, res.expert_offsets), res.handle,
-                                             weights=res.weights))
+        record_failure(report, dispatch if op == "dispatch" else lambda: buf.combine(
+            expert_fn(res.x, res.expert_offsets), res.handle, weights=res.weights))
         report["launches"] = dict(buf.launches)
     dist.barrier()
     buf.close()

@@ -9,7 +9,7 @@ from staging_jobs import (
     dies_after_round_0,
     dispatch_forms,
     rounds_with_failures,
-    skip_one_combine,
+    skip_one_op,
     slots_budget,
     streamed_case,
 )
@@ -173,14 +173,15 @@ def test_cpu_ranks_with_stragglers_give_the_whole_batch_bits(ranks):
             assert part[r]["digests"] == full[r]["digests"], (in_kernels, r)
             assert part[r]["staging_bytes"] * 4 < full[r]["staging_bytes"]
             # waits in the kernels: each combine's six rounds in one launch
-            # (kernels.combine_rounds), each dispatch's round-0 expand and five later rounds
-            # in one (kernels.dispatch_rounds); host waits: a send per round
+            # (kernels.combine_rounds), each dispatch's round 0 sent and laid out in one, its
+            # round-0 expand and five later rounds in another (kernels.dispatch_rounds); host
+            # waits: a send per round
             launches = part[r]["launches"]
             combines = (launches.get("combine_rounds", 0), launches.get("combine_send", 0))
             assert combines == ((3, 0) if in_kernels else (0, 18)), (in_kernels, r, launches)
             dispatches = (launches.get("dispatch_rounds", 0), launches["dispatch_send"],
-                          launches.get("dispatch_expand", 0), launches["received_layout"])
-            assert dispatches == ((3, 3, 0, 3) if in_kernels else (0, 18, 18, 18)), \
+                          launches.get("dispatch_expand", 0), launches.get("received_layout", 0))
+            assert dispatches == ((3, 3, 0, 0) if in_kernels else (0, 18, 18, 18)), \
                 (in_kernels, r, launches)
             # the later rounds' signal words, 3 calls of 5 (per peer and to itself: the epoch,
             # and a dispatch's counts, 4 * (L + 1) bytes)
@@ -508,7 +509,8 @@ def test_one_launch_combines_give_the_bits_of_launches_per_round(ranks):
     """Processes with waits in the kernels run a combine in rounds as one launch
     (``kernels.combine_rounds``): with weights (against the oracle), without, FP8 partials and
     per-row values, rounds of one slot and of two, stragglers: the same bits as the launches
-    per round of host waits."""
+    per round of host waits. The cached dispatch (combine's backward) likewise, in one launch
+    (``kernels.dispatch_rounds``), each row its source token's gradient."""
     case = Case(4, 16, 128, 4, (7, 0, 5, 3), routing="zipf", seed=211)
     for slots in (1, 2):
         per_round = ranks(4).run(combine_forms, case, slots, False)
@@ -522,19 +524,32 @@ def test_one_launch_combines_give_the_bits_of_launches_per_round(ranks):
             assert "combine_send" not in one_launch[r]["launches"], one_launch[r]
             assert "combine_rounds" not in per_round[r]["launches"], per_round[r]
             assert per_round[r]["launches"]["combine_send"] == 8 * rounds, per_round[r]
+            # a dispatch and a cached dispatch a call: each one launch past round 0's send
+            # (the cached one sends round 0 in its launch too)
+            got = one_launch[r]["launches"]
+            assert (got["dispatch_rounds"], got["dispatch_send"]) == (4, 2), got
+            assert "dispatch_expand" not in got and "wait" not in got, got
+            assert per_round[r]["launches"]["dispatch_send"] == 4 * rounds, per_round[r]
 
 
-def test_one_launch_combine_names_a_peer_that_skips_it(ranks):
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_one_launch_op_names_a_peer_that_skips_it(ranks, op):
+    """A rank skips the op: the others' combine (one launch) or dispatch (its round 0's send
+    waits for every source to lay them out) name it within the timeout."""
     case = Case(4, 8, 64, 2, (6, 6, 6, 6), seed=212)
     timeout_s = 2.0
-    reports = ranks(4).run(skip_one_combine, case, 2, skipper=1,
-                           wait_timeout_s=timeout_s)
+    reports = ranks(4).run(skip_one_op, case, 2, skipper=1, wait_timeout_s=timeout_s, op=op)
     for rank, report in enumerate(reports):
         assert report["rounds"] == 3, report
         if rank == 1:
             assert report["raised"] is None
             continue
-        assert report["launches"]["combine_rounds"] == 1, report
+        launches = report["launches"]
+        if op == "combine":
+            assert launches["combine_rounds"] == 1, report
+        else:  # named after round 0's send: nothing later launched
+            assert launches["dispatch_send"] == 1 and "dispatch_rounds" not in launches \
+                and "received_layout" not in launches, report
         assert report["peer"] == 1, report
         assert f"moe_comm rank {rank}" in report["raised"] and "rank 1" in report["raised"]
         assert timeout_s <= report["elapsed_s"] < timeout_s + 5, report
@@ -556,8 +571,8 @@ def test_one_launch_dispatches_give_the_bits_of_launches_per_round(ranks):
             assert one_launch[r]["rounds"] == rounds, one_launch[r]
             assert one_launch[r]["digests"] == per_round[r]["digests"], (slots, r)
             got = one_launch[r]["launches"]
-            assert (got["dispatch_rounds"], got["dispatch_send"], got["received_layout"]) \
-                == (calls, calls, calls) and "dispatch_expand" not in got, got
+            assert (got["dispatch_rounds"], got["dispatch_send"]) == (calls, calls) \
+                and "dispatch_expand" not in got and "received_layout" not in got, got
             assert "dispatch_rounds" not in per_round[r]["launches"], per_round[r]
             assert per_round[r]["launches"]["dispatch_send"] == calls * rounds, per_round[r]
 

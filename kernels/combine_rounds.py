@@ -106,16 +106,8 @@ def combine_rounds_kernel(
                           meta_off + parity * meta_parity, 0, 0, local_base, offsets, H, K, R,
                           me, W, R, KMAX, HAS_WEIGHTS, HAS_PAIR, ACC_FP64, FP8, 0, False, ALIGN,
                           EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R, IN_FLIGHT)
-            if draw_last_of(tickets, programs):
-                for d in range(R):
-                    publish_epoch(peer_ptrs, d, signal_off, epoch)
-                signal_bytes = 8 + tl.zeros([1], tl.int64)
-                tl.atomic_add(stats + 2 + tl.arange(0, 1), (R - 1) * signal_bytes, sem="relaxed")
-                tl.atomic_add(stats + 3 + tl.arange(0, 1), signal_bytes, sem="relaxed")
-                tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
-            deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
-            ok = wait_all_at_least(signals, 1, R, epoch, 0, deadline, errors, signals, BLOCK_R,
-                                   NUM_THREADS, False)
+            ok = publish_and_wait(tickets, programs, peer_ptrs, signal_off, epoch, stats, epochs,
+                                  signals, errors, timeout_ns, R, BLOCK_R, NUM_THREADS)
             if ok:  # the tokens of window i, each in rank order (combine_reduce_kernel's sum)
                 first = tl.cast(i, tl.int64) * W
                 n = tl.minimum(T - first, W).to(tl.int32)
@@ -126,6 +118,26 @@ def combine_rounds_kernel(
                                 pair_out + first * K, ring, n, H, K, R, W, R, me, KMAX,
                                 HAS_PAIR, ACC_FP64, REDUCE_EVEN_H, False, False, FP8, ROW_BYTES,
                                 REDUCE_T, REDUCE_H, BLOCK_K, BLOCK_R, 1)
+
+
+@triton.jit
+def publish_and_wait(tickets, programs, peer_ptrs, signal_off, epoch, stats, epochs, signals,
+                     errors, timeout_ns, R, BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr):
+    """The end of a combine round's send in one launch: the last program to draw a ticket
+    publishes ``epoch`` to every rank (its 8 bytes counted in ``stats`` [2], [3] as the
+    send's) and advances ``epochs``; then every program waits, bounded, for every rank's
+    ``epoch`` in ``signals``. Returns whether all arrived (a timeout is recorded, naming the
+    rank)."""
+    if draw_last_of(tickets, programs):
+        for d in range(R):
+            publish_epoch(peer_ptrs, d, signal_off, epoch)
+        signal_bytes = 8 + tl.zeros([1], tl.int64)
+        tl.atomic_add(stats + 2 + tl.arange(0, 1), (R - 1) * signal_bytes, sem="relaxed")
+        tl.atomic_add(stats + 3 + tl.arange(0, 1), signal_bytes, sem="relaxed")
+        tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
+    deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
+    return wait_all_at_least(signals, 1, R, epoch, 0, deadline, errors, signals, BLOCK_R,
+                             NUM_THREADS, False)
 
 
 def rounds_grid(num_sms: int | None, flavour: Flavour) -> int:

@@ -57,46 +57,27 @@ from .tiles import even, persistent_programs, tiles
 META_WORDS = tl.constexpr(2)  # floats per (token, choice) in inv_meta: its weight, its value
 
 
-@triton.jit(do_not_specialize=["signal_off", "local_base", "errors_addr", "me"])
-def invariant_send_kernel(
-    y,  # [rows, H] expert outputs
-    weights,  # [rows] float32 (HAS_WEIGHTS)
-    pair_values,  # [rows] float32 (HAS_PAIR)
-    slot_rows,  # [S, K] int32: rows of each received slot, -1 where unused
-    slot_offsets,  # [R + 1] int64: first slot of each source (its slots: the diff)
-    src_token,  # [rows] int64: each row's token on its home rank
-    peer_ptrs,  # [R] int64
-    stats,  # [4] int64 local: bytes stored (to peers, to itself) at [2], [3]
-    tickets,  # [1] int64 local ticket counter of the combine channel
-    epochs,  # [1] int64 local: the combine's latest epoch; the last program advances it
-    rows_off: tl.int64, meta_off: tl.int64, signal_off: tl.int64,  # inv_rows, inv_meta (p 0)
-    rows_parity: tl.int64, meta_parity: tl.int64,  # bytes per parity
-    local_base: tl.int64, errors_addr: tl.int64,
-    xstats,  # [4] int64 local (TRANSPORT 2): bytes into the outbox at [1]
-    box_rows_off: tl.int64, box_meta_off: tl.int64,  # TRANSPORT 2: inv_box_rows, _meta (p 0)
-    box_rows_parity: tl.int64, box_meta_parity: tl.int64,
-    ring_addr: tl.int64, RING_SLOTS: tl.int64, timeout_ns: tl.int64,  # TRANSPORT 2: the proxy
-    H: tl.int32, K: tl.int32, R: tl.int32, me: tl.int32, W: tl.int32,
-    KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr,
-    TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; 2: the proxy where none (flat)
-    ALIGN: tl.constexpr, EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr,
-):
-    epoch = tl.load(epochs) + 1  # device epochs and a fixed grid (graphs)
-    parity = epoch % 2
-    rows_off += parity * rows_parity
-    meta_off += parity * meta_parity
-    box_rows_off += parity * box_rows_parity
-    box_meta_off += parity * box_meta_parity
+@triton.jit
+def send_pairs(pid, programs, y, weights, pair_values, slot_rows, slot_offsets, src_token,
+               peer_ptrs, stats, xstats, rows_off, meta_off, signal_off, box_rows_off,
+               box_meta_off, local_base, errors, ring_addr, RING_SLOTS, timeout_ns, H, K, R, me,
+               W, KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr,
+               TRANSPORT: tl.constexpr, ALIGN: tl.constexpr, EVEN_H: tl.constexpr,
+               BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+               BLOCK_R: tl.constexpr):
+    """Program ``pid`` of ``programs``: its tiles of every source's slots (``slot_offsets``
+    [R + 1], a round's), each (slot, choice) row and its two floats to the home's
+    ``inv_rows`` / ``inv_meta`` (``rows_off`` / ``meta_off`` of the parity to write; through the
+    proxy the outboxes and a descriptor each), their bytes added to ``stats`` (``xstats``: the
+    outbox's); :func:`invariant_send_kernel`'s arguments."""
     stride = H * y.dtype.element_ty.primitive_bitwidth // 8  # bytes of a row
-    errors = errors_addr.to(tl.pointer_type(tl.int64))
     first_slots, src_tiles, tiles_end = source_tiles(slot_offsets, R, BLOCK_T, BLOCK_R)
     kk = tl.arange(0, BLOCK_K)
     two = tl.arange(0, META_WORDS)
     to_peers = tl.zeros([1], tl.int64)
     to_self = tl.zeros([1], tl.int64)
     other_node = tl.zeros([1], tl.int64)
-    for w in range(tl.program_id(0), tl.sum(src_tiles, axis=0), tl.num_programs(0)):
+    for w in range(pid, tl.sum(src_tiles, axis=0), programs):
         s, first_slot, n, j0 = source_tile(w, slot_offsets, first_slots, src_tiles, tiles_end,
                                            BLOCK_T, BLOCK_R)
         dst = peer_ptr(peer_ptrs, s, rows_off, y.dtype.element_ty, ALIGN)
@@ -154,6 +135,45 @@ def invariant_send_kernel(
         tl.atomic_add(xstats + 1 + tl.arange(0, 1), other_node, sem="relaxed")
     tl.atomic_add(stats + 2 + tl.arange(0, 1), to_peers, sem="relaxed")
     tl.atomic_add(stats + 3 + tl.arange(0, 1), to_self, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["signal_off", "local_base", "errors_addr", "me"])
+def invariant_send_kernel(
+    y,  # [rows, H] expert outputs
+    weights,  # [rows] float32 (HAS_WEIGHTS)
+    pair_values,  # [rows] float32 (HAS_PAIR)
+    slot_rows,  # [S, K] int32: rows of each received slot, -1 where unused
+    slot_offsets,  # [R + 1] int64: first slot of each source (its slots: the diff)
+    src_token,  # [rows] int64: each row's token on its home rank
+    peer_ptrs,  # [R] int64
+    stats,  # [4] int64 local: bytes stored (to peers, to itself) at [2], [3]
+    tickets,  # [1] int64 local ticket counter of the combine channel
+    epochs,  # [1] int64 local: the combine's latest epoch; the last program advances it
+    rows_off: tl.int64, meta_off: tl.int64, signal_off: tl.int64,  # inv_rows, inv_meta (p 0)
+    rows_parity: tl.int64, meta_parity: tl.int64,  # bytes per parity
+    local_base: tl.int64, errors_addr: tl.int64,
+    xstats,  # [4] int64 local (TRANSPORT 2): bytes into the outbox at [1]
+    box_rows_off: tl.int64, box_meta_off: tl.int64,  # TRANSPORT 2: inv_box_rows, _meta (p 0)
+    box_rows_parity: tl.int64, box_meta_parity: tl.int64,
+    ring_addr: tl.int64, RING_SLOTS: tl.int64, timeout_ns: tl.int64,  # TRANSPORT 2: the proxy
+    H: tl.int32, K: tl.int32, R: tl.int32, me: tl.int32, W: tl.int32,
+    KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr,
+    TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; 2: the proxy where none (flat)
+    ALIGN: tl.constexpr, EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr,
+):
+    epoch = tl.load(epochs) + 1  # device epochs and a fixed grid (graphs)
+    parity = epoch % 2
+    rows_off += parity * rows_parity
+    meta_off += parity * meta_parity
+    box_rows_off += parity * box_rows_parity
+    box_meta_off += parity * box_meta_parity
+    errors = errors_addr.to(tl.pointer_type(tl.int64))
+    send_pairs(tl.program_id(0), tl.num_programs(0), y, weights, pair_values, slot_rows,
+               slot_offsets, src_token, peer_ptrs, stats, xstats, rows_off, meta_off,
+               signal_off, box_rows_off, box_meta_off, local_base, errors, ring_addr,
+               RING_SLOTS, timeout_ns, H, K, R, me, W, KMAX, HAS_WEIGHTS, HAS_PAIR, TRANSPORT,
+               ALIGN, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R)
     if draw_last_of(tickets, tl.num_programs(0)):
         if not timed_out(errors, NUM_THREADS):
             for d in range(R):
@@ -208,12 +228,22 @@ def invariant_reduce_kernel(
     LIVE: tl.constexpr, EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Program (i, c): channel tile c of token tile i, choices in order; channel tile 0 also
-    returns the pair values."""
+    """Program (i, c): :func:`reduce_tokens` of this call's parity."""
     parity = tl.load(epochs) % 2
-    stage += parity * STAGE_PARITY
-    meta += parity * META_PARITY
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    reduce_tokens(tl.program_id(0), tl.program_id(1), stage + parity * STAGE_PARITY,
+                  meta + parity * META_PARITY, topk_idx, slot_of, out, pair_out, live, T, H, K,
+                  R, E, KMAX, HAS_WEIGHTS, HAS_PAIR, LIVE, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K)
+
+
+@triton.jit
+def reduce_tokens(i, c, stage, meta, topk_idx, slot_of, out, pair_out, live, T, H, K, R, E,
+                  KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr,
+                  LIVE: tl.constexpr, EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Channel tile ``c`` of token tile ``i``, choices in order (``stage`` / ``meta`` at the
+    parity to read; :func:`invariant_reduce_kernel`'s other arguments); channel tile 0 also
+    returns the pair values."""
+    t = i * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     t64 = t.to(tl.int64)
     L = E // R
@@ -225,11 +255,12 @@ def invariant_reduce_kernel(
     valid = valid & (tl.load(slot_of + t64[:, None] * R + rank, mask=valid, other=-1) >= 0)
     if LIVE:
         valid = valid & (tl.load(live + rank, mask=valid, other=0) != 0)
-    h0 = tl.program_id(1) * BLOCK_H
+    h0 = c * BLOCK_H
     h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
     acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
+    counted = tl.where(valid, ids, -1)  # (a column of ids, not of flags: no local memory)
     for k in range(K):
-        vk = column(valid.to(tl.int32), k) != 0
+        vk = column(counted, k) >= 0
         at = t64 * KMAX + k
         v = tl.load(stage + at[:, None] * H + h[None, :], mask=vk[:, None] & hm[None, :],
                     other=0.0).to(tl.float32)
@@ -239,7 +270,7 @@ def invariant_reduce_kernel(
     tl.store(out + t64[:, None] * H + h[None, :], cast_rne(acc, out.dtype.element_ty),  # gate: row
              mask=tm[:, None] & hm[None, :])
     if HAS_PAIR:
-        if tl.program_id(1) == 0:
+        if c == 0:
             values = tl.load(meta + (t64[:, None] * KMAX + kk[None, :]) * 2 + 1, mask=valid,
                              other=0.0)
             tl.store(pair_out + t64[:, None] * K + kk[None, :], values,

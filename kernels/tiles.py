@@ -100,6 +100,9 @@ _GPU = {
     # (slot, choice) at a time; the reduce as the default one's
     "invariant_send": (64, 1024, 8, 1),
     "invariant_reduce": (8, 1024, 8, 2),
+    # the EP-invariant combine in rounds as one launch (kernels.invariant_rounds): its reduce
+    # on the send's programs in tiles of 32 fp32 sums a thread (64 spilled under Triton 3.6)
+    "invariant_rounds_reduce": (8, 1024, 8, 1),
     # persistent (at most num_sms programs, one per SM: up to 255 registers for the tile's
     # pair counts and its quantized rows); NVFP4: 16-byte stores of packed codes need 32
     # values a thread
@@ -115,7 +118,8 @@ _GPU = {
 }
 _INTERPRETER_ROWS = {"ll_dispatch_recv": 16, "ll_combine_send": 16}
 _TILE_BYTES = {"combine_send": 2 * TILE_BYTES_PER_THREAD,  # bytes of a row tile a thread holds
-               "combine_rounds_reduce": 4 * TILE_BYTES_PER_THREAD}
+               "combine_rounds_reduce": 4 * TILE_BYTES_PER_THREAD,
+               "invariant_rounds_reduce": 2 * TILE_BYTES_PER_THREAD}
 
 
 @functools.cache
@@ -269,6 +273,9 @@ SCHEDULES = {
     "dispatch_rounds_kernel": Schedule(PERSISTENT, lambda a: dispatch_round_trips(
         a["R"], a["W"], a["K"], a["programs"], a["BLOCK_T"], a["EXPAND_T"])),
     "combine_rounds_kernel": Schedule(PERSISTENT, lambda a: combine_round_trips(
+        a["R"], a["W"], a["K"], a["H"], a["programs"], a["BLOCK_T"], a["REDUCE_T"],
+        a["REDUCE_H"])),
+    "invariant_rounds_kernel": Schedule(PERSISTENT, lambda a: combine_round_trips(
         a["R"], a["W"], a["K"], a["H"], a["programs"], a["BLOCK_T"], a["REDUCE_T"],
         a["REDUCE_H"])),
     "invariant_send_kernel": Schedule(PERSISTENT, _invariant_send_trips),

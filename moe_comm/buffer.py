@@ -38,6 +38,7 @@ from .kernels.comm import (
     wait_relayed_epochs_kernel,
 )
 from .kernels.dispatch_rounds import fits_one_launch as fits_dispatch_rounds
+from .kernels.invariant_rounds import fits_one_launch as fits_invariant_rounds
 from .kernels.layout import layout_scratch
 from .kernels.low_latency import TIMED_OUT
 from .kernels.nvshmem import device_bitcode, install_module_init_hook
@@ -331,7 +332,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                ep_invariant: bool | None = None, own_process: bool = False) -> None:
         """``own_process``: every rank drives its Buffer from a process of its own (not
         virtual ranks of one process), so a rank's launch may wait for peers that run at the
-        same time (``kernels.combine_rounds``, ``kernels.dispatch_rounds``)."""
+        same time (``kernels.combine_rounds``, ``kernels.invariant_rounds``,
+        ``kernels.dispatch_rounds``)."""
         self.heap, self.layout, self.proxy = heap, layout, proxy
         self._regions: dict[str, torch.Tensor] = {}  # views of the workspace (``_region``)
         self._offsets: dict = {}  # per-channel launch offsets and word views, made once
@@ -392,18 +394,22 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             table = (torch.arange(T, device=heap.device)[:, None] * 32
                      + torch.arange(K, device=heap.device)[None, :])
             layout.view(heap, "ll_meta_table").copy_(table.to(torch.int32))
-        # a combine in rounds as one launch (kernels.combine_rounds), [exact, FP8 partials]:
-        # ranks in processes of their own, waits in the kernels, every peer reached by stores,
-        # no fault tolerance, and on GPUs a ring small enough for the launch's programs
+        # a combine in rounds as one launch (kernels.combine_rounds; EP-invariant:
+        # kernels.invariant_rounds), [exact, FP8 partials]: ranks in processes of their own,
+        # waits in the kernels, every peer reached by stores, no fault tolerance, and on GPUs a
+        # ring small enough for the launch's programs
         f = self.flavour
         self.own_process = own_process
         one_launch = (own_process and layout.rounds > 1 and f.device_wait and f.transport == 0
                       and proxy is None and not self.fault_tolerant)
+        elem = self._row_bytes // self.hidden
         self._combine_in_one_launch = [
-            one_launch and not self.ep_invariant
-            and fits_combine_rounds(self.world_size, layout.ring_slots, self.hidden,
-                                    self.max_topk, self.num_sms, f,
-                                    self._row_bytes // self.hidden, fp8)
+            one_launch and (
+                not fp8 and fits_invariant_rounds(self.world_size, layout.ring_slots,
+                                                  self.hidden, self.max_topk, self.num_sms, f,
+                                                  elem) if self.ep_invariant
+                else fits_combine_rounds(self.world_size, layout.ring_slots, self.hidden,
+                                         self.max_topk, self.num_sms, f, elem, fp8))
             for fp8 in (False, True)]
         # a dispatch's rounds after its first send as one launch (kernels.dispatch_rounds), by
         # the send's format (fp8, ue8m0, the rows' element bytes): the same conditions (the

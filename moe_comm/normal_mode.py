@@ -27,10 +27,12 @@ epoch of the channel for the source tokens ``[i * W, (i + 1) * W)``::
 Each round launches what a call of one round does (without the layout), but on one node where
 every rank runs in a process of its own with waits in the kernels (GPUs, or CPU ranks with
 ``MOE_COMM_WAIT=kernel``), without fault tolerance: there one launch runs a combine's rounds
-(``kernels.combine_rounds``: each round's send, wait and reduce), and one launch a dispatch's
-after its round 0 is sent and laid out (``kernels.dispatch_rounds``: round 0's expand, then each
-later round's send, wait and expand); both say why they cannot deadlock, and on GPUs they run
-where a round fits the launch's ``num_sms`` programs (``fits_one_launch``). There round 0's send
+(``kernels.combine_rounds``: each round's send, wait and reduce; EP-invariant:
+``kernels.invariant_rounds``), one launch a dispatch's after its round 0 is sent and laid out
+(``kernels.dispatch_rounds``: round 0's expand, then each later round's send, wait and expand),
+and one launch every round of a cached dispatch (the same kernel); each says why it cannot
+deadlock, and on GPUs they run where a round fits the launch's ``num_sms`` programs
+(``fits_one_launch``). There round 0's send
 lays out what arrived too: its last program, after it has published, waits for every source's
 round 0 and writes the received layout (what ``received_layout`` launches otherwise). Every
 other program of that send has finished, and every rank's last program publishes before it
@@ -77,7 +79,8 @@ hierarchical alike: no forwarder takes part in this combine): the combine's send
 ``(t % W) * K + k``) and its receive ``invariant_reduce`` (choice order); they run on the combine
 channel's epochs, signals and parities, each round a whole epoch, so the ordering argument above
 holds for them unchanged (a round's rows land in the parity of its epoch, read by the home's
-reduce of that round before the home publishes the next round's epoch).
+reduce of that round before the home publishes the next round's epoch); on one node with a
+process per rank and waits in the kernels, one launch runs them all (``kernels.invariant_rounds``).
 
 Host reads of device data (``self.host_syncs``): dispatch reads the received-row count once to
 size its output (``rows``), none with ``max_recv_rows``; combine and the cached dispatch read
@@ -101,6 +104,7 @@ from .kernels import dispatch as dispatch_kernels
 from .kernels import dispatch_rounds as dispatch_rounds_kernels
 from .kernels import internode
 from .kernels import invariant as invariant_kernels
+from .kernels import invariant_rounds as invariant_rounds_kernels
 from .kernels.layout import ring_positions, routing_layout
 from .kernels.quant import MXFP8, NVFP4, scale_group
 from .kernels.rows import payload_bytes, sent_elem_bytes
@@ -126,8 +130,9 @@ class PendingSend:
     send_round: Callable[[int], None] | None = None
     # a dispatch of several rounds (not cached): what its rounds send
     stream: Stream | None = None
-    # a combine whose rounds run in one launch (kernels.combine_rounds), nothing sent yet:
-    # ``all_rounds(ring, out, pair_out)`` launches it; a cached dispatch likewise
+    # a combine whose rounds run in one launch (kernels.combine_rounds, kernels.invariant_rounds),
+    # nothing sent yet: ``all_rounds(ring, out, pair_out, topk_idx)`` launches it (``topk_idx``:
+    # the dispatch's, which the EP-invariant combine reads); a cached dispatch likewise
     # (kernels.dispatch_rounds): ``all_rounds(slot_rows, slot_offsets, tokens_per_expert,
     # expert_offsets, out)``
     all_rounds: Callable | None = None
@@ -735,10 +740,13 @@ class NormalMode:
         if self._combine_in_one_launch[fp8]:  # every round's epoch, the launch in the receive
             for _ in range(1, self.layout.rounds):
                 self._start(COMBINE)
+            all_rounds = (functools.partial(self._invariant_rounds, src_token)
+                          if self.ep_invariant else
+                          functools.partial(self._combine_rounds, fp8))
             return PendingSend(COMBINE, epoch, topk=topk, has_weights=weights is not None,
                                fp8=int(fp8), all_rounds=functools.partial(
-                                   self._combine_rounds, y, weights, pair_values, slot_rows,
-                                   slot_offsets, fp8))
+                                   all_rounds, y, weights, pair_values, slot_rows,
+                                   slot_offsets))
         round_send = self._invariant_round if self.ep_invariant else self._combine_round
         send = functools.partial(round_send, y, weights, pair_values, slot_rows,
                                  slot_offsets, fwd_slots, fwd_n, fp8, src_token)
@@ -750,6 +758,17 @@ class NormalMode:
                          fwd_n, fp8: bool, src_token, i: int) -> None:
         """Round ``i`` of an EP-invariant combine send: every row of the slots that arrived in
         round ``i`` of the dispatch to its home's ``inv_rows`` (``kernels.invariant``)."""
+        self.launches["combine_send"] += invariant_kernels.invariant_send(
+            y, weights, pair_values, slot_rows,
+            slot_offsets if self.layout.rounds == 1 else self._round_view(slot_offsets, i),
+            src_token, self.heap.peer_ptrs, self._stats, *self._channel_words(COMBINE),
+            offsets=self._invariant_offsets(), rank=self.rank, topk=slot_rows.shape[1],
+            max_topk=self.max_topk, ring_slots=self.layout.ring_slots, num_sms=self.num_sms,
+            flavour=self.flavour, bound=self._bound,
+            xstats=self._xstats if self.proxy is not None else None)
+
+    def _invariant_offsets(self) -> dict:
+        """``kernels.invariant.invariant_send``'s offsets, made once."""
         offsets = self._offsets.get(("inv", COMBINE))
         if offsets is None:
             lay = self.layout
@@ -759,13 +778,7 @@ class NormalMode:
                                      ("box_rows", "inv_box_rows"), ("box_meta", "inv_box_meta"))
                 if region in lay.regions}
             offsets["signal"] = lay.offset("signals", COMBINE, self.rank)
-        self.launches["combine_send"] += invariant_kernels.invariant_send(
-            y, weights, pair_values, slot_rows,
-            slot_offsets if self.layout.rounds == 1 else self._round_view(slot_offsets, i),
-            src_token, self.heap.peer_ptrs, self._stats, *self._channel_words(COMBINE),
-            offsets=offsets, rank=self.rank, topk=slot_rows.shape[1], max_topk=self.max_topk,
-            ring_slots=self.layout.ring_slots, num_sms=self.num_sms, flavour=self.flavour,
-            bound=self._bound, xstats=self._xstats if self.proxy is not None else None)
+        return offsets
 
     def _combine_round(self, y, weights, pair_values, slot_rows, slot_offsets, fwd_slots, fwd_n,
                        fp8: bool, src_token, i: int) -> None:
@@ -786,11 +799,11 @@ class NormalMode:
             self._forward_combine(self._epochs[COMBINE], *self._round_nodes(fwd_slots, fwd_n, i),
                                   slot_rows.shape[1], pair_values is not None, fp8)
 
-    def _combine_rounds(self, y, weights, pair_values, slot_rows, slot_offsets, fp8: bool,
-                        ring, out, pair_out) -> None:
+    def _combine_rounds(self, fp8: bool, y, weights, pair_values, slot_rows, slot_offsets,
+                        ring, out, pair_out, topk_idx=None) -> None:
         """A whole combine of several rounds in one launch (``kernels.combine_rounds``): into
         ``out`` [T, H] and ``pair_out`` (None without pair values), ``ring``: the dispatch's
-        ring positions."""
+        ring positions (``topk_idx``: the EP-invariant combine's, not read here)."""
         fixed = self._offsets.get(("rounds", COMBINE))
         if fixed is None:  # made once: the bound launch is found by these tensors' ids
             (_, epochs), offsets, _ = self._send_fixed(COMBINE)
@@ -806,6 +819,26 @@ class NormalMode:
             rounds=self.layout.rounds, offsets_stride=self._round_stride(),
             num_sms=self.num_sms, flavour=self.flavour, fp8=fp8, bound=self._bound,
             scratch=self._scratch)
+
+    def _invariant_rounds(self, src_token, y, weights, pair_values, slot_rows, slot_offsets,
+                          ring, out, pair_out, topk_idx) -> None:
+        """A whole EP-invariant combine of several rounds in one launch
+        (``kernels.invariant_rounds``): as :meth:`_combine_rounds`, with the dispatch's
+        ``src_token`` and ``topk_idx``."""
+        fixed = self._offsets.get(("rounds", "inv"))
+        if fixed is None:  # made once: the bound launch is found by these tensors' ids
+            ticket = invariant_rounds_kernels.ROUNDS_TICKET  # its own: not the send grid
+            fixed = self._offsets[("rounds", "inv")] = (
+                self._region("inv_rows"), self._region("inv_meta"), self.heap.peer_ptrs,
+                self._stats, self._ticket_words[ticket:ticket + 1],
+                self._channel_words(COMBINE)[1], self._signals[COMBINE])
+        self.launches["combine_rounds"] += invariant_rounds_kernels.invariant_rounds(
+            y, weights, pair_values, slot_rows, slot_offsets, src_token, topk_idx, ring, out,
+            pair_out, *fixed, offsets=self._invariant_offsets(), rank=self.rank,
+            num_experts=self.num_experts, max_topk=self.max_topk,
+            ring_slots=self.layout.ring_slots, rounds=self.layout.rounds,
+            offsets_stride=self._round_stride(), num_sms=self.num_sms, flavour=self.flavour,
+            bound=self._bound)
 
     def combine_recv(self, pending: PendingSend, slot_of, want_pair: bool, node_slot_of=None,
                      topk_idx=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -825,7 +858,7 @@ class NormalMode:
         pair_out = torch.empty((T, pending.topk) if want_pair else (0,), dtype=torch.float32,
                                device=dev)
         if pending.all_rounds is not None:  # (slot_of: the dispatch's ring positions)
-            pending.all_rounds(slot_of, out, pair_out if want_pair else None)
+            pending.all_rounds(slot_of, out, pair_out if want_pair else None, topk_idx)
             self._check_usable("combine")  # its waits ran in the kernel: a timeout shows now
             self._combine_live = None
             return out, pair_out

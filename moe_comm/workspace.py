@@ -18,8 +18,9 @@ region                  shape, dtype                 contents, on rank ``d``
                                                      dispatch and combine sends, then of the
                                                      internode kernels (``kernels.internode``),
                                                      then of the rounds in one launch
-                                                     (``kernels.dispatch_rounds``, 5, and
-                                                     ``kernels.combine_rounds``, 6)
+                                                     (``kernels.dispatch_rounds``, 5,
+                                                     ``kernels.combine_rounds``, 6, and
+                                                     ``kernels.invariant_rounds``, 7)
 ``epochs``              [2 channels] int64           local: epoch of this rank's latest send
                                                      per channel (the send's last program
                                                      advances it; kernels take epoch and parity

@@ -273,6 +273,13 @@ MUTANTS = (
            "a dispatch's rounds in one launch give the bits of the launches per round",
            "kernels/dispatch_rounds.py", "end = end + tl.sum(n, axis=0)", "end = end + 0",
            (ST + "test_one_launch_dispatches_give_the_bits_of_launches_per_round",)),
+    Mutant("one_launch_invariant_combine_reads_the_other_parity",
+           "the EP-invariant combine's rounds in one launch give the bits of the launches per "
+           "round",
+           "kernels/invariant_rounds.py",
+           "stage + parity * STAGE_PARITY, meta + parity * META_PARITY,",
+           "stage + (1 - parity) * STAGE_PARITY, meta + parity * META_PARITY,",
+           (ST + "test_one_launch_invariant_combines_give_the_bits_of_launches_per_round",)),
     Mutant("one_launch_cached_dispatch_expands_round_0s_slots_each_round",
            "combine's backward in rounds as one launch gives the bits of the launches per round",
            "kernels/dispatch_rounds.py", "ends = tl.load(view + src + 1, mask=sm, other=0)",

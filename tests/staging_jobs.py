@@ -25,11 +25,12 @@ from rank_jobs import (
 
 
 def slots_budget(case: Case, slots: int, outboxes: bool = False,
-                 ranks_per_node: int | None = None) -> int:
+                 ranks_per_node: int | None = None, invariant: bool = False) -> int:
     """The ``staging_bytes`` that pays for ``slots`` slots per source of ``case`` (``outboxes``:
-    of a Buffer across nodes through the proxy; with ``ranks_per_node``, hierarchical)."""
+    of a Buffer across nodes through the proxy; with ``ranks_per_node``, hierarchical;
+    ``invariant``: of an EP-invariant Buffer)."""
     return slots * staging_slot_bytes(case.world_size, case.hidden, case.topk, case.dtype,
-                                      outboxes, ranks_per_node)
+                                      outboxes, ranks_per_node, invariant=invariant)
 
 
 def streamed_case(rank, world_size, case: Case, slots: int | None, iterations: int = 1,
@@ -148,37 +149,42 @@ def _bounded_buffer(case: Case, slots: int, in_kernels: bool = True, **kwargs):
     """A Buffer whose staging holds ``slots`` slots per source (``in_kernels``: waits in the
     kernels)."""
     with kernel_waits(in_kernels):
-        return new_buffer(case, max_topk=case.topk, staging_bytes=slots_budget(case, slots),
-                          **kwargs)
+        return new_buffer(case, max_topk=case.topk, staging_bytes=slots_budget(
+            case, slots, invariant=kwargs.get("ep_invariant", False)), **kwargs)
 
 
 def combine_forms(rank, world_size, case: Case, slots: int, in_kernels: bool,
-                  iterations: int = 2, straggle_s: float = 0.0) -> dict:
+                  iterations: int = 2, straggle_s: float = 0.0, ep_invariant: bool = False) -> dict:
     """Every form of a combine in rounds of ``slots`` slots, ``iterations`` times (new routing
     each time, random delays before each combine): with weights (checked against the oracle),
     without, with FP8 partials, and the per-row values of dispatch's backward
     (``moe_comm.ops``: the router weights' gradient); then combine's backward, the cached
     dispatch of a gradient. ``in_kernels``: waits in the kernels, so a Buffer of processes
     runs each combine and each cached dispatch as one launch (``kernels.combine_rounds``,
-    ``kernels.dispatch_rounds``); host waits launch per round. Returns the digests and the
-    launches."""
+    ``kernels.dispatch_rounds``); host waits launch per round. ``ep_invariant``: an
+    EP-invariant Buffer (``kernels.invariant_rounds`` in one launch; its sums are in choice
+    order, so only the dispatch is checked against the oracle, and it has no FP8 partials).
+    Returns the digests and the launches."""
     delay = random.Random(2000 * case.seed + rank)
     digests = []
-    with _bounded_buffer(case, slots, in_kernels) as buf:
+    with _bounded_buffer(case, slots, in_kernels, ep_invariant=ep_invariant) as buf:
         for it in range(iterations):
             xs, idxs, ws = make_inputs(case, it)
             res = buf.dispatch(xs[rank], idxs[rank], ws[rank], expert_alignment=case.alignment)
             y = expert_fn(res.x, res.expert_offsets)
             time.sleep(delay.uniform(0, straggle_s))
             out = buf.combine(y, res.handle, weights=res.weights)
-            check_against_oracle(rank, case, it, res, out, xs, idxs, ws)
+            check_against_oracle(rank, case, it, res, None if ep_invariant else out, xs, idxs,
+                                 ws)
             time.sleep(delay.uniform(0, straggle_s))
             plain = buf.combine(y, res.handle)
-            fp8 = buf.combine(y, res.handle, weights=res.weights, combine_dtype="fp8")
+            fp8 = None if ep_invariant else buf.combine(y, res.handle, weights=res.weights,
+                                                        combine_dtype="fp8")
             values = torch.linspace(-1, 1, res.x.shape[0]) * (rank + 1)
             h = res.handle
             pair_sum, pairs = torch.ops.moe_comm.combine(
-                buf.id, y, res.weights, values, h.slot_of, h.slot_rows, h.recv_slot_offsets)
+                buf.id, y, res.weights, values, h.slot_of, h.slot_rows, h.recv_slot_offsets,
+                topk_idx=h.topk_idx, src_token=h.src_token)
             # a gradient of each source's tokens (exact in every dtype): row t of rank s is
             # base[t] * (s + 1) * (it + 1); each received row must be its source token's
             base = ((torch.arange(case.max_tokens * case.hidden) % 11) * 0.125 - 0.5).reshape(

@@ -28,7 +28,7 @@ ROW_KERNELS = {"dispatch_send_kernel", "dispatch_expand_kernel", "combine_send_k
                "ll_combine_send_kernel", "ll_combine_recv_kernel", "quantize_kernel",
                "outbox_dispatch_kernel", "forward_dispatch_kernel", "forward_combine_kernel",
                "invariant_send_kernel", "invariant_reduce_kernel", "combine_rounds_kernel",
-               "dispatch_rounds_kernel"}
+               "dispatch_rounds_kernel", "invariant_rounds_kernel"}
 
 
 VARIANTS_FILE = os.path.join(HERE, "gate_variants.txt")

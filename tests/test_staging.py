@@ -532,6 +532,23 @@ def test_one_launch_combines_give_the_bits_of_launches_per_round(ranks):
             assert per_round[r]["launches"]["dispatch_send"] == 4 * rounds, per_round[r]
 
 
+def test_one_launch_invariant_combines_give_the_bits_of_launches_per_round(ranks):
+    """An EP-invariant Buffer of processes with waits in the kernels runs its combine in rounds
+    as one launch (``kernels.invariant_rounds``): with weights, without and with per-row
+    values, rounds of one slot, stragglers: the same bits as the launches per round."""
+    case = Case(4, 16, 128, 4, (7, 0, 5, 3), routing="zipf", seed=215)
+    per_round = ranks(4).run(combine_forms, case, 1, False, ep_invariant=True)
+    one_launch = ranks(4).run(combine_forms, case, 1, True, straggle_s=0.02, ep_invariant=True)
+    for r in range(4):
+        assert one_launch[r]["rounds"] == case.max_tokens, one_launch[r]
+        assert one_launch[r]["digests"] == per_round[r]["digests"], r
+        # 3 combines a call, 2 calls
+        assert one_launch[r]["launches"]["combine_rounds"] == 6, one_launch[r]
+        assert "combine_send" not in one_launch[r]["launches"], one_launch[r]
+        assert "combine_rounds" not in per_round[r]["launches"], per_round[r]
+        assert per_round[r]["launches"]["combine_send"] == 6 * case.max_tokens, per_round[r]
+
+
 @pytest.mark.parametrize("op", ["combine", "dispatch"])
 def test_one_launch_op_names_a_peer_that_skips_it(ranks, op):
     """A rank skips the op: the others' combine (one launch) or dispatch (its round 0's send

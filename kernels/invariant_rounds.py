@@ -1,0 +1,170 @@
+"""The EP-invariant combine in rounds as one launch: every round's send, wait and reduce in one
+persistent kernel, as ``kernels.combine_rounds`` does for the default combine.
+
+Where the staging holds ``W`` slots per source, an EP-invariant combine runs in ``rounds``
+(``moe_comm.normal_mode``): each round sends every (slot, choice) row of the slots that arrived
+in that round of the dispatch to its home's ``inv_rows`` at ``(t % W) * K + k``, and the home
+sums the tokens of window ``i`` in choice order (``kernels.invariant``). Where every rank drives
+its Buffer from a process of its own and peers are reached by stores (one node), one launch
+runs all rounds. Equivalent PyTorch, for every round ``i`` (the tokens of window
+``[i * W, (i + 1) * W)``)::
+
+    send round i's (slot, choice) rows and pairs home, as invariant_send_kernel  # parity
+    the last program to finish: publish epoch + i to every rank                 # (epoch+i)%2
+    wait until every rank published epoch + i                   # bounded, names the rank
+    out[window i] = sum over k in order, as invariant_reduce_kernel
+
+It cannot deadlock, and a send never overwrites rows its home has not summed, for the reasons
+``kernels.combine_rounds`` gives: a wait of round ``i`` needs only every rank's send of round
+``i``; the send of round ``i + 1`` writes the parity its home last read in round ``i - 1``, and
+the home published round ``i`` only after every one of its programs had reduced round ``i - 1``.
+Every program waits for its own rank's epoch: the grid is ``num_sms`` programs on GPUs (one per
+SM), one in the interpreter. The launch is compiled without FP fusion, as the reduce launched
+alone (the send only moves rows), so the sums have the bits of the launches per round.
+
+Bytes and signals are those of the launches per round: each round's rows, their two floats and
+its epoch (8 bytes) to every rank, counted in ``stats`` as ``invariant_send_kernel`` counts them.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .bound import BoundLaunches, call_bound, launch, specs
+from .combine_rounds import publish_and_wait, rounds_grid
+from .comm import CPU_RANKS, Flavour, timed_out
+from .invariant import reduce_tokens, send_pairs
+from .tiles import MAX_TRIPS, combine_round_trips, even, tiles
+
+ROUNDS_TICKET = 7  # the word of ``tickets`` this kernel draws from (combine_rounds: 6)
+_PER_CALL = ["rows_off", "meta_off", "signal_off", "local_base", "errors_addr", "timeout_ns",
+             "T", "me"]
+
+
+@triton.jit(do_not_specialize=_PER_CALL)
+def invariant_rounds_kernel(
+    y,  # [rows, H] expert outputs
+    weights,  # [rows] float32 (HAS_WEIGHTS)
+    pair_values,  # [rows] float32 (HAS_PAIR)
+    slot_rows,  # [S, K] int32: rows of each received slot, -1 where unused
+    slot_offsets,  # int64: round i's [R + 1] offsets at i * OFFSETS_STRIDE (the dispatch's)
+    src_token,  # [rows] int64: each row's token on its home rank (the dispatch's)
+    peer_ptrs,  # [R] int64
+    stats,  # [4] int64 local: bytes stored (to peers, to itself) at [2], [3]
+    tickets,  # [1] int64 local: this kernel's own ticket word (ROUNDS_TICKET)
+    epochs,  # [1] int64 local: the channel's epoch; each round's last program advances it
+    signals,  # [R] int64 local: the combine channel's signal words, one per source
+    stage,  # [2, W * KMAX, H] local inv_rows
+    meta,  # [2, W * KMAX, 2] float32 local inv_meta
+    topk_idx,  # [T, K] int64: the dispatch's expert ids of this rank's tokens
+    ring,  # [T, R] int32: the ring position of token t on rank d in its round, -1 if none
+    out,  # [T, H]
+    pair_out,  # [T, K] float32 (HAS_PAIR)
+    rows_off: tl.int64, meta_off: tl.int64, signal_off: tl.int64,  # inv_rows, inv_meta (p 0)
+    rows_parity: tl.int64, meta_parity: tl.int64,  # bytes per parity
+    STAGE_PARITY: tl.int64, META_PARITY: tl.int64,  # elements between the two parities
+    local_base: tl.int64,  # address of this rank's segment (no outbox is read from it)
+    errors_addr: tl.int64, timeout_ns: tl.int64,
+    T: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, E: tl.int32, me: tl.int32,
+    W: tl.int32,  # ring slots per source: the tokens of a round
+    ROUNDS: tl.int32, OFFSETS_STRIDE: tl.int32,
+    KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr,
+    ALIGN: tl.constexpr, EVEN_H: tl.constexpr, REDUCE_EVEN_H: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,  # the send's tiles
+    REDUCE_T: tl.constexpr, REDUCE_H: tl.constexpr,  # the reduce's tiles
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    errors = errors_addr.to(tl.pointer_type(tl.int64))
+    base = tl.load(epochs)  # read by every program before any draws its first ticket
+    channel_tiles = tl.cdiv(H, REDUCE_H)
+    # as combine_rounds_kernel: nothing is sent after a timeout, and a wait that times out ends
+    # its program's rounds (the error record is read once, outside the rounds)
+    ok = ~timed_out(errors, NUM_THREADS)
+    for i in range(ROUNDS):
+        if ok:
+            epoch = base + 1 + i
+            parity = epoch % 2
+            send_pairs(pid, programs, y, weights, pair_values, slot_rows,
+                       slot_offsets + i * OFFSETS_STRIDE, src_token, peer_ptrs, stats, stats,
+                       rows_off + parity * rows_parity, meta_off + parity * meta_parity,
+                       signal_off, 0, 0, local_base, errors, 0, 0, timeout_ns, H, K, R, me, W,
+                       KMAX, HAS_WEIGHTS, HAS_PAIR, 0, ALIGN, EVEN_H, BLOCK_T, BLOCK_H,
+                       BLOCK_K, BLOCK_R)
+            ok = publish_and_wait(tickets, programs, peer_ptrs, signal_off, epoch, stats, epochs,
+                                  signals, errors, timeout_ns, R, BLOCK_R, NUM_THREADS)
+            if ok:  # the tokens of window i, each in choice order
+                first = tl.cast(i, tl.int64) * W
+                n = tl.minimum(T - first, W).to(tl.int32)
+                for q in range(pid, tl.cdiv(n, REDUCE_T) * channel_tiles, programs):
+                    reduce_tokens(q // channel_tiles, q % channel_tiles,
+                                  stage + parity * STAGE_PARITY, meta + parity * META_PARITY,
+                                  topk_idx + first * K, ring + first * R, out + first * H,
+                                  pair_out + first * K, ring, n, H, K, R, E, KMAX, HAS_WEIGHTS,
+                                  HAS_PAIR, False, REDUCE_EVEN_H, REDUCE_T, REDUCE_H, BLOCK_K)
+
+
+def fits_one_launch(world_size: int, ring_slots: int, hidden: int, topk: int,
+                    num_sms: int | None, flavour: Flavour, elem_bytes: int) -> bool:
+    """Whether an EP-invariant combine in rounds runs as one launch: always in the interpreter;
+    on GPUs where a round's serial trips on ``rounds_grid``'s programs stay within the gate's
+    ``MAX_TRIPS`` (the default combine's count, ``kernels.tiles.combine_round_trips``: the
+    send's slot tiles and the reduce's (token, channel) tiles of a window)."""
+    if not flavour.compiled:
+        return True
+    send_tile = tiles("invariant_send", True, hidden, elem_bytes)
+    reduce_tile = tiles("invariant_rounds_reduce", True, hidden, 4)  # fp32 sums
+    return combine_round_trips(world_size, ring_slots, topk, hidden,
+                               rounds_grid(num_sms, flavour), send_tile.block_t,
+                               reduce_tile.block_t, reduce_tile.block_h) <= MAX_TRIPS
+
+
+def invariant_rounds(y, weights, pair_values, slot_rows, slot_offsets, src_token, topk_idx,
+                     ring, out, pair_out, stage, meta, peer_ptrs, stats, tickets, epochs,
+                     signals, *, offsets: dict, rank: int, num_experts: int, max_topk: int,
+                     ring_slots: int, rounds: int, offsets_stride: int,
+                     num_sms: int | None = None, flavour: Flavour = CPU_RANKS,
+                     bound: BoundLaunches | None = None) -> bool:
+    """Launches :func:`invariant_rounds_kernel` (module docstring): the whole EP-invariant
+    combine of ``rounds`` rounds. ``offsets``: ``invariant_send``'s (one node: rows / meta /
+    signal); ``stage`` / ``meta`` the whole inv_rows / inv_meta regions; ``slot_offsets``
+    (round i's at ``i * offsets_stride``), ``src_token``, ``topk_idx`` and ``ring`` [T, R]
+    from the dispatch; ``out`` [T, H] and ``pair_out`` [T, K] (None without pair values) are
+    written."""
+    if flavour.transport or flavour.fault_tolerant:
+        raise ValueError("a combine in one launch reaches every peer by stores, without "
+                         "fault tolerance")
+    T, H = out.shape
+    K = slot_rows.shape[1]
+    has_pair = pair_out is not None
+    values = (y, weights if weights is not None else y,
+              pair_values if pair_values is not None else y, slot_rows, slot_offsets,
+              src_token, topk_idx, ring, out, pair_out if has_pair else out, T)
+    key = ("invariant_rounds", H, K, specs(values[:10]), weights is None, pair_values is None,
+           has_pair, id(peer_ptrs), id(stats), id(tickets), id(epochs), id(signals), id(stage),
+           id(meta), id(offsets), rank, num_experts, max_topk, ring_slots, rounds,
+           offsets_stride, num_sms, id(flavour))
+    if call_bound(bound, key, values):
+        return True
+    R = peer_ptrs.numel()
+    send_tile = tiles("invariant_send", flavour.compiled, H, y.element_size())
+    reduce_tile = tiles("invariant_rounds_reduce", flavour.compiled, H, 4)  # fp32 sums
+    args = (
+        *values[:6], peer_ptrs, stats, tickets, epochs, signals, stage, meta, *values[6:10],
+        offsets["rows"][0], offsets["meta"][0], offsets["signal"], offsets["rows"][1],
+        offsets["meta"][1], stage.stride(0), meta.stride(0), flavour.local_base,
+        flavour.errors_addr, flavour.timeout_ns, T, H, K, R, num_experts, rank, ring_slots,
+        rounds, offsets_stride)
+    kwargs = dict(
+        KMAX=max_topk, HAS_WEIGHTS=weights is not None, HAS_PAIR=pair_values is not None,
+        ALIGN=flavour.row_align, EVEN_H=even(H, send_tile.block_h),
+        REDUCE_EVEN_H=even(H, reduce_tile.block_h), BLOCK_T=send_tile.block_t,
+        BLOCK_H=send_tile.block_h, REDUCE_T=reduce_tile.block_t, REDUCE_H=reduce_tile.block_h,
+        BLOCK_K=triton.next_power_of_2(max(K, 1)), BLOCK_R=triton.next_power_of_2(R),
+        NUM_THREADS=send_tile.num_threads, enable_fp_fusion=False,
+        **flavour.launch_options(send_tile))
+    launch(bound, key, invariant_rounds_kernel, (rounds_grid(num_sms, flavour),), args, kwargs,
+           ("y", "weights", "pair_values", "slot_rows", "slot_offsets", "src_token", "topk_idx",
+            "ring", "out", "pair_out", "T"))
+    return True

@@ -657,7 +657,9 @@ class NormalMode:
 
     @poisons_buffer_on_error("dispatch")
     def dispatch_cached_send(self, x, slot_of, node_slot_of=None) -> PendingSend:
-        """Send phase of a dispatch that reuses an earlier layout (the backward of combine)."""
+        """Send phase of a dispatch that reuses an earlier layout (the backward of combine).
+        Where its rounds run in one launch (``kernels.dispatch_rounds``, cached) nothing is
+        sent here: the receive launches every round."""
         epoch = self._start(DISPATCH)
         x = x.contiguous()
         later = None

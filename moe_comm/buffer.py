@@ -861,6 +861,14 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                 self._ticket_words[channel:channel + 1], self._epoch_words[channel:channel + 1])
         return words
 
+    def _channel_signals(self, channel: int) -> torch.Tensor:
+        """``channel``'s [R] int64 signal words on this rank, the view made once (a bound
+        launch finds it by its id)."""
+        signals = self._offsets.get(("signals", channel))
+        if signals is None:
+            signals = self._offsets[("signals", channel)] = self._signals[channel]
+        return signals
+
     def _send_offsets(self, channel: int) -> dict:
         """Where this rank's sends of ``channel`` write on every peer: name -> (byte offset of
         this rank's slice in parity 0, bytes per parity); ``signal`` -> byte offset. The

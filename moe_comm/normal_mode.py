@@ -32,20 +32,20 @@ every rank runs in a process of its own with waits in the kernels (GPUs, or CPU 
 (``kernels.dispatch_rounds``: round 0's expand, then each later round's send, wait and expand),
 and one launch every round of a cached dispatch (the same kernel); each says why it cannot
 deadlock, and on GPUs they run where a round fits the launch's ``num_sms`` programs
-(``fits_one_launch``). There round 0's send
-lays out what arrived too: its last program, after it has published, waits for every source's
-round 0 and writes the received layout (what ``received_layout`` launches otherwise). Every
-other program of that send has finished, and every rank's last program publishes before it
-waits, so no rank waits for one that is waiting; the host read that sizes the outputs follows.
+(``fits_one_launch``). There round 0's send lays out what arrived too: its last program, after
+it has published, waits for every source's round 0 and writes the received layout (what
+``received_layout`` launches otherwise). Every other program of that send has finished, and
+every rank's last program publishes before it waits, so no rank waits for one that is waiting;
+the host read that sizes the outputs follows.
 A dispatch in rounds is then five launches: the layout's two, the ring positions, round 0's send
 and the one launch. Across nodes through the proxy its send fills the outboxes with the window's
 rows for other nodes and posts one descriptor per peer (flat) or per node (hierarchical) there
 (``_send_other_nodes``); hierarchical, each round adds the forwarder's pass
 (``_forward_dispatch`` after the round's send, ``_forward_combine`` after the round's combine
 send), which waits for the round's messages from other nodes and stores their rows into its
-node's staging. The ring positions
-and the rounds' counts are one launch (``kernels.layout.ring_positions``), the rounds' slot
-offsets torch ops (written by the one launch where there is one).
+node's staging. The ring positions and the rounds' counts are one launch
+(``kernels.layout.ring_positions``), the rounds' slot offsets torch ops (written by the one
+launch where there is one).
 A window holds at most ``W`` tokens, so at most ``W`` rows for any rank and at most ``W`` rows in
 any node's message. The order that makes it safe, in each place the kernels run: a rank's send of
 round ``i`` needs nothing but its own inputs (the parity it writes was last read in round ``i - 2``,
@@ -290,11 +290,8 @@ class NormalMode:
         lay_out = None
         if received is not None:  # the last program waits for every source and lays them out
             *outs, every_round, alignment = received
-            words = self._offsets.get(("lay_out", DISPATCH))
-            if words is None:  # made once: the bound send is found by these tensors' ids
-                words = self._offsets[("lay_out", DISPATCH)] = (
-                    self._region("dispatch_counts"), self._signals[DISPATCH])
-            lay_out = (*words, *outs, self._round_view(every_round, 0), alignment)
+            lay_out = (self._region("dispatch_counts"), self._channel_signals(DISPATCH), *outs,
+                       self._round_view(every_round, 0), alignment)
         self._send_window(x, scales, idx, weights, pos, ring, counts, stream.topk, stream.fp8,
                           stream.ue8m0, t_base, lay_out)
         node_ring = None if stream.node_ring is None else stream.node_ring[window]
@@ -337,6 +334,13 @@ class NormalMode:
     def slot_offsets_size(self) -> int:
         """Length of a dispatch's ``recv_slot_offsets`` (every round's ``[R + 1]`` offsets)."""
         return (self.layout.rounds - 1) * self._round_stride() + self.world_size + 1
+
+    def _start_later_rounds(self, channel: int) -> None:
+        """Takes the epochs of rounds ``1..rounds - 1`` of the call just started on
+        ``channel``, which one launch sends (``kernels.combine_rounds``,
+        ``kernels.invariant_rounds``, ``kernels.dispatch_rounds``)."""
+        for _ in range(1, self.layout.rounds):
+            self._start(channel)
 
     def _round_view(self, slot_offsets: torch.Tensor, i: int) -> torch.Tensor:
         """Round ``i``'s ``[R + 1]`` view of a dispatch's ``recv_slot_offsets`` (several
@@ -552,8 +556,7 @@ class NormalMode:
         outputs = (slot_rows, out, out_weights if pending.has_weights else None, src_rank,
                    src_token)
         if one_launch:  # round 0's expand, then the later rounds' sends, waits and expands
-            for _ in range(1, self.layout.rounds):  # every round's epoch
-                self._start(DISPATCH)
+            self._start_later_rounds(DISPATCH)
             slot_offsets = every_round  # (the launch writes the later rounds' and the gaps)
             self._dispatch_rounds(stream, row_base, tokens_per_expert, expert_offsets,
                                   slot_offsets, outputs, scale_memory, scale_strides,
@@ -628,7 +631,7 @@ class NormalMode:
             fixed = self._offsets[("rounds", DISPATCH)] = (
                 *self._staging(DISPATCH), self._region("dispatch_counts"),
                 self.heap.peer_ptrs, self._stats, self._ticket_words[ticket:ticket + 1],
-                self._channel_words(DISPATCH)[1], self._signals[DISPATCH])
+                self._channel_words(DISPATCH)[1], self._channel_signals(DISPATCH))
         return fixed
 
     def _rounds_options(self) -> dict:
@@ -664,9 +667,8 @@ class NormalMode:
         x = x.contiguous()
         later = None
         if self.layout.rounds > 1 and self._dispatch_in_one_launch.get(
-                (0, 0, x.element_size()), False):  # every round's epoch, the launch in the
-            for _ in range(1, self.layout.rounds):  # receive (slot_of: the ring positions)
-                self._start(DISPATCH)
+                (0, 0, x.element_size()), False):  # the launch in the receive (slot_of: the
+            self._start_later_rounds(DISPATCH)  # ring positions)
             return PendingSend(DISPATCH, epoch, all_rounds=functools.partial(
                 self._cached_dispatch_rounds, x, slot_of))
         if self.layout.rounds == 1:
@@ -739,9 +741,8 @@ class NormalMode:
         epoch = self._start(COMBINE)
         topk = slot_rows.shape[1]
         y = y.contiguous()
-        if self._combine_in_one_launch[fp8]:  # every round's epoch, the launch in the receive
-            for _ in range(1, self.layout.rounds):
-                self._start(COMBINE)
+        if self._combine_in_one_launch[fp8]:  # the launch in the receive
+            self._start_later_rounds(COMBINE)
             all_rounds = (functools.partial(self._invariant_rounds, src_token)
                           if self.ep_invariant else
                           functools.partial(self._combine_rounds, fp8))
@@ -812,7 +813,7 @@ class NormalMode:
             ticket = combine_rounds_kernels.ROUNDS_TICKET  # its own: not the send grid
             fixed = self._offsets[("rounds", COMBINE)] = (
                 *self._staging(COMBINE), self._ticket_words[ticket:ticket + 1], epochs,
-                self._signals[COMBINE], offsets)
+                self._channel_signals(COMBINE), offsets)
         staging, meta, tickets, epochs, signals, offsets = fixed
         self.launches["combine_rounds"] += combine_rounds_kernels.combine_rounds(
             y, weights, pair_values, slot_rows, slot_offsets, ring, out, pair_out, staging, meta,
@@ -833,7 +834,7 @@ class NormalMode:
             fixed = self._offsets[("rounds", "inv")] = (
                 self._region("inv_rows"), self._region("inv_meta"), self.heap.peer_ptrs,
                 self._stats, self._ticket_words[ticket:ticket + 1],
-                self._channel_words(COMBINE)[1], self._signals[COMBINE])
+                self._channel_words(COMBINE)[1], self._channel_signals(COMBINE))
         self.launches["combine_rounds"] += invariant_rounds_kernels.invariant_rounds(
             y, weights, pair_values, slot_rows, slot_offsets, src_token, topk_idx, ring, out,
             pair_out, *fixed, offsets=self._invariant_offsets(), rank=self.rank,

@@ -160,8 +160,9 @@ def fits_one_launch(world_size: int, ring_slots: int, hidden: int, topk: int,
     interpreter; on GPUs where a round's serial trips on :func:`rounds_grid`'s programs stay
     within the gate's ``MAX_TRIPS`` (``kernels.tiles.combine_round_trips``: at DeepSeek-V3
     sizes on 20 programs, rings of up to about 1100 slots, 640 for FP8; the default budget
-    gives 1088 at EP 32, 544 at EP 64, 128 at EP 256). Larger rings launch per round: a reduce
-    of their window on ``num_sms`` programs would be a serial kernel, a full-wave one is not."""
+    gives 1088 at EP 32, 544 at EP 64, 128 at EP 256; a Buffer on GPUs cuts larger rings to
+    fit, ``moe_comm.rings``). Larger rings launch per round: a reduce of their window on
+    ``num_sms`` programs would be a serial kernel, a full-wave one is not."""
     if not flavour.compiled:
         return True
     send_tile = tiles("combine_send", True, hidden, max(4, elem_bytes))

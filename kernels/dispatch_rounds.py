@@ -224,10 +224,13 @@ def rounds_grid(num_sms: int | None, flavour: Flavour) -> int:
     return num_sms if flavour.compiled and num_sms else 1
 
 
-def round_tiles(compiled: bool, hidden: int, elem_bytes: float, out_elem_bytes: float):
+def round_tiles(compiled: bool, hidden: int, elem_bytes: float, out_elem_bytes: float,
+                nvfp4_send: bool = False):
     """``(send, expand)`` tiles of :func:`dispatch_rounds_kernel`: one program per SM with the
-    expand's warps (``kernels.tiles``)."""
-    return (tiles("dispatch_rounds_send", compiled, hidden, elem_bytes),
+    expand's warps (``kernels.tiles``); ``nvfp4_send``: a send that quantizes to NVFP4, in
+    tiles of its own."""
+    return (tiles("dispatch_rounds_send_nvfp4" if nvfp4_send else "dispatch_rounds_send",
+                  compiled, hidden, elem_bytes),
             tiles("dispatch_rounds_expand", compiled, hidden, out_elem_bytes))
 
 
@@ -237,18 +240,17 @@ def fits_one_launch(world_size: int, ring_slots: int, hidden: int, topk: int,
     """Whether a dispatch's rounds after its first send run as one launch (``fp8``, ``ue8m0``:
     the send's format, ``x_elem_bytes`` the caller's rows'): always in the interpreter; on GPUs
     where a round's serial trips on :func:`rounds_grid`'s programs stay within ``MAX_TRIPS``
-    (``kernels.tiles.dispatch_round_trips``), but not where the send quantizes to NVFP4 (its
-    quantization beside the expand spills). At DeepSeek-V3 sizes on 20 programs: rings of up
-    to 871 slots at EP 8, 566 at EP 64, 348 at EP 256, 69 at EP 1024; the default budget gives
-    544 at EP 64, 128 at EP 256 and 32 at EP 1024 (one launch), 1088 at EP 32 (launches per
-    round). Larger rings launch per round: an expand of their window on ``num_sms`` programs
-    would be a serial kernel."""
+    (``kernels.tiles.dispatch_round_trips``; a send that quantizes to NVFP4 in tiles of half
+    the tokens). At DeepSeek-V3 sizes on 20 programs, in multiples of 16: rings of up to 864
+    slots at EP 8, 560 at EP 64, 336 at EP 256 and 64 at EP 1024 (quantizing to NVFP4: 800,
+    512, 320, 64); the default budget gives 128 at EP 256 and 32 at EP 1024 (one launch), 544
+    at EP 64 and 1088 at EP 32 (which a Buffer on GPUs cuts to 512 and 576 so that every
+    format fits, ``moe_comm.rings``). Larger rings launch per round: an expand
+    of their window on ``num_sms`` programs would be a serial kernel."""
     if not flavour.compiled:
         return True
-    if fp8 == 1 and ue8m0 == NVFP4:
-        return False
     elem = sent_elem_bytes(fp8, ue8m0, x_elem_bytes)
-    send, expand = round_tiles(True, hidden, elem, elem)
+    send, expand = round_tiles(True, hidden, elem, elem, fp8 == 1 and ue8m0 == NVFP4)
     programs = rounds_grid(num_sms, flavour)
     return dispatch_round_trips(world_size, ring_slots, topk, programs, send.block_t,
                                 expand.block_t) <= MAX_TRIPS
@@ -316,7 +318,8 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
         return True
     R, L, K = peer_ptrs.numel(), num_local_experts, slot_rows.shape[1]
     elem = sent_elem_bytes(fp8, ue8m0, x.element_size())
-    send_tile, expand_tile = round_tiles(flavour.compiled, H, elem, out.element_size())
+    send_tile, expand_tile = round_tiles(flavour.compiled, H, elem, out.element_size(),
+                                         fp8 == 1 and nvfp4)
     programs = rounds_grid(num_sms, flavour)
     stg = staging.view(torch.uint8) if quantized else staging
     groups = (2 * out.shape[1] if nvfp4 else out.shape[1]) // scale_group(ue8m0) \

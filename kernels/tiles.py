@@ -86,6 +86,9 @@ _GPU = {
     # send's and the expand's tiles with 8 warps, one program per SM
     "dispatch_rounds_send": (16, 1024, 8, 1),
     "dispatch_rounds_expand": (8, 1024, 8, 1),
+    # a send there that quantizes to NVFP4 holds the caller's rows and their 16-channel groups:
+    # 16 tokens a tile spilled (248 registers and 8 bytes of stack on sm_90), 8 do not
+    "dispatch_rounds_send_nvfp4": (8, 1024, 8, 1),
     # persistent: 64 slots a tile (at most 32 trips of a program over the slots of uniform
     # routing at DeepSeek-V3 prefill sizes with 20 programs), several choices' gathers in
     # flight (combine.gathers_in_flight); one program per SM, so a 128-byte accumulator a

@@ -48,6 +48,7 @@ from .microscale import swizzle_128x4
 from .nodes import NEVER, Nodes, internode_peers, never_signalled, plan_values, signal_labels
 from .normal_mode import NormalMode, PendingSend
 from .ops import combine_autograd, dispatch_autograd, wrap_dispatch_outputs
+from .rings import DEFAULT_GPU_SMS, checked_num_sms, one_launch_sms, staging_ring_slots
 from .symm import SymmetricHeap, create_loopback_heaps
 from .symm.select import choose_backend, create_heap, default_device
 from .transport import NixlProxy, TransportError, choose_transport
@@ -63,7 +64,7 @@ from .validation import (
     scale_code,
     sent_rows_check,
 )
-from .workspace import COMBINE, DISPATCH, WorkspaceLayout, ring_slots_for
+from .workspace import COMBINE, DISPATCH, WorkspaceLayout
 
 # Buffer ids: strings unique across processes and runs, not only within one process. The
 # custom ops take the id, and their fake implementations take their shapes from its Buffer
@@ -75,8 +76,7 @@ _CHANNEL_NAMES = {DISPATCH: "dispatch", COMBINE: "combine"}
 _CONFIG_FIELDS = ("hidden", "num_experts", "max_tokens_per_rank", "dtype", "max_topk",
                   "dispatch_dtype", "low_latency", "backend", "device_type", "kernel_impl",
                   "ranks_per_node", "transport", "hierarchical", "nixl_backend",
-                  "fault_tolerant", "staging_bytes", "ep_invariant")
-DEFAULT_GPU_SMS = 20  # persistent send grids on GPUs (DeepEP uses 20-24 SMs)
+                  "fault_tolerant", "staging_bytes", "ep_invariant", "num_sms")
 KERNEL_IMPLS = ("auto", "triton", "cuda")
 # kernel_impl="auto" on GPUs: the faster implementation per mode on the last measured GPU run
 # (docs/PERF.md, 2026-12-01, H200, 8 virtual ranks: the low-latency FP8 dispatch 2.8 ms on
@@ -127,20 +127,6 @@ def _check_config(world_size: int, hidden, num_experts, max_tokens_per_rank, dty
                          f"hidden={hidden}, dtype={dtype}")
 
 
-def staging_ring_slots(staging_bytes: int | None, world_size: int, max_tokens: int,
-                       hidden: int, max_topk: int, dtype: torch.dtype, *,
-                       outboxes: bool = False, ranks_per_node: int | None = None,
-                       rdma: bool = False, invariant: bool = False) -> int | None:
-    """Ring slots per source of the normal mode's staging for a budget of ``staging_bytes``
-    (``workspace.ring_slots_for``; None: the whole batch, one round). ``outboxes``: the budget
-    pays for the outboxes of a Buffer across nodes through the proxy as well, and with
-    ``ranks_per_node`` (hierarchical) for the forwarders' regions; ``rdma``: for the outboxes
-    of a Buffer across hosts over NVSHMEM; ``invariant``: for the EP-invariant combine's rows."""
-    slots = ring_slots_for(staging_bytes, world_size, max_tokens, hidden, max_topk, dtype,
-                           outboxes, ranks_per_node, rdma, invariant)
-    return None if slots == max_tokens else slots
-
-
 def check_ep_invariant(ep_invariant, num_nodes: int, kernel_impl: str,
                        low_latency: bool = False, via: str | None = "nixl",
                        hierarchical: bool = False) -> None:
@@ -186,6 +172,9 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
     staging: where the whole batch does not fit, every call runs in ``rounds`` through rings of
     ``ring_slots`` slots per source (``moe_comm.normal_mode``; one node, across nodes through
     the proxy, flat or hierarchical, and across hosts over NVSHMEM; fault-tolerant Buffers too).
+    On GPUs, one node, without fault tolerance, such a ring is cut to the largest whose rounds
+    run in one launch per op on ``num_sms`` programs (``moe_comm.rings``; every rank passes the
+    same ``num_sms``, checked): more rounds, less memory than the budget.
     ``ep_invariant=True``: every combine sums each token's choices in choice order, each product
     and sum rounded to fp32, so its bits depend on no EP size or placement
     (``reference.invariant_combine``, ``kernels.invariant``); on one node, across nodes through
@@ -222,7 +211,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                       ranks_per_node=ranks_per_node, transport=transport,
                       hierarchical=hierarchical, nixl_backend=nixl_backend,
                       fault_tolerant=bool(fault_tolerant), staging_bytes=staging_bytes,
-                      ep_invariant=bool(ep_invariant), host=socket.gethostname(),
+                      ep_invariant=bool(ep_invariant), num_sms=num_sms,
+                      host=socket.gethostname(),
                       pid=os.getpid())
         world_size = dist.get_world_size(group)
         configs: list = [None] * world_size
@@ -230,6 +220,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         _check_same_config(configs)
         _check_config(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk,
                       dispatch_dtype)
+        checked_num_sms(num_sms)  # (on GPUs the ring depends on it: moe_comm.rings)
         nodes = Nodes.of(world_size, ranks_per_node, [c["host"] for c in configs], device,
                          split_hosts=backend == "nvshmem" or transport == "nixl")
         chosen = choose_backend(backend, device, nodes.num_hosts)
@@ -257,7 +248,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             staging_bytes, world_size, max_tokens_per_rank, hidden, max_topk, dtype,
             outboxes=via == "nixl",
             ranks_per_node=nodes.ranks_per_node if forwarders else None, rdma=rdma,
-            invariant=one_node_invariant)
+            invariant=one_node_invariant, one_launch_sms=one_launch_sms(
+                device.type, nodes.count, via == "nixl", fault_tolerant, num_sms))
         layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                  num_experts // world_size, max_topk, dtype, low_latency,
                                  rdma=rdma, ranks_per_node=nodes.ranks_per_node,
@@ -351,9 +343,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         on_gpu = heap.device.type == "cuda"
-        if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int)
-                                    or num_sms < 1):
-            raise ValueError(f"num_sms must be a positive int or None, got {num_sms!r}")
+        num_sms = checked_num_sms(num_sms)
         self.num_sms = num_sms if num_sms is not None else (DEFAULT_GPU_SMS if on_gpu else None)
         self.kernel_impl = check_kernel_impl(  # (csrc/ neither excludes peers nor sums unfused)
             kernel_impl, heap.device, layout.low_latency,
@@ -476,7 +466,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
     @property
     def ring_slots(self) -> int:
         """Staging slots per source and parity; ``max_tokens_per_rank`` when a call is one
-        round, fewer when ``staging_bytes`` bounds it (``moe_comm.normal_mode``)."""
+        round, fewer when ``staging_bytes`` bounds it (``moe_comm.normal_mode``), fewer still
+        where one launch runs a call's rounds on a GPU (``moe_comm.rings``)."""
         return self.layout.ring_slots
 
     @property
@@ -507,7 +498,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                                  staging_bytes: int | None = None,
                                  ranks_per_node: int | None = None,
                                  hierarchical: bool | None = None,
-                                 transport: str = "nixl", ep_invariant: bool = False) -> int:
+                                 transport: str = "nixl", ep_invariant: bool = False,
+                                 one_launch_sms: int | None = None) -> int:
         """``workspace_bytes`` of a Buffer with these arguments, without allocating it: on one
         node, or (``ranks_per_node`` < ``world_size``) across nodes through the proxy
         (``transport="nixl"``; ``hierarchical`` as the Buffer's, None: hierarchical) or over
@@ -526,7 +518,10 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         over NVSHMEM the outboxes the puts read; ``workspace.staging_slot_bytes``);
         ``ep_invariant`` (one node) adds ``2 * K * (ROW + 8)`` per slot; the rest
         grows with R only through per-peer words (``moe_comm.workspace`` gives every
-        region)."""
+        region). ``one_launch_sms``: a Buffer on GPUs, a process per rank, without fault
+        tolerance, with ``num_sms=one_launch_sms`` (the Buffer's default is
+        ``rings.DEFAULT_GPU_SMS``): on one node a ring of several rounds is cut to the largest
+        that every format's rounds in one launch fit (``moe_comm.rings``)."""
         max_topk = min(16, num_experts) if max_topk is None else max_topk
         _check_config(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk)
         N = world_size if ranks_per_node is None else ranks_per_node
@@ -536,6 +531,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         if transport not in ("nixl", "nvshmem"):
             raise ValueError("transport must be 'nixl' (the proxy) or 'nvshmem' (puts across "
                              f"hosts), got {transport!r}")
+        one_launch_sms = checked_num_sms(one_launch_sms)
         across = N < world_size
         rdma = across and transport == "nvshmem"
         hier = across and not rdma and (bool(hierarchical) if hierarchical is not None
@@ -545,7 +541,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         ring_slots = staging_ring_slots(staging_bytes, world_size, max_tokens_per_rank, hidden,
                                         max_topk, dtype, outboxes=across and not rdma,
                                         ranks_per_node=N if hier else None, rdma=rdma,
-                                        invariant=bool(ep_invariant))
+                                        invariant=bool(ep_invariant),
+                                        one_launch_sms=None if across else one_launch_sms)
         if rdma:  # no proxy: a peer on another host has no pointer, NVSHMEM puts reach it
             return WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                    num_experts // world_size, max_topk, dtype, rdma=True,

@@ -32,11 +32,12 @@ every rank runs in a process of its own with waits in the kernels (GPUs, or CPU 
 (``kernels.dispatch_rounds``: round 0's expand, then each later round's send, wait and expand),
 and one launch every round of a cached dispatch (the same kernel); each says why it cannot
 deadlock, and on GPUs they run where a round fits the launch's ``num_sms`` programs
-(``fits_one_launch``). There round 0's send lays out what arrived too: its last program, after
-it has published, waits for every source's round 0 and writes the received layout (what
-``received_layout`` launches otherwise). Every other program of that send has finished, and
-every rank's last program publishes before it waits, so no rank waits for one that is waiting;
-the host read that sizes the outputs follows.
+(``fits_one_launch``; a Buffer on GPUs cuts its ring to fit, ``moe_comm.rings``). There round
+0's send lays out what arrived too: its last program, after it has published, waits for every
+source's round 0 and writes the received layout (what ``received_layout`` launches
+otherwise). Every other program of that send has finished, and every rank's last program
+publishes before it waits, so no rank waits for one that is waiting; the host read that sizes
+the outputs follows.
 A dispatch in rounds is then five launches: the layout's two, the ring positions, round 0's send
 and the one launch. Across nodes through the proxy its send fills the outboxes with the window's
 rows for other nodes and posts one descriptor per peer (flat) or per node (hierarchical) there

@@ -42,10 +42,13 @@ def _buffer(case: Case, device: str, **kwargs) -> moe_comm.Buffer:
 
 
 def _facts(buf: moe_comm.Buffer, first_call_s: float, warmup: dict | None = None) -> dict:
-    """What the test reports: how the heap maps peers, the rounds, whether the kernels put
-    through NVSHMEM (transport 1), the first call's time and the warm-up's."""
+    """What the test reports: how the heap maps peers, the rounds and their ring, the
+    launches that ran a call's rounds in one, whether the kernels put through NVSHMEM
+    (transport 1), the first call's time and the warm-up's."""
     return dict(mapping=getattr(buf.heap, "mapping", type(buf.heap).__name__),
-                rounds=buf.rounds, transport=buf.flavour.transport,
+                rounds=buf.rounds, ring_slots=buf.ring_slots,
+                one_launch={k: buf.launches[k] for k in ("dispatch_rounds", "combine_rounds")},
+                transport=buf.flavour.transport,
                 first_call_s=round(first_call_s, 3),
                 warmup=None if warmup is None else (len(warmup["variants"]),
                                                     round(warmup["seconds"], 3)))

@@ -285,6 +285,18 @@ MUTANTS = (
            "kernels/dispatch_rounds.py", "ends = tl.load(view + src + 1, mask=sm, other=0)",
            "ends = tl.load(slot_offsets + src + 1, mask=sm, other=0)",
            (ST + "test_one_launch_combines_give_the_bits_of_launches_per_round",)),
+    Mutant("gpu_ring_cut_one_multiple_short_of_the_largest_that_fits",
+           "on GPUs a ring of several rounds is cut to the largest that every format's one "
+           "launch fits",
+           "moe_comm/rings.py",
+           "lo, hi = (mid, hi) if fits(mid * RING_SLOT_MULTIPLE) else (lo, mid)",
+           "lo, hi = (mid, hi) if fits(mid * RING_SLOT_MULTIPLE + 16) else (lo, mid)",
+           (ST + "test_gpu_rings_are_cut_to_what_one_launch_runs_a_round_of",)),
+    Mutant("gpu_ring_cut_left_to_the_budget",
+           "on GPUs a ring of several rounds is cut to what one launch runs a round of",
+           "moe_comm/buffer.py", "one_launch_sms=None if across else one_launch_sms)",
+           "one_launch_sms=None)",
+           (ST + "test_gpu_rings_are_cut_to_what_one_launch_runs_a_round_of",)),
     Mutant("round_0_send_lays_out_without_waiting",
            "a dispatch in rounds whose round 0's send lays out what arrived waits for every "
            "source first, bounded, naming a late one",

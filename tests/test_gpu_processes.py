@@ -99,6 +99,18 @@ def test_normal_mode_in_rounds_across_processes_matches_reference(gpu_ranks, fp8
     _report(f"normal in rounds fp8={fp8}", facts)
 
 
+def test_normal_mode_rounds_cut_to_one_launch_across_processes(gpu_ranks):
+    """A budget of 1024 slots per source at 1200 tokens, 4 programs: the ring is cut to the 240
+    slots one launch runs a round of (``moe_comm.rings``), 5 rounds a call, and every call's
+    rounds run in one launch a dispatch (after round 0's send) and one a combine."""
+    case = Case(4, 32, 2048, 8, (600, 0, 1100, 1200), routing="zipf", alignment=16, seed=23)
+    facts = gpu_ranks(4).run(jobs.normal_mode, case, False, ring_slots=1024, num_sms=4)
+    assert all(f["ring_slots"] == 240 and f["rounds"] == 5 for f in facts), facts
+    assert all(f["one_launch"] == {"dispatch_rounds": 3, "combine_rounds": 3}
+               for f in facts), facts
+    _report("normal in rounds cut to one launch", facts)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_normal_mode_graph_replays_across_processes(gpu_ranks, world_size):
     case = Case(world_size, 8 * world_size, 2048, 8, (64,) * world_size, routing="zipf",

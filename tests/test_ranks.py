@@ -123,12 +123,16 @@ def test_constructor_names_the_rank_that_differs(ranks):
     errors = ranks(4).run(construct, {2: dict(hidden=128)})
     for text in errors:
         assert text is not None and "rank 2 passed hidden=128" in text, text
+    # num_sms too: on GPUs the ring of a call in rounds depends on it (moe_comm.rings)
+    for text in ranks(4).run(construct, {1: dict(num_sms=4)}):
+        assert text is not None and "rank 1 passed num_sms=4" in text, text
 
 
 @pytest.mark.parametrize("kwargs, expect", [
     (dict(num_experts=6), "not divisible by the world size"),
     (dict(hidden=0), "hidden must be a positive int"),
     (dict(dtype=torch.int32), "dtype must be one of"),
+    (dict(num_sms=0), "num_sms must be a positive int"),
 ])
 def test_constructor_rejects_bad_config(ranks, kwargs, expect):
     for text in ranks(4).run(construct, {"all": kwargs}):

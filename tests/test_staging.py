@@ -297,6 +297,57 @@ def test_workspace_formula_from_ep_8_to_1024():
     assert small - rest[64] == 64 * 16 * per_slot
 
 
+def test_gpu_rings_are_cut_to_what_one_launch_runs_a_round_of():
+    """DeepSeek-V3 sizes, a process per GPU on one node, 20 programs: where the default budget
+    gives a ring of several rounds too large for the rounds in one launch (EP 16, EP 32; EP 8
+    with the EP-invariant combine), the ring is cut to the largest multiple of 16 that every
+    format's one launch fits, and the Buffer runs every format in one launch there; rings
+    that fit (EP 128) and whole batches (EP 8) stay. More programs fit more; CPU ranks, other
+    nodes, the proxy and fault tolerance keep the budget's."""
+    from moe_comm.kernels.comm import Flavour
+    from moe_comm.rings import fits_every_format, one_launch_sms, staging_ring_slots
+    from moe_comm.warmup import twins
+    from moe_comm.workspace import WorkspaceLayout
+
+    H, K, T, dtype = 7168, 8, 4096, torch.bfloat16
+    for R, inv, budget, cut in ((16, False, 2176, 640), (32, False, 1088, 576),
+                                (64, False, 544, 512), (8, True, 2912, 656),
+                                (128, False, 272, 272), (8, False, None, None)):
+        assert staging_ring_slots(None, R, T, H, K, dtype, invariant=inv) == budget, R
+        assert staging_ring_slots(None, R, T, H, K, dtype, invariant=inv,
+                                  one_launch_sms=20) == cut, R
+        layout = WorkspaceLayout(R, T, H, 256 // R, K, dtype, ring_slots=cut, invariant=inv)
+        assert moe_comm.Buffer.required_workspace_bytes(
+            R, H, 256, T, dtype, K, ep_invariant=inv, one_launch_sms=20) == layout.nbytes, R
+        if cut is None:
+            continue
+        assert cut % 16 == 0 and fits_every_format(cut, R, H, K, 2, 20, inv), R
+        assert cut == budget or not fits_every_format(cut + 16, R, H, K, 2, 20, inv), R
+    assert moe_comm.Buffer.required_workspace_bytes(16, H, 256, T, dtype, K) > (1 << 30) \
+        > moe_comm.Buffer.required_workspace_bytes(16, H, 256, T, dtype, K, one_launch_sms=20)
+    assert staging_ring_slots(None, 32, T, H, K, dtype, one_launch_sms=132) > 576
+    assert moe_comm.Buffer.required_workspace_bytes(  # across nodes: per round, no cut
+        32, H, 256, T, dtype, K, ranks_per_node=8, one_launch_sms=20) \
+        == moe_comm.Buffer.required_workspace_bytes(32, H, 256, T, dtype, K, ranks_per_node=8)
+    with pytest.raises(ValueError, match="num_sms must be a positive int"):
+        moe_comm.Buffer.required_workspace_bytes(16, H, 256, T, dtype, K, one_launch_sms=0)
+    assert one_launch_sms("cuda", 1, False, False, None) == 20
+    assert one_launch_sms("cuda", 1, False, False, 24) == 24
+    for args in (("cpu", 1, False, False, 20), ("cuda", 2, False, False, 20),
+                 ("cuda", 1, True, False, 20), ("cuda", 1, False, True, 20)):
+        assert one_launch_sms(*args) is None, args
+    # the Buffer's own tables (GPU flavour, processes of their own) agree at the cut ring
+    # the Buffer's own tables (GPU flavour, processes of their own): all at the cut ring, not
+    # all a multiple above (EP 16: the FP8 combine and the NVFP4-quantizing send fit 640)
+    for ring in (640, 656):
+        layout = WorkspaceLayout(16, T, H, 16, K, dtype, ring_slots=ring)
+        buf = twins(layout, 256, Flavour(device_wait=True, compiled=True), 20,
+                    own_process=True)[0]
+        tables = [*buf._combine_in_one_launch, *buf._dispatch_in_one_launch.values()]
+        assert len(tables) == 2 + 3 * 4 * 2 and any(tables), ring
+        assert all(tables) == fits_every_format(ring, 16, H, K, 2, 20, False) == (ring == 640)
+
+
 def test_flat_workspace_across_nodes_from_ep_16_to_256():
     """DeepSeek-V3 sizes, nodes of 8 ranks, flat through the proxy: the default budget pays for
     the staging and the outboxes, the whole workspace stays under 2 GiB and does not grow with

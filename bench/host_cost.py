@@ -10,9 +10,9 @@ in lockstep; ``dispatch_rounds`` and ``combine_rounds`` are the normal mode with
 staging of 32 slots per source (4 rounds a call; the ranks launch what ranks in processes of
 their own launch, so a combine's rounds are one launch, ``kernels.combine_rounds``, and a
 dispatch's five: the layout's two, the ring positions, round 0's send, which lays out what
-arrived, and ``kernels.dispatch_rounds``). Triton
-believes it drives an sm_90 GPU
-whose compiled kernels are stand-ins that record their launches
+arrived, and ``kernels.dispatch_rounds``); ``combine_rounds_ft``, that combine of a
+fault-tolerant Buffer, is one launch too. Triton believes it drives an sm_90 GPU whose compiled
+kernels are stand-ins that record their launches
 (``kernels.recording.compiled_stand_ins``): every launch takes Triton's whole launch path, or
 the Buffer's bound one (``kernels.bound``), and ends in a launcher that does nothing. Per op
 and rank:
@@ -245,14 +245,19 @@ def measure(calls: int = 200) -> dict:
     """``{op: {launches, triton, torch, bound, aten, allocs, python, host_us, triton_path_us,
     triton_kernels, torch_ops}}`` per rank; ``dispatch_rounds`` and ``combine_rounds``: the
     normal mode with a bounded staging (``ROUNDS_CONFIG``: ``rounds`` calls' worth of launches
-    in one)."""
+    in one); ``combine_rounds_ft``: the same combine of a fault-tolerant Buffer."""
     R = CONFIG.world_size
     out = {}
     with compiled_stand_ins() as launched:
-        for mode, cfg, suffix in (("normal", CONFIG, ""), ("normal", ROUNDS_CONFIG, "_rounds"),
-                                  ("low_latency", CONFIG, "")):
-            bufs = gate._buffers(cfg, DTYPE, mode == "low_latency", 0, 90)
-            for name, op in _ops(bufs)[mode].items():
+        for mode, cfg, suffix, flags in (("normal", CONFIG, "", ()),
+                                         ("normal", ROUNDS_CONFIG, "_rounds", ()),
+                                         ("normal", ROUNDS_CONFIG, "_rounds_ft", (False, True)),
+                                         ("low_latency", CONFIG, "", ())):
+            bufs = gate._buffers(cfg, DTYPE, mode == "low_latency", 0, 90, *flags)
+            ops = _ops(bufs)[mode]
+            if flags:  # fault tolerance: the combine alone (its dispatch launches per round)
+                ops.pop("dispatch")()
+            for name, op in ops.items():
                 name += suffix
                 op()  # warm: first calls fill the Buffer's caches and bind its launches
                 before, bound_before = len(launched), _bound_calls(bufs)
@@ -431,9 +436,9 @@ def _drive_changing_inputs(bufs, cfg, dtype, low_latency: bool) -> None:
 def table(result: dict) -> str:
     cols = ("launches", "triton", "torch", "bound", "aten", "allocs", "python", "host_us",
             "triton_path_us")
-    lines = ["op           " + "".join(f"{c:>10}" if len(c) < 10 else f" {c}" for c in cols)]
+    lines = ["op                " + "".join(f"{c:>10}" if len(c) < 10 else f" {c}" for c in cols)]
     for op, row in result.items():
-        lines.append(f"{op:<13}" + "".join(
+        lines.append(f"{op:<18}" + "".join(
             f"{row[c]:>10.1f}" if c.endswith("_us") else f"{row[c]:>10g}" for c in cols[:-1])
             + f"{row[cols[-1]]:>15.1f}")
     return "\n".join(lines)

@@ -24,6 +24,14 @@ launch one after another, so on CPU ranks the grid is one program. Virtual ranks
 of one process cannot use it (a rank's launch would wait for a peer not yet launched): they
 launch per round.
 
+Fault tolerance (``FT``): each round, program 0 waits for every source not excluded, excludes
+those silent until the deadline (on every rank, as the per-round wait kernel does), writes who
+arrived into row ``i`` of ``live`` and publishes that decision in a local word; every other
+program waits for the word (bounded) and reads the same row, so every token of the round sums
+the same sources (``kernels.comm.wait_or_exclude_once``). Program 0 waits only for sources,
+never for another program of its launch, so the argument above holds unchanged; a round where
+this rank finds itself excluded ends every program's rounds.
+
 Bytes and signals are those of the launches per round: each round's partial rows and its epoch
 (8 bytes) to every rank, counted in ``stats`` as ``combine_send_kernel`` counts them.
 """
@@ -39,16 +47,18 @@ from .comm import (
     CPU_RANKS,
     Flavour,
     draw_last_of,
+    local_ptr,
     publish_epoch,
     timed_out,
     uniform_now_ns,
     wait_all_at_least,
+    wait_or_exclude_once,
 )
 from .tiles import MAX_TRIPS, combine_round_trips, even, tiles
 
 ROUNDS_TICKET = 6  # the word of ``tickets`` this kernel draws from (kernels.dispatch_rounds: 5)
 _PER_CALL = ["rows_off", "meta_off", "signal_off", "local_base", "errors_addr", "timeout_ns",
-             "T", "me"]
+             "T", "me", "mask_off"]
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
@@ -69,15 +79,19 @@ def combine_rounds_kernel(
     ring,  # [T, R] int32: the ring position of token t on rank d in its round, -1 if none
     out,  # [T, H]
     pair_out,  # [T, K] float32 (HAS_PAIR)
+    live,  # [ROUNDS, R] int32 out (FT): round i's sources that arrived, at row i
+    decided,  # [1] int64 local (FT): wait_or_exclude_once's word, grows with the epochs
     rows_off: tl.int64, meta_off: tl.int64, signal_off: tl.int64,  # this rank's regions
     rows_parity: tl.int64, meta_parity: tl.int64,  # (parity 0) and bytes per parity
     STAGING_PARITY: tl.int64, META_PARITY: tl.int64,  # elements between the two parities
     ROW_BYTES: tl.int64,
     local_base: tl.int64,  # address of this rank's segment (no outbox is read from it)
     errors_addr: tl.int64, timeout_ns: tl.int64,
+    mask_off: tl.int64,  # FT: byte offset of the mask words (every segment)
     T: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, me: tl.int32,
     W: tl.int32,  # ring slots per source: the tokens of a round
     ROUNDS: tl.int32, OFFSETS_STRIDE: tl.int32,
+    FT: tl.constexpr,  # fault tolerance: a silent source is excluded, each round sums the rest
     KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr,
     ACC_FP64: tl.constexpr, FP8: tl.constexpr, ALIGN: tl.constexpr, EVEN_H: tl.constexpr,
     REDUCE_EVEN_H: tl.constexpr,
@@ -106,8 +120,9 @@ def combine_rounds_kernel(
                           meta_off + parity * meta_parity, 0, 0, local_base, offsets, H, K, R,
                           me, W, R, KMAX, HAS_WEIGHTS, HAS_PAIR, ACC_FP64, FP8, 0, False, ALIGN,
                           EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R, IN_FLIGHT)
-            ok = publish_and_wait(tickets, programs, peer_ptrs, signal_off, epoch, stats, epochs,
-                                  signals, errors, timeout_ns, R, BLOCK_R, NUM_THREADS)
+            ok = publish_and_wait(pid, tickets, programs, peer_ptrs, signal_off, epoch, stats,
+                                  epochs, signals, errors, timeout_ns, live + i * R, decided,
+                                  mask_off, local_base, R, me, FT, BLOCK_R, NUM_THREADS)
             if ok:  # the tokens of window i, each in rank order (combine_reduce_kernel's sum)
                 first = tl.cast(i, tl.int64) * W
                 n = tl.minimum(T - first, W).to(tl.int32)
@@ -115,19 +130,22 @@ def combine_rounds_kernel(
                     reduce_tile(q // channel_tiles, q % channel_tiles,
                                 staging + parity * STAGING_PARITY, meta + parity * META_PARITY,
                                 staging, meta, ring + first * R, ring, out + first * H,
-                                pair_out + first * K, ring, n, H, K, R, W, R, me, KMAX,
-                                HAS_PAIR, ACC_FP64, REDUCE_EVEN_H, False, False, FP8, ROW_BYTES,
+                                pair_out + first * K, live + i * R, n, H, K, R, W, R, me, KMAX,
+                                HAS_PAIR, ACC_FP64, REDUCE_EVEN_H, False, FT, FP8, ROW_BYTES,
                                 REDUCE_T, REDUCE_H, BLOCK_K, BLOCK_R, 1)
 
 
 @triton.jit
-def publish_and_wait(tickets, programs, peer_ptrs, signal_off, epoch, stats, epochs, signals,
-                     errors, timeout_ns, R, BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr):
+def publish_and_wait(pid, tickets, programs, peer_ptrs, signal_off, epoch, stats, epochs,
+                     signals, errors, timeout_ns, live, decided, mask_off, local_base, R, me,
+                     FT: tl.constexpr, BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr):
     """The end of a combine round's send in one launch: the last program to draw a ticket
     publishes ``epoch`` to every rank (its 8 bytes counted in ``stats`` [2], [3] as the
     send's) and advances ``epochs``; then every program waits, bounded, for every rank's
     ``epoch`` in ``signals``. Returns whether all arrived (a timeout is recorded, naming the
-    rank)."""
+    rank). ``FT``: a source silent until the deadline is excluded instead, the round's
+    sources that arrived written into ``live`` [R], the same for every program
+    (``kernels.comm.wait_or_exclude_once``); returns whether this rank may go on."""
     if draw_last_of(tickets, programs):
         for d in range(R):
             publish_epoch(peer_ptrs, d, signal_off, epoch)
@@ -136,6 +154,11 @@ def publish_and_wait(tickets, programs, peer_ptrs, signal_off, epoch, stats, epo
         tl.atomic_add(stats + 3 + tl.arange(0, 1), signal_bytes, sem="relaxed")
         tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
     deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
+    if FT:
+        mask = local_ptr(local_base, mask_off, tl.int64, 8)
+        return wait_or_exclude_once(pid, signals, epoch, live, decided, deadline, timeout_ns,
+                                    errors, mask, me, peer_ptrs, mask_off, R, local_base,
+                                    BLOCK_R, NUM_THREADS, 0)
     return wait_all_at_least(signals, 1, R, epoch, 0, deadline, errors, signals, BLOCK_R,
                              NUM_THREADS, False)
 
@@ -177,16 +200,16 @@ def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, 
                    staging, meta, peer_ptrs, stats, tickets, epochs, signals, *, offsets: dict,
                    rank: int, topk: int, max_topk: int, rounds: int, offsets_stride: int,
                    num_sms: int | None = None, flavour: Flavour = CPU_RANKS, fp8: bool = False,
-                   bound: BoundLaunches | None = None, scratch: dict | None = None) -> bool:
+                   bound: BoundLaunches | None = None, scratch: dict | None = None,
+                   live=None, decided=None) -> bool:
     """Launches :func:`combine_rounds_kernel` (module docstring): the whole combine of
     ``rounds`` rounds. ``offsets``: rows / meta -> (byte offset of this rank's slice of parity
     0, bytes per parity), signal -> byte offset (``combine_send``'s); ``staging`` / ``meta``
     the whole combine_rows / combine_meta regions; ``ring`` [T, R] int32 and ``slot_offsets``
     (round i's at ``i * offsets_stride``) from the dispatch's handle; ``out`` [T, H] and
-    ``pair_out`` [T, K] (None without pair values) are written."""
-    if flavour.transport or flavour.hierarchical or flavour.fault_tolerant:
-        raise ValueError("a combine in one launch reaches every peer by stores, without "
-                         "fault tolerance")
+    ``pair_out`` [T, K] (None without pair values) are written. A fault-tolerant ``flavour``
+    takes ``live`` [rounds, R] int32 (written: the sources each round summed) and ``decided``
+    [1] int64 (the Buffer's own word, ``kernels.comm.wait_or_exclude_once``)."""
     T, H = out.shape
     R, W = staging.shape[1:3]
     row_bytes = staging.stride(2) * staging.element_size()
@@ -195,13 +218,14 @@ def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, 
     has_pair = pair_out is not None
     values = (y, weights if weights is not None else y,
               pair_values if pair_values is not None else y, slot_rows, slot_offsets, ring, out,
-              pair_out if has_pair else out, T)
-    key = ("combine_rounds", H, topk, specs(values[:8]), weights is None, pair_values is None,
+              pair_out if has_pair else out, ring if live is None else live, T)
+    key = ("combine_rounds", H, topk, specs(values[:9]), weights is None, pair_values is None,
            has_pair, id(peer_ptrs), id(stats), id(tickets), id(epochs), id(signals),
            id(staging), id(meta), staging.shape, row_bytes, id(offsets), rank,
-           max_topk, rounds, offsets_stride, num_sms, id(flavour), fp8, id(scratch))
+           max_topk, rounds, offsets_stride, num_sms, id(flavour), fp8, id(scratch), id(decided))
     if call_bound(bound, key, values):
         return True
+    check_one_launch(flavour, live, decided, rounds, R)  # (once: the launch is bound to them)
     send_tile = tiles("combine_send", flavour.compiled, H, max(4, y.element_size()))
     reduce_tile_ = reduce_tiles(flavour.compiled, H, y.element_size(), fp8)
     grid = (rounds_grid(num_sms, flavour),)
@@ -209,12 +233,13 @@ def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, 
     compact = _scratch(scratch, y.device, grid[0] * send_tile.block_t * block_k)
     args = (
         *values[:5], compact, peer_ptrs, stats, tickets, epochs, signals, staging, meta,
-        *values[5:8], offsets["rows"][0], offsets["meta"][0], offsets["signal"],
-        offsets["rows"][1], offsets["meta"][1], staging.stride(0), meta.stride(0), row_bytes,
-        flavour.local_base, flavour.errors_addr, flavour.timeout_ns, T, H, topk, R, rank, W,
-        rounds, offsets_stride)
+        *values[5:9], ring if decided is None else decided, offsets["rows"][0],
+        offsets["meta"][0], offsets["signal"], offsets["rows"][1], offsets["meta"][1],
+        staging.stride(0), meta.stride(0), row_bytes, flavour.local_base, flavour.errors_addr,
+        flavour.timeout_ns, flavour.mask_off, T, H, topk, R, rank, W, rounds, offsets_stride)
     kwargs = dict(
-        KMAX=max_topk, HAS_WEIGHTS=weights is not None, HAS_PAIR=pair_values is not None,
+        FT=flavour.fault_tolerant, KMAX=max_topk, HAS_WEIGHTS=weights is not None,
+        HAS_PAIR=pair_values is not None,
         ACC_FP64=y.dtype == torch.float64, FP8=fp8, ALIGN=flavour.row_align,
         EVEN_H=even(H, send_tile.block_h), REDUCE_EVEN_H=even(H, reduce_tile_.block_h),
         BLOCK_T=send_tile.block_t, BLOCK_H=send_tile.block_h, REDUCE_T=reduce_tile_.block_t,
@@ -224,5 +249,19 @@ def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, 
         **flavour.launch_options(send_tile))
     launch(bound, key, combine_rounds_kernel, grid, args, kwargs,
            ("y", "weights", "pair_values", "slot_rows", "slot_offsets", "ring", "out",
-            "pair_out", "T"))
+            "pair_out", "live", "T"))
     return True
+
+
+def check_one_launch(flavour: Flavour, live, decided, rounds: int, world_size: int) -> None:
+    """A combine's rounds in one launch reach every peer by stores; fault-tolerant, they take
+    ``live`` [rounds, R] int32 and ``decided`` [1] int64, and only then."""
+    if flavour.transport or flavour.hierarchical:
+        raise ValueError("a combine in one launch reaches every peer by stores")
+    if flavour.fault_tolerant != (live is not None) or (live is None) != (decided is None):
+        raise ValueError("a fault-tolerant combine in one launch takes live and decided, "
+                         "another neither")
+    if live is not None and (tuple(live.shape) != (rounds, world_size)
+                             or live.dtype != torch.int32 or decided.dtype != torch.int64):
+        raise ValueError(f"live must be [rounds={rounds}, R={world_size}] int32 and decided "
+                         f"int64, got {tuple(live.shape)} {live.dtype} and {decided.dtype}")

@@ -329,6 +329,33 @@ def wait_all_or_exclude(words, stride, n, expected, SHIFT: tl.constexpr, deadlin
     return arrived, not cut_off
 
 
+@triton.jit
+def wait_or_exclude_once(pid, words, expected, live, decided, deadline_ns, timeout_ns, errors,
+                         mask, me, peer_ptrs, mask_off, R, local_base, BLOCK: tl.constexpr,
+                         NUM_THREADS: tl.constexpr, TRANSPORT: tl.constexpr):
+    """:func:`wait_all_or_exclude` taken once for every program of a launch, so that they all
+    read the same sources: program 0 waits, writes which sources arrived into ``live`` [R]
+    int32 and then release-stores ``decided := 2 * expected + ok`` (a local int64 word that
+    only grows: epochs do); every other program waits, bounded (``deadline_ns`` plus
+    ``timeout_ns``, program 0's own wait; a timeout names this rank), for ``decided >> 1 >=
+    expected`` and takes ``ok`` from its low bit. Returns ``ok`` (this rank may go on)."""
+    if pid == 0:
+        arrived, ok = wait_all_or_exclude(words, 1, R, expected, 0, deadline_ns, errors, words,
+                                          mask, me, peer_ptrs, mask_off, R, local_base, BLOCK,
+                                          NUM_THREADS, TRANSPORT, False)
+        s = tl.arange(0, BLOCK)
+        tl.store(live + s, arrived.to(tl.int32), mask=s < R)
+        tl.debug_barrier()
+        word = 2 * expected + ok * tl.full([1], 1, tl.int64)  # (ok: a bool, interpreted)
+        tl.atomic_xchg(decided + tl.arange(0, 1), word, sem="release", scope="gpu")
+        go = ok
+    else:
+        seen = _wait_named(decided, 1, 1, expected, 1, deadline_ns + timeout_ns, errors, words,
+                           me, 0, BLOCK, NUM_THREADS, False)
+        go = seen & ((tl.load(decided, volatile=True) & 1) != 0)
+    return go
+
+
 @triton.jit(do_not_specialize=["index", "value"])
 def set_word_on_all_kernel(peer_ptrs, word_off: tl.int64, index, value: tl.int64, R,
                            local_base: tl.int64, BLOCK_R: tl.constexpr,

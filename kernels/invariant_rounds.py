@@ -92,8 +92,9 @@ def invariant_rounds_kernel(
                        signal_off, 0, 0, local_base, errors, 0, 0, timeout_ns, H, K, R, me, W,
                        KMAX, HAS_WEIGHTS, HAS_PAIR, 0, ALIGN, EVEN_H, BLOCK_T, BLOCK_H,
                        BLOCK_K, BLOCK_R)
-            ok = publish_and_wait(tickets, programs, peer_ptrs, signal_off, epoch, stats, epochs,
-                                  signals, errors, timeout_ns, R, BLOCK_R, NUM_THREADS)
+            ok = publish_and_wait(pid, tickets, programs, peer_ptrs, signal_off, epoch, stats,
+                                  epochs, signals, errors, timeout_ns, ring, ring, 0, local_base,
+                                  R, me, False, BLOCK_R, NUM_THREADS)  # (no fault tolerance)
             if ok:  # the tokens of window i, each in choice order
                 first = tl.cast(i, tl.int64) * W
                 n = tl.minimum(T - first, W).to(tl.int32)

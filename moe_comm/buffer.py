@@ -386,24 +386,29 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             layout.view(heap, "ll_meta_table").copy_(table.to(torch.int32))
         # a combine in rounds as one launch (kernels.combine_rounds; EP-invariant:
         # kernels.invariant_rounds), [exact, FP8 partials]: ranks in processes of their own,
-        # waits in the kernels, every peer reached by stores, no fault tolerance, and on GPUs a
-        # ring small enough for the launch's programs
+        # waits in the kernels, every peer reached by stores (fault tolerance too, but for the
+        # EP-invariant combine: one program decides each round's sources,
+        # kernels.comm.wait_or_exclude_once), and on GPUs a ring small enough for the launch's
+        # programs
         f = self.flavour
         self.own_process = own_process
-        one_launch = (own_process and layout.rounds > 1 and f.device_wait and f.transport == 0
-                      and proxy is None and not self.fault_tolerant)
+        combine_launch = (own_process and layout.rounds > 1 and f.device_wait
+                          and f.transport == 0 and proxy is None)
+        one_launch = combine_launch and not self.fault_tolerant
+        # fault tolerance: the word in which that program publishes each round's decision
+        self._ft_decided = torch.zeros(1, dtype=torch.int64, device=heap.device)
         elem = self._row_bytes // self.hidden
-        self._combine_in_one_launch = [
-            one_launch and (
-                not fp8 and fits_invariant_rounds(self.world_size, layout.ring_slots,
-                                                  self.hidden, self.max_topk, self.num_sms, f,
-                                                  elem) if self.ep_invariant
+        self._combine_in_one_launch = [  # (the EP-invariant one without fault tolerance)
+            combine_launch and (
+                not fp8 and one_launch and fits_invariant_rounds(
+                    self.world_size, layout.ring_slots, self.hidden, self.max_topk,
+                    self.num_sms, f, elem) if self.ep_invariant
                 else fits_combine_rounds(self.world_size, layout.ring_slots, self.hidden,
                                          self.max_topk, self.num_sms, f, elem, fp8))
             for fp8 in (False, True)]
         # a dispatch's rounds after its first send as one launch (kernels.dispatch_rounds), by
-        # the send's format (fp8, ue8m0, the rows' element bytes): the same conditions (the
-        # EP-invariant combine changes no dispatch)
+        # the send's format (fp8, ue8m0, the rows' element bytes): the same conditions, without
+        # fault tolerance (the EP-invariant combine changes no dispatch)
         self._dispatch_in_one_launch = {
             (fp8, ue8m0, elem): one_launch and fits_dispatch_rounds(
                 self.world_size, layout.ring_slots, self.hidden, self.max_topk, self.num_sms, f,

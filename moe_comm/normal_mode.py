@@ -26,9 +26,10 @@ epoch of the channel for the source tokens ``[i * W, (i + 1) * W)``::
 
 Each round launches what a call of one round does (without the layout), but on one node where
 every rank runs in a process of its own with waits in the kernels (GPUs, or CPU ranks with
-``MOE_COMM_WAIT=kernel``), without fault tolerance: there one launch runs a combine's rounds
-(``kernels.combine_rounds``: each round's send, wait and reduce; EP-invariant:
-``kernels.invariant_rounds``), one launch a dispatch's after its round 0 is sent and laid out
+``MOE_COMM_WAIT=kernel``): there one launch runs a combine's rounds (``kernels.combine_rounds``:
+each round's send, wait and reduce; fault-tolerant too, each round's sources decided once for
+every program of the launch; EP-invariant, without fault tolerance: ``kernels.invariant_rounds``)
+and, without fault tolerance, one launch a dispatch's after its round 0 is sent and laid out
 (``kernels.dispatch_rounds``: round 0's expand, then each later round's send, wait and expand),
 and one launch every round of a cached dispatch (the same kernel); each says why it cannot
 deadlock, and on GPUs they run where a round fits the launch's ``num_sms`` programs
@@ -69,7 +70,10 @@ offsets (``recv_slot_offsets``: round ``i``'s ``[R + 1]`` at ``i * S``, ``S`` = 
 to even); the combine sends back each round's slots to the ring positions they had, and the home
 rank sums the tokens of window ``i`` in round ``i``, each in rank order: the same bits as one round.
 Fault tolerance: each round's wait excludes a silent source on its own and nothing waits
-for an excluded one, so a rank that stops between rounds holds up no one; a later round of a
+for an excluded one, so a rank that stops between rounds holds up no one (a combine in one
+launch: program 0 of each round waits, excludes and writes who arrived, the others take its
+word, ``kernels.comm.wait_or_exclude_once``, so every token of the round sums the same sources,
+and ``[rounds, R]`` of them reach ``renormalize``); a later round of a
 dispatch takes only sources that arrived in round 0 as well (rows are placed by round 0's layout),
 and its outputs start as padding rows (``moe_comm.fault``, "In rounds").
 
@@ -804,10 +808,12 @@ class NormalMode:
                                   slot_rows.shape[1], pair_values is not None, fp8)
 
     def _combine_rounds(self, fp8: bool, y, weights, pair_values, slot_rows, slot_offsets,
-                        ring, out, pair_out, topk_idx=None) -> None:
+                        ring, out, pair_out, topk_idx=None) -> torch.Tensor | None:
         """A whole combine of several rounds in one launch (``kernels.combine_rounds``): into
         ``out`` [T, H] and ``pair_out`` (None without pair values), ``ring``: the dispatch's
-        ring positions (``topk_idx``: the EP-invariant combine's, not read here)."""
+        ring positions (``topk_idx``: the EP-invariant combine's, not read here). Returns
+        what the rounds heard (``_rounds_live``'s form): fault-tolerant, ``[rounds, R]`` int32
+        written by the launch; else None."""
         fixed = self._offsets.get(("rounds", COMBINE))
         if fixed is None:  # made once: the bound launch is found by these tensors' ids
             (_, epochs), offsets, _ = self._send_fixed(COMBINE)
@@ -816,16 +822,26 @@ class NormalMode:
                 *self._staging(COMBINE), self._ticket_words[ticket:ticket + 1], epochs,
                 self._channel_signals(COMBINE), offsets)
         staging, meta, tickets, epochs, signals, offsets = fixed
+        live = self._rounds_live_words()
         self.launches["combine_rounds"] += combine_rounds_kernels.combine_rounds(
             y, weights, pair_values, slot_rows, slot_offsets, ring, out, pair_out, staging, meta,
             self.heap.peer_ptrs, self._stats, tickets, epochs, signals, offsets=offsets,
             rank=self.rank, topk=slot_rows.shape[1], max_topk=self.max_topk,
             rounds=self.layout.rounds, offsets_stride=self._round_stride(),
             num_sms=self.num_sms, flavour=self.flavour, fp8=fp8, bound=self._bound,
-            scratch=self._scratch)
+            scratch=self._scratch, live=live, decided=None if live is None else self._ft_decided)
+        return live
+
+    def _rounds_live_words(self) -> torch.Tensor | None:
+        """Fault tolerance: ``[rounds, R]`` int32 for a combine's rounds in one launch to write
+        who each round heard (``kernels.comm.wait_or_exclude_once``); else None."""
+        if not self.fault_tolerant:
+            return None
+        return torch.empty((self.layout.rounds, self.world_size), dtype=torch.int32,
+                           device=self.device)
 
     def _invariant_rounds(self, src_token, y, weights, pair_values, slot_rows, slot_offsets,
-                          ring, out, pair_out, topk_idx) -> None:
+                          ring, out, pair_out, topk_idx) -> torch.Tensor | None:
         """A whole EP-invariant combine of several rounds in one launch
         (``kernels.invariant_rounds``): as :meth:`_combine_rounds`, with the dispatch's
         ``src_token`` and ``topk_idx``."""
@@ -843,6 +859,7 @@ class NormalMode:
             ring_slots=self.layout.ring_slots, rounds=self.layout.rounds,
             offsets_stride=self._round_stride(), num_sms=self.num_sms, flavour=self.flavour,
             bound=self._bound)
+        return None  # (no fault tolerance here)
 
     def combine_recv(self, pending: PendingSend, slot_of, want_pair: bool, node_slot_of=None,
                      topk_idx=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -862,9 +879,9 @@ class NormalMode:
         pair_out = torch.empty((T, pending.topk) if want_pair else (0,), dtype=torch.float32,
                                device=dev)
         if pending.all_rounds is not None:  # (slot_of: the dispatch's ring positions)
-            pending.all_rounds(slot_of, out, pair_out if want_pair else None, topk_idx)
+            self._combine_live = pending.all_rounds(slot_of, out, pair_out if want_pair else None,
+                                                    topk_idx)
             self._check_usable("combine")  # its waits ran in the kernel: a timeout shows now
-            self._combine_live = None
             return out, pair_out
         self._wait(pending)
         # partials of ranks that did not arrive are left out, each round by its own wait

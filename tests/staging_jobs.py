@@ -62,8 +62,11 @@ def streamed_case(rank, world_size, case: Case, slots: int | None, iterations: i
 
 def _die_in_round(buf, phase: str) -> None:
     """This rank's ``phase`` ("dispatch" or "combine") sends its round 0, then the process ends
-    (SIGKILL) where round 1 would be sent."""
+    (SIGKILL) where round 1 would be sent (a combine of this rank launches per round to do so;
+    its peers' may run all their rounds in one launch: the rounds are the same on the link)."""
     send = getattr(buf, f"{phase}_send")
+    if phase == "combine":
+        buf._combine_in_one_launch = [False, False]
 
     def send_then_die_in_round_1(*args, **kwargs):
         pending = send(*args, **kwargs)

@@ -15,12 +15,15 @@ import dataclasses
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from fault_jobs import survivors_inputs
 
 import moe_comm
 from cases import Case, expert_fn, make_inputs
 from moe_comm import lockstep, reference
 from moe_comm.fault import RankExcludedError
+from moe_comm.kernels import comm
 from moe_comm.ops import wrap_dispatch_outputs
 from rank_jobs import FIELDS, kernel_waits
 
@@ -131,3 +134,59 @@ def test_layout_sends_nothing_to_or_from_an_excluded_rank(survivors_in_kernels):
                             [got[r].handle for r in live], [got[r].weights for r in live])
     for r, out in zip(live, outs):
         assert torch.equal(out, want_out[r]), f"rank {r}: combine differs"
+
+
+@triton.jit
+def _decide_kernel(signals, live, decided, go, peer_ptrs, errors_addr, local_base,
+                   mask_off: tl.int64, expected: tl.int64, timeout_ns: tl.int64, R, me, first_pid,
+                   BLOCK: tl.constexpr, NUM_THREADS: tl.constexpr):
+    """Each program (numbered from ``first_pid``) takes ``wait_or_exclude_once`` and stores what
+    it returned at ``go[pid]``."""
+    pid = tl.program_id(0) + first_pid
+    errors = errors_addr.to(tl.pointer_type(tl.int64))
+    mask = comm.local_ptr(local_base, mask_off, tl.int64, 8)
+    deadline = comm.uniform_now_ns(NUM_THREADS) + timeout_ns
+    ok = comm.wait_or_exclude_once(pid, signals, expected, live, decided, deadline, timeout_ns,
+                                   errors, mask, me, peer_ptrs, mask_off, R, local_base, BLOCK,
+                                   NUM_THREADS, 0)
+    tl.store(go + pid + tl.arange(0, 1), tl.full([1], 1, tl.int32) * ok)
+
+
+def test_one_decision_per_round_for_every_program_of_a_launch():
+    """``kernels.comm.wait_or_exclude_once`` (a fault-tolerant combine's rounds in one launch,
+    whose programs must sum the same sources) on 3 ranks' segments, rank 0 deciding, epoch 7:
+    program 0 waits, excludes the silent rank 2 on every rank, writes who arrived and the
+    decision; program 1 takes that decision. A rank excluded itself decides to stop, and its
+    other programs stop too; a program whose decision never comes stops at its deadline and
+    names its own rank."""
+    from moe_comm.error_record import ErrorRecord
+
+    R, me, epoch, mask_off = 3, 0, 7, 64
+    segments = [torch.zeros(16, dtype=torch.int64) for _ in range(R)]
+    peer_ptrs = torch.tensor([s.data_ptr() for s in segments], dtype=torch.int64)
+
+    def decide(signal_words, first_pid=0, programs=2, decided=None):
+        record = ErrorRecord(torch.device("cpu"))
+        live = torch.full((R,), -1, dtype=torch.int32)
+        decided = torch.zeros(1, dtype=torch.int64) if decided is None else decided
+        go = torch.full((2,), -1, dtype=torch.int32)
+        _decide_kernel[(programs,)](
+            torch.tensor(signal_words, dtype=torch.int64), live, decided, go, peer_ptrs,
+            record.address, segments[me].data_ptr(), mask_off, epoch, 20_000_000, R, me,
+            first_pid, BLOCK=4, NUM_THREADS=128)
+        return live.tolist(), int(decided), go.tolist(), record
+
+    live, decided, go, record = decide([epoch, epoch + 1, epoch - 1])
+    assert live == [1, 1, 0] and decided == 2 * epoch + 1 and go == [1, 1]
+    assert [int(s[mask_off // 8 + 2]) for s in segments] == [me + 1] * R  # on every rank
+    assert not record.timed_out()
+    live, decided, go, record = decide([epoch, epoch, 0])  # rank 2 excluded: not waited for
+    assert live == [1, 1, 0] and go == [1, 1] and not record.timed_out()
+    segments[me][mask_off // 8 + me] = 2  # this rank excluded by rank 1
+    live, decided, go, record = decide([epoch] * R)
+    assert decided == 2 * epoch and go == [0, 0] and record.timed_out()
+    segments[me][mask_off // 8 + me] = 0
+    stale = torch.full((1,), 2 * epoch - 1, dtype=torch.int64)  # the last round's, ok
+    _, decided, go, record = decide([epoch] * R, first_pid=1, programs=1, decided=stale)
+    assert decided == 2 * epoch - 1 and go == [-1, 0] and record.timed_out()
+    assert int(record.timeout_part[1]) == me  # (flag, peer, expected, observed)

@@ -532,6 +532,9 @@ def test_kills_between_rounds_leave_the_survivors_exact(in_kernels):
     survivors = [res for r, res in enumerate(results) if r not in kills]
     assert len(survivors) == 2 and all(res["rounds"] == 4 for res in survivors)
     assert all(res["active"] == [True, False, False, True] for res in survivors), survivors
+    # in-kernel waits: every combine's rounds in one launch, each round deciding who it sums
+    assert all(res["launches"].get("combine_rounds", 0) == (4 if in_kernels else 0)
+               for res in survivors), [res["launches"] for res in survivors]
     # host waits list who they excluded (rank 2 may be the one that excluded rank 1, before it
     # died itself); in-kernel waits write the mask alone, checked above
     excluded = set().union(*(res["excluded"] for res in survivors))

@@ -336,7 +336,6 @@ def test_gpu_rings_are_cut_to_what_one_launch_runs_a_round_of():
     for args in (("cpu", 1, False, False, 20), ("cuda", 2, False, False, 20),
                  ("cuda", 1, True, False, 20), ("cuda", 1, False, True, 20)):
         assert one_launch_sms(*args) is None, args
-    # the Buffer's own tables (GPU flavour, processes of their own) agree at the cut ring
     # the Buffer's own tables (GPU flavour, processes of their own): all at the cut ring, not
     # all a multiple above (EP 16: the FP8 combine and the NVFP4-quantizing send fit 640)
     for ring in (640, 656):

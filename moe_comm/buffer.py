@@ -396,7 +396,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                           and f.transport == 0 and proxy is None)
         one_launch = combine_launch and not self.fault_tolerant
         # fault tolerance: the word in which that program publishes each round's decision
-        self._ft_decided = torch.zeros(1, dtype=torch.int64, device=heap.device)
+        self._ft_decided = (torch.zeros(1, dtype=torch.int64, device=heap.device)
+                            if self.fault_tolerant else None)
         elem = self._row_bytes // self.hidden
         self._combine_in_one_launch = [  # (the EP-invariant one without fault tolerance)
             combine_launch and (

@@ -829,7 +829,7 @@ class NormalMode:
             rank=self.rank, topk=slot_rows.shape[1], max_topk=self.max_topk,
             rounds=self.layout.rounds, offsets_stride=self._round_stride(),
             num_sms=self.num_sms, flavour=self.flavour, fp8=fp8, bound=self._bound,
-            scratch=self._scratch, live=live, decided=None if live is None else self._ft_decided)
+            scratch=self._scratch, live=live, decided=self._ft_decided)
         return live
 
     def _rounds_live_words(self) -> torch.Tensor | None:

@@ -10,9 +10,9 @@ in lockstep; ``dispatch_rounds`` and ``combine_rounds`` are the normal mode with
 staging of 32 slots per source (4 rounds a call; the ranks launch what ranks in processes of
 their own launch, so a combine's rounds are one launch, ``kernels.combine_rounds``, and a
 dispatch's five: the layout's two, the ring positions, round 0's send, which lays out what
-arrived, and ``kernels.dispatch_rounds``); ``combine_rounds_ft``, that combine of a
-fault-tolerant Buffer, is one launch too. Triton believes it drives an sm_90 GPU whose compiled
-kernels are stand-ins that record their launches
+arrived, and ``kernels.dispatch_rounds``); ``dispatch_rounds_ft`` and ``combine_rounds_ft``,
+those ops of a fault-tolerant Buffer, launch as many. Triton believes it drives an sm_90 GPU
+whose compiled kernels are stand-ins that record their launches
 (``kernels.recording.compiled_stand_ins``): every launch takes Triton's whole launch path, or
 the Buffer's bound one (``kernels.bound``), and ends in a launcher that does nothing. Per op
 and rank:
@@ -245,7 +245,8 @@ def measure(calls: int = 200) -> dict:
     """``{op: {launches, triton, torch, bound, aten, allocs, python, host_us, triton_path_us,
     triton_kernels, torch_ops}}`` per rank; ``dispatch_rounds`` and ``combine_rounds``: the
     normal mode with a bounded staging (``ROUNDS_CONFIG``: ``rounds`` calls' worth of launches
-    in one); ``combine_rounds_ft``: the same combine of a fault-tolerant Buffer."""
+    in one); ``dispatch_rounds_ft`` and ``combine_rounds_ft``: the same ops of a fault-tolerant
+    Buffer."""
     R = CONFIG.world_size
     out = {}
     with compiled_stand_ins() as launched:
@@ -255,8 +256,6 @@ def measure(calls: int = 200) -> dict:
                                          ("low_latency", CONFIG, "", ())):
             bufs = gate._buffers(cfg, DTYPE, mode == "low_latency", 0, 90, *flags)
             ops = _ops(bufs)[mode]
-            if flags:  # fault tolerance: the combine alone (its dispatch launches per round)
-                ops.pop("dispatch")()
             for name, op in ops.items():
                 name += suffix
                 op()  # warm: first calls fill the Buffer's caches and bind its launches

@@ -356,6 +356,25 @@ def wait_or_exclude_once(pid, words, expected, live, decided, deadline_ns, timeo
     return go
 
 
+@triton.jit
+def after_every_program(tickets, programs, word, value, deadline_ns, errors, me,
+                        BLOCK: tl.constexpr, NUM_THREADS: tl.constexpr):
+    """A barrier of the ``programs`` programs of one launch (resident together, as every
+    persistent launch here): the last to draw a ticket from ``tickets`` (:func:`draw_last_of`)
+    release-stores ``value`` into ``word`` (a local int64 word that only grows), every other
+    waits for ``word >= value`` (bounded by ``deadline_ns``; a timeout names this rank ``me``).
+    What a program stored before it drew is seen by every program after it. Returns whether
+    this program may go on."""
+    if draw_last_of(tickets, programs):
+        tl.atomic_xchg(word + tl.arange(0, 1), value + tl.zeros([1], tl.int64), sem="release",
+                       scope="gpu")
+        done = value >= 0
+    else:
+        done = _wait_named(word, 1, 1, value, 0, deadline_ns, errors, word, me, 0, BLOCK,
+                           NUM_THREADS, False)
+    return done
+
+
 @triton.jit(do_not_specialize=["index", "value"])
 def set_word_on_all_kernel(peer_ptrs, word_off: tl.int64, index, value: tl.int64, R,
                            local_base: tl.int64, BLOCK_R: tl.constexpr,

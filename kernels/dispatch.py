@@ -70,7 +70,8 @@ from .rows import load_send_tile, row_payload, sent_elem_bytes, store_rows
 from .tiles import ZERO_TILES, even, per_source_programs, persistent_programs, tiles
 
 _SEND_PER_CALL = ["rows_off", "meta_off", "counts_off", "signal_off", "local_base",
-                  "errors_addr", "T", "t_base", "me", "timeout_ns", "alignment"]
+                  "errors_addr", "T", "t_base", "me", "timeout_ns", "alignment",
+                  "mask_off"]
 
 
 @triton.jit
@@ -240,9 +241,12 @@ def dispatch_send_kernel(
     # LAY_OUT: received_layout_kernel's counts, signals and outputs, its timeout and alignment
     recv_counts, signals, row_base, tokens_per_expert, expert_offsets, slot_offsets,
     timeout_ns: tl.int64, alignment: tl.int32, COUNT_PARITY: tl.int64,
+    live,  # LAY_OUT and FT: [R] int32 out, the sources that arrived (1) or did not (0)
+    mask_off: tl.int64,  # LAY_OUT and FT: the mask words in this rank's segment
     META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
     SEND_META: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     LAY_OUT: tl.constexpr,  # the last program then waits for every source and lays them out
+    FT: tl.constexpr,  # (with LAY_OUT) that wait excludes a silent source (fault tolerance)
     FP8: tl.constexpr,  # 0: copy rows as they are; 1: quantize here; 2: rows come quantized
     UE8M0: tl.constexpr,  # power-of-two scales, sent as exponent bytes
     GS: tl.constexpr,  # channels per scale: 128, 32 (MXFP8, with UE8M0) or 16 (NVFP4)
@@ -272,10 +276,14 @@ def dispatch_send_kernel(
                            local_base, epoch, R, L, SEND_META, TRANSPORT, BLOCK_L)
         tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
         if LAY_OUT:  # every program of this send has stored: waiting holds up no peer
-            lay_out_received(recv_counts, signals, epoch, signals, row_base, tokens_per_expert,
-                             expert_offsets, slot_offsets, peer_ptrs, errors_addr, timeout_ns, 0,
-                             local_base, R, L, alignment, me, COUNT_PARITY, True, False, False,
-                             0, BLOCK_R, BLOCK_L, NUM_THREADS)
+            arrived = lay_out_received(recv_counts, signals, epoch, signals, row_base,
+                                       tokens_per_expert, expert_offsets, slot_offsets,
+                                       peer_ptrs, errors_addr, timeout_ns, mask_off, local_base,
+                                       R, L, alignment, me, COUNT_PARITY, True, False, FT, 0,
+                                       BLOCK_R, BLOCK_L, NUM_THREADS)
+            if FT:
+                src = tl.arange(0, BLOCK_R)
+                tl.store(live + src, arrived.to(tl.int32), mask=src < R)
 
 
 _EXPAND_PER_CALL = ["errors_addr", "max_rows", "me"]
@@ -510,7 +518,7 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
                   fp8: int = 0, x_scales=None, ue8m0: int = 0,
                   flavour: Flavour = CPU_RANKS, box_offsets: tuple = ((0, 0),) * 3,
                   bound: BoundLaunches | None = None, t_base: int = 0,
-                  lay_out: tuple | None = None) -> bool:
+                  lay_out: tuple | None = None, live: torch.Tensor | None = None) -> bool:
     """Launches ``grid`` persistent send programs (:func:`send_grid`, fixed by the Buffer).
 
     ``x`` (and the per-token tensors) may be one round's window of a call's tokens, ``t_base``
@@ -532,12 +540,14 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
     the rdma_rows / rdma_meta / rdma_counts outboxes. ``bound``: the owner's bound launches
     (``kernels.bound``; the caller's tensors, the layout's and the token count vary).
 
-    ``lay_out`` (waits in the kernel, every peer reached by stores, no fault tolerance):
+    ``lay_out`` (waits in the kernel, every peer reached by stores):
     ``(counts, signals, row_base, tokens_per_expert, expert_offsets, slot_offsets,
     alignment)``, :func:`received_layout`'s. The send's last program then also does what
     that launch would: it waits for every source's epoch and writes the receive's layout.
     Only where every rank runs its own launch at once (processes of their own): a send that
-    waits would hold up a virtual rank sending after it.
+    waits would hold up a virtual rank sending after it. With ``flavour.fault_tolerant`` that
+    wait excludes a source silent until the deadline (it counts zero) and writes who arrived
+    into ``live`` ([R] int32).
     """
     T, H = x.shape
     if fp8 == 2 and ue8m0 == NVFP4:  # x: two e2m1 codes per byte
@@ -549,13 +559,17 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
         x = x.view(torch.uint8)
         x_scales = x_scales.view(torch.uint8) if ue8m0 else x_scales
     recv_counts, signals, *outs, alignment = lay_out or (*(epochs,) * 6, 1)  # (the Buffer's)
+    ft = lay_out is not None and flavour.fault_tolerant
+    if ft and live is None:
+        raise ValueError("a fault-tolerant send that lays out what arrived writes it to live")
     values = (x, dummy if x_scales is None else x_scales, topk_idx if send_meta else dummy,
               topk_weights if has_weights else dummy, slot_of, pair_pos if send_meta else dummy,
               counts if send_meta else dummy, T, t_base, *outs)
     key = ("dispatch_send", H, topk, specs((*values[:7], *outs)), x_scales is None,
            send_meta, has_weights, id(peer_ptrs), id(stats), id(tickets), id(epochs),
            id(offsets), rank, num_local_experts, meta_stride, max_topk, grid, row_bytes, fp8,
-           ue8m0, id(flavour), box_offsets, id(recv_counts), id(signals), alignment)
+           ue8m0, id(flavour), box_offsets, id(recv_counts), id(signals), alignment,
+           id(live) if ft else None)
     if call_bound(bound, key, values):
         return True
     R = peer_ptrs.numel()
@@ -567,10 +581,12 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
         offsets["meta"][1], offsets["counts"][1], *(off for off, _ in box_offsets),
         *(stride for _, stride in box_offsets), flavour.local_base, flavour.errors_addr, T,
         t_base, H, topk, R, num_local_experts, rank, row_bytes, recv_counts, signals, *outs,
-        flavour.timeout_ns, alignment, recv_counts.stride(0) if lay_out else 0)
+        flavour.timeout_ns, alignment, recv_counts.stride(0) if lay_out else 0,
+        live if ft else epochs, flavour.mask_off if ft else 0)
     kwargs = dict(
         META_STRIDE=meta_stride, KMAX=max_topk,
-        SEND_META=send_meta, HAS_WEIGHTS=has_weights, LAY_OUT=lay_out is not None, FP8=fp8,
+        SEND_META=send_meta, HAS_WEIGHTS=has_weights, LAY_OUT=lay_out is not None, FT=ft,
+        FP8=fp8,
         UE8M0=bool(ue8m0),
         GS=scale_group(ue8m0), TRANSPORT=flavour.transport, ALIGN=flavour.row_align,
         EVEN_H=even(H, tile.block_h),
@@ -695,7 +711,8 @@ def lay_out_received(counts, signals, expected, live, row_base, tokens_per_exper
     source's epoch (all at once, bounded; a timeout leaves every count zero; FT: a source that
     stays silent is excluded and counts zero, and a rank that finds itself excluded counts
     nothing), then turns the counts the sources published into the receive's layout (no host
-    read; the arguments are :func:`received_layout_kernel`'s)."""
+    read; the arguments are :func:`received_layout_kernel`'s). Returns the sources laid out
+    ([BLOCK_R] bool)."""
     src = tl.arange(0, BLOCK_R)
     sm = src < R
     arrived = sm
@@ -734,6 +751,7 @@ def lay_out_received(counts, signals, expected, live, row_base, tokens_per_exper
     tl.store(expert_offsets + tl.arange(0, 1), zero)
     tl.store(slot_offsets + src + 1, tl.cumsum(slots, axis=0), mask=sm)
     tl.store(slot_offsets + tl.arange(0, 1), zero)
+    return keep
 
 
 @triton.jit(do_not_specialize=_RECV_LAYOUT_PER_CALL)

@@ -6,8 +6,8 @@ A dispatch in rounds (``moe_comm.normal_mode``) sends round 0, waits for it and 
 received layout (round 0 fixes every row's place: every round publishes the call's per-expert
 counts; where this launch follows, round 0's send does that in its last program,
 ``kernels.dispatch.dispatch_send``'s ``lay_out``) and sizes the outputs. Where every rank
-drives its Buffer from a process of its own, with waits in the kernels, one node and no fault
-tolerance, the rest is one launch instead of an expand, and a send, a received layout, a torch
+drives its Buffer from a process of its own, with waits in the kernels and one node, the rest
+is one launch instead of an expand, and a send, a received layout, a torch
 add and an expand per later round. Equivalent PyTorch (``S``: ``OFFSETS_STRIDE``)::
 
     expand round 0's rows, as dispatch_expand_kernel, with the padding rows and slot_rows -1
@@ -41,6 +41,21 @@ not be the send's. Each program keeps the running end of the slot offsets in reg
 0 writes each round's offsets, which no program reads back. The -1 rows of ``slot_rows`` past
 round 0's slots are stored by each program before its first send, so before any later round's
 rows there (they wait for that send); the cached form writes neither (they are the handle's).
+
+Fault tolerance (``FT``; ``moe_comm.fault``, "In rounds"): each program first writes every
+output row as a padding row (zero, source -1, weight 0; ``slot_rows`` -1 past round 0's
+slots), then waits for every program of the launch (``kernels.comm.after_every_program``: the
+last to draw a ticket publishes the call's epoch in a word of the Buffer, the others wait for
+it), so that no fill lands on a row another program expanded; a source that stops between
+rounds leaves its later rows so. Each round's wait is ``kernels.comm.wait_or_exclude_once``:
+program 0 waits, excludes a source silent until the deadline and writes who arrived into row
+``i`` of ``live``; every program expands the round's rows of the sources in that row and in
+row 0 (round 0's, written by the laying-out send; the cached form decides round 0 here too and
+takes each round's row alone). Program 0 waits only for sources and the others for program 0
+or for programs that have drawn their ticket: the argument above holds::
+
+    live[i] = the sources whose epoch base + i arrived (program 0; the others read it)
+    n[s] = n[s] if live[i][s] and live[0][s] else 0      # the cached form: live[i][s]
 """
 from __future__ import annotations
 
@@ -54,11 +69,14 @@ from .comm import (
     INPUT_RECORD,
     TOO_MANY_ROWS,
     Flavour,
+    after_every_program,
     draw_last_of,
+    local_ptr,
     record_error,
     timed_out,
     uniform_now_ns,
     wait_all_at_least,
+    wait_or_exclude_once,
 )
 from .dispatch import expand_padding, expand_rows, publish_counts, send_tokens
 from .quant import NVFP4, scale_group
@@ -67,7 +85,7 @@ from .tiles import MAX_TRIPS, ZERO_TILES, dispatch_round_trips, even, tiles
 
 ROUNDS_TICKET = 5  # the word of ``tickets`` this kernel draws from (kernels.internode: 2-4)
 _PER_CALL = ["rows_off", "meta_off", "counts_off", "signal_off", "local_base", "errors_addr",
-             "timeout_ns", "T", "max_rows", "me"]
+             "timeout_ns", "T", "max_rows", "me", "mask_off"]
 
 
 @triton.jit
@@ -124,6 +142,11 @@ def dispatch_rounds_kernel(
     slot_offsets,  # int64: round i's [R + 1] at i * OFFSETS_STRIDE (round 0's given, the rest
                    # and the gaps between them written here)
     out, out_scales, out_global, out_weights, out_src_rank, out_src_token,  # as the expand's
+    live,  # FT: [ROUNDS, R] int32, row i: the sources that arrived in round i (row 0 written by
+           # round 0's send, the cached form here), the rest written here by program 0
+    ft_words,  # FT: [2] int64 local, only growing: [0] each round's decision (2 * epoch + ok,
+               # kernels.comm.wait_or_exclude_once), [1] the epoch whose outputs are filled
+    mask_off: tl.int64,  # FT: the mask words in this rank's segment
     rows_off: tl.int64, meta_off: tl.int64, counts_off: tl.int64, signal_off: tl.int64,
     rows_parity: tl.int64, meta_parity: tl.int64, counts_parity: tl.int64,  # bytes
     STAGING_PARITY: tl.int64, META_PARITY: tl.int64, COUNT_PARITY: tl.int64,  # elements
@@ -136,6 +159,7 @@ def dispatch_rounds_kernel(
     SCALE_GROUP_STRIDE: tl.int64,
     META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
     CACHED: tl.constexpr,  # the cached form (module docstring): rows only, round 0 here too
+    FT: tl.constexpr,  # fault tolerance (module docstring)
     HAS_WEIGHTS: tl.constexpr,
     FP8: tl.constexpr, UE8M0: tl.constexpr, GS: tl.constexpr, GLOBAL: tl.constexpr,
     ALIGN: tl.constexpr, EVEN_H: tl.constexpr, EXPAND_EVEN_H: tl.constexpr,
@@ -157,6 +181,16 @@ def dispatch_rounds_kernel(
     if pid == 0:
         if total > max_rows:
             record_error(errors, INPUT_RECORD, TOO_MANY_ROWS, total, max_rows)
+    ok = ~timed_out(errors, NUM_THREADS)  # read once, outside the rounds (host memory)
+    if FT:  # every output row a padding row first (as from row 0: total := 0), then the rows
+        expand_padding(pid, programs, expert_offsets, tokens_per_expert, 0, end, slot_rows,
+                       out, out_scales, out_global, out_weights, out_src_rank, out_src_token,
+                       max_rows, SLOTS, OUT_H, K, L, G, SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE,
+                       CACHED, HAS_WEIGHTS, FP8 != 0, UE8M0, GLOBAL, EXPAND_EVEN_H, False,
+                       EXPAND_H, BLOCK_K, BLOCK_G, BLOCK_Z)
+        ok = ok & after_every_program(tickets, programs, ft_words + 1, base,
+                                      uniform_now_ns(NUM_THREADS) + timeout_ns, errors, me,
+                                      BLOCK_R, NUM_THREADS)
     if not CACHED:
         ends = tl.load(slot_offsets + src + 1, mask=sm, other=0)  # round 0's (received layout)
         n = ends - tl.load(slot_offsets + src, mask=sm, other=0)
@@ -166,14 +200,16 @@ def dispatch_rounds_kernel(
                       OUT_H, K, L, me, G, SCALES, ROW_ELEMS, SCALE_ROW_STRIDE,
                       SCALE_GROUP_STRIDE, META_STRIDE, KMAX, False, HAS_WEIGHTS, FP8 != 0,
                       UE8M0, GLOBAL, EXPAND_EVEN_H, EXPAND_T, EXPAND_H, BLOCK_K, BLOCK_G)
-    # every row no slot fills (each program before its first send: later rounds' slots are
-    # stored after every program's -1 past round 0's, which they wait for)
-    expand_padding(pid, programs, expert_offsets, tokens_per_expert, total, end, slot_rows,
-                   out, out_scales, out_global, out_weights, out_src_rank, out_src_token,
-                   max_rows, SLOTS, OUT_H, K, L, G, SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE, CACHED,
-                   HAS_WEIGHTS, FP8 != 0, UE8M0, GLOBAL, EXPAND_EVEN_H, False, EXPAND_H,
-                   BLOCK_K, BLOCK_G, BLOCK_Z)
-    ok = ~timed_out(errors, NUM_THREADS)  # read once, outside the rounds (host memory)
+    if not FT:  # every row no slot fills (each program before its first send: later rounds'
+        # slots are stored after every program's -1 past round 0's, which they wait for)
+        expand_padding(pid, programs, expert_offsets, tokens_per_expert, total, end, slot_rows,
+                       out, out_scales, out_global, out_weights, out_src_rank, out_src_token,
+                       max_rows, SLOTS, OUT_H, K, L, G, SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE,
+                       CACHED, HAS_WEIGHTS, FP8 != 0, UE8M0, GLOBAL, EXPAND_EVEN_H, False,
+                       EXPAND_H, BLOCK_K, BLOCK_G, BLOCK_Z)
+    first_live = sm
+    if FT and not CACHED:  # a later round places rows by round 0's layout: its sources only
+        first_live = tl.load(live + src, mask=sm, other=0) != 0
     for i in range(1 - CACHED, ROUNDS):
         if ok:
             epoch = base + i
@@ -192,16 +228,26 @@ def dispatch_rounds_kernel(
                                epoch, R, L, not CACHED, 0, BLOCK_L)
                 tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
             deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
-            ok = wait_all_at_least(signals, 1, R, epoch, 0, deadline, errors, signals, BLOCK_R,
-                                   NUM_THREADS, False)
+            if FT:  # program 0 decides who arrived, for every program
+                ok = wait_or_exclude_once(pid, signals, epoch, live + i * R, ft_words, deadline,
+                                          timeout_ns, errors,
+                                          local_ptr(local_base, mask_off, tl.int64, 8), me,
+                                          peer_ptrs, mask_off, R, local_base, BLOCK_R,
+                                          NUM_THREADS, 0)
+            else:
+                ok = wait_all_at_least(signals, 1, R, epoch, 0, deadline, errors, signals,
+                                       BLOCK_R, NUM_THREADS, False)
             if ok:  # the round's slots of every source, after the earlier rounds'
                 view = slot_offsets + i * OFFSETS_STRIDE
+                arrived = first_live
+                if FT:
+                    arrived = arrived & (tl.load(live + i * R + src, mask=sm, other=0) != 0)
                 if CACHED:  # the dispatch's (the handle's)
                     ends = tl.load(view + src + 1, mask=sm, other=0)
-                    n = ends - tl.load(view + src, mask=sm, other=0)
+                    n = tl.where(arrived, ends - tl.load(view + src, mask=sm, other=0), 0)
                 else:
-                    n = tl.load(dcounts + parity * COUNT_PARITY + src * (L + 1) + L, mask=sm,
-                                other=0).to(tl.int64)
+                    n = tl.load(dcounts + parity * COUNT_PARITY + src * (L + 1) + L,
+                                mask=arrived, other=0).to(tl.int64)
                     ends = end + tl.cumsum(n, axis=0)
                     if pid == 0:  # (and zeros between the earlier round's offsets and these)
                         tl.store(view + src + 1, ends, mask=sm)
@@ -270,7 +316,9 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
                     max_topk: int, ring_slots: int, rounds: int, offsets_stride: int,
                     row_bytes: int, fp8: int = 0, ue8m0: int = 0, out_scales=None,
                     scale_strides=(0, 0), out_global=None, num_sms: int | None = None,
-                    flavour: Flavour = CPU_RANKS, bound: BoundLaunches | None = None) -> bool:
+                    flavour: Flavour = CPU_RANKS, bound: BoundLaunches | None = None,
+                    live: torch.Tensor | None = None,
+                    ft_words: torch.Tensor | None = None) -> bool:
     """Launches :func:`dispatch_rounds_kernel` (module docstring): rounds ``1..rounds - 1`` of
     a dispatch whose round 0 was sent, laid out and expanded. The send's arguments are
     ``dispatch_send``'s for the whole call (``counts`` [rounds, R, L + 1], ``ring`` the ring
@@ -283,10 +331,18 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
     too, sends ``x``'s rows alone to ``ring`` and expands them into ``out`` by the earlier
     dispatch's ``slot_rows`` and ``slot_offsets`` (zero in padding); ``x_scales``,
     ``topk_weights``, ``pair_pos``, ``counts``, ``row_base`` and the source outputs are
-    None."""
-    if flavour.transport or flavour.fault_tolerant:
-        raise ValueError("a dispatch's rounds in one launch reach every peer by stores, "
-                         "without fault tolerance")
+    None.
+
+    With ``flavour.fault_tolerant``: ``live`` [rounds, R] int32 (row 0 round 0's sources, as
+    its laying-out send wrote them; the cached form writes it here) gets each later round's
+    sources, ``ft_words`` [2] int64 are the Buffer's words of the decisions (module
+    docstring)."""
+    if flavour.transport:
+        raise ValueError("a dispatch's rounds in one launch reach every peer by stores")
+    ft = flavour.fault_tolerant
+    if ft and (live is None or ft_words is None or live.shape != (rounds, peer_ptrs.numel())):
+        raise ValueError("a fault-tolerant dispatch's rounds in one launch take live "
+                         "[rounds, R] and the Buffer's ft_words")
     T, H = x.shape
     if fp8 == 2 and ue8m0 == NVFP4:  # x: two e2m1 codes per byte
         H *= 2
@@ -313,7 +369,8 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
            x_scales is None, has_weights, quantized, id(peer_ptrs), id(stats), id(tickets),
            id(epochs), id(signals), id(staging), id(meta), id(dcounts), id(offsets), rank,
            num_local_experts, meta_stride, max_topk, ring_slots, rounds, offsets_stride,
-           row_bytes, fp8, ue8m0, scale_strides, num_sms, id(flavour), cached)
+           row_bytes, fp8, ue8m0, scale_strides, num_sms, id(flavour), cached,
+           id(live) if ft else None, id(ft_words) if ft else None)
     if call_bound(bound, key, values):
         return True
     R, L, K = peer_ptrs.numel(), num_local_experts, slot_rows.shape[1]
@@ -329,6 +386,7 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
     args = (
         *values[:7], peer_ptrs, stats, tickets, epochs, signals, stg,
         stg.view(torch.float32) if quantized else dummy, meta, dcounts, *values[7:18],
+        live if ft else dummy, ft_words if ft else dummy, flavour.mask_off if ft else 0,
         offsets["rows"][0], offsets["meta"][0],
         offsets["counts"][0], offsets["signal"], offsets["rows"][1], offsets["meta"][1],
         offsets["counts"][1], stg.stride(0), meta.stride(0), dcounts.stride(0),
@@ -337,7 +395,8 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
         out.shape[1], K, R, L, rank, row_bytes, per_row, groups, stg.stride(2),
         scale_strides[0], scale_strides[1])
     kwargs = dict(
-        META_STRIDE=meta_stride, KMAX=max_topk, CACHED=cached, HAS_WEIGHTS=has_weights, FP8=fp8,
+        META_STRIDE=meta_stride, KMAX=max_topk, CACHED=cached, FT=ft, HAS_WEIGHTS=has_weights,
+        FP8=fp8,
         UE8M0=bool(ue8m0), GS=scale_group(ue8m0), GLOBAL=nvfp4, ALIGN=flavour.row_align,
         EVEN_H=even(H, send_tile.block_h), EXPAND_EVEN_H=even(out.shape[1], expand_tile.block_h),
         BLOCK_T=send_tile.block_t, BLOCK_H=send_tile.block_h, EXPAND_T=expand_tile.block_t,

@@ -172,9 +172,10 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
     staging: where the whole batch does not fit, every call runs in ``rounds`` through rings of
     ``ring_slots`` slots per source (``moe_comm.normal_mode``; one node, across nodes through
     the proxy, flat or hierarchical, and across hosts over NVSHMEM; fault-tolerant Buffers too).
-    On GPUs, one node, without fault tolerance, such a ring is cut to the largest whose rounds
-    run in one launch per op on ``num_sms`` programs (``moe_comm.rings``; every rank passes the
-    same ``num_sms``, checked): more rounds, less memory than the budget.
+    On GPUs, one node (fault-tolerant too, but with ``ep_invariant``), such a ring is cut to
+    the largest whose rounds run in one launch per op on ``num_sms`` programs
+    (``moe_comm.rings``; every rank passes the same ``num_sms``, checked): more rounds, less
+    memory than the budget.
     ``ep_invariant=True``: every combine sums each token's choices in choice order, each product
     and sum rounded to fp32, so its bits depend on no EP size or placement
     (``reference.invariant_combine``, ``kernels.invariant``); on one node, across nodes through
@@ -249,7 +250,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             outboxes=via == "nixl",
             ranks_per_node=nodes.ranks_per_node if forwarders else None, rdma=rdma,
             invariant=one_node_invariant, one_launch_sms=one_launch_sms(
-                device.type, nodes.count, via == "nixl", fault_tolerant, num_sms))
+                device.type, nodes.count, via == "nixl",
+                bool(fault_tolerant) and one_node_invariant, num_sms))
         layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                  num_experts // world_size, max_topk, dtype, low_latency,
                                  rdma=rdma, ranks_per_node=nodes.ranks_per_node,
@@ -395,9 +397,18 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         combine_launch = (own_process and layout.rounds > 1 and f.device_wait
                           and f.transport == 0 and proxy is None)
         one_launch = combine_launch and not self.fault_tolerant
-        # fault tolerance: the word in which that program publishes each round's decision
-        self._ft_decided = (torch.zeros(1, dtype=torch.int64, device=heap.device)
-                            if self.fault_tolerant else None)
+        # fault tolerance: the word in which that program publishes each round's decision;
+        # a dispatch's one launch: its own two (its decisions, the epoch whose outputs it
+        # filled) and the [rounds, R] sources of its rounds (row 0: round 0's send writes it)
+        ft = self.fault_tolerant
+        self._ft_decided = torch.zeros(1, dtype=torch.int64, device=heap.device) if ft else None
+        self._ft_dispatch_words = (torch.zeros(2, dtype=torch.int64, device=heap.device)
+                                   if ft else None)
+        self._ft_dispatch_live = (torch.zeros((layout.rounds, self.world_size),
+                                              dtype=torch.int32, device=heap.device)
+                                  if ft else None)
+        self._ft_dispatch_live0 = (None if self._ft_dispatch_live is None
+                                   else self._ft_dispatch_live[0])
         elem = self._row_bytes // self.hidden
         self._combine_in_one_launch = [  # (the EP-invariant one without fault tolerance)
             combine_launch and (
@@ -408,10 +419,10 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                                          self.max_topk, self.num_sms, f, elem, fp8))
             for fp8 in (False, True)]
         # a dispatch's rounds after its first send as one launch (kernels.dispatch_rounds), by
-        # the send's format (fp8, ue8m0, the rows' element bytes): the same conditions, without
-        # fault tolerance (the EP-invariant combine changes no dispatch)
+        # the send's format (fp8, ue8m0, the rows' element bytes): the same conditions, fault
+        # tolerance too (the EP-invariant combine changes no dispatch)
         self._dispatch_in_one_launch = {
-            (fp8, ue8m0, elem): one_launch and fits_dispatch_rounds(
+            (fp8, ue8m0, elem): combine_launch and fits_dispatch_rounds(
                 self.world_size, layout.ring_slots, self.hidden, self.max_topk, self.num_sms, f,
                 fp8, ue8m0, elem)
             for fp8 in (0, 1, 2) for ue8m0 in (0, 1, 2, 3)
@@ -524,8 +535,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         over NVSHMEM the outboxes the puts read; ``workspace.staging_slot_bytes``);
         ``ep_invariant`` (one node) adds ``2 * K * (ROW + 8)`` per slot; the rest
         grows with R only through per-peer words (``moe_comm.workspace`` gives every
-        region). ``one_launch_sms``: a Buffer on GPUs, a process per rank, without fault
-        tolerance, with ``num_sms=one_launch_sms`` (the Buffer's default is
+        region). ``one_launch_sms``: a Buffer on GPUs, a process per rank (fault-tolerant
+        too, but with ``ep_invariant``), with ``num_sms=one_launch_sms`` (the Buffer's default is
         ``rings.DEFAULT_GPU_SMS``): on one node a ring of several rounds is cut to the largest
         that every format's rounds in one launch fit (``moe_comm.rings``)."""
         max_topk = min(16, num_experts) if max_topk is None else max_topk

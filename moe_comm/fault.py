@@ -41,9 +41,10 @@ places every row by round 0's layout (the call's per-expert counts of the source
 rows of a source that stops after round ``j`` of the window ``[i * W, (i + 1) * W)``, ``i >
 j``, stay as padding rows are (zero, ``src_rank`` / ``src_token`` -1, weight 0) and
 ``tokens_per_expert`` still counts them. A combine sums the tokens of window ``i`` over
-``live_i`` (``renormalize=True`` likewise, per token); where a combine's rounds run in one
-launch (a process per rank, waits in the kernels, one node) the first program of each round
-decides ``live_i`` for every program (``kernels.comm.wait_or_exclude_once``)::
+``live_i`` (``renormalize=True`` likewise, per token); where a call's rounds run in one
+launch (a process per rank, waits in the kernels, one node; a dispatch's after its round 0,
+whose send decides ``live_0``) the first program of each round decides ``live_i`` for every
+program (``kernels.comm.wait_or_exclude_once``)::
 
     dispatch:  rows of (s, t) arrive iff live_0[s] and live_{t // W}[s]; the others zero
     combine:   out[t] = sum(w[t, k] * y(t, k) for k if live_{t // W}[rank_of(topk_idx[t, k])])

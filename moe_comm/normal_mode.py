@@ -8,7 +8,8 @@ send + expand; with waits in kernels the received layout waits itself (no launch
 and every other receive adds one ``wait`` launch (a fault-tolerant Buffer's dispatch too). No
 torch op launches a kernel on this path: outputs are allocated, never filled (the expand
 writes every row, padding included; a fault-tolerant dispatch in rounds fills them first, for
-the rows of a source that stops between rounds). Through the proxy across nodes a dispatch adds
+the rows of a source that stops between rounds: torch fills where it launches per round, its
+one launch itself). Through the proxy across nodes a dispatch adds
 ``dispatch_outbox`` (and ``dispatch_forward`` in hierarchical mode, with torch ops for the
 node slots), a hierarchical combine adds ``combine_forward``; the forwarders' waits for their
 inputs are host reads of numpy views of the signal words (host waits), or with the waits in the
@@ -29,8 +30,9 @@ every rank runs in a process of its own with waits in the kernels (GPUs, or CPU 
 ``MOE_COMM_WAIT=kernel``): there one launch runs a combine's rounds (``kernels.combine_rounds``:
 each round's send, wait and reduce; fault-tolerant too, each round's sources decided once for
 every program of the launch; EP-invariant, without fault tolerance: ``kernels.invariant_rounds``)
-and, without fault tolerance, one launch a dispatch's after its round 0 is sent and laid out
-(``kernels.dispatch_rounds``: round 0's expand, then each later round's send, wait and expand),
+and one launch a dispatch's after its round 0 is sent and laid out (``kernels.dispatch_rounds``:
+round 0's expand, then each later round's send, wait and expand; fault-tolerant too, where
+round 0's send laid it out),
 and one launch every round of a cached dispatch (the same kernel); each says why it cannot
 deadlock, and on GPUs they run where a round fits the launch's ``num_sms`` programs
 (``fits_one_launch``; a Buffer on GPUs cuts its ring to fit, ``moe_comm.rings``). There round
@@ -70,10 +72,10 @@ offsets (``recv_slot_offsets``: round ``i``'s ``[R + 1]`` at ``i * S``, ``S`` = 
 to even); the combine sends back each round's slots to the ring positions they had, and the home
 rank sums the tokens of window ``i`` in round ``i``, each in rank order: the same bits as one round.
 Fault tolerance: each round's wait excludes a silent source on its own and nothing waits
-for an excluded one, so a rank that stops between rounds holds up no one (a combine in one
-launch: program 0 of each round waits, excludes and writes who arrived, the others take its
-word, ``kernels.comm.wait_or_exclude_once``, so every token of the round sums the same sources,
-and ``[rounds, R]`` of them reach ``renormalize``); a later round of a
+for an excluded one, so a rank that stops between rounds holds up no one (a combine or a
+dispatch in one launch: program 0 of each round waits, excludes and writes who arrived, the
+others take its word, ``kernels.comm.wait_or_exclude_once``, so every token of the round sums
+the same sources, and ``[rounds, R]`` of them reach ``renormalize``); a later round of a
 dispatch takes only sources that arrived in round 0 as well (rows are placed by round 0's layout),
 and its outputs start as padding rows (``moe_comm.fault``, "In rounds").
 
@@ -320,7 +322,7 @@ class NormalMode:
             num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
             max_topk=self.max_topk, grid=grid, topk=topk, row_bytes=self._row_bytes, fp8=fp8,
             x_scales=x_scales, ue8m0=ue8m0, flavour=self.flavour, box_offsets=boxes,
-            bound=self._bound, t_base=t_base, lay_out=lay_out)
+            bound=self._bound, t_base=t_base, lay_out=lay_out, live=self._ft_dispatch_live0)
 
     def _send_fixed(self, channel: int) -> tuple:
         """(ticket and epoch words, send offsets, outbox offsets) of ``channel``'s send, made
@@ -507,11 +509,13 @@ class NormalMode:
                                    *self._round_nodes(fwd_slots, fwd_n, 0), cached=False)
         L, dev = self.num_local_experts, self.device
         stream = pending.stream  # later rounds in one launch: every round's offsets in one
-        one_launch = stream is not None and self._dispatch_in_one_launch[  # tensor from here
-            stream.fp8, stream.ue8m0, stream.x.element_size()]
         received = pending.received
-        if received is not None and received[-1] == expert_alignment:  # round 0's send laid
-            row_base, tokens_per_expert, expert_offsets, every_round, _ = received  # them out
+        laid_out = received is not None and received[-1] == expert_alignment  # by round 0's
+        one_launch = stream is not None and self._dispatch_in_one_launch[  # send; every round's
+            stream.fp8, stream.ue8m0, stream.x.element_size()] and (  # offsets in one tensor
+                laid_out or not self.fault_tolerant)  # (fault tolerance: who arrived, too)
+        if laid_out:
+            row_base, tokens_per_expert, expert_offsets, every_round, _ = received
             slot_offsets = self._round_view(every_round, 0)
         else:
             every_round = (torch.empty(self.slot_offsets_size(), dtype=torch.int64, device=dev)
@@ -538,8 +542,10 @@ class NormalMode:
         fp8 = pending.fp8 != 0
         nvfp4 = fp8 and pending.ue8m0 == NVFP4
         # fault tolerance in rounds: the rows of a source that stops after round 0 stay as
-        # padding rows are (zero, src_rank / src_token -1); otherwise the expand writes them all
-        alloc = torch.zeros if self._ft_rounds or (slot_major and (
+        # padding rows are (zero, src_rank / src_token -1; in one launch the kernel fills them
+        # first); otherwise the expand writes them all
+        fill = self._ft_rounds and not one_launch
+        alloc = torch.zeros if fill or (slot_major and (
             pending.live is not None or max_recv_rows is not None)) else torch.empty
         out = (alloc((data_rows, self.hidden // 2), device=dev, dtype=torch.uint8) if nvfp4
                else alloc((data_rows, self.hidden), device=dev,
@@ -553,7 +559,7 @@ class NormalMode:
         out_weights = alloc(rows if pending.has_weights else 0, dtype=torch.float32, device=dev)
         src_rank = torch.empty(rows, dtype=torch.int64, device=dev)
         src_token = torch.empty(rows, dtype=torch.int64, device=dev)
-        if self._ft_rounds:
+        if fill:
             src_rank.fill_(-1)
             src_token.fill_(-1)
         slot_rows = torch.empty((self.world_size * self.max_tokens_per_rank, pending.topk),
@@ -649,7 +655,8 @@ class NormalMode:
                 max_topk=self.max_topk, ring_slots=self.layout.ring_slots,
                 rounds=self.layout.rounds, offsets_stride=self._round_stride(),
                 row_bytes=self._row_bytes, num_sms=self.num_sms, flavour=self.flavour,
-                bound=self._bound)
+                bound=self._bound, live=self._ft_dispatch_live,
+                ft_words=self._ft_dispatch_words)
         return options
 
     def _cached_dispatch_rounds(self, x, ring, slot_rows, slot_offsets, tokens_per_expert,

@@ -3,20 +3,21 @@ and, where its rounds run as persistent launches, what one such launch can run a
 
 The budget (``staging_bytes``, ``workspace.ring_slots_for``) gives ``W`` slots per source and
 parity; where ``W < max_tokens_per_rank`` every call runs in ``ceil(T / W)`` rounds
-(``moe_comm.normal_mode``). On GPUs, with a process per rank, one node, waits in the kernels
-and no fault tolerance (which keeps its dispatch per round, so its ring is not cut: more rounds
-would cost it launches), a call's rounds run in one launch per op (``kernels.dispatch_rounds``,
-``kernels.combine_rounds``, ``kernels.invariant_rounds``) on ``num_sms`` programs, but only
-where a round's serial trips on them stay within the gate's ``MAX_TRIPS``; a larger ring
-launches per round (a send, a wait and an expand or reduce a round). There the ring is cut to
-the largest one every format's one launch fits (:func:`one_launch_ring_slots`): more rounds of
-fewer slots, the same bytes on the link but the rounds' signal words, less memory, and launches
-per op within a call of one round's. At DeepSeek-V3 sizes on 20 programs (H 7168, bf16, top-8,
-4096 tokens per rank) the default budget's rings of 2176 slots at EP 16 (2 rounds, a workspace
-of 1.87 GiB), 1088 at EP 32 (4 rounds, 1.87 GiB) and 544 at EP 64 (8 rounds, 1.87 GiB) become
-640 (7 rounds, 0.55 GiB), 576 (8 rounds, 0.99 GiB) and 512 (8 rounds, 1.76 GiB); from EP 128 up
-the budget's rings already fit; at EP 8 the budget stages the whole batch (one round), but with
-``ep_invariant`` 2912 slots (2 rounds) become 656 (7 rounds, 0.42 GiB). Equivalent Python::
+(``moe_comm.normal_mode``). On GPUs, with a process per rank, one node and waits in the kernels
+(fault tolerance too, but with the EP-invariant combine, which launches per round: its ring is
+not cut, more rounds would cost it launches), a call's rounds run in one launch per op
+(``kernels.dispatch_rounds``, ``kernels.combine_rounds``, ``kernels.invariant_rounds``) on
+``num_sms`` programs, but only where a round's serial trips on them stay within the gate's
+``MAX_TRIPS``; a larger ring launches per round (a send, a wait and an expand or reduce a
+round). There the ring is cut to the largest one every format's one launch fits
+(:func:`one_launch_ring_slots`): more rounds of fewer slots, the same bytes on the link but the
+rounds' signal words, less memory, and launches per op within a call of one round's. At
+DeepSeek-V3 sizes on 20 programs (H 7168, bf16, top-8, 4096 tokens per rank) the default
+budget's rings of 2176 slots at EP 16 (2 rounds, a workspace of 1.87 GiB), 1088 at EP 32 (4
+rounds, 1.87 GiB) and 544 at EP 64 (8 rounds, 1.87 GiB) become 640 (7 rounds, 0.55 GiB), 576 (8
+rounds, 0.99 GiB) and 512 (8 rounds, 1.76 GiB); from EP 128 up the budget's rings already fit;
+at EP 8 the budget stages the whole batch (one round), but with ``ep_invariant`` 2912 slots (2
+rounds) become 656 (7 rounds, 0.42 GiB). Equivalent Python::
 
     W = ring_slots_for(staging_bytes, R, T, H, K, dtype)          # the budget's
     if W < T and one_launch_sms is not None:                        # rounds in one launch
@@ -46,13 +47,14 @@ def checked_num_sms(num_sms) -> int | None:
     return num_sms
 
 
-def one_launch_sms(device_type: str, num_nodes: int, proxy: bool, fault_tolerant: bool,
+def one_launch_sms(device_type: str, num_nodes: int, proxy: bool, ft_invariant: bool,
                    num_sms: int | None) -> int | None:
     """The programs of a Buffer's rounds in one launch (``num_sms``, ``DEFAULT_GPU_SMS`` if
-    None), for a Buffer of its own process on a GPU, one node, no proxy, no fault tolerance;
-    None for any other (CPU ranks run every round in one launch of one program, or per
-    round)."""
-    if device_type != "cuda" or num_nodes != 1 or proxy or fault_tolerant:
+    None), for a Buffer of its own process on a GPU, one node, no proxy, and not
+    ``ft_invariant`` (fault tolerance with the EP-invariant combine, which launches per
+    round); None for any other (CPU ranks run every round in one launch of one program, or
+    per round)."""
+    if device_type != "cuda" or num_nodes != 1 or proxy or ft_invariant:
         return None
     return DEFAULT_GPU_SMS if num_sms is None else num_sms
 

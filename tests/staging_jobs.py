@@ -62,11 +62,13 @@ def streamed_case(rank, world_size, case: Case, slots: int | None, iterations: i
 
 def _die_in_round(buf, phase: str) -> None:
     """This rank's ``phase`` ("dispatch" or "combine") sends its round 0, then the process ends
-    (SIGKILL) where round 1 would be sent (a combine of this rank launches per round to do so;
-    its peers' may run all their rounds in one launch: the rounds are the same on the link)."""
+    (SIGKILL) where round 1 would be sent (this rank's call launches per round to do so; its
+    peers' may run their rounds in one launch: the rounds are the same on the link)."""
     send = getattr(buf, f"{phase}_send")
     if phase == "combine":
         buf._combine_in_one_launch = [False, False]
+    else:
+        buf._dispatch_in_one_launch = dict.fromkeys(buf._dispatch_in_one_launch, False)
 
     def send_then_die_in_round_1(*args, **kwargs):
         pending = send(*args, **kwargs)
@@ -157,7 +159,8 @@ def _bounded_buffer(case: Case, slots: int, in_kernels: bool = True, **kwargs):
 
 
 def combine_forms(rank, world_size, case: Case, slots: int, in_kernels: bool,
-                  iterations: int = 2, straggle_s: float = 0.0, ep_invariant: bool = False) -> dict:
+                  iterations: int = 2, straggle_s: float = 0.0, ep_invariant: bool = False,
+                  fault_tolerant: bool = False) -> dict:
     """Every form of a combine in rounds of ``slots`` slots, ``iterations`` times (new routing
     each time, random delays before each combine): with weights (checked against the oracle),
     without, with FP8 partials, and the per-row values of dispatch's backward
@@ -167,10 +170,12 @@ def combine_forms(rank, world_size, case: Case, slots: int, in_kernels: bool,
     ``kernels.dispatch_rounds``); host waits launch per round. ``ep_invariant``: an
     EP-invariant Buffer (``kernels.invariant_rounds`` in one launch; its sums are in choice
     order, so only the dispatch is checked against the oracle, and it has no FP8 partials).
+    ``fault_tolerant``: a fault-tolerant Buffer (every rank alive: the same bits).
     Returns the digests and the launches."""
     delay = random.Random(2000 * case.seed + rank)
     digests = []
-    with _bounded_buffer(case, slots, in_kernels, ep_invariant=ep_invariant) as buf:
+    with _bounded_buffer(case, slots, in_kernels, ep_invariant=ep_invariant,
+                         fault_tolerant=fault_tolerant) as buf:
         for it in range(iterations):
             xs, idxs, ws = make_inputs(case, it)
             res = buf.dispatch(xs[rank], idxs[rank], ws[rank], expert_alignment=case.alignment)

@@ -531,8 +531,10 @@ def test_kills_between_rounds_leave_the_survivors_exact(in_kernels):
     survivors = [res for r, res in enumerate(results) if r not in kills]
     assert len(survivors) == 2 and all(res["rounds"] == 4 for res in survivors)
     assert all(res["active"] == [True, False, False, True] for res in survivors), survivors
-    # in-kernel waits: every combine's rounds in one launch, each round deciding who it sums
+    # in-kernel waits: every combine's and every dispatch's rounds in one launch, each round
+    # deciding who it sums or expands (the dispatch's round 0: its send)
     assert all(res["launches"].get("combine_rounds", 0) == (4 if in_kernels else 0)
+               and res["launches"].get("dispatch_rounds", 0) == (4 if in_kernels else 0)
                for res in survivors), [res["launches"] for res in survivors]
     # host waits list who they excluded (rank 2 may be the one that excluded rank 1, before it
     # died itself); in-kernel waits write the mask alone, checked above
@@ -563,7 +565,8 @@ def test_one_launch_combines_give_the_bits_of_launches_per_round(ranks):
     (``kernels.combine_rounds``): with weights (against the oracle), without, FP8 partials and
     per-row values, rounds of one slot and of two, stragglers: the same bits as the launches
     per round of host waits. The cached dispatch (combine's backward) likewise, in one launch
-    (``kernels.dispatch_rounds``), each row its source token's gradient."""
+    (``kernels.dispatch_rounds``), each row its source token's gradient. A fault-tolerant
+    Buffer (rounds of two slots) too."""
     case = Case(4, 16, 128, 4, (7, 0, 5, 3), routing="zipf", seed=211)
     for slots in (1, 2):
         per_round = ranks(4).run(combine_forms, case, slots, False)
@@ -583,6 +586,15 @@ def test_one_launch_combines_give_the_bits_of_launches_per_round(ranks):
             assert (got["dispatch_rounds"], got["dispatch_send"]) == (4, 2), got
             assert "dispatch_expand" not in got and "wait" not in got, got
             assert per_round[r]["launches"]["dispatch_send"] == 4 * rounds, per_round[r]
+    # fault-tolerant, every rank alive: the same bits, and the same launches (each round's
+    # sources decided once for the launch, kernels.comm.wait_or_exclude_once)
+    ft = ranks(4).run(combine_forms, case, 2, True, straggle_s=0.02, fault_tolerant=True)
+    for r in range(4):
+        assert ft[r]["digests"] == per_round[r]["digests"], r
+        got = ft[r]["launches"]
+        assert (got["dispatch_rounds"], got["dispatch_send"], got["combine_rounds"]) \
+            == (4, 2, 8), got
+        assert "dispatch_expand" not in got and "wait" not in got, got
 
 
 def test_one_launch_invariant_combines_give_the_bits_of_launches_per_round(ranks):

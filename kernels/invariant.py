@@ -253,14 +253,17 @@ def reduce_tokens(i, c, stage, meta, topk_idx, slot_of, out, pair_out, live, T, 
     valid = (ids >= 0) & (ids < E)
     rank = tl.where(valid, ids // L, 0)
     valid = valid & (tl.load(slot_of + t64[:, None] * R + rank, mask=valid, other=-1) >= 0)
-    if LIVE:
+    if LIVE and HAS_PAIR:  # the choices of ranks that arrived, for the sums and the pairs
         valid = valid & (tl.load(live + rank, mask=valid, other=0) != 0)
     h0 = c * BLOCK_H
     h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
     acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
     counted = tl.where(valid, ids, -1)  # (a column of ids, not of flags: no local memory)
     for k in range(K):
-        vk = column(counted, k) >= 0
+        ids_k = column(counted, k)
+        vk = ids_k >= 0
+        if LIVE and not HAS_PAIR:  # (for the sums alone a column at a time: fewer
+            vk = vk & (tl.load(live + ids_k // L, mask=vk, other=0) != 0)  # registers)
         at = t64 * KMAX + k
         v = tl.load(stage + at[:, None] * H + h[None, :], mask=vk[:, None] & hm[None, :],
                     other=0.0).to(tl.float32)

@@ -22,6 +22,12 @@ Every program waits for its own rank's epoch: the grid is ``num_sms`` programs o
 SM), one in the interpreter. The launch is compiled without FP fusion, as the reduce launched
 alone (the send only moves rows), so the sums have the bits of the launches per round.
 
+Fault tolerance (``FT``, ``moe_comm.fault``, "In rounds"): each round's wait is
+``kernels.comm.wait_or_exclude_once`` (program 0 waits, excludes a source silent until the
+deadline and writes who arrived into row ``i`` of ``live``; the other programs take its word),
+and the round's sums leave out the choices of the sources not in that row, as
+``invariant_reduce_kernel`` with ``live`` does.
+
 Bytes and signals are those of the launches per round: each round's rows, their two floats and
 its epoch (8 bytes) to every rank, counted in ``stats`` as ``invariant_send_kernel`` counts them.
 """
@@ -38,7 +44,7 @@ from .tiles import MAX_TRIPS, combine_round_trips, even, tiles
 
 ROUNDS_TICKET = 7  # the word of ``tickets`` this kernel draws from (combine_rounds: 6)
 _PER_CALL = ["rows_off", "meta_off", "signal_off", "local_base", "errors_addr", "timeout_ns",
-             "T", "me"]
+             "T", "me", "mask_off"]
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
@@ -60,6 +66,9 @@ def invariant_rounds_kernel(
     ring,  # [T, R] int32: the ring position of token t on rank d in its round, -1 if none
     out,  # [T, H]
     pair_out,  # [T, K] float32 (HAS_PAIR)
+    live,  # FT: [ROUNDS, R] int32 out: row i, the sources round i heard
+    decided,  # FT: [1] int64 local: each round's decision (kernels.comm.wait_or_exclude_once)
+    mask_off: tl.int64,  # FT: the mask words in this rank's segment
     rows_off: tl.int64, meta_off: tl.int64, signal_off: tl.int64,  # inv_rows, inv_meta (p 0)
     rows_parity: tl.int64, meta_parity: tl.int64,  # bytes per parity
     STAGE_PARITY: tl.int64, META_PARITY: tl.int64,  # elements between the two parities
@@ -69,6 +78,7 @@ def invariant_rounds_kernel(
     W: tl.int32,  # ring slots per source: the tokens of a round
     ROUNDS: tl.int32, OFFSETS_STRIDE: tl.int32,
     KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr,
+    FT: tl.constexpr,  # fault tolerance: each round sums the sources program 0 heard
     ALIGN: tl.constexpr, EVEN_H: tl.constexpr, REDUCE_EVEN_H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,  # the send's tiles
     REDUCE_T: tl.constexpr, REDUCE_H: tl.constexpr,  # the reduce's tiles
@@ -93,8 +103,8 @@ def invariant_rounds_kernel(
                        KMAX, HAS_WEIGHTS, HAS_PAIR, 0, ALIGN, EVEN_H, BLOCK_T, BLOCK_H,
                        BLOCK_K, BLOCK_R)
             ok = publish_and_wait(pid, tickets, programs, peer_ptrs, signal_off, epoch, stats,
-                                  epochs, signals, errors, timeout_ns, ring, ring, 0, local_base,
-                                  R, me, False, BLOCK_R, NUM_THREADS)  # (no fault tolerance)
+                                  epochs, signals, errors, timeout_ns, live + i * R, decided,
+                                  mask_off, local_base, R, me, FT, BLOCK_R, NUM_THREADS)
             if ok:  # the tokens of window i, each in choice order
                 first = tl.cast(i, tl.int64) * W
                 n = tl.minimum(T - first, W).to(tl.int32)
@@ -102,8 +112,9 @@ def invariant_rounds_kernel(
                     reduce_tokens(q // channel_tiles, q % channel_tiles,
                                   stage + parity * STAGE_PARITY, meta + parity * META_PARITY,
                                   topk_idx + first * K, ring + first * R, out + first * H,
-                                  pair_out + first * K, ring, n, H, K, R, E, KMAX, HAS_WEIGHTS,
-                                  HAS_PAIR, False, REDUCE_EVEN_H, REDUCE_T, REDUCE_H, BLOCK_K)
+                                  pair_out + first * K, live + i * R, n, H, K, R, E, KMAX,
+                                  HAS_WEIGHTS, HAS_PAIR, FT, REDUCE_EVEN_H, REDUCE_T, REDUCE_H,
+                                  BLOCK_K)
 
 
 def fits_one_launch(world_size: int, ring_slots: int, hidden: int, topk: int,
@@ -126,40 +137,45 @@ def invariant_rounds(y, weights, pair_values, slot_rows, slot_offsets, src_token
                      signals, *, offsets: dict, rank: int, num_experts: int, max_topk: int,
                      ring_slots: int, rounds: int, offsets_stride: int,
                      num_sms: int | None = None, flavour: Flavour = CPU_RANKS,
-                     bound: BoundLaunches | None = None) -> bool:
+                     bound: BoundLaunches | None = None, live=None, decided=None) -> bool:
     """Launches :func:`invariant_rounds_kernel` (module docstring): the whole EP-invariant
     combine of ``rounds`` rounds. ``offsets``: ``invariant_send``'s (one node: rows / meta /
     signal); ``stage`` / ``meta`` the whole inv_rows / inv_meta regions; ``slot_offsets``
     (round i's at ``i * offsets_stride``), ``src_token``, ``topk_idx`` and ``ring`` [T, R]
     from the dispatch; ``out`` [T, H] and ``pair_out`` [T, K] (None without pair values) are
-    written."""
-    if flavour.transport or flavour.fault_tolerant:
-        raise ValueError("a combine in one launch reaches every peer by stores, without "
-                         "fault tolerance")
+    written. ``flavour.fault_tolerant``: ``live`` [rounds, R] int32 gets who each round
+    heard, ``decided`` is the Buffer's word of the decisions (``kernels.combine_rounds``)."""
+    if flavour.transport:
+        raise ValueError("a combine in one launch reaches every peer by stores")
+    ft = flavour.fault_tolerant
+    if ft and (live is None or decided is None):
+        raise ValueError("a fault-tolerant combine in one launch takes live and decided")
     T, H = out.shape
     K = slot_rows.shape[1]
     has_pair = pair_out is not None
     values = (y, weights if weights is not None else y,
               pair_values if pair_values is not None else y, slot_rows, slot_offsets,
-              src_token, topk_idx, ring, out, pair_out if has_pair else out, T)
-    key = ("invariant_rounds", H, K, specs(values[:10]), weights is None, pair_values is None,
+              src_token, topk_idx, ring, out, pair_out if has_pair else out,
+              live if ft else ring, T)
+    key = ("invariant_rounds", H, K, specs(values[:11]), weights is None, pair_values is None,
            has_pair, id(peer_ptrs), id(stats), id(tickets), id(epochs), id(signals), id(stage),
            id(meta), id(offsets), rank, num_experts, max_topk, ring_slots, rounds,
-           offsets_stride, num_sms, id(flavour))
+           offsets_stride, num_sms, id(flavour), id(decided) if ft else None)
     if call_bound(bound, key, values):
         return True
     R = peer_ptrs.numel()
     send_tile = tiles("invariant_send", flavour.compiled, H, y.element_size())
     reduce_tile = tiles("invariant_rounds_reduce", flavour.compiled, H, 4)  # fp32 sums
     args = (
-        *values[:6], peer_ptrs, stats, tickets, epochs, signals, stage, meta, *values[6:10],
-        offsets["rows"][0], offsets["meta"][0], offsets["signal"], offsets["rows"][1],
-        offsets["meta"][1], stage.stride(0), meta.stride(0), flavour.local_base,
+        *values[:6], peer_ptrs, stats, tickets, epochs, signals, stage, meta, *values[6:11],
+        decided if ft else ring, flavour.mask_off if ft else 0, offsets["rows"][0],
+        offsets["meta"][0], offsets["signal"], offsets["rows"][1], offsets["meta"][1],
+        stage.stride(0), meta.stride(0), flavour.local_base,
         flavour.errors_addr, flavour.timeout_ns, T, H, K, R, num_experts, rank, ring_slots,
         rounds, offsets_stride)
     kwargs = dict(
         KMAX=max_topk, HAS_WEIGHTS=weights is not None, HAS_PAIR=pair_values is not None,
-        ALIGN=flavour.row_align, EVEN_H=even(H, send_tile.block_h),
+        FT=ft, ALIGN=flavour.row_align, EVEN_H=even(H, send_tile.block_h),
         REDUCE_EVEN_H=even(H, reduce_tile.block_h), BLOCK_T=send_tile.block_t,
         BLOCK_H=send_tile.block_h, REDUCE_T=reduce_tile.block_t, REDUCE_H=reduce_tile.block_h,
         BLOCK_K=triton.next_power_of_2(max(K, 1)), BLOCK_R=triton.next_power_of_2(R),
@@ -167,5 +183,5 @@ def invariant_rounds(y, weights, pair_values, slot_rows, slot_offsets, src_token
         **flavour.launch_options(send_tile))
     launch(bound, key, invariant_rounds_kernel, (rounds_grid(num_sms, flavour),), args, kwargs,
            ("y", "weights", "pair_values", "slot_rows", "slot_offsets", "src_token", "topk_idx",
-            "ring", "out", "pair_out", "T"))
+            "ring", "out", "pair_out", "live", "T"))
     return True

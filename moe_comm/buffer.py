@@ -172,10 +172,9 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
     staging: where the whole batch does not fit, every call runs in ``rounds`` through rings of
     ``ring_slots`` slots per source (``moe_comm.normal_mode``; one node, across nodes through
     the proxy, flat or hierarchical, and across hosts over NVSHMEM; fault-tolerant Buffers too).
-    On GPUs, one node (fault-tolerant too, but with ``ep_invariant``), such a ring is cut to
-    the largest whose rounds run in one launch per op on ``num_sms`` programs
-    (``moe_comm.rings``; every rank passes the same ``num_sms``, checked): more rounds, less
-    memory than the budget.
+    On GPUs, one node (fault-tolerant too), such a ring is cut to the largest whose rounds run
+    in one launch per op on ``num_sms`` programs (``moe_comm.rings``; every rank passes the
+    same ``num_sms``, checked): more rounds, less memory than the budget.
     ``ep_invariant=True``: every combine sums each token's choices in choice order, each product
     and sum rounded to fp32, so its bits depend on no EP size or placement
     (``reference.invariant_combine``, ``kernels.invariant``); on one node, across nodes through
@@ -250,8 +249,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             outboxes=via == "nixl",
             ranks_per_node=nodes.ranks_per_node if forwarders else None, rdma=rdma,
             invariant=one_node_invariant, one_launch_sms=one_launch_sms(
-                device.type, nodes.count, via == "nixl",
-                bool(fault_tolerant) and one_node_invariant, num_sms))
+                device.type, nodes.count, via == "nixl", num_sms))
         layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                  num_experts // world_size, max_topk, dtype, low_latency,
                                  rdma=rdma, ranks_per_node=nodes.ranks_per_node,
@@ -388,15 +386,13 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             layout.view(heap, "ll_meta_table").copy_(table.to(torch.int32))
         # a combine in rounds as one launch (kernels.combine_rounds; EP-invariant:
         # kernels.invariant_rounds), [exact, FP8 partials]: ranks in processes of their own,
-        # waits in the kernels, every peer reached by stores (fault tolerance too, but for the
-        # EP-invariant combine: one program decides each round's sources,
-        # kernels.comm.wait_or_exclude_once), and on GPUs a ring small enough for the launch's
-        # programs
+        # waits in the kernels, every peer reached by stores (fault tolerance too: one program
+        # decides each round's sources, kernels.comm.wait_or_exclude_once), and on GPUs a ring
+        # small enough for the launch's programs
         f = self.flavour
         self.own_process = own_process
         combine_launch = (own_process and layout.rounds > 1 and f.device_wait
                           and f.transport == 0 and proxy is None)
-        one_launch = combine_launch and not self.fault_tolerant
         # fault tolerance: the word in which that program publishes each round's decision;
         # a dispatch's one launch: its own two (its decisions, the epoch whose outputs it
         # filled) and the [rounds, R] sources of its rounds (row 0: round 0's send writes it)
@@ -410,9 +406,9 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         self._ft_dispatch_live0 = (None if self._ft_dispatch_live is None
                                    else self._ft_dispatch_live[0])
         elem = self._row_bytes // self.hidden
-        self._combine_in_one_launch = [  # (the EP-invariant one without fault tolerance)
+        self._combine_in_one_launch = [
             combine_launch and (
-                not fp8 and one_launch and fits_invariant_rounds(
+                not fp8 and fits_invariant_rounds(
                     self.world_size, layout.ring_slots, self.hidden, self.max_topk,
                     self.num_sms, f, elem) if self.ep_invariant
                 else fits_combine_rounds(self.world_size, layout.ring_slots, self.hidden,
@@ -536,7 +532,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         ``ep_invariant`` (one node) adds ``2 * K * (ROW + 8)`` per slot; the rest
         grows with R only through per-peer words (``moe_comm.workspace`` gives every
         region). ``one_launch_sms``: a Buffer on GPUs, a process per rank (fault-tolerant
-        too, but with ``ep_invariant``), with ``num_sms=one_launch_sms`` (the Buffer's default is
+        too), with ``num_sms=one_launch_sms`` (the Buffer's default is
         ``rings.DEFAULT_GPU_SMS``): on one node a ring of several rounds is cut to the largest
         that every format's rounds in one launch fit (``moe_comm.rings``)."""
         max_topk = min(16, num_experts) if max_topk is None else max_topk

@@ -333,8 +333,10 @@ def gate_runs(cfg: GateConfig) -> list[tuple]:
                 ("bfloat16", torch.bfloat16, 0, False, False, True),  # through the proxy, in
                 ("bfloat16", torch.bfloat16, 2, False, False),  # bf16 (the other dtypes load
                 ("bfloat16", torch.bfloat16, 2, False, True)]   # rows alone), over NVSHMEM
-        return runs + invariant + ([("bfloat16", torch.bfloat16, 1, False, False)]
-                                   if cfg.nvshmem else [])
+        # and the EP-invariant combine of one node, fault-tolerant too
+        ft_invariant = ("bfloat16", torch.bfloat16, 0, False, False, True, True)
+        return runs + invariant + [ft_invariant] + (
+            [("bfloat16", torch.bfloat16, 1, False, False)] if cfg.nvshmem else [])
     runs = list(invariant)
     for name in GATE_DTYPES:
         dtype = getattr(torch, name)

@@ -29,7 +29,7 @@ Each round launches what a call of one round does (without the layout), but on o
 every rank runs in a process of its own with waits in the kernels (GPUs, or CPU ranks with
 ``MOE_COMM_WAIT=kernel``): there one launch runs a combine's rounds (``kernels.combine_rounds``:
 each round's send, wait and reduce; fault-tolerant too, each round's sources decided once for
-every program of the launch; EP-invariant, without fault tolerance: ``kernels.invariant_rounds``)
+every program of the launch; EP-invariant: ``kernels.invariant_rounds``)
 and one launch a dispatch's after its round 0 is sent and laid out (``kernels.dispatch_rounds``:
 round 0's expand, then each later round's send, wait and expand; fault-tolerant too, where
 round 0's send laid it out),
@@ -859,14 +859,15 @@ class NormalMode:
                 self._region("inv_rows"), self._region("inv_meta"), self.heap.peer_ptrs,
                 self._stats, self._ticket_words[ticket:ticket + 1],
                 self._channel_words(COMBINE)[1], self._channel_signals(COMBINE))
+        live = self._rounds_live_words()
         self.launches["combine_rounds"] += invariant_rounds_kernels.invariant_rounds(
             y, weights, pair_values, slot_rows, slot_offsets, src_token, topk_idx, ring, out,
             pair_out, *fixed, offsets=self._invariant_offsets(), rank=self.rank,
             num_experts=self.num_experts, max_topk=self.max_topk,
             ring_slots=self.layout.ring_slots, rounds=self.layout.rounds,
             offsets_stride=self._round_stride(), num_sms=self.num_sms, flavour=self.flavour,
-            bound=self._bound)
-        return None  # (no fault tolerance here)
+            bound=self._bound, live=live, decided=self._ft_decided)
+        return live
 
     def combine_recv(self, pending: PendingSend, slot_of, want_pair: bool, node_slot_of=None,
                      topk_idx=None) -> tuple[torch.Tensor, torch.Tensor]:

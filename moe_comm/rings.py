@@ -4,8 +4,7 @@ and, where its rounds run as persistent launches, what one such launch can run a
 The budget (``staging_bytes``, ``workspace.ring_slots_for``) gives ``W`` slots per source and
 parity; where ``W < max_tokens_per_rank`` every call runs in ``ceil(T / W)`` rounds
 (``moe_comm.normal_mode``). On GPUs, with a process per rank, one node and waits in the kernels
-(fault tolerance too, but with the EP-invariant combine, which launches per round: its ring is
-not cut, more rounds would cost it launches), a call's rounds run in one launch per op
+(fault tolerance too), a call's rounds run in one launch per op
 (``kernels.dispatch_rounds``, ``kernels.combine_rounds``, ``kernels.invariant_rounds``) on
 ``num_sms`` programs, but only where a round's serial trips on them stay within the gate's
 ``MAX_TRIPS``; a larger ring launches per round (a send, a wait and an expand or reduce a
@@ -47,14 +46,12 @@ def checked_num_sms(num_sms) -> int | None:
     return num_sms
 
 
-def one_launch_sms(device_type: str, num_nodes: int, proxy: bool, ft_invariant: bool,
+def one_launch_sms(device_type: str, num_nodes: int, proxy: bool,
                    num_sms: int | None) -> int | None:
     """The programs of a Buffer's rounds in one launch (``num_sms``, ``DEFAULT_GPU_SMS`` if
-    None), for a Buffer of its own process on a GPU, one node, no proxy, and not
-    ``ft_invariant`` (fault tolerance with the EP-invariant combine, which launches per
-    round); None for any other (CPU ranks run every round in one launch of one program, or
-    per round)."""
-    if device_type != "cuda" or num_nodes != 1 or proxy or ft_invariant:
+    None), for a Buffer of its own process on a GPU, one node, no proxy; None for any other
+    (CPU ranks run every round in one launch of one program, or per round)."""
+    if device_type != "cuda" or num_nodes != 1 or proxy:
         return None
     return DEFAULT_GPU_SMS if num_sms is None else num_sms
 

@@ -53,7 +53,7 @@ MUTANTS = (
     Mutant("invariant_sums_an_excluded_rank",
            "ep_invariant with fault tolerance leaves the choices of an excluded rank out",
            "kernels/invariant.py",
-           "valid = valid & (tl.load(live + rank, mask=valid, other=0) != 0)", "valid = valid",
+           "vk = vk & (tl.load(live + ids_k // L, mask=vk, other=0) != 0)", "vk = vk",
            (IV + "test_a_rank_excluded_after_the_dispatch_is_left_out_of_the_sum[host_waits]",)),
     # ---- fault tolerance: each exclusion layer alone
     Mutant("combine_sums_excluded_partials",
@@ -309,6 +309,13 @@ MUTANTS = (
            "kernels/dispatch.py", "LAY_OUT=lay_out is not None, FT=ft,",
            "LAY_OUT=lay_out is not None, FT=False,",
            (ST + "test_kills_between_rounds_leave_the_survivors_exact[kernel_waits]",)),
+    Mutant("ft_one_launch_invariant_combine_sums_every_source",
+           "a fault-tolerant EP-invariant combine in one launch sums each round over the "
+           "sources it heard",
+           "kernels/invariant_rounds.py",
+           "HAS_WEIGHTS, HAS_PAIR, FT, REDUCE_EVEN_H, REDUCE_T, REDUCE_H,",
+           "HAS_WEIGHTS, HAS_PAIR, False, REDUCE_EVEN_H, REDUCE_T, REDUCE_H,",
+           (ST + "test_kills_between_rounds_ep_invariant_in_one_launch",)),
     Mutant("ft_round_decision_read_without_its_ok_bit",
            "every program of a fault-tolerant launch takes program 0's decision, a stop too",
            "kernels/comm.py",

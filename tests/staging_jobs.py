@@ -87,7 +87,7 @@ def _die_in_round(buf, phase: str) -> None:
 
 def rounds_with_failures(rank, world_size, case: Case, kills: dict, calls: int, slots: int,
                          timeout_s: float, renormalize: bool = False, in_kernels: bool = False,
-                         **nodes) -> dict:
+                         ep_invariant: bool = False, **nodes) -> dict:
     """Fault tolerance in rounds: ``calls`` dispatch + combine calls of a Buffer whose staging
     holds ``slots`` slots per source; ``kills`` maps a rank to ``(call, point)``, point
     "dispatch_round" (it dies after round 0 of its dispatch send) or "combine_round" (after
@@ -97,11 +97,14 @@ def rounds_with_failures(rank, world_size, case: Case, kills: dict, calls: int, 
     rank that stops after round 0 of the combine contributes to the tokens of window 0 only.
     Before the call of a death the survivors fill that rank's staging slice of the parity of
     round 1 (dispatch or combine, where it stops) with garbage: a round that reads it shows.
-    ``nodes``: across nodes through the proxy (``ranks_per_node``, ``transport="nixl"``)."""
+    ``nodes``: across nodes through the proxy (``ranks_per_node``, ``transport="nixl"``).
+    ``ep_invariant``: an EP-invariant Buffer, its combine against ``reference.invariant_combine``
+    over the choices that count."""
     with kernel_waits(in_kernels):
         buf = new_buffer(case, fault_tolerant=True, timeout_s=timeout_s, max_topk=case.topk,
-                         staging_bytes=slots_budget(case, slots, outboxes=bool(nodes)),
-                         **nodes)
+                         staging_bytes=slots_budget(case, slots, outboxes=bool(nodes),
+                                                    invariant=ep_invariant),
+                         ep_invariant=ep_invariant, **nodes)
     W = buf.ring_slots
     for it in range(calls):
         stops = {r: p for r, (k, p) in kills.items() if k == it}
@@ -135,6 +138,15 @@ def rounds_with_failures(rank, world_size, case: Case, kills: dict, calls: int, 
         for field in FIELDS:
             assert torch.equal(getattr(res, field), expect[field]), \
                 f"rank {rank} call {it}: {field} differs"
+        first = (torch.arange(out.shape[0]) < W)[:, None]
+        if ep_invariant:  # each choice's row as expert_fn makes it, the choices that count
+            L = case.num_experts // case.world_size
+            e = (original[rank].clamp(min=0) % L).float()[..., None]
+            rows = (xs[rank].float()[:, None] * (1 + e / 8) + e).to(case.dtype)
+            counts = torch.where(first, idxs[rank] >= 0, idxs_late[rank] >= 0)
+            want = reference.invariant_combine(rows, original[rank], ws[rank], counts=counts)
+            assert torch.equal(out, want), f"rank {rank} call {it}: combine differs"
+            continue
         outs = []
         for kept in (idxs, idxs_late):
             ref = reference.dispatch_all(xs, kept, ws, num_experts=case.num_experts)
@@ -142,7 +154,6 @@ def rounds_with_failures(rank, world_size, case: Case, kills: dict, calls: int, 
             o = reference.combine_all(ys, [w.handle for w in ref], [w.weights for w in ref])[rank]
             outs.append(_renormalised(o, original[rank], kept[rank], ws[rank])
                         if renormalize else o)
-        first = (torch.arange(out.shape[0]) < W)[:, None]
         assert torch.equal(out, torch.where(first, outs[0], outs[1])), \
             f"rank {rank} call {it}: combine differs"
     return {"active": buf.active_ranks().tolist(), "rounds": buf.rounds,

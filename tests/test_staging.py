@@ -331,10 +331,9 @@ def test_gpu_rings_are_cut_to_what_one_launch_runs_a_round_of():
         == moe_comm.Buffer.required_workspace_bytes(32, H, 256, T, dtype, K, ranks_per_node=8)
     with pytest.raises(ValueError, match="num_sms must be a positive int"):
         moe_comm.Buffer.required_workspace_bytes(16, H, 256, T, dtype, K, one_launch_sms=0)
-    assert one_launch_sms("cuda", 1, False, False, None) == 20
-    assert one_launch_sms("cuda", 1, False, False, 24) == 24
-    for args in (("cpu", 1, False, False, 20), ("cuda", 2, False, False, 20),
-                 ("cuda", 1, True, False, 20), ("cuda", 1, False, True, 20)):
+    assert one_launch_sms("cuda", 1, False, None) == 20
+    assert one_launch_sms("cuda", 1, False, 24) == 24
+    for args in (("cpu", 1, False, 20), ("cuda", 2, False, 20), ("cuda", 1, True, 20)):
         assert one_launch_sms(*args) is None, args
     # the Buffer's own tables (GPU flavour, processes of their own): all at the cut ring, not
     # all a multiple above (EP 16: the FP8 combine and the NVFP4-quantizing send fit 640)
@@ -540,6 +539,25 @@ def test_kills_between_rounds_leave_the_survivors_exact(in_kernels):
     # died itself); in-kernel waits write the mask alone, checked above
     excluded = set().union(*(res["excluded"] for res in survivors))
     assert excluded <= {1, 2} and (in_kernels or excluded), excluded
+
+
+def test_kills_between_rounds_ep_invariant_in_one_launch():
+    """An EP-invariant fault-tolerant Buffer in rounds of 2 slots (4 rounds), waits in the
+    kernels, the kills of ``test_kills_between_rounds_leave_the_survivors_exact``: every
+    survivor's dispatch and combine in one launch, each round's sources decided once for the
+    launch (``kernels.invariant_rounds``), the sums equal ``reference.invariant_combine`` over
+    the choices that count (rank 2's in window 0 only)."""
+    R = 4
+    case = Case(R, 2 * R, 64, 2, (6, 7, 0, 5), seed=23)
+    kills = {1: (1, "dispatch_round"), 2: (2, "combine_round")}
+    with fresh_pool(R) as pool:
+        results = pool.run(rounds_with_failures, case, kills, 4, 2, TIMEOUT_S, in_kernels=True,
+                           ep_invariant=True, may_die=tuple(kills))
+    survivors = [res for r, res in enumerate(results) if r not in kills]
+    assert all(res["active"] == [True, False, False, True] for res in survivors), survivors
+    assert all(res["rounds"] == 4 and res["launches"].get("combine_rounds", 0) == 4
+               and res["launches"].get("dispatch_rounds", 0) == 4 for res in survivors), \
+        [res["launches"] for res in survivors]
 
 
 def test_kills_between_rounds_across_nodes():

@@ -55,6 +55,12 @@ MUTANTS = (
            "kernels/invariant.py",
            "vk = vk & (tl.load(live + ids_k // L, mask=vk, other=0) != 0)", "vk = vk",
            (IV + "test_a_rank_excluded_after_the_dispatch_is_left_out_of_the_sum[host_waits]",)),
+    Mutant("invariant_pairs_of_an_excluded_rank",
+           "ep_invariant with fault tolerance leaves an excluded rank's choices out of a "
+           "combine with values per row, and their values 0",
+           "kernels/invariant.py",
+           "valid = valid & (tl.load(live + rank, mask=valid, other=0) != 0)", "valid = valid",
+           (IV + "test_a_rank_excluded_after_the_dispatch_is_left_out_of_the_sum[host_waits]",)),
     # ---- fault tolerance: each exclusion layer alone
     Mutant("combine_sums_excluded_partials",
            "combine leaves out the partials of excluded expert ranks",

@@ -238,7 +238,9 @@ def test_low_latency_across_nodes_gives_the_same_bits(ranks, nodes):
 def test_a_rank_excluded_after_the_dispatch_is_left_out_of_the_sum(in_kernels):
     """Fault tolerance: calls 0 and 1 fill both parities; in call 2 rank 3 gets its rows, is
     then excluded and sends nothing back. The others' sums leave its choices out (their slots
-    hold garbage: NaN in every byte) and equal the reference over the choices that count."""
+    hold garbage: NaN in every byte) and equal the reference over the choices that count; so
+    do a combine's with values per row (the dispatch's backward), and its values of rank 3's
+    choices are 0."""
     R, dead = 4, 3
     with kernel_waits(in_kernels):
         bufs = Buffer.loopback(R, H, E, N // R, torch.bfloat16, max_topk=K, ep_invariant=True,
@@ -262,6 +264,18 @@ def test_a_rank_excluded_after_the_dispatch_is_left_out_of_the_sum(in_kernels):
         out, _ = bufs[r].combine_recv(pending[r], res[r].handle.slot_of, want_pair=False,
                                       topk_idx=res[r].handle.topk_idx)
         assert same_bits(out, expected[r]), r
+    for r in live:
+        bufs[r].layout.view(bufs[r].heap, "inv_rows").view(torch.uint8).fill_(0xFF)
+    pending = {r: bufs[r].combine_send(expert(res[r].x, experts_of(res[r], r, E // R)), None,
+                                       res[r].weights * 3 - 1, res[r].handle.slot_rows,
+                                       res[r].handle.recv_slot_offsets,
+                                       src_token=res[r].handle.src_token) for r in live}
+    sums = invariant_combine(rows, idx, None, counts=counts).chunk(R)
+    values = torch.where(counts, w * 3 - 1, 0.0).chunk(R)
+    for r in live:
+        out, pairs = bufs[r].combine_recv(pending[r], res[r].handle.slot_of, want_pair=True,
+                                          topk_idx=res[r].handle.topk_idx)
+        assert same_bits(out, sums[r]) and torch.equal(pairs, values[r]), r
 
 
 def test_across_nodes_the_transport_moves_one_row_and_two_floats_per_remote_pair(ranks):

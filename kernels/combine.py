@@ -325,28 +325,42 @@ def combine_send_kernel(
                   BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R, IN_FLIGHT)
     if draw_last_of(tickets, tl.num_programs(0)):
         if not timed_out(errors_addr.to(tl.pointer_type(tl.int64)), NUM_THREADS):
-            for d in range(R):
-                publish_epoch_to(peer_ptrs, d, signal_off, epoch, local_base, TRANSPORT)
-            reached = R
-            if TRANSPORT == 2:
-                reached = N
-                if HIER:  # every forwarder of this node: this rank's partials are there
-                    for f in range(N):
-                        publish_epoch(peer_ptrs, (me // N) * N + f,
-                                      _at(plan, HC_SIGNALS) + (me % N) * 8, epoch)
-                elif one_thread():
-                    stride = H * y.dtype.element_ty.primitive_bitwidth // 8  # a partial row
-                    flat_payload = stride
-                    if FP8:
-                        flat_payload = H + 4 * (H // 128)
-                    post_combine_flat(plan, slot_offsets, R, N, me, epoch, parity, flat_payload,
-                                      stride, K, KMAX, HAS_PAIR, ring_addr, RING_SLOTS,
-                                      errors_addr, timeout_ns)
-            signal_bytes = 8 + tl.zeros([1], tl.int64)
-            tl.atomic_add(stats + 2 + tl.arange(0, 1), (reached - 1) * signal_bytes,
-                          sem="relaxed")
-            tl.atomic_add(stats + 3 + tl.arange(0, 1), signal_bytes, sem="relaxed")
+            publish_partials(peer_ptrs, signal_off, epoch, parity, stats, plan, slot_offsets,
+                             local_base, ring_addr, RING_SLOTS, errors_addr, timeout_ns,
+                             H * y.dtype.element_ty.primitive_bitwidth // 8, H, K, R, N, me,
+                             KMAX, HAS_PAIR, FP8, TRANSPORT, HIER)
         tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
+
+
+@triton.jit
+def publish_partials(peer_ptrs, signal_off, epoch, parity, stats, plan, slot_offsets,
+                     local_base, ring_addr, RING_SLOTS, errors_addr, timeout_ns, stride, H, K, R,
+                     N, me, KMAX: tl.constexpr, HAS_PAIR: tl.constexpr, FP8: tl.constexpr,
+                     TRANSPORT: tl.constexpr, HIER: tl.constexpr):
+    """The end of a combine send's partials of epoch ``epoch`` (in its last program,
+    ``combine_send_kernel``'s arguments; ``stride``: bytes of a partial row): the epoch to
+    every rank it reaches by stores (or NVSHMEM, TRANSPORT 1); through the proxy (TRANSPORT 2)
+    to every forwarder of this node (HIER) or, flat, one transfer per home on another node,
+    which raises the epoch there after the partials. 8 bytes a rank reached, in ``stats``."""
+    for d in range(R):
+        publish_epoch_to(peer_ptrs, d, signal_off, epoch, local_base, TRANSPORT)
+    reached = R
+    if TRANSPORT == 2:
+        reached = N
+        if HIER:  # every forwarder of this node: this rank's partials are there
+            for f in range(N):
+                publish_epoch(peer_ptrs, (me // N) * N + f,
+                              _at(plan, HC_SIGNALS) + (me % N) * 8, epoch)
+        elif one_thread():
+            flat_payload = stride
+            if FP8:
+                flat_payload = H + 4 * (H // 128)
+            post_combine_flat(plan, slot_offsets, R, N, me, epoch, parity, flat_payload,
+                              stride, K, KMAX, HAS_PAIR, ring_addr, RING_SLOTS, errors_addr,
+                              timeout_ns)
+    signal_bytes = 8 + tl.zeros([1], tl.int64)
+    tl.atomic_add(stats + 2 + tl.arange(0, 1), (reached - 1) * signal_bytes, sem="relaxed")
+    tl.atomic_add(stats + 3 + tl.arange(0, 1), signal_bytes, sem="relaxed")
 
 
 @triton.jit

@@ -3,7 +3,8 @@
 Where the staging holds ``W`` slots per source, a combine runs in ``rounds`` (``moe_comm.
 normal_mode``). Launched per round, that is a send, a wait and a reduce per round. Where every
 rank drives its Buffer from a process of its own (one process per GPU, or CPU ranks as
-processes) and peers are reached by stores (one node), one launch runs all rounds. Equivalent
+processes) and peers are reached by stores (one node; or other nodes through the proxy, below),
+one launch runs all rounds. Equivalent
 PyTorch, for every round ``i`` (the tokens of window ``[i * W, (i + 1) * W)``)::
 
     send round i's partials home, as combine_send_kernel       # parity (epoch + i) % 2
@@ -24,6 +25,15 @@ launch one after another, so on CPU ranks the grid is one program. Virtual ranks
 of one process cannot use it (a rank's launch would wait for a peer not yet launched): they
 launch per round.
 
+Across nodes through the proxy (``TRANSPORT`` 2: flat, without fault tolerance) the partials
+for homes on other nodes go into this rank's outbox and the round's last program posts one
+transfer per such home (``kernels.combine.publish_partials``, as ``combine_send_kernel``'s last
+program does); the proxy raises the epoch there after the partials. The outbox of a parity is
+written again two rounds later, after this rank's wait of the round between: that wait needs
+every home's epoch of it, which a home on another node sends with its own partials, posted
+only after its wait of the round before, which needed this rank's transfer out of that outbox
+to have landed. So the argument above holds with the proxy as one more link.
+
 Fault tolerance (``FT``): each round, program 0 waits for every source not excluded, excludes
 those silent until the deadline (on every rank, as the per-round wait kernel does), writes who
 arrived into row ``i`` of ``live`` and publishes that decision in a local word; every other
@@ -42,7 +52,7 @@ import triton
 import triton.language as tl
 
 from .bound import BoundLaunches, call_bound, launch, specs
-from .combine import _scratch, gathers_in_flight, reduce_tile, send_partials
+from .combine import _scratch, gathers_in_flight, publish_partials, reduce_tile, send_partials
 from .comm import (
     CPU_RANKS,
     Flavour,
@@ -58,7 +68,7 @@ from .tiles import MAX_TRIPS, combine_round_trips, even, tiles
 
 ROUNDS_TICKET = 6  # the word of ``tickets`` this kernel draws from (kernels.dispatch_rounds: 5)
 _PER_CALL = ["rows_off", "meta_off", "signal_off", "local_base", "errors_addr", "timeout_ns",
-             "T", "me", "mask_off"]
+             "T", "me", "mask_off", "ring_addr"]
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
@@ -81,6 +91,10 @@ def combine_rounds_kernel(
     pair_out,  # [T, K] float32 (HAS_PAIR)
     live,  # [ROUNDS, R] int32 out (FT): round i's sources that arrived, at row i
     decided,  # [1] int64 local (FT): wait_or_exclude_once's word, grows with the epochs
+    xstats,  # [4] int64 local (TRANSPORT 2): bytes for other nodes, the outbox's at [1]
+    plan,  # TRANSPORT 2: [PLAN_FIELDS] int64 byte offsets (kernels.internode)
+    ring_addr: tl.int64, RING_SLOTS: tl.int32,  # TRANSPORT 2: the proxy's ring
+    N: tl.int32,  # ranks per node (TRANSPORT 2)
     rows_off: tl.int64, meta_off: tl.int64, signal_off: tl.int64,  # this rank's regions
     rows_parity: tl.int64, meta_parity: tl.int64,  # (parity 0) and bytes per parity
     STAGING_PARITY: tl.int64, META_PARITY: tl.int64,  # elements between the two parities
@@ -92,6 +106,7 @@ def combine_rounds_kernel(
     W: tl.int32,  # ring slots per source: the tokens of a round
     ROUNDS: tl.int32, OFFSETS_STRIDE: tl.int32,
     FT: tl.constexpr,  # fault tolerance: a silent source is excluded, each round sums the rest
+    TRANSPORT: tl.constexpr,  # 0: every peer by stores; 2: other nodes through the proxy (flat)
     KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr,
     ACC_FP64: tl.constexpr, FP8: tl.constexpr, ALIGN: tl.constexpr, EVEN_H: tl.constexpr,
     REDUCE_EVEN_H: tl.constexpr,
@@ -116,13 +131,18 @@ def combine_rounds_kernel(
             parity = epoch % 2
             offsets = slot_offsets + i * OFFSETS_STRIDE
             send_partials(pid, programs, parity, y, weights, pair_values, slot_rows, offsets,
-                          compact, peer_ptrs, stats, stats, rows_off + parity * rows_parity,
-                          meta_off + parity * meta_parity, 0, 0, local_base, offsets, H, K, R,
-                          me, W, R, KMAX, HAS_WEIGHTS, HAS_PAIR, ACC_FP64, FP8, 0, False, ALIGN,
-                          EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R, IN_FLIGHT)
-            ok = publish_and_wait(pid, tickets, programs, peer_ptrs, signal_off, epoch, stats,
-                                  epochs, signals, errors, timeout_ns, live + i * R, decided,
-                                  mask_off, local_base, R, me, FT, BLOCK_R, NUM_THREADS)
+                          compact, peer_ptrs, stats, xstats, rows_off + parity * rows_parity,
+                          meta_off + parity * meta_parity, 0, 0, local_base, plan, H, K, R,
+                          me, W, N, KMAX, HAS_WEIGHTS, HAS_PAIR, ACC_FP64, FP8, TRANSPORT, False,
+                          ALIGN, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R, IN_FLIGHT)
+            if draw_last_of(tickets, programs):  # the round's epoch, as combine_send_kernel's
+                publish_partials(peer_ptrs, signal_off, epoch, parity, stats, plan, offsets,
+                                 local_base, ring_addr, RING_SLOTS, errors_addr, timeout_ns,
+                                 H * y.dtype.element_ty.primitive_bitwidth // 8, H, K, R, N, me,
+                                 KMAX, HAS_PAIR, FP8, TRANSPORT, False)
+                tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
+            ok = wait_round(pid, epoch, signals, errors, timeout_ns, live + i * R, decided,
+                            mask_off, local_base, peer_ptrs, R, me, FT, BLOCK_R, NUM_THREADS)
             if ok:  # the tokens of window i, each in rank order (combine_reduce_kernel's sum)
                 first = tl.cast(i, tl.int64) * W
                 n = tl.minimum(T - first, W).to(tl.int32)
@@ -153,6 +173,17 @@ def publish_and_wait(pid, tickets, programs, peer_ptrs, signal_off, epoch, stats
         tl.atomic_add(stats + 2 + tl.arange(0, 1), (R - 1) * signal_bytes, sem="relaxed")
         tl.atomic_add(stats + 3 + tl.arange(0, 1), signal_bytes, sem="relaxed")
         tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
+    return wait_round(pid, epoch, signals, errors, timeout_ns, live, decided, mask_off,
+                      local_base, peer_ptrs, R, me, FT, BLOCK_R, NUM_THREADS)
+
+
+@triton.jit
+def wait_round(pid, epoch, signals, errors, timeout_ns, live, decided, mask_off, local_base,
+               peer_ptrs, R, me, FT: tl.constexpr, BLOCK_R: tl.constexpr,
+               NUM_THREADS: tl.constexpr):
+    """Every program waits, bounded, for every rank's ``epoch`` in ``signals``; returns
+    whether all arrived (a timeout is recorded, naming the rank). ``FT``: as
+    :func:`publish_and_wait` says."""
     deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
     if FT:
         mask = local_ptr(local_base, mask_off, tl.int64, 8)
@@ -201,7 +232,7 @@ def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, 
                    rank: int, topk: int, max_topk: int, rounds: int, offsets_stride: int,
                    num_sms: int | None = None, flavour: Flavour = CPU_RANKS, fp8: bool = False,
                    bound: BoundLaunches | None = None, scratch: dict | None = None,
-                   live=None, decided=None) -> bool:
+                   live=None, decided=None, xstats=None, plan=None) -> bool:
     """Launches :func:`combine_rounds_kernel` (module docstring): the whole combine of
     ``rounds`` rounds. ``offsets``: rows / meta -> (byte offset of this rank's slice of parity
     0, bytes per parity), signal -> byte offset (``combine_send``'s); ``staging`` / ``meta``
@@ -209,7 +240,9 @@ def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, 
     (round i's at ``i * offsets_stride``) from the dispatch's handle; ``out`` [T, H] and
     ``pair_out`` [T, K] (None without pair values) are written. A fault-tolerant ``flavour``
     takes ``live`` [rounds, R] int32 (written: the sources each round summed) and ``decided``
-    [1] int64 (the Buffer's own word, ``kernels.comm.wait_or_exclude_once``)."""
+    [1] int64 (the Buffer's own word, ``kernels.comm.wait_or_exclude_once``). Across nodes
+    through the proxy (flat, ``flavour.transport == 2``): ``xstats`` and ``plan``
+    (``kernels.internode``) say where partials for other nodes go, as ``combine_send``'s."""
     T, H = out.shape
     R, W = staging.shape[1:3]
     row_bytes = staging.stride(2) * staging.element_size()
@@ -222,10 +255,11 @@ def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, 
     key = ("combine_rounds", H, topk, specs(values[:9]), weights is None, pair_values is None,
            has_pair, id(peer_ptrs), id(stats), id(tickets), id(epochs), id(signals),
            id(staging), id(meta), staging.shape, row_bytes, id(offsets), rank,
-           max_topk, rounds, offsets_stride, num_sms, id(flavour), fp8, id(scratch), id(decided))
+           max_topk, rounds, offsets_stride, num_sms, id(flavour), fp8, id(scratch), id(decided),
+           id(xstats), id(plan))
     if call_bound(bound, key, values):
         return True
-    check_one_launch(flavour, live, decided, rounds, R)  # (once: the launch is bound to them)
+    check_one_launch(flavour, live, decided, rounds, R, plan)  # (once: the launch is bound)
     send_tile = tiles("combine_send", flavour.compiled, H, max(4, y.element_size()))
     reduce_tile_ = reduce_tiles(flavour.compiled, H, y.element_size(), fp8)
     grid = (rounds_grid(num_sms, flavour),)
@@ -233,12 +267,15 @@ def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, 
     compact = _scratch(scratch, y.device, grid[0] * send_tile.block_t * block_k)
     args = (
         *values[:5], compact, peer_ptrs, stats, tickets, epochs, signals, staging, meta,
-        *values[5:9], ring if decided is None else decided, offsets["rows"][0],
+        *values[5:9], ring if decided is None else decided, ring if xstats is None else xstats,
+        ring if plan is None else plan, flavour.ring_addr, flavour.ring_slots,
+        flavour.ranks_per_node or R, offsets["rows"][0],
         offsets["meta"][0], offsets["signal"], offsets["rows"][1], offsets["meta"][1],
         staging.stride(0), meta.stride(0), row_bytes, flavour.local_base, flavour.errors_addr,
         flavour.timeout_ns, flavour.mask_off, T, H, topk, R, rank, W, rounds, offsets_stride)
     kwargs = dict(
-        FT=flavour.fault_tolerant, KMAX=max_topk, HAS_WEIGHTS=weights is not None,
+        FT=flavour.fault_tolerant, TRANSPORT=flavour.transport, KMAX=max_topk,
+        HAS_WEIGHTS=weights is not None,
         HAS_PAIR=pair_values is not None,
         ACC_FP64=y.dtype == torch.float64, FP8=fp8, ALIGN=flavour.row_align,
         EVEN_H=even(H, send_tile.block_h), REDUCE_EVEN_H=even(H, reduce_tile_.block_h),
@@ -253,11 +290,15 @@ def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, 
     return True
 
 
-def check_one_launch(flavour: Flavour, live, decided, rounds: int, world_size: int) -> None:
-    """A combine's rounds in one launch reach every peer by stores; fault-tolerant, they take
-    ``live`` [rounds, R] int32 and ``decided`` [1] int64, and only then."""
-    if flavour.transport or flavour.hierarchical:
-        raise ValueError("a combine in one launch reaches every peer by stores")
+def check_one_launch(flavour: Flavour, live, decided, rounds: int, world_size: int,
+                     plan=None) -> None:
+    """A combine's rounds in one launch reach every peer by stores, or other nodes through the
+    proxy, flat, without fault tolerance (then with the Buffer's ``plan``); fault-tolerant,
+    they take ``live`` [rounds, R] int32 and ``decided`` [1] int64, and only then."""
+    if flavour.transport not in (0, 2) or flavour.hierarchical or (
+            flavour.transport == 2 and (flavour.fault_tolerant or plan is None)):
+        raise ValueError("a combine in one launch reaches every peer by stores, or other "
+                         "nodes through the proxy, flat and without fault tolerance")
     if flavour.fault_tolerant != (live is not None) or (live is None) != (decided is None):
         raise ValueError("a fault-tolerant combine in one launch takes live and decided, "
                          "another neither")

@@ -387,12 +387,15 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         # a combine in rounds as one launch (kernels.combine_rounds; EP-invariant:
         # kernels.invariant_rounds), [exact, FP8 partials]: ranks in processes of their own,
         # waits in the kernels, every peer reached by stores (fault tolerance too: one program
-        # decides each round's sources, kernels.comm.wait_or_exclude_once), and on GPUs a ring
-        # small enough for the launch's programs
+        # decides each round's sources, kernels.comm.wait_or_exclude_once), or the default
+        # combine with other nodes through the proxy, flat, without fault tolerance; and on GPUs
+        # a ring small enough for the launch's programs
         f = self.flavour
         self.own_process = own_process
-        combine_launch = (own_process and layout.rounds > 1 and f.device_wait
-                          and f.transport == 0 and proxy is None)
+        rounds_in_kernels = own_process and layout.rounds > 1 and f.device_wait
+        combine_launch = rounds_in_kernels and f.transport == 0 and proxy is None
+        flat_proxy = (rounds_in_kernels and proxy is not None and not layout.hierarchical
+                      and not self.fault_tolerant and not self.ep_invariant)
         # fault tolerance: the word in which that program publishes each round's decision;
         # a dispatch's one launch: its own two (its decisions, the epoch whose outputs it
         # filled) and the [rounds, R] sources of its rounds (row 0: round 0's send writes it)
@@ -407,7 +410,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                                    else self._ft_dispatch_live[0])
         elem = self._row_bytes // self.hidden
         self._combine_in_one_launch = [
-            combine_launch and (
+            (combine_launch or flat_proxy) and (
                 not fp8 and fits_invariant_rounds(
                     self.world_size, layout.ring_slots, self.hidden, self.max_topk,
                     self.num_sms, f, elem) if self.ep_invariant

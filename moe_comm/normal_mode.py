@@ -29,7 +29,9 @@ Each round launches what a call of one round does (without the layout), but on o
 every rank runs in a process of its own with waits in the kernels (GPUs, or CPU ranks with
 ``MOE_COMM_WAIT=kernel``): there one launch runs a combine's rounds (``kernels.combine_rounds``:
 each round's send, wait and reduce; fault-tolerant too, each round's sources decided once for
-every program of the launch; EP-invariant: ``kernels.invariant_rounds``)
+every program of the launch; across nodes through the proxy too, flat and without fault
+tolerance, its last program posting each round's transfers; EP-invariant:
+``kernels.invariant_rounds``)
 and one launch a dispatch's after its round 0 is sent and laid out (``kernels.dispatch_rounds``:
 round 0's expand, then each later round's send, wait and expand; fault-tolerant too, where
 round 0's send laid it out),
@@ -836,7 +838,8 @@ class NormalMode:
             rank=self.rank, topk=slot_rows.shape[1], max_topk=self.max_topk,
             rounds=self.layout.rounds, offsets_stride=self._round_stride(),
             num_sms=self.num_sms, flavour=self.flavour, fp8=fp8, bound=self._bound,
-            scratch=self._scratch, live=live, decided=self._ft_decided)
+            scratch=self._scratch, live=live, decided=self._ft_decided,
+            xstats=self._xstats if self.proxy is not None else None, plan=self._plan)
         return live
 
     def _rounds_live_words(self) -> torch.Tensor | None:

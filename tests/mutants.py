@@ -322,6 +322,12 @@ MUTANTS = (
            "HAS_WEIGHTS, HAS_PAIR, FT, REDUCE_EVEN_H, REDUCE_T, REDUCE_H,",
            "HAS_WEIGHTS, HAS_PAIR, False, REDUCE_EVEN_H, REDUCE_T, REDUCE_H,",
            (ST + "test_kills_between_rounds_ep_invariant_in_one_launch",)),
+    Mutant("proxy_one_launch_combine_partials_by_stores_alone",
+           "a combine in one launch across nodes through the proxy puts the partials for other "
+           "nodes into the outbox and posts them",
+           "kernels/combine_rounds.py", "ACC_FP64, FP8, TRANSPORT, False,",
+           "ACC_FP64, FP8, 0, False,",
+           (ST + "test_flat_nodes_in_rounds_with_waits_in_the_kernels_combine_in_one_launch",)),
     Mutant("ft_round_decision_read_without_its_ok_bit",
            "every program of a fault-tolerant launch takes program 0's decision, a stop too",
            "kernels/comm.py",

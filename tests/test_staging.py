@@ -20,7 +20,7 @@ import moe_comm
 from cases import Case, expert_fn, make_inputs
 from moe_comm import lockstep, microscale, reference
 from moe_comm.workspace import DEFAULT_STAGING_BYTES, staging_slot_bytes
-from rank_jobs import construct, gradients
+from rank_jobs import construct, gradients, with_kernel_waits
 
 
 def bounded(case: Case, slots: int | None, **kwargs) -> list:
@@ -226,6 +226,27 @@ def test_flat_nodes_in_rounds_match_reference_and_move_the_whole_batch_bytes(ran
         extras = [later * 4 * (L + 1) if p // 2 != rank // 2 else 0 for p in range(4)]
         _check_round_extras(rank, part, full, calls, rounds, L, extras,
                             ("dispatch_bytes_to_outbox", "combine_bytes_to_outbox"))
+
+
+def test_flat_nodes_in_rounds_with_waits_in_the_kernels_combine_in_one_launch(ranks):
+    """2 nodes x 2 ranks through the proxy, flat, rings of two slots (6 rounds a call), waits
+    in the kernels: every combine's rounds in one launch (``kernels.combine_rounds``: the
+    partials for other nodes into the outbox, one transfer per home there), bit for bit
+    against the reference, with the bytes and messages of the launches per round."""
+    pytest.importorskip("nixl_cu13")
+    case = Case(4, 16, 128, 4, (9, 0, 5, 12), torch.bfloat16, "zipf", 16, seed=212)
+    budget = 2 * 2 * 2 * 4 * (2 * 128 * 2 + 4 * (1 + 3 * 4) + 4 * 4)  # (as above: 2 slots)
+    kwargs = dict(iterations=2, straggle_s=0.02, max_topk=case.topk, staging_bytes=budget)
+    per_round = ranks(4).run(nodes_case, case, 2, False, **kwargs)
+    one_launch = ranks(4).run(with_kernel_waits, nodes_case, case, 2, False, **kwargs)
+    for rank, (a, b) in enumerate(zip(one_launch, per_round, strict=True)):
+        assert a["device_wait"] and a["ring_slots"] == 2, rank
+        assert a["launches"]["combine_rounds"] == 2, (rank, a["launches"])
+        assert "combine_send" not in a["launches"], (rank, a["launches"])
+        assert a["internode"] == b["internode"], rank
+        for key in ("combine_bytes_to_peers", "combine_bytes_to_self",
+                    "combine_bytes_to_outbox", "internode_messages"):
+            assert a["stats"][key] == b["stats"][key], (rank, key)
 
 
 def _check_round_extras(rank, part, full, calls: int, rounds: int, L: int, extras: list[int],

@@ -348,8 +348,8 @@ MUTANTS = (
     Mutant("round_0_send_lays_out_without_waiting",
            "a dispatch in rounds whose round 0's send lays out what arrived waits for every "
            "source first, bounded, naming a late one",
-           "kernels/dispatch.py", "local_base, R, L, alignment, me, COUNT_PARITY, True, False,",
-           "local_base, R, L, alignment, me, COUNT_PARITY, False, False,",
+           "kernels/dispatch.py", "R, L, alignment, me, COUNT_PARITY, True, False, FT, 0,",
+           "R, L, alignment, me, COUNT_PARITY, False, False, FT, 0,",
            (ST + "test_one_launch_op_names_a_peer_that_skips_it[dispatch]",
             ST + "test_one_launch_dispatches_give_the_bits_of_launches_per_round")),
     Mutant("forwarders_not_paid_from_the_budget",

@@ -11,7 +11,8 @@ staging of 32 slots per source (4 rounds a call; the ranks launch what ranks in 
 their own launch, so a combine's rounds are one launch, ``kernels.combine_rounds``, and a
 dispatch's five: the layout's two, the ring positions, round 0's send, which lays out what
 arrived, and ``kernels.dispatch_rounds``); ``dispatch_rounds_ft`` and ``combine_rounds_ft``,
-those ops of a fault-tolerant Buffer, launch as many. Triton believes it drives an sm_90 GPU
+those ops of a fault-tolerant Buffer, and ``*_rounds_nvshmem``, of a Buffer whose ranks are
+on two hosts (NVSHMEM puts between them), launch as many. Triton believes it drives an sm_90 GPU
 whose compiled kernels are stand-ins that record their launches
 (``kernels.recording.compiled_stand_ins``): every launch takes Triton's whole launch path, or
 the Buffer's bound one (``kernels.bound``), and ends in a launcher that does nothing. Per op
@@ -246,15 +247,16 @@ def measure(calls: int = 200) -> dict:
     triton_kernels, torch_ops}}`` per rank; ``dispatch_rounds`` and ``combine_rounds``: the
     normal mode with a bounded staging (``ROUNDS_CONFIG``: ``rounds`` calls' worth of launches
     in one); ``dispatch_rounds_ft`` and ``combine_rounds_ft``: the same ops of a fault-tolerant
-    Buffer."""
+    Buffer; ``*_rounds_nvshmem``: of a Buffer whose peers on other hosts get NVSHMEM puts."""
     R = CONFIG.world_size
     out = {}
     with compiled_stand_ins() as launched:
-        for mode, cfg, suffix, flags in (("normal", CONFIG, "", ()),
-                                         ("normal", ROUNDS_CONFIG, "_rounds", ()),
-                                         ("normal", ROUNDS_CONFIG, "_rounds_ft", (False, True)),
-                                         ("low_latency", CONFIG, "", ())):
-            bufs = gate._buffers(cfg, DTYPE, mode == "low_latency", 0, 90, *flags)
+        for mode, cfg, suffix, transport, flags in (
+                ("normal", CONFIG, "", 0, ()), ("normal", ROUNDS_CONFIG, "_rounds", 0, ()),
+                ("normal", ROUNDS_CONFIG, "_rounds_ft", 0, (False, True)),
+                ("normal", ROUNDS_CONFIG, "_rounds_nvshmem", 1, ()),
+                ("low_latency", CONFIG, "", 0, ())):
+            bufs = gate._buffers(cfg, DTYPE, mode == "low_latency", transport, 90, *flags)
             ops = _ops(bufs)[mode]
             for name, op in ops.items():
                 name += suffix
@@ -435,9 +437,9 @@ def _drive_changing_inputs(bufs, cfg, dtype, low_latency: bool) -> None:
 def table(result: dict) -> str:
     cols = ("launches", "triton", "torch", "bound", "aten", "allocs", "python", "host_us",
             "triton_path_us")
-    lines = ["op                " + "".join(f"{c:>10}" if len(c) < 10 else f" {c}" for c in cols)]
+    lines = [f"{'op':<24}" + "".join(f"{c:>10}" if len(c) < 10 else f" {c}" for c in cols)]
     for op, row in result.items():
-        lines.append(f"{op:<18}" + "".join(
+        lines.append(f"{op:<24}" + "".join(
             f"{row[c]:>10.1f}" if c.endswith("_us") else f"{row[c]:>10g}" for c in cols[:-1])
             + f"{row[cols[-1]]:>15.1f}")
     return "\n".join(lines)

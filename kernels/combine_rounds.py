@@ -25,6 +25,12 @@ launch one after another, so on CPU ranks the grid is one program. Virtual ranks
 of one process cannot use it (a rank's launch would wait for a peer not yet launched): they
 launch per round.
 
+Across hosts over NVSHMEM (``TRANSPORT`` 1, without fault tolerance) each round sends as
+``combine_send_kernel`` does there: the partials for a home without a pointer into this
+rank's outbox, a put each, the epoch by ``signal_set`` after them. A program's puts are
+complete (``quiet``) before it draws its ticket, so an outbox parity written again two rounds
+later was read by its puts long before.
+
 Across nodes through the proxy (``TRANSPORT`` 2: flat, without fault tolerance) the partials
 for homes on other nodes go into this rank's outbox and the round's last program posts one
 transfer per such home (``kernels.combine.publish_partials``, as ``combine_send_kernel``'s last
@@ -97,6 +103,8 @@ def combine_rounds_kernel(
     N: tl.int32,  # ranks per node (TRANSPORT 2)
     rows_off: tl.int64, meta_off: tl.int64, signal_off: tl.int64,  # this rank's regions
     rows_parity: tl.int64, meta_parity: tl.int64,  # (parity 0) and bytes per parity
+    box_rows_off: tl.int64, box_meta_off: tl.int64,  # TRANSPORT 1: the outboxes, as the send's
+    box_rows_parity: tl.int64, box_meta_parity: tl.int64,
     STAGING_PARITY: tl.int64, META_PARITY: tl.int64,  # elements between the two parities
     ROW_BYTES: tl.int64,
     local_base: tl.int64,  # address of this rank's segment (no outbox is read from it)
@@ -106,7 +114,8 @@ def combine_rounds_kernel(
     W: tl.int32,  # ring slots per source: the tokens of a round
     ROUNDS: tl.int32, OFFSETS_STRIDE: tl.int32,
     FT: tl.constexpr,  # fault tolerance: a silent source is excluded, each round sums the rest
-    TRANSPORT: tl.constexpr,  # 0: every peer by stores; 2: other nodes through the proxy (flat)
+    TRANSPORT: tl.constexpr,  # 0: every peer by stores; 1: NVSHMEM where a pointer is 0;
+                              # 2: other nodes through the proxy (flat)
     KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr,
     ACC_FP64: tl.constexpr, FP8: tl.constexpr, ALIGN: tl.constexpr, EVEN_H: tl.constexpr,
     REDUCE_EVEN_H: tl.constexpr,
@@ -132,7 +141,9 @@ def combine_rounds_kernel(
             offsets = slot_offsets + i * OFFSETS_STRIDE
             send_partials(pid, programs, parity, y, weights, pair_values, slot_rows, offsets,
                           compact, peer_ptrs, stats, xstats, rows_off + parity * rows_parity,
-                          meta_off + parity * meta_parity, 0, 0, local_base, plan, H, K, R,
+                          meta_off + parity * meta_parity, box_rows_off + parity
+                          * box_rows_parity, box_meta_off + parity * box_meta_parity,
+                          local_base, plan, H, K, R,
                           me, W, N, KMAX, HAS_WEIGHTS, HAS_PAIR, ACC_FP64, FP8, TRANSPORT, False,
                           ALIGN, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R, IN_FLIGHT)
             if draw_last_of(tickets, programs):  # the round's epoch, as combine_send_kernel's
@@ -209,16 +220,21 @@ def reduce_tiles(compiled: bool, hidden: int, elem_bytes: int, fp8: bool):
 
 
 def fits_one_launch(world_size: int, ring_slots: int, hidden: int, topk: int,
-                    num_sms: int | None, flavour: Flavour, elem_bytes: int, fp8: bool) -> bool:
+                    num_sms: int | None, flavour: Flavour, elem_bytes: int, fp8: bool,
+                    pair: bool = False) -> bool:
     """Whether a combine in rounds (``fp8``: of FP8 partials) runs as one launch: always in the
     interpreter; on GPUs where a round's serial trips on :func:`rounds_grid`'s programs stay
     within the gate's ``MAX_TRIPS`` (``kernels.tiles.combine_round_trips``: at DeepSeek-V3
     sizes on 20 programs, rings of up to about 1100 slots, 640 for FP8; the default budget
     gives 1088 at EP 32, 544 at EP 64, 128 at EP 256; a Buffer on GPUs cuts larger rings to
     fit, ``moe_comm.rings``). Larger rings launch per round: a reduce of their window on
-    ``num_sms`` programs would be a serial kernel, a full-wave one is not."""
+    ``num_sms`` programs would be a serial kernel, a full-wave one is not. Over NVSHMEM
+    (``flavour.transport == 1``) a combine with values per row (``pair``) launches per round
+    on GPUs: in one launch it spilled 8 bytes under Triton 3.6."""
     if not flavour.compiled:
         return True
+    if flavour.transport == 1 and pair:
+        return False
     send_tile = tiles("combine_send", True, hidden, max(4, elem_bytes))
     reduce_tile_ = reduce_tiles(True, hidden, elem_bytes, fp8)
     programs = rounds_grid(num_sms, flavour)
@@ -232,7 +248,8 @@ def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, 
                    rank: int, topk: int, max_topk: int, rounds: int, offsets_stride: int,
                    num_sms: int | None = None, flavour: Flavour = CPU_RANKS, fp8: bool = False,
                    bound: BoundLaunches | None = None, scratch: dict | None = None,
-                   live=None, decided=None, xstats=None, plan=None) -> bool:
+                   live=None, decided=None, xstats=None, plan=None,
+                   box_offsets: tuple = ((0, 0),) * 2) -> bool:
     """Launches :func:`combine_rounds_kernel` (module docstring): the whole combine of
     ``rounds`` rounds. ``offsets``: rows / meta -> (byte offset of this rank's slice of parity
     0, bytes per parity), signal -> byte offset (``combine_send``'s); ``staging`` / ``meta``
@@ -242,7 +259,9 @@ def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, 
     takes ``live`` [rounds, R] int32 (written: the sources each round summed) and ``decided``
     [1] int64 (the Buffer's own word, ``kernels.comm.wait_or_exclude_once``). Across nodes
     through the proxy (flat, ``flavour.transport == 2``): ``xstats`` and ``plan``
-    (``kernels.internode``) say where partials for other nodes go, as ``combine_send``'s."""
+    (``kernels.internode``) say where partials for other nodes go, as ``combine_send``'s;
+    across hosts over NVSHMEM (``flavour.transport == 1``) ``box_offsets`` are
+    ``combine_send``'s outboxes."""
     T, H = out.shape
     R, W = staging.shape[1:3]
     row_bytes = staging.stride(2) * staging.element_size()
@@ -256,7 +275,7 @@ def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, 
            has_pair, id(peer_ptrs), id(stats), id(tickets), id(epochs), id(signals),
            id(staging), id(meta), staging.shape, row_bytes, id(offsets), rank,
            max_topk, rounds, offsets_stride, num_sms, id(flavour), fp8, id(scratch), id(decided),
-           id(xstats), id(plan))
+           id(xstats), id(plan), box_offsets)
     if call_bound(bound, key, values):
         return True
     check_one_launch(flavour, live, decided, rounds, R, plan)  # (once: the launch is bound)
@@ -271,6 +290,7 @@ def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, 
         ring if plan is None else plan, flavour.ring_addr, flavour.ring_slots,
         flavour.ranks_per_node or R, offsets["rows"][0],
         offsets["meta"][0], offsets["signal"], offsets["rows"][1], offsets["meta"][1],
+        *(off for off, _ in box_offsets), *(stride for _, stride in box_offsets),
         staging.stride(0), meta.stride(0), row_bytes, flavour.local_base, flavour.errors_addr,
         flavour.timeout_ns, flavour.mask_off, T, H, topk, R, rank, W, rounds, offsets_stride)
     kwargs = dict(
@@ -292,13 +312,15 @@ def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, 
 
 def check_one_launch(flavour: Flavour, live, decided, rounds: int, world_size: int,
                      plan=None) -> None:
-    """A combine's rounds in one launch reach every peer by stores, or other nodes through the
-    proxy, flat, without fault tolerance (then with the Buffer's ``plan``); fault-tolerant,
-    they take ``live`` [rounds, R] int32 and ``decided`` [1] int64, and only then."""
-    if flavour.transport not in (0, 2) or flavour.hierarchical or (
-            flavour.transport == 2 and (flavour.fault_tolerant or plan is None)):
+    """A combine's rounds in one launch reach every peer by stores, or other nodes by NVSHMEM
+    puts or through the proxy, flat, without fault tolerance (the proxy's with the Buffer's
+    ``plan``); fault-tolerant, they take ``live`` [rounds, R] int32 and ``decided`` [1]
+    int64, and only then."""
+    if flavour.hierarchical or (flavour.transport and flavour.fault_tolerant) or (
+            flavour.transport == 2 and plan is None):
         raise ValueError("a combine in one launch reaches every peer by stores, or other "
-                         "nodes through the proxy, flat and without fault tolerance")
+                         "nodes by NVSHMEM puts or through the proxy, flat and without fault "
+                         "tolerance")
     if flavour.fault_tolerant != (live is not None) or (live is None) != (decided is None):
         raise ValueError("a fault-tolerant combine in one launch takes live and decided, "
                          "another neither")

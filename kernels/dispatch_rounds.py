@@ -42,6 +42,12 @@ not be the send's. Each program keeps the running end of the slot offsets in reg
 round 0's slots are stored by each program before its first send, so before any later round's
 rows there (they wait for that send); the cached form writes neither (they are the handle's).
 
+Over NVSHMEM (``TRANSPORT`` 1, across hosts): each round sends as ``dispatch_send_kernel``
+does there, each token's row once into the outbox of the round's parity and a put per
+destination without a pointer, the counts by a put and the epoch by ``signal_set`` after them.
+Every program's puts are complete (``quiet``) before it draws its ticket, so the outbox of a
+parity, written again two rounds later, was read by its puts before the round between began.
+
 Fault tolerance (``FT``; ``moe_comm.fault``, "In rounds"): each program first writes every
 output row as a padding row (zero, source -1, weight 0; ``slot_rows`` -1 past round 0's
 slots), then waits for every program of the launch (``kernels.comm.after_every_program``: the
@@ -149,6 +155,9 @@ def dispatch_rounds_kernel(
     mask_off: tl.int64,  # FT: the mask words in this rank's segment
     rows_off: tl.int64, meta_off: tl.int64, counts_off: tl.int64, signal_off: tl.int64,
     rows_parity: tl.int64, meta_parity: tl.int64, counts_parity: tl.int64,  # bytes
+    box_rows_off: tl.int64, box_meta_off: tl.int64, box_counts_off: tl.int64,  # TRANSPORT 1:
+    box_rows_parity: tl.int64, box_meta_parity: tl.int64,  # the outboxes, as the send's
+    box_counts_parity: tl.int64,
     STAGING_PARITY: tl.int64, META_PARITY: tl.int64, COUNT_PARITY: tl.int64,  # elements
     local_base: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
     T: tl.int32, W: tl.int32, ROUNDS: tl.int32,
@@ -160,6 +169,7 @@ def dispatch_rounds_kernel(
     META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
     CACHED: tl.constexpr,  # the cached form (module docstring): rows only, round 0 here too
     FT: tl.constexpr,  # fault tolerance (module docstring)
+    TRANSPORT: tl.constexpr,  # 0: every peer by stores; 1: NVSHMEM where a pointer is 0
     HAS_WEIGHTS: tl.constexpr,
     FP8: tl.constexpr, UE8M0: tl.constexpr, GS: tl.constexpr, GLOBAL: tl.constexpr,
     ALIGN: tl.constexpr, EVEN_H: tl.constexpr, EXPAND_EVEN_H: tl.constexpr,
@@ -218,14 +228,16 @@ def dispatch_rounds_kernel(
             send_tokens(pid, programs, x + first * X_ROW, x_scales + first * SCALE_ROW,
                         topk_idx + first * K, topk_weights + first * K, ring + first * R,
                         pair_pos + first * K, peer_ptrs, stats, rows_off + parity * rows_parity,
-                        meta_off + parity * meta_parity, 0, 0, local_base,
+                        meta_off + parity * meta_parity, box_rows_off + parity * box_rows_parity,
+                        box_meta_off + parity * box_meta_parity, local_base,
                         tl.minimum(T - first, W).to(tl.int32), (first + 0).to(tl.int32), H, K,
                         R, me, ROW_BYTES, META_STRIDE, KMAX, not CACHED, HAS_WEIGHTS, FP8,
-                        UE8M0, GS, 0, ALIGN, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K)
+                        UE8M0, GS, TRANSPORT, ALIGN, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K)
             if draw_last_of(tickets, programs):
                 publish_counts(counts + i * COUNTS_STRIDE, peer_ptrs, stats,
-                               counts_off + parity * counts_parity, signal_off, 0, local_base,
-                               epoch, R, L, not CACHED, 0, BLOCK_L)
+                               counts_off + parity * counts_parity, signal_off,
+                               box_counts_off + parity * box_counts_parity, local_base, epoch,
+                               R, L, not CACHED, TRANSPORT, BLOCK_L)
                 tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
             deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
             if FT:  # program 0 decides who arrived, for every program
@@ -292,9 +304,14 @@ def fits_one_launch(world_size: int, ring_slots: int, hidden: int, topk: int,
     512, 320, 64); the default budget gives 128 at EP 256 and 32 at EP 1024 (one launch), 544
     at EP 64 and 1088 at EP 32 (which a Buffer on GPUs cuts to 512 and 576 so that every
     format fits, ``moe_comm.rings``). Larger rings launch per round: an expand
-    of their window on ``num_sms`` programs would be a serial kernel."""
+    of their window on ``num_sms`` programs would be a serial kernel. Over NVSHMEM
+    (``flavour.transport == 1``) a send that quantizes (``fp8`` 1) launches per round on GPUs:
+    in one launch its codes, scales and puts spilled under Triton 3.6 (56 to 80 bytes of
+    stack at DeepSeek-V3 sizes; round 0's send that lays out, 64)."""
     if not flavour.compiled:
         return True
+    if flavour.transport == 1 and fp8 == 1:
+        return False
     elem = sent_elem_bytes(fp8, ue8m0, x_elem_bytes)
     send, expand = round_tiles(True, hidden, elem, elem, fp8 == 1 and ue8m0 == NVFP4)
     programs = rounds_grid(num_sms, flavour)
@@ -318,7 +335,7 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
                     scale_strides=(0, 0), out_global=None, num_sms: int | None = None,
                     flavour: Flavour = CPU_RANKS, bound: BoundLaunches | None = None,
                     live: torch.Tensor | None = None,
-                    ft_words: torch.Tensor | None = None) -> bool:
+                    ft_words: torch.Tensor | None = None, box_offsets=((0, 0),) * 3) -> bool:
     """Launches :func:`dispatch_rounds_kernel` (module docstring): rounds ``1..rounds - 1`` of
     a dispatch whose round 0 was sent, laid out and expanded. The send's arguments are
     ``dispatch_send``'s for the whole call (``counts`` [rounds, R, L + 1], ``ring`` the ring
@@ -336,9 +353,14 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
     With ``flavour.fault_tolerant``: ``live`` [rounds, R] int32 (row 0 round 0's sources, as
     its laying-out send wrote them; the cached form writes it here) gets each later round's
     sources, ``ft_words`` [2] int64 are the Buffer's words of the decisions (module
-    docstring)."""
-    if flavour.transport:
-        raise ValueError("a dispatch's rounds in one launch reach every peer by stores")
+    docstring).
+
+    Across nodes over NVSHMEM (``flavour.transport == 1``) ``box_offsets`` are the send's
+    (offset, parity stride) of the rdma_rows / rdma_meta / rdma_counts outboxes: each round
+    sends as ``dispatch_send_kernel`` does there (module docstring, "Over NVSHMEM")."""
+    if flavour.transport not in (0, 1) or (flavour.transport and flavour.fault_tolerant):
+        raise ValueError("a dispatch's rounds in one launch reach every peer by stores or "
+                         "NVSHMEM puts (these without fault tolerance)")
     ft = flavour.fault_tolerant
     if ft and (live is None or ft_words is None or live.shape != (rounds, peer_ptrs.numel())):
         raise ValueError("a fault-tolerant dispatch's rounds in one launch take live "
@@ -370,7 +392,7 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
            id(epochs), id(signals), id(staging), id(meta), id(dcounts), id(offsets), rank,
            num_local_experts, meta_stride, max_topk, ring_slots, rounds, offsets_stride,
            row_bytes, fp8, ue8m0, scale_strides, num_sms, id(flavour), cached,
-           id(live) if ft else None, id(ft_words) if ft else None)
+           id(live) if ft else None, id(ft_words) if ft else None, box_offsets)
     if call_bound(bound, key, values):
         return True
     R, L, K = peer_ptrs.numel(), num_local_experts, slot_rows.shape[1]
@@ -389,13 +411,16 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
         live if ft else dummy, ft_words if ft else dummy, flavour.mask_off if ft else 0,
         offsets["rows"][0], offsets["meta"][0],
         offsets["counts"][0], offsets["signal"], offsets["rows"][1], offsets["meta"][1],
-        offsets["counts"][1], stg.stride(0), meta.stride(0), dcounts.stride(0),
+        offsets["counts"][1], *(off for off, _ in box_offsets),
+        *(stride for _, stride in box_offsets), stg.stride(0), meta.stride(0),
+        dcounts.stride(0),
         flavour.local_base, flavour.errors_addr, flavour.timeout_ns, T, ring_slots, rounds,
         x.stride(0), scale_row, values[19], offsets_stride, values[20], slot_rows.shape[0], H,
         out.shape[1], K, R, L, rank, row_bytes, per_row, groups, stg.stride(2),
         scale_strides[0], scale_strides[1])
     kwargs = dict(
-        META_STRIDE=meta_stride, KMAX=max_topk, CACHED=cached, FT=ft, HAS_WEIGHTS=has_weights,
+        META_STRIDE=meta_stride, KMAX=max_topk, CACHED=cached, FT=ft,
+        TRANSPORT=flavour.transport, HAS_WEIGHTS=has_weights,
         FP8=fp8,
         UE8M0=bool(ue8m0), GS=scale_group(ue8m0), GLOBAL=nvfp4, ALIGN=flavour.row_align,
         EVEN_H=even(H, send_tile.block_h), EXPAND_EVEN_H=even(out.shape[1], expand_tile.block_h),

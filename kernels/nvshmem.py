@@ -7,8 +7,8 @@ Each wrapper is an ``extern`` call into ``libnvshmem_device_sm_XX.bc`` (from the
 returning int32, which is never read). A module that calls them must be initialised for NVSHMEM
 after it is loaded (``nvshmemx_cumodule_init``; nvshmem4py's ``module_init``).
 
-None of this runs under the Triton interpreter: kernels reach these calls only through
-``tl.constexpr`` flags that are False on CPU ranks.
+Under the Triton interpreter the same names are ``kernels.emulated_puts``' copies into the
+peers' mappings, so CPU ranks across nodes over NVSHMEM run these kernels as they are.
 
 Constants are the header values (``device_host_transport/nvshmem_common_transport.h``,
 ``nvshmem_constants.h``), not the ones some docstrings quote.
@@ -68,6 +68,16 @@ def quiet(_semantic=None):
     """``nvshmem_quiet()``: every put this thread issued has completed."""
     return core.extern_elementwise("", "", [], {(): ("nvshmem_quiet", _I32)}, is_pure=False,
                                    _semantic=_semantic)
+
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # CPU ranks: kernels.emulated_puts
+    from .emulated_puts import (  # noqa: F401, F811 (kernels import them from here)
+        fence,
+        int_p,
+        putmem_nbi_block,
+        quiet,
+        signal_op,
+    )
 
 
 @triton.jit

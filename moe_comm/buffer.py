@@ -27,6 +27,7 @@ import triton
 from . import _registry, env
 from .error_record import ErrorRecord
 from .fault import FaultTolerance, RankExcludedError, renormalized
+from .kernels import emulated_puts
 from .kernels.bound import BoundLaunches, call_bound, launch, specs
 from .kernels.combine_rounds import fits_one_launch as fits_combine_rounds
 from .kernels.comm import (
@@ -222,7 +223,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                       dispatch_dtype)
         checked_num_sms(num_sms)  # (on GPUs the ring depends on it: moe_comm.rings)
         nodes = Nodes.of(world_size, ranks_per_node, [c["host"] for c in configs], device,
-                         split_hosts=backend == "nvshmem" or transport == "nixl")
+                         split_hosts=backend == "nvshmem" or transport == "nixl"
+                         or (transport == "nvshmem" and device.type == "cpu"))
         chosen = choose_backend(backend, device, nodes.num_hosts)
         # IBGDA is not probed: GPUs keep NVSHMEM across nodes unless "nixl" is asked for
         via = choose_transport(transport, device, nodes.count, ibgda=device.type == "cuda")
@@ -241,8 +243,9 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         if fault_tolerant and kernel_impl == "cuda":
             raise ValueError("fault_tolerant=True runs the Triton kernels: the csrc/ kernels "
                              "(kernel_impl='cuda') do not exclude silent peers")
-        # NVSHMEM puts to the ranks of other nodes (through the proxy, its outboxes instead)
-        rdma = chosen == "nvshmem" and nodes.count > 1 and via != "nixl"
+        # NVSHMEM puts to the ranks of other nodes (through the proxy, its outboxes instead;
+        # on CPU ranks the interpreter's copies into mappings no kernel has a pointer to)
+        rdma = nodes.count > 1 and via == "nvshmem"
         forwarders = via == "nixl" and hierarchical and nodes.count > 1
         ring_slots = staging_ring_slots(
             staging_bytes, world_size, max_tokens_per_rank, hidden, max_topk, dtype,
@@ -255,9 +258,12 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                                  rdma=rdma, ranks_per_node=nodes.ranks_per_node,
                                  proxy=via == "nixl", hierarchical=hierarchical,
                                  ring_slots=ring_slots, invariant=one_node_invariant)
-        heap = create_heap(chosen, group, layout.nbytes, device, nodes.ranks_per_node)
+        heap = create_heap(chosen, group, layout.nbytes, device, nodes.ranks_per_node,
+                           puts=rdma and chosen == "shm")
         proxy = None
         try:
+            if getattr(heap, "put_bases", None):
+                emulated_puts.register(heap.local.data_ptr(), heap.nbytes, heap.put_bases)
             if via == "nixl":
                 peers = internode_peers(layout, heap.rank)
                 # the low-latency mode posts a descriptor per (token, expert) pair and per expert
@@ -276,6 +282,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         except BaseException:
             if proxy is not None:
                 proxy.close()
+            emulated_puts.forget(heap.local.data_ptr())
             heap.close()
             raise
         self.backend = chosen
@@ -389,11 +396,12 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         # waits in the kernels, every peer reached by stores (fault tolerance too: one program
         # decides each round's sources, kernels.comm.wait_or_exclude_once), or the default
         # combine with other nodes through the proxy, flat, without fault tolerance; and on GPUs
-        # a ring small enough for the launch's programs
+        # a ring small enough for the launch's programs. Across hosts over NVSHMEM: every
+        # combine and dispatch (no fault tolerance, no EP-invariant combine there)
         f = self.flavour
         self.own_process = own_process
         rounds_in_kernels = own_process and layout.rounds > 1 and f.device_wait
-        combine_launch = rounds_in_kernels and f.transport == 0 and proxy is None
+        combine_launch = rounds_in_kernels and f.transport in (0, 1) and proxy is None
         flat_proxy = (rounds_in_kernels and proxy is not None and not layout.hierarchical
                       and not self.fault_tolerant and not self.ep_invariant)
         # fault tolerance: the word in which that program publishes each round's decision;
@@ -409,14 +417,14 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         self._ft_dispatch_live0 = (None if self._ft_dispatch_live is None
                                    else self._ft_dispatch_live[0])
         elem = self._row_bytes // self.hidden
-        self._combine_in_one_launch = [
-            (combine_launch or flat_proxy) and (
+        self._combine_in_one_launch = {  # (FP8 partials, values per row) ->
+            (fp8, pair): (combine_launch or flat_proxy) and (
                 not fp8 and fits_invariant_rounds(
                     self.world_size, layout.ring_slots, self.hidden, self.max_topk,
                     self.num_sms, f, elem) if self.ep_invariant
                 else fits_combine_rounds(self.world_size, layout.ring_slots, self.hidden,
-                                         self.max_topk, self.num_sms, f, elem, fp8))
-            for fp8 in (False, True)]
+                                         self.max_topk, self.num_sms, f, elem, fp8, pair))
+            for fp8 in (False, True) for pair in (False, True)}
         # a dispatch's rounds after its first send as one launch (kernels.dispatch_rounds), by
         # the send's format (fp8, ue8m0, the rows' element bytes): the same conditions, fault
         # tolerance too (the EP-invariant combine changes no dispatch)
@@ -445,8 +453,9 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                            hierarchical=self.layout.hierarchical,
                            device_wait=on_gpu or env.kernel_waits(), compiled=on_gpu,
                            **common)
-        if not on_gpu:
-            return Flavour(device_wait=env.kernel_waits(), **common)
+        if not on_gpu:  # (across nodes over NVSHMEM: the interpreter's puts)
+            return Flavour(transport=int(self.layout.rdma), device_wait=env.kernel_waits(),
+                           **common)
         transport = int(bool((heap.peer_ptrs == 0).any()))
         bitcode = ""
         if transport:  # kernels call NVSHMEM: link its bitcode, initialise each module
@@ -784,6 +793,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             excluded = [] if self._mask_words is None else \
                 np.flatnonzero(self._mask_words).tolist()
             self.proxy.close(wait_for_peers=healthy, gone=excluded)
+        emulated_puts.forget(self.heap.local.data_ptr())
         self.heap.close()
 
     def __enter__(self) -> Buffer:

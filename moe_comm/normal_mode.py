@@ -25,9 +25,10 @@ epoch of the channel for the source tokens ``[i * W, (i + 1) * W)``::
         publish epoch (dispatch: with the call's per-expert counts and the round's rows)
         wait for every rank's epoch of round i; expand (dispatch) or sum (combine) its rows
 
-Each round launches what a call of one round does (without the layout), but on one node where
-every rank runs in a process of its own with waits in the kernels (GPUs, or CPU ranks with
-``MOE_COMM_WAIT=kernel``): there one launch runs a combine's rounds (``kernels.combine_rounds``:
+Each round launches what a call of one round does (without the layout), but on one node, or
+across hosts over NVSHMEM, where every rank runs in a process of its own with waits in the
+kernels (GPUs, or CPU ranks with ``MOE_COMM_WAIT=kernel``): there one launch runs a combine's
+rounds (``kernels.combine_rounds``:
 each round's send, wait and reduce; fault-tolerant too, each round's sources decided once for
 every program of the launch; across nodes through the proxy too, flat and without fault
 tolerance, its last program posting each round's transfers; EP-invariant:
@@ -658,7 +659,7 @@ class NormalMode:
                 rounds=self.layout.rounds, offsets_stride=self._round_stride(),
                 row_bytes=self._row_bytes, num_sms=self.num_sms, flavour=self.flavour,
                 bound=self._bound, live=self._ft_dispatch_live,
-                ft_words=self._ft_dispatch_words)
+                ft_words=self._ft_dispatch_words, box_offsets=self._rdma_offsets(DISPATCH))
         return options
 
     def _cached_dispatch_rounds(self, x, ring, slot_rows, slot_offsets, tokens_per_expert,
@@ -755,7 +756,7 @@ class NormalMode:
         epoch = self._start(COMBINE)
         topk = slot_rows.shape[1]
         y = y.contiguous()
-        if self._combine_in_one_launch[fp8]:  # the launch in the receive
+        if self._combine_in_one_launch[fp8, pair_values is not None]:  # in the receive
             self._start_later_rounds(COMBINE)
             all_rounds = (functools.partial(self._invariant_rounds, src_token)
                           if self.ep_invariant else
@@ -829,8 +830,8 @@ class NormalMode:
             ticket = combine_rounds_kernels.ROUNDS_TICKET  # its own: not the send grid
             fixed = self._offsets[("rounds", COMBINE)] = (
                 *self._staging(COMBINE), self._ticket_words[ticket:ticket + 1], epochs,
-                self._channel_signals(COMBINE), offsets)
-        staging, meta, tickets, epochs, signals, offsets = fixed
+                self._channel_signals(COMBINE), offsets, self._rdma_offsets(COMBINE))
+        staging, meta, tickets, epochs, signals, offsets, boxes = fixed
         live = self._rounds_live_words()
         self.launches["combine_rounds"] += combine_rounds_kernels.combine_rounds(
             y, weights, pair_values, slot_rows, slot_offsets, ring, out, pair_out, staging, meta,
@@ -839,7 +840,8 @@ class NormalMode:
             rounds=self.layout.rounds, offsets_stride=self._round_stride(),
             num_sms=self.num_sms, flavour=self.flavour, fp8=fp8, bound=self._bound,
             scratch=self._scratch, live=live, decided=self._ft_decided,
-            xstats=self._xstats if self.proxy is not None else None, plan=self._plan)
+            xstats=self._xstats if self.proxy is not None else None, plan=self._plan,
+            box_offsets=boxes)
         return live
 
     def _rounds_live_words(self) -> torch.Tensor | None:

@@ -12,6 +12,7 @@ import moe_comm
 from cases import Case, expert_fn, make_inputs
 from ll_jobs import _all_ys, check_out, check_recv, new_ll_buffer
 from moe_comm import microscale, reference
+from moe_comm.kernels import emulated_puts
 from moe_comm.workspace import low_latency_slot_bytes
 
 
@@ -19,8 +20,15 @@ def new_buffer(case: Case, ranks_per_node: int, hierarchical: bool, **kwargs):
     group = None if "comm" in kwargs else dist.group.WORLD
     return moe_comm.Buffer(group, hidden=case.hidden, num_experts=case.num_experts,
                            max_tokens_per_rank=case.max_tokens, dtype=case.dtype,
-                           ranks_per_node=ranks_per_node, transport="nixl",
+                           ranks_per_node=ranks_per_node,
+                           transport=kwargs.pop("transport", "nixl"),
                            hierarchical=hierarchical, **kwargs)
+
+
+def _put_since(before: dict) -> dict:
+    """``kernels.emulated_puts.moved()`` less ``before``: what this job's puts moved."""
+    return {k: v - before.get(k, 0) for k, v in emulated_puts.moved().items()
+            if v > before.get(k, 0)}
 
 
 def nodes_case(rank, world_size, case: Case, ranks_per_node: int, hierarchical: bool,
@@ -31,8 +39,10 @@ def nodes_case(rank, world_size, case: Case, ranks_per_node: int, hierarchical: 
     what the proxy and kernels counted."""
     delay = random.Random(1000 * case.seed + rank)
     N = ranks_per_node
+    put_before = emulated_puts.moved()
     with new_buffer(case, N, hierarchical, **buffer_kwargs) as buf:
-        assert buf.transport == "nixl" and buf.hierarchical == hierarchical
+        assert buf.transport == buffer_kwargs.get("transport", "nixl")
+        assert buf.hierarchical == hierarchical
         for it in range(iterations):
             xs, idxs, ws = make_inputs(case, it)
             if straggle_s:
@@ -74,7 +84,10 @@ def nodes_case(rank, world_size, case: Case, ranks_per_node: int, hierarchical: 
             assert torch.equal(out, ref[rank]), f"rank {rank}: combine differs in iteration {it}"
         report = {"stats": buf.stats(), "internode": buf.internode_bytes(),
                   "launches": dict(buf.launches), "peer_ptrs": buf.heap.peer_ptrs.tolist(),
-                  "ring_slots": buf.ring_slots, "device_wait": buf.flavour.device_wait}
+                  "ring_slots": buf.ring_slots, "device_wait": buf.flavour.device_wait,
+                  "transport": buf.flavour.transport, "put": _put_since(put_before),
+                  "pending": emulated_puts.pending()}
+    report["registered"] = emulated_puts.registered()
     report["threads"] = sorted(t.name for t in threading.enumerate()
                                if t.name.startswith("moe_comm"))
     return report
@@ -177,11 +190,12 @@ def vanished_peer(rank, world_size, case: Case, ranks_per_node: int, victim: int
 
 def ll_nodes_case(rank, world_size, case: Case, ranks_per_node: int, iterations: int = 3,
                   straggle_s: float = 0.0, fp8: bool = False, ue8m0: bool = False,
-                  dispatch_dtype: str | None = None, combine_dtype: str | None = None) -> dict:
-    """Low-latency dispatch + combine across nodes through the proxy, ``iterations`` times,
-    each against the reference bit for bit; returns the bytes the transport was asked to move
-    and the minimum: every pair to an expert on another node (row and meta word) out, every
-    pair from a source on another node (one combined row) back."""
+                  dispatch_dtype: str | None = None, combine_dtype: str | None = None,
+                  transport: str = "nixl") -> dict:
+    """Low-latency dispatch + combine across nodes through the proxy (or ``transport``),
+    ``iterations`` times, each against the reference bit for bit; returns the bytes the
+    transport was asked to move and the minimum: every pair to an expert on another node (row
+    and meta word) out, every pair from a source on another node (one combined row) back."""
     delay = random.Random(2000 * case.seed + rank)
     N, L, H = ranks_per_node, case.num_experts // world_size, case.hidden
     payload = (H + H // 32 if dispatch_dtype == "mxfp8"
@@ -192,8 +206,9 @@ def ll_nodes_case(rank, world_size, case: Case, ranks_per_node: int, iterations:
     row = (H + H // 32 if combine_dtype == "fp8"  # ys are bf16
            else H * torch.empty((), dtype=torch.bfloat16).element_size())
     want_out = want_in = 0
-    with new_ll_buffer(case, ranks_per_node=N, transport="nixl") as buf:
-        assert buf.transport == "nixl"
+    put_before = emulated_puts.moved()
+    with new_ll_buffer(case, ranks_per_node=N, transport=transport) as buf:
+        assert buf.transport == transport
         for it in range(iterations):
             xs, idxs, ws = make_inputs(case, it)
             time.sleep(delay.uniform(0, straggle_s))
@@ -222,7 +237,9 @@ def ll_nodes_case(rank, world_size, case: Case, ranks_per_node: int, iterations:
                   "ll_combine": stats.get("internode_ll_combine_bytes", 0),
                   "want_dispatch": want_out, "want_combine": want_in,
                   "peer_ptrs": buf.heap.peer_ptrs.tolist(),
-                  "device_wait": buf.flavour.device_wait}
+                  "device_wait": buf.flavour.device_wait, "put": _put_since(put_before),
+                  "pending": emulated_puts.pending()}
+    report["registered"] = emulated_puts.registered()
     report["threads"] = sorted(t.name for t in threading.enumerate()
                                if t.name.startswith("moe_comm"))
     return report

@@ -42,6 +42,7 @@ ST = "tests/test_staging.py::"
 FL = "tests/test_fault_layers.py::"
 
 IV = "tests/test_invariant.py::"
+EP = "tests/test_emulated_puts.py::"
 
 MUTANTS = (
     # ---- the EP-invariant combine
@@ -328,6 +329,19 @@ MUTANTS = (
            "kernels/combine_rounds.py", "ACC_FP64, FP8, TRANSPORT, False,",
            "ACC_FP64, FP8, 0, False,",
            (ST + "test_flat_nodes_in_rounds_with_waits_in_the_kernels_combine_in_one_launch",)),
+    Mutant("nvshmem_one_launch_dispatch_by_stores_alone",
+           "a dispatch in one launch across hosts over NVSHMEM puts the rows for peers without "
+           "a pointer",
+           "kernels/dispatch_rounds.py", "UE8M0, GS, TRANSPORT, ALIGN, EVEN_H,",
+           "UE8M0, GS, 0, ALIGN, EVEN_H,",
+           (EP + "test_nvshmem_rounds_in_one_launch_give_the_bits_and_puts_of_launches_per_"
+                 "round",)),
+    Mutant("nvshmem_combine_per_round",
+           "across hosts over NVSHMEM a combine's rounds run in one launch",
+           "moe_comm/buffer.py", "f.transport in (0, 1) and proxy is None",
+           "f.transport == 0 and proxy is None",
+           (EP + "test_nvshmem_rounds_in_one_launch_give_the_bits_and_puts_of_launches_per_"
+                 "round",)),
     Mutant("ft_round_decision_read_without_its_ok_bit",
            "every program of a fault-tolerant launch takes program 0's decision, a stop too",
            "kernels/comm.py",

@@ -66,7 +66,7 @@ def _die_in_round(buf, phase: str) -> None:
     peers' may run their rounds in one launch: the rounds are the same on the link)."""
     send = getattr(buf, f"{phase}_send")
     if phase == "combine":
-        buf._combine_in_one_launch = [False, False]
+        buf._combine_in_one_launch = dict.fromkeys(buf._combine_in_one_launch, False)
     else:
         buf._dispatch_in_one_launch = dict.fromkeys(buf._dispatch_in_one_launch, False)
 

@@ -128,6 +128,7 @@ def test_gate_passes_at_the_runtime_configurations():
     assert compiled == _listed_variants()   # every listed variant compiled, nothing else
     nvshmem = [r for r in rows if r["nvshmem_issuers"] != "-"]
     assert {r["kernel"] for r in nvshmem} == {"dispatch_send_kernel", "combine_send_kernel",
+                                              "dispatch_rounds_kernel", "combine_rounds_kernel",
                                               "ll_dispatch_send_kernel",
                                               "ll_dispatch_recv_kernel",
                                               "ll_combine_send_kernel", "ll_combine_recv_kernel"}

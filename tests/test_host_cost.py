@@ -19,15 +19,18 @@ LIMITS = {"dispatch": 5, "combine": 3, "ll_dispatch": 2, "ll_combine": 2}
 # out what arrived), then one launch for the rest (kernels.dispatch_rounds): within the normal
 # dispatch's 5; a combine runs its rounds in one launch (kernels.combine_rounds); a
 # fault-tolerant Buffer's ops launch as many (its dispatch took 32 launches at 4 rounds, its
-# combine 14, when they launched per round)
-LIMITS.update(dispatch_rounds=5, combine_rounds=1, dispatch_rounds_ft=5, combine_rounds_ft=1)
+# combine 14, when they launched per round), and so do those of a Buffer across hosts over
+# NVSHMEM (20 and 12 when they launched per round)
+LIMITS.update(dispatch_rounds=5, combine_rounds=1, dispatch_rounds_ft=5, combine_rounds_ft=1,
+              dispatch_rounds_nvshmem=5, combine_rounds_nvshmem=1)
 # the host path per op and rank today (views, offsets, tiles and launch arguments made once
 # per Buffer, every launch bound): aten calls, allocations, moe_comm's Python calls; a
 # regression fails
 HOST_PATH = {"dispatch": (18, 17, 105), "combine": (5, 4, 74), "ll_dispatch": (14, 10, 81),
              "ll_combine": (5, 5, 77), "dispatch_rounds": (30, 20, 140),
              "combine_rounds": (4, 4, 66), "dispatch_rounds_ft": (30, 20, 148),
-             "combine_rounds_ft": (5, 5, 78)}
+             "combine_rounds_ft": (5, 5, 78), "dispatch_rounds_nvshmem": (30, 20, 140),
+             "combine_rounds_nvshmem": (4, 4, 66)}
 
 
 def test_what_launches_a_kernel():
@@ -75,6 +78,9 @@ def test_launches_per_op_are_counted_and_bounded(tmp_path):
         "dispatch_send_kernel": 1, "dispatch_rounds_kernel": 1}
     assert result["combine_rounds"]["triton_kernels"] == {"combine_rounds_kernel": 1}
     assert result["combine_rounds_ft"]["triton_kernels"] == {"combine_rounds_kernel": 1}
+    assert result["combine_rounds_nvshmem"]["triton_kernels"] == {"combine_rounds_kernel": 1}
+    assert result["dispatch_rounds_nvshmem"]["triton_kernels"] \
+        == result["dispatch_rounds"]["triton_kernels"]
     assert result["ll_dispatch"]["triton_kernels"] == {"ll_dispatch_recv_kernel": 1,
                                                       "ll_dispatch_send_kernel": 1}
     # a normal dispatch: the layout's two passes, send, the wait fused with the received

@@ -43,13 +43,15 @@ def default_device() -> torch.device:
 
 
 def create_heap(backend: str, group: dist.ProcessGroup, nbytes: int,
-                device: torch.device, ranks_per_node: int | None = None) -> SymmetricHeap:
+                device: torch.device, ranks_per_node: int | None = None,
+                puts: bool = False) -> SymmetricHeap:
     """Collective: a heap of ``nbytes`` per rank from the chosen backend (only the segments of
-    this rank's node of ``ranks_per_node`` ranks are reachable by load/store)."""
+    this rank's node of ``ranks_per_node`` ranks are reachable by load/store; ``puts``: the
+    ``shm`` heap maps the others for the interpreter's NVSHMEM puts, ``ShmHeap.put_bases``)."""
     if backend == "shm":
         from .shm import ShmHeap
 
-        return ShmHeap(group, nbytes, ranks_per_node)
+        return ShmHeap(group, nbytes, ranks_per_node, puts)
     if backend == "cuda":
         from .cuda import CudaHeap
 

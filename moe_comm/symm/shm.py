@@ -16,7 +16,10 @@ rank ``p``'s memory exactly as an NVLink P2P store does.
 
 Nodes: with ``ranks_per_node = N`` a rank maps only the segments of its own node (ranks
 ``r // N`` equal); the others stay 0 in the table and unmapped in the process, exactly as peers
-across a network: only a transport reaches them (``moe_comm.transport``).
+across a network: only a transport reaches them (``moe_comm.transport``). With
+``puts=True`` (across nodes over NVSHMEM) the others stay 0 in the table too, but every segment
+is mapped: ``put_bases`` gives each rank's mapping in this process, where the interpreter's
+NVSHMEM puts copy (``kernels.emulated_puts``); no kernel holds a pointer to them.
 """
 from __future__ import annotations
 
@@ -93,7 +96,8 @@ def _map(name: str, nbytes: int, create: bool) -> mmap.mmap:
 class ShmHeap(SymmetricHeap):
     """Collective constructor: every rank of ``group`` must call it with the same ``nbytes``."""
 
-    def __init__(self, group: dist.ProcessGroup, nbytes: int, ranks_per_node: int | None = None):
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, ranks_per_node: int | None = None,
+                 puts: bool = False):
         if nbytes <= 0:
             raise ValueError(f"nbytes must be positive, got {nbytes}")
         self.rank = dist.get_rank(group)
@@ -111,7 +115,7 @@ class ShmHeap(SymmetricHeap):
             names: list[str | None] = [None] * self.world_size
             dist.all_gather_object(names, own, group=group)
             for peer, name in enumerate(names):
-                if peer // self.ranks_per_node != node:
+                if peer // self.ranks_per_node != node and not puts:
                     self._maps.append(None)  # another node: never mapped
                     continue
                 self._maps.append(own_map if peer == self.rank else _map(name, self.nbytes, False))
@@ -127,7 +131,9 @@ class ShmHeap(SymmetricHeap):
         self._segments = [None if m is None else torch.frombuffer(m, dtype=torch.uint8)
                           for m in self._maps]
         self.local = self._segments[self.rank]
-        self.peer_ptrs = torch.tensor([0 if s is None else s.data_ptr() for s in self._segments],
+        self.put_bases = [s.data_ptr() for s in self._segments] if puts else None
+        self.peer_ptrs = torch.tensor([0 if s is None or p // self.ranks_per_node != node
+                                       else s.data_ptr() for p, s in enumerate(self._segments)],
                                       dtype=torch.int64)
 
     def barrier(self) -> None:
@@ -141,6 +147,7 @@ class ShmHeap(SymmetricHeap):
         self.peer_ptrs = torch.zeros(self.world_size, dtype=torch.int64)
         self.local = torch.empty(0, dtype=torch.uint8)
         self._segments = []
+        self.put_bases = None
         for m in self._maps:
             if m is None:
                 continue

@@ -12,11 +12,11 @@ NIXL_BACKENDS = ("UCX", "LIBFABRIC")
 def choose_transport(requested: str, device: torch.device, num_nodes: int,
                      ibgda: bool = False) -> str | None:
     """``None`` on one node (every peer has a pointer). ``auto``: ``nvshmem`` on GPUs whose
-    NICs do GPU-initiated RDMA (``ibgda``), ``nixl`` otherwise (CPU ranks, EFA, any NIC)."""
+    NICs do GPU-initiated RDMA (``ibgda``), ``nixl`` otherwise (CPU ranks, EFA, any NIC).
+    ``nvshmem`` on CPU ranks: the NVSHMEM flavour's kernels in the interpreter, each put a copy
+    into the peer's mapping (``kernels.emulated_puts``)."""
     if requested not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {requested!r}")
-    if requested == "nvshmem" and device.type != "cuda":
-        raise ValueError(f"transport='nvshmem' needs CUDA devices, got {device}; use 'nixl'")
     if num_nodes == 1:
         return None
     if requested != "auto":

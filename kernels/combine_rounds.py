@@ -59,17 +59,7 @@ import triton.language as tl
 
 from .bound import BoundLaunches, call_bound, launch, specs
 from .combine import _scratch, gathers_in_flight, publish_partials, reduce_tile, send_partials
-from .comm import (
-    CPU_RANKS,
-    Flavour,
-    draw_last_of,
-    local_ptr,
-    publish_epoch,
-    timed_out,
-    uniform_now_ns,
-    wait_all_at_least,
-    wait_or_exclude_once,
-)
+from .comm import CPU_RANKS, Flavour, check_round_words, draw_last_of, timed_out, wait_round
 from .tiles import MAX_TRIPS, combine_round_trips, even, tiles
 
 ROUNDS_TICKET = 6  # the word of ``tickets`` this kernel draws from (kernels.dispatch_rounds: 5)
@@ -164,45 +154,6 @@ def combine_rounds_kernel(
                                 pair_out + first * K, live + i * R, n, H, K, R, W, R, me, KMAX,
                                 HAS_PAIR, ACC_FP64, REDUCE_EVEN_H, False, FT, FP8, ROW_BYTES,
                                 REDUCE_T, REDUCE_H, BLOCK_K, BLOCK_R, 1)
-
-
-@triton.jit
-def publish_and_wait(pid, tickets, programs, peer_ptrs, signal_off, epoch, stats, epochs,
-                     signals, errors, timeout_ns, live, decided, mask_off, local_base, R, me,
-                     FT: tl.constexpr, BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr):
-    """The end of a combine round's send in one launch: the last program to draw a ticket
-    publishes ``epoch`` to every rank (its 8 bytes counted in ``stats`` [2], [3] as the
-    send's) and advances ``epochs``; then every program waits, bounded, for every rank's
-    ``epoch`` in ``signals``. Returns whether all arrived (a timeout is recorded, naming the
-    rank). ``FT``: a source silent until the deadline is excluded instead, the round's
-    sources that arrived written into ``live`` [R], the same for every program
-    (``kernels.comm.wait_or_exclude_once``); returns whether this rank may go on."""
-    if draw_last_of(tickets, programs):
-        for d in range(R):
-            publish_epoch(peer_ptrs, d, signal_off, epoch)
-        signal_bytes = 8 + tl.zeros([1], tl.int64)
-        tl.atomic_add(stats + 2 + tl.arange(0, 1), (R - 1) * signal_bytes, sem="relaxed")
-        tl.atomic_add(stats + 3 + tl.arange(0, 1), signal_bytes, sem="relaxed")
-        tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
-    return wait_round(pid, epoch, signals, errors, timeout_ns, live, decided, mask_off,
-                      local_base, peer_ptrs, R, me, FT, BLOCK_R, NUM_THREADS)
-
-
-@triton.jit
-def wait_round(pid, epoch, signals, errors, timeout_ns, live, decided, mask_off, local_base,
-               peer_ptrs, R, me, FT: tl.constexpr, BLOCK_R: tl.constexpr,
-               NUM_THREADS: tl.constexpr):
-    """Every program waits, bounded, for every rank's ``epoch`` in ``signals``; returns
-    whether all arrived (a timeout is recorded, naming the rank). ``FT``: as
-    :func:`publish_and_wait` says."""
-    deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
-    if FT:
-        mask = local_ptr(local_base, mask_off, tl.int64, 8)
-        return wait_or_exclude_once(pid, signals, epoch, live, decided, deadline, timeout_ns,
-                                    errors, mask, me, peer_ptrs, mask_off, R, local_base,
-                                    BLOCK_R, NUM_THREADS, 0)
-    return wait_all_at_least(signals, 1, R, epoch, 0, deadline, errors, signals, BLOCK_R,
-                             NUM_THREADS, False)
 
 
 def rounds_grid(num_sms: int | None, flavour: Flavour) -> int:
@@ -321,10 +272,4 @@ def check_one_launch(flavour: Flavour, live, decided, rounds: int, world_size: i
         raise ValueError("a combine in one launch reaches every peer by stores, or other "
                          "nodes by NVSHMEM puts or through the proxy, flat and without fault "
                          "tolerance")
-    if flavour.fault_tolerant != (live is not None) or (live is None) != (decided is None):
-        raise ValueError("a fault-tolerant combine in one launch takes live and decided, "
-                         "another neither")
-    if live is not None and (tuple(live.shape) != (rounds, world_size)
-                             or live.dtype != torch.int32 or decided.dtype != torch.int64):
-        raise ValueError(f"live must be [rounds={rounds}, R={world_size}] int32 and decided "
-                         f"int64, got {tuple(live.shape)} {live.dtype} and {decided.dtype}")
+    check_round_words(flavour.fault_tolerant, live, decided, rounds, world_size, "combine")

@@ -49,6 +49,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 import triton
 import triton.language as tl
 
@@ -354,6 +355,41 @@ def wait_or_exclude_once(pid, words, expected, live, decided, deadline_ns, timeo
                            me, 0, BLOCK, NUM_THREADS, False)
         go = seen & ((tl.load(decided, volatile=True) & 1) != 0)
     return go
+
+
+@triton.jit
+def wait_round(pid, epoch, signals, errors, timeout_ns, live, decided, mask_off, local_base,
+               peer_ptrs, R, me, FT: tl.constexpr, BLOCK_R: tl.constexpr,
+               NUM_THREADS: tl.constexpr):
+    """A round's wait in a launch of a call's rounds (``kernels.combine_rounds``,
+    ``kernels.dispatch_rounds``, ``kernels.invariant_rounds``): every program waits, bounded,
+    for every rank's ``epoch`` in ``signals``; returns whether all arrived (a timeout is
+    recorded, naming the rank). ``FT``: :func:`wait_or_exclude_once` (program 0 excludes a
+    source silent until the deadline and writes who arrived into ``live`` [R]; every program
+    reads the same); returns whether this rank may go on."""
+    deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
+    if FT:
+        mask = local_ptr(local_base, mask_off, tl.int64, 8)
+        return wait_or_exclude_once(pid, signals, epoch, live, decided, deadline, timeout_ns,
+                                    errors, mask, me, peer_ptrs, mask_off, R, local_base,
+                                    BLOCK_R, NUM_THREADS, 0)
+    return wait_all_at_least(signals, 1, R, epoch, 0, deadline, errors, signals, BLOCK_R,
+                             NUM_THREADS, False)
+
+
+def check_round_words(fault_tolerant: bool, live, decided, rounds: int, world_size: int,
+                      launch: str) -> None:
+    """The arguments of a launch of a call's rounds (``launch`` names it): fault-tolerant, it
+    takes ``live`` [rounds, R] int32 and its decision words ``decided`` (int64), and only then
+    (ValueError before anything runs)."""
+    if fault_tolerant != (live is not None) or (live is None) != (decided is None):
+        raise ValueError(f"a fault-tolerant {launch} in one launch takes live and its decision "
+                         "words, another neither")
+    if live is not None and (tuple(live.shape) != (rounds, world_size)
+                             or live.dtype != torch.int32 or decided.dtype != torch.int64):
+        raise ValueError(f"live must be [rounds={rounds}, R={world_size}] int32 and the "
+                         f"decision words int64, got {tuple(live.shape)} {live.dtype} and "
+                         f"{decided.dtype}")
 
 
 @triton.jit

@@ -76,13 +76,12 @@ from .comm import (
     TOO_MANY_ROWS,
     Flavour,
     after_every_program,
+    check_round_words,
     draw_last_of,
-    local_ptr,
     record_error,
     timed_out,
     uniform_now_ns,
-    wait_all_at_least,
-    wait_or_exclude_once,
+    wait_round,
 )
 from .dispatch import expand_padding, expand_rows, publish_counts, send_tokens
 from .quant import NVFP4, scale_group
@@ -192,12 +191,19 @@ def dispatch_rounds_kernel(
         if total > max_rows:
             record_error(errors, INPUT_RECORD, TOO_MANY_ROWS, total, max_rows)
     ok = ~timed_out(errors, NUM_THREADS)  # read once, outside the rounds (host memory)
-    if FT:  # every output row a padding row first (as from row 0: total := 0), then the rows
-        expand_padding(pid, programs, expert_offsets, tokens_per_expert, 0, end, slot_rows,
-                       out, out_scales, out_global, out_weights, out_src_rank, out_src_token,
-                       max_rows, SLOTS, OUT_H, K, L, G, SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE,
-                       CACHED, HAS_WEIGHTS, FP8 != 0, UE8M0, GLOBAL, EXPAND_EVEN_H, False,
-                       EXPAND_H, BLOCK_K, BLOCK_G, BLOCK_Z)
+    # every row no slot fills, each program before its first send (later rounds' slots are
+    # stored after every program's -1 past round 0's, which they wait for; rows no slot of
+    # round 0 fills, disjoint from what its expand writes); FT: every output row a padding
+    # row first (as from row 0: total := 0), then every program of the launch, then the rows
+    padded_from = total
+    if FT:
+        padded_from = 0
+    expand_padding(pid, programs, expert_offsets, tokens_per_expert, padded_from, end,
+                   slot_rows, out, out_scales, out_global, out_weights, out_src_rank,
+                   out_src_token, max_rows, SLOTS, OUT_H, K, L, G, SCALE_ROW_STRIDE,
+                   SCALE_GROUP_STRIDE, CACHED, HAS_WEIGHTS, FP8 != 0, UE8M0, GLOBAL,
+                   EXPAND_EVEN_H, False, EXPAND_H, BLOCK_K, BLOCK_G, BLOCK_Z)
+    if FT:
         ok = ok & after_every_program(tickets, programs, ft_words + 1, base,
                                       uniform_now_ns(NUM_THREADS) + timeout_ns, errors, me,
                                       BLOCK_R, NUM_THREADS)
@@ -210,13 +216,6 @@ def dispatch_rounds_kernel(
                       OUT_H, K, L, me, G, SCALES, ROW_ELEMS, SCALE_ROW_STRIDE,
                       SCALE_GROUP_STRIDE, META_STRIDE, KMAX, False, HAS_WEIGHTS, FP8 != 0,
                       UE8M0, GLOBAL, EXPAND_EVEN_H, EXPAND_T, EXPAND_H, BLOCK_K, BLOCK_G)
-    if not FT:  # every row no slot fills (each program before its first send: later rounds'
-        # slots are stored after every program's -1 past round 0's, which they wait for)
-        expand_padding(pid, programs, expert_offsets, tokens_per_expert, total, end, slot_rows,
-                       out, out_scales, out_global, out_weights, out_src_rank, out_src_token,
-                       max_rows, SLOTS, OUT_H, K, L, G, SCALE_ROW_STRIDE, SCALE_GROUP_STRIDE,
-                       CACHED, HAS_WEIGHTS, FP8 != 0, UE8M0, GLOBAL, EXPAND_EVEN_H, False,
-                       EXPAND_H, BLOCK_K, BLOCK_G, BLOCK_Z)
     first_live = sm
     if FT and not CACHED:  # a later round places rows by round 0's layout: its sources only
         first_live = tl.load(live + src, mask=sm, other=0) != 0
@@ -239,16 +238,9 @@ def dispatch_rounds_kernel(
                                box_counts_off + parity * box_counts_parity, local_base, epoch,
                                R, L, not CACHED, TRANSPORT, BLOCK_L)
                 tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
-            deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
-            if FT:  # program 0 decides who arrived, for every program
-                ok = wait_or_exclude_once(pid, signals, epoch, live + i * R, ft_words, deadline,
-                                          timeout_ns, errors,
-                                          local_ptr(local_base, mask_off, tl.int64, 8), me,
-                                          peer_ptrs, mask_off, R, local_base, BLOCK_R,
-                                          NUM_THREADS, 0)
-            else:
-                ok = wait_all_at_least(signals, 1, R, epoch, 0, deadline, errors, signals,
-                                       BLOCK_R, NUM_THREADS, False)
+            # (FT: program 0 decides who arrived, for every program)
+            ok = wait_round(pid, epoch, signals, errors, timeout_ns, live + i * R, ft_words,
+                            mask_off, local_base, peer_ptrs, R, me, FT, BLOCK_R, NUM_THREADS)
             if ok:  # the round's slots of every source, after the earlier rounds'
                 view = slot_offsets + i * OFFSETS_STRIDE
                 arrived = first_live
@@ -362,9 +354,7 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
         raise ValueError("a dispatch's rounds in one launch reach every peer by stores or "
                          "NVSHMEM puts (these without fault tolerance)")
     ft = flavour.fault_tolerant
-    if ft and (live is None or ft_words is None or live.shape != (rounds, peer_ptrs.numel())):
-        raise ValueError("a fault-tolerant dispatch's rounds in one launch take live "
-                         "[rounds, R] and the Buffer's ft_words")
+    check_round_words(ft, live, ft_words, rounds, peer_ptrs.numel(), "dispatch")
     T, H = x.shape
     if fp8 == 2 and ue8m0 == NVFP4:  # x: two e2m1 codes per byte
         H *= 2

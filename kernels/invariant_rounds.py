@@ -37,8 +37,9 @@ import triton
 import triton.language as tl
 
 from .bound import BoundLaunches, call_bound, launch, specs
-from .combine_rounds import publish_and_wait, rounds_grid
-from .comm import CPU_RANKS, Flavour, timed_out
+from .combine import publish_partials
+from .combine_rounds import rounds_grid
+from .comm import CPU_RANKS, Flavour, check_round_words, draw_last_of, timed_out, wait_round
 from .invariant import reduce_tokens, send_pairs
 from .tiles import MAX_TRIPS, combine_round_trips, even, tiles
 
@@ -102,9 +103,13 @@ def invariant_rounds_kernel(
                        signal_off, 0, 0, local_base, errors, 0, 0, timeout_ns, H, K, R, me, W,
                        KMAX, HAS_WEIGHTS, HAS_PAIR, 0, ALIGN, EVEN_H, BLOCK_T, BLOCK_H,
                        BLOCK_K, BLOCK_R)
-            ok = publish_and_wait(pid, tickets, programs, peer_ptrs, signal_off, epoch, stats,
-                                  epochs, signals, errors, timeout_ns, live + i * R, decided,
-                                  mask_off, local_base, R, me, FT, BLOCK_R, NUM_THREADS)
+            if draw_last_of(tickets, programs):  # the round's epoch to every rank
+                publish_partials(peer_ptrs, signal_off, epoch, parity, stats, stats,
+                                 slot_offsets, local_base, 0, 0, errors_addr, timeout_ns, 0, H,
+                                 K, R, R, me, KMAX, HAS_PAIR, False, 0, False)
+                tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
+            ok = wait_round(pid, epoch, signals, errors, timeout_ns, live + i * R, decided,
+                            mask_off, local_base, peer_ptrs, R, me, FT, BLOCK_R, NUM_THREADS)
             if ok:  # the tokens of window i, each in choice order
                 first = tl.cast(i, tl.int64) * W
                 n = tl.minimum(T - first, W).to(tl.int32)
@@ -146,10 +151,8 @@ def invariant_rounds(y, weights, pair_values, slot_rows, slot_offsets, src_token
     written. ``flavour.fault_tolerant``: ``live`` [rounds, R] int32 gets who each round
     heard, ``decided`` is the Buffer's word of the decisions (``kernels.combine_rounds``)."""
     if flavour.transport:
-        raise ValueError("a combine in one launch reaches every peer by stores")
+        raise ValueError("an EP-invariant combine in one launch reaches every peer by stores")
     ft = flavour.fault_tolerant
-    if ft and (live is None or decided is None):
-        raise ValueError("a fault-tolerant combine in one launch takes live and decided")
     T, H = out.shape
     K = slot_rows.shape[1]
     has_pair = pair_out is not None
@@ -164,6 +167,7 @@ def invariant_rounds(y, weights, pair_values, slot_rows, slot_offsets, src_token
     if call_bound(bound, key, values):
         return True
     R = peer_ptrs.numel()
+    check_round_words(ft, live, decided, rounds, R, "EP-invariant combine")  # (once: bound)
     send_tile = tiles("invariant_send", flavour.compiled, H, y.element_size())
     reduce_tile = tiles("invariant_rounds_reduce", flavour.compiled, H, 4)  # fp32 sums
     args = (

@@ -307,9 +307,7 @@ MUTANTS = (
     Mutant("ft_one_launch_dispatch_fills_padding_alone",
            "a fault-tolerant dispatch in one launch fills every output row before its rows",
            "kernels/dispatch_rounds.py",
-           "expand_padding(pid, programs, expert_offsets, tokens_per_expert, 0, end, slot_rows,",
-           "expand_padding(pid, programs, expert_offsets, tokens_per_expert, total, end, "
-           "slot_rows,",
+           "        padded_from = 0", "        padded_from = total",
            (ST + "test_kills_between_rounds_leave_the_survivors_exact[kernel_waits]",)),
     Mutant("ft_laying_out_send_waits_without_excluding",
            "a fault-tolerant round 0 that lays out what arrived excludes a silent source",

@@ -173,9 +173,10 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
     staging: where the whole batch does not fit, every call runs in ``rounds`` through rings of
     ``ring_slots`` slots per source (``moe_comm.normal_mode``; one node, across nodes through
     the proxy, flat or hierarchical, and across hosts over NVSHMEM; fault-tolerant Buffers too).
-    On GPUs, one node (fault-tolerant too), such a ring is cut to the largest whose rounds run
-    in one launch per op on ``num_sms`` programs (``moe_comm.rings``; every rank passes the
-    same ``num_sms``, checked): more rounds, less memory than the budget.
+    On GPUs, one node (fault-tolerant too) or across hosts over NVSHMEM, such a ring is cut to
+    the largest whose rounds run in one launch per op on ``num_sms`` programs
+    (``moe_comm.rings``; every rank passes the same ``num_sms``, checked): more rounds, less
+    memory than the budget.
     ``ep_invariant=True``: every combine sums each token's choices in choice order, each product
     and sum rounded to fp32, so its bits depend on no EP size or placement
     (``reference.invariant_combine``, ``kernels.invariant``); on one node, across nodes through
@@ -545,8 +546,9 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         grows with R only through per-peer words (``moe_comm.workspace`` gives every
         region). ``one_launch_sms``: a Buffer on GPUs, a process per rank (fault-tolerant
         too), with ``num_sms=one_launch_sms`` (the Buffer's default is
-        ``rings.DEFAULT_GPU_SMS``): on one node a ring of several rounds is cut to the largest
-        that every format's rounds in one launch fit (``moe_comm.rings``)."""
+        ``rings.DEFAULT_GPU_SMS``): on one node, or across hosts over NVSHMEM, a ring of
+        several rounds is cut to the largest that every format's rounds in one launch fit
+        (``moe_comm.rings``)."""
         max_topk = min(16, num_experts) if max_topk is None else max_topk
         _check_config(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk)
         N = world_size if ranks_per_node is None else ranks_per_node
@@ -567,7 +569,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                                         max_topk, dtype, outboxes=across and not rdma,
                                         ranks_per_node=N if hier else None, rdma=rdma,
                                         invariant=bool(ep_invariant),
-                                        one_launch_sms=None if across else one_launch_sms)
+                                        one_launch_sms=None if across and not rdma
+                                        else one_launch_sms)
         if rdma:  # no proxy: a peer on another host has no pointer, NVSHMEM puts reach it
             return WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                    num_experts // world_size, max_topk, dtype, rdma=True,

@@ -3,8 +3,8 @@ and, where its rounds run as persistent launches, what one such launch can run a
 
 The budget (``staging_bytes``, ``workspace.ring_slots_for``) gives ``W`` slots per source and
 parity; where ``W < max_tokens_per_rank`` every call runs in ``ceil(T / W)`` rounds
-(``moe_comm.normal_mode``). On GPUs, with a process per rank, one node and waits in the kernels
-(fault tolerance too), a call's rounds run in one launch per op
+(``moe_comm.normal_mode``). On GPUs, with a process per rank, one node (or across hosts over
+NVSHMEM) and waits in the kernels (fault tolerance too), a call's rounds run in one launch per op
 (``kernels.dispatch_rounds``, ``kernels.combine_rounds``, ``kernels.invariant_rounds``) on
 ``num_sms`` programs, but only where a round's serial trips on them stay within the gate's
 ``MAX_TRIPS``; a larger ring launches per round (a send, a wait and an expand or reduce a
@@ -16,7 +16,9 @@ budget's rings of 2176 slots at EP 16 (2 rounds, a workspace of 1.87 GiB), 1088 
 rounds, 1.87 GiB) and 544 at EP 64 (8 rounds, 1.87 GiB) become 640 (7 rounds, 0.55 GiB), 576 (8
 rounds, 0.99 GiB) and 512 (8 rounds, 1.76 GiB); from EP 128 up the budget's rings already fit;
 at EP 8 the budget stages the whole batch (one round), but with ``ep_invariant`` 2912 slots (2
-rounds) become 656 (7 rounds, 0.42 GiB). Equivalent Python::
+rounds) become 656 (7 rounds, 0.42 GiB). Across hosts over NVSHMEM (nodes of 8) the cut
+weighs only the formats that run in one launch there (not a send that quantizes): EP 16's
+1424 slots become 640, EP 32's 720 624. Equivalent Python::
 
     W = ring_slots_for(staging_bytes, R, T, H, K, dtype)          # the budget's
     if W < T and one_launch_sms is not None:                        # rounds in one launch
@@ -36,6 +38,7 @@ from .workspace import RING_SLOT_MULTIPLE, ring_slots_for
 
 DEFAULT_GPU_SMS = 20  # persistent send grids on GPUs (DeepEP uses 20-24 SMs)
 _COMPILED = Flavour(device_wait=True, compiled=True)  # what the fits ask: a GPU's launch
+_COMPILED_NVSHMEM = Flavour(transport=1, device_wait=True, compiled=True)  # (across hosts)
 
 
 def checked_num_sms(num_sms) -> int | None:
@@ -49,22 +52,27 @@ def checked_num_sms(num_sms) -> int | None:
 def one_launch_sms(device_type: str, num_nodes: int, proxy: bool,
                    num_sms: int | None) -> int | None:
     """The programs of a Buffer's rounds in one launch (``num_sms``, ``DEFAULT_GPU_SMS`` if
-    None), for a Buffer of its own process on a GPU, one node, no proxy; None for any other
-    (CPU ranks run every round in one launch of one program, or per round)."""
-    if device_type != "cuda" or num_nodes != 1 or proxy:
+    None), for a Buffer of its own process on a GPU, one node or across hosts over NVSHMEM
+    (``num_nodes`` > 1 without the proxy); None for any other (CPU ranks run every round in one
+    launch of one program, or per round; the proxy's dispatch launches per round)."""
+    if device_type != "cuda" or proxy:
         return None
     return DEFAULT_GPU_SMS if num_sms is None else num_sms
 
 
 def fits_every_format(ring_slots: int, world_size: int, hidden: int, max_topk: int,
-                      elem_bytes: int, num_sms: int, invariant: bool) -> bool:
+                      elem_bytes: int, num_sms: int, invariant: bool,
+                      nvshmem: bool = False) -> bool:
     """Whether rounds of ``ring_slots`` slots run in one launch on ``num_sms`` programs of a GPU
     in every format the Buffer may call: the dispatch's (its rows, FP8, MXFP8 and NVFP4,
     quantized by the send or given quantized), the combine's exact and FP8 partials and, with
-    ``invariant``, the EP-invariant combine."""
-    args = (world_size, ring_slots, hidden, max_topk, num_sms, _COMPILED)
-    sends = [(fp8, ue8m0, elem) for fp8 in (0, 1, 2) for ue8m0 in range(NVFP4 + 1)
-             for elem in {elem_bytes, 1}]  # (the Buffer's table)
+    ``invariant``, the EP-invariant combine. ``nvshmem`` (across hosts): the formats that run
+    in one launch there, every one but a send that quantizes (it launches per round whatever
+    the ring, ``kernels.dispatch_rounds.fits_one_launch``)."""
+    args = (world_size, ring_slots, hidden, max_topk, num_sms,
+            _COMPILED_NVSHMEM if nvshmem else _COMPILED)
+    sends = [(fp8, ue8m0, elem) for fp8 in ((0, 2) if nvshmem else (0, 1, 2))
+             for ue8m0 in range(NVFP4 + 1) for elem in {elem_bytes, 1}]  # (the Buffer's table)
     return (all(fits_dispatch_rounds(*args, *send) for send in sends)
             and fits_combine_rounds(*args, elem_bytes, False)
             and fits_combine_rounds(*args, elem_bytes, True)
@@ -72,7 +80,8 @@ def fits_every_format(ring_slots: int, world_size: int, hidden: int, max_topk: i
 
 
 def one_launch_ring_slots(ring_slots: int, world_size: int, hidden: int, max_topk: int,
-                          dtype: torch.dtype, num_sms: int, invariant: bool = False) -> int:
+                          dtype: torch.dtype, num_sms: int, invariant: bool = False,
+                          nvshmem: bool = False) -> int:
     """The largest multiple of ``RING_SLOT_MULTIPLE`` up to ``ring_slots`` that
     :func:`fits_every_format` on ``num_sms`` programs (the fits grow with the ring, so a
     bisection over the multiples finds it); ``ring_slots`` itself where it fits or where not
@@ -80,7 +89,8 @@ def one_launch_ring_slots(ring_slots: int, world_size: int, hidden: int, max_top
     elem = torch.empty((), dtype=dtype).element_size()
 
     def fits(slots: int) -> bool:
-        return fits_every_format(slots, world_size, hidden, max_topk, elem, num_sms, invariant)
+        return fits_every_format(slots, world_size, hidden, max_topk, elem, num_sms, invariant,
+                                 nvshmem)
 
     if fits(ring_slots) or not fits(RING_SLOT_MULTIPLE):
         return ring_slots
@@ -102,12 +112,13 @@ def staging_ring_slots(staging_bytes: int | None, world_size: int, max_tokens: i
     ``ranks_per_node`` (hierarchical) for the forwarders' regions; ``rdma``: for the outboxes
     of a Buffer across hosts over NVSHMEM; ``invariant``: for the EP-invariant combine's rows.
     ``one_launch_sms`` (:func:`one_launch_sms`): a ring of several rounds is cut to what one
-    launch of that many programs runs a round of (:func:`one_launch_ring_slots`)."""
+    launch of that many programs runs a round of (:func:`one_launch_ring_slots`; with
+    ``rdma``, the launches across hosts over NVSHMEM)."""
     slots = ring_slots_for(staging_bytes, world_size, max_tokens, hidden, max_topk, dtype,
                            outboxes, ranks_per_node, rdma, invariant)
     if slots == max_tokens:
         return None
     if one_launch_sms is not None:
         slots = one_launch_ring_slots(slots, world_size, hidden, max_topk, dtype, one_launch_sms,
-                                      invariant)
+                                      invariant, rdma)
     return slots

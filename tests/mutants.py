@@ -354,8 +354,8 @@ MUTANTS = (
            (ST + "test_gpu_rings_are_cut_to_what_one_launch_runs_a_round_of",)),
     Mutant("gpu_ring_cut_left_to_the_budget",
            "on GPUs a ring of several rounds is cut to what one launch runs a round of",
-           "moe_comm/buffer.py", "one_launch_sms=None if across else one_launch_sms)",
-           "one_launch_sms=None)",
+           "moe_comm/buffer.py", "one_launch_sms=None if across and not rdma",
+           "one_launch_sms=None if True",
            (ST + "test_gpu_rings_are_cut_to_what_one_launch_runs_a_round_of",)),
     Mutant("round_0_send_lays_out_without_waiting",
            "a dispatch in rounds whose round 0's send lays out what arrived waits for every "

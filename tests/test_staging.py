@@ -323,8 +323,9 @@ def test_gpu_rings_are_cut_to_what_one_launch_runs_a_round_of():
     gives a ring of several rounds too large for the rounds in one launch (EP 16, EP 32; EP 8
     with the EP-invariant combine), the ring is cut to the largest multiple of 16 that every
     format's one launch fits, and the Buffer runs every format in one launch there; rings
-    that fit (EP 128) and whole batches (EP 8) stay. More programs fit more; CPU ranks, other
-    nodes, the proxy and fault tolerance keep the budget's."""
+    that fit (EP 128) and whole batches (EP 8) stay. More programs fit more; CPU ranks and the
+    proxy keep the budget's. Across hosts over NVSHMEM the same, over the formats that run in
+    one launch there."""
     from moe_comm.kernels.comm import Flavour
     from moe_comm.rings import fits_every_format, one_launch_sms, staging_ring_slots
     from moe_comm.warmup import twins
@@ -353,9 +354,27 @@ def test_gpu_rings_are_cut_to_what_one_launch_runs_a_round_of():
     with pytest.raises(ValueError, match="num_sms must be a positive int"):
         moe_comm.Buffer.required_workspace_bytes(16, H, 256, T, dtype, K, one_launch_sms=0)
     assert one_launch_sms("cuda", 1, False, None) == 20
-    assert one_launch_sms("cuda", 1, False, 24) == 24
-    for args in (("cpu", 1, False, 20), ("cuda", 2, False, 20), ("cuda", 1, True, 20)):
+    assert one_launch_sms("cuda", 1, False, 24) == one_launch_sms("cuda", 2, False, 24) == 24
+    for args in (("cpu", 1, False, 20), ("cuda", 2, True, 20), ("cuda", 1, True, 20)):
         assert one_launch_sms(*args) is None, args
+    # across hosts over NVSHMEM (nodes of 8): the same cut over the formats that run in one
+    # launch there (every one but a send that quantizes): EP 16's 1424 slots (3 rounds)
+    # become 640 (7 rounds), EP 32's 720 (6) 624 (7); EP 64's 352 already fit
+    for R, budget, cut in ((16, 1424, 640), (32, 720, 624), (64, 352, 352)):
+        assert staging_ring_slots(None, R, T, H, K, dtype, rdma=True) == budget, R
+        assert staging_ring_slots(None, R, T, H, K, dtype, rdma=True, one_launch_sms=20) == cut
+        assert fits_every_format(cut, R, H, K, 2, 20, False, nvshmem=True), R
+        assert cut == budget or not fits_every_format(cut + 16, R, H, K, 2, 20, False, True), R
+        assert moe_comm.Buffer.required_workspace_bytes(
+            R, H, 256, T, dtype, K, ranks_per_node=8, transport="nvshmem", one_launch_sms=20) \
+            == WorkspaceLayout(R, T, H, 256 // R, K, dtype, rdma=True, ring_slots=cut).nbytes, R
+    layout = WorkspaceLayout(16, T, H, 16, K, dtype, rdma=True, ring_slots=640)
+    buf = twins(layout, 256, Flavour(transport=1, device_wait=True, compiled=True), 20,
+                own_process=True)[0]
+    assert {key for key, one in buf._dispatch_in_one_launch.items() if not one} \
+        == {(1, ue8m0, elem) for ue8m0 in range(4) for elem in (1, 2)}  # quantizing sends
+    assert buf._combine_in_one_launch == {(False, False): True, (False, True): False,
+                                          (True, False): True, (True, True): False}
     # the Buffer's own tables (GPU flavour, processes of their own): all at the cut ring, not
     # all a multiple above (EP 16: the FP8 combine and the NVFP4-quantizing send fit 640)
     for ring in (640, 656):

@@ -729,3 +729,22 @@ def test_one_launch_dispatch_names_a_peer_that_stops_after_round_0():
         assert report["peer"] == 3, report
         assert f"moe_comm rank {rank}" in report["raised"] and "rank 3" in report["raised"]
         assert timeout_s <= report["elapsed_s"] < timeout_s + 5, report
+
+
+def test_launches_of_a_calls_rounds_check_their_fault_words():
+    """A launch of a call's rounds takes, fault-tolerant, who each round heard ([rounds, R]
+    int32) and its decision words (int64), and otherwise neither: anything else is a
+    ValueError that names the launch, before anything runs."""
+    from moe_comm.kernels.comm import check_round_words
+
+    live = torch.zeros((3, 4), dtype=torch.int32)
+    words = torch.zeros(2, dtype=torch.int64)
+    check_round_words(True, live, words, 3, 4, "dispatch")
+    check_round_words(False, None, None, 3, 4, "dispatch")
+    for ft, lv, wd in ((True, None, words), (True, live, None), (False, live, words),
+                       (False, None, words)):
+        with pytest.raises(ValueError, match="fault-tolerant combine in one launch takes"):
+            check_round_words(ft, lv, wd, 3, 4, "combine")
+    for lv, wd in ((live[:2], words), (live.long(), words), (live, words.int())):
+        with pytest.raises(ValueError, match=r"live must be \[rounds=3, R=4\] int32"):
+            check_round_words(True, lv, wd, 3, 4, "dispatch")

@@ -80,6 +80,8 @@ def _remote(address: int, nbytes: int, pe: int) -> int:
 
 
 def putmem_nbi_block(dest, source, nbytes, pe):
+    """``nvshmemx_putmem_nbi_block``: ``nbytes`` from ``source`` (this process) to symmetric
+    ``dest`` on ``pe``, pending until the next :func:`fence`."""
     for d, s, n, p in zip(*np.broadcast_arrays(_ints(dest), _ints(source), _ints(nbytes),
                                                _ints(pe))):
         if n > 0:
@@ -88,12 +90,16 @@ def putmem_nbi_block(dest, source, nbytes, pe):
 
 
 def int_p(dest, value, pe):
+    """``nvshmem_int_p``: the int32 ``value`` to symmetric ``dest`` on ``pe``, pending until
+    the next :func:`fence`."""
     for d, v, p in zip(*np.broadcast_arrays(_ints(dest), _ints(value), _ints(pe))):
         _PENDING.append((_remote(int(d), 4, int(p)), ctypes.c_int32(int(v)), 4))
         _MOVED["words", int(p)] += 4
 
 
 def signal_op(sig_addr, signal, sig_op, pe):
+    """``nvshmemx_signal_op`` with ``NVSHMEM_SIGNAL_SET``: every pending put completes, then the
+    int64 word at symmetric ``sig_addr`` on ``pe`` becomes ``signal`` (release)."""
     from triton._C.libtriton import interpreter as native
 
     if int(getattr(sig_op, "value", sig_op)) != 9:  # NVSHMEM_SIGNAL_SET, the only one sent
@@ -107,6 +113,7 @@ def signal_op(sig_addr, signal, sig_op, pe):
 
 
 def fence():
+    """``nvshmem_fence``: here, every pending put completes, in the order issued."""
     while _PENDING:
         dest, source, nbytes = _PENDING.pop(0)
         if isinstance(source, ctypes.c_int32):
@@ -115,6 +122,7 @@ def fence():
 
 
 def quiet():
+    """``nvshmem_quiet``: every pending put completes."""
     fence()
 
 

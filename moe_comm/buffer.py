@@ -253,7 +253,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             outboxes=via == "nixl",
             ranks_per_node=nodes.ranks_per_node if forwarders else None, rdma=rdma,
             invariant=one_node_invariant, one_launch_sms=one_launch_sms(
-                device.type, nodes.count, via == "nixl", num_sms))
+                device.type, via == "nixl", num_sms))
         layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
                                  num_experts // world_size, max_topk, dtype, low_latency,
                                  rdma=rdma, ranks_per_node=nodes.ranks_per_node,

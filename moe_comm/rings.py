@@ -49,11 +49,10 @@ def checked_num_sms(num_sms) -> int | None:
     return num_sms
 
 
-def one_launch_sms(device_type: str, num_nodes: int, proxy: bool,
-                   num_sms: int | None) -> int | None:
+def one_launch_sms(device_type: str, proxy: bool, num_sms: int | None) -> int | None:
     """The programs of a Buffer's rounds in one launch (``num_sms``, ``DEFAULT_GPU_SMS`` if
-    None), for a Buffer of its own process on a GPU, one node or across hosts over NVSHMEM
-    (``num_nodes`` > 1 without the proxy); None for any other (CPU ranks run every round in one
+    None), for a Buffer of its own process on a GPU without the proxy (one node, or across
+    hosts over NVSHMEM); None for any other (CPU ranks run every round in one
     launch of one program, or per round; the proxy's dispatch launches per round)."""
     if device_type != "cuda" or proxy:
         return None

@@ -353,9 +353,9 @@ def test_gpu_rings_are_cut_to_what_one_launch_runs_a_round_of():
         == moe_comm.Buffer.required_workspace_bytes(32, H, 256, T, dtype, K, ranks_per_node=8)
     with pytest.raises(ValueError, match="num_sms must be a positive int"):
         moe_comm.Buffer.required_workspace_bytes(16, H, 256, T, dtype, K, one_launch_sms=0)
-    assert one_launch_sms("cuda", 1, False, None) == 20
-    assert one_launch_sms("cuda", 1, False, 24) == one_launch_sms("cuda", 2, False, 24) == 24
-    for args in (("cpu", 1, False, 20), ("cuda", 2, True, 20), ("cuda", 1, True, 20)):
+    assert one_launch_sms("cuda", False, None) == 20
+    assert one_launch_sms("cuda", False, 24) == 24
+    for args in (("cpu", False, 20), ("cuda", True, 20)):
         assert one_launch_sms(*args) is None, args
     # across hosts over NVSHMEM (nodes of 8): the same cut over the formats that run in one
     # launch there (every one but a send that quantizes): EP 16's 1424 slots (3 rounds)

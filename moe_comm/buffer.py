@@ -263,7 +263,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                            puts=rdma and chosen == "shm")
         proxy = None
         try:
-            if getattr(heap, "put_bases", None):
+            if heap.put_bases:
                 emulated_puts.register(heap.local.data_ptr(), heap.nbytes, heap.put_bases)
             if via == "nixl":
                 peers = internode_peers(layout, heap.rank)

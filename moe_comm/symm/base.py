@@ -28,6 +28,9 @@ class SymmetricHeap(abc.ABC):
     nbytes: int
     local: torch.Tensor  # [nbytes] uint8, this rank's segment
     peer_ptrs: torch.Tensor  # [world_size] int64 addresses, 0 where a peer is not reachable
+    # every rank's segment as mapped in this process, for the interpreter's NVSHMEM puts
+    # (``kernels.emulated_puts``; the shm heap with puts=True), else None
+    put_bases: list[int] | None = None
 
     @property
     def device(self) -> torch.device:

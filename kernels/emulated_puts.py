@@ -33,7 +33,7 @@ import numpy as np
 _lock = threading.Lock()
 _SEGMENTS: dict[int, tuple[int, tuple[int, ...]]] = {}  # local base -> (bytes, bases per PE)
 _MOVED: collections.Counter = collections.Counter()  # (kind, pe) -> bytes put
-_PENDING: list = []  # puts issued, not complete: (destination here, source or value, bytes)
+_PENDING: list = []  # puts issued, not complete: (segment, destination here, source, bytes)
 
 
 def register(local_base: int, nbytes: int, bases: list[int]) -> None:
@@ -47,10 +47,11 @@ def register(local_base: int, nbytes: int, bases: list[int]) -> None:
 
 def forget(local_base: int) -> None:
     """The segment at ``local_base`` is going away: no put reaches it, or its peers', from
-    here (a put still pending is dropped: no op leaves one, ``pending``)."""
+    here (a put it issued still pending is dropped: no op leaves one, ``pending``; another
+    segment's stay)."""
     with _lock:
         _SEGMENTS.pop(int(local_base), None)
-        _PENDING.clear()
+        _PENDING[:] = [put for put in _PENDING if put[0] != int(local_base)]
 
 
 def registered() -> int:
@@ -69,13 +70,14 @@ def _ints(value) -> np.ndarray:
     return np.ravel(np.asarray(data)).astype(np.int64)
 
 
-def _remote(address: int, nbytes: int, pe: int) -> int:
-    """The address in this process of symmetric address ``address`` on ``pe``."""
+def _remote(address: int, nbytes: int, pe: int) -> tuple[int, int]:
+    """``(segment, address)``: the registered segment (its local base) that symmetric address
+    ``address`` lies in, and the address in this process of ``address`` on ``pe``."""
     for local, (size, bases) in _SEGMENTS.items():
         if local <= address and address + nbytes <= local + size:
             if not 0 <= pe < len(bases):
                 raise ValueError(f"a put to PE {pe}: the job has {len(bases)}")
-            return bases[pe] + (address - local)
+            return local, bases[pe] + (address - local)
     raise ValueError(f"a put at {address:#x} ({nbytes} bytes) outside every registered segment")
 
 
@@ -85,7 +87,7 @@ def putmem_nbi_block(dest, source, nbytes, pe):
     for d, s, n, p in zip(*np.broadcast_arrays(_ints(dest), _ints(source), _ints(nbytes),
                                                _ints(pe))):
         if n > 0:
-            _PENDING.append((_remote(int(d), int(n), int(p)), int(s), int(n)))
+            _PENDING.append((*_remote(int(d), int(n), int(p)), int(s), int(n)))
             _MOVED["rows", int(p)] += int(n)
 
 
@@ -93,7 +95,7 @@ def int_p(dest, value, pe):
     """``nvshmem_int_p``: the int32 ``value`` to symmetric ``dest`` on ``pe``, pending until
     the next :func:`fence`."""
     for d, v, p in zip(*np.broadcast_arrays(_ints(dest), _ints(value), _ints(pe))):
-        _PENDING.append((_remote(int(d), 4, int(p)), ctypes.c_int32(int(v)), 4))
+        _PENDING.append((*_remote(int(d), 4, int(p)), ctypes.c_int32(int(v)), 4))
         _MOVED["words", int(p)] += 4
 
 
@@ -106,7 +108,8 @@ def signal_op(sig_addr, signal, sig_op, pe):
         raise NotImplementedError(f"emulated signal_op {sig_op}")
     fence()
     for a, v, p in zip(*np.broadcast_arrays(_ints(sig_addr), _ints(signal), _ints(pe))):
-        native.atomic_rmw(native.RMW_OP.XCHG, np.array([_remote(int(a), 8, int(p))], np.uint64),
+        _, word = _remote(int(a), 8, int(p))
+        native.atomic_rmw(native.RMW_OP.XCHG, np.array([word], np.uint64),
                           np.array([v], np.int64), np.array([True]),
                           native.MEM_SEMANTIC.RELEASE)
         _MOVED["signals", int(p)] += 8
@@ -115,7 +118,7 @@ def signal_op(sig_addr, signal, sig_op, pe):
 def fence():
     """``nvshmem_fence``: here, every pending put completes, in the order issued."""
     while _PENDING:
-        dest, source, nbytes = _PENDING.pop(0)
+        _, dest, source, nbytes = _PENDING.pop(0)
         if isinstance(source, ctypes.c_int32):
             source = ctypes.addressof(source)
         ctypes.memmove(dest, source, nbytes)

@@ -106,7 +106,7 @@ def test_low_latency_over_nvshmem_puts_the_minimum(ranks):
 
 def test_emulated_puts_refuse_what_a_gpu_would_fault_on():
     """A put outside every registered segment, or to a PE the job does not have, raises; a
-    segment with an unmapped peer is refused."""
+    segment with an unmapped peer is refused; forgetting a segment drops only its own puts."""
     local = torch.zeros(64, dtype=torch.uint8)
     peer = torch.zeros(64, dtype=torch.uint8)
     base = local.data_ptr()
@@ -125,5 +125,14 @@ def test_emulated_puts_refuse_what_a_gpu_would_fault_on():
             emulated_puts.putmem_nbi_block(base + 60, src.data_ptr(), 8, 1)
         with pytest.raises(ValueError, match="PE 2"):
             emulated_puts.putmem_nbi_block(base, src.data_ptr(), 8, 2)
+        # two segments in one process: forgetting one drops its pending puts, not the other's
+        other, other_peer = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+        emulated_puts.register(other.data_ptr(), 64, [other.data_ptr(), other_peer.data_ptr()])
+        emulated_puts.putmem_nbi_block(other.data_ptr(), src.data_ptr(), 8, 1)
+        emulated_puts.putmem_nbi_block(base, src.data_ptr(), 8, 1)
+        emulated_puts.forget(other.data_ptr())
+        assert emulated_puts.pending() == 1 and emulated_puts.registered() == 1
+        emulated_puts.fence()
+        assert peer[:8].tolist() == list(range(1, 9)) and other_peer.sum() == 0
     finally:
         emulated_puts.forget(base)

@@ -12,8 +12,9 @@ their own launch, so a combine's rounds are one launch, ``kernels.combine_rounds
 dispatch's five: the layout's two, the ring positions, round 0's send, which lays out what
 arrived, and ``kernels.dispatch_rounds``); ``dispatch_rounds_ft`` and ``combine_rounds_ft``,
 those ops of a fault-tolerant Buffer, and ``*_rounds_nvshmem``, of a Buffer whose ranks are
-on two hosts (NVSHMEM puts between them), launch as many. Triton believes it drives an sm_90 GPU
-whose compiled kernels are stand-ins that record their launches
+on two hosts (NVSHMEM puts between them; ``dispatch_fp8_rounds_nvshmem``: a send that
+quantizes to FP8), launch as many. Triton believes it drives an sm_90 GPU whose compiled
+kernels are stand-ins that record their launches
 (``kernels.recording.compiled_stand_ins``): every launch takes Triton's whole launch path, or
 the Buffer's bound one (``kernels.bound``), and ends in a launcher that does nothing. Per op
 and rank:
@@ -179,6 +180,9 @@ class LaunchCounter:
         bound_launches.BoundLaunch.__call__ = self._bound_call
 
 
+OPS = {"normal": ("dispatch", "combine"), "low_latency": ("ll_dispatch", "ll_combine")}
+
+
 def _bound_calls(bufs) -> int:
     return sum(b._bound.bound_calls for b in bufs)
 
@@ -191,6 +195,10 @@ def _ops(bufs):
     def dispatch():
         rows = gate.max_recv_rows(CONFIG)
         state["res"] = lockstep.dispatch(bufs, xs, idxs, ws, max_recv_rows=rows)
+
+    def dispatch_fp8():  # quantized by the send
+        rows = gate.max_recv_rows(CONFIG)
+        state["res_fp8"] = lockstep.dispatch(bufs, xs, idxs, ws, fp8=True, max_recv_rows=rows)
 
     def expert_outputs(key, received):
         """The combine's input, made once (on the warm call, outside what is counted): the
@@ -212,7 +220,7 @@ def _ops(bufs):
         ys = expert_outputs("ll_ys", recvs)
         lockstep.low_latency_combine(bufs, ys, idxs, ws, [r.handle for r in recvs])
 
-    return {"normal": {"dispatch": dispatch, "combine": combine},
+    return {"normal": {"dispatch": dispatch, "combine": combine, "dispatch_fp8": dispatch_fp8},
             "low_latency": {"ll_dispatch": ll_dispatch, "ll_combine": ll_combine}}
 
 
@@ -247,18 +255,22 @@ def measure(calls: int = 200) -> dict:
     triton_kernels, torch_ops}}`` per rank; ``dispatch_rounds`` and ``combine_rounds``: the
     normal mode with a bounded staging (``ROUNDS_CONFIG``: ``rounds`` calls' worth of launches
     in one); ``dispatch_rounds_ft`` and ``combine_rounds_ft``: the same ops of a fault-tolerant
-    Buffer; ``*_rounds_nvshmem``: of a Buffer whose peers on other hosts get NVSHMEM puts."""
+    Buffer; ``*_rounds_nvshmem``: of a Buffer whose peers on other hosts get NVSHMEM puts
+    (``dispatch_fp8_rounds_nvshmem``: its dispatch quantizing to FP8 in the send)."""
     R = CONFIG.world_size
     out = {}
     with compiled_stand_ins() as launched:
-        for mode, cfg, suffix, transport, flags in (
-                ("normal", CONFIG, "", 0, ()), ("normal", ROUNDS_CONFIG, "_rounds", 0, ()),
-                ("normal", ROUNDS_CONFIG, "_rounds_ft", 0, (False, True)),
-                ("normal", ROUNDS_CONFIG, "_rounds_nvshmem", 1, ()),
-                ("low_latency", CONFIG, "", 0, ())):
+        for mode, cfg, suffix, transport, flags, names in (
+                ("normal", CONFIG, "", 0, (), OPS["normal"]),
+                ("normal", ROUNDS_CONFIG, "_rounds", 0, (), OPS["normal"]),
+                ("normal", ROUNDS_CONFIG, "_rounds_ft", 0, (False, True), OPS["normal"]),
+                ("normal", ROUNDS_CONFIG, "_rounds_nvshmem", 1, (),
+                 (*OPS["normal"], "dispatch_fp8")),
+                ("low_latency", CONFIG, "", 0, (), OPS["low_latency"])):
             bufs = gate._buffers(cfg, DTYPE, mode == "low_latency", transport, 90, *flags)
             ops = _ops(bufs)[mode]
-            for name, op in ops.items():
+            for name in names:
+                op = ops[name]
                 name += suffix
                 op()  # warm: first calls fill the Buffer's caches and bind its launches
                 before, bound_before = len(launched), _bound_calls(bufs)
@@ -345,7 +357,9 @@ def bound_launches_match_triton() -> int:
     with compiled_stand_ins() as launched:
         for mode in ("normal", "low_latency"):
             bufs = gate._buffers(CONFIG, DTYPE, mode == "low_latency", 0, 90)
-            for name, op in _ops(bufs)[mode].items():
+            ops = _ops(bufs)[mode]
+            for name in OPS[mode]:
+                op = ops[name]
                 del launched[:]
                 bound_before = _bound_calls(bufs)
                 op()
@@ -437,9 +451,10 @@ def _drive_changing_inputs(bufs, cfg, dtype, low_latency: bool) -> None:
 def table(result: dict) -> str:
     cols = ("launches", "triton", "torch", "bound", "aten", "allocs", "python", "host_us",
             "triton_path_us")
-    lines = [f"{'op':<24}" + "".join(f"{c:>10}" if len(c) < 10 else f" {c}" for c in cols)]
+    width = max(24, *(len(op) + 1 for op in result))
+    lines = [f"{'op':<{width}}" + "".join(f"{c:>10}" if len(c) < 10 else f" {c}" for c in cols)]
     for op, row in result.items():
-        lines.append(f"{op:<24}" + "".join(
+        lines.append(f"{op:<{width}}" + "".join(
             f"{row[c]:>10.1f}" if c.endswith("_us") else f"{row[c]:>10g}" for c in cols[:-1])
             + f"{row[cols[-1]]:>15.1f}")
     return "\n".join(lines)

@@ -170,6 +170,14 @@ def reduce_tiles(compiled: bool, hidden: int, elem_bytes: int, fp8: bool):
     return tiles("combine_rounds_reduce", compiled, hidden, 8 if fp8 else max(4, elem_bytes))
 
 
+def send_tiles(flavour: Flavour, hidden: int, elem_bytes: int, pair: bool):
+    """The send's tiles of :func:`combine_rounds_kernel` (``combine_send``'s, in fp32 sums;
+    over NVSHMEM with values per row, ``pair``, tiles of half the slots: ``kernels.tiles``)."""
+    kernel = "combine_rounds_send_nvshmem_pair" if flavour.transport == 1 and pair \
+        else "combine_send"
+    return tiles(kernel, flavour.compiled, hidden, max(4, elem_bytes))
+
+
 def fits_one_launch(world_size: int, ring_slots: int, hidden: int, topk: int,
                     num_sms: int | None, flavour: Flavour, elem_bytes: int, fp8: bool,
                     pair: bool = False) -> bool:
@@ -180,13 +188,11 @@ def fits_one_launch(world_size: int, ring_slots: int, hidden: int, topk: int,
     gives 1088 at EP 32, 544 at EP 64, 128 at EP 256; a Buffer on GPUs cuts larger rings to
     fit, ``moe_comm.rings``). Larger rings launch per round: a reduce of their window on
     ``num_sms`` programs would be a serial kernel, a full-wave one is not. Over NVSHMEM
-    (``flavour.transport == 1``) a combine with values per row (``pair``) launches per round
-    on GPUs: in one launch it spilled 8 bytes under Triton 3.6."""
+    (``flavour.transport == 1``) a combine with values per row (``pair``) sends in tiles of
+    its own (:func:`send_tiles`)."""
     if not flavour.compiled:
         return True
-    if flavour.transport == 1 and pair:
-        return False
-    send_tile = tiles("combine_send", True, hidden, max(4, elem_bytes))
+    send_tile = send_tiles(flavour, hidden, elem_bytes, pair)
     reduce_tile_ = reduce_tiles(True, hidden, elem_bytes, fp8)
     programs = rounds_grid(num_sms, flavour)
     return combine_round_trips(world_size, ring_slots, topk, hidden, programs,
@@ -230,7 +236,7 @@ def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, 
     if call_bound(bound, key, values):
         return True
     check_one_launch(flavour, live, decided, rounds, R, plan)  # (once: the launch is bound)
-    send_tile = tiles("combine_send", flavour.compiled, H, max(4, y.element_size()))
+    send_tile = send_tiles(flavour, H, y.element_size(), pair_values is not None)
     reduce_tile_ = reduce_tiles(flavour.compiled, H, y.element_size(), fp8)
     grid = (rounds_grid(num_sms, flavour),)
     block_k = triton.next_power_of_2(max(topk, 1))

@@ -573,8 +573,7 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
     if call_bound(bound, key, values):
         return True
     R = peer_ptrs.numel()
-    tile = tiles("dispatch_send", flavour.compiled, H,
-                 sent_elem_bytes(fp8, ue8m0, x.element_size()))
+    tile = send_tiles(flavour, H, fp8, ue8m0, x.element_size(), lay_out is not None)
     args = (
         *values[:7], peer_ptrs, stats, tickets, epochs, offsets["rows"][0],
         offsets["meta"][0], offsets["counts"][0], offsets["signal"], offsets["rows"][1],
@@ -598,6 +597,17 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
            ("x", "x_scales", "topk_idx", "topk_weights", "slot_of", "pair_pos", "counts", "T",
             "t_base", "row_base", "tokens_per_expert", "expert_offsets", "slot_offsets"))
     return True
+
+
+def send_tiles(flavour: Flavour, hidden: int, fp8: int, ue8m0: int, x_elem_bytes: int,
+               lay_out: bool = False):
+    """The tiles of :func:`dispatch_send_kernel` for a send of format ``(fp8, ue8m0)`` of rows
+    of ``x_elem_bytes`` (``lay_out``: its last program lays out what arrived): over NVSHMEM
+    one that quantizes and lays out takes tiles of its own (``kernels.tiles``: fewer tokens,
+    no spills)."""
+    kernel = ("dispatch_send_nvshmem_quantizing"
+              if flavour.transport == 1 and fp8 == 1 and lay_out else "dispatch_send")
+    return tiles(kernel, flavour.compiled, hidden, sent_elem_bytes(fp8, ue8m0, x_elem_bytes))
 
 
 def send_grid(max_tokens: int, hidden: int, num_sms: int | None, flavour: Flavour,

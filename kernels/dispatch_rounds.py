@@ -274,14 +274,19 @@ def rounds_grid(num_sms: int | None, flavour: Flavour) -> int:
     return num_sms if flavour.compiled and num_sms else 1
 
 
-def round_tiles(compiled: bool, hidden: int, elem_bytes: float, out_elem_bytes: float,
-                nvfp4_send: bool = False):
-    """``(send, expand)`` tiles of :func:`dispatch_rounds_kernel`: one program per SM with the
-    expand's warps (``kernels.tiles``); ``nvfp4_send``: a send that quantizes to NVFP4, in
-    tiles of its own."""
-    return (tiles("dispatch_rounds_send_nvfp4" if nvfp4_send else "dispatch_rounds_send",
-                  compiled, hidden, elem_bytes),
-            tiles("dispatch_rounds_expand", compiled, hidden, out_elem_bytes))
+def round_tiles(flavour: Flavour, hidden: int, fp8: int, ue8m0: int, x_elem_bytes: int,
+                out_elem_bytes: float):
+    """``(send, expand)`` tiles of :func:`dispatch_rounds_kernel` for a send of format
+    ``(fp8, ue8m0)`` of rows of ``x_elem_bytes``: one program per SM with the expand's warps
+    (``kernels.tiles``); a send that quantizes to NVFP4, or any that quantizes over NVSHMEM,
+    in tiles of its own."""
+    send = "dispatch_rounds_send"
+    if fp8 == 1 and flavour.transport == 1:
+        send = "dispatch_rounds_send_nvshmem_quantizing"
+    elif fp8 == 1 and ue8m0 == NVFP4:
+        send = "dispatch_rounds_send_nvfp4"
+    return (tiles(send, flavour.compiled, hidden, sent_elem_bytes(fp8, ue8m0, x_elem_bytes)),
+            tiles("dispatch_rounds_expand", flavour.compiled, hidden, out_elem_bytes))
 
 
 def fits_one_launch(world_size: int, ring_slots: int, hidden: int, topk: int,
@@ -291,21 +296,17 @@ def fits_one_launch(world_size: int, ring_slots: int, hidden: int, topk: int,
     the send's format, ``x_elem_bytes`` the caller's rows'): always in the interpreter; on GPUs
     where a round's serial trips on :func:`rounds_grid`'s programs stay within ``MAX_TRIPS``
     (``kernels.tiles.dispatch_round_trips``; a send that quantizes to NVFP4 in tiles of half
-    the tokens). At DeepSeek-V3 sizes on 20 programs, in multiples of 16: rings of up to 864
-    slots at EP 8, 560 at EP 64, 336 at EP 256 and 64 at EP 1024 (quantizing to NVFP4: 800,
-    512, 320, 64); the default budget gives 128 at EP 256 and 32 at EP 1024 (one launch), 544
-    at EP 64 and 1088 at EP 32 (which a Buffer on GPUs cuts to 512 and 576 so that every
-    format fits, ``moe_comm.rings``). Larger rings launch per round: an expand
-    of their window on ``num_sms`` programs would be a serial kernel. Over NVSHMEM
-    (``flavour.transport == 1``) a send that quantizes (``fp8`` 1) launches per round on GPUs:
-    in one launch its codes, scales and puts spilled under Triton 3.6 (56 to 80 bytes of
-    stack at DeepSeek-V3 sizes; round 0's send that lays out, 64)."""
+    the tokens; over NVSHMEM every send that quantizes, in tiles of a quarter). At DeepSeek-V3
+    sizes on 20 programs, in multiples of 16: rings of up to 864 slots at EP 8, 560 at EP 64,
+    336 at EP 256 and 64 at EP 1024 (quantizing to NVFP4: 800, 512, 320, 64); the default
+    budget gives 128 at EP 256 and 32 at EP 1024 (one launch), 544 at EP 64 and 1088 at EP 32
+    (which a Buffer on GPUs cuts to 512 and 576 so that every format fits,
+    ``moe_comm.rings``). Larger rings launch per round: an expand of their window on
+    ``num_sms`` programs would be a serial kernel."""
     if not flavour.compiled:
         return True
-    if flavour.transport == 1 and fp8 == 1:
-        return False
     elem = sent_elem_bytes(fp8, ue8m0, x_elem_bytes)
-    send, expand = round_tiles(True, hidden, elem, elem, fp8 == 1 and ue8m0 == NVFP4)
+    send, expand = round_tiles(flavour, hidden, fp8, ue8m0, x_elem_bytes, elem)
     programs = rounds_grid(num_sms, flavour)
     return dispatch_round_trips(world_size, ring_slots, topk, programs, send.block_t,
                                 expand.block_t) <= MAX_TRIPS
@@ -386,9 +387,8 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
     if call_bound(bound, key, values):
         return True
     R, L, K = peer_ptrs.numel(), num_local_experts, slot_rows.shape[1]
-    elem = sent_elem_bytes(fp8, ue8m0, x.element_size())
-    send_tile, expand_tile = round_tiles(flavour.compiled, H, elem, out.element_size(),
-                                         fp8 == 1 and nvfp4)
+    send_tile, expand_tile = round_tiles(flavour, H, fp8, ue8m0, x.element_size(),
+                                         out.element_size())
     programs = rounds_grid(num_sms, flavour)
     stg = staging.view(torch.uint8) if quantized else staging
     groups = (2 * out.shape[1] if nvfp4 else out.shape[1]) // scale_group(ue8m0) \

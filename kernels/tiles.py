@@ -81,6 +81,11 @@ _GPU = {
     # so the tile is what is in flight (32 KB of bf16 rows; at 8 tokens it moved 26% of the copy
     # ceiling at 20 SMs on an H200, docs/PERF.md)
     "dispatch_send": (16, 1024, 16, 1),
+    # a send over NVSHMEM that quantizes (FP8 1) and lays out (round 0's, before the rounds'
+    # one launch) holds its codes and scales beside the outbox, the peers' stores and the
+    # layout: 48 to 64 bytes spilled at 128 registers under Triton 3.6 in tiles of 16
+    # tokens, none in tiles of 8
+    "dispatch_send_nvshmem_quantizing": (8, 1024, 16, 1),
     "dispatch_expand": (8, 1024, 8, 2),
     # a dispatch's rounds after its first send as one launch (kernels.dispatch_rounds): the
     # send's and the expand's tiles with 8 warps, one program per SM
@@ -89,6 +94,10 @@ _GPU = {
     # a send there that quantizes to NVFP4 holds the caller's rows and their 16-channel groups:
     # 16 tokens a tile spilled (248 registers and 8 bytes of stack on sm_90), 8 do not
     "dispatch_rounds_send_nvfp4": (8, 1024, 8, 1),
+    # and over NVSHMEM every send that quantizes: 16 tokens spilled 16 to 40 bytes at 248
+    # registers (both Tritons), 8 still 56 to 88 under Triton 3.6; 4 (NVFP4: 8, for 16-byte
+    # stores of its packed codes) do not
+    "dispatch_rounds_send_nvshmem_quantizing": (4, 1024, 8, 1),
     # persistent: 64 slots a tile (at most 32 trips of a program over the slots of uniform
     # routing at DeepSeek-V3 prefill sizes with 20 programs), several choices' gathers in
     # flight (combine.gathers_in_flight); one program per SM, so a 128-byte accumulator a
@@ -99,6 +108,9 @@ _GPU = {
     # programs (one per SM, up to 248 registers), so a round's tokens in fat tiles of 64 fp32
     # sums a thread (128 spill beside what the send holds across the rounds)
     "combine_rounds_reduce": (16, 1024, 8, 1),
+    # its send over NVSHMEM with values per row: 64 slots a tile spilled 8 bytes under Triton
+    # 3.6, 32 (at 64 bytes of a row tile a thread) do not
+    "combine_rounds_send_nvshmem_pair": (32, 1024, 8, 1),
     # the EP-invariant combine (kernels.invariant): persistent over slot tiles, one row of a
     # (slot, choice) at a time; the reduce as the default one's
     "invariant_send": (64, 1024, 8, 1),

@@ -175,18 +175,20 @@ class Stream:
     ue8m0: int = 0
 
 
-def fp8_scales_out(rows: int, groups: int, ue8m0: int, col_major: bool, device):
-    """Zeroed scales output: ``(public tensor [rows, G or ceil(G/4)], contiguous memory,
-    (row stride, group stride))``; column-major means the rows index is the fast one.
+def fp8_scales_out(rows: int, groups: int, ue8m0: int, col_major: bool, device,
+                   alloc=torch.zeros):
+    """Scales output from ``alloc`` (``torch.empty`` where the expand writes every row, the
+    spare bytes of packed words too): ``(public tensor [rows, G or ceil(G/4)], contiguous
+    memory, (row stride, group stride))``; column-major means the rows index is the fast one.
     MXFP8 (``ue8m0 == 2``): E8M0 bytes [rows, G] (float8_e8m0fnu), NVFP4 (3): e4m3 bytes
     [rows, G] (float8_e4m3fn), row-major, written as the bytes of int32 words (byte g % 4 of
     word g // 4 is byte g of the row)."""
     width = (groups + 3) // 4 if ue8m0 else groups
     dtype = torch.int32 if ue8m0 else torch.float32
     if col_major and ue8m0 < MXFP8:
-        memory = torch.zeros((width, rows), dtype=dtype, device=device)
+        memory = alloc((width, rows), dtype=dtype, device=device)
         return memory.t(), memory, (1, rows)
-    memory = torch.zeros((rows, width), dtype=dtype, device=device)
+    memory = alloc((rows, width), dtype=dtype, device=device)
     if ue8m0 >= MXFP8:
         byte_dtype = torch.float8_e8m0fnu if ue8m0 == MXFP8 else torch.float8_e4m3fn
         public = memory.view(torch.uint8)[:, :groups].view(byte_dtype)
@@ -558,7 +560,7 @@ class NormalMode:
         if fp8:
             scales, scale_memory, scale_strides = fp8_scales_out(
                 data_rows, self.hidden // scale_group(pending.ue8m0), pending.ue8m0,
-                col_major_scales, dev)
+                col_major_scales, dev, alloc)
         out_weights = alloc(rows if pending.has_weights else 0, dtype=torch.float32, device=dev)
         src_rank = torch.empty(rows, dtype=torch.int64, device=dev)
         src_token = torch.empty(rows, dtype=torch.int64, device=dev)

@@ -16,9 +16,9 @@ budget's rings of 2176 slots at EP 16 (2 rounds, a workspace of 1.87 GiB), 1088 
 rounds, 1.87 GiB) and 544 at EP 64 (8 rounds, 1.87 GiB) become 640 (7 rounds, 0.55 GiB), 576 (8
 rounds, 0.99 GiB) and 512 (8 rounds, 1.76 GiB); from EP 128 up the budget's rings already fit;
 at EP 8 the budget stages the whole batch (one round), but with ``ep_invariant`` 2912 slots (2
-rounds) become 656 (7 rounds, 0.42 GiB). Across hosts over NVSHMEM (nodes of 8) the cut
-weighs only the formats that run in one launch there (not a send that quantizes): EP 16's
-1424 slots become 640, EP 32's 720 624. Equivalent Python::
+rounds) become 656 (7 rounds, 0.42 GiB). Across hosts over NVSHMEM (nodes of 8), where a
+send that quantizes runs in tiles of 4 tokens: EP 16's 1424 slots become 560, EP 32's 720
+512. Equivalent Python::
 
     W = ring_slots_for(staging_bytes, R, T, H, K, dtype)          # the budget's
     if W < T and one_launch_sms is not None:                        # rounds in one launch
@@ -64,17 +64,16 @@ def fits_every_format(ring_slots: int, world_size: int, hidden: int, max_topk: i
                       nvshmem: bool = False) -> bool:
     """Whether rounds of ``ring_slots`` slots run in one launch on ``num_sms`` programs of a GPU
     in every format the Buffer may call: the dispatch's (its rows, FP8, MXFP8 and NVFP4,
-    quantized by the send or given quantized), the combine's exact and FP8 partials and, with
-    ``invariant``, the EP-invariant combine. ``nvshmem`` (across hosts): the formats that run
-    in one launch there, every one but a send that quantizes (it launches per round whatever
-    the ring, ``kernels.dispatch_rounds.fits_one_launch``)."""
+    quantized by the send or given quantized), the combine's exact and FP8 partials, with
+    values per row or without, and with ``invariant`` the EP-invariant combine; ``nvshmem``:
+    the launches across hosts over NVSHMEM (some of their tiles are their own)."""
     args = (world_size, ring_slots, hidden, max_topk, num_sms,
             _COMPILED_NVSHMEM if nvshmem else _COMPILED)
-    sends = [(fp8, ue8m0, elem) for fp8 in ((0, 2) if nvshmem else (0, 1, 2))
-             for ue8m0 in range(NVFP4 + 1) for elem in {elem_bytes, 1}]  # (the Buffer's table)
+    sends = [(fp8, ue8m0, elem) for fp8 in (0, 1, 2) for ue8m0 in range(NVFP4 + 1)
+             for elem in {elem_bytes, 1}]  # (the Buffer's table)
     return (all(fits_dispatch_rounds(*args, *send) for send in sends)
-            and fits_combine_rounds(*args, elem_bytes, False)
-            and fits_combine_rounds(*args, elem_bytes, True)
+            and all(fits_combine_rounds(*args, elem_bytes, fp8, pair)
+                    for fp8 in (False, True) for pair in (False, True))
             and (not invariant or fits_invariant_rounds(*args, elem_bytes)))
 
 

@@ -340,6 +340,16 @@ MUTANTS = (
            "f.transport == 0 and proxy is None",
            (EP + "test_nvshmem_rounds_in_one_launch_give_the_bits_and_puts_of_launches_per_"
                  "round",)),
+    Mutant("nvshmem_quantizing_send_in_the_plain_tiles",
+           "on GPUs across hosts over NVSHMEM every format's rounds run in one launch, the "
+           "ring cut to fit them",
+           "kernels/dispatch_rounds.py", 'send = "dispatch_rounds_send_nvshmem_quantizing"',
+           'send = "dispatch_rounds_send"',
+           (ST + "test_gpu_rings_are_cut_to_what_one_launch_runs_a_round_of",)),
+    Mutant("fp8_dispatch_scales_zeroed_by_a_launch",
+           "a normal dispatch, FP8 too, launches at most 5 kernels",
+           "moe_comm/normal_mode.py", "col_major_scales, dev, alloc)", "col_major_scales, dev)",
+           ("tests/test_host_cost.py::test_launches_per_op_are_counted_and_bounded",)),
     Mutant("ft_round_decision_read_without_its_ok_bit",
            "every program of a fault-tolerant launch takes program 0's decision, a stop too",
            "kernels/comm.py",

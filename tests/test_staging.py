@@ -357,10 +357,10 @@ def test_gpu_rings_are_cut_to_what_one_launch_runs_a_round_of():
     assert one_launch_sms("cuda", False, 24) == 24
     for args in (("cpu", False, 20), ("cuda", True, 20)):
         assert one_launch_sms(*args) is None, args
-    # across hosts over NVSHMEM (nodes of 8): the same cut over the formats that run in one
-    # launch there (every one but a send that quantizes): EP 16's 1424 slots (3 rounds)
-    # become 640 (7 rounds), EP 32's 720 (6) 624 (7); EP 64's 352 already fit
-    for R, budget, cut in ((16, 1424, 640), (32, 720, 624), (64, 352, 352)):
+    # across hosts over NVSHMEM (nodes of 8): the same cut over every format there (a send
+    # that quantizes in tiles of 4 tokens decides it): EP 16's 1424 slots (3 rounds) become
+    # 560 (8 rounds), EP 32's 720 (6) 512 (8); EP 64's 352 already fit
+    for R, budget, cut in ((16, 1424, 560), (32, 720, 512), (64, 352, 352)):
         assert staging_ring_slots(None, R, T, H, K, dtype, rdma=True) == budget, R
         assert staging_ring_slots(None, R, T, H, K, dtype, rdma=True, one_launch_sms=20) == cut
         assert fits_every_format(cut, R, H, K, 2, 20, False, nvshmem=True), R
@@ -368,13 +368,13 @@ def test_gpu_rings_are_cut_to_what_one_launch_runs_a_round_of():
         assert moe_comm.Buffer.required_workspace_bytes(
             R, H, 256, T, dtype, K, ranks_per_node=8, transport="nvshmem", one_launch_sms=20) \
             == WorkspaceLayout(R, T, H, 256 // R, K, dtype, rdma=True, ring_slots=cut).nbytes, R
-    layout = WorkspaceLayout(16, T, H, 16, K, dtype, rdma=True, ring_slots=640)
-    buf = twins(layout, 256, Flavour(transport=1, device_wait=True, compiled=True), 20,
-                own_process=True)[0]
-    assert {key for key, one in buf._dispatch_in_one_launch.items() if not one} \
-        == {(1, ue8m0, elem) for ue8m0 in range(4) for elem in (1, 2)}  # quantizing sends
-    assert buf._combine_in_one_launch == {(False, False): True, (False, True): False,
-                                          (True, False): True, (True, True): False}
+    for ring in (560, 576):  # every format, the quantizing sends the first to drop out
+        layout = WorkspaceLayout(16, T, H, 16, K, dtype, rdma=True, ring_slots=ring)
+        buf = twins(layout, 256, Flavour(transport=1, device_wait=True, compiled=True), 20,
+                    own_process=True)[0]
+        assert all(buf._combine_in_one_launch.values()), ring
+        assert {key for key, one in buf._dispatch_in_one_launch.items() if not one} == (
+            set() if ring == 560 else {(1, ue8m0, elem) for ue8m0 in (0, 1, 2) for elem in (1, 2)})
     # the Buffer's own tables (GPU flavour, processes of their own): all at the cut ring, not
     # all a multiple above (EP 16: the FP8 combine and the NVFP4-quantizing send fit 640)
     for ring in (640, 656):

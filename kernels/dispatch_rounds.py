@@ -296,11 +296,11 @@ def fits_one_launch(world_size: int, ring_slots: int, hidden: int, topk: int,
     the send's format, ``x_elem_bytes`` the caller's rows'): always in the interpreter; on GPUs
     where a round's serial trips on :func:`rounds_grid`'s programs stay within ``MAX_TRIPS``
     (``kernels.tiles.dispatch_round_trips``; a send that quantizes to NVFP4 in tiles of half
-    the tokens; over NVSHMEM every send that quantizes, in tiles of a quarter). At DeepSeek-V3
-    sizes on 20 programs, in multiples of 16: rings of up to 864 slots at EP 8, 560 at EP 64,
-    336 at EP 256 and 64 at EP 1024 (quantizing to NVFP4: 800, 512, 320, 64); the default
-    budget gives 128 at EP 256 and 32 at EP 1024 (one launch), 544 at EP 64 and 1088 at EP 32
-    (which a Buffer on GPUs cuts to 512 and 576 so that every format fits,
+    the tokens; over NVSHMEM every send that quantizes, in tiles of a quarter, NVFP4 half).
+    At DeepSeek-V3 sizes on 20 programs, in multiples of 16: rings of up to 864 slots at EP 8,
+    560 at EP 64, 336 at EP 256 and 64 at EP 1024 (quantizing to NVFP4: 800, 512, 320, 64);
+    the default budget gives 128 at EP 256 and 32 at EP 1024 (one launch), 544 at EP 64 and
+    1088 at EP 32 (which a Buffer on GPUs cuts to 512 and 576 so that every format fits,
     ``moe_comm.rings``). Larger rings launch per round: an expand of their window on
     ``num_sms`` programs would be a serial kernel."""
     if not flavour.compiled:

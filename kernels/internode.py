@@ -158,7 +158,8 @@ def outbox_dispatch_kernel(
     slot_of,  # [T, R] int32: slot on rank d (flat targets), -1 if not sent there
     node_slot_of,  # [T, M] int32 (HIER): row of the token in node b's message, -1 if none
     counts,  # [R, L + 1] int32 (SEND_META): what each rank's dispatch_counts[p, me] gets
-    target_counts,  # [R] (flat) or [M] (HIER) int32: rows of each target's message
+    target_counts,  # [R] (flat) or [M] (HIER) int32: rows of each target's message (flat
+                    # with SEND_META: unused, they are the counts' last column)
     plan,  # [PLAN_FIELDS] int64 byte offsets
     xstats,  # [4] int64 local: outbox bytes at [0]
     tickets,  # [1] int64 ticket word of this kernel
@@ -247,7 +248,10 @@ def outbox_dispatch_kernel(
             cc = tl.arange(0, BLOCK_C)
             for tgt in range(NT):
                 if _target_is_remote(tgt, my_node, N, HIER):
-                    n = tl.load(target_counts + tgt).to(tl.int64)
+                    if SEND_META and not HIER:  # the tokens sent to rank tgt (the layout's)
+                        n = tl.load(counts + tgt * (L + 1) + L).to(tl.int64)
+                    else:
+                        n = tl.load(target_counts + tgt).to(tl.int64)
                     counts_off = _off(plan, PX_COUNTS, parity, tgt)
                     count_words = 0
                     if SEND_META:
@@ -516,7 +520,11 @@ def outbox_dispatch(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, node
                     t_base: int = 0) -> bool:
     """Launches :func:`outbox_dispatch_kernel` (``topk_idx=None``: the cached form, rows only).
     ``x`` (and the per-token tensors) may be one round's window of a call's tokens (flat),
-    ``t_base`` the call's index of its first token."""
+    ``t_base`` the call's index of its first token. ``target_counts``: the rows of each
+    target's message; None (flat, not cached) where ``counts``' last column holds them (the
+    layout's tokens per rank, or a round's rows per rank, ``kernels.layout``)."""
+    if target_counts is None and (topk_idx is None or flavour.hierarchical):
+        raise ValueError("target_counts may be left out only by a flat send with metadata")
     T, H = x.shape
     if fp8 == 2 and ue8m0 == NVFP4:  # x: two e2m1 codes per byte
         H *= 2
@@ -532,7 +540,8 @@ def outbox_dispatch(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, node
         x, dummy if x_scales is None else x_scales, topk_idx if send_meta else dummy,
         topk_weights if topk_weights is not None else dummy, pair_pos if send_meta else dummy,
         slot_of, node_slot_of if flavour.hierarchical else dummy,
-        counts if send_meta else dummy, target_counts, plan, xstats, tickets, epochs,
+        counts if send_meta else dummy, dummy if target_counts is None else target_counts,
+        plan, xstats, tickets, epochs,
         flavour.local_base, flavour.ring_addr, flavour.errors_addr, flavour.timeout_ns,
         T, t_base, H, topk, world_size, num_local_experts, N, rank, flavour.ring_slots,
         row_bytes,

@@ -160,7 +160,8 @@ class Stream:
     where t does not go), the counts each round publishes ([R, L + 1] int32; several
     rounds: [rounds, R, L + 1], the call's per-expert counts and the round's own rows) and, in
     hierarchical mode, ``node_ring`` [T, M] int32 (the row of token t in node b's message of
-    its round, -1 where none)."""
+    its round, -1 where none) with ``node_counts`` [rounds, M] int32 (the rows of each
+    round's message to node b; None where ``node_ring`` came from a handle)."""
 
     x: torch.Tensor
     x_scales: torch.Tensor | None
@@ -173,6 +174,7 @@ class Stream:
     topk: int = 1
     fp8: int = 0
     ue8m0: int = 0
+    node_counts: torch.Tensor | None = None
 
 
 def fp8_scales_out(rows: int, groups: int, ue8m0: int, col_major: bool, device,
@@ -253,19 +255,22 @@ class NormalMode:
                            node_slot_of, send_round=later, stream=stream, received=received)
 
     # ----------------------------------------------------------------- rounds
-    def _node_ring_positions(self, ring: torch.Tensor) -> torch.Tensor:
-        """Hierarchical, several rounds: ``[T, M]`` int32, the row of token t in node b's
-        message of its round ``t // W`` (-1 where it goes to no rank of node b). Equivalent::
+    def _node_ring_positions(self, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hierarchical, several rounds: ``(node_ring [T, M], node_counts [rounds, M])`` int32,
+        the row of token t in node b's message of its round ``t // W`` (-1 where it goes to no
+        rank of node b) and the rows of each round's message to node b. Equivalent::
 
             hit[t, b] = (ring[t, b * N:(b + 1) * N] >= 0).any()
             node_ring[t, b] = hit[t // W * W:t + 1, b].sum() - 1   where hit[t, b]
+            node_counts[i, b] = hit[i * W:(i + 1) * W, b].sum()
         """
         T, N, M = ring.shape[0], self.ranks_per_node, self.num_nodes
         W, n = self.layout.ring_slots, self.layout.rounds
         hit = torch.zeros((n * W, M), dtype=torch.int32, device=self.device)
         hit[:T] = (ring.view(T, M, N) >= 0).any(-1)
-        rows = hit.view(n, W, M).cumsum(1, dtype=torch.int32).view(n * W, M) - 1
-        return torch.where(hit > 0, rows, -1)[:T].contiguous()
+        seen = hit.view(n, W, M).cumsum(1, dtype=torch.int32)  # its last row: each round's
+        node_ring = torch.where(hit > 0, seen.view(n * W, M) - 1, -1)[:T].contiguous()
+        return node_ring, seen[:, -1].contiguous()
 
     def _stream(self, x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts,
                 topk: int, fp8: int = 0, ue8m0: int = 0, ring=None, node_ring=None) -> Stream:
@@ -278,10 +283,11 @@ class NormalMode:
                                          self.flavour, self._bound)
             self.launches["ring_positions"] += 1
             counts = words[:, :R * C].view(n, R, C)  # each round's counts 16-byte aligned
+        node_counts = None
         if self.hierarchical and node_ring is None:
-            node_ring = self._node_ring_positions(ring)
+            node_ring, node_counts = self._node_ring_positions(ring)
         return Stream(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts, node_ring, topk,
-                      fp8, ue8m0)
+                      fp8, ue8m0, node_counts)
 
     def _send_round(self, stream: Stream, i: int, received: tuple | None = None) -> None:
         """Round ``i`` of a dispatch send of several rounds (its epoch is the channel's latest:
@@ -308,7 +314,8 @@ class NormalMode:
                           stream.ue8m0, t_base, lay_out)
         node_ring = None if stream.node_ring is None else stream.node_ring[window]
         self._send_other_nodes(x, scales, idx, weights, pos, ring, counts, stream.fp8,
-                               stream.ue8m0, node_ring, t_base)
+                               stream.ue8m0, node_ring, t_base,
+                               None if stream.node_counts is None else stream.node_counts[i])
 
     def _send_window(self, x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
                      topk: int, fp8: int = 0, ue8m0: int = 0, t_base: int = 0,
@@ -364,26 +371,30 @@ class NormalMode:
         return torch.empty(0, dtype=torch.int32, device=self.device)
 
     def _send_other_nodes(self, x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts,
-                          fp8: int = 0, ue8m0: int = 0, node_slot_of=None, t_base: int = 0
-                          ) -> torch.Tensor:
+                          fp8: int = 0, ue8m0: int = 0, node_slot_of=None, t_base: int = 0,
+                          node_counts=None) -> torch.Tensor:
         """Through the proxy: rows for other nodes into the outboxes, one descriptor per peer
         (``kernels.internode``; rounds: ``x`` and the per-token tensors are the window of tokens
         ``t_base + [0, len(x))``, ``slot_of`` their ring positions). Returns
         ``node_slot_of`` [T, M] int32 (hierarchical: the row of each token in each node's
-        message, -1 where none; computed here unless given), else an empty tensor. No host
-        read."""
+        message, -1 where none; computed here unless given, with ``node_counts`` [M] its rows
+        per node where known), else an empty tensor. No host read."""
         if self.proxy is None:
             return self._empty_int()
         T, R, N, M = slot_of.shape[0], self.world_size, self.ranks_per_node, self.num_nodes
         if self.hierarchical:
+            target_counts = node_counts
             if node_slot_of is None:
                 hit = (slot_of.view(T, M, N) >= 0).any(-1)
-                node_slot_of = torch.where(hit, hit.to(torch.int32).cumsum(0) - 1, -1)
-                node_slot_of = node_slot_of.to(torch.int32)
-            target_counts = (node_slot_of >= 0).sum(0, dtype=torch.int32)
-        else:
+                seen = hit.cumsum(0, dtype=torch.int32)  # its last row: the rows per node
+                node_slot_of = torch.where(hit, seen - 1, -1)
+                target_counts = seen[-1] if T else None
+            if target_counts is None:
+                target_counts = (node_slot_of >= 0).sum(0, dtype=torch.int32)
+        else:  # with metadata the rows to each rank are the counts' last column (the kernel's)
             node_slot_of = self._empty_int()
-            target_counts = (slot_of >= 0).sum(0, dtype=torch.int32)
+            target_counts = None if counts is not None else (slot_of >= 0).sum(
+                0, dtype=torch.int32)
         grid = internode.outbox_grid(self.layout.ring_slots, self.hidden, self.num_sms,
                                      self.flavour,
                                      sent_elem_bytes(fp8, ue8m0, x.element_size()))

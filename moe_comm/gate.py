@@ -463,14 +463,14 @@ def _compile_job(job):
     import importlib
 
     from .kernels.compiled import inspect_launch
-    from .kernels.nvshmem import device_bitcode
+    from .kernels.nvshmem_slim import slim_bitcode
     from .kernels.recording import Launch
 
     kernel = getattr(importlib.import_module(module), name)
     options = dict(options)
     if "libnvshmem_device" in dict(options.get("extern_libs") or ()):
-        libs = dict(options["extern_libs"])
-        libs["libnvshmem_device"] = device_bitcode(arch)
+        libs = dict(options["extern_libs"])  # the same code as the whole library, linked in
+        libs["libnvshmem_device"] = slim_bitcode(arch)  # a fifth of the time
         options["extern_libs"] = tuple(libs.items())
     launch = Launch(kernel, signature, constexprs, attrs, options, key)
     return inspect_launch(launch, arch, config, variant)
@@ -523,6 +523,11 @@ def run(archs, jobs: int, out: str, configs=CONFIGS, brief_archs=()) -> int:
     sources = [os.path.join(kernel_dir, f) for f in sorted(os.listdir(kernel_dir))
                if f.endswith(".py")]
     marker_problems = [p for path in sources for p in check_markers(path)]
+    if any(v.launch.uses_nvshmem for v in todo):  # built once here, not in every worker
+        from .kernels.nvshmem_slim import slim_bitcode
+
+        for arch in archs:
+            slim_bitcode(arch)
     work = []
     brief = brief_variants(todo)
     for v in todo:

@@ -1,6 +1,7 @@
 """Mutation checks of the static gate (run in a subprocess: compiled kernels, no interpreter).
 
     python tests/gate_jobs.py MUTATION WORKDIR
+    python tests/gate_jobs.py slim_library      # kernels.nvshmem_slim against the whole library
 
 Copies ``kernels/`` to ``WORKDIR``, breaks one habit the gate enforces (``MUTATIONS``), records
 a GPU launch of the broken copy's dispatch send at DeepSeek-V3 sizes with the same recorder the
@@ -91,7 +92,7 @@ def record_send(pkg, transport: int, rank: int):
     """One recorded dispatch send (bf16, weights) at DeepSeek-V3 sizes, as rank ``rank``."""
     import torch
 
-    from moe_comm.kernels.nvshmem import device_bitcode
+    from moe_comm.kernels.nvshmem_slim import slim_bitcode
 
     recording = importlib.import_module(pkg.__name__ + ".recording")
     dispatch = importlib.import_module(pkg.__name__ + ".dispatch")
@@ -102,7 +103,7 @@ def record_send(pkg, transport: int, rank: int):
         return torch.empty(shape, dtype=dtype, device="meta")
 
     flavour = comm.Flavour(transport=transport, device_wait=True, compiled=True,
-                           bitcode=device_bitcode(90) if transport else "")
+                           bitcode=slim_bitcode(90) if transport else "")
     with recording.recording(90) as launches:
         dispatch.dispatch_send(
             meta(T, H, dtype=torch.bfloat16), meta(T, K, dtype=torch.int64),
@@ -169,6 +170,35 @@ def record_wait(pkg):
     return launches[0]
 
 
+def slim_library_report() -> dict:
+    """The NVSHMEM dispatch send (as the gate records it) compiled for sm_90 against the whole
+    device library and against ``kernels.nvshmem_slim``'s: the PTX of each (its hash) and the
+    seconds each compile took."""
+    import hashlib
+    import time
+
+    from moe_comm import kernels
+    from moe_comm.kernels.compiled import compile_launch
+    from moe_comm.kernels.nvshmem import device_bitcode
+    from moe_comm.kernels.nvshmem_slim import slim_bitcode
+    from moe_comm.kernels.recording import Launch
+
+    launch = record_send(kernels, 1, 0)
+    report = {"slim_path": slim_bitcode(90)}
+    for name, library in (("whole", device_bitcode(90)), ("slim", report["slim_path"])):
+        options = dict(launch.options)
+        libs = dict(options["extern_libs"])
+        libs["libnvshmem_device"] = library
+        options["extern_libs"] = tuple(libs.items())
+        start = time.perf_counter()
+        compiled = compile_launch(Launch(launch.kernel, launch.signature, launch.constexprs,
+                                         launch.attrs, options, launch.key), 90)
+        report[name] = {"ptx": hashlib.sha256(compiled.asm["ptx"].encode()).hexdigest(),
+                        "calls": compiled.asm["ptx"].count("call.uni"),
+                        "s": round(time.perf_counter() - start, 2)}
+    return report
+
+
 def main(name: str, workdir: str) -> dict:
     from moe_comm.gate import _specialisation_problems
     from moe_comm.kernels.compiled import inspect_launch, unemitted_markers, violations
@@ -192,4 +222,7 @@ def main(name: str, workdir: str) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], sys.argv[2])))
+    if sys.argv[1] == "slim_library":
+        print(json.dumps(slim_library_report()))
+    else:
+        print(json.dumps(main(sys.argv[1], sys.argv[2])))

@@ -5,6 +5,7 @@ import csv
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -192,6 +193,48 @@ def test_each_rule_fails_on_its_mutation(name, expect, tmp_path):
     assert report["specialisation_problems"] == (
         ["dispatch_send_kernel specialises differently on different ranks"] if apart else []), \
         report
+
+
+def test_the_slim_nvshmem_library_compiles_to_the_same_code():
+    """The gate links ``kernels.nvshmem_slim``'s library instead of the whole NVSHMEM device
+    bitcode: the NVSHMEM send compiles to the same PTX against both (its puts, fence and
+    quiet calls included), and the slim library was built, not fallen back from."""
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "gate_jobs.py"), "slim_library"],
+                          capture_output=True, text=True, env=COMPILED_ENV, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["slim_path"].endswith(".ll"), report
+    assert report["whole"]["ptx"] == report["slim"]["ptx"], report
+    assert report["slim"]["calls"] > 0, report  # the NVSHMEM functions are really linked
+
+
+def test_the_slim_nvshmem_library_has_every_function_the_kernels_call():
+    from moe_comm.kernels import nvshmem_slim
+
+    source = open(os.path.join(ROOT, "kernels", "nvshmem.py")).read()
+    called = set(re.findall(r'\("(nvshmemx?_\w+)", _I32\)', source))
+    assert called and called == set(nvshmem_slim.ENTRY_POINTS)
+    linked = "\n".join([
+        "; ModuleID = 'x'",
+        "define ptx_kernel void @stub(ptr %0) #0 !dbg !10 {",
+        "  ret void",
+        "}",
+        *[f"define internal void @{name}(ptr %0) #1 {{\n  ret void\n}}"
+          for name in nvshmem_slim.ENTRY_POINTS],
+        "define internal fastcc void @helper() #2 {",
+        "  ret void",
+        "}",
+        "!llvm.module.flags = !{!2, !3, !4}",
+        '!2 = !{i32 2, !"Debug Info Version", i32 3}',
+        '!3 = !{i32 4, !"nvvm-reflect-ftz", i32 1}',
+        '!4 = !{i32 1, !"wchar_size", i32 4}'])
+    text = nvshmem_slim.library_text(linked)
+    assert "@stub" not in text and "define internal fastcc void @helper()" in text
+    for name in nvshmem_slim.ENTRY_POINTS:
+        assert f"define void @{name}(" in text, name
+    assert "!llvm.module.flags = !{!4}" in text
+    with pytest.raises(RuntimeError, match="entry points missing"):
+        nvshmem_slim.library_text(linked.replace("@nvshmem_fence(", "@other("))
 
 
 def test_markers_must_sit_on_the_line_where_the_store_starts(tmp_path):

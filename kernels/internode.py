@@ -147,7 +147,8 @@ def _target_slot(slot_of, node_slot_of, t, tgt, tm, R, M, HIER: tl.constexpr):
 
 
 _OUTBOX_PER_CALL = ["local_base", "ring_addr", "errors_addr", "timeout_ns", "T", "t_base",
-                    "me"]
+                    "me",
+                    "target_counts"]  # (one word a target: no alignment fact; a round's row)
 
 
 @triton.jit(do_not_specialize=_OUTBOX_PER_CALL)

@@ -83,8 +83,8 @@ _GPU = {
     "dispatch_send": (16, 1024, 16, 1),
     # a send over NVSHMEM that quantizes (FP8 1) and lays out (round 0's, before the rounds'
     # one launch) holds its codes and scales beside the outbox, the peers' stores and the
-    # layout: 48 to 64 bytes spilled at 128 registers under Triton 3.6 in tiles of 16
-    # tokens, none in tiles of 8
+    # layout: 64 bytes spilled at 128 registers under Triton 3.6 in tiles of 16 tokens, none
+    # in tiles of 8
     "dispatch_send_nvshmem_quantizing": (8, 1024, 16, 1),
     "dispatch_expand": (8, 1024, 8, 2),
     # a dispatch's rounds after its first send as one launch (kernels.dispatch_rounds): the
@@ -94,9 +94,9 @@ _GPU = {
     # a send there that quantizes to NVFP4 holds the caller's rows and their 16-channel groups:
     # 16 tokens a tile spilled (248 registers and 8 bytes of stack on sm_90), 8 do not
     "dispatch_rounds_send_nvfp4": (8, 1024, 8, 1),
-    # and over NVSHMEM every send that quantizes: 16 tokens spilled 16 to 40 bytes at 248
-    # registers (both Tritons), 8 still 56 to 88 under Triton 3.6; 4 (NVFP4: 8, for 16-byte
-    # stores of its packed codes) do not
+    # and over NVSHMEM every send that quantizes: 16 tokens spilled 16 to 24 bytes at 248
+    # registers under Triton 3.6, 8 still 56 to 88; 4 (NVFP4: 8, for 16-byte stores of its
+    # packed codes) do not, under 3.6 and 3.9
     "dispatch_rounds_send_nvshmem_quantizing": (4, 1024, 8, 1),
     # persistent: 64 slots a tile (at most 32 trips of a program over the slots of uniform
     # routing at DeepSeek-V3 prefill sizes with 20 programs), several choices' gathers in

@@ -172,8 +172,10 @@ def record_wait(pkg):
 
 def slim_library_report() -> dict:
     """The NVSHMEM dispatch send (as the gate records it) compiled for sm_90 against the whole
-    device library and against ``kernels.nvshmem_slim``'s: the PTX of each (its hash) and the
-    seconds each compile took."""
+    device library and against ``kernels.nvshmem_slim``'s: the PTX of each (a hash of its code,
+    up to the debug info's file table, which names the checkout's paths) and the seconds each
+    compile took. The caller gives a fresh ``TRITON_CACHE_DIR``: Triton's cache key does not
+    hold those paths, so an entry from another checkout differs in them."""
     import hashlib
     import time
 
@@ -193,7 +195,8 @@ def slim_library_report() -> dict:
         start = time.perf_counter()
         compiled = compile_launch(Launch(launch.kernel, launch.signature, launch.constexprs,
                                          launch.attrs, options, launch.key), 90)
-        report[name] = {"ptx": hashlib.sha256(compiled.asm["ptx"].encode()).hexdigest(),
+        code = compiled.asm["ptx"].split("\t.file\t", 1)[0]  # not the paths of the debug info
+        report[name] = {"ptx": hashlib.sha256(code.encode()).hexdigest(),
                         "calls": compiled.asm["ptx"].count("call.uni"),
                         "s": round(time.perf_counter() - start, 2)}
     return report

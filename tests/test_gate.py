@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -199,11 +200,14 @@ def test_the_slim_nvshmem_library_compiles_to_the_same_code():
     """The gate links ``kernels.nvshmem_slim``'s library instead of the whole NVSHMEM device
     bitcode: the NVSHMEM send compiles to the same PTX against both (its puts, fence and
     quiet calls included), and the slim library was built, not fallen back from."""
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "gate_jobs.py"), "slim_library"],
-                          capture_output=True, text=True, env=COMPILED_ENV, timeout=900)
+    with tempfile.TemporaryDirectory() as fresh:  # both compiled here, neither from a cache
+        proc = subprocess.run([sys.executable, os.path.join(HERE, "gate_jobs.py"), "slim_library"],
+                              capture_output=True, text=True, timeout=900,
+                              env={**COMPILED_ENV, "TRITON_CACHE_DIR": fresh})
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["slim_path"].endswith(".ll"), report
+    assert report["slim"]["s"] > 0 and report["whole"]["s"] > 0, report
     assert report["whole"]["ptx"] == report["slim"]["ptx"], report
     assert report["slim"]["calls"] > 0, report  # the NVSHMEM functions are really linked
 

@@ -13,16 +13,21 @@ metadata (token index, per top-k choice the global expert id, the pair's positio
 weight: the same for every destination). The last program to finish publishes, for every rank
 ``d`` (also those that receive nothing): the per-expert counts, then the epoch. Bytes stored
 into rank ``d``: ``n_d * (H * elem + 4 * (1 + 3K)) + 4 * (L + 1) + 8``, where ``n_d`` is the
-number of tokens sent to ``d``.
+number of tokens sent to ``d``. Across nodes through the proxy, flat (``PROXY_BOX``), a rank
+on another node gets the same rows and metadata in this rank's outboxes for it, at the same
+slots (the same tile, another address), and the last program posts one descriptor per such
+rank after its counts (``kernels.internode.post_dispatch_flat``): the proxy moves them there and
+raises the epoch after them.
 
 **Received layout** (``received_layout_kernel``, on the destination, one program): with
 waits in kernels it first waits for every source's epoch (all at once), then turns the counts
 the sources published into the receive's offsets (``row_base``, ``tokens_per_expert``,
 ``expert_offsets``, ``slot_offsets``): no host read, no torch op. Where every rank runs its own
-send at once (a process per rank, waits in the kernels, every peer reached by stores) the send's
-last program does this itself, after it has published (``LAY_OUT``: round 0 of a dispatch in
-rounds, ``moe_comm.normal_mode``): every other program has finished by then and every rank
-publishes before it waits, so none waits for a rank that is waiting.
+send at once (a process per rank, waits in the kernels, every peer reached by stores or the
+proxy's flat transfers, posted before the wait) the send's last program does this itself,
+after it has published (``LAY_OUT``: round 0 of a dispatch in rounds, ``moe_comm.normal_mode``):
+every other program has finished by then and every rank publishes before it waits, so none
+waits for a rank that is waiting.
 
 **Expand** (``dispatch_expand_kernel``, on the destination, after every source's epoch
 arrived): grid ``(R, P)`` of ``GPU_PROGRAMS`` programs on a GPU (a full wave whatever the counts:
@@ -63,6 +68,7 @@ from .comm import (
     wait_all_at_least,
     wait_all_or_exclude,
 )
+from .internode import PX_META_TGT, PX_ROWS_TGT, post_dispatch_flat
 from .numerics import channel_tile, column
 from .nvshmem import put_bytes, quiet
 from .quant import NVFP4, scale_group
@@ -75,21 +81,46 @@ _SEND_PER_CALL = ["rows_off", "meta_off", "counts_off", "signal_off", "local_bas
 
 
 @triton.jit
+def _destination(peer_ptrs, d, byte_offset, local_base, box_off, box_per_target,
+                 dtype: tl.constexpr, ALIGN: tl.constexpr, PROXY_BOX: tl.constexpr):
+    """Typed pointer to ``byte_offset`` in rank ``d``'s segment; with ``PROXY_BOX``, where
+    ``d`` has no pointer (another node), to this rank's outbox for ``d`` instead
+    (``box_off + d * box_per_target`` in its own segment)."""
+    base = tl.load(peer_ptrs + d)
+    addr = base + byte_offset
+    if PROXY_BOX:
+        addr = tl.where(base == 0, local_base + box_off + d * box_per_target, addr)
+    return tl.multiple_of(addr.to(tl.pointer_type(dtype)), ALIGN)
+
+
+@triton.jit
 def send_tokens(pid, programs, x, x_scales, topk_idx, topk_weights, slot_of, pair_pos,
                 peer_ptrs, stats, rows_off, meta_off, box_rows_off, box_meta_off, local_base, T,
-                t_base, H, K, R, me, ROW_BYTES, META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
-                SEND_META: tl.constexpr, HAS_WEIGHTS: tl.constexpr, FP8: tl.constexpr,
-                UE8M0: tl.constexpr, GS: tl.constexpr, TRANSPORT: tl.constexpr,
-                ALIGN: tl.constexpr, EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr,
-                BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+                t_base, H, K, R, me, ROW_BYTES, plan, xstats, META_STRIDE: tl.constexpr,
+                KMAX: tl.constexpr, SEND_META: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+                FP8: tl.constexpr, UE8M0: tl.constexpr, GS: tl.constexpr,
+                TRANSPORT: tl.constexpr, PROXY_BOX: tl.constexpr, ALIGN: tl.constexpr,
+                EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_K: tl.constexpr):
     """Program ``pid`` of ``programs``: its token tiles of the send (every ``programs``-th)
     stored into every destination's staging at the offsets given (those of the epoch's
-    parity), and its bytes added to ``stats`` (``dispatch_send_kernel``'s arguments)."""
-    row_bytes = row_payload(x, H, FP8, UE8M0, GS)
+    parity), and its bytes added to ``stats`` (``dispatch_send_kernel``'s arguments).
+    ``PROXY_BOX`` (``TRANSPORT`` 2, flat, with metadata): a rank on another node gets its rows
+    and metadata in this rank's outboxes for it instead, as ``kernels.internode``'s outbox
+    kernel writes them (``box_rows_off`` / ``box_meta_off``: those of the parity, target 0;
+    ``plan`` gives the bytes per target), their bytes added to ``xstats[0]``."""
+    payload = row_payload(x, H, FP8, UE8M0, GS)
+    row_bytes = payload
     if SEND_META:
         row_bytes += 4 * (1 + 3 * K)
+    rows_per_target = 0
+    meta_per_target = 0
+    if PROXY_BOX:
+        rows_per_target = tl.load(plan + PX_ROWS_TGT)
+        meta_per_target = tl.load(plan + PX_META_TGT)
     to_peers = tl.zeros([1], tl.int64)
     to_self = tl.zeros([1], tl.int64)
+    boxed = tl.zeros([1], tl.int64)
     for t0 in range(pid * BLOCK_T, T, programs * BLOCK_T):  # persistent
         t = t0 + tl.arange(0, BLOCK_T)
         tm = t < T
@@ -111,9 +142,12 @@ def send_tokens(pid, programs, x, x_scales, topk_idx, topk_weights, slot_of, pai
                                EVEN_H)
             for d in range(R):
                 slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
-                sm = by_stores(peer_ptrs, d + tl.zeros([BLOCK_T], tl.int32), slot >= 0,
-                               TRANSPORT)
-                row8 = peer_ptr(peer_ptrs, d, rows_off, tl.uint8, ALIGN) + slot * ROW_BYTES
+                sm = slot >= 0
+                if not PROXY_BOX:
+                    sm = by_stores(peer_ptrs, d + tl.zeros([BLOCK_T], tl.int32), sm, TRANSPORT)
+                row8 = _destination(peer_ptrs, d, rows_off, local_base, box_rows_off,
+                                    rows_per_target, tl.uint8, ALIGN, PROXY_BOX) \
+                    + slot * ROW_BYTES
                 if FP8 == 0:
                     rowx = row8.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
                     tl.store(rowx[:, None] + h[None, :], tile,  # gate: row
@@ -139,8 +173,11 @@ def send_tokens(pid, programs, x, x_scales, topk_idx, topk_weights, slot_of, pai
                          w.to(tl.int32, bitcast=True), mask=m2)
             for d in range(R):
                 slot = tl.load(slot_of + t * R + d, mask=tm, other=-1).to(tl.int64)
-                sm = by_stores(peer_ptrs, d + tl.zeros([BLOCK_T], tl.int32), slot >= 0, TRANSPORT)
-                meta = peer_ptr(peer_ptrs, d, meta_off, tl.int32, 4) + slot * META_STRIDE
+                sm = slot >= 0
+                if not PROXY_BOX:
+                    sm = by_stores(peer_ptrs, d + tl.zeros([BLOCK_T], tl.int32), sm, TRANSPORT)
+                meta = _destination(peer_ptrs, d, meta_off, local_base, box_meta_off,
+                                    meta_per_target, tl.int32, 4, PROXY_BOX) + slot * META_STRIDE
                 tl.store(meta, t + t_base, mask=sm)
                 sm2 = sm[:, None] & m2  # the same meta for every destination: global expert ids
                 tl.store(meta[:, None] + 1 + kk[None, :], e.to(tl.int32), mask=sm2)
@@ -165,7 +202,11 @@ def send_tokens(pid, programs, x, x_scales, topk_idx, topk_weights, slot_of, pai
             slot = tl.load(slot_of + t * R + d, mask=tm, other=-1)
             sent = slot >= 0
             if TRANSPORT == 2:  # rows for other nodes go through the proxy (kernels.internode)
-                sent = by_stores(peer_ptrs, d + tl.zeros([BLOCK_T], tl.int32), sent, TRANSPORT)
+                remote = tl.load(peer_ptrs + d) == 0
+                if PROXY_BOX:  # counted as the outbox kernel counts its own
+                    boxed += tl.where(remote, tl.sum(sent.to(tl.int64), axis=0)
+                                      * (payload + 4 * META_STRIDE), 0)
+                sent = sent & ~remote
             nbytes = tl.sum(sent.to(tl.int64), axis=0) * row_bytes
             to_peers += tl.where(d != me, nbytes, 0)
             to_self += tl.where(d == me, nbytes, 0)
@@ -175,6 +216,8 @@ def send_tokens(pid, programs, x, x_scales, topk_idx, topk_weights, slot_of, pai
             quiet()
     tl.atomic_add(stats + tl.arange(0, 1), to_peers, sem="relaxed")
     tl.atomic_add(stats + 1 + tl.arange(0, 1), to_self, sem="relaxed")
+    if PROXY_BOX:
+        tl.atomic_add(xstats + tl.arange(0, 1), boxed, sem="relaxed")
 
 
 @triton.jit
@@ -243,6 +286,9 @@ def dispatch_send_kernel(
     timeout_ns: tl.int64, alignment: tl.int32, COUNT_PARITY: tl.int64,
     live,  # LAY_OUT and FT: [R] int32 out, the sources that arrived (1) or did not (0)
     mask_off: tl.int64,  # LAY_OUT and FT: the mask words in this rank's segment
+    plan,  # PROXY_BOX: [PLAN_FIELDS] int64 byte offsets (kernels.internode)
+    xstats,  # PROXY_BOX: [4] int64 local, outbox bytes at [0]
+    ring_addr: tl.int64, RING_SLOTS: tl.int32,  # PROXY_BOX: the proxy's ring
     META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
     SEND_META: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     LAY_OUT: tl.constexpr,  # the last program then waits for every source and lays them out
@@ -251,7 +297,10 @@ def dispatch_send_kernel(
     UE8M0: tl.constexpr,  # power-of-two scales, sent as exponent bytes
     GS: tl.constexpr,  # channels per scale: 128, 32 (MXFP8, with UE8M0) or 16 (NVFP4)
     TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; where the pointer is 0,
-                              # 1: NVSHMEM; 2: nothing here (kernels.internode, the proxy)
+                              # 1: NVSHMEM; 2: the proxy (kernels.internode)
+    PROXY_BOX: tl.constexpr,  # TRANSPORT 2, flat, SEND_META: rows for other nodes into the
+                              # outboxes (box_*: px_rows, px_meta), one descriptor per rank
+                              # there by the last program; else kernels.internode's kernel
     ALIGN: tl.constexpr,  # bytes every staging row address is a multiple of
     EVEN_H: tl.constexpr,  # BLOCK_H divides H: no channel masks
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
@@ -267,13 +316,18 @@ def dispatch_send_kernel(
     box_counts_off += parity * box_counts_parity
     send_tokens(tl.program_id(0), tl.num_programs(0), x, x_scales, topk_idx, topk_weights,
                 slot_of, pair_pos, peer_ptrs, stats, rows_off, meta_off, box_rows_off,
-                box_meta_off, local_base, T, t_base, H, K, R, me, ROW_BYTES, META_STRIDE, KMAX,
-                SEND_META, HAS_WEIGHTS, FP8, UE8M0, GS, TRANSPORT, ALIGN, EVEN_H, BLOCK_T,
-                BLOCK_H, BLOCK_K)
+                box_meta_off, local_base, T, t_base, H, K, R, me, ROW_BYTES, plan, xstats,
+                META_STRIDE, KMAX, SEND_META, HAS_WEIGHTS, FP8, UE8M0, GS, TRANSPORT, PROXY_BOX,
+                ALIGN, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K)
     if draw_last_of(tickets, tl.num_programs(0)):
         if not timed_out(errors_addr.to(tl.pointer_type(tl.int64)), NUM_THREADS):
             publish_counts(counts, peer_ptrs, stats, counts_off, signal_off, box_counts_off,
                            local_base, epoch, R, L, SEND_META, TRANSPORT, BLOCK_L)
+            if PROXY_BOX:  # (before LAY_OUT's wait: the other nodes wait for these)
+                post_dispatch_flat(plan, counts, peer_ptrs, parity, epoch, R, L,
+                                   row_payload(x, H, FP8, UE8M0, GS), ROW_BYTES, META_STRIDE,
+                                   local_base, ring_addr, RING_SLOTS, errors_addr, timeout_ns,
+                                   BLOCK_L)
         tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
         if LAY_OUT:  # every program of this send has stored: waiting holds up no peer
             arrived = lay_out_received(recv_counts, signals, epoch, signals, row_base,
@@ -518,7 +572,8 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
                   fp8: int = 0, x_scales=None, ue8m0: int = 0,
                   flavour: Flavour = CPU_RANKS, box_offsets: tuple = ((0, 0),) * 3,
                   bound: BoundLaunches | None = None, t_base: int = 0,
-                  lay_out: tuple | None = None, live: torch.Tensor | None = None) -> bool:
+                  lay_out: tuple | None = None, live: torch.Tensor | None = None,
+                  plan: torch.Tensor | None = None, xstats: torch.Tensor | None = None) -> bool:
     """Launches ``grid`` persistent send programs (:func:`send_grid`, fixed by the Buffer).
 
     ``x`` (and the per-token tensors) may be one round's window of a call's tokens, ``t_base``
@@ -537,10 +592,14 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
     3 NVFP4 (``kernels.rows``).
     ``row_bytes``: staging row stride.
     Across nodes (``flavour.transport == 1``) ``box_offsets`` are (offset, parity stride) of
-    the rdma_rows / rdma_meta / rdma_counts outboxes. ``bound``: the owner's bound launches
+    the rdma_rows / rdma_meta / rdma_counts outboxes; through the proxy, flat, with metadata
+    (:func:`proxy_box`), those of px_rows / px_meta / px_counts (target 0), ``plan`` and
+    ``xstats`` ``kernels.internode``'s: the send fills them and posts one descriptor per rank
+    on another node (no outbox launch). ``bound``: the owner's bound launches
     (``kernels.bound``; the caller's tensors, the layout's and the token count vary).
 
-    ``lay_out`` (waits in the kernel, every peer reached by stores):
+    ``lay_out`` (waits in the kernel; every peer reached by stores, or through the proxy
+    flat, its descriptors posted before the wait):
     ``(counts, signals, row_base, tokens_per_expert, expert_offsets, slot_offsets,
     alignment)``, :func:`received_layout`'s. The send's last program then also does what
     that launch would: it waits for every source's epoch and writes the receive's layout.
@@ -562,6 +621,9 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
     ft = lay_out is not None and flavour.fault_tolerant
     if ft and live is None:
         raise ValueError("a fault-tolerant send that lays out what arrived writes it to live")
+    box = proxy_box(flavour, send_meta)
+    if box and (plan is None or xstats is None):
+        raise ValueError("a flat send with metadata through the proxy takes plan and xstats")
     values = (x, dummy if x_scales is None else x_scales, topk_idx if send_meta else dummy,
               topk_weights if has_weights else dummy, slot_of, pair_pos if send_meta else dummy,
               counts if send_meta else dummy, T, t_base, *outs)
@@ -569,7 +631,7 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
            send_meta, has_weights, id(peer_ptrs), id(stats), id(tickets), id(epochs),
            id(offsets), rank, num_local_experts, meta_stride, max_topk, grid, row_bytes, fp8,
            ue8m0, id(flavour), box_offsets, id(recv_counts), id(signals), alignment,
-           id(live) if ft else None)
+           id(live) if ft else None, id(plan) if box else None, id(xstats) if box else None)
     if call_bound(bound, key, values):
         return True
     R = peer_ptrs.numel()
@@ -581,13 +643,16 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
         *(stride for _, stride in box_offsets), flavour.local_base, flavour.errors_addr, T,
         t_base, H, topk, R, num_local_experts, rank, row_bytes, recv_counts, signals, *outs,
         flavour.timeout_ns, alignment, recv_counts.stride(0) if lay_out else 0,
-        live if ft else epochs, flavour.mask_off if ft else 0)
+        live if ft else epochs, flavour.mask_off if ft else 0, plan if box else epochs,
+        xstats if box else epochs, flavour.ring_addr if box else 0,
+        flavour.ring_slots if box else 0)
     kwargs = dict(
         META_STRIDE=meta_stride, KMAX=max_topk,
         SEND_META=send_meta, HAS_WEIGHTS=has_weights, LAY_OUT=lay_out is not None, FT=ft,
         FP8=fp8,
         UE8M0=bool(ue8m0),
-        GS=scale_group(ue8m0), TRANSPORT=flavour.transport, ALIGN=flavour.row_align,
+        GS=scale_group(ue8m0), TRANSPORT=flavour.transport, PROXY_BOX=box,
+        ALIGN=flavour.row_align,
         EVEN_H=even(H, tile.block_h),
         BLOCK_T=tile.block_t, BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(topk, 1)),
         BLOCK_L=triton.next_power_of_2(num_local_experts + 1),
@@ -597,6 +662,13 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
            ("x", "x_scales", "topk_idx", "topk_weights", "slot_of", "pair_pos", "counts", "T",
             "t_base", "row_base", "tokens_per_expert", "expert_offsets", "slot_offsets"))
     return True
+
+
+def proxy_box(flavour: Flavour, send_meta: bool) -> bool:
+    """Whether a dispatch send fills the proxy's outboxes itself and posts their descriptors
+    (``send_tokens``' ``PROXY_BOX``): through the proxy, flat, with metadata. Otherwise,
+    through the proxy, ``kernels.internode.outbox_dispatch`` follows the send."""
+    return flavour.transport == 2 and not flavour.hierarchical and send_meta
 
 
 def send_tiles(flavour: Flavour, hidden: int, fp8: int, ue8m0: int, x_elem_bytes: int,

@@ -48,6 +48,17 @@ destination without a pointer, the counts by a put and the epoch by ``signal_set
 Every program's puts are complete (``quiet``) before it draws its ticket, so the outbox of a
 parity, written again two rounds later, was read by its puts before the round between began.
 
+Through the proxy (``TRANSPORT`` 2: flat, with metadata, without fault tolerance), each round's
+send stores the rows and metadata for ranks on other nodes into this rank's outboxes of the
+round's parity (``kernels.dispatch.send_tokens``' ``PROXY_BOX``) and its last program, after
+the counts and epoch to the ranks of its node, posts one descriptor per rank on another node
+(its counts, then its rows and metadata; the proxy raises the epoch there after them,
+``kernels.internode.post_dispatch_flat``). The outbox of a parity is written again two rounds
+later, after this rank's wait of the round between: that needs the epoch of every rank on
+another node, which each publishes only after its own wait of the earlier round, which needed
+this rank's transfer of that round to have landed. So the argument above holds with the
+proxy as one more link, as in ``kernels.combine_rounds``.
+
 Fault tolerance (``FT``; ``moe_comm.fault``, "In rounds"): each program first writes every
 output row as a padding row (zero, source -1, weight 0; ``slot_rows`` -1 past round 0's
 slots), then waits for every program of the launch (``kernels.comm.after_every_program``: the
@@ -83,9 +94,10 @@ from .comm import (
     uniform_now_ns,
     wait_round,
 )
-from .dispatch import expand_padding, expand_rows, publish_counts, send_tokens
+from .dispatch import expand_padding, expand_rows, proxy_box, publish_counts, send_tokens
+from .internode import post_dispatch_flat
 from .quant import NVFP4, scale_group
-from .rows import sent_elem_bytes
+from .rows import row_payload, sent_elem_bytes
 from .tiles import MAX_TRIPS, ZERO_TILES, dispatch_round_trips, even, tiles
 
 ROUNDS_TICKET = 5  # the word of ``tickets`` this kernel draws from (kernels.internode: 2-4)
@@ -156,7 +168,10 @@ def dispatch_rounds_kernel(
     rows_parity: tl.int64, meta_parity: tl.int64, counts_parity: tl.int64,  # bytes
     box_rows_off: tl.int64, box_meta_off: tl.int64, box_counts_off: tl.int64,  # TRANSPORT 1:
     box_rows_parity: tl.int64, box_meta_parity: tl.int64,  # the outboxes, as the send's
-    box_counts_parity: tl.int64,
+    box_counts_parity: tl.int64,  # (PROXY_BOX: px_rows, px_meta, px_counts, target 0)
+    plan,  # PROXY_BOX: [PLAN_FIELDS] int64 byte offsets (kernels.internode)
+    xstats,  # PROXY_BOX: [4] int64 local, outbox bytes at [0]
+    ring_addr: tl.int64, RING_SLOTS: tl.int32,  # PROXY_BOX: the proxy's ring
     STAGING_PARITY: tl.int64, META_PARITY: tl.int64, COUNT_PARITY: tl.int64,  # elements
     local_base: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
     T: tl.int32, W: tl.int32, ROUNDS: tl.int32,
@@ -168,7 +183,9 @@ def dispatch_rounds_kernel(
     META_STRIDE: tl.constexpr, KMAX: tl.constexpr,
     CACHED: tl.constexpr,  # the cached form (module docstring): rows only, round 0 here too
     FT: tl.constexpr,  # fault tolerance (module docstring)
-    TRANSPORT: tl.constexpr,  # 0: every peer by stores; 1: NVSHMEM where a pointer is 0
+    TRANSPORT: tl.constexpr,  # 0: every peer by stores; 1: NVSHMEM where a pointer is 0;
+                              # 2: the proxy (flat: PROXY_BOX)
+    PROXY_BOX: tl.constexpr,  # kernels.dispatch.send_tokens' (module docstring)
     HAS_WEIGHTS: tl.constexpr,
     FP8: tl.constexpr, UE8M0: tl.constexpr, GS: tl.constexpr, GLOBAL: tl.constexpr,
     ALIGN: tl.constexpr, EVEN_H: tl.constexpr, EXPAND_EVEN_H: tl.constexpr,
@@ -230,13 +247,19 @@ def dispatch_rounds_kernel(
                         meta_off + parity * meta_parity, box_rows_off + parity * box_rows_parity,
                         box_meta_off + parity * box_meta_parity, local_base,
                         tl.minimum(T - first, W).to(tl.int32), (first + 0).to(tl.int32), H, K,
-                        R, me, ROW_BYTES, META_STRIDE, KMAX, not CACHED, HAS_WEIGHTS, FP8,
-                        UE8M0, GS, TRANSPORT, ALIGN, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K)
+                        R, me, ROW_BYTES, plan, xstats, META_STRIDE, KMAX, not CACHED,
+                        HAS_WEIGHTS, FP8, UE8M0, GS, TRANSPORT, PROXY_BOX, ALIGN, EVEN_H,
+                        BLOCK_T, BLOCK_H, BLOCK_K)
             if draw_last_of(tickets, programs):
                 publish_counts(counts + i * COUNTS_STRIDE, peer_ptrs, stats,
                                counts_off + parity * counts_parity, signal_off,
                                box_counts_off + parity * box_counts_parity, local_base, epoch,
                                R, L, not CACHED, TRANSPORT, BLOCK_L)
+                if PROXY_BOX:
+                    post_dispatch_flat(plan, counts + i * COUNTS_STRIDE, peer_ptrs, parity,
+                                       epoch, R, L, row_payload(x, H, FP8, UE8M0, GS),
+                                       ROW_BYTES, META_STRIDE, local_base, ring_addr,
+                                       RING_SLOTS, errors_addr, timeout_ns, BLOCK_L)
                 tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
             # (FT: program 0 decides who arrived, for every program)
             ok = wait_round(pid, epoch, signals, errors, timeout_ns, live + i * R, ft_words,
@@ -328,7 +351,9 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
                     scale_strides=(0, 0), out_global=None, num_sms: int | None = None,
                     flavour: Flavour = CPU_RANKS, bound: BoundLaunches | None = None,
                     live: torch.Tensor | None = None,
-                    ft_words: torch.Tensor | None = None, box_offsets=((0, 0),) * 3) -> bool:
+                    ft_words: torch.Tensor | None = None, box_offsets=((0, 0),) * 3,
+                    plan: torch.Tensor | None = None,
+                    xstats: torch.Tensor | None = None) -> bool:
     """Launches :func:`dispatch_rounds_kernel` (module docstring): rounds ``1..rounds - 1`` of
     a dispatch whose round 0 was sent, laid out and expanded. The send's arguments are
     ``dispatch_send``'s for the whole call (``counts`` [rounds, R, L + 1], ``ring`` the ring
@@ -350,16 +375,23 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
 
     Across nodes over NVSHMEM (``flavour.transport == 1``) ``box_offsets`` are the send's
     (offset, parity stride) of the rdma_rows / rdma_meta / rdma_counts outboxes: each round
-    sends as ``dispatch_send_kernel`` does there (module docstring, "Over NVSHMEM")."""
-    if flavour.transport not in (0, 1) or (flavour.transport and flavour.fault_tolerant):
-        raise ValueError("a dispatch's rounds in one launch reach every peer by stores or "
-                         "NVSHMEM puts (these without fault tolerance)")
+    sends as ``dispatch_send_kernel`` does there (module docstring, "Over NVSHMEM"); through
+    the proxy, flat (``flavour.transport == 2``), those of px_rows / px_meta / px_counts, with
+    ``plan`` and ``xstats`` (module docstring, "Through the proxy")."""
+    cached = topk_idx is None
+    if flavour.transport not in (0, 1, 2) or (flavour.transport and flavour.fault_tolerant) \
+            or (flavour.transport == 2 and (flavour.hierarchical or cached)):
+        raise ValueError("a dispatch's rounds in one launch reach every peer by stores,"
+                         " NVSHMEM puts, or the proxy's flat transfers with metadata (these"
+                         " two without fault tolerance)")
+    box = proxy_box(flavour, not cached)
+    if box and (plan is None or xstats is None):
+        raise ValueError("rounds through the proxy take plan and xstats")
     ft = flavour.fault_tolerant
     check_round_words(ft, live, ft_words, rounds, peer_ptrs.numel(), "dispatch")
     T, H = x.shape
     if fp8 == 2 and ue8m0 == NVFP4:  # x: two e2m1 codes per byte
         H *= 2
-    cached = topk_idx is None
     has_weights = topk_weights is not None
     quantized = out_scales is not None
     nvfp4 = quantized and ue8m0 == NVFP4
@@ -383,7 +415,8 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
            id(epochs), id(signals), id(staging), id(meta), id(dcounts), id(offsets), rank,
            num_local_experts, meta_stride, max_topk, ring_slots, rounds, offsets_stride,
            row_bytes, fp8, ue8m0, scale_strides, num_sms, id(flavour), cached,
-           id(live) if ft else None, id(ft_words) if ft else None, box_offsets)
+           id(live) if ft else None, id(ft_words) if ft else None, box_offsets,
+           id(plan) if box else None, id(xstats) if box else None)
     if call_bound(bound, key, values):
         return True
     R, L, K = peer_ptrs.numel(), num_local_experts, slot_rows.shape[1]
@@ -402,7 +435,9 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
         offsets["rows"][0], offsets["meta"][0],
         offsets["counts"][0], offsets["signal"], offsets["rows"][1], offsets["meta"][1],
         offsets["counts"][1], *(off for off, _ in box_offsets),
-        *(stride for _, stride in box_offsets), stg.stride(0), meta.stride(0),
+        *(stride for _, stride in box_offsets), plan if box else dummy,
+        xstats if box else dummy, flavour.ring_addr if box else 0,
+        flavour.ring_slots if box else 0, stg.stride(0), meta.stride(0),
         dcounts.stride(0),
         flavour.local_base, flavour.errors_addr, flavour.timeout_ns, T, ring_slots, rounds,
         x.stride(0), scale_row, values[19], offsets_stride, values[20], slot_rows.shape[0], H,
@@ -410,7 +445,7 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
         scale_strides[0], scale_strides[1])
     kwargs = dict(
         META_STRIDE=meta_stride, KMAX=max_topk, CACHED=cached, FT=ft,
-        TRANSPORT=flavour.transport, HAS_WEIGHTS=has_weights,
+        TRANSPORT=flavour.transport, PROXY_BOX=box, HAS_WEIGHTS=has_weights,
         FP8=fp8,
         UE8M0=bool(ue8m0), GS=scale_group(ue8m0), GLOBAL=nvfp4, ALIGN=flavour.row_align,
         EVEN_H=even(H, send_tile.block_h), EXPAND_EVEN_H=even(out.shape[1], expand_tile.block_h),

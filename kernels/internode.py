@@ -158,9 +158,8 @@ def outbox_dispatch_kernel(
     topk_idx, topk_weights, pair_pos,  # [T, K] (SEND_META; weights with HAS_WEIGHTS)
     slot_of,  # [T, R] int32: slot on rank d (flat targets), -1 if not sent there
     node_slot_of,  # [T, M] int32 (HIER): row of the token in node b's message, -1 if none
-    counts,  # [R, L + 1] int32 (SEND_META): what each rank's dispatch_counts[p, me] gets
-    target_counts,  # [R] (flat) or [M] (HIER) int32: rows of each target's message (flat
-                    # with SEND_META: unused, they are the counts' last column)
+    counts,  # [R, L + 1] int32 (SEND_META, HIER): what each rank's dispatch_counts[p, me] gets
+    target_counts,  # [R] (flat) or [M] (HIER) int32: rows of each target's message
     plan,  # [PLAN_FIELDS] int64 byte offsets
     xstats,  # [4] int64 local: outbox bytes at [0]
     tickets,  # [1] int64 ticket word of this kernel
@@ -179,7 +178,9 @@ def outbox_dispatch_kernel(
     BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, NUM_THREADS: tl.constexpr,
 ):
     """Rows for targets on other nodes into this rank's outboxes, then one descriptor per
-    target (the last program): its rows, metadata and counts, and the signal to raise."""
+    target (the last program): its rows, metadata and counts, and the signal to raise. A flat
+    send with metadata fills its outboxes itself (``kernels.dispatch.send_tokens``): here the
+    hierarchical sends and the flat cached form (rows only)."""
     epoch = tl.load(epochs)
     parity = epoch % 2
     M = R // N
@@ -249,40 +250,66 @@ def outbox_dispatch_kernel(
             cc = tl.arange(0, BLOCK_C)
             for tgt in range(NT):
                 if _target_is_remote(tgt, my_node, N, HIER):
-                    if SEND_META and not HIER:  # the tokens sent to rank tgt (the layout's)
-                        n = tl.load(counts + tgt * (L + 1) + L).to(tl.int64)
-                    else:
-                        n = tl.load(target_counts + tgt).to(tl.int64)
+                    n = tl.load(target_counts + tgt).to(tl.int64)
                     counts_off = _off(plan, PX_COUNTS, parity, tgt)
                     count_words = 0
-                    if SEND_META:
+                    if SEND_META:  # (HIER) the counts of each rank of node tgt, then its rows
+                        count_words = N * (L + 1) + 1
+                        c = tl.load(counts + tgt * N * (L + 1) + cc, mask=cc < N * (L + 1))
+                        c = tl.where(cc == N * (L + 1), n.to(tl.int32), c)
                         box = local_ptr(local_base, counts_off, tl.int32, 4)
-                        if HIER:  # the counts of each rank of node tgt, then its rows
-                            count_words = N * (L + 1) + 1
-                            c = tl.load(counts + tgt * N * (L + 1) + cc, mask=cc < N * (L + 1))
-                            c = tl.where(cc == N * (L + 1), n.to(tl.int32), c)
-                        else:
-                            count_words = L + 1
-                            c = tl.load(counts + tgt * (L + 1) + cc, mask=cc < L + 1)
                         tl.store(box + cc, c, mask=cc < count_words)
                     tl.debug_barrier()
                     if one_thread():
+                        peer = tgt
                         if HIER:
                             peer = tgt * N + me % N
-                        else:
-                            peer = tgt
-                        post_transfer(
-                            ring_addr, RING_SLOTS, peer, _at(plan, DST_SIGNAL), epoch,
-                            1 + 2 * SEND_META,
-                            _off(plan, PX_ROWS, parity, tgt),
-                            _at(plan, DST_ROWS) + parity * _at(plan, DST_ROWS_PAR),
-                            payload, ROW_BYTES, n,
-                            _off(plan, PX_META, parity, tgt),
-                            _at(plan, DST_META) + parity * _at(plan, DST_META_PAR),
-                            4 * NODE_META, 4 * NODE_META, n,
-                            counts_off, _at(plan, DST_COUNTS) + parity * _at(plan, DST_COUNTS_PAR),
-                            4 * count_words, 4 * count_words, 1,
-                            errors_addr.to(tl.pointer_type(tl.int64)), timeout_ns)
+                        post_dispatch_message(plan, parity, tgt, peer, epoch, n, payload,
+                                              ROW_BYTES, NODE_META, count_words, SEND_META,
+                                              ring_addr, RING_SLOTS, errors_addr, timeout_ns)
+
+
+@triton.jit
+def post_dispatch_message(plan, parity, tgt, peer, epoch, n, payload, ROW_BYTES, NODE_META,
+                          count_words, SEND_META: tl.constexpr, ring_addr, RING_SLOTS,
+                          errors_addr, timeout_ns):
+    """The descriptor of this rank's dispatch message of ``epoch`` to target ``tgt`` (call
+    from one thread): from the outboxes of ``parity`` for ``tgt`` (a rank, flat, or a node,
+    ``peer`` its forwarder), ``n`` rows of ``payload`` bytes ``ROW_BYTES`` apart, with
+    ``SEND_META`` their metadata (``NODE_META`` words a row) and ``count_words`` counts; the
+    proxy raises the dispatch signal on ``peer`` to ``epoch`` after them."""
+    post_transfer(
+        ring_addr, RING_SLOTS, peer, _at(plan, DST_SIGNAL), epoch, 1 + 2 * SEND_META,
+        _off(plan, PX_ROWS, parity, tgt), _at(plan, DST_ROWS) + parity * _at(plan, DST_ROWS_PAR),
+        payload, ROW_BYTES, n,
+        _off(plan, PX_META, parity, tgt), _at(plan, DST_META) + parity * _at(plan, DST_META_PAR),
+        4 * NODE_META, 4 * NODE_META, n,
+        _off(plan, PX_COUNTS, parity, tgt),
+        _at(plan, DST_COUNTS) + parity * _at(plan, DST_COUNTS_PAR),
+        4 * count_words, 4 * count_words, 1, errors_addr.to(tl.pointer_type(tl.int64)),
+        timeout_ns)
+
+
+@triton.jit
+def post_dispatch_flat(plan, counts, peer_ptrs, parity, epoch, R, L, payload, ROW_BYTES,
+                       META_STRIDE, local_base, ring_addr, RING_SLOTS, errors_addr, timeout_ns,
+                       BLOCK_L: tl.constexpr):
+    """Flat, with metadata (the last program of a send that filled the outboxes itself,
+    ``kernels.dispatch.send_tokens``): to every rank without a pointer (another node), its
+    counts ``counts[d]`` ([L + 1]; the last: the rows sent to ``d``) into the counts outbox,
+    then one descriptor (:func:`post_dispatch_message`)."""
+    lane = tl.arange(0, BLOCK_L)
+    for d in range(R):
+        if tl.load(peer_ptrs + d) == 0:
+            c = tl.load(counts + d * (L + 1) + lane, mask=lane < L + 1)
+            box = local_ptr(local_base, _off(plan, PX_COUNTS, parity, d), tl.int32, 4)
+            tl.store(box + lane, c, mask=lane < L + 1)
+            tl.debug_barrier()
+            if one_thread():
+                post_dispatch_message(plan, parity, d, d, epoch,
+                                      tl.load(counts + d * (L + 1) + L).to(tl.int64), payload,
+                                      ROW_BYTES, META_STRIDE, L + 1, True, ring_addr,
+                                      RING_SLOTS, errors_addr, timeout_ns)
 
 
 _FORWARD_PER_CALL = ["local_base", "errors_addr", "me"]
@@ -522,10 +549,10 @@ def outbox_dispatch(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, node
     """Launches :func:`outbox_dispatch_kernel` (``topk_idx=None``: the cached form, rows only).
     ``x`` (and the per-token tensors) may be one round's window of a call's tokens (flat),
     ``t_base`` the call's index of its first token. ``target_counts``: the rows of each
-    target's message; None (flat, not cached) where ``counts``' last column holds them (the
-    layout's tokens per rank, or a round's rows per rank, ``kernels.layout``)."""
-    if target_counts is None and (topk_idx is None or flavour.hierarchical):
-        raise ValueError("target_counts may be left out only by a flat send with metadata")
+    target's message. Hierarchical, or flat in the cached form: a flat send with metadata
+    fills its outboxes and posts itself (``kernels.dispatch.dispatch_send``)."""
+    if topk_idx is not None and not flavour.hierarchical:
+        raise ValueError("a flat dispatch send with metadata fills its outboxes itself")
     T, H = x.shape
     if fp8 == 2 and ue8m0 == NVFP4:  # x: two e2m1 codes per byte
         H *= 2
@@ -541,7 +568,7 @@ def outbox_dispatch(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, node
         x, dummy if x_scales is None else x_scales, topk_idx if send_meta else dummy,
         topk_weights if topk_weights is not None else dummy, pair_pos if send_meta else dummy,
         slot_of, node_slot_of if flavour.hierarchical else dummy,
-        counts if send_meta else dummy, dummy if target_counts is None else target_counts,
+        counts if send_meta else dummy, target_counts,
         plan, xstats, tickets, epochs,
         flavour.local_base, flavour.ring_addr, flavour.errors_addr, flavour.timeout_ns,
         T, t_base, H, topk, world_size, num_local_experts, N, rank, flavour.ring_slots,

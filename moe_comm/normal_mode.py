@@ -9,9 +9,11 @@ and every other receive adds one ``wait`` launch (a fault-tolerant Buffer's disp
 torch op launches a kernel on this path: outputs are allocated, never filled (the expand
 writes every row, padding included; a fault-tolerant dispatch in rounds fills them first, for
 the rows of a source that stops between rounds: torch fills where it launches per round, its
-one launch itself). Through the proxy across nodes a dispatch adds
-``dispatch_outbox`` (and ``dispatch_forward`` in hierarchical mode, with torch ops for the
-node slots), a hierarchical combine adds ``combine_forward``; the forwarders' waits for their
+one launch itself). Through the proxy across nodes a flat dispatch's send fills the
+outboxes and posts their descriptors itself (``kernels.dispatch.proxy_box``); a hierarchical
+dispatch, and a flat cached one, add ``dispatch_outbox`` (hierarchical: and
+``dispatch_forward``, with torch ops for the node slots), a hierarchical combine adds
+``combine_forward``; the forwarders' waits for their
 inputs are host reads of numpy views of the signal words (host waits), or with the waits in the
 kernels a ``wait`` launch before each forwarder's (``kernels.comm.wait_relayed_epochs_kernel``).
 
@@ -35,7 +37,8 @@ tolerance, its last program posting each round's transfers; EP-invariant:
 ``kernels.invariant_rounds``)
 and one launch a dispatch's after its round 0 is sent and laid out (``kernels.dispatch_rounds``:
 round 0's expand, then each later round's send, wait and expand; fault-tolerant too, where
-round 0's send laid it out),
+round 0's send laid it out; across nodes through the proxy too, flat and without fault
+tolerance, each round's last program posting its transfers),
 and one launch every round of a cached dispatch (the same kernel); each says why it cannot
 deadlock, and on GPUs they run where a round fits the launch's ``num_sms`` programs
 (``fits_one_launch``; a Buffer on GPUs cuts its ring to fit, ``moe_comm.rings``). There round
@@ -45,9 +48,10 @@ otherwise). Every other program of that send has finished, and every rank's last
 publishes before it waits, so no rank waits for one that is waiting; the host read that sizes
 the outputs follows.
 A dispatch in rounds is then five launches: the layout's two, the ring positions, round 0's send
-and the one launch. Across nodes through the proxy its send fills the outboxes with the window's
-rows for other nodes and posts one descriptor per peer (flat) or per node (hierarchical) there
-(``_send_other_nodes``); hierarchical, each round adds the forwarder's pass
+and the one launch (through the proxy, flat, too). Across nodes through the proxy each round's
+send fills the outboxes with the window's rows for other nodes and posts one descriptor per peer
+(flat: the send itself) or per node (hierarchical: ``_send_other_nodes``, a launch per round);
+hierarchical, each round adds the forwarder's pass
 (``_forward_dispatch`` after the round's send, ``_forward_combine`` after the round's combine
 send), which waits for the round's messages from other nodes and stores their rows into its
 node's staging. The ring positions and the rounds' counts are one launch
@@ -200,13 +204,17 @@ def fp8_scales_out(rows: int, groups: int, ue8m0: int, col_major: bool, device,
 
 class NormalMode:
     def _rdma_offsets(self, channel: int) -> tuple:
-        """(byte offset of parity 0, bytes per parity) of the outboxes NVSHMEM puts read
-        (zeros without RDMA)."""
+        """(byte offset of parity 0, bytes per parity) of the outboxes NVSHMEM puts read, or
+        through the proxy, flat, those a dispatch send fills (target 0's; zeros without
+        either)."""
         offsets = self._offsets.get(("rdma", channel))
         if offsets is None:
             names = (("rdma_rows", "rdma_meta", "rdma_counts") if channel == DISPATCH
                      else ("rdma_combine_rows", "rdma_combine_meta"))
-            offsets = (((0, 0),) * len(names) if not self.layout.rdma else
+            boxes = channel == DISPATCH and dispatch_kernels.proxy_box(self.flavour, True)
+            if boxes:
+                names = ("px_rows", "px_meta", "px_counts")
+            offsets = (((0, 0),) * len(names) if not (self.layout.rdma or boxes) else
                        tuple((self.layout.offset(n, 0), self.layout.parity_stride(n))
                              for n in names))
             self._offsets[("rdma", channel)] = offsets
@@ -334,7 +342,8 @@ class NormalMode:
             num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
             max_topk=self.max_topk, grid=grid, topk=topk, row_bytes=self._row_bytes, fp8=fp8,
             x_scales=x_scales, ue8m0=ue8m0, flavour=self.flavour, box_offsets=boxes,
-            bound=self._bound, t_base=t_base, lay_out=lay_out, live=self._ft_dispatch_live0)
+            bound=self._bound, t_base=t_base, lay_out=lay_out, live=self._ft_dispatch_live0,
+            plan=self._plan, xstats=self._xstats)
 
     def _send_fixed(self, channel: int) -> tuple:
         """(ticket and epoch words, send offsets, outbox offsets) of ``channel``'s send, made
@@ -375,11 +384,12 @@ class NormalMode:
                           node_counts=None) -> torch.Tensor:
         """Through the proxy: rows for other nodes into the outboxes, one descriptor per peer
         (``kernels.internode``; rounds: ``x`` and the per-token tensors are the window of tokens
-        ``t_base + [0, len(x))``, ``slot_of`` their ring positions). Returns
+        ``t_base + [0, len(x))``, ``slot_of`` their ring positions; a flat send with metadata
+        did this itself, ``kernels.dispatch.proxy_box``). Returns
         ``node_slot_of`` [T, M] int32 (hierarchical: the row of each token in each node's
         message, -1 where none; computed here unless given, with ``node_counts`` [M] its rows
         per node where known), else an empty tensor. No host read."""
-        if self.proxy is None:
+        if self.proxy is None or dispatch_kernels.proxy_box(self.flavour, topk_idx is not None):
             return self._empty_int()
         T, R, N, M = slot_of.shape[0], self.world_size, self.ranks_per_node, self.num_nodes
         if self.hierarchical:
@@ -391,10 +401,9 @@ class NormalMode:
                 target_counts = seen[-1] if T else None
             if target_counts is None:
                 target_counts = (node_slot_of >= 0).sum(0, dtype=torch.int32)
-        else:  # with metadata the rows to each rank are the counts' last column (the kernel's)
+        else:  # the cached form
             node_slot_of = self._empty_int()
-            target_counts = None if counts is not None else (slot_of >= 0).sum(
-                0, dtype=torch.int32)
+            target_counts = (slot_of >= 0).sum(0, dtype=torch.int32)
         grid = internode.outbox_grid(self.layout.ring_slots, self.hidden, self.num_sms,
                                      self.flavour,
                                      sent_elem_bytes(fp8, ue8m0, x.element_size()))
@@ -672,7 +681,8 @@ class NormalMode:
                 rounds=self.layout.rounds, offsets_stride=self._round_stride(),
                 row_bytes=self._row_bytes, num_sms=self.num_sms, flavour=self.flavour,
                 bound=self._bound, live=self._ft_dispatch_live,
-                ft_words=self._ft_dispatch_words, box_offsets=self._rdma_offsets(DISPATCH))
+                ft_words=self._ft_dispatch_words, box_offsets=self._rdma_offsets(DISPATCH),
+                plan=self._plan, xstats=self._xstats)
         return options
 
     def _cached_dispatch_rounds(self, x, ring, slot_rows, slot_offsets, tokens_per_expert,
@@ -694,9 +704,10 @@ class NormalMode:
         epoch = self._start(DISPATCH)
         x = x.contiguous()
         later = None
-        if self.layout.rounds > 1 and self._dispatch_in_one_launch.get(
-                (0, 0, x.element_size()), False):  # the launch in the receive (slot_of: the
-            self._start_later_rounds(DISPATCH)  # ring positions)
+        if self.layout.rounds > 1 and self._cached_dispatch_in_one_launch and \
+                self._dispatch_in_one_launch.get((0, 0, x.element_size()), False):
+            self._start_later_rounds(DISPATCH)  # (the launch in the receive; slot_of: the
+            # ring positions)
             return PendingSend(DISPATCH, epoch, all_rounds=functools.partial(
                 self._cached_dispatch_rounds, x, slot_of))
         if self.layout.rounds == 1:

@@ -105,8 +105,16 @@ def test_hierarchical_cross_node_bytes_are_the_minimum_and_below_flat(ranks):
                 assert h["dispatch"][p] == 0 and h["combine"][p] == 0, (rank, p)
             assert f["dispatch"][p] == f["to_rank"][p] * (row + 4 * (1 + 3 * K)) \
                 + 4 * (L + 1), (rank, p)
-        total_hier += sum(h["to_node"][b] for b in range(R // N) if b != rank // N)
-        total_flat += sum(f["to_rank"][p] for p in range(R) if p // N != rank // N)
+        to_nodes = sum(h["to_node"][b] for b in range(R // N) if b != rank // N)
+        to_ranks = sum(f["to_rank"][p] for p in range(R) if p // N != rank // N)
+        total_hier += to_nodes
+        total_flat += to_ranks
+        # what the kernels wrote into the outboxes (flat: the send itself), counted where
+        # written: those rows with their metadata
+        assert f["stats"]["dispatch_bytes_to_outbox"] == to_ranks * (row + 4 * (1 + 3 * K)), \
+            rank
+        assert h["stats"]["dispatch_bytes_to_outbox"] == to_nodes * (row + 4 * (1 + 3 * K + N)), \
+            rank
     # the node-dedup factor of this routing: rows across nodes, flat over hierarchical
     assert total_flat > 1.5 * total_hier
 

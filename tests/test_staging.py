@@ -220,19 +220,22 @@ def test_flat_nodes_in_rounds_match_reference_and_move_the_whole_batch_bytes(ran
         assert part["ring_slots"] == 2, rank
         assert full["ring_slots"] == case.max_tokens, rank
         assert full["launches"]["dispatch_send"] == calls, rank
-        assert part["launches"]["dispatch_send"] == part["launches"]["dispatch_outbox"] \
-            == part["launches"]["combine_send"] == calls * rounds, rank
+        assert part["launches"]["dispatch_send"] == part["launches"]["combine_send"] \
+            == calls * rounds, rank
+        assert "dispatch_outbox" not in part["launches"], rank  # (the send fills them)
         # every remote peer's message carries each later round's counts
         extras = [later * 4 * (L + 1) if p // 2 != rank // 2 else 0 for p in range(4)]
         _check_round_extras(rank, part, full, calls, rounds, L, extras,
                             ("dispatch_bytes_to_outbox", "combine_bytes_to_outbox"))
 
 
-def test_flat_nodes_in_rounds_with_waits_in_the_kernels_combine_in_one_launch(ranks):
+def test_flat_nodes_in_rounds_with_waits_in_the_kernels_run_in_one_launch(ranks):
     """2 nodes x 2 ranks through the proxy, flat, rings of two slots (6 rounds a call), waits
     in the kernels: every combine's rounds in one launch (``kernels.combine_rounds``: the
-    partials for other nodes into the outbox, one transfer per home there), bit for bit
-    against the reference, with the bytes and messages of the launches per round."""
+    partials for other nodes into the outbox, one transfer per home there) and every
+    dispatch's after its round 0 (``kernels.dispatch_rounds``: the rows for other nodes into
+    the outboxes by the send itself, one transfer per rank there), bit for bit against the
+    reference, with the bytes and messages of the launches per round."""
     pytest.importorskip("nixl_cu13")
     case = Case(4, 16, 128, 4, (9, 0, 5, 12), torch.bfloat16, "zipf", 16, seed=212)
     budget = 2 * 2 * 2 * 4 * (2 * 128 * 2 + 4 * (1 + 3 * 4) + 4 * 4)  # (as above: 2 slots)
@@ -243,9 +246,17 @@ def test_flat_nodes_in_rounds_with_waits_in_the_kernels_combine_in_one_launch(ra
         assert a["device_wait"] and a["ring_slots"] == 2, rank
         assert a["launches"]["combine_rounds"] == 2, (rank, a["launches"])
         assert "combine_send" not in a["launches"], (rank, a["launches"])
+        # a dispatch: round 0's send (it lays out what arrived), then one launch
+        assert (a["launches"]["dispatch_send"], a["launches"]["dispatch_rounds"]) == (2, 2), \
+            (rank, a["launches"])
+        for name in ("dispatch_outbox", "dispatch_expand", "received_layout"):
+            assert name not in a["launches"], (rank, name, a["launches"])
+        assert b["launches"]["dispatch_send"] == 12 and "dispatch_outbox" not in b["launches"], \
+            (rank, b["launches"])  # (a flat send with metadata fills its outboxes itself)
         assert a["internode"] == b["internode"], rank
         for key in ("combine_bytes_to_peers", "combine_bytes_to_self",
-                    "combine_bytes_to_outbox", "internode_messages"):
+                    "combine_bytes_to_outbox", "dispatch_bytes_to_peers",
+                    "dispatch_bytes_to_self", "dispatch_bytes_to_outbox", "internode_messages"):
             assert a["stats"][key] == b["stats"][key], (rank, key)
 
 
@@ -271,18 +282,24 @@ def _check_round_extras(rank, part, full, calls: int, rounds: int, L: int, extra
     assert a["internode_messages"] == rounds * b["internode_messages"], rank
 
 
-@pytest.mark.parametrize("fmt", [dict(fp8=True, ue8m0=True, combine_dtype="fp8"),
-                                 dict(fp8=None, dispatch_dtype="nvfp4")],
-                         ids=["fp8-ue8m0", "nvfp4"])
-def test_quantized_flat_nodes_in_rounds_of_one_slot(ranks, fmt):
+@pytest.mark.parametrize("fmt, in_kernels", [
+    (dict(fp8=True, ue8m0=True, combine_dtype="fp8"), False),
+    (dict(fp8=None, dispatch_dtype="nvfp4"), False),
+    (dict(fp8=True, ue8m0=True, combine_dtype="fp8"), True)],
+    ids=["fp8-ue8m0", "nvfp4", "fp8-ue8m0-one-launch"])
+def test_quantized_flat_nodes_in_rounds_of_one_slot(ranks, fmt, in_kernels):
     """Flat across 2 nodes, one slot per source: a call of 8 rounds (each round an epoch, so
     both parities four times): quantized rows (and FP8 partials) bit for bit against the
-    reference."""
+    reference; with the waits in the kernels, the rounds after round 0 in one launch (the send
+    quantizing to FP8 into the staging of its node and the outboxes for the other)."""
     pytest.importorskip("nixl_cu13")
     case = Case(4, 8, 128, 2, (5, 8, 0, 6), torch.bfloat16, "uniform", 1, seed=212)
-    reports = ranks(4).run(nodes_case, case, 2, False, iterations=1, max_topk=case.topk,
+    job = (with_kernel_waits, nodes_case) if in_kernels else (nodes_case,)
+    reports = ranks(4).run(*job, case, 2, False, iterations=1, max_topk=case.topk,
                            staging_bytes=slots_budget(case, 1, outboxes=True), **fmt)
-    assert all(r["launches"]["dispatch_outbox"] == 8 for r in reports)
+    sends = [(r["launches"]["dispatch_send"], r["launches"].get("dispatch_rounds", 0),
+              r["launches"].get("combine_rounds", 0)) for r in reports]
+    assert sends == [(1, 1, 1) if in_kernels else (8, 0, 0)] * 4, sends
 
 
 def test_gradients_of_flat_nodes_in_rounds_match_reference_autograd(ranks):

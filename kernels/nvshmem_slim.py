@@ -141,3 +141,13 @@ def slim_bitcode(arch: int) -> str:
         f.write(text)
     os.replace(tmp, path)  # (concurrent builders write the same text)
     return path
+
+
+def with_library(options: dict, path: str) -> dict:
+    """``options`` (a launch's compile options) linking ``path`` as the NVSHMEM device library
+    where they link one (unchanged otherwise)."""
+    libs = dict(options.get("extern_libs") or ())
+    if "libnvshmem_device" not in libs:
+        return options
+    libs["libnvshmem_device"] = path
+    return {**options, "extern_libs": tuple(libs.items())}

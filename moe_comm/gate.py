@@ -463,15 +463,13 @@ def _compile_job(job):
     import importlib
 
     from .kernels.compiled import inspect_launch
-    from .kernels.nvshmem_slim import slim_bitcode
+    from .kernels.nvshmem_slim import slim_bitcode, with_library
     from .kernels.recording import Launch
 
     kernel = getattr(importlib.import_module(module), name)
-    options = dict(options)
     if "libnvshmem_device" in dict(options.get("extern_libs") or ()):
-        libs = dict(options["extern_libs"])  # the same code as the whole library, linked in
-        libs["libnvshmem_device"] = slim_bitcode(arch)  # a fifth of the time
-        options["extern_libs"] = tuple(libs.items())
+        # the same code as the whole library, linked in a fifth of the time
+        options = with_library(options, slim_bitcode(arch))
     launch = Launch(kernel, signature, constexprs, attrs, options, key)
     return inspect_launch(launch, arch, config, variant)
 

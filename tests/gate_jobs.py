@@ -182,16 +182,13 @@ def slim_library_report() -> dict:
     from moe_comm import kernels
     from moe_comm.kernels.compiled import compile_launch
     from moe_comm.kernels.nvshmem import device_bitcode
-    from moe_comm.kernels.nvshmem_slim import slim_bitcode
+    from moe_comm.kernels.nvshmem_slim import slim_bitcode, with_library
     from moe_comm.kernels.recording import Launch
 
     launch = record_send(kernels, 1, 0)
     report = {"slim_path": slim_bitcode(90)}
     for name, library in (("whole", device_bitcode(90)), ("slim", report["slim_path"])):
-        options = dict(launch.options)
-        libs = dict(options["extern_libs"])
-        libs["libnvshmem_device"] = library
-        options["extern_libs"] = tuple(libs.items())
+        options = with_library(launch.options, library)
         start = time.perf_counter()
         compiled = compile_launch(Launch(launch.kernel, launch.signature, launch.constexprs,
                                          launch.attrs, options, launch.key), 90)

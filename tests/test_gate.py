@@ -239,6 +239,15 @@ def test_the_slim_nvshmem_library_has_every_function_the_kernels_call():
     assert "!llvm.module.flags = !{!4}" in text
     with pytest.raises(RuntimeError, match="entry points missing"):
         nvshmem_slim.library_text(linked.replace("@nvshmem_fence(", "@other("))
+    # a launch's options link the library given where they link one, and change nothing else
+    options = {"num_warps": 8, "extern_libs": (("libdevice", "d.bc"),
+                                               ("libnvshmem_device", "whole.bc"))}
+    swapped = nvshmem_slim.with_library(options, "slim.ll")
+    assert swapped == {"num_warps": 8, "extern_libs": (("libdevice", "d.bc"),
+                                                       ("libnvshmem_device", "slim.ll"))}
+    assert options["extern_libs"][1] == ("libnvshmem_device", "whole.bc")  # not changed
+    plain = {"num_warps": 4, "extern_libs": (("libdevice", "d.bc"),)}
+    assert nvshmem_slim.with_library(plain, "slim.ll") == plain
 
 
 def test_markers_must_sit_on_the_line_where_the_store_starts(tmp_path):

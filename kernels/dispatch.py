@@ -105,8 +105,8 @@ def send_tokens(pid, programs, x, x_scales, topk_idx, topk_weights, slot_of, pai
     """Program ``pid`` of ``programs``: its token tiles of the send (every ``programs``-th)
     stored into every destination's staging at the offsets given (those of the epoch's
     parity), and its bytes added to ``stats`` (``dispatch_send_kernel``'s arguments).
-    ``PROXY_BOX`` (``TRANSPORT`` 2, flat, with metadata): a rank on another node gets its rows
-    and metadata in this rank's outboxes for it instead, as ``kernels.internode``'s outbox
+    ``PROXY_BOX`` (``TRANSPORT`` 2, flat): a rank on another node gets its rows (and
+    metadata) in this rank's outboxes for it instead, as ``kernels.internode``'s outbox
     kernel writes them (``box_rows_off`` / ``box_meta_off``: those of the parity, target 0;
     ``plan`` gives the bytes per target), their bytes added to ``xstats[0]``."""
     payload = row_payload(x, H, FP8, UE8M0, GS)
@@ -205,7 +205,7 @@ def send_tokens(pid, programs, x, x_scales, topk_idx, topk_weights, slot_of, pai
                 remote = tl.load(peer_ptrs + d) == 0
                 if PROXY_BOX:  # counted as the outbox kernel counts its own
                     boxed += tl.where(remote, tl.sum(sent.to(tl.int64), axis=0)
-                                      * (payload + 4 * META_STRIDE), 0)
+                                      * (payload + SEND_META * 4 * META_STRIDE), 0)
                 sent = sent & ~remote
             nbytes = tl.sum(sent.to(tl.int64), axis=0) * row_bytes
             to_peers += tl.where(d != me, nbytes, 0)
@@ -264,7 +264,8 @@ def dispatch_send_kernel(
     topk_weights,  # [T, K] float32 (SEND_META and HAS_WEIGHTS)
     slot_of,  # [T, R] int32: slot on rank d, -1 if not sent there
     pair_pos,  # [T, K] int32 (SEND_META): position among this rank's tokens for that expert
-    counts,  # [R, L + 1] int32 (SEND_META): published to each rank d as dispatch_counts[p, me]
+    counts,  # [R, L + 1] int32 (SEND_META): published to each rank d as dispatch_counts[p, me];
+             # the cached form with PROXY_BOX: [R] int32, the rows sent to each rank
     peer_ptrs,  # [R] int64
     stats,  # [4] int64 local: bytes stored (to peers, to itself) at [0], [1]
     tickets,  # [1] int64 local ticket counter of this channel
@@ -298,9 +299,9 @@ def dispatch_send_kernel(
     GS: tl.constexpr,  # channels per scale: 128, 32 (MXFP8, with UE8M0) or 16 (NVFP4)
     TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; where the pointer is 0,
                               # 1: NVSHMEM; 2: the proxy (kernels.internode)
-    PROXY_BOX: tl.constexpr,  # TRANSPORT 2, flat, SEND_META: rows for other nodes into the
-                              # outboxes (box_*: px_rows, px_meta), one descriptor per rank
-                              # there by the last program; else kernels.internode's kernel
+    PROXY_BOX: tl.constexpr,  # TRANSPORT 2, flat: rows for other nodes into the outboxes
+                              # (box_*: px_rows, px_meta), one descriptor per rank there by
+                              # the last program (hierarchical: kernels.internode's kernel)
     ALIGN: tl.constexpr,  # bytes every staging row address is a multiple of
     EVEN_H: tl.constexpr,  # BLOCK_H divides H: no channel masks
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
@@ -327,7 +328,7 @@ def dispatch_send_kernel(
                 post_dispatch_flat(plan, counts, peer_ptrs, parity, epoch, R, L,
                                    row_payload(x, H, FP8, UE8M0, GS), ROW_BYTES, META_STRIDE,
                                    local_base, ring_addr, RING_SLOTS, errors_addr, timeout_ns,
-                                   BLOCK_L)
+                                   SEND_META, BLOCK_L)
         tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
         if LAY_OUT:  # every program of this send has stored: waiting holds up no peer
             arrived = lay_out_received(recv_counts, signals, epoch, signals, row_base,
@@ -592,10 +593,11 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
     3 NVFP4 (``kernels.rows``).
     ``row_bytes``: staging row stride.
     Across nodes (``flavour.transport == 1``) ``box_offsets`` are (offset, parity stride) of
-    the rdma_rows / rdma_meta / rdma_counts outboxes; through the proxy, flat, with metadata
+    the rdma_rows / rdma_meta / rdma_counts outboxes; through the proxy, flat
     (:func:`proxy_box`), those of px_rows / px_meta / px_counts (target 0), ``plan`` and
     ``xstats`` ``kernels.internode``'s: the send fills them and posts one descriptor per rank
-    on another node (no outbox launch). ``bound``: the owner's bound launches
+    on another node (no outbox launch; the cached form takes ``counts`` [R] int32, the rows
+    it sends each rank). ``bound``: the owner's bound launches
     (``kernels.bound``; the caller's tensors, the layout's and the token count vary).
 
     ``lay_out`` (waits in the kernel; every peer reached by stores, or through the proxy
@@ -621,12 +623,12 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
     ft = lay_out is not None and flavour.fault_tolerant
     if ft and live is None:
         raise ValueError("a fault-tolerant send that lays out what arrived writes it to live")
-    box = proxy_box(flavour, send_meta)
-    if box and (plan is None or xstats is None):
-        raise ValueError("a flat send with metadata through the proxy takes plan and xstats")
+    box = proxy_box(flavour)
+    if box and (plan is None or xstats is None or counts is None):
+        raise ValueError("a flat send through the proxy takes plan, xstats and counts")
     values = (x, dummy if x_scales is None else x_scales, topk_idx if send_meta else dummy,
               topk_weights if has_weights else dummy, slot_of, pair_pos if send_meta else dummy,
-              counts if send_meta else dummy, T, t_base, *outs)
+              counts if send_meta or box else dummy, T, t_base, *outs)
     key = ("dispatch_send", H, topk, specs((*values[:7], *outs)), x_scales is None,
            send_meta, has_weights, id(peer_ptrs), id(stats), id(tickets), id(epochs),
            id(offsets), rank, num_local_experts, meta_stride, max_topk, grid, row_bytes, fp8,
@@ -664,11 +666,11 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
     return True
 
 
-def proxy_box(flavour: Flavour, send_meta: bool) -> bool:
+def proxy_box(flavour: Flavour) -> bool:
     """Whether a dispatch send fills the proxy's outboxes itself and posts their descriptors
-    (``send_tokens``' ``PROXY_BOX``): through the proxy, flat, with metadata. Otherwise,
-    through the proxy, ``kernels.internode.outbox_dispatch`` follows the send."""
-    return flavour.transport == 2 and not flavour.hierarchical and send_meta
+    (``send_tokens``' ``PROXY_BOX``): through the proxy, flat. Hierarchical,
+    ``kernels.internode.outbox_dispatch`` follows the send."""
+    return flavour.transport == 2 and not flavour.hierarchical
 
 
 def send_tiles(flavour: Flavour, hidden: int, fp8: int, ue8m0: int, x_elem_bytes: int,

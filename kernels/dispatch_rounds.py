@@ -48,16 +48,16 @@ destination without a pointer, the counts by a put and the epoch by ``signal_set
 Every program's puts are complete (``quiet``) before it draws its ticket, so the outbox of a
 parity, written again two rounds later, was read by its puts before the round between began.
 
-Through the proxy (``TRANSPORT`` 2: flat, with metadata, without fault tolerance), each round's
-send stores the rows and metadata for ranks on other nodes into this rank's outboxes of the
-round's parity (``kernels.dispatch.send_tokens``' ``PROXY_BOX``) and its last program, after
-the counts and epoch to the ranks of its node, posts one descriptor per rank on another node
-(its counts, then its rows and metadata; the proxy raises the epoch there after them,
-``kernels.internode.post_dispatch_flat``). The outbox of a parity is written again two rounds
-later, after this rank's wait of the round between: that needs the epoch of every rank on
-another node, which each publishes only after its own wait of the earlier round, which needed
-this rank's transfer of that round to have landed. So the argument above holds with the
-proxy as one more link, as in ``kernels.combine_rounds``.
+Through the proxy (``TRANSPORT`` 2: flat, without fault tolerance), each round's send stores
+the rows and metadata for ranks on other nodes into this rank's outboxes of the round's parity
+(``kernels.dispatch.send_tokens``' ``PROXY_BOX``) and its last program, after the counts and
+epoch to the ranks of its node, posts one descriptor per rank on another node (its counts,
+then its rows and metadata; the cached form: its rows, ``counts`` giving their number; the
+proxy raises the epoch there after them, ``kernels.internode.post_dispatch_flat``). The outbox
+of a parity is written again two rounds later, after this rank's wait of the round between:
+that needs the epoch of every rank on another node, which each publishes only after its own
+wait of the earlier round, which needed this rank's transfer of that round to have landed. So
+the argument above holds with the proxy as one more link, as in ``kernels.combine_rounds``.
 
 Fault tolerance (``FT``; ``moe_comm.fault``, "In rounds"): each program first writes every
 output row as a padding row (zero, source -1, weight 0; ``slot_rows`` -1 past round 0's
@@ -145,7 +145,8 @@ def dispatch_rounds_kernel(
     x_scales,  # as dispatch_send_kernel's; per token (SCALE_ROW elements a token) or global
     topk_idx, topk_weights, pair_pos,  # [T, K]
     ring,  # [T, R] int32: the ring position of token t on rank d in its round, -1 if none
-    counts,  # int32: round i's [R, L + 1] counts at i * COUNTS_STRIDE
+    counts,  # int32: round i's [R, L + 1] counts at i * COUNTS_STRIDE (the cached form with
+             # PROXY_BOX: round i's [R] rows to each rank)
     peer_ptrs, stats,  # as dispatch_send_kernel's
     tickets,  # [1] int64 local: this kernel's own ticket word (ROUNDS_TICKET)
     epochs,  # [1] int64 local: the dispatch channel's epoch (round 0's at the launch)
@@ -259,7 +260,8 @@ def dispatch_rounds_kernel(
                     post_dispatch_flat(plan, counts + i * COUNTS_STRIDE, peer_ptrs, parity,
                                        epoch, R, L, row_payload(x, H, FP8, UE8M0, GS),
                                        ROW_BYTES, META_STRIDE, local_base, ring_addr,
-                                       RING_SLOTS, errors_addr, timeout_ns, BLOCK_L)
+                                       RING_SLOTS, errors_addr, timeout_ns, not CACHED,
+                                       BLOCK_L)
                 tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
             # (FT: program 0 decides who arrived, for every program)
             ok = wait_round(pid, epoch, signals, errors, timeout_ns, live + i * R, ft_words,
@@ -365,8 +367,9 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
     With ``topk_idx=None`` the cached form (the backward of combine): every round, round 0
     too, sends ``x``'s rows alone to ``ring`` and expands them into ``out`` by the earlier
     dispatch's ``slot_rows`` and ``slot_offsets`` (zero in padding); ``x_scales``,
-    ``topk_weights``, ``pair_pos``, ``counts``, ``row_base`` and the source outputs are
-    None.
+    ``topk_weights``, ``pair_pos``, ``row_base`` and the source outputs are None, and
+    ``counts`` too but through the proxy, flat: there [rounds, R] int32, the rows each round
+    sends each rank.
 
     With ``flavour.fault_tolerant``: ``live`` [rounds, R] int32 (row 0 round 0's sources, as
     its laying-out send wrote them; the cached form writes it here) gets each later round's
@@ -380,13 +383,13 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
     ``plan`` and ``xstats`` (module docstring, "Through the proxy")."""
     cached = topk_idx is None
     if flavour.transport not in (0, 1, 2) or (flavour.transport and flavour.fault_tolerant) \
-            or (flavour.transport == 2 and (flavour.hierarchical or cached)):
+            or (flavour.transport == 2 and flavour.hierarchical):
         raise ValueError("a dispatch's rounds in one launch reach every peer by stores,"
-                         " NVSHMEM puts, or the proxy's flat transfers with metadata (these"
-                         " two without fault tolerance)")
-    box = proxy_box(flavour, not cached)
-    if box and (plan is None or xstats is None):
-        raise ValueError("rounds through the proxy take plan and xstats")
+                         " NVSHMEM puts, or the proxy's flat transfers (these two without"
+                         " fault tolerance)")
+    box = proxy_box(flavour)
+    if box and (plan is None or xstats is None or counts is None):
+        raise ValueError("rounds through the proxy take plan, xstats and counts")
     ft = flavour.fault_tolerant
     check_round_words(ft, live, ft_words, rounds, peer_ptrs.numel(), "dispatch")
     T, H = x.shape
@@ -403,13 +406,13 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
     scales8 = (out_scales.view(torch.uint8) if ue8m0 else out_scales) if quantized else dummy
     per_token = (dummy,) * 3 if cached else (topk_idx, topk_weights if has_weights else dummy,
                                              pair_pos)
-    layout = (dummy, dummy) if cached else (counts, row_base)
+    layout = (counts if box else dummy, dummy) if cached else (counts, row_base)
     sources = (dummy,) * 3 if cached else (out_weights if has_weights else dummy, out_src_rank,
                                            out_src_token)
     values = (x, dummy if x_scales is None else x_scales, *per_token, ring,
               *layout, tokens_per_expert, expert_offsets, slot_rows, slot_offsets, out8,
               scales8, out_global if nvfp4 else dummy, *sources, T,
-              0 if cached else counts.stride(0), out.shape[0])
+              0 if counts is None else counts.stride(0), out.shape[0])
     key = ("dispatch_rounds", H, out.shape[1], slot_rows.shape[1], specs(values[:18]),
            x_scales is None, has_weights, quantized, id(peer_ptrs), id(stats), id(tickets),
            id(epochs), id(signals), id(staging), id(meta), id(dcounts), id(offsets), rank,

@@ -5,8 +5,9 @@ from this rank's outboxes by the proxy (``moe_comm.kernels.proxy``, one descript
 call). Two algorithms (``HIER``):
 
 * **flat**: a token goes once to each destination *rank* on another node, straight into its
-  staging (``px_rows[p, d]`` -> ``dispatch_rows[p, me]`` on ``d``); combine partials come back
-  the same way.
+  staging (``px_rows[p, d]`` -> ``dispatch_rows[p, me]`` on ``d``; the send kernel fills the
+  outbox and posts, ``kernels.dispatch``, with :func:`post_dispatch_flat`); combine partials
+  come back the same way.
 * **hierarchical** (DeepEP's internode normal mode): a token crosses to each destination *node*
   once, to the forwarder there (the rank with this rank's local index), with the slot it takes
   on each rank of that node. The forwarder stores the row into those ranks' staging as if the
@@ -127,23 +128,9 @@ def _off(plan, field, parity, index):
 
 
 @triton.jit
-def _target_is_remote(tgt, my_node, N, HIER: tl.constexpr):
-    """Target ``tgt`` (a node when HIER, else a rank) lies on another node."""
-    if HIER:
-        remote = tgt != my_node
-    else:
-        remote = tgt // N != my_node
-    return remote
-
-
-@triton.jit
-def _target_slot(slot_of, node_slot_of, t, tgt, tm, R, M, HIER: tl.constexpr):
-    """[BLOCK_T] slot of each token in ``tgt``'s outbox, -1 where it does not go there."""
-    if HIER:
-        slot = tl.load(node_slot_of + t * M + tgt, mask=tm, other=-1)
-    else:
-        slot = tl.load(slot_of + t * R + tgt, mask=tm, other=-1)
-    return slot.to(tl.int64)
+def _node_slot(node_slot_of, t, b, tm, M):
+    """[BLOCK_T] row of each token in node ``b``'s message, -1 where it does not go there."""
+    return tl.load(node_slot_of + t * M + b, mask=tm, other=-1).to(tl.int64)
 
 
 _OUTBOX_PER_CALL = ["local_base", "ring_addr", "errors_addr", "timeout_ns", "T", "t_base",
@@ -156,10 +143,10 @@ def outbox_dispatch_kernel(
     x,  # [T, H] rows (FP8 == 2: uint8 view of float8_e4m3fn rows)
     x_scales,  # [T, H // 128] float32 (FP8 == 2)
     topk_idx, topk_weights, pair_pos,  # [T, K] (SEND_META; weights with HAS_WEIGHTS)
-    slot_of,  # [T, R] int32: slot on rank d (flat targets), -1 if not sent there
-    node_slot_of,  # [T, M] int32 (HIER): row of the token in node b's message, -1 if none
-    counts,  # [R, L + 1] int32 (SEND_META, HIER): what each rank's dispatch_counts[p, me] gets
-    target_counts,  # [R] (flat) or [M] (HIER) int32: rows of each target's message
+    slot_of,  # [T, R] int32: slot on rank d, -1 if not sent there
+    node_slot_of,  # [T, M] int32: row of the token in node b's message, -1 if none
+    counts,  # [R, L + 1] int32 (SEND_META): what each rank's dispatch_counts[p, me] gets
+    target_counts,  # [M] int32: rows of each node's message
     plan,  # [PLAN_FIELDS] int64 byte offsets
     xstats,  # [4] int64 local: outbox bytes at [0]
     tickets,  # [1] int64 ticket word of this kernel
@@ -172,20 +159,19 @@ def outbox_dispatch_kernel(
     ROW_BYTES: tl.int64,  # bytes between staging (and outbox) rows
     META_STRIDE: tl.constexpr, NODE_META: tl.constexpr, KMAX: tl.constexpr,
     SEND_META: tl.constexpr, HAS_WEIGHTS: tl.constexpr, FP8: tl.constexpr,
-    UE8M0: tl.constexpr, GS: tl.constexpr, HIER: tl.constexpr, ALIGN: tl.constexpr,
+    UE8M0: tl.constexpr, GS: tl.constexpr, ALIGN: tl.constexpr,
     EVEN_H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, NUM_THREADS: tl.constexpr,
 ):
-    """Rows for targets on other nodes into this rank's outboxes, then one descriptor per
-    target (the last program): its rows, metadata and counts, and the signal to raise. A flat
-    send with metadata fills its outboxes itself (``kernels.dispatch.send_tokens``): here the
-    hierarchical sends and the flat cached form (rows only)."""
+    """Hierarchical: rows for other nodes into this rank's outboxes, each once per node, then
+    one descriptor per node to its forwarder (the last program): its rows, metadata and counts,
+    and the signal to raise. (A flat send fills its outboxes itself,
+    ``kernels.dispatch.send_tokens``.)"""
     epoch = tl.load(epochs)
     parity = epoch % 2
     M = R // N
     my_node = me // N
-    NT = M if HIER else R
     rows_base = local_base + _off(plan, PX_ROWS, parity, 0)
     meta_base = local_base + _off(plan, PX_META, parity, 0)
     payload = row_payload(x, H, FP8, UE8M0, GS)
@@ -201,9 +187,9 @@ def outbox_dispatch_kernel(
             tile, codes, scales, exps = load_send_tile(x, x_scales, t64, tm, h0, h, hm, g, H,
                                                        BLOCK_T, BLOCK_H, FP8, UE8M0, GS,
                                                        EVEN_H)
-            for tgt in range(NT):
-                if _target_is_remote(tgt, my_node, N, HIER):
-                    slot = _target_slot(slot_of, node_slot_of, t, tgt, tm, R, M, HIER)
+            for tgt in range(M):
+                if tgt != my_node:
+                    slot = _node_slot(node_slot_of, t, tgt, tm, M)
                     row8 = local_ptr(rows_base, tgt * _at(plan, PX_ROWS_TGT), tl.uint8, ALIGN) \
                         + slot * ROW_BYTES
                     if FP8 == 0:
@@ -223,9 +209,9 @@ def outbox_dispatch_kernel(
             else:
                 w = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
             nn = tl.arange(0, BLOCK_N)
-            for tgt in range(NT):
-                if _target_is_remote(tgt, my_node, N, HIER):
-                    slot = _target_slot(slot_of, node_slot_of, t, tgt, tm, R, M, HIER)
+            for tgt in range(M):
+                if tgt != my_node:
+                    slot = _node_slot(node_slot_of, t, tgt, tm, M)
                     sm = slot >= 0
                     meta = local_ptr(meta_base, tgt * _at(plan, PX_META_TGT), tl.int32, 4) \
                         + slot * NODE_META
@@ -235,38 +221,36 @@ def outbox_dispatch_kernel(
                     tl.store(meta[:, None] + 1 + KMAX + kk[None, :], pos, mask=sm2)
                     tl.store(meta[:, None] + 1 + 2 * KMAX + kk[None, :],
                              w.to(tl.int32, bitcast=True), mask=sm2)
-                    if HIER:  # the slot the token takes on each rank of the node
-                        nm = sm[:, None] & (nn < N)[None, :]
-                        node_slots = tl.load(slot_of + t[:, None] * R + tgt * N + nn[None, :],
-                                             mask=nm, other=-1)
-                        tl.store(meta[:, None] + META_STRIDE + nn[None, :], node_slots, mask=nm)
-        for tgt in range(NT):
-            if _target_is_remote(tgt, my_node, N, HIER):
-                slot = _target_slot(slot_of, node_slot_of, t, tgt, tm, R, M, HIER)
+                    # the slot the token takes on each rank of the node
+                    nm = sm[:, None] & (nn < N)[None, :]
+                    node_slots = tl.load(slot_of + t[:, None] * R + tgt * N + nn[None, :],
+                                         mask=nm, other=-1)
+                    tl.store(meta[:, None] + META_STRIDE + nn[None, :], node_slots, mask=nm)
+        for tgt in range(M):
+            if tgt != my_node:
+                slot = _node_slot(node_slot_of, t, tgt, tm, M)
                 stored += tl.sum((slot >= 0).to(tl.int64), axis=0) * message_row
     tl.atomic_add(xstats + tl.arange(0, 1), stored, sem="relaxed")
     if draw_last_of(tickets, tl.num_programs(0)):
         if not timed_out(errors_addr.to(tl.pointer_type(tl.int64)), NUM_THREADS):
             cc = tl.arange(0, BLOCK_C)
-            for tgt in range(NT):
-                if _target_is_remote(tgt, my_node, N, HIER):
+            for tgt in range(M):
+                if tgt != my_node:
                     n = tl.load(target_counts + tgt).to(tl.int64)
                     counts_off = _off(plan, PX_COUNTS, parity, tgt)
                     count_words = 0
-                    if SEND_META:  # (HIER) the counts of each rank of node tgt, then its rows
+                    if SEND_META:  # the counts of each rank of node tgt, then its rows
                         count_words = N * (L + 1) + 1
                         c = tl.load(counts + tgt * N * (L + 1) + cc, mask=cc < N * (L + 1))
                         c = tl.where(cc == N * (L + 1), n.to(tl.int32), c)
                         box = local_ptr(local_base, counts_off, tl.int32, 4)
                         tl.store(box + cc, c, mask=cc < count_words)
                     tl.debug_barrier()
-                    if one_thread():
-                        peer = tgt
-                        if HIER:
-                            peer = tgt * N + me % N
-                        post_dispatch_message(plan, parity, tgt, peer, epoch, n, payload,
-                                              ROW_BYTES, NODE_META, count_words, SEND_META,
-                                              ring_addr, RING_SLOTS, errors_addr, timeout_ns)
+                    if one_thread():  # to the forwarder of node tgt: its rank tgt * N + me % N
+                        post_dispatch_message(plan, parity, tgt, tgt * N + me % N, epoch, n,
+                                              payload, ROW_BYTES, NODE_META, count_words,
+                                              SEND_META, ring_addr, RING_SLOTS, errors_addr,
+                                              timeout_ns)
 
 
 @triton.jit
@@ -293,23 +277,27 @@ def post_dispatch_message(plan, parity, tgt, peer, epoch, n, payload, ROW_BYTES,
 @triton.jit
 def post_dispatch_flat(plan, counts, peer_ptrs, parity, epoch, R, L, payload, ROW_BYTES,
                        META_STRIDE, local_base, ring_addr, RING_SLOTS, errors_addr, timeout_ns,
-                       BLOCK_L: tl.constexpr):
-    """Flat, with metadata (the last program of a send that filled the outboxes itself,
-    ``kernels.dispatch.send_tokens``): to every rank without a pointer (another node), its
-    counts ``counts[d]`` ([L + 1]; the last: the rows sent to ``d``) into the counts outbox,
-    then one descriptor (:func:`post_dispatch_message`)."""
+                       SEND_META: tl.constexpr, BLOCK_L: tl.constexpr):
+    """Flat (the last program of a send that filled the outboxes itself,
+    ``kernels.dispatch.send_tokens``): to every rank ``d`` without a pointer (another node), one
+    descriptor (:func:`post_dispatch_message`) of ``n_d`` rows. ``SEND_META``: ``counts`` [R,
+    L + 1] as the send publishes them, ``n_d = counts[d, L]``, and ``counts[d]`` go into the
+    counts outbox first; the cached form (rows only): ``counts`` [R], ``n_d = counts[d]``."""
     lane = tl.arange(0, BLOCK_L)
     for d in range(R):
         if tl.load(peer_ptrs + d) == 0:
-            c = tl.load(counts + d * (L + 1) + lane, mask=lane < L + 1)
-            box = local_ptr(local_base, _off(plan, PX_COUNTS, parity, d), tl.int32, 4)
-            tl.store(box + lane, c, mask=lane < L + 1)
+            if SEND_META:
+                c = tl.load(counts + d * (L + 1) + lane, mask=lane < L + 1)
+                box = local_ptr(local_base, _off(plan, PX_COUNTS, parity, d), tl.int32, 4)
+                tl.store(box + lane, c, mask=lane < L + 1)
+                n = tl.load(counts + d * (L + 1) + L).to(tl.int64)
+            else:
+                n = tl.load(counts + d).to(tl.int64)
             tl.debug_barrier()
             if one_thread():
-                post_dispatch_message(plan, parity, d, d, epoch,
-                                      tl.load(counts + d * (L + 1) + L).to(tl.int64), payload,
-                                      ROW_BYTES, META_STRIDE, L + 1, True, ring_addr,
-                                      RING_SLOTS, errors_addr, timeout_ns)
+                post_dispatch_message(plan, parity, d, d, epoch, n, payload, ROW_BYTES,
+                                      META_STRIDE, L + 1, SEND_META, ring_addr, RING_SLOTS,
+                                      errors_addr, timeout_ns)
 
 
 _FORWARD_PER_CALL = ["local_base", "errors_addr", "me"]
@@ -546,13 +534,13 @@ def outbox_dispatch(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, node
                     node_meta_stride: int, max_topk: int, grid: int, topk: int,
                     row_bytes: int, fp8: int = 0, ue8m0: int = 0, flavour: Flavour,
                     t_base: int = 0) -> bool:
-    """Launches :func:`outbox_dispatch_kernel` (``topk_idx=None``: the cached form, rows only).
-    ``x`` (and the per-token tensors) may be one round's window of a call's tokens (flat),
-    ``t_base`` the call's index of its first token. ``target_counts``: the rows of each
-    target's message. Hierarchical, or flat in the cached form: a flat send with metadata
-    fills its outboxes and posts itself (``kernels.dispatch.dispatch_send``)."""
-    if topk_idx is not None and not flavour.hierarchical:
-        raise ValueError("a flat dispatch send with metadata fills its outboxes itself")
+    """Launches :func:`outbox_dispatch_kernel` (hierarchical; ``topk_idx=None``: the cached
+    form, rows only). ``x`` (and the per-token tensors) may be one round's window of a call's
+    tokens, ``t_base`` the call's index of its first token. ``target_counts``: the rows of each
+    node's message. (A flat send fills its outboxes and posts itself,
+    ``kernels.dispatch.dispatch_send``.)"""
+    if not flavour.hierarchical:
+        raise ValueError("a flat dispatch send fills its outboxes itself")
     T, H = x.shape
     if fp8 == 2 and ue8m0 == NVFP4:  # x: two e2m1 codes per byte
         H *= 2
@@ -567,15 +555,14 @@ def outbox_dispatch(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, node
     outbox_dispatch_kernel[(grid,)](
         x, dummy if x_scales is None else x_scales, topk_idx if send_meta else dummy,
         topk_weights if topk_weights is not None else dummy, pair_pos if send_meta else dummy,
-        slot_of, node_slot_of if flavour.hierarchical else dummy,
-        counts if send_meta else dummy, target_counts,
+        slot_of, node_slot_of, counts if send_meta else dummy, target_counts,
         plan, xstats, tickets, epochs,
         flavour.local_base, flavour.ring_addr, flavour.errors_addr, flavour.timeout_ns,
         T, t_base, H, topk, world_size, num_local_experts, N, rank, flavour.ring_slots,
         row_bytes,
         META_STRIDE=meta_stride, NODE_META=node_meta_stride, KMAX=max_topk,
         SEND_META=send_meta, HAS_WEIGHTS=topk_weights is not None, FP8=fp8, UE8M0=bool(ue8m0),
-        GS=scale_group(ue8m0), HIER=flavour.hierarchical, ALIGN=flavour.row_align,
+        GS=scale_group(ue8m0), ALIGN=flavour.row_align,
         EVEN_H=even(H, tile.block_h),
         BLOCK_T=tile.block_t, BLOCK_H=tile.block_h,
         BLOCK_K=triton.next_power_of_2(max(topk, 1)),

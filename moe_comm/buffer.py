@@ -429,11 +429,10 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         # a dispatch's rounds after its first send as one launch (kernels.dispatch_rounds), by
         # the send's format (fp8, ue8m0, the rows' element bytes): the same conditions, fault
         # tolerance too (the EP-invariant combine changes no dispatch; through the proxy flat
-        # and without fault tolerance, the cached form excepted: cached_dispatch_in_one_launch)
+        # and without fault tolerance)
         dispatch_launch = combine_launch or (
             rounds_in_kernels and proxy is not None and not layout.hierarchical
             and not self.fault_tolerant)
-        self._cached_dispatch_in_one_launch = combine_launch
         self._dispatch_in_one_launch = {
             (fp8, ue8m0, elem): dispatch_launch and fits_dispatch_rounds(
                 self.world_size, layout.ring_slots, self.hidden, self.max_topk, self.num_sms, f,

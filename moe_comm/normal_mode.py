@@ -10,10 +10,10 @@ torch op launches a kernel on this path: outputs are allocated, never filled (th
 writes every row, padding included; a fault-tolerant dispatch in rounds fills them first, for
 the rows of a source that stops between rounds: torch fills where it launches per round, its
 one launch itself). Through the proxy across nodes a flat dispatch's send fills the
-outboxes and posts their descriptors itself (``kernels.dispatch.proxy_box``); a hierarchical
-dispatch, and a flat cached one, add ``dispatch_outbox`` (hierarchical: and
-``dispatch_forward``, with torch ops for the node slots), a hierarchical combine adds
-``combine_forward``; the forwarders' waits for their
+outboxes and posts their descriptors itself (``kernels.dispatch.proxy_box``; a cached one
+counts the rows it sends each rank by torch ops); a hierarchical dispatch adds
+``dispatch_outbox`` and ``dispatch_forward`` (with torch ops for the node slots), a
+hierarchical combine ``combine_forward``; the forwarders' waits for their
 inputs are host reads of numpy views of the signal words (host waits), or with the waits in the
 kernels a ``wait`` launch before each forwarder's (``kernels.comm.wait_relayed_epochs_kernel``).
 
@@ -39,11 +39,11 @@ and one launch a dispatch's after its round 0 is sent and laid out (``kernels.di
 round 0's expand, then each later round's send, wait and expand; fault-tolerant too, where
 round 0's send laid it out; across nodes through the proxy too, flat and without fault
 tolerance, each round's last program posting its transfers),
-and one launch every round of a cached dispatch (the same kernel); each says why it cannot
-deadlock, and on GPUs they run where a round fits the launch's ``num_sms`` programs
-(``fits_one_launch``; a Buffer on GPUs cuts its ring to fit, ``moe_comm.rings``). There round
-0's send lays out what arrived too: its last program, after it has published, waits for every
-source's round 0 and writes the received layout (what ``received_layout`` launches
+and one launch every round of a cached dispatch (the same kernel, through the proxy too); each
+says why it cannot deadlock, and on GPUs they run where a round fits the launch's ``num_sms``
+programs (``fits_one_launch``; a Buffer on GPUs cuts its ring to fit, ``moe_comm.rings``).
+There round 0's send lays out what arrived too: its last program, after it has published, waits
+for every source's round 0 and writes the received layout (what ``received_layout`` launches
 otherwise). Every other program of that send has finished, and every rank's last program
 publishes before it waits, so no rank waits for one that is waiting; the host read that sizes
 the outputs follows.
@@ -211,7 +211,7 @@ class NormalMode:
         if offsets is None:
             names = (("rdma_rows", "rdma_meta", "rdma_counts") if channel == DISPATCH
                      else ("rdma_combine_rows", "rdma_combine_meta"))
-            boxes = channel == DISPATCH and dispatch_kernels.proxy_box(self.flavour, True)
+            boxes = channel == DISPATCH and dispatch_kernels.proxy_box(self.flavour)
             if boxes:
                 names = ("px_rows", "px_meta", "px_counts")
             offsets = (((0, 0),) * len(names) if not (self.layout.rdma or boxes) else
@@ -382,28 +382,24 @@ class NormalMode:
     def _send_other_nodes(self, x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts,
                           fp8: int = 0, ue8m0: int = 0, node_slot_of=None, t_base: int = 0,
                           node_counts=None) -> torch.Tensor:
-        """Through the proxy: rows for other nodes into the outboxes, one descriptor per peer
-        (``kernels.internode``; rounds: ``x`` and the per-token tensors are the window of tokens
-        ``t_base + [0, len(x))``, ``slot_of`` their ring positions; a flat send with metadata
-        did this itself, ``kernels.dispatch.proxy_box``). Returns
-        ``node_slot_of`` [T, M] int32 (hierarchical: the row of each token in each node's
-        message, -1 where none; computed here unless given, with ``node_counts`` [M] its rows
-        per node where known), else an empty tensor. No host read."""
-        if self.proxy is None or dispatch_kernels.proxy_box(self.flavour, topk_idx is not None):
+        """Through the proxy, hierarchical: rows for other nodes into the outboxes, one
+        descriptor per node (``kernels.internode``; rounds: ``x`` and the per-token tensors are
+        the window of tokens ``t_base + [0, len(x))``, ``slot_of`` their ring positions; flat,
+        the send did this itself, ``kernels.dispatch.proxy_box``). Returns ``node_slot_of`` [T,
+        M] int32 (the row of each token in each node's message, -1 where none; computed here
+        unless given, with ``node_counts`` [M] its rows per node where known), else an empty
+        tensor. No host read."""
+        if not self.hierarchical:
             return self._empty_int()
         T, R, N, M = slot_of.shape[0], self.world_size, self.ranks_per_node, self.num_nodes
-        if self.hierarchical:
-            target_counts = node_counts
-            if node_slot_of is None:
-                hit = (slot_of.view(T, M, N) >= 0).any(-1)
-                seen = hit.cumsum(0, dtype=torch.int32)  # its last row: the rows per node
-                node_slot_of = torch.where(hit, seen - 1, -1)
-                target_counts = seen[-1] if T else None
-            if target_counts is None:
-                target_counts = (node_slot_of >= 0).sum(0, dtype=torch.int32)
-        else:  # the cached form
-            node_slot_of = self._empty_int()
-            target_counts = (slot_of >= 0).sum(0, dtype=torch.int32)
+        target_counts = node_counts
+        if node_slot_of is None:
+            hit = (slot_of.view(T, M, N) >= 0).any(-1)
+            seen = hit.cumsum(0, dtype=torch.int32)  # its last row: the rows per node
+            node_slot_of = torch.where(hit, seen - 1, -1)
+            target_counts = seen[-1] if T else None
+        if target_counts is None:
+            target_counts = (node_slot_of >= 0).sum(0, dtype=torch.int32)
         grid = internode.outbox_grid(self.layout.ring_slots, self.hidden, self.num_sms,
                                      self.flavour,
                                      sent_elem_bytes(fp8, ue8m0, x.element_size()))
@@ -685,14 +681,14 @@ class NormalMode:
                 plan=self._plan, xstats=self._xstats)
         return options
 
-    def _cached_dispatch_rounds(self, x, ring, slot_rows, slot_offsets, tokens_per_expert,
-                                expert_offsets, out) -> None:
+    def _cached_dispatch_rounds(self, x, ring, counts, slot_rows, slot_offsets,
+                                tokens_per_expert, expert_offsets, out) -> None:
         """A whole cached dispatch of several rounds in one launch
         (``kernels.dispatch_rounds``, its cached form): ``x``'s rows to their ring positions
-        ``ring``, into ``out`` by the handle's ``slot_rows`` and every round's
-        ``slot_offsets``."""
+        ``ring`` (``counts``: :meth:`_cached_target_counts`), into ``out`` by the handle's
+        ``slot_rows`` and every round's ``slot_offsets``."""
         self.launches["dispatch_rounds"] += dispatch_rounds_kernels.dispatch_rounds(
-            x, None, None, None, None, ring, None, None, tokens_per_expert, expert_offsets,
+            x, None, None, None, None, ring, counts, None, tokens_per_expert, expert_offsets,
             slot_rows, slot_offsets, out, None, None, None, *self._rounds_fixed(),
             **self._rounds_options())
 
@@ -704,22 +700,38 @@ class NormalMode:
         epoch = self._start(DISPATCH)
         x = x.contiguous()
         later = None
-        if self.layout.rounds > 1 and self._cached_dispatch_in_one_launch and \
-                self._dispatch_in_one_launch.get((0, 0, x.element_size()), False):
-            self._start_later_rounds(DISPATCH)  # (the launch in the receive; slot_of: the
-            # ring positions)
+        counts = self._cached_target_counts(slot_of)
+        if self.layout.rounds > 1 and self._dispatch_in_one_launch.get(
+                (0, 0, x.element_size()), False):  # the launch in the receive (slot_of: the
+            self._start_later_rounds(DISPATCH)  # ring positions)
             return PendingSend(DISPATCH, epoch, all_rounds=functools.partial(
-                self._cached_dispatch_rounds, x, slot_of))
+                self._cached_dispatch_rounds, x, slot_of, counts))
         if self.layout.rounds == 1:
-            self._send_window(x, None, None, None, None, slot_of, None, 1)
+            self._send_window(x, None, None, None, None, slot_of, counts, 1)
             self._send_other_nodes(x, None, None, None, None, slot_of, None,
                                    node_slot_of=node_slot_of)
         else:
             later = functools.partial(self._send_round, self._stream(
-                x, None, None, None, None, None, None, 1, ring=slot_of,
+                x, None, None, None, None, None, counts, 1, ring=slot_of,
                 node_ring=node_slot_of if self.hierarchical else None))
             later(0)
         return PendingSend(DISPATCH, epoch, send_round=later)
+
+    def _cached_target_counts(self, ring: torch.Tensor) -> torch.Tensor | None:
+        """Through the proxy, flat: the rows a cached dispatch sends each rank, whose send posts
+        them (``kernels.dispatch.proxy_box``): [R] int32, or with rounds [rounds, R] (round i:
+        the tokens of its window); else None. Equivalent::
+
+            counts[i, d] = (ring[i * W:(i + 1) * W, d] >= 0).sum()
+        """
+        if not dispatch_kernels.proxy_box(self.flavour):
+            return None
+        if self.layout.rounds == 1:
+            return (ring >= 0).sum(0, dtype=torch.int32)
+        (T, R), n, W = ring.shape, self.layout.rounds, self.layout.ring_slots
+        hit = torch.zeros((n * W, R), dtype=torch.int32, device=self.device)
+        hit[:T] = ring >= 0
+        return hit.view(n, W, R).sum(1, dtype=torch.int32)
 
     def dispatch_cached_recv(self, pending: PendingSend, slot_rows, slot_offsets,
                              tokens_per_expert, expert_offsets, num_rows: int, fwd_slots=None,

@@ -133,9 +133,9 @@ def bad_expert_row(rank, world_size, case: Case, bad_rank: int, kind: str) -> di
     return report
 
 
-def gradients(rank, world_size, case: Case, **buffer_kwargs) -> None:
+def gradients(rank, world_size, case: Case, **buffer_kwargs) -> dict:
     """Forward and backward through moe_comm and through the reference give equal gradients
-    (``buffer_kwargs``: e.g. nodes and a transport)."""
+    (``buffer_kwargs``: e.g. nodes and a transport); returns the Buffer's launches."""
     xs, idxs, ws = make_inputs(case)
     g = torch.Generator().manual_seed(7 + rank)
     grad_out = torch.randn((case.tokens[rank], case.hidden), generator=g, dtype=case.dtype)
@@ -155,11 +155,13 @@ def gradients(rank, world_size, case: Case, **buffer_kwargs) -> None:
     with new_buffer(case, **buffer_kwargs) as buf:
         ours = run(lambda x, i, w: buf.dispatch(x, i, w, expert_alignment=case.alignment),
                    lambda y, res, w: _combine_latest(buf, y, res, w))
+        launches = dict(buf.launches)
     ref = run(lambda x, i, w: reference.dispatch(x, i, w, case.num_experts,
                                                  expert_alignment=case.alignment),
               lambda y, res, w: reference.combine(y, res.handle, w))
     for name, a, b in zip(("x.grad", "topk_weights.grad", "y.grad", "out"), ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"rank {rank}: {name}")
+    return launches
 
 
 def _combine_latest(buf, y, res, weights):

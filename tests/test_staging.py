@@ -302,10 +302,20 @@ def test_quantized_flat_nodes_in_rounds_of_one_slot(ranks, fmt, in_kernels):
     assert sends == [(1, 1, 1) if in_kernels else (8, 0, 0)] * 4, sends
 
 
-def test_gradients_of_flat_nodes_in_rounds_match_reference_autograd(ranks):
+@pytest.mark.parametrize("in_kernels", [False, True], ids=["host_waits", "kernel_waits"])
+def test_gradients_of_flat_nodes_in_rounds_match_reference_autograd(ranks, in_kernels):
+    """float64 forward and backward in rounds of two slots; with the waits in the kernels every
+    op's rounds in one launch, the backward of combine (a cached dispatch: its rows alone, the
+    rows to each rank of each round counted for the descriptors) too."""
     case = Case(4, 16, 64, 4, (5, 3, 0, 6), torch.float64, "uniform", 16, seed=213)
-    ranks(4).run(gradients, case, ranks_per_node=2, transport="nixl", hierarchical=False,
-                 max_topk=4, staging_bytes=slots_budget(case, 2, outboxes=True))
+    job = (with_kernel_waits, gradients) if in_kernels else (gradients,)
+    reports = ranks(4).run(*job, case, ranks_per_node=2, transport="nixl", hierarchical=False,
+                           max_topk=4, staging_bytes=slots_budget(case, 2, outboxes=True))
+    for rank, launches in enumerate(reports):
+        assert "dispatch_outbox" not in launches, (rank, launches)
+        if in_kernels:  # a dispatch, two combines and their backward: two cached dispatches
+            assert (launches["dispatch_send"], launches["dispatch_rounds"],  # and a combine
+                    launches["combine_rounds"]) == (1, 3, 3), (rank, launches)
 
 
 def test_workspace_formula_from_ep_8_to_1024():

@@ -136,14 +136,20 @@ def timed_out(errors, NUM_THREADS: tl.constexpr):
 
 # ------------------------------------------------------------------------------- peers, puts
 @triton.jit
+def aligned_ptr(addr, dtype: tl.constexpr, ALIGN: tl.constexpr):
+    """The int64 address ``addr`` as a typed pointer known to be a multiple of ``ALIGN`` bytes
+    (the caller vouches for it). The fact must sit on the pointer itself: Triton drops
+    divisibility hints on integers across the int-to-pointer cast."""
+    return tl.multiple_of(addr.to(tl.pointer_type(dtype)), ALIGN)
+
+
+@triton.jit
 def peer_ptr(peer_ptrs, peer, byte_offset, dtype: tl.constexpr, ALIGN: tl.constexpr):
     """Typed pointer to ``byte_offset`` in rank ``peer``'s segment; ``peer_ptrs``: [R] int64.
 
     ``ALIGN``: bytes the address is known to be a multiple of (segments are 128-byte aligned;
-    the caller vouches for ``byte_offset``). The fact must sit on the pointer itself: Triton
-    drops divisibility hints on integers across the int-to-pointer cast."""
-    addr = tl.load(peer_ptrs + peer) + byte_offset
-    return tl.multiple_of(addr.to(tl.pointer_type(dtype)), ALIGN)
+    the caller vouches for ``byte_offset``; :func:`aligned_ptr`)."""
+    return aligned_ptr(tl.load(peer_ptrs + peer) + byte_offset, dtype, ALIGN)
 
 
 @triton.jit

@@ -56,6 +56,7 @@ from .comm import (
     INPUT_RECORD,
     TOO_MANY_ROWS,
     Flavour,
+    aligned_ptr,
     by_stores,
     draw_last_of,
     local_ptr,
@@ -90,7 +91,7 @@ def _destination(peer_ptrs, d, byte_offset, local_base, box_off, box_per_target,
     addr = base + byte_offset
     if PROXY_BOX:
         addr = tl.where(base == 0, local_base + box_off + d * box_per_target, addr)
-    return tl.multiple_of(addr.to(tl.pointer_type(dtype)), ALIGN)
+    return aligned_ptr(addr, dtype, ALIGN)
 
 
 @triton.jit

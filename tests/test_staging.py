@@ -252,7 +252,7 @@ def test_flat_nodes_in_rounds_with_waits_in_the_kernels_run_in_one_launch(ranks)
         for name in ("dispatch_outbox", "dispatch_expand", "received_layout"):
             assert name not in a["launches"], (rank, name, a["launches"])
         assert b["launches"]["dispatch_send"] == 12 and "dispatch_outbox" not in b["launches"], \
-            (rank, b["launches"])  # (a flat send with metadata fills its outboxes itself)
+            (rank, b["launches"])  # (a flat send fills its outboxes itself)
         assert a["internode"] == b["internode"], rank
         for key in ("combine_bytes_to_peers", "combine_bytes_to_self",
                     "combine_bytes_to_outbox", "dispatch_bytes_to_peers",

@@ -273,12 +273,18 @@ class NormalMode:
             node_counts[i, b] = hit[i * W:(i + 1) * W, b].sum()
         """
         T, N, M = ring.shape[0], self.ranks_per_node, self.num_nodes
-        W, n = self.layout.ring_slots, self.layout.rounds
-        hit = torch.zeros((n * W, M), dtype=torch.int32, device=self.device)
-        hit[:T] = (ring.view(T, M, N) >= 0).any(-1)
-        seen = hit.view(n, W, M).cumsum(1, dtype=torch.int32)  # its last row: each round's
-        node_ring = torch.where(hit > 0, seen.view(n * W, M) - 1, -1)[:T].contiguous()
+        hit = self._round_windows((ring.view(T, M, N) >= 0).any(-1))
+        seen = hit.cumsum(1, dtype=torch.int32)  # its last row: each round's
+        node_ring = torch.where(hit > 0, seen - 1, -1).view(-1, M)[:T].contiguous()
         return node_ring, seen[:, -1].contiguous()
+
+    def _round_windows(self, hit: torch.Tensor) -> torch.Tensor:
+        """``hit`` [T, C] as [rounds, W, C] int32, row t in round t // W's window at t % W,
+        zero past T."""
+        (T, C), n, W = hit.shape, self.layout.rounds, self.layout.ring_slots
+        windows = torch.zeros((n * W, C), dtype=torch.int32, device=self.device)
+        windows[:T] = hit
+        return windows.view(n, W, C)
 
     def _stream(self, x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts,
                 topk: int, fp8: int = 0, ue8m0: int = 0, ring=None, node_ring=None) -> Stream:
@@ -728,10 +734,7 @@ class NormalMode:
             return None
         if self.layout.rounds == 1:
             return (ring >= 0).sum(0, dtype=torch.int32)
-        (T, R), n, W = ring.shape, self.layout.rounds, self.layout.ring_slots
-        hit = torch.zeros((n * W, R), dtype=torch.int32, device=self.device)
-        hit[:T] = ring >= 0
-        return hit.view(n, W, R).sum(1, dtype=torch.int32)
+        return self._round_windows(ring >= 0).sum(1, dtype=torch.int32)
 
     def dispatch_cached_recv(self, pending: PendingSend, slot_rows, slot_offsets,
                              tokens_per_expert, expert_offsets, num_rows: int, fwd_slots=None,

@@ -31,7 +31,7 @@ rank's outbox, a put each, the epoch by ``signal_set`` after them. A program's p
 complete (``quiet``) before it draws its ticket, so an outbox parity written again two rounds
 later was read by its puts long before.
 
-Across nodes through the proxy (``TRANSPORT`` 2: flat, without fault tolerance) the partials
+Across nodes through the proxy (``TRANSPORT`` 2: flat, fault-tolerant too) the partials
 for homes on other nodes go into this rank's outbox and the round's last program posts one
 transfer per such home (``kernels.combine.publish_partials``, as ``combine_send_kernel``'s last
 program does); the proxy raises the epoch there after the partials. The outbox of a parity is
@@ -46,7 +46,9 @@ arrived into row ``i`` of ``live`` and publishes that decision in a local word; 
 program waits for the word (bounded) and reads the same row, so every token of the round sums
 the same sources (``kernels.comm.wait_or_exclude_once``). Program 0 waits only for sources,
 never for another program of its launch, so the argument above holds unchanged; a round where
-this rank finds itself excluded ends every program's rounds.
+this rank finds itself excluded ends every program's rounds. Through the proxy an exclusion
+reaches the ranks of this node (by stores, ``kernels.comm.publish_to_all``); a rank on another
+node waits for the same silent source and excludes it at its own deadline.
 
 Bytes and signals are those of the launches per round: each round's partial rows and its epoch
 (8 bytes) to every rank, counted in ``stats`` as ``combine_send_kernel`` counts them.
@@ -143,7 +145,8 @@ def combine_rounds_kernel(
                                  KMAX, HAS_PAIR, FP8, TRANSPORT, False)
                 tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
             ok = wait_round(pid, epoch, signals, errors, timeout_ns, live + i * R, decided,
-                            mask_off, local_base, peer_ptrs, R, me, FT, BLOCK_R, NUM_THREADS)
+                            mask_off, local_base, peer_ptrs, R, me, FT, TRANSPORT, BLOCK_R,
+                            NUM_THREADS)
             if ok:  # the tokens of window i, each in rank order (combine_reduce_kernel's sum)
                 first = tl.cast(i, tl.int64) * W
                 n = tl.minimum(T - first, W).to(tl.int32)
@@ -270,12 +273,12 @@ def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, 
 def check_one_launch(flavour: Flavour, live, decided, rounds: int, world_size: int,
                      plan=None) -> None:
     """A combine's rounds in one launch reach every peer by stores, or other nodes by NVSHMEM
-    puts or through the proxy, flat, without fault tolerance (the proxy's with the Buffer's
-    ``plan``); fault-tolerant, they take ``live`` [rounds, R] int32 and ``decided`` [1]
-    int64, and only then."""
-    if flavour.hierarchical or (flavour.transport and flavour.fault_tolerant) or (
+    puts (without fault tolerance) or through the proxy, flat (with the Buffer's ``plan``);
+    fault-tolerant, they take ``live`` [rounds, R] int32 and ``decided`` [1] int64, and only
+    then."""
+    if flavour.hierarchical or (flavour.transport == 1 and flavour.fault_tolerant) or (
             flavour.transport == 2 and plan is None):
         raise ValueError("a combine in one launch reaches every peer by stores, or other "
-                         "nodes by NVSHMEM puts or through the proxy, flat and without fault "
-                         "tolerance")
+                         "nodes by NVSHMEM puts (without fault tolerance) or through the "
+                         "proxy, flat")
     check_round_words(flavour.fault_tolerant, live, decided, rounds, world_size, "combine")

@@ -365,20 +365,21 @@ def wait_or_exclude_once(pid, words, expected, live, decided, deadline_ns, timeo
 
 @triton.jit
 def wait_round(pid, epoch, signals, errors, timeout_ns, live, decided, mask_off, local_base,
-               peer_ptrs, R, me, FT: tl.constexpr, BLOCK_R: tl.constexpr,
-               NUM_THREADS: tl.constexpr):
+               peer_ptrs, R, me, FT: tl.constexpr, TRANSPORT: tl.constexpr,
+               BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr):
     """A round's wait in a launch of a call's rounds (``kernels.combine_rounds``,
     ``kernels.dispatch_rounds``, ``kernels.invariant_rounds``): every program waits, bounded,
     for every rank's ``epoch`` in ``signals``; returns whether all arrived (a timeout is
     recorded, naming the rank). ``FT``: :func:`wait_or_exclude_once` (program 0 excludes a
     source silent until the deadline and writes who arrived into ``live`` [R]; every program
-    reads the same); returns whether this rank may go on."""
+    reads the same; an exclusion reaches the ranks it reaches by stores, ``TRANSPORT`` as
+    :func:`publish_to_all`); returns whether this rank may go on."""
     deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
     if FT:
         mask = local_ptr(local_base, mask_off, tl.int64, 8)
         return wait_or_exclude_once(pid, signals, epoch, live, decided, deadline, timeout_ns,
                                     errors, mask, me, peer_ptrs, mask_off, R, local_base,
-                                    BLOCK_R, NUM_THREADS, 0)
+                                    BLOCK_R, NUM_THREADS, TRANSPORT)
     return wait_all_at_least(signals, 1, R, epoch, 0, deadline, errors, signals, BLOCK_R,
                              NUM_THREADS, False)
 

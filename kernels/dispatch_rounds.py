@@ -48,7 +48,7 @@ destination without a pointer, the counts by a put and the epoch by ``signal_set
 Every program's puts are complete (``quiet``) before it draws its ticket, so the outbox of a
 parity, written again two rounds later, was read by its puts before the round between began.
 
-Through the proxy (``TRANSPORT`` 2: flat, without fault tolerance), each round's send stores
+Through the proxy (``TRANSPORT`` 2: flat, fault-tolerant too), each round's send stores
 the rows and metadata for ranks on other nodes into this rank's outboxes of the round's parity
 (``kernels.dispatch.send_tokens``' ``PROXY_BOX``) and its last program, after the counts and
 epoch to the ranks of its node, posts one descriptor per rank on another node (its counts,
@@ -265,7 +265,8 @@ def dispatch_rounds_kernel(
                 tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
             # (FT: program 0 decides who arrived, for every program)
             ok = wait_round(pid, epoch, signals, errors, timeout_ns, live + i * R, ft_words,
-                            mask_off, local_base, peer_ptrs, R, me, FT, BLOCK_R, NUM_THREADS)
+                            mask_off, local_base, peer_ptrs, R, me, FT, TRANSPORT, BLOCK_R,
+                            NUM_THREADS)
             if ok:  # the round's slots of every source, after the earlier rounds'
                 view = slot_offsets + i * OFFSETS_STRIDE
                 arrived = first_live
@@ -382,11 +383,12 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
     the proxy, flat (``flavour.transport == 2``), those of px_rows / px_meta / px_counts, with
     ``plan`` and ``xstats`` (module docstring, "Through the proxy")."""
     cached = topk_idx is None
-    if flavour.transport not in (0, 1, 2) or (flavour.transport and flavour.fault_tolerant) \
+    if flavour.transport not in (0, 1, 2) or (flavour.transport == 1
+                                              and flavour.fault_tolerant) \
             or (flavour.transport == 2 and flavour.hierarchical):
         raise ValueError("a dispatch's rounds in one launch reach every peer by stores,"
-                         " NVSHMEM puts, or the proxy's flat transfers (these two without"
-                         " fault tolerance)")
+                         " NVSHMEM puts (without fault tolerance), or the proxy's flat"
+                         " transfers")
     box = proxy_box(flavour)
     if box and (plan is None or xstats is None or counts is None):
         raise ValueError("rounds through the proxy take plan, xstats and counts")

@@ -176,21 +176,31 @@ def invariant_send_kernel(
                ALIGN, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R)
     if draw_last_of(tickets, tl.num_programs(0)):
         if not timed_out(errors, NUM_THREADS):
-            for d in range(R):
-                publish_epoch_to(peer_ptrs, d, signal_off, epoch, local_base, TRANSPORT)
-            reached = R
-            if TRANSPORT == 2:  # after this rank's pairs to each (the proxy keeps the order)
-                if one_thread():
-                    post_signal_to_remote(peer_ptrs, signal_off - me * 8, me, epoch, R,
-                                          ring_addr, RING_SLOTS, errors, timeout_ns)
-                reached = 0
-                for d in range(R):
-                    reached += (tl.load(peer_ptrs + d) != 0).to(tl.int32)
-            signal_bytes = 8 + tl.zeros([1], tl.int64)
-            tl.atomic_add(stats + 2 + tl.arange(0, 1), (reached - 1) * signal_bytes,
-                          sem="relaxed")
-            tl.atomic_add(stats + 3 + tl.arange(0, 1), signal_bytes, sem="relaxed")
+            publish_pairs(peer_ptrs, signal_off, epoch, stats, local_base, ring_addr,
+                          RING_SLOTS, errors, timeout_ns, R, me, TRANSPORT)
         tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
+
+
+@triton.jit
+def publish_pairs(peer_ptrs, signal_off, epoch, stats, local_base, ring_addr, RING_SLOTS,
+                  errors, timeout_ns, R, me, TRANSPORT: tl.constexpr):
+    """The end of an invariant send of ``epoch`` (its last program, after every program's
+    pairs): the epoch to every rank it reaches by stores; through the proxy (``TRANSPORT`` 2)
+    one signal per rank on another node, posted after this rank's descriptors to it (the
+    proxy keeps their order). 8 bytes a rank reached by stores, in ``stats``."""
+    for d in range(R):
+        publish_epoch_to(peer_ptrs, d, signal_off, epoch, local_base, TRANSPORT)
+    reached = R
+    if TRANSPORT == 2:
+        if one_thread():
+            post_signal_to_remote(peer_ptrs, signal_off - me * 8, me, epoch, R, ring_addr,
+                                  RING_SLOTS, errors, timeout_ns)
+        reached = 0
+        for d in range(R):
+            reached += (tl.load(peer_ptrs + d) != 0).to(tl.int32)
+    signal_bytes = 8 + tl.zeros([1], tl.int64)
+    tl.atomic_add(stats + 2 + tl.arange(0, 1), (reached - 1) * signal_bytes, sem="relaxed")
+    tl.atomic_add(stats + 3 + tl.arange(0, 1), signal_bytes, sem="relaxed")
 
 
 @triton.jit

@@ -395,16 +395,19 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         # a combine in rounds as one launch (kernels.combine_rounds; EP-invariant:
         # kernels.invariant_rounds), [exact, FP8 partials]: ranks in processes of their own,
         # waits in the kernels, every peer reached by stores (fault tolerance too: one program
-        # decides each round's sources, kernels.comm.wait_or_exclude_once), or the default
-        # combine with other nodes through the proxy, flat, without fault tolerance; and on GPUs
-        # a ring small enough for the launch's programs. Across hosts over NVSHMEM: every
-        # combine and dispatch (no fault tolerance, no EP-invariant combine there)
+        # decides each round's sources, kernels.comm.wait_or_exclude_once), or with other
+        # nodes through the proxy, flat (fault tolerance too: an exclusion reaches the ranks of
+        # this node; the EP-invariant combine hierarchical too: no forwarder takes part in
+        # it); and on GPUs a ring small enough for the launch's programs. Across hosts over
+        # NVSHMEM: every combine and dispatch (no fault tolerance, no EP-invariant combine
+        # there)
         f = self.flavour
         self.own_process = own_process
         rounds_in_kernels = own_process and layout.rounds > 1 and f.device_wait
         combine_launch = rounds_in_kernels and f.transport in (0, 1) and proxy is None
         flat_proxy = (rounds_in_kernels and proxy is not None and not layout.hierarchical
-                      and not self.fault_tolerant and not self.ep_invariant)
+                      and not self.ep_invariant)
+        invariant_proxy = rounds_in_kernels and proxy is not None and self.ep_invariant
         # fault tolerance: the word in which that program publishes each round's decision;
         # a dispatch's one launch: its own two (its decisions, the epoch whose outputs it
         # filled) and the [rounds, R] sources of its rounds (row 0: round 0's send writes it)
@@ -419,7 +422,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                                    else self._ft_dispatch_live[0])
         elem = self._row_bytes // self.hidden
         self._combine_in_one_launch = {  # (FP8 partials, values per row) ->
-            (fp8, pair): (combine_launch or flat_proxy) and (
+            (fp8, pair): (combine_launch or flat_proxy or invariant_proxy) and (
                 not fp8 and fits_invariant_rounds(
                     self.world_size, layout.ring_slots, self.hidden, self.max_topk,
                     self.num_sms, f, elem) if self.ep_invariant
@@ -428,11 +431,9 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             for fp8 in (False, True) for pair in (False, True)}
         # a dispatch's rounds after its first send as one launch (kernels.dispatch_rounds), by
         # the send's format (fp8, ue8m0, the rows' element bytes): the same conditions, fault
-        # tolerance too (the EP-invariant combine changes no dispatch; through the proxy flat
-        # and without fault tolerance)
+        # tolerance too (the EP-invariant combine changes no dispatch; through the proxy flat)
         dispatch_launch = combine_launch or (
-            rounds_in_kernels and proxy is not None and not layout.hierarchical
-            and not self.fault_tolerant)
+            rounds_in_kernels and proxy is not None and not layout.hierarchical)
         self._dispatch_in_one_launch = {
             (fp8, ue8m0, elem): dispatch_launch and fits_dispatch_rounds(
                 self.world_size, layout.ring_slots, self.hidden, self.max_topk, self.num_sms, f,

@@ -42,9 +42,11 @@ rows of a source that stops after round ``j`` of the window ``[i * W, (i + 1) * 
 j``, stay as padding rows are (zero, ``src_rank`` / ``src_token`` -1, weight 0) and
 ``tokens_per_expert`` still counts them. A combine sums the tokens of window ``i`` over
 ``live_i`` (``renormalize=True`` likewise, per token); where a call's rounds run in one
-launch (a process per rank, waits in the kernels, one node; a dispatch's after its round 0,
-whose send decides ``live_0``) the first program of each round decides ``live_i`` for every
-program (``kernels.comm.wait_or_exclude_once``)::
+launch (a process per rank, waits in the kernels, one node or flat through the proxy; a
+dispatch's after its round 0, whose send decides ``live_0``) the first program of each round
+decides ``live_i`` for every program (``kernels.comm.wait_or_exclude_once``; through the proxy
+its exclusion reaches the ranks of its node, and a rank on another node excludes the same
+silent source at its own deadline, as the per-round wait kernel does there)::
 
     dispatch:  rows of (s, t) arrive iff live_0[s] and live_{t // W}[s]; the others zero
     combine:   out[t] = sum(w[t, k] * y(t, k) for k if live_{t // W}[rank_of(topk_idx[t, k])])

@@ -328,14 +328,17 @@ def gate_runs(cfg: GateConfig) -> list[tuple]:
         invariant = [invariant, ("bfloat16", torch.bfloat16, 2, False, False, False, True)]
     else:
         invariant = [invariant]
-    if cfg.ring_slots is not None:  # rounds: the normal mode of one node (fault-tolerant
-        runs = [("bfloat16", torch.bfloat16, 0, False, False),  # too), flat and hierarchical
-                ("bfloat16", torch.bfloat16, 0, False, False, True),  # through the proxy, in
-                ("bfloat16", torch.bfloat16, 2, False, False),  # bf16 (the other dtypes load
-                ("bfloat16", torch.bfloat16, 2, False, True)]   # rows alone), over NVSHMEM
-        # and the EP-invariant combine of one node, fault-tolerant too
-        ft_invariant = ("bfloat16", torch.bfloat16, 0, False, False, True, True)
-        return runs + invariant + [ft_invariant] + (
+    if cfg.ring_slots is not None:  # rounds: the normal mode of one node and flat through
+        runs = [("bfloat16", torch.bfloat16, 0, False, False),  # the proxy (fault-tolerant
+                ("bfloat16", torch.bfloat16, 0, False, False, True),  # too), hierarchical
+                ("bfloat16", torch.bfloat16, 2, False, False),  # through the proxy, in bf16
+                ("bfloat16", torch.bfloat16, 2, False, False, True),  # (the other dtypes
+                ("bfloat16", torch.bfloat16, 2, False, True)]  # load rows alone), over NVSHMEM
+        # and the EP-invariant combine of one node and flat through the proxy, fault-tolerant
+        # too
+        ft_invariant = [("bfloat16", torch.bfloat16, 0, False, False, True, True),
+                        ("bfloat16", torch.bfloat16, 2, False, False, True, True)]
+        return runs + invariant + ft_invariant + (
             [("bfloat16", torch.bfloat16, 1, False, False)] if cfg.nvshmem else [])
     runs = list(invariant)
     for name in GATE_DTYPES:

@@ -27,18 +27,18 @@ epoch of the channel for the source tokens ``[i * W, (i + 1) * W)``::
         publish epoch (dispatch: with the call's per-expert counts and the round's rows)
         wait for every rank's epoch of round i; expand (dispatch) or sum (combine) its rows
 
-Each round launches what a call of one round does (without the layout), but on one node, or
-across hosts over NVSHMEM, where every rank runs in a process of its own with waits in the
-kernels (GPUs, or CPU ranks with ``MOE_COMM_WAIT=kernel``): there one launch runs a combine's
-rounds (``kernels.combine_rounds``:
+Each round launches what a call of one round does (without the layout), but on one node,
+across nodes through the proxy (flat; below) or across hosts over NVSHMEM, where every rank
+runs in a process of its own with waits in the kernels (GPUs, or CPU ranks with
+``MOE_COMM_WAIT=kernel``): there one launch runs a combine's rounds (``kernels.combine_rounds``:
 each round's send, wait and reduce; fault-tolerant too, each round's sources decided once for
-every program of the launch; across nodes through the proxy too, flat and without fault
-tolerance, its last program posting each round's transfers; EP-invariant:
-``kernels.invariant_rounds``)
+every program of the launch; across nodes through the proxy too, flat (fault-tolerant too),
+its last program posting each round's transfers; EP-invariant:
+``kernels.invariant_rounds``, through the proxy flat or hierarchical)
 and one launch a dispatch's after its round 0 is sent and laid out (``kernels.dispatch_rounds``:
 round 0's expand, then each later round's send, wait and expand; fault-tolerant too, where
-round 0's send laid it out; across nodes through the proxy too, flat and without fault
-tolerance, each round's last program posting its transfers),
+round 0's send laid it out; across nodes through the proxy too, flat (fault-tolerant too),
+each round's last program posting its transfers),
 and one launch every round of a cached dispatch (the same kernel, through the proxy too); each
 says why it cannot deadlock, and on GPUs they run where a round fits the launch's ``num_sms``
 programs (``fits_one_launch``; a Buffer on GPUs cuts its ring to fit, ``moe_comm.rings``).
@@ -93,8 +93,9 @@ hierarchical alike: no forwarder takes part in this combine): the combine's send
 ``(t % W) * K + k``) and its receive ``invariant_reduce`` (choice order); they run on the combine
 channel's epochs, signals and parities, each round a whole epoch, so the ordering argument above
 holds for them unchanged (a round's rows land in the parity of its epoch, read by the home's
-reduce of that round before the home publishes the next round's epoch); on one node with a
-process per rank and waits in the kernels, one launch runs them all (``kernels.invariant_rounds``).
+reduce of that round before the home publishes the next round's epoch); with a process per
+rank and waits in the kernels, one launch runs them all (``kernels.invariant_rounds``): on one
+node, and through the proxy, flat (fault-tolerant too) or hierarchical.
 
 Host reads of device data (``self.host_syncs``): dispatch reads the received-row count once to
 size its output (``rows``), none with ``max_recv_rows``; combine and the cached dispatch read
@@ -910,7 +911,8 @@ class NormalMode:
             num_experts=self.num_experts, max_topk=self.max_topk,
             ring_slots=self.layout.ring_slots, rounds=self.layout.rounds,
             offsets_stride=self._round_stride(), num_sms=self.num_sms, flavour=self.flavour,
-            bound=self._bound, live=live, decided=self._ft_decided)
+            bound=self._bound, live=live, decided=self._ft_decided,
+            xstats=self._xstats if self.proxy is not None else None)
         return live
 
     def combine_recv(self, pending: PendingSend, slot_of, want_pair: bool, node_slot_of=None,

@@ -27,9 +27,12 @@ import torch
 class RingStandIn:
     """What a Buffer asks of its proxy while its launches are recorded (no ring, no thread)."""
 
-    ring_addr, slots = 0, 4096
+    ring_addr, slots, peers = 0, 4096, ()
 
     def check(self) -> None:
+        pass
+
+    def notify(self, peers, offset: int, value: int) -> None:
         pass
 
 

@@ -321,6 +321,19 @@ MUTANTS = (
            "HAS_WEIGHTS, HAS_PAIR, FT, REDUCE_EVEN_H, REDUCE_T, REDUCE_H,",
            "HAS_WEIGHTS, HAS_PAIR, False, REDUCE_EVEN_H, REDUCE_T, REDUCE_H,",
            (ST + "test_kills_between_rounds_ep_invariant_in_one_launch",)),
+    Mutant("ft_one_launch_excludes_by_stores_on_every_node",
+           "a fault-tolerant call in one launch through the proxy excludes a silent source on "
+           "the ranks it reaches by stores",
+           "kernels/comm.py", "BLOCK_R, NUM_THREADS, TRANSPORT)", "BLOCK_R, NUM_THREADS, 0)",
+           (ST + "test_kills_between_rounds_across_nodes[kernel_waits]",)),
+    Mutant("proxy_one_launch_invariant_outbox_bytes_uncounted",
+           "the stats count the bytes written into the outboxes (an EP-invariant combine in "
+           "one launch through the proxy too)",
+           "kernels/invariant_rounds.py",
+           "slot_offsets + i * OFFSETS_STRIDE, src_token, peer_ptrs, stats, xstats,",
+           "slot_offsets + i * OFFSETS_STRIDE, src_token, peer_ptrs, stats, stats,",
+           (ST + "test_one_launch_invariant_combines_across_nodes_give_the_bits_of_launches_per_"
+            "round[flat]",)),
     Mutant("proxy_one_launch_combine_partials_by_stores_alone",
            "a combine in one launch across nodes through the proxy puts the partials for other "
            "nodes into the outbox and posts them",

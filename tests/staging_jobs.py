@@ -163,15 +163,19 @@ def rounds_with_failures(rank, world_size, case: Case, kills: dict, calls: int, 
 
 def _bounded_buffer(case: Case, slots: int, in_kernels: bool = True, **kwargs):
     """A Buffer whose staging holds ``slots`` slots per source (``in_kernels``: waits in the
-    kernels)."""
+    kernels; ``kwargs`` more of the Buffer's arguments: with ``ranks_per_node`` across nodes,
+    through the proxy)."""
+    N = kwargs.get("ranks_per_node") or case.world_size
+    budget = slots_budget(case, slots, outboxes=N < case.world_size,
+                          ranks_per_node=N if kwargs.get("hierarchical") else None,
+                          invariant=kwargs.get("ep_invariant", False))
     with kernel_waits(in_kernels):
-        return new_buffer(case, max_topk=case.topk, staging_bytes=slots_budget(
-            case, slots, invariant=kwargs.get("ep_invariant", False)), **kwargs)
+        return new_buffer(case, max_topk=case.topk, staging_bytes=budget, **kwargs)
 
 
 def combine_forms(rank, world_size, case: Case, slots: int, in_kernels: bool,
                   iterations: int = 2, straggle_s: float = 0.0, ep_invariant: bool = False,
-                  fault_tolerant: bool = False) -> dict:
+                  fault_tolerant: bool = False, **buffer_kwargs) -> dict:
     """Every form of a combine in rounds of ``slots`` slots, ``iterations`` times (new routing
     each time, random delays before each combine): with weights (checked against the oracle),
     without, with FP8 partials, and the per-row values of dispatch's backward
@@ -182,11 +186,12 @@ def combine_forms(rank, world_size, case: Case, slots: int, in_kernels: bool,
     EP-invariant Buffer (``kernels.invariant_rounds`` in one launch; its sums are in choice
     order, so only the dispatch is checked against the oracle, and it has no FP8 partials).
     ``fault_tolerant``: a fault-tolerant Buffer (every rank alive: the same bits).
-    Returns the digests and the launches."""
+    ``buffer_kwargs``: more of the Buffer's arguments (nodes through the proxy). Returns the
+    digests, the launches and the byte counters."""
     delay = random.Random(2000 * case.seed + rank)
     digests = []
     with _bounded_buffer(case, slots, in_kernels, ep_invariant=ep_invariant,
-                         fault_tolerant=fault_tolerant) as buf:
+                         fault_tolerant=fault_tolerant, **buffer_kwargs) as buf:
         for it in range(iterations):
             xs, idxs, ws = make_inputs(case, it)
             res = buf.dispatch(xs[rank], idxs[rank], ws[rank], expert_alignment=case.alignment)
@@ -203,7 +208,7 @@ def combine_forms(rank, world_size, case: Case, slots: int, in_kernels: bool,
             h = res.handle
             pair_sum, pairs = torch.ops.moe_comm.combine(
                 buf.id, y, res.weights, values, h.slot_of, h.slot_rows, h.recv_slot_offsets,
-                topk_idx=h.topk_idx, src_token=h.src_token)
+                *h.node_tensors(), topk_idx=h.topk_idx, src_token=h.src_token)
             # a gradient of each source's tokens (exact in every dtype): row t of rank s is
             # base[t] * (s + 1) * (it + 1); each received row must be its source token's
             base = ((torch.arange(case.max_tokens * case.hidden) % 11) * 0.125 - 0.5).reshape(
@@ -212,13 +217,14 @@ def combine_forms(rank, world_size, case: Case, slots: int, in_kernels: bool,
             time.sleep(delay.uniform(0, straggle_s))
             backward = torch.ops.moe_comm.dispatch_cached(
                 buf.id, grad, h.slot_of, h.slot_rows, h.recv_slot_offsets,
-                res.tokens_per_expert, res.expert_offsets, res.x.shape[0])
+                res.tokens_per_expert, res.expert_offsets, res.x.shape[0], *h.node_tensors())
             real = res.src_rank >= 0
             want = torch.where(real[:, None], base[res.src_token.clamp(min=0)]
                                * (res.src_rank[:, None] + 1) * (it + 1), 0).to(case.dtype)
             assert torch.equal(backward, want), (rank, it)
             digests.append(_digest(out, plain, fp8, pair_sum, pairs, backward))
-        return {"digests": digests, "launches": dict(buf.launches), "rounds": buf.rounds}
+        return {"digests": digests, "launches": dict(buf.launches), "rounds": buf.rounds,
+                "stats": buf.stats(), "internode": buf.internode_bytes()}
 
 
 def skip_one_op(rank, world_size, case: Case, slots: int, skipper: int, wait_timeout_s: float,

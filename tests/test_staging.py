@@ -627,22 +627,31 @@ def test_kills_between_rounds_ep_invariant_in_one_launch():
         [res["launches"] for res in survivors]
 
 
-def test_kills_between_rounds_across_nodes():
+@pytest.mark.parametrize("in_kernels, ep_invariant", [(False, False), (True, False),
+                                                      (True, True)],
+                         ids=["host_waits", "kernel_waits", "kernel_waits_ep_invariant"])
+def test_kills_between_rounds_across_nodes(in_kernels, ep_invariant):
     """Two nodes of two ranks, flat through the proxy, 2 slots per source: rank 1 (first node)
     dies after round 0 of its dispatch in call 1, rank 2 (second node) after round 0 of its
-    combine in call 2; its node peer excludes it at once, the other node after the timeout.
-    Every survivor's call equals the reference over the survivors."""
+    combine in call 2; with host waits its node peer excludes it at once, the other node after
+    the timeout; with waits in the kernels every survivor's ops run their rounds in one launch
+    (an EP-invariant Buffer's combine too), each excluding it after the timeout on the ranks of
+    its node. Every survivor's call equals the reference over the survivors."""
     pytest.importorskip("nixl_cu13")
     R = 4
     case = Case(R, 2 * R, 64, 2, (6, 7, 0, 5), seed=29)
     kills = {1: (1, "dispatch_round"), 2: (2, "combine_round")}
     with fresh_pool(R) as pool:
         results = pool.run(rounds_with_failures, case, kills, 4, 2, TIMEOUT_NODES_S,
+                           in_kernels=in_kernels, ep_invariant=ep_invariant,
                            may_die=tuple(kills), ranks_per_node=2, transport="nixl",
                            hierarchical=False)
     survivors = [res for r, res in enumerate(results) if r not in kills]
     assert all(res["rounds"] == 4 for res in survivors), survivors
     assert all(res["active"] == [True, False, False, True] for res in survivors), survivors
+    assert all(res["launches"].get("combine_rounds", 0) == (4 if in_kernels else 0)
+               and res["launches"].get("dispatch_rounds", 0) == (4 if in_kernels else 0)
+               for res in survivors), [res["launches"] for res in survivors]
 
 
 def test_one_launch_combines_give_the_bits_of_launches_per_round(ranks):
@@ -697,6 +706,34 @@ def test_one_launch_invariant_combines_give_the_bits_of_launches_per_round(ranks
         assert "combine_send" not in one_launch[r]["launches"], one_launch[r]
         assert "combine_rounds" not in per_round[r]["launches"], per_round[r]
         assert per_round[r]["launches"]["combine_send"] == 6 * case.max_tokens, per_round[r]
+
+
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "hierarchical"])
+def test_one_launch_invariant_combines_across_nodes_give_the_bits_of_launches_per_round(
+        ranks, hierarchical):
+    """2 nodes x 2 ranks through the proxy: an EP-invariant Buffer with waits in the kernels
+    runs its combine in rounds as one launch, flat and hierarchical alike (no forwarder takes
+    part in it; ``kernels.invariant_rounds``: the rows for homes on other nodes into the
+    outboxes, a descriptor each, the epoch after them): with weights, without and with per-row
+    values, rounds of two slots, stragglers: the bits, bytes and messages of the launches per
+    round."""
+    pytest.importorskip("nixl_cu13")
+    case = Case(4, 8, 128, 4, (7, 0, 5, 3), routing="zipf", seed=216)
+    kw = dict(ep_invariant=True, ranks_per_node=2, transport="nixl", hierarchical=hierarchical,
+              iterations=1)
+    per_round = ranks(4).run(combine_forms, case, 2, False, **kw)
+    one_launch = ranks(4).run(combine_forms, case, 2, True, straggle_s=0.02, **kw)
+    for r in range(4):
+        a, b = one_launch[r], per_round[r]
+        assert a["rounds"] == 4 and a["digests"] == b["digests"], r
+        assert a["launches"]["combine_rounds"] == 3, a["launches"]  # 3 combines a call
+        assert "combine_send" not in a["launches"], a["launches"]
+        assert "combine_rounds" not in b["launches"], b["launches"]
+        assert b["launches"]["combine_send"] == 3 * 4, b["launches"]
+        assert a["internode"] == b["internode"] and sum(a["internode"]["combine"]) > 0, r
+        for key in ("combine_bytes_to_peers", "combine_bytes_to_self",
+                    "combine_bytes_to_outbox", "internode_messages"):
+            assert a["stats"][key] == b["stats"][key], (r, key)
 
 
 @pytest.mark.parametrize("op", ["combine", "dispatch"])

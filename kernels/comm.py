@@ -455,9 +455,18 @@ def wait_relayed_epochs_kernel(
     timeout names rank ``first_rank + i * rank_step`` (a forwarder's node messages, ``node``
     ``a``'s from rank ``a * N + l``; its node's partials, rank ``b * N + i``)."""
     deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
-    _wait_named(words, 1, n, tl.load(epochs), 0, deadline,
-                errors_addr.to(tl.pointer_type(tl.int64)), words, first_rank, rank_step, BLOCK_R,
-                NUM_THREADS, False)
+    wait_relayed(words, n, tl.load(epochs), deadline, errors_addr.to(tl.pointer_type(tl.int64)),
+                 first_rank, rank_step, BLOCK_R, NUM_THREADS)
+
+
+@triton.jit
+def wait_relayed(words, n, expected, deadline_ns, errors, first_rank, rank_step,
+                 BLOCK: tl.constexpr, NUM_THREADS: tl.constexpr):
+    """:func:`wait_all_at_least` of ``n`` local words where word ``i`` is published for rank
+    ``first_rank + i * rank_step`` (the rank a timeout names; :func:`wait_relayed_epochs_kernel`
+    and the forwarder's pass of a combine in one launch, ``kernels.internode.forward_round``)."""
+    return _wait_named(words, 1, n, expected, 0, deadline_ns, errors, words, first_rank,
+                       rank_step, BLOCK, NUM_THREADS, False)
 
 
 @triton.jit(do_not_specialize=["errors_addr", "timeout_ns", "me"])

@@ -44,6 +44,8 @@ from .comm import (
     peer_ptr,
     publish_epoch,
     timed_out,
+    uniform_now_ns,
+    wait_relayed,
 )
 from .numerics import acc_zeros, cast_rne, channel_tile
 from .proxy import post_transfer
@@ -430,74 +432,150 @@ def forward_combine_kernel(
     the last program posts one transfer per source node to the source (this local index
     there)."""
     a = tl.program_id(0)
-    p = tl.program_id(1)
-    P = tl.num_programs(1)
-    M = R // N
     epoch = tl.load(epochs)
     parity = epoch % 2
-    my_node = me // N
     summed = tl.zeros([1], tl.int64)
+    if a != me // N:
+        summed += forward_node_sums(a, tl.program_id(1), tl.num_programs(1), parity, hc_rows,
+                                    hc_meta, box_rows, box_meta, fwd_slots, fwd_n, TMAX, H, K,
+                                    N, HC_PARITY, HC_META_PARITY, BOX_PARITY, BOX_META_PARITY,
+                                    KMAX, HAS_PAIR, ACC_FP64, EVEN_H, FP8, BLOCK_T, BLOCK_H,
+                                    BLOCK_K)
     stride = H * box_rows.dtype.element_ty.primitive_bitwidth // 8  # bytes between rows
-    if a != my_node:
-        n = tl.load(fwd_n + a)
-        hc = hc_rows + parity * HC_PARITY + a.to(tl.int64) * N * TMAX * H
-        box = box_rows + parity * BOX_PARITY + a.to(tl.int64) * TMAX * H
-        for j0 in range(p * BLOCK_T, n, P * BLOCK_T):
-            j = j0 + tl.arange(0, BLOCK_T)
-            jm = j < n
-            j64 = j.to(tl.int64)
-            for h0 in range(0, H, BLOCK_H):
-                h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
-                acc = acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64)
-                for dl in range(N):
-                    slot = tl.load(fwd_slots + (a * TMAX + j64) * N + dl, mask=jm,
-                                   other=-1).to(tl.int64)
-                    v = tl.load(hc + (dl * TMAX + slot)[:, None] * H + h[None, :],
-                                mask=(slot >= 0)[:, None] & hm[None, :], other=0.0)
-                    acc += v.to(acc.dtype)
-                if FP8:
-                    box8 = box.to(tl.pointer_type(tl.uint8), bitcast=True) + j64 * stride
-                    store_fp8_partials(acc, box8, jm, box8, jm, h0, h, hm, H, False, EVEN_H,
-                                       BLOCK_T, BLOCK_H)
-                else:
-                    tl.store(box + j64[:, None] * H + h[None, :],  # gate: row
-                             cast_rne(acc, box_rows.dtype.element_ty),
-                             mask=jm[:, None] & hm[None, :])
-            if HAS_PAIR:
-                kk = tl.arange(0, BLOCK_K)
-                m2 = jm[:, None] & (kk < K)[None, :]
-                pacc = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
-                hm_ = hc_meta + parity * HC_META_PARITY + a.to(tl.int64) * N * TMAX * KMAX
-                for dl in range(N):
-                    slot = tl.load(fwd_slots + (a * TMAX + j64) * N + dl, mask=jm,
-                                   other=-1).to(tl.int64)
-                    pacc += tl.load(hm_ + (dl * TMAX + slot)[:, None] * KMAX + kk[None, :],
-                                    mask=m2 & (slot >= 0)[:, None], other=0.0)
-                bm_ = box_meta + parity * BOX_META_PARITY + a.to(tl.int64) * TMAX * KMAX
-                tl.store(bm_ + j64[:, None] * KMAX + kk[None, :], pacc, mask=m2)
-            summed += tl.sum(jm.to(tl.int64), axis=0)
     row_bytes = stride
     if FP8:
         row_bytes = H + 4 * (H // 128)
     tl.atomic_add(xstats + 1 + tl.arange(0, 1), summed * (row_bytes + HAS_PAIR * 4 * K),
                   sem="relaxed")
-    if draw_last_of(tickets, tl.num_programs(0) * P):
+    if draw_last_of(tickets, tl.num_programs(0) * tl.num_programs(1)):
         if not timed_out(errors_addr.to(tl.pointer_type(tl.int64)), NUM_THREADS):
-            for a2 in range(M):
-                if a2 != my_node:
-                    n2 = tl.load(fwd_n + a2).to(tl.int64)
-                    if one_thread():
-                        post_transfer(
-                            ring_addr, RING_SLOTS, a2 * N + me % N, _at(plan, COMB_SIGNAL), epoch,
-                            1 + HAS_PAIR,
-                            _off(plan, PXC_ROWS, parity, a2),
-                            _at(plan, HCOMB_ROWS) + parity * _at(plan, HCOMB_ROWS_PAR),
-                            row_bytes, stride, n2,
-                            _off(plan, PXC_META, parity, a2),
-                            _at(plan, HCOMB_META) + parity * _at(plan, HCOMB_META_PAR),
-                            4 * K, 4 * KMAX, n2,
-                            0, 0, 0, 0, 0,
-                            errors_addr.to(tl.pointer_type(tl.int64)), timeout_ns)
+            if one_thread():
+                post_node_sums(plan, fwd_n, epoch, parity, R, N, me, row_bytes, stride, K, KMAX,
+                               HAS_PAIR, ring_addr, RING_SLOTS,
+                               errors_addr.to(tl.pointer_type(tl.int64)), timeout_ns)
+
+
+@triton.jit
+def forward_node_sums(a, p, P, parity, hc_rows, hc_meta, box_rows, box_meta, fwd_slots, fwd_n,
+                      TMAX, H, K, N, HC_PARITY, HC_META_PARITY, BOX_PARITY, BOX_META_PARITY,
+                      KMAX: tl.constexpr, HAS_PAIR: tl.constexpr, ACC_FP64: tl.constexpr,
+                      EVEN_H: tl.constexpr, FP8: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``p`` of ``P`` on node ``a``'s rows (another node; ``fwd_slots`` [M, TMAX, N]
+    and ``fwd_n`` [M] of the round): each node row's sum of this node's partials in local-rank
+    order (``hc_rows`` of ``parity``) into the outbox slice for node ``a``, with the summed
+    pair values (``HAS_PAIR``); :func:`forward_combine_kernel`'s arguments. Returns the rows
+    this program summed ([1] int64). Equivalent::
+
+        for j in range(p * BLOCK_T, fwd_n[a]) (tiles of BLOCK_T, every P-th):
+            box[parity, a, j] = sum(hc[parity, a, dl, fwd_slots[a, j, dl]] for dl in range(N)
+                                    if fwd_slots[a, j, dl] >= 0)   # fp32, rounded once
+    """
+    summed = tl.zeros([1], tl.int64)
+    stride = H * box_rows.dtype.element_ty.primitive_bitwidth // 8  # bytes between rows
+    n = tl.load(fwd_n + a)
+    hc = hc_rows + parity * HC_PARITY + tl.cast(a, tl.int64) * N * TMAX * H
+    box = box_rows + parity * BOX_PARITY + tl.cast(a, tl.int64) * TMAX * H
+    for j0 in range(p * BLOCK_T, n, P * BLOCK_T):
+        j = j0 + tl.arange(0, BLOCK_T)
+        jm = j < n
+        j64 = j.to(tl.int64)
+        for h0 in range(0, H, BLOCK_H):
+            h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
+            acc = acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64)
+            for dl in range(N):
+                slot = tl.load(fwd_slots + (a * TMAX + j64) * N + dl, mask=jm,
+                               other=-1).to(tl.int64)
+                v = tl.load(hc + (dl * TMAX + slot)[:, None] * H + h[None, :],
+                            mask=(slot >= 0)[:, None] & hm[None, :], other=0.0)
+                acc += v.to(acc.dtype)
+            if FP8:
+                box8 = box.to(tl.pointer_type(tl.uint8), bitcast=True) + j64 * stride
+                store_fp8_partials(acc, box8, jm, box8, jm, h0, h, hm, H, False, EVEN_H,
+                                   BLOCK_T, BLOCK_H)
+            else:
+                tl.store(box + j64[:, None] * H + h[None, :],  # gate: row
+                         cast_rne(acc, box_rows.dtype.element_ty),
+                         mask=jm[:, None] & hm[None, :])
+        if HAS_PAIR:
+            kk = tl.arange(0, BLOCK_K)
+            m2 = jm[:, None] & (kk < K)[None, :]
+            pacc = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+            hm_ = hc_meta + parity * HC_META_PARITY + tl.cast(a, tl.int64) * N * TMAX * KMAX
+            for dl in range(N):
+                slot = tl.load(fwd_slots + (a * TMAX + j64) * N + dl, mask=jm,
+                               other=-1).to(tl.int64)
+                pacc += tl.load(hm_ + (dl * TMAX + slot)[:, None] * KMAX + kk[None, :],
+                                mask=m2 & (slot >= 0)[:, None], other=0.0)
+            bm_ = box_meta + parity * BOX_META_PARITY + tl.cast(a, tl.int64) * TMAX * KMAX
+            tl.store(bm_ + j64[:, None] * KMAX + kk[None, :], pacc, mask=m2)
+        summed += tl.sum(jm.to(tl.int64), axis=0)
+    return summed
+
+
+@triton.jit
+def post_node_sums(plan, fwd_n, epoch, parity, R, N, me, row_bytes, row_stride, K,
+                   KMAX: tl.constexpr, HAS_PAIR: tl.constexpr, ring_addr, RING_SLOTS, errors,
+                   timeout_ns):
+    """To the home with this rank's local index on every other node ``a2``: one transfer of
+    its ``fwd_n[a2]`` node sums (``row_bytes`` of each, ``row_stride`` apart, and their pair
+    values) from the outbox of ``parity``; the proxy raises the combine signal there to
+    ``epoch`` after them (call from one thread, after every program's sums)."""
+    for a2 in range(R // N):
+        if a2 != me // N:
+            n2 = tl.load(fwd_n + a2).to(tl.int64)
+            post_transfer(
+                ring_addr, RING_SLOTS, a2 * N + me % N, _at(plan, COMB_SIGNAL), epoch,
+                1 + HAS_PAIR,
+                _off(plan, PXC_ROWS, parity, a2),
+                _at(plan, HCOMB_ROWS) + parity * _at(plan, HCOMB_ROWS_PAR),
+                row_bytes, row_stride, n2,
+                _off(plan, PXC_META, parity, a2),
+                _at(plan, HCOMB_META) + parity * _at(plan, HCOMB_META_PAR),
+                4 * K, 4 * KMAX, n2,
+                0, 0, 0, 0, 0, errors, timeout_ns)
+
+
+@triton.jit
+def forward_round(pid, programs, epoch, parity, plan, hc_rows, hc_meta, box_rows, box_meta,
+                  fwd_slots, fwd_n, xstats, tickets, local_base, ring_addr, RING_SLOTS, errors,
+                  timeout_ns, TMAX, H, K, R, N, me, HC_PARITY, HC_META_PARITY, BOX_PARITY,
+                  BOX_META_PARITY, KMAX: tl.constexpr, HAS_PAIR: tl.constexpr,
+                  ACC_FP64: tl.constexpr, EVEN_H: tl.constexpr, FP8: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr):
+    """The forwarder's pass of a hierarchical combine round in a launch of every round
+    (``kernels.combine_rounds``; program ``pid`` of ``programs``, ``fwd_slots`` / ``fwd_n`` the
+    round's): waits, bounded, for the partials of ``epoch`` from every rank of this node
+    (``hc_signals``; a timeout names the rank), sums every other node's rows
+    (:func:`forward_node_sums`, row tiles dealt over the programs) and, in the last program to
+    draw from ``tickets``, posts one transfer per other node (:func:`post_node_sums`), as
+    :func:`forward_combine_kernel` after the host's wait. Returns whether the wait was met."""
+    my_node = me // N
+    words = local_ptr(local_base, _at(plan, HC_SIGNALS), tl.int64, 8)
+    ok = wait_relayed(words, N, epoch, uniform_now_ns(NUM_THREADS) + timeout_ns, errors,
+                      my_node * N, 1, BLOCK_R, NUM_THREADS)
+    summed = tl.zeros([1], tl.int64)
+    if ok:
+        for a in range(R // N):
+            if a != my_node:
+                summed += forward_node_sums(a, pid, programs, parity, hc_rows, hc_meta,
+                                            box_rows, box_meta, fwd_slots, fwd_n, TMAX, H, K, N,
+                                            HC_PARITY, HC_META_PARITY, BOX_PARITY,
+                                            BOX_META_PARITY, KMAX, HAS_PAIR, ACC_FP64, EVEN_H,
+                                            FP8, BLOCK_T, BLOCK_H, BLOCK_K)
+    stride = H * box_rows.dtype.element_ty.primitive_bitwidth // 8  # bytes between rows
+    row_bytes = stride
+    if FP8:
+        row_bytes = H + 4 * (H // 128)
+    tl.atomic_add(xstats + 1 + tl.arange(0, 1), summed * (row_bytes + HAS_PAIR * 4 * K),
+                  sem="relaxed")
+    if draw_last_of(tickets, programs):  # every program's sums are in the outbox
+        if ok and not timed_out(errors, NUM_THREADS):
+            if one_thread():
+                post_node_sums(plan, fwd_n, epoch, parity, R, N, me, row_bytes, stride, K, KMAX,
+                               HAS_PAIR, ring_addr, RING_SLOTS, errors, timeout_ns)
+    return ok
 
 
 @triton.jit

@@ -225,13 +225,15 @@ def _combine_send_trips(a: dict) -> int:
 
 
 def combine_round_trips(R: int, W: int, K: int, H: int, programs: int, send_block_t: int,
-                        reduce_t: int, reduce_h: int) -> int:
+                        reduce_t: int, reduce_h: int, forwarded_nodes: int = 0) -> int:
     """Serial trips of one round of ``kernels.combine_rounds`` on ``programs`` programs: the
     send's tiles of the slots a rank holds (at uniform routing) and the reduce's (token,
-    channel) tiles of the round's ``W`` tokens. Counted per round: the rounds are the ring's
-    passes, which launches per round also run one after another."""
+    channel) tiles of the round's ``W`` tokens; hierarchical, the forwarder's row tiles of
+    ``forwarded_nodes`` other nodes' messages (at most ``W`` rows each). Counted per round:
+    the rounds are the ring's passes, which launches per round also run one after another."""
     return (_cdiv(R * uniform_slots(W, R, K), send_block_t * programs)
-            + _cdiv(_cdiv(W, reduce_t) * _cdiv(H, reduce_h), programs))
+            + _cdiv(_cdiv(W, reduce_t) * _cdiv(H, reduce_h), programs)
+            + _cdiv(forwarded_nodes * _cdiv(W, send_block_t), programs))
 
 
 def dispatch_round_trips(R: int, W: int, K: int, programs: int, send_block_t: int,
@@ -289,7 +291,7 @@ SCHEDULES = {
         a["R"], a["W"], a["K"], a["programs"], a["BLOCK_T"], a["EXPAND_T"])),
     "combine_rounds_kernel": Schedule(PERSISTENT, lambda a: combine_round_trips(
         a["R"], a["W"], a["K"], a["H"], a["programs"], a["BLOCK_T"], a["REDUCE_T"],
-        a["REDUCE_H"])),
+        a["REDUCE_H"], a["HIER"] and a["R"] // a["N"] - 1)),
     "invariant_rounds_kernel": Schedule(PERSISTENT, lambda a: combine_round_trips(
         a["R"], a["W"], a["K"], a["H"], a["programs"], a["BLOCK_T"], a["REDUCE_T"],
         a["REDUCE_H"])),

@@ -397,17 +397,15 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         # waits in the kernels, every peer reached by stores (fault tolerance too: one program
         # decides each round's sources, kernels.comm.wait_or_exclude_once), or with other
         # nodes through the proxy, flat (fault tolerance too: an exclusion reaches the ranks of
-        # this node; the EP-invariant combine hierarchical too: no forwarder takes part in
-        # it); and on GPUs a ring small enough for the launch's programs. Across hosts over
-        # NVSHMEM: every combine and dispatch (no fault tolerance, no EP-invariant combine
-        # there)
+        # this node) or hierarchical (each round's forwarder pass in the launch; the
+        # EP-invariant combine has none); and on GPUs a ring small enough for the launch's
+        # programs. Across hosts over NVSHMEM: every combine and dispatch (no fault tolerance,
+        # no EP-invariant combine there)
         f = self.flavour
         self.own_process = own_process
         rounds_in_kernels = own_process and layout.rounds > 1 and f.device_wait
         combine_launch = rounds_in_kernels and f.transport in (0, 1) and proxy is None
-        flat_proxy = (rounds_in_kernels and proxy is not None and not layout.hierarchical
-                      and not self.ep_invariant)
-        invariant_proxy = rounds_in_kernels and proxy is not None and self.ep_invariant
+        proxy_combine = rounds_in_kernels and proxy is not None
         # fault tolerance: the word in which that program publishes each round's decision;
         # a dispatch's one launch: its own two (its decisions, the epoch whose outputs it
         # filled) and the [rounds, R] sources of its rounds (row 0: round 0's send writes it)
@@ -422,7 +420,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                                    else self._ft_dispatch_live[0])
         elem = self._row_bytes // self.hidden
         self._combine_in_one_launch = {  # (FP8 partials, values per row) ->
-            (fp8, pair): (combine_launch or flat_proxy or invariant_proxy) and (
+            (fp8, pair): (combine_launch or proxy_combine) and (
                 not fp8 and fits_invariant_rounds(
                     self.world_size, layout.ring_slots, self.hidden, self.max_topk,
                     self.num_sms, f, elem) if self.ep_invariant

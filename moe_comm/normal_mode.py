@@ -33,7 +33,8 @@ runs in a process of its own with waits in the kernels (GPUs, or CPU ranks with
 ``MOE_COMM_WAIT=kernel``): there one launch runs a combine's rounds (``kernels.combine_rounds``:
 each round's send, wait and reduce; fault-tolerant too, each round's sources decided once for
 every program of the launch; across nodes through the proxy too, flat (fault-tolerant too),
-its last program posting each round's transfers; EP-invariant:
+its last program posting each round's transfers, or hierarchical, each round's forwarder pass
+in the launch, ``kernels.internode.forward_round``; EP-invariant:
 ``kernels.invariant_rounds``, through the proxy flat or hierarchical)
 and one launch a dispatch's after its round 0 is sent and laid out (``kernels.dispatch_rounds``:
 round 0's expand, then each later round's send, wait and expand; fault-tolerant too, where
@@ -53,8 +54,9 @@ send fills the outboxes with the window's rows for other nodes and posts one des
 (flat: the send itself) or per node (hierarchical: ``_send_other_nodes``, a launch per round);
 hierarchical, each round adds the forwarder's pass
 (``_forward_dispatch`` after the round's send, ``_forward_combine`` after the round's combine
-send), which waits for the round's messages from other nodes and stores their rows into its
-node's staging. The ring positions and the rounds' counts are one launch
+send, where the combine launches per round), which waits for the round's messages from other
+nodes (the dispatch; the combine: this node's partials) and stores their rows into its node's
+staging (the combine: sums them and sends one row per token home). The ring positions and the rounds' counts are one launch
 (``kernels.layout.ring_positions``), the rounds' slot offsets torch ops (written by the one
 launch where there is one).
 A window holds at most ``W`` tokens, so at most ``W`` rows for any rank and at most ``W`` rows in
@@ -146,8 +148,9 @@ class PendingSend:
     # a dispatch of several rounds (not cached): what its rounds send
     stream: Stream | None = None
     # a combine whose rounds run in one launch (kernels.combine_rounds, kernels.invariant_rounds),
-    # nothing sent yet: ``all_rounds(ring, out, pair_out, topk_idx)`` launches it (``topk_idx``:
-    # the dispatch's, which the EP-invariant combine reads); a cached dispatch likewise
+    # nothing sent yet: ``all_rounds(ring, out, pair_out, topk_idx, node_slot_of)`` launches it
+    # (the dispatch's ``topk_idx``, which the EP-invariant combine reads, and node rows, which a
+    # hierarchical combine's node sums are found by); a cached dispatch likewise
     # (kernels.dispatch_rounds): ``all_rounds(slot_rows, slot_offsets, tokens_per_expert,
     # expert_offsets, out)``
     all_rounds: Callable | None = None
@@ -800,7 +803,7 @@ class NormalMode:
             self._start_later_rounds(COMBINE)
             all_rounds = (functools.partial(self._invariant_rounds, src_token)
                           if self.ep_invariant else
-                          functools.partial(self._combine_rounds, fp8))
+                          functools.partial(self._combine_rounds, fp8, fwd_slots, fwd_n))
             return PendingSend(COMBINE, epoch, topk=topk, has_weights=weights is not None,
                                fp8=int(fp8), all_rounds=functools.partial(
                                    all_rounds, y, weights, pair_values, slot_rows,
@@ -857,13 +860,16 @@ class NormalMode:
             self._forward_combine(self._epochs[COMBINE], *self._round_nodes(fwd_slots, fwd_n, i),
                                   slot_rows.shape[1], pair_values is not None, fp8)
 
-    def _combine_rounds(self, fp8: bool, y, weights, pair_values, slot_rows, slot_offsets,
-                        ring, out, pair_out, topk_idx=None) -> torch.Tensor | None:
+    def _combine_rounds(self, fp8: bool, fwd_slots, fwd_n, y, weights, pair_values, slot_rows,
+                        slot_offsets, ring, out, pair_out, topk_idx=None,
+                        node_slot_of=None) -> torch.Tensor | None:
         """A whole combine of several rounds in one launch (``kernels.combine_rounds``): into
         ``out`` [T, H] and ``pair_out`` (None without pair values), ``ring``: the dispatch's
-        ring positions (``topk_idx``: the EP-invariant combine's, not read here). Returns
-        what the rounds heard (``_rounds_live``'s form): fault-tolerant, ``[rounds, R]`` int32
-        written by the launch; else None."""
+        ring positions (``topk_idx``: the EP-invariant combine's, not read here); hierarchical,
+        the dispatch's ``fwd_slots``, ``fwd_n`` and ``node_slot_of`` (its node rows) for each
+        round's forwarder pass and node sums. Returns what the rounds heard
+        (``_rounds_live``'s form): fault-tolerant, ``[rounds, R]`` int32 written by the launch;
+        else None."""
         fixed = self._offsets.get(("rounds", COMBINE))
         if fixed is None:  # made once: the bound launch is found by these tensors' ids
             (_, epochs), offsets, _ = self._send_fixed(COMBINE)
@@ -881,8 +887,19 @@ class NormalMode:
             num_sms=self.num_sms, flavour=self.flavour, fp8=fp8, bound=self._bound,
             scratch=self._scratch, live=live, decided=self._ft_decided,
             xstats=self._xstats if self.proxy is not None else None, plan=self._plan,
-            box_offsets=boxes)
+            box_offsets=boxes, node=self._forwarder_tensors(node_slot_of, fwd_slots, fwd_n))
         return live
+
+    def _forwarder_tensors(self, node_slot_of, fwd_slots, fwd_n) -> tuple | None:
+        """Hierarchical: ``kernels.combine_rounds``' ``node`` (the hcomb, hc and combine
+        outbox regions, the dispatch's node rows, ``fwd_slots`` and ``fwd_n``, the forwarder
+        pass's ticket word); else None."""
+        if not self.hierarchical:
+            return None
+        view, ticket = self._region, combine_rounds_kernels.FORWARD_TICKET
+        return (view("hcomb_rows"), view("hcomb_meta"), node_slot_of, view("hc_rows"),
+                view("hc_meta"), view("px_combine_rows"), view("px_combine_meta"), fwd_slots,
+                fwd_n, self._ticket_words[ticket:ticket + 1])
 
     def _rounds_live_words(self) -> torch.Tensor | None:
         """Fault tolerance: ``[rounds, R]`` int32 for a combine's rounds in one launch to write
@@ -893,10 +910,10 @@ class NormalMode:
                            device=self.device)
 
     def _invariant_rounds(self, src_token, y, weights, pair_values, slot_rows, slot_offsets,
-                          ring, out, pair_out, topk_idx) -> torch.Tensor | None:
+                          ring, out, pair_out, topk_idx, node_slot_of=None) -> torch.Tensor | None:
         """A whole EP-invariant combine of several rounds in one launch
         (``kernels.invariant_rounds``): as :meth:`_combine_rounds`, with the dispatch's
-        ``src_token`` and ``topk_idx``."""
+        ``src_token`` and ``topk_idx`` (no forwarder takes part: ``node_slot_of`` unused)."""
         fixed = self._offsets.get(("rounds", "inv"))
         if fixed is None:  # made once: the bound launch is found by these tensors' ids
             ticket = invariant_rounds_kernels.ROUNDS_TICKET  # its own: not the send grid
@@ -934,7 +951,7 @@ class NormalMode:
                                device=dev)
         if pending.all_rounds is not None:  # (slot_of: the dispatch's ring positions)
             self._combine_live = pending.all_rounds(slot_of, out, pair_out if want_pair else None,
-                                                    topk_idx)
+                                                    topk_idx, node_slot_of)
             self._check_usable("combine")  # its waits ran in the kernel: a timeout shows now
             return out, pair_out
         self._wait(pending)

@@ -30,7 +30,11 @@ def new_buffer(case: Case, **kwargs) -> moe_comm.Buffer:
                            max_tokens_per_rank=case.max_tokens, dtype=case.dtype, **kwargs)
 
 
-def check_against_oracle(rank, case, it, res, out, xs, idxs, ws, ys_all=None):
+def check_against_oracle(rank, case, it, res, out, xs, idxs, ws, ys_all=None,
+                         hierarchical_nodes: int | None = None):
+    """``res`` (and ``out``, a combine with the dispatch's weights, unless None) bit for bit
+    against the all-ranks reference (``hierarchical_nodes``: sums in node order, as a
+    hierarchical Buffer's across nodes of that many ranks)."""
     want = reference.dispatch_all(xs, idxs, ws, num_experts=case.num_experts,
                                   expert_alignment=case.alignment)
     for field in FIELDS:
@@ -42,7 +46,8 @@ def check_against_oracle(rank, case, it, res, out, xs, idxs, ws, ys_all=None):
     if out is None:  # (the dispatch alone)
         return
     ys = [expert_fn(w.x, w.expert_offsets) for w in want]
-    ref_out = reference.combine_all(ys, [w.handle for w in want], [w.weights for w in want])
+    ref_out = reference.combine_all(ys, [w.handle for w in want], [w.weights for w in want],
+                                    hierarchical_nodes=hierarchical_nodes)
     assert torch.equal(out, ref_out[rank]), f"rank {rank}: combine differs in iteration {it}"
 
 

@@ -199,7 +199,8 @@ def combine_forms(rank, world_size, case: Case, slots: int, in_kernels: bool,
             time.sleep(delay.uniform(0, straggle_s))
             out = buf.combine(y, res.handle, weights=res.weights)
             check_against_oracle(rank, case, it, res, None if ep_invariant else out, xs, idxs,
-                                 ws)
+                                 ws, hierarchical_nodes=buf.ranks_per_node if buf.hierarchical
+                                 else None)
             time.sleep(delay.uniform(0, straggle_s))
             plain = buf.combine(y, res.handle)
             fp8 = None if ep_invariant else buf.combine(y, res.handle, weights=res.weights,

@@ -441,10 +441,7 @@ def forward_combine_kernel(
                                     N, HC_PARITY, HC_META_PARITY, BOX_PARITY, BOX_META_PARITY,
                                     KMAX, HAS_PAIR, ACC_FP64, EVEN_H, FP8, BLOCK_T, BLOCK_H,
                                     BLOCK_K)
-    stride = H * box_rows.dtype.element_ty.primitive_bitwidth // 8  # bytes between rows
-    row_bytes = stride
-    if FP8:
-        row_bytes = H + 4 * (H // 128)
+    row_bytes, stride = node_sum_bytes(box_rows, H, FP8)
     tl.atomic_add(xstats + 1 + tl.arange(0, 1), summed * (row_bytes + HAS_PAIR * 4 * K),
                   sem="relaxed")
     if draw_last_of(tickets, tl.num_programs(0) * tl.num_programs(1)):
@@ -453,6 +450,17 @@ def forward_combine_kernel(
                 post_node_sums(plan, fwd_n, epoch, parity, R, N, me, row_bytes, stride, K, KMAX,
                                HAS_PAIR, ring_addr, RING_SLOTS,
                                errors_addr.to(tl.pointer_type(tl.int64)), timeout_ns)
+
+
+@triton.jit
+def node_sum_bytes(box_rows, H, FP8: tl.constexpr):
+    """``(bytes of a node sum on the link, bytes between outbox rows)``: a row of the outbox's
+    dtype, or with FP8 its codes and scales (``kernels.rows`` layout)."""
+    stride = H * box_rows.dtype.element_ty.primitive_bitwidth // 8
+    row_bytes = stride
+    if FP8:
+        row_bytes = H + 4 * (H // 128)
+    return row_bytes, stride
 
 
 @triton.jit
@@ -564,10 +572,7 @@ def forward_round(pid, programs, epoch, parity, plan, hc_rows, hc_meta, box_rows
                                             HC_PARITY, HC_META_PARITY, BOX_PARITY,
                                             BOX_META_PARITY, KMAX, HAS_PAIR, ACC_FP64, EVEN_H,
                                             FP8, BLOCK_T, BLOCK_H, BLOCK_K)
-    stride = H * box_rows.dtype.element_ty.primitive_bitwidth // 8  # bytes between rows
-    row_bytes = stride
-    if FP8:
-        row_bytes = H + 4 * (H // 128)
+    row_bytes, stride = node_sum_bytes(box_rows, H, FP8)
     tl.atomic_add(xstats + 1 + tl.arange(0, 1), summed * (row_bytes + HAS_PAIR * 4 * K),
                   sem="relaxed")
     if draw_last_of(tickets, programs):  # every program's sums are in the outbox

@@ -56,9 +56,9 @@ hierarchical, each round adds the forwarder's pass
 (``_forward_dispatch`` after the round's send, ``_forward_combine`` after the round's combine
 send, where the combine launches per round), which waits for the round's messages from other
 nodes (the dispatch; the combine: this node's partials) and stores their rows into its node's
-staging (the combine: sums them and sends one row per token home). The ring positions and the rounds' counts are one launch
-(``kernels.layout.ring_positions``), the rounds' slot offsets torch ops (written by the one
-launch where there is one).
+staging (the combine: sums them and sends one row per token home). The ring positions and
+the rounds' counts are one launch (``kernels.layout.ring_positions``), the rounds' slot
+offsets torch ops (written by the one launch where there is one).
 A window holds at most ``W`` tokens, so at most ``W`` rows for any rank and at most ``W`` rows in
 any node's message. The order that makes it safe, in each place the kernels run: a rank's send of
 round ``i`` needs nothing but its own inputs (the parity it writes was last read in round ``i - 2``,

@@ -331,15 +331,16 @@ MUTANTS = (
            "kernels/combine_rounds.py",
            "hc_box_rows, hc_box_meta, fwd_slots + i * (R // N) * W * N,",
            "hc_box_rows, hc_box_meta, fwd_slots,",
-           (ST + "test_hierarchical_combines_in_one_launch_give_the_bits_of_launches_per_round",)),
+           (ST + "test_one_launch_combines_across_nodes_give_the_bits_of_launches_per_round["
+            "hierarchical]",)),
     Mutant("proxy_one_launch_invariant_outbox_bytes_uncounted",
            "the stats count the bytes written into the outboxes (an EP-invariant combine in "
            "one launch through the proxy too)",
            "kernels/invariant_rounds.py",
            "slot_offsets + i * OFFSETS_STRIDE, src_token, peer_ptrs, stats, xstats,",
            "slot_offsets + i * OFFSETS_STRIDE, src_token, peer_ptrs, stats, stats,",
-           (ST + "test_one_launch_invariant_combines_across_nodes_give_the_bits_of_launches_per_"
-            "round[flat]",)),
+           (ST + "test_one_launch_combines_across_nodes_give_the_bits_of_launches_per_round["
+            "invariant-flat]",)),
     Mutant("proxy_one_launch_combine_partials_by_stores_alone",
            "a combine in one launch across nodes through the proxy puts the partials for other "
            "nodes into the outbox and posts them",

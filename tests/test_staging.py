@@ -556,33 +556,6 @@ def test_hierarchical_nodes_in_rounds_match_reference(ranks):
                              "dispatch_bytes_forwarded", "combine_bytes_to_forwarders"))
 
 
-def test_hierarchical_combines_in_one_launch_give_the_bits_of_launches_per_round(ranks):
-    """2 nodes x 2 ranks through the proxy, hierarchical, rings of two slots (4 rounds a call),
-    waits in the kernels: every combine runs its rounds in one launch, each round's forwarder
-    pass in it (``kernels.internode.forward_round``: this node's partials for the other node
-    summed in local-rank order, one transfer per node home), with weights, without, FP8
-    partials and per-row values, stragglers: the bits, bytes and messages of the launches per
-    round."""
-    pytest.importorskip("nixl_cu13")
-    case = Case(4, 8, 128, 4, (7, 0, 5, 3), routing="zipf", seed=217)
-    kw = dict(ranks_per_node=2, transport="nixl", hierarchical=True, iterations=1)
-    per_round = ranks(4).run(combine_forms, case, 2, False, **kw)
-    one_launch = ranks(4).run(combine_forms, case, 2, True, straggle_s=0.02, **kw)
-    for r in range(4):
-        a, b = one_launch[r], per_round[r]
-        assert a["rounds"] == 4 and a["digests"] == b["digests"], r
-        assert a["launches"]["combine_rounds"] == 4, a["launches"]  # 4 combines a call
-        for name in ("combine_send", "combine_forward", "combine_reduce"):
-            assert name not in a["launches"], (name, a["launches"])
-        assert b["launches"]["combine_forward"] == 4 * 4, b["launches"]
-        assert a["internode"] == b["internode"], r
-        for key in ("combine_bytes_to_peers", "combine_bytes_to_self",
-                    "combine_bytes_to_outbox", "combine_bytes_to_forwarders",
-                    "internode_messages"):
-            assert a["stats"][key] == b["stats"][key], (r, key)
-    assert all(sum(one_launch[r]["internode"]["combine"]) > 0 for r in (0, 1, 2)), one_launch
-
-
 @pytest.mark.parametrize("fmt", [dict(fp8=True, ue8m0=True, combine_dtype="fp8"),
                                  dict(fp8=None, dispatch_dtype="mxfp8")],
                          ids=["fp8-ue8m0", "mxfp8"])
@@ -735,32 +708,41 @@ def test_one_launch_invariant_combines_give_the_bits_of_launches_per_round(ranks
         assert per_round[r]["launches"]["combine_send"] == 6 * case.max_tokens, per_round[r]
 
 
-@pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "hierarchical"])
-def test_one_launch_invariant_combines_across_nodes_give_the_bits_of_launches_per_round(
-        ranks, hierarchical):
-    """2 nodes x 2 ranks through the proxy: an EP-invariant Buffer with waits in the kernels
-    runs its combine in rounds as one launch, flat and hierarchical alike (no forwarder takes
-    part in it; ``kernels.invariant_rounds``: the rows for homes on other nodes into the
-    outboxes, a descriptor each, the epoch after them): with weights, without and with per-row
-    values, rounds of two slots, stragglers: the bits, bytes and messages of the launches per
-    round."""
+@pytest.mark.parametrize("ep_invariant, hierarchical", [(True, False), (True, True),
+                                                       (False, True)],
+                         ids=["invariant-flat", "invariant-hierarchical", "hierarchical"])
+def test_one_launch_combines_across_nodes_give_the_bits_of_launches_per_round(
+        ranks, ep_invariant, hierarchical):
+    """2 nodes x 2 ranks through the proxy, rings of two slots (4 rounds a call), waits in the
+    kernels: every combine runs its rounds in one launch. The EP-invariant combine, flat and
+    hierarchical alike (no forwarder takes part; ``kernels.invariant_rounds``: the rows for
+    homes on other nodes into the outboxes, a descriptor each, the epoch after them); the
+    hierarchical combine with each round's forwarder pass in the launch
+    (``kernels.internode.forward_round``: this node's partials for the other node summed in
+    local-rank order, one transfer per node home), its sums against the reference in node order.
+    With weights, without, FP8 partials (not EP-invariant) and per-row values, stragglers: the
+    bits, bytes and messages of the launches per round."""
     pytest.importorskip("nixl_cu13")
     case = Case(4, 8, 128, 4, (7, 0, 5, 3), routing="zipf", seed=216)
-    kw = dict(ep_invariant=True, ranks_per_node=2, transport="nixl", hierarchical=hierarchical,
-              iterations=1)
+    kw = dict(ep_invariant=ep_invariant, ranks_per_node=2, transport="nixl",
+              hierarchical=hierarchical, iterations=1)
     per_round = ranks(4).run(combine_forms, case, 2, False, **kw)
     one_launch = ranks(4).run(combine_forms, case, 2, True, straggle_s=0.02, **kw)
+    combines = 3 if ep_invariant else 4  # a call's (combine_forms)
     for r in range(4):
         a, b = one_launch[r], per_round[r]
         assert a["rounds"] == 4 and a["digests"] == b["digests"], r
-        assert a["launches"]["combine_rounds"] == 3, a["launches"]  # 3 combines a call
-        assert "combine_send" not in a["launches"], a["launches"]
+        assert a["launches"]["combine_rounds"] == combines, a["launches"]
+        for name in ("combine_send", "combine_forward", "combine_reduce"):
+            assert name not in a["launches"], (name, a["launches"])
         assert "combine_rounds" not in b["launches"], b["launches"]
-        assert b["launches"]["combine_send"] == 3 * 4, b["launches"]
-        assert a["internode"] == b["internode"] and sum(a["internode"]["combine"]) > 0, r
+        assert b["launches"]["combine_send"] == combines * 4, b["launches"]
+        assert a["internode"] == b["internode"], r
         for key in ("combine_bytes_to_peers", "combine_bytes_to_self",
-                    "combine_bytes_to_outbox", "internode_messages"):
+                    "combine_bytes_to_outbox", "combine_bytes_to_forwarders",
+                    "internode_messages"):
             assert a["stats"][key] == b["stats"][key], (r, key)
+    assert sum(sum(rep["internode"]["combine"]) for rep in one_launch) > 0
 
 
 @pytest.mark.parametrize("op", ["combine", "dispatch"])

@@ -224,11 +224,13 @@ def rounds_grid(num_sms: int | None, flavour: Flavour) -> int:
     return num_sms if flavour.compiled and num_sms else 1
 
 
-def reduce_tiles(compiled: bool, hidden: int, elem_bytes: int, fp8: bool):
+def reduce_tiles(compiled: bool, hidden: int, elem_bytes: int, fp8: bool, hier: bool = False):
     """The reduce's tiles in :func:`combine_rounds_kernel`: fp32 sums (fp64 for fp64 rows);
     FP8 partials, dequantized on the way, in tiles of half the channels (at DeepSeek-V3 sizes
-    a full tile's sums and codes spill beside what the send holds)."""
-    return tiles("combine_rounds_reduce", compiled, hidden, 8 if fp8 else max(4, elem_bytes))
+    a full tile's sums and codes spill beside what the send holds); ``hier`` (hierarchical,
+    not FP8): in tiles of fewer tokens (``kernels.tiles``)."""
+    kernel = "combine_rounds_reduce_hier" if hier and not fp8 else "combine_rounds_reduce"
+    return tiles(kernel, compiled, hidden, 8 if fp8 else max(4, elem_bytes))
 
 
 def send_tiles(flavour: Flavour, hidden: int, elem_bytes: int, pair: bool):
@@ -254,7 +256,7 @@ def fits_one_launch(world_size: int, ring_slots: int, hidden: int, topk: int,
     if not flavour.compiled:
         return True
     send_tile = send_tiles(flavour, hidden, elem_bytes, pair)
-    reduce_tile_ = reduce_tiles(True, hidden, elem_bytes, fp8)
+    reduce_tile_ = reduce_tiles(True, hidden, elem_bytes, fp8, flavour.hierarchical)
     programs = rounds_grid(num_sms, flavour)
     forwarded = world_size // flavour.ranks_per_node - 1 if flavour.hierarchical else 0
     return combine_round_trips(world_size, ring_slots, topk, hidden, programs,
@@ -310,7 +312,7 @@ def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, 
         return True
     check_one_launch(flavour, live, decided, rounds, R, plan, node)  # (once: bound)
     send_tile = send_tiles(flavour, H, y.element_size(), pair_values is not None)
-    reduce_tile_ = reduce_tiles(flavour.compiled, H, y.element_size(), fp8)
+    reduce_tile_ = reduce_tiles(flavour.compiled, H, y.element_size(), fp8, hier)
     grid = (rounds_grid(num_sms, flavour),)
     block_k = triton.next_power_of_2(max(topk, 1))
     compact = _scratch(scratch, y.device, grid[0] * send_tile.block_t * block_k)

@@ -111,6 +111,10 @@ _GPU = {
     # its send over NVSHMEM with values per row: 64 slots a tile spilled 8 bytes under Triton
     # 3.6, 32 (at 64 bytes of a row tile a thread) do not
     "combine_rounds_send_nvshmem_pair": (32, 1024, 8, 1),
+    # hierarchical (with the forwarder's pass in the launch, kernels.internode.forward_round),
+    # its reduce of this node's partials and the other nodes' sums in tiles of 8 tokens: 16
+    # spilled 32 to 40 bytes at 248 registers under Triton 3.6
+    "combine_rounds_reduce_hier": (8, 1024, 8, 1),
     # the EP-invariant combine (kernels.invariant): persistent over slot tiles, one row of a
     # (slot, choice) at a time; the reduce as the default one's
     "invariant_send": (64, 1024, 8, 1),
@@ -134,6 +138,7 @@ _GPU = {
 _INTERPRETER_ROWS = {"ll_dispatch_recv": 16, "ll_combine_send": 16}
 _TILE_BYTES = {"combine_send": 2 * TILE_BYTES_PER_THREAD,  # bytes of a row tile a thread holds
                "combine_rounds_reduce": 4 * TILE_BYTES_PER_THREAD,
+               "combine_rounds_reduce_hier": 2 * TILE_BYTES_PER_THREAD,
                "invariant_rounds_reduce": 2 * TILE_BYTES_PER_THREAD}
 
 
@@ -228,9 +233,10 @@ def combine_round_trips(R: int, W: int, K: int, H: int, programs: int, send_bloc
                         reduce_t: int, reduce_h: int, forwarded_nodes: int = 0) -> int:
     """Serial trips of one round of ``kernels.combine_rounds`` on ``programs`` programs: the
     send's tiles of the slots a rank holds (at uniform routing) and the reduce's (token,
-    channel) tiles of the round's ``W`` tokens; hierarchical, the forwarder's row tiles of
-    ``forwarded_nodes`` other nodes' messages (at most ``W`` rows each). Counted per round:
-    the rounds are the ring's passes, which launches per round also run one after another."""
+    channel) tiles of the round's ``W`` tokens; hierarchical, the forwarder's tiles of the
+    send's rows of ``forwarded_nodes`` other nodes' messages (at most ``W`` rows each).
+    Counted per round: the rounds are the ring's passes, which launches per round also run one
+    after another."""
     return (_cdiv(R * uniform_slots(W, R, K), send_block_t * programs)
             + _cdiv(_cdiv(W, reduce_t) * _cdiv(H, reduce_h), programs)
             + _cdiv(forwarded_nodes * _cdiv(W, send_block_t), programs))

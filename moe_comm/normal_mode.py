@@ -887,15 +887,14 @@ class NormalMode:
             num_sms=self.num_sms, flavour=self.flavour, fp8=fp8, bound=self._bound,
             scratch=self._scratch, live=live, decided=self._ft_decided,
             xstats=self._xstats if self.proxy is not None else None, plan=self._plan,
-            box_offsets=boxes, node=self._forwarder_tensors(node_slot_of, fwd_slots, fwd_n))
+            box_offsets=boxes, node=self._forwarder_tensors(node_slot_of, fwd_slots, fwd_n)
+            if self.hierarchical else None)
         return live
 
-    def _forwarder_tensors(self, node_slot_of, fwd_slots, fwd_n) -> tuple | None:
+    def _forwarder_tensors(self, node_slot_of, fwd_slots, fwd_n) -> tuple:
         """Hierarchical: ``kernels.combine_rounds``' ``node`` (the hcomb, hc and combine
         outbox regions, the dispatch's node rows, ``fwd_slots`` and ``fwd_n``, the forwarder
-        pass's ticket word); else None."""
-        if not self.hierarchical:
-            return None
+        pass's ticket word)."""
         view, ticket = self._region, combine_rounds_kernels.FORWARD_TICKET
         return (view("hcomb_rows"), view("hcomb_meta"), node_slot_of, view("hc_rows"),
                 view("hc_meta"), view("px_combine_rows"), view("px_combine_meta"), fwd_slots,

@@ -200,9 +200,12 @@ def combine_rounds_kernel(
                                    me, HC_PARITY, HC_META_PARITY, BOX_PARITY, BOX_META_PARITY,
                                    KMAX, HAS_PAIR, ACC_FP64, EVEN_H, FP8, BLOCK_T, BLOCK_H,
                                    BLOCK_K, BLOCK_R, NUM_THREADS)
-            ok = wait_round(pid, epoch, signals, errors, timeout_ns, live + i * R, decided,
-                            mask_off, local_base, peer_ptrs, R, me, FT, TRANSPORT, BLOCK_R,
-                            NUM_THREADS)
+            waited = wait_round(pid, epoch, signals, errors, timeout_ns, live + i * R, decided,
+                                mask_off, local_base, peer_ptrs, R, me, FT, TRANSPORT, BLOCK_R,
+                                NUM_THREADS)
+            if HIER:  # (a pass whose wait timed out ends the program's rounds too)
+                waited = waited & ok
+            ok = waited
             if ok:  # the tokens of window i, each in rank order (combine_reduce_kernel's sum)
                 first = tl.cast(i, tl.int64) * W
                 n = tl.minimum(T - first, W).to(tl.int32)

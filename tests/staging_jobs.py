@@ -229,13 +229,13 @@ def combine_forms(rank, world_size, case: Case, slots: int, in_kernels: bool,
 
 
 def skip_one_op(rank, world_size, case: Case, slots: int, skipper: int, wait_timeout_s: float,
-                op: str) -> dict:
+                op: str, **buffer_kwargs) -> dict:
     """Waits in the kernels, rounds of ``slots`` slots: ``skipper`` does not run ``op``
     ("dispatch": nobody's round 0 arrives from it; "combine": every rank dispatches first);
     the others' op (its waits in round 0's send and one launch) must fail within the timeout,
-    naming it."""
+    naming it (``buffer_kwargs``: more of the Buffer's arguments, nodes through the proxy)."""
     xs, idxs, ws = make_inputs(case)
-    buf = _bounded_buffer(case, slots, timeout_s=wait_timeout_s)
+    buf = _bounded_buffer(case, slots, timeout_s=wait_timeout_s, **buffer_kwargs)
     report = {"raised": None, "rounds": buf.rounds}
     dispatch = functools.partial(buf.dispatch, xs[rank], idxs[rank], ws[rank])
     res = dispatch() if op == "combine" else None

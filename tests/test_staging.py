@@ -768,6 +768,27 @@ def test_one_launch_op_names_a_peer_that_skips_it(ranks, op):
         assert timeout_s <= report["elapsed_s"] < timeout_s + 5, report
 
 
+def test_hierarchical_one_launch_combine_names_a_rank_that_skips_it(ranks):
+    """2 nodes x 2 ranks through the proxy, hierarchical, waits in the kernels: rank 1 skips the
+    combine. Every other rank's one launch fails within the timeout naming a rank: rank 0's
+    forwarder pass and rank 3's wait (rank 1 forwards node 0's sums to it) name rank 1; rank 2
+    waits for the sums of rank 0, whose pass timed out, and names rank 0."""
+    pytest.importorskip("nixl_cu13")
+    case = Case(4, 8, 64, 2, (6, 6, 6, 6), seed=218)
+    timeout_s = 2.0
+    reports = ranks(4).run(skip_one_op, case, 2, skipper=1, wait_timeout_s=timeout_s,
+                           op="combine", ranks_per_node=2, transport="nixl", hierarchical=True)
+    for rank, report in enumerate(reports):
+        assert report["rounds"] == 3, report
+        if rank == 1:
+            assert report["raised"] is None
+            continue
+        assert report["launches"]["combine_rounds"] == 1, report
+        assert report["peer"] == (0 if rank == 2 else 1), report
+        assert f"moe_comm rank {rank}" in report["raised"], report
+        assert timeout_s <= report["elapsed_s"] < 2 * timeout_s + 5, report
+
+
 def test_one_launch_dispatches_give_the_bits_of_launches_per_round(ranks):
     """Processes with waits in the kernels run a dispatch's later rounds as one launch
     (``kernels.dispatch_rounds``): bf16 (against the oracle), FP8 (quantized by the send,

@@ -28,9 +28,10 @@ epoch of the channel for the source tokens ``[i * W, (i + 1) * W)``::
         wait for every rank's epoch of round i; expand (dispatch) or sum (combine) its rows
 
 Each round launches what a call of one round does (without the layout), but on one node,
-across nodes through the proxy (flat; below) or across hosts over NVSHMEM, where every rank
-runs in a process of its own with waits in the kernels (GPUs, or CPU ranks with
-``MOE_COMM_WAIT=kernel``): there one launch runs a combine's rounds (``kernels.combine_rounds``:
+across nodes through the proxy (flat, and a hierarchical combine; below) or across hosts over
+NVSHMEM, where every rank runs in a process of its own with waits in the kernels (GPUs, or CPU
+ranks with ``MOE_COMM_WAIT=kernel``): there one launch runs a combine's rounds
+(``kernels.combine_rounds``:
 each round's send, wait and reduce; fault-tolerant too, each round's sources decided once for
 every program of the launch; across nodes through the proxy too, flat (fault-tolerant too),
 its last program posting each round's transfers, or hierarchical, each round's forwarder pass

@@ -896,10 +896,16 @@ class NormalMode:
         """Hierarchical: ``kernels.combine_rounds``' ``node`` (the hcomb, hc and combine
         outbox regions, the dispatch's node rows, ``fwd_slots`` and ``fwd_n``, the forwarder
         pass's ticket word)."""
-        view, ticket = self._region, combine_rounds_kernels.FORWARD_TICKET
-        return (view("hcomb_rows"), view("hcomb_meta"), node_slot_of, view("hc_rows"),
-                view("hc_meta"), view("px_combine_rows"), view("px_combine_meta"), fwd_slots,
-                fwd_n, self._ticket_words[ticket:ticket + 1])
+        fixed = self._offsets.get(("forwarder", COMBINE))
+        if fixed is None:  # made once: the bound launch is found by these tensors' ids
+            view, ticket = self._region, combine_rounds_kernels.FORWARD_TICKET
+            fixed = self._offsets[("forwarder", COMBINE)] = (
+                view("hcomb_rows"), view("hcomb_meta"), view("hc_rows"), view("hc_meta"),
+                view("px_combine_rows"), view("px_combine_meta"),
+                self._ticket_words[ticket:ticket + 1])
+        node_rows, node_meta, hc_rows, hc_meta, box_rows, box_meta, tickets = fixed
+        return (node_rows, node_meta, node_slot_of, hc_rows, hc_meta, box_rows, box_meta,
+                fwd_slots, fwd_n, tickets)
 
     def _rounds_live_words(self) -> torch.Tensor | None:
         """Fault tolerance: ``[rounds, R]`` int32 for a combine's rounds in one launch to write

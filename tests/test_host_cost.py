@@ -127,6 +127,38 @@ def test_the_launch_counter_sees_every_kernel_of_the_public_ops():
     assert torch_too.torch_ops == {"mul": 1} and torch_too.count == 3
 
 
+_WARM_PROXY_COMBINES = """
+import host_cost
+from moe_comm import gate
+with host_cost.compiled_stand_ins():
+    for flags in ((False,), (True,), (False, True), (False, False, True)):
+        bufs = gate._buffers(host_cost.ROUNDS_CONFIG, host_cost.DTYPE, False, 2, 90, *flags)
+        ops = host_cost._ops(bufs)["normal"]
+        ops["dispatch"]()
+        ops["combine"]()
+        calls, bound = host_cost._bound_calls(bufs), sum(len(b._bound) for b in bufs)
+        ops["combine"]()
+        ops["combine"]()
+        print(flags, host_cost._bound_calls(bufs) - calls,
+              sum(len(b._bound) for b in bufs) - bound)
+"""
+
+
+def test_warm_one_launch_combines_through_the_proxy_reuse_their_bound_launch():
+    """Through the proxy in rounds (flat, hierarchical, fault-tolerant, EP-invariant; the GPU
+    flavour on the meta device): each warm combine's one launch goes through the launch bound
+    by the first call and binds nothing new (a fixed tensor made afresh per call would give
+    every call a key of its own)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, "-c", _WARM_PROXY_COMBINES], capture_output=True,
+                          text=True, env=env, timeout=600, cwd=os.path.join(ROOT, "bench"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 4, proc.stdout
+    for line in lines:  # 8 ranks, 2 warm combines: 16 bound calls, no new bound launch
+        assert line.endswith(" 16 0"), line
+
+
 def test_every_bound_launch_is_the_launch_tritons_path_makes():
     """``host_cost.py --verify``: every launch of the gate's flavours (both modes, every
     format, the backward ops, fault tolerance, NVSHMEM, the proxy; changing token counts and a

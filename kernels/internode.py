@@ -480,7 +480,7 @@ def forward_node_sums(a, p, P, parity, hc_rows, hc_meta, box_rows, box_meta, fwd
                                     if fwd_slots[a, j, dl] >= 0)   # fp32, rounded once
     """
     summed = tl.zeros([1], tl.int64)
-    stride = H * box_rows.dtype.element_ty.primitive_bitwidth // 8  # bytes between rows
+    _, stride = node_sum_bytes(box_rows, H, FP8)  # (bytes between outbox rows)
     n = tl.load(fwd_n + a)
     hc = hc_rows + parity * HC_PARITY + tl.cast(a, tl.int64) * N * TMAX * H
     box = box_rows + parity * BOX_PARITY + tl.cast(a, tl.int64) * TMAX * H

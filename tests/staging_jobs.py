@@ -273,8 +273,9 @@ def _dispatch_form(buf, case: Case, rank: int, form: str, x, idx, w):
 
 
 def dispatch_forms(rank, world_size, case: Case, slots: int, in_kernels: bool,
-                   iterations: int = 2, straggle_s: float = 0.0) -> dict:
-    """Every format of a dispatch in rounds of ``slots`` slots (``DISPATCH_FORMS``),
+                   iterations: int = 2, straggle_s: float = 0.0,
+                   forms: tuple = DISPATCH_FORMS) -> dict:
+    """Each format in ``forms`` of a dispatch in rounds of ``slots`` slots (``DISPATCH_FORMS``),
     ``iterations`` times with new routing and random delays; the bf16 one checked against the
     oracle with its combine. ``in_kernels``: waits in the kernels, so a Buffer of processes
     runs a dispatch's later rounds as one launch (``kernels.dispatch_rounds``); host waits
@@ -284,7 +285,7 @@ def dispatch_forms(rank, world_size, case: Case, slots: int, in_kernels: bool,
     with _bounded_buffer(case, slots, in_kernels) as buf:
         for it in range(iterations):
             xs, idxs, ws = make_inputs(case, it)
-            for form in DISPATCH_FORMS:
+            for form in forms:
                 time.sleep(delay.uniform(0, straggle_s))
                 res = _dispatch_form(buf, case, rank, form, xs[rank], idxs[rank], ws[rank])
                 out = buf.combine(expert_fn(res.x, res.expert_offsets), res.handle,

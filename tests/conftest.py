@@ -53,28 +53,6 @@ def pytest_make_collect_report(collector):
     if IN_CI and report.skipped:
         _fail_skip_in_ci(report, "module")
 
-
-GATE_TEST = "test_gate_passes_at_the_runtime_configurations"
-_gate_modules = []  # the module whose gate started in the background
-
-
-@pytest.hookimpl(trylast=True)  # after -m and -k deselected theirs
-def pytest_collection_modifyitems(config, items):
-    """The static gate's compiles start as soon as their test is collected, at idle priority
-    (``test_gate.start_gate``): with a cold compile cache they take minutes of the cores, and
-    the rank tests leave a part of the cores idle while they wait for each other."""
-    for item in items:
-        if item.name == GATE_TEST:
-            item.module.start_gate()
-            _gate_modules.append(item.module)
-
-
-def pytest_sessionfinish(session, exitstatus):
-    """A gate still running when the session ends (its test did not run) is ended."""
-    for module in _gate_modules:
-        module.stop_gate()
-
-
 _pools: dict[int, RankPool] = {}
 
 

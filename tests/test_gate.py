@@ -101,56 +101,17 @@ def test_grids_and_serial_trips_hold_at_the_deepseek_sizes():
     assert "gate: " in proc.stdout and " 0 problems" in proc.stdout
 
 
-GATE_OUT = os.path.join(ROOT, "bench", "results", "gpu_gate.tsv")
-_gate: dict = {}  # the gate's process and its log, once started
-
-
-def _idle_priority() -> None:
-    """In the gate's process before it starts: the scheduler's idle class (nice 19 where that
-    is refused), so its compiles take only the cores the tests leave idle."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        os.nice(19)
-
-
-def start_gate() -> subprocess.Popen:
-    """Starts the gate of ``test_gate_passes_at_the_runtime_configurations`` once, at idle
-    priority, its output in a temporary file. The suite starts it as soon as the test is
-    collected (conftest.py): its compiles (minutes with a cold compile cache) run beside the
-    rank tests, and the test waits for what is left."""
-    if "proc" not in _gate:
-        # every variant of the DeepSeek-V3 sizes for sm_90; for sm_100 one bf16 variant of
-        # those sizes without NVSHMEM per kernel (gate.brief_variants); make gpu-gate builds
-        # everything for both, the small config too (the CPU tests' sizes: no GPU runs them)
-        _gate["log"] = tempfile.TemporaryFile(mode="w+")
-        _gate["proc"] = subprocess.Popen(
-            [sys.executable, "-m", "moe_comm.gate", "--arch", "90", "--brief-arch", "100",
-             "--config", *DSV3_CONFIGS, "--out", GATE_OUT], stdout=_gate["log"],
-            stderr=subprocess.STDOUT, text=True, env=COMPILED_ENV, cwd=ROOT,
-            preexec_fn=_idle_priority, start_new_session=True)
-    return _gate["proc"]
-
-
-def stop_gate() -> None:
-    """Ends the gate's process group if it still runs (a session that ended before the test)."""
-    proc = _gate.get("proc")
-    if proc is not None and proc.poll() is None:
-        os.killpg(proc.pid, 9)
-        proc.wait()
-
-
 @pytest.mark.slow
 def test_gate_passes_at_the_runtime_configurations():
-    proc = start_gate()
-    try:
-        returncode = proc.wait(timeout=1800)
-    finally:
-        stop_gate()
-    _gate["log"].seek(0)
-    stdout = _gate["log"].read()
-    assert returncode == 0, stdout[-9000:]
-    out = GATE_OUT
+    out = os.path.join(ROOT, "bench", "results", "gpu_gate.tsv")
+    # every variant of the DeepSeek-V3 sizes for sm_90; for sm_100 one bf16 variant of those
+    # sizes without NVSHMEM per kernel (gate.brief_variants); make gpu-gate builds everything
+    # for both, the small config too (the CPU tests' sizes: no GPU runs them)
+    proc = subprocess.run([sys.executable, "-m", "moe_comm.gate", "--arch", "90",
+                           "--brief-arch", "100", "--config", *DSV3_CONFIGS, "--out", out],
+                          capture_output=True, text=True, env=COMPILED_ENV, cwd=ROOT,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     rows = list(csv.DictReader(open(out), delimiter="\t"))
     assert {r["kernel"] for r in rows} == ROW_KERNELS | {"layout_count_kernel",
                                                          "layout_place_kernel",
@@ -194,7 +155,7 @@ def test_gate_passes_at_the_runtime_configurations():
             assert issuers == ("block" if symbol.endswith("_block") else "1"), r
     dtypes = {r["variant"].split()[0] for r in rows}
     assert dtypes == {"bfloat16", "float16", "float32", "float64"}
-    assert "gate: " in stdout and " 0 failing" in stdout
+    assert "gate: " in proc.stdout and " 0 failing" in proc.stdout
 
 
 def _mutation(name: str, tmp_path) -> dict:

@@ -441,15 +441,10 @@ def forward_combine_kernel(
                                     N, HC_PARITY, HC_META_PARITY, BOX_PARITY, BOX_META_PARITY,
                                     KMAX, HAS_PAIR, ACC_FP64, EVEN_H, FP8, BLOCK_T, BLOCK_H,
                                     BLOCK_K)
-    row_bytes, stride = node_sum_bytes(box_rows, H, FP8)
-    tl.atomic_add(xstats + 1 + tl.arange(0, 1), summed * (row_bytes + HAS_PAIR * 4 * K),
-                  sem="relaxed")
-    if draw_last_of(tickets, tl.num_programs(0) * tl.num_programs(1)):
-        if not timed_out(errors_addr.to(tl.pointer_type(tl.int64)), NUM_THREADS):
-            if one_thread():
-                post_node_sums(plan, fwd_n, epoch, parity, R, N, me, row_bytes, stride, K, KMAX,
-                               HAS_PAIR, ring_addr, RING_SLOTS,
-                               errors_addr.to(tl.pointer_type(tl.int64)), timeout_ns)
+    post_node_sums(summed, True, tickets, tl.num_programs(0) * tl.num_programs(1), plan, fwd_n,
+                   xstats, box_rows, epoch, parity, H, R, N, me, K, KMAX, HAS_PAIR, FP8,
+                   ring_addr, RING_SLOTS, errors_addr.to(tl.pointer_type(tl.int64)), timeout_ns,
+                   NUM_THREADS)
 
 
 @triton.jit
@@ -522,26 +517,35 @@ def forward_node_sums(a, p, P, parity, hc_rows, hc_meta, box_rows, box_meta, fwd
 
 
 @triton.jit
-def post_node_sums(plan, fwd_n, epoch, parity, R, N, me, row_bytes, row_stride, K,
-                   KMAX: tl.constexpr, HAS_PAIR: tl.constexpr, ring_addr, RING_SLOTS, errors,
-                   timeout_ns):
-    """To the home with this rank's local index on every other node ``a2``: one transfer of
-    its ``fwd_n[a2]`` node sums (``row_bytes`` of each, ``row_stride`` apart, and their pair
-    values) from the outbox of ``parity``; the proxy raises the combine signal there to
-    ``epoch`` after them (call from one thread, after every program's sums)."""
-    for a2 in range(R // N):
-        if a2 != me // N:
-            n2 = tl.load(fwd_n + a2).to(tl.int64)
-            post_transfer(
-                ring_addr, RING_SLOTS, a2 * N + me % N, _at(plan, COMB_SIGNAL), epoch,
-                1 + HAS_PAIR,
-                _off(plan, PXC_ROWS, parity, a2),
-                _at(plan, HCOMB_ROWS) + parity * _at(plan, HCOMB_ROWS_PAR),
-                row_bytes, row_stride, n2,
-                _off(plan, PXC_META, parity, a2),
-                _at(plan, HCOMB_META) + parity * _at(plan, HCOMB_META_PAR),
-                4 * K, 4 * KMAX, n2,
-                0, 0, 0, 0, 0, errors, timeout_ns)
+def post_node_sums(summed, ok, tickets, programs, plan, fwd_n, xstats, box_rows, epoch, parity,
+                   H, R, N, me, K, KMAX: tl.constexpr, HAS_PAIR: tl.constexpr,
+                   FP8: tl.constexpr, ring_addr, RING_SLOTS, errors, timeout_ns,
+                   NUM_THREADS: tl.constexpr):
+    """After a program's :func:`forward_node_sums` (``summed`` rows): counts their bytes in
+    ``xstats``; the last of ``programs`` to draw from ``tickets`` (every program's sums are in
+    the outbox of ``parity``), if ``ok`` and no wait timed out, posts to the home with this
+    rank's local index on every other node ``a2`` one transfer of its ``fwd_n[a2]`` node sums
+    (:func:`node_sum_bytes` each, and their pair values), after which the proxy raises the
+    combine signal there to ``epoch``."""
+    row_bytes, row_stride = node_sum_bytes(box_rows, H, FP8)
+    tl.atomic_add(xstats + 1 + tl.arange(0, 1), summed * (row_bytes + HAS_PAIR * 4 * K),
+                  sem="relaxed")
+    if draw_last_of(tickets, programs):
+        if ok and not timed_out(errors, NUM_THREADS):
+            if one_thread():
+                for a2 in range(R // N):
+                    if a2 != me // N:
+                        n2 = tl.load(fwd_n + a2).to(tl.int64)
+                        post_transfer(
+                            ring_addr, RING_SLOTS, a2 * N + me % N, _at(plan, COMB_SIGNAL),
+                            epoch, 1 + HAS_PAIR,
+                            _off(plan, PXC_ROWS, parity, a2),
+                            _at(plan, HCOMB_ROWS) + parity * _at(plan, HCOMB_ROWS_PAR),
+                            row_bytes, row_stride, n2,
+                            _off(plan, PXC_META, parity, a2),
+                            _at(plan, HCOMB_META) + parity * _at(plan, HCOMB_META_PAR),
+                            4 * K, 4 * KMAX, n2,
+                            0, 0, 0, 0, 0, errors, timeout_ns)
 
 
 @triton.jit
@@ -572,14 +576,9 @@ def forward_round(pid, programs, epoch, parity, plan, hc_rows, hc_meta, box_rows
                                             HC_PARITY, HC_META_PARITY, BOX_PARITY,
                                             BOX_META_PARITY, KMAX, HAS_PAIR, ACC_FP64, EVEN_H,
                                             FP8, BLOCK_T, BLOCK_H, BLOCK_K)
-    row_bytes, stride = node_sum_bytes(box_rows, H, FP8)
-    tl.atomic_add(xstats + 1 + tl.arange(0, 1), summed * (row_bytes + HAS_PAIR * 4 * K),
-                  sem="relaxed")
-    if draw_last_of(tickets, programs):  # every program's sums are in the outbox
-        if ok and not timed_out(errors, NUM_THREADS):
-            if one_thread():
-                post_node_sums(plan, fwd_n, epoch, parity, R, N, me, row_bytes, stride, K, KMAX,
-                               HAS_PAIR, ring_addr, RING_SLOTS, errors, timeout_ns)
+    post_node_sums(summed, ok, tickets, programs, plan, fwd_n, xstats, box_rows, epoch, parity,
+                   H, R, N, me, K, KMAX, HAS_PAIR, FP8, ring_addr, RING_SLOTS, errors,
+                   timeout_ns, NUM_THREADS)
     return ok
 
 

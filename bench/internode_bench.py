@@ -12,8 +12,9 @@ hier: once per destination node, forwarded inside it):
   routing (``moe_comm.perfmodel``: distinct destination nodes per token, minus the chance the
   token's own node is one of them);
 * proxy/bare: the proxy's transfer time (post to completion, summed over its WRITEs) over a
-  bare NIXL WRITE of the same bytes between the same processes (fresh agents, one WRITE per
-  peer); both CPU numbers, never GPU or NIC performance;
+  bare NIXL WRITE of the same bytes between the same processes (fresh agents configured like
+  the proxy's, without NIXL's progress thread; one WRITE per peer); both CPU numbers, never
+  GPU or NIC performance;
 * ref: every rank's dispatch rows and combine output equal the reference bit for bit.
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ class BareNixl:
         self.src = torch.ones(nbytes, dtype=torch.uint8)
         self.dst = torch.zeros(nbytes, dtype=torch.uint8)
         self.agent = nixl_agent(f"bare-{rank}-{time.monotonic_ns()}",
-                                nixl_agent_config(backends=["UCX"]))
+                                nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.agent.register_memory(self.src)
         self.agent.register_memory(self.dst)
         infos: list = [None] * world_size

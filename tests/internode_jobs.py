@@ -106,6 +106,22 @@ def no_pointer_to_another_node(rank, world_size, case: Case, ranks_per_node: int
         return {"peer_ptrs": buf.heap.peer_ptrs.tolist(), "mapped": mapped_segments()}
 
 
+def idle_cpu_seconds(rank, world_size, case: Case, ranks_per_node: int,
+                     idle_s: float) -> float:
+    """CPU seconds this whole process (every thread: the proxy's, NIXL's) spends in ``idle_s``
+    of wall time after one dispatch and combine across nodes, while its main thread sleeps."""
+    xs, idxs, ws = make_inputs(case)
+    with new_buffer(case, ranks_per_node, True) as buf:
+        res = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+        buf.combine(expert_fn(res.x, res.expert_offsets), res.handle, res.weights)
+        dist.barrier()
+        before = time.process_time()
+        time.sleep(idle_s)
+        spent = time.process_time() - before
+        dist.barrier()
+    return spent
+
+
 def cross_node_bytes(rank, world_size, case: Case, ranks_per_node: int,
                      hierarchical: bool) -> dict:
     """One dispatch and one combine; the bytes the transport was asked to move per peer, and

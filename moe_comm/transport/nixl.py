@@ -14,9 +14,11 @@ The thread loops, never blocking on anything but short sleeps when idle:
    per-expert signals follow the per-pair transfers they count);
 2. **complete transfers**: ``check_xfer_state``; ``ERR``, or one still running after the
    timeout, fails the transport towards that peer;
-3. **apply notifications**: NIXL delivers a notification only after its transfer's data is in
-   place, so raising the local signal word then (to the larger of the two values) is the
-   release: a waiter that sees the epoch sees the rows.
+3. **apply notifications** (``get_new_notifs``, which also progresses the backend: the agent
+   runs without NIXL's own progress thread, which on CPU ranks polled its sockets without
+   rest, about half a core per idle rank); NIXL delivers a notification only after its
+   transfer's data is in place, so raising the local signal word then (to the larger of the
+   two values) is the release: a waiter that sees the epoch sees the rows.
 
 The segment may be host memory (CPU ranks) or device memory (GPUs: NIXL moves device memory to
 device memory, the ring is pinned host memory the kernels post to, and a signal word is raised
@@ -103,7 +105,8 @@ class NixlProxy:
         self._host_notifs: queue.SimpleQueue = queue.SimpleQueue()  # (peer, notification)
         NixlProxy._serial += 1
         name = f"moe_comm-{os.getpid()}-{NixlProxy._serial}-r{rank}"
-        self._agent = nixl_agent(name, nixl_agent_config(backends=[self.backend]))
+        self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False,
+                                                         backends=[self.backend]))
         self._registered = self._agent.register_memory(segment)
         infos: list = [None] * world_size
         dist.all_gather_object(infos, (self._agent.get_agent_metadata(), segment.data_ptr(),

@@ -327,54 +327,90 @@ def ring_positions_kernel(
     counts,  # [R, C] int32: the call's counts per rank (the layout's; C = L + 1)
     ring,  # [T, R] int32 out: slot_of less rank d's slots of the earlier rounds, -1 where none
     words,  # [rounds, WORDS] int32 out: round i's [R, C] counts from i * WORDS
+    node_ring,  # NODES: [T, M] int32 out: row of token t in node b's message of its round
+    node_counts,  # NODES: [rounds, M] int32 out: the rows of each round's message to node b
     T: tl.int32, R: tl.int32, C: tl.int32, W: tl.int32, ROUNDS: tl.int32, WORDS: tl.int32,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    N: tl.int32,  # NODES: ranks per node
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
+    NODES: tl.constexpr,
 ):
-    """Program d walks rank d's column round by round: each window's tokens and their count."""
+    """Program d < R walks rank d's column round by round: each window's tokens and their
+    count; with NODES, program R + b walks node b's N columns likewise: the tokens that go to
+    any rank of node b, numbered in each window."""
     d = tl.program_id(0)
-    c = tl.arange(0, BLOCK_C)
-    mine = tl.load(counts + d * C + c, mask=c < C, other=0)
-    before = T * 0  # rank d's slots in the earlier rounds
-    for i in range(ROUNDS):
-        hits = tl.zeros([BLOCK_T], tl.int32)
-        for t0 in range(i * W, i * W + W, BLOCK_T):
-            t = t0 + tl.arange(0, BLOCK_T)
-            tm = (t < T) & (t < i * W + W)
-            slot = tl.load(slot_of + t.to(tl.int64) * R + d, mask=tm, other=-1)
-            tl.store(ring + t.to(tl.int64) * R + d, tl.where(slot >= 0, slot - before, -1),
-                     mask=tm)
-            hits += (slot >= 0).to(tl.int32)
-        rows = tl.sum(hits, axis=0)
-        tl.store(words + i * WORDS + d * C + c, tl.where(c == C - 1, rows, mine), mask=c < C)
-        before += rows
+    if d < R:
+        c = tl.arange(0, BLOCK_C)
+        mine = tl.load(counts + d * C + c, mask=c < C, other=0)
+        before = T * 0  # rank d's slots in the earlier rounds
+        for i in range(ROUNDS):
+            hits = tl.zeros([BLOCK_T], tl.int32)
+            for t0 in range(i * W, i * W + W, BLOCK_T):
+                t = t0 + tl.arange(0, BLOCK_T)
+                tm = (t < T) & (t < i * W + W)
+                slot = tl.load(slot_of + t.to(tl.int64) * R + d, mask=tm, other=-1)
+                tl.store(ring + t.to(tl.int64) * R + d, tl.where(slot >= 0, slot - before, -1),
+                         mask=tm)
+                hits += (slot >= 0).to(tl.int32)
+            rows = tl.sum(hits, axis=0)
+            tl.store(words + i * WORDS + d * C + c, tl.where(c == C - 1, rows, mine),
+                     mask=c < C)
+            before += rows
+    elif NODES:
+        b = d - R
+        M = R // N
+        n = tl.arange(0, BLOCK_N)
+        for i in range(ROUNDS):
+            seen = T * 0  # rows of node b's message of round i so far
+            for t0 in range(i * W, i * W + W, BLOCK_T):
+                t = t0 + tl.arange(0, BLOCK_T)
+                tm = (t < T) & (t < i * W + W)
+                slots = tl.load(slot_of + t.to(tl.int64)[:, None] * R + b * N + n[None, :],
+                                mask=tm[:, None] & (n < N)[None, :], other=-1)
+                hit = (tl.max(slots, axis=1) >= 0).to(tl.int32)
+                tl.store(node_ring + t.to(tl.int64) * M + b,
+                         tl.where(hit > 0, seen + tl.cumsum(hit, axis=0) - 1, -1), mask=tm)
+                seen += tl.sum(hit, axis=0)
+            tl.store(node_counts + i * M + b + tl.arange(0, 1), seen + tl.zeros([1], tl.int32))
 
 
 def ring_positions(slot_of: torch.Tensor, counts: torch.Tensor, ring_slots: int, rounds: int,
-                   flavour: Flavour, bound: BoundLaunches | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   flavour: Flavour, bound: BoundLaunches | None = None,
+                   ranks_per_node: int | None = None) -> tuple:
     """A call in ``rounds`` rounds of ``W = ring_slots`` tokens, in one launch: ``(ring [T, R]
     int32, words [rounds, WORDS] int32)``, ``WORDS`` = R * C rounded up to 4 (each round's counts
-    16-byte aligned). Equivalent PyTorch::
+    16-byte aligned); with ``ranks_per_node`` N (hierarchical, ``M = R // N`` nodes) also
+    ``(node_ring [T, M], node_counts [rounds, M])`` int32 in the same launch. Equivalent
+    PyTorch::
 
         hits = torch.zeros((rounds * W, R), dtype=torch.int32); hits[:T] = slot_of >= 0
         rows = hits.view(rounds, W, R).sum(1)                 # each round's rows per rank
         first = rows.cumsum(0) - rows
         ring = torch.where(slot_of >= 0, slot_of - first[torch.arange(T) // W], -1)
         words[i, :R * C].view(R, C) = counts, its last column rows[i]
+        hit = hits.view(rounds, W, M, N).amax(-1)            # token t goes to node b
+        seen = hit.cumsum(1)
+        node_ring = torch.where(hit > 0, seen - 1, -1).view(-1, M)[:T]
+        node_counts = seen[:, -1]
     """
     T, R = slot_of.shape
     C = counts.shape[1]
     dev = slot_of.device
+    nodes = ranks_per_node is not None
+    N = ranks_per_node if nodes else 1
+    M = R // N if nodes else 0
     ring = torch.empty((T, R), dtype=torch.int32, device=dev)
     words = torch.empty((rounds, -(-R * C // 4) * 4), dtype=torch.int32, device=dev)
-    key = ("ring_positions", R, C, ring_slots, rounds, specs((slot_of, counts, ring, words)),
-           id(flavour))
-    values = (slot_of, counts, ring, words, T)
+    node_ring = torch.empty((T, M), dtype=torch.int32, device=dev) if nodes else ring
+    node_counts = torch.empty((rounds, M), dtype=torch.int32, device=dev) if nodes else words
+    key = ("ring_positions", R, C, ring_slots, rounds, N if nodes else None,
+           specs((slot_of, counts, ring, words, node_ring, node_counts)), id(flavour))
+    values = (slot_of, counts, ring, words, node_ring, node_counts, T)
     if not call_bound(bound, key, values):
         tile = tiles("ring_positions", flavour.compiled, 0)
-        launch(bound, key, ring_positions_kernel, (R,),
-               (slot_of, counts, ring, words, T, R, C, ring_slots, rounds, words.shape[1]),
+        launch(bound, key, ring_positions_kernel, (R + M,),
+               (slot_of, counts, ring, words, node_ring, node_counts, T, R, C, ring_slots,
+                rounds, words.shape[1], N),
                dict(BLOCK_T=tile.block_t, BLOCK_C=triton.next_power_of_2(C),
-                    **tile.launch_options()),
-               ("slot_of", "counts", "ring", "words", "T"))
-    return ring, words
+                    BLOCK_N=triton.next_power_of_2(N), NODES=nodes, **tile.launch_options()),
+               ("slot_of", "counts", "ring", "words", "node_ring", "node_counts", "T"))
+    return (ring, words, node_ring, node_counts) if nodes else (ring, words)

@@ -58,8 +58,9 @@ hierarchical, each round adds the forwarder's pass
 send, where the combine launches per round), which waits for the round's messages from other
 nodes (the dispatch; the combine: this node's partials) and stores their rows into its node's
 staging (the combine: sums them and sends one row per token home). The ring positions and
-the rounds' counts are one launch (``kernels.layout.ring_positions``), the rounds' slot
-offsets torch ops (written by the one launch where there is one).
+the rounds' counts are one launch (``kernels.layout.ring_positions``; hierarchical, each
+token's row in each node's message of its round and those messages' rows too), the rounds'
+slot offsets torch ops (written by the one launch where there is one).
 A window holds at most ``W`` tokens, so at most ``W`` rows for any rank and at most ``W`` rows in
 any node's message. The order that makes it safe, in each place the kernels run: a rank's send of
 round ``i`` needs nothing but its own inputs (the parity it writes was last read in round ``i - 2``,
@@ -268,21 +269,6 @@ class NormalMode:
                            node_slot_of, send_round=later, stream=stream, received=received)
 
     # ----------------------------------------------------------------- rounds
-    def _node_ring_positions(self, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hierarchical, several rounds: ``(node_ring [T, M], node_counts [rounds, M])`` int32,
-        the row of token t in node b's message of its round ``t // W`` (-1 where it goes to no
-        rank of node b) and the rows of each round's message to node b. Equivalent::
-
-            hit[t, b] = (ring[t, b * N:(b + 1) * N] >= 0).any()
-            node_ring[t, b] = hit[t // W * W:t + 1, b].sum() - 1   where hit[t, b]
-            node_counts[i, b] = hit[i * W:(i + 1) * W, b].sum()
-        """
-        T, N, M = ring.shape[0], self.ranks_per_node, self.num_nodes
-        hit = self._round_windows((ring.view(T, M, N) >= 0).any(-1))
-        seen = hit.cumsum(1, dtype=torch.int32)  # its last row: each round's
-        node_ring = torch.where(hit > 0, seen - 1, -1).view(-1, M)[:T].contiguous()
-        return node_ring, seen[:, -1].contiguous()
-
     def _round_windows(self, hit: torch.Tensor) -> torch.Tensor:
         """``hit`` [T, C] as [rounds, W, C] int32, row t in round t // W's window at t % W,
         zero past T."""
@@ -296,15 +282,16 @@ class NormalMode:
         """Several rounds: the :class:`Stream` of a dispatch send (``_send_round`` sends its
         round i). The cached dispatch passes a handle's ring positions as ``ring`` (then
         ``slot_of`` is unused) and, hierarchical, its node rows as ``node_ring``."""
-        if ring is None:  # every round: the call's per-expert counts, its own rows
-            n, (R, C) = self.layout.rounds, counts.shape
-            ring, words = ring_positions(slot_of, counts, self.layout.ring_slots, n,
-                                         self.flavour, self._bound)
+        node_counts = None
+        if ring is None:  # every round: the call's per-expert counts, its own rows (and,
+            n, (R, C) = self.layout.rounds, counts.shape  # hierarchical, its node rows)
+            ring, words, *nodes = ring_positions(
+                slot_of, counts, self.layout.ring_slots, n, self.flavour, self._bound,
+                ranks_per_node=self.ranks_per_node if self.hierarchical else None)
             self.launches["ring_positions"] += 1
             counts = words[:, :R * C].view(n, R, C)  # each round's counts 16-byte aligned
-        node_counts = None
-        if self.hierarchical and node_ring is None:
-            node_ring, node_counts = self._node_ring_positions(ring)
+            if nodes:
+                node_ring, node_counts = nodes
         return Stream(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts, node_ring, topk,
                       fp8, ue8m0, node_counts)
 

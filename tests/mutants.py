@@ -187,6 +187,13 @@ MUTANTS = (
            "kernels/layout.py", "        before += rows", "        before += rows * 0",
            ("tests/test_layout.py::test_ring_positions_match_their_statement",
             ST + "test_rounds_match_reference[R4-E8-H64-K2-T9.3.0.11-bfloat16-uniform-a1-1]")),
+    Mutant("node_rows_numbered_from_one",
+           "hierarchical rounds: a token's row in a node's message is its place in the window",
+           "kernels/layout.py", "tl.where(hit > 0, seen + tl.cumsum(hit, axis=0) - 1, -1)",
+           "tl.where(hit > 0, seen + tl.cumsum(hit, axis=0), -1)",
+           ("tests/test_layout.py::test_ring_positions_match_their_statement"
+            "[17-2-4-3-bad-2-tiles64]",
+            ST + "test_hierarchical_nodes_in_rounds_match_reference")),
     Mutant("low_latency_choice_order_reversed",
            "the low-latency combine sums a token's choices in order k = 0, 1, ...",
            "kernels/low_latency.py", "\n            for k in range(K):\n",

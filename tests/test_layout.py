@@ -105,6 +105,22 @@ def ring_reference(slot_of: torch.Tensor, counts: torch.Tensor, W: int, rounds: 
     return ring, per_round
 
 
+def node_ring_reference(slot_of: torch.Tensor, N: int, W: int, rounds: int):
+    """``(node_ring [T, M], node_counts [rounds, M])``, token by token: the row of token t in
+    node b's message of its round (the tokens of the window before it that go to some rank of
+    node b), -1 where t goes to none; and the rows of each round's message to node b."""
+    T, R = slot_of.shape
+    M = R // N
+    node_ring = torch.full((T, M), -1, dtype=torch.int32)
+    node_counts = torch.zeros((rounds, M), dtype=torch.int32)
+    for t in range(T):
+        for b in range(M):
+            if bool((slot_of[t, b * N:(b + 1) * N] >= 0).any()):
+                node_ring[t, b] = node_counts[t // W, b]
+                node_counts[t // W, b] += 1
+    return node_ring, node_counts
+
+
 @pytest.mark.parametrize("gpu_tiles", [False, True], ids=["tiles64", "tiles256"])
 @pytest.mark.parametrize("T, R, L, K, routing, W", [
     (0, 2, 4, 2, "uniform", 1), (1, 4, 2, 2, "uniform", 1), (17, 2, 4, 3, "bad", 2),
@@ -123,6 +139,14 @@ def test_ring_positions_match_their_statement(T, R, L, K, routing, W, gpu_tiles)
     assert words.shape == (rounds, -(-R * C // 4) * 4)
     assert torch.equal(ring, want_ring)
     assert torch.equal(words[:, :R * C].view(rounds, R, C), want_rounds)
+    for N in (n for n in range(1, R) if R % n == 0):  # hierarchical: nodes of N ranks, same launch
+        *same, node_ring, node_counts = ring_positions(slot_of, counts, W, rounds, flavour,
+                                                      ranks_per_node=N)
+        assert torch.equal(same[0], want_ring)
+        assert torch.equal(same[1][:, :R * C], words[:, :R * C])
+        want_node_ring, want_node_counts = node_ring_reference(slot_of, N, W, rounds)
+        assert torch.equal(node_ring, want_node_ring), N
+        assert torch.equal(node_counts, want_node_counts), N
 
 
 @pytest.mark.parametrize("excluded, me", [((1,), 0), ((0, 3), 2), ((2,), 2)])

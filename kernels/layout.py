@@ -359,8 +359,9 @@ def ring_positions_kernel(
         b = d - R
         M = R // N
         n = tl.arange(0, BLOCK_N)
+        seen = T * 0  # rows of node b's messages so far
         for i in range(ROUNDS):
-            seen = T * 0  # rows of node b's message of round i so far
+            before = seen  # those of the earlier rounds
             for t0 in range(i * W, i * W + W, BLOCK_T):
                 t = t0 + tl.arange(0, BLOCK_T)
                 tm = (t < T) & (t < i * W + W)
@@ -368,9 +369,11 @@ def ring_positions_kernel(
                                 mask=tm[:, None] & (n < N)[None, :], other=-1)
                 hit = (tl.max(slots, axis=1) >= 0).to(tl.int32)
                 tl.store(node_ring + t.to(tl.int64) * M + b,
-                         tl.where(hit > 0, seen + tl.cumsum(hit, axis=0) - 1, -1), mask=tm)
+                         tl.where(hit > 0, seen - before + tl.cumsum(hit, axis=0) - 1, -1),
+                         mask=tm)
                 seen += tl.sum(hit, axis=0)
-            tl.store(node_counts + i * M + b + tl.arange(0, 1), seen + tl.zeros([1], tl.int32))
+            tl.store(node_counts + i * M + b + tl.arange(0, 1),
+                     seen - before + tl.zeros([1], tl.int32))
 
 
 def ring_positions(slot_of: torch.Tensor, counts: torch.Tensor, ring_slots: int, rounds: int,

@@ -140,38 +140,25 @@ _OUTBOX_PER_CALL = ["local_base", "ring_addr", "errors_addr", "timeout_ns", "T",
                     "target_counts"]  # (one word a target: no alignment fact; a round's row)
 
 
-@triton.jit(do_not_specialize=_OUTBOX_PER_CALL)
-def outbox_dispatch_kernel(
-    x,  # [T, H] rows (FP8 == 2: uint8 view of float8_e4m3fn rows)
-    x_scales,  # [T, H // 128] float32 (FP8 == 2)
-    topk_idx, topk_weights, pair_pos,  # [T, K] (SEND_META; weights with HAS_WEIGHTS)
-    slot_of,  # [T, R] int32: slot on rank d, -1 if not sent there
-    node_slot_of,  # [T, M] int32: row of the token in node b's message, -1 if none
-    counts,  # [R, L + 1] int32 (SEND_META): what each rank's dispatch_counts[p, me] gets
-    target_counts,  # [M] int32: rows of each node's message
-    plan,  # [PLAN_FIELDS] int64 byte offsets
-    xstats,  # [4] int64 local: outbox bytes at [0]
-    tickets,  # [1] int64 ticket word of this kernel
-    epochs,  # [1] int64: the dispatch epoch (the send kernel advanced it already)
-    local_base: tl.int64, ring_addr: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
-    T: tl.int32,
-    t_base: tl.int32,  # index of x's first token in the call (sent as each slot's token)
-    H: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, N: tl.int32,
-    me: tl.int32, RING_SLOTS: tl.int32,
-    ROW_BYTES: tl.int64,  # bytes between staging (and outbox) rows
-    META_STRIDE: tl.constexpr, NODE_META: tl.constexpr, KMAX: tl.constexpr,
-    SEND_META: tl.constexpr, HAS_WEIGHTS: tl.constexpr, FP8: tl.constexpr,
-    UE8M0: tl.constexpr, GS: tl.constexpr, ALIGN: tl.constexpr,
-    EVEN_H: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, NUM_THREADS: tl.constexpr,
-):
-    """Hierarchical: rows for other nodes into this rank's outboxes, each once per node, then
-    one descriptor per node to its forwarder (the last program): its rows, metadata and counts,
-    and the signal to raise. (A flat send fills its outboxes itself,
-    ``kernels.dispatch.send_tokens``.)"""
-    epoch = tl.load(epochs)
-    parity = epoch % 2
+@triton.jit
+def outbox_rows(pid, programs, x, x_scales, topk_idx, topk_weights, pair_pos, slot_of,
+                node_slot_of, plan, xstats, parity, local_base, T, t_base, H, K, R, N, me,
+                ROW_BYTES, META_STRIDE: tl.constexpr, NODE_META: tl.constexpr,
+                KMAX: tl.constexpr, SEND_META: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+                FP8: tl.constexpr, UE8M0: tl.constexpr, GS: tl.constexpr, ALIGN: tl.constexpr,
+                EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program ``pid`` of ``programs``: its token tiles (every ``programs``-th) of the rows for
+    other nodes, each once per node at its row in that node's message, into this rank's
+    outboxes of ``parity``, with their node metadata (``SEND_META``: the token, its choices and
+    the slot it takes on each rank of the node); the bytes go to ``xstats[0]``
+    (:func:`outbox_dispatch_kernel`'s arguments). Equivalent, for every other node ``b``::
+
+        rows = node_slot_of[:, b] >= 0
+        px_rows[parity, b][node_slot_of[rows, b]] = x[rows]
+        px_meta[parity, b][node_slot_of[rows, b]] = (t_base + t, topk_idx, pair_pos,
+                                                     topk_weights, slot_of[t, node(b)])
+    """
     M = R // N
     my_node = me // N
     rows_base = local_base + _off(plan, PX_ROWS, parity, 0)
@@ -179,7 +166,7 @@ def outbox_dispatch_kernel(
     payload = row_payload(x, H, FP8, UE8M0, GS)
     message_row = payload + SEND_META * 4 * NODE_META
     stored = tl.zeros([1], tl.int64)
-    for t0 in range(tl.program_id(0) * BLOCK_T, T, tl.num_programs(0) * BLOCK_T):
+    for t0 in range(pid * BLOCK_T, T, programs * BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         tm = t < T
         t64 = t.to(tl.int64)
@@ -233,26 +220,79 @@ def outbox_dispatch_kernel(
                 slot = _node_slot(node_slot_of, t, tgt, tm, M)
                 stored += tl.sum((slot >= 0).to(tl.int64), axis=0) * message_row
     tl.atomic_add(xstats + tl.arange(0, 1), stored, sem="relaxed")
+
+
+@triton.jit
+def post_node_messages(plan, counts, target_counts, parity, epoch, payload, L, N, R, me,
+                       ROW_BYTES, NODE_META: tl.constexpr, SEND_META: tl.constexpr,
+                       local_base, ring_addr, RING_SLOTS, errors_addr, timeout_ns,
+                       BLOCK_C: tl.constexpr):
+    """After every program's :func:`outbox_rows` (the last program of the launch): to the
+    forwarder of every other node ``b`` (its rank with this local index) one descriptor of
+    ``target_counts[b]`` rows (:func:`post_dispatch_message`), with ``SEND_META`` the counts of
+    each rank of node ``b`` (``counts`` [R, L + 1] rows ``b * N ..``) and the row count after
+    them in the counts outbox first."""
+    my_node = me // N
+    cc = tl.arange(0, BLOCK_C)
+    for tgt in range(R // N):
+        if tgt != my_node:
+            n = tl.load(target_counts + tgt).to(tl.int64)
+            count_words = 0
+            if SEND_META:  # the counts of each rank of node tgt, then its rows
+                count_words = N * (L + 1) + 1
+                c = tl.load(counts + tgt * N * (L + 1) + cc, mask=cc < N * (L + 1))
+                c = tl.where(cc == N * (L + 1), n.to(tl.int32), c)
+                box = local_ptr(local_base, _off(plan, PX_COUNTS, parity, tgt), tl.int32, 4)
+                tl.store(box + cc, c, mask=cc < count_words)
+            tl.debug_barrier()
+            if one_thread():  # to the forwarder of node tgt: its rank tgt * N + me % N
+                post_dispatch_message(plan, parity, tgt, tgt * N + me % N, epoch, n, payload,
+                                      ROW_BYTES, NODE_META, count_words, SEND_META, ring_addr,
+                                      RING_SLOTS, errors_addr, timeout_ns)
+
+
+@triton.jit(do_not_specialize=_OUTBOX_PER_CALL)
+def outbox_dispatch_kernel(
+    x,  # [T, H] rows (FP8 == 2: uint8 view of float8_e4m3fn rows)
+    x_scales,  # [T, H // 128] float32 (FP8 == 2)
+    topk_idx, topk_weights, pair_pos,  # [T, K] (SEND_META; weights with HAS_WEIGHTS)
+    slot_of,  # [T, R] int32: slot on rank d, -1 if not sent there
+    node_slot_of,  # [T, M] int32: row of the token in node b's message, -1 if none
+    counts,  # [R, L + 1] int32 (SEND_META): what each rank's dispatch_counts[p, me] gets
+    target_counts,  # [M] int32: rows of each node's message
+    plan,  # [PLAN_FIELDS] int64 byte offsets
+    xstats,  # [4] int64 local: outbox bytes at [0]
+    tickets,  # [1] int64 ticket word of this kernel
+    epochs,  # [1] int64: the dispatch epoch (the send kernel advanced it already)
+    local_base: tl.int64, ring_addr: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
+    T: tl.int32,
+    t_base: tl.int32,  # index of x's first token in the call (sent as each slot's token)
+    H: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, N: tl.int32,
+    me: tl.int32, RING_SLOTS: tl.int32,
+    ROW_BYTES: tl.int64,  # bytes between staging (and outbox) rows
+    META_STRIDE: tl.constexpr, NODE_META: tl.constexpr, KMAX: tl.constexpr,
+    SEND_META: tl.constexpr, HAS_WEIGHTS: tl.constexpr, FP8: tl.constexpr,
+    UE8M0: tl.constexpr, GS: tl.constexpr, ALIGN: tl.constexpr,
+    EVEN_H: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, NUM_THREADS: tl.constexpr,
+):
+    """Hierarchical: rows for other nodes into this rank's outboxes, each once per node
+    (:func:`outbox_rows`), then one descriptor per node to its forwarder (the last program,
+    :func:`post_node_messages`): its rows, metadata and counts, and the signal to raise. (A
+    flat send fills its outboxes itself, ``kernels.dispatch.send_tokens``.)"""
+    epoch = tl.load(epochs)
+    parity = epoch % 2
+    outbox_rows(tl.program_id(0), tl.num_programs(0), x, x_scales, topk_idx, topk_weights,
+                pair_pos, slot_of, node_slot_of, plan, xstats, parity, local_base, T, t_base, H,
+                K, R, N, me, ROW_BYTES, META_STRIDE, NODE_META, KMAX, SEND_META, HAS_WEIGHTS,
+                FP8, UE8M0, GS, ALIGN, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_N)
     if draw_last_of(tickets, tl.num_programs(0)):
         if not timed_out(errors_addr.to(tl.pointer_type(tl.int64)), NUM_THREADS):
-            cc = tl.arange(0, BLOCK_C)
-            for tgt in range(M):
-                if tgt != my_node:
-                    n = tl.load(target_counts + tgt).to(tl.int64)
-                    counts_off = _off(plan, PX_COUNTS, parity, tgt)
-                    count_words = 0
-                    if SEND_META:  # the counts of each rank of node tgt, then its rows
-                        count_words = N * (L + 1) + 1
-                        c = tl.load(counts + tgt * N * (L + 1) + cc, mask=cc < N * (L + 1))
-                        c = tl.where(cc == N * (L + 1), n.to(tl.int32), c)
-                        box = local_ptr(local_base, counts_off, tl.int32, 4)
-                        tl.store(box + cc, c, mask=cc < count_words)
-                    tl.debug_barrier()
-                    if one_thread():  # to the forwarder of node tgt: its rank tgt * N + me % N
-                        post_dispatch_message(plan, parity, tgt, tgt * N + me % N, epoch, n,
-                                              payload, ROW_BYTES, NODE_META, count_words,
-                                              SEND_META, ring_addr, RING_SLOTS, errors_addr,
-                                              timeout_ns)
+            post_node_messages(plan, counts, target_counts, parity, epoch,
+                               row_payload(x, H, FP8, UE8M0, GS), L, N, R, me, ROW_BYTES,
+                               NODE_META, SEND_META, local_base, ring_addr, RING_SLOTS,
+                               errors_addr, timeout_ns, BLOCK_C)
 
 
 @triton.jit
@@ -305,6 +345,105 @@ def post_dispatch_flat(plan, counts, peer_ptrs, parity, epoch, R, L, payload, RO
 _FORWARD_PER_CALL = ["local_base", "errors_addr", "me"]
 
 
+@triton.jit
+def forward_rows(a, p, P, parity, plan, peer_ptrs, fwd_slots, fwd_n, local_base, TMAX, L, N,
+                 me, ROW_BYTES, PAYLOAD, META_STRIDE: tl.constexpr, NODE_META: tl.constexpr,
+                 CACHED: tl.constexpr, ALIGN: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Program ``p`` of ``P`` on the message of node ``a`` (another node) of ``parity``: its
+    row tiles (every ``P``-th) stored into the staging of every rank of this node that gets
+    them (slot >= 0), with their metadata (:func:`forward_dispatch_kernel`'s arguments; program
+    0 writes ``fwd_n[a]``). Returns the bytes it stored ([1] int64). Equivalent (``s = a * N +
+    me % N``, the message's source)::
+
+        for j in range(fwd_counts[parity, a][N * (L + 1)]):     # the message's rows
+            for dl in range(N):                                  # rank d = my_node * N + dl
+                slot = fwd_meta[parity, a, j, META_STRIDE + dl]  # (CACHED: fwd_slots[a, j, dl])
+                fwd_slots[a, j, dl] = slot
+                if slot >= 0:
+                    dispatch_rows_d[parity, s, slot] = fwd_rows[parity, a, j]
+                    dispatch_meta_d[parity, s, slot] = fwd_meta[parity, a, j, :META_STRIDE]
+    """
+    my_node = me // N
+    src = a * N + me % N
+    forwarded = tl.zeros([1], tl.int64)
+    fwd_counts = local_ptr(local_base, _off(plan, FWD_COUNTS, parity, a), tl.int32, 4)
+    if CACHED:
+        n = tl.load(fwd_n + a)
+    else:
+        n = tl.load(fwd_counts + N * (L + 1))
+        if p == 0:
+            tl.store(fwd_n + a, n)
+    rows = local_ptr(local_base, _off(plan, FWD_ROWS, parity, a), tl.uint8, ALIGN)
+    meta = local_ptr(local_base, _off(plan, FWD_META, parity, a), tl.int32, 4)
+    d_rows_off = _off(plan, D_ROWS, parity, src)
+    d_meta_off = _off(plan, D_META, parity, src)
+    for j0 in range(p * BLOCK_T, n, P * BLOCK_T):
+        j = j0 + tl.arange(0, BLOCK_T)
+        jm = j < n
+        j64 = j.to(tl.int64)
+        slots_at = fwd_slots + (a * TMAX + j64) * N
+        for dl in range(N):
+            if CACHED:
+                slot = tl.load(slots_at + dl, mask=jm, other=-1).to(tl.int64)
+            else:
+                slot = tl.load(meta + j64 * NODE_META + META_STRIDE + dl, mask=jm,
+                               other=-1).to(tl.int64)
+                tl.store(slots_at + dl, slot.to(tl.int32), mask=jm)
+            sm = slot >= 0
+            d = my_node * N + dl
+            dst = peer_ptr(peer_ptrs, d, d_rows_off, tl.uint8, ALIGN) + slot * ROW_BYTES
+            body = tl.multiple_of(PAYLOAD // 16 * 16, 16)  # 16-byte stores; then the
+            for b0 in range(0, body, BLOCK_B):  # tail (UE8M0 exponents) byte by byte
+                b = b0 + tl.arange(0, BLOCK_B)
+                bm = b < body
+                tile = tl.load(rows + j64[:, None] * ROW_BYTES + b[None, :],
+                               mask=jm[:, None] & bm[None, :])
+                tl.store(dst[:, None] + b[None, :], tile,  # gate: row
+                         mask=sm[:, None] & bm[None, :])
+            if body < PAYLOAD:
+                b = body + tl.arange(0, 16)
+                bm = b < PAYLOAD
+                tile = tl.load(rows + j64[:, None] * ROW_BYTES + b[None, :],
+                               mask=jm[:, None] & bm[None, :])
+                tl.store(dst[:, None] + b[None, :], tile,  # gate: tail
+                         mask=sm[:, None] & bm[None, :])
+            if not CACHED:
+                mm = tl.arange(0, BLOCK_M)
+                mk = sm[:, None] & (mm < META_STRIDE)[None, :]
+                words = tl.load(meta + j64[:, None] * NODE_META + mm[None, :], mask=mk)
+                dst_meta = peer_ptr(peer_ptrs, d, d_meta_off, tl.int32, 4) \
+                    + slot * META_STRIDE
+                tl.store(dst_meta[:, None] + mm[None, :], words, mask=mk)
+            forwarded += tl.sum(sm.to(tl.int64), axis=0) \
+                * (PAYLOAD + (1 - CACHED) * 4 * META_STRIDE)
+    return forwarded
+
+
+@triton.jit
+def publish_forwarded(plan, peer_ptrs, parity, epoch, local_base, R, L, N, me,
+                      CACHED: tl.constexpr, BLOCK_C: tl.constexpr):
+    """After every program's :func:`forward_rows` (the last program): for every other node's
+    source with this local index, its counts for each rank of this node (``fwd_counts`` ->
+    ``dispatch_counts``; not ``CACHED``) and then ``epoch`` into its signal word there (a
+    release store), as if the source had sent them itself."""
+    my_node = me // N
+    cc = tl.arange(0, BLOCK_C)
+    for a2 in range(R // N):
+        if a2 != my_node:
+            src2 = a2 * N + me % N
+            for dl in range(N):
+                d = my_node * N + dl
+                if not CACHED:
+                    fc = local_ptr(local_base, _off(plan, FWD_COUNTS, parity, a2), tl.int32, 4)
+                    c = tl.load(fc + dl * (L + 1) + cc, mask=cc < L + 1)
+                    dst_counts = peer_ptr(peer_ptrs, d, _off(plan, D_COUNTS, parity, src2),
+                                          tl.int32, 4)
+                    tl.store(dst_counts + cc, c, mask=cc < L + 1)
+                tl.debug_barrier()
+                publish_epoch(peer_ptrs, d, _at(plan, D_SIGNALS) + src2 * 8, epoch)
+
+
 @triton.jit(do_not_specialize=_FORWARD_PER_CALL)
 def forward_dispatch_kernel(
     plan,  # [PLAN_FIELDS] int64
@@ -323,85 +462,23 @@ def forward_dispatch_kernel(
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, NUM_THREADS: tl.constexpr,
 ):
     """Program ``(a, p)``: the rows node ``a``'s source with this local index sent here, stored
-    into the staging of every rank of this node that gets them (slot >= 0), with their
-    metadata; the last program copies the counts and publishes the sources' epochs."""
+    into the staging of every rank of this node that gets them (:func:`forward_rows`); the last
+    program copies the counts and publishes the sources' epochs (:func:`publish_forwarded`)."""
     a = tl.program_id(0)
     p = tl.program_id(1)
-    P = tl.num_programs(1)
     epoch = tl.load(epochs)
     parity = epoch % 2
-    my_node = me // N
-    src = a * N + me % N
     forwarded = tl.zeros([1], tl.int64)
-    if a != my_node:
-        fwd_counts = local_ptr(local_base, _off(plan, FWD_COUNTS, parity, a), tl.int32, 4)
-        if CACHED:
-            n = tl.load(fwd_n + a)
-        else:
-            n = tl.load(fwd_counts + N * (L + 1))
-            if p == 0:
-                tl.store(fwd_n + a, n)
-        rows = local_ptr(local_base, _off(plan, FWD_ROWS, parity, a), tl.uint8, ALIGN)
-        meta = local_ptr(local_base, _off(plan, FWD_META, parity, a), tl.int32, 4)
-        d_rows_off = _off(plan, D_ROWS, parity, src)
-        d_meta_off = _off(plan, D_META, parity, src)
-        for j0 in range(p * BLOCK_T, n, P * BLOCK_T):
-            j = j0 + tl.arange(0, BLOCK_T)
-            jm = j < n
-            j64 = j.to(tl.int64)
-            slots_at = fwd_slots + (a * TMAX + j64) * N
-            for dl in range(N):
-                if CACHED:
-                    slot = tl.load(slots_at + dl, mask=jm, other=-1).to(tl.int64)
-                else:
-                    slot = tl.load(meta + j64 * NODE_META + META_STRIDE + dl, mask=jm,
-                                   other=-1).to(tl.int64)
-                    tl.store(slots_at + dl, slot.to(tl.int32), mask=jm)
-                sm = slot >= 0
-                d = my_node * N + dl
-                dst = peer_ptr(peer_ptrs, d, d_rows_off, tl.uint8, ALIGN) + slot * ROW_BYTES
-                body = tl.multiple_of(PAYLOAD // 16 * 16, 16)  # 16-byte stores; then the
-                for b0 in range(0, body, BLOCK_B):  # tail (UE8M0 exponents) byte by byte
-                    b = b0 + tl.arange(0, BLOCK_B)
-                    bm = b < body
-                    tile = tl.load(rows + j64[:, None] * ROW_BYTES + b[None, :],
-                                   mask=jm[:, None] & bm[None, :])
-                    tl.store(dst[:, None] + b[None, :], tile,  # gate: row
-                             mask=sm[:, None] & bm[None, :])
-                if body < PAYLOAD:
-                    b = body + tl.arange(0, 16)
-                    bm = b < PAYLOAD
-                    tile = tl.load(rows + j64[:, None] * ROW_BYTES + b[None, :],
-                                   mask=jm[:, None] & bm[None, :])
-                    tl.store(dst[:, None] + b[None, :], tile,  # gate: tail
-                             mask=sm[:, None] & bm[None, :])
-                if not CACHED:
-                    mm = tl.arange(0, BLOCK_M)
-                    mk = sm[:, None] & (mm < META_STRIDE)[None, :]
-                    words = tl.load(meta + j64[:, None] * NODE_META + mm[None, :], mask=mk)
-                    dst_meta = peer_ptr(peer_ptrs, d, d_meta_off, tl.int32, 4) \
-                        + slot * META_STRIDE
-                    tl.store(dst_meta[:, None] + mm[None, :], words, mask=mk)
-                forwarded += tl.sum(sm.to(tl.int64), axis=0) \
-                    * (PAYLOAD + (1 - CACHED) * 4 * META_STRIDE)
+    if a != me // N:
+        forwarded = forward_rows(a, p, tl.num_programs(1), parity, plan, peer_ptrs, fwd_slots,
+                                 fwd_n, local_base, TMAX, L, N, me, ROW_BYTES, PAYLOAD,
+                                 META_STRIDE, NODE_META, CACHED, ALIGN, BLOCK_T, BLOCK_B,
+                                 BLOCK_M)
     tl.atomic_add(xstats + 2 + tl.arange(0, 1), forwarded, sem="relaxed")
-    if draw_last_of(tickets, tl.num_programs(0) * P):
+    if draw_last_of(tickets, tl.num_programs(0) * tl.num_programs(1)):
         if not timed_out(errors_addr.to(tl.pointer_type(tl.int64)), NUM_THREADS):
-            cc = tl.arange(0, BLOCK_C)
-            for a2 in range(R // N):
-                if a2 != my_node:
-                    src2 = a2 * N + me % N
-                    for dl in range(N):
-                        d = my_node * N + dl
-                        if not CACHED:
-                            fc = local_ptr(local_base, _off(plan, FWD_COUNTS, parity, a2),
-                                           tl.int32, 4)
-                            c = tl.load(fc + dl * (L + 1) + cc, mask=cc < L + 1)
-                            dst_counts = peer_ptr(peer_ptrs, d, _off(plan, D_COUNTS, parity, src2),
-                                                  tl.int32, 4)
-                            tl.store(dst_counts + cc, c, mask=cc < L + 1)
-                        tl.debug_barrier()
-                        publish_epoch(peer_ptrs, d, _at(plan, D_SIGNALS) + src2 * 8, epoch)
+            publish_forwarded(plan, peer_ptrs, parity, epoch, local_base, R, L, N, me, CACHED,
+                              BLOCK_C)
 
 
 _FORWARD_COMBINE_PER_CALL = ["local_base", "ring_addr", "errors_addr", "timeout_ns", "me"]
@@ -654,15 +731,20 @@ def outbox_dispatch(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, node
     return True
 
 
+def forward_tiles(flavour: Flavour):
+    """``(tile, bytes a row tile spans)`` of :func:`forward_rows`: the expand's row tiles, 16
+    bytes of a row tile per thread on a GPU."""
+    tile = tiles("dispatch_expand", flavour.compiled, 1024, 1)
+    return tile, (max(16, 16 * tile.num_threads // tile.block_t) if flavour.compiled else 2048)
+
+
 def forward_dispatch(plan, peer_ptrs, fwd_slots, fwd_n, xstats, tickets, epochs, *, rank: int,
                      num_local_experts: int, max_tokens: int, row_bytes: int, payload: int,
                      meta_stride: int, node_meta_stride: int, cached: bool,
                      flavour: Flavour) -> bool:
     """Launches :func:`forward_dispatch_kernel` on grid ``(M, P)``."""
     R, N = peer_ptrs.numel(), flavour.ranks_per_node
-    tile = tiles("dispatch_expand", flavour.compiled, 1024, 1)
-    # 16 bytes of a row tile per thread on a GPU
-    block_b = max(16, 16 * tile.num_threads // tile.block_t) if flavour.compiled else 2048
+    tile, block_b = forward_tiles(flavour)
     P = 1 if not flavour.compiled else max(1, min(triton.cdiv(max_tokens, tile.block_t), 32))
     forward_dispatch_kernel[(R // N, P)](
         plan, peer_ptrs, fwd_slots, fwd_n, xstats, tickets, epochs, flavour.local_base,

@@ -5,9 +5,9 @@ rounds as one launch, every round's send, wait and expand.
 A dispatch in rounds (``moe_comm.normal_mode``) sends round 0, waits for it and computes the
 received layout (round 0 fixes every row's place: every round publishes the call's per-expert
 counts; where this launch follows, round 0's send does that in its last program,
-``kernels.dispatch.dispatch_send``'s ``lay_out``) and sizes the outputs. Where every rank
-drives its Buffer from a process of its own, with waits in the kernels and one node, the rest
-is one launch instead of an expand, and a send, a received layout, a torch
+``kernels.dispatch.dispatch_send``'s ``lay_out``, but hierarchical) and sizes the outputs.
+Where every rank drives its Buffer from a process of its own, with waits in the kernels, the
+rest is one launch instead of an expand, and a send, a received layout, a torch
 add and an expand per later round. Equivalent PyTorch (``S``: ``OFFSETS_STRIDE``)::
 
     expand round 0's rows, as dispatch_expand_kernel, with the padding rows and slot_rows -1
@@ -59,6 +59,49 @@ that needs the epoch of every rank on another node, which each publishes only af
 wait of the earlier round, which needed this rank's transfer of that round to have landed. So
 the argument above holds with the proxy as one more link, as in ``kernels.combine_rounds``.
 
+Hierarchical through the proxy (``HIER``, without fault tolerance; the cached form too): each
+round's send stores the window's rows for the ranks of this node (``send_tokens``, stores
+only), then every program stores its token tiles' rows for other nodes into this rank's
+outboxes of the round's parity, each row once per node at its row in that node's message
+(``kernels.internode.outbox_rows``, by ``node_ring``); the round's last program, after the
+counts and epoch to the ranks of its node, posts one descriptor per other node to its
+forwarder (the rank there with this local index: ``kernels.internode.post_node_messages``,
+``node_counts`` rows; the proxy raises ``node_signals`` there after them). Then every program
+runs the round's forwarder pass: a bounded wait for the message of the round from every other
+node (a timeout names the rank that sends it), the row tiles of all the messages dealt over
+the programs together and stored into the staging of every rank of this node that gets them
+(``kernels.internode.forward_messages``, writing the round's ``fwd_slots`` and ``fwd_n``; the
+cached form reads the handle's), and the pass's last program, on a ticket word of its own
+(``FORWARD_TICKET``), copies those sources' counts and publishes their epochs on every rank of
+this node (``kernels.internode.publish_forwarded``). The round's wait and expand follow.
+Equivalent PyTorch, for round ``i`` of forwarder ``f`` and each other node ``a`` (``s``: the
+rank of node ``a`` with ``f``'s local index)::
+
+    send round i to the ranks of this node; px_rows[parity, b][node_ring[t, b]] = x[t]
+    the last program: counts and epoch to this node's ranks; a descriptor per node b
+    wait until node_signals[a] >= epoch for every other node a    # bounded, names s
+    for d in this node: staging_d[parity, s][fwd_slot[a, j, d]] = fwd_rows[parity, a, j]
+    the last program of the pass: counts and epoch of s on every rank of this node
+
+It adds no wait that can close a cycle: the pass of round ``i`` waits only for the messages of
+round ``i``, each posted by its sender's last program of the round's send, before that sender
+waits for anything in the round; a rank's wait of round ``i`` needs the epochs its node's
+forwarders publish after their own passes of round ``i``, which need only sends. The regions
+of a parity are written again two rounds later only after they were read: this rank's outboxes
+after its wait of the round between, which needs the epoch of every rank of the other nodes,
+relayed by this node's forwarders after their passes of it, whose messages their senders post
+only after their own waits of the round before, which needed this rank's transfer of that
+round, posted after its outboxes were filled and read by the proxy before it raised the
+signal; a forwarder's ``fwd_*`` by the sender's message two rounds later, posted after the
+sender's wait of the round between, which needs the forwarder's own epoch of that round: the
+sender relays it (they share a local index) after the forwarder's message of it, which the
+forwarder posts only after every one of its programs has finished its pass (its reads of
+``fwd_*``) of the round before; the staging of this node as the one-node argument above, the
+forwarder storing for the source.
+Round 0 (not cached) is not in the launch: its send, outbox, forwarder pass and received layout
+are launches of their own before it (a send that laid round 0 out itself would wait for sources
+this rank forwards only after it).
+
 Fault tolerance (``FT``; ``moe_comm.fault``, "In rounds"): each program first writes every
 output row as a padding row (zero, source -1, weight 0; ``slot_rows`` -1 past round 0's
 slots), then waits for every program of the launch (``kernels.comm.after_every_program``: the
@@ -92,15 +135,24 @@ from .comm import (
     record_error,
     timed_out,
     uniform_now_ns,
+    wait_relayed,
     wait_round,
 )
 from .dispatch import expand_padding, expand_rows, proxy_box, publish_counts, send_tokens
-from .internode import post_dispatch_flat
+from .internode import (
+    forward_messages,
+    forward_tiles,
+    outbox_rows,
+    post_dispatch_flat,
+    post_node_messages,
+    publish_forwarded,
+)
 from .quant import NVFP4, scale_group
 from .rows import row_payload, sent_elem_bytes
 from .tiles import MAX_TRIPS, ZERO_TILES, dispatch_round_trips, even, tiles
 
 ROUNDS_TICKET = 5  # the word of ``tickets`` this kernel draws from (kernels.internode: 2-4)
+FORWARD_TICKET = 9  # and the word its forwarder's pass draws from (HIER; combine_rounds: 8)
 _PER_CALL = ["rows_off", "meta_off", "counts_off", "signal_off", "local_base", "errors_addr",
              "timeout_ns", "T", "max_rows", "me", "mask_off"]
 
@@ -138,6 +190,35 @@ def _expand_round(pid, programs, ends, n, parity, src, staging, staging_f32, met
                     BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_G)
 
 
+@triton.jit
+def _forward_round(pid, programs, epoch, parity, plan, peer_ptrs, fwd_slots, fwd_n,
+                   node_signals, fwd_tickets, xstats, local_base, errors, timeout_ns, W, L, R,
+                   N, me, ROW_BYTES, PAYLOAD, META_STRIDE: tl.constexpr,
+                   NODE_META: tl.constexpr, CACHED: tl.constexpr, ALIGN: tl.constexpr,
+                   FWD_T: tl.constexpr, FWD_B: tl.constexpr, FWD_M: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NUM_THREADS: tl.constexpr):
+    """The forwarder's pass of a hierarchical round (module docstring, "Hierarchical"): a
+    bounded wait for the message of ``epoch`` from every other node (a timeout names its
+    source, the rank of that node with this local index), the row tiles of all the messages
+    dealt over the programs (``kernels.internode.forward_messages``), and the pass's last
+    program, on a ticket
+    word of its own, publishes the sources' counts and epochs on this node
+    (``kernels.internode.publish_forwarded``). Returns whether the wait was met."""
+    ok = wait_relayed(node_signals, R // N, epoch, uniform_now_ns(NUM_THREADS) + timeout_ns,
+                      errors, me % N, N, BLOCK_R, NUM_THREADS)
+    forwarded = tl.zeros([1], tl.int64)
+    if ok:
+        forwarded = forward_messages(pid, programs, parity, plan, peer_ptrs, fwd_slots, fwd_n,
+                                     local_base, W, L, R, N, me, ROW_BYTES, PAYLOAD, META_STRIDE,
+                                     NODE_META, CACHED, ALIGN, FWD_T, FWD_B, FWD_M, BLOCK_R)
+    tl.atomic_add(xstats + 2 + tl.arange(0, 1), forwarded, sem="relaxed")
+    if draw_last_of(fwd_tickets, programs):
+        if ok and not timed_out(errors, NUM_THREADS):
+            publish_forwarded(plan, peer_ptrs, parity, epoch, local_base, R, L, N, me, CACHED,
+                              BLOCK_C)
+    return ok
+
+
 @triton.jit(do_not_specialize=_PER_CALL)
 def dispatch_rounds_kernel(
     # the send: the call's tensors, round i's window at token i * W
@@ -170,12 +251,19 @@ def dispatch_rounds_kernel(
     box_rows_off: tl.int64, box_meta_off: tl.int64, box_counts_off: tl.int64,  # TRANSPORT 1:
     box_rows_parity: tl.int64, box_meta_parity: tl.int64,  # the outboxes, as the send's
     box_counts_parity: tl.int64,  # (PROXY_BOX: px_rows, px_meta, px_counts, target 0)
-    plan,  # PROXY_BOX: [PLAN_FIELDS] int64 byte offsets (kernels.internode)
-    xstats,  # PROXY_BOX: [4] int64 local, outbox bytes at [0]
+    plan,  # PROXY_BOX, HIER: [PLAN_FIELDS] int64 byte offsets (kernels.internode)
+    xstats,  # PROXY_BOX, HIER: [4] int64 local, outbox bytes at [0] (HIER: forwarded at [2])
+    node_ring,  # HIER: [T, M] int32, the row of token t in node b's message of its round, or -1
+    node_counts,  # HIER: int32, round i's [M] (the rows of each node's message) at i * M
+    fwd_slots,  # HIER: int32 out, round i's [M, W, N] (each forwarded row's slot on each rank
+                # of this node) at i * M * W * N
+    fwd_n,  # HIER: int32 out, round i's [M] (the rows of each node's message) at i * FWD_N_STRIDE
+    node_signals,  # HIER: [M] int64 local, the epoch of node a's message to this forwarder
+    fwd_tickets,  # HIER: [1] int64 local, the ticket word of the forwarder's pass
     ring_addr: tl.int64, RING_SLOTS: tl.int32,  # PROXY_BOX: the proxy's ring
     STAGING_PARITY: tl.int64, META_PARITY: tl.int64, COUNT_PARITY: tl.int64,  # elements
     local_base: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
-    T: tl.int32, W: tl.int32, ROUNDS: tl.int32,
+    T: tl.int32, W: tl.int32, ROUNDS: tl.int32, N: tl.int32, FWD_N_STRIDE: tl.int32,
     X_ROW: tl.int64, SCALE_ROW: tl.int64, COUNTS_STRIDE: tl.int64, OFFSETS_STRIDE: tl.int32,
     max_rows: tl.int64, SLOTS: tl.int64, H: tl.int32, OUT_H: tl.int32, K: tl.int32,
     R: tl.int32, L: tl.int32, me: tl.int32, ROW_BYTES: tl.int64, G: tl.int32,
@@ -187,6 +275,8 @@ def dispatch_rounds_kernel(
     TRANSPORT: tl.constexpr,  # 0: every peer by stores; 1: NVSHMEM where a pointer is 0;
                               # 2: the proxy (flat: PROXY_BOX)
     PROXY_BOX: tl.constexpr,  # kernels.dispatch.send_tokens' (module docstring)
+    HIER: tl.constexpr,  # hierarchical through the proxy (module docstring)
+    NODE_META: tl.constexpr,  # HIER: int32 words of a node message's row
     HAS_WEIGHTS: tl.constexpr,
     FP8: tl.constexpr, UE8M0: tl.constexpr, GS: tl.constexpr, GLOBAL: tl.constexpr,
     ALIGN: tl.constexpr, EVEN_H: tl.constexpr, EXPAND_EVEN_H: tl.constexpr,
@@ -194,6 +284,8 @@ def dispatch_rounds_kernel(
     EXPAND_T: tl.constexpr, EXPAND_H: tl.constexpr,  # the expand's tiles
     BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_Z: tl.constexpr, NUM_THREADS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,  # HIER: N's and N * (L + 1) + 1's powers of 2
+    FWD_T: tl.constexpr, FWD_B: tl.constexpr, FWD_M: tl.constexpr,  # HIER: the pass's tiles
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -251,6 +343,15 @@ def dispatch_rounds_kernel(
                         R, me, ROW_BYTES, plan, xstats, META_STRIDE, KMAX, not CACHED,
                         HAS_WEIGHTS, FP8, UE8M0, GS, TRANSPORT, PROXY_BOX, ALIGN, EVEN_H,
                         BLOCK_T, BLOCK_H, BLOCK_K)
+            if HIER:  # the window's rows for other nodes, once per node, into the outboxes
+                outbox_rows(pid, programs, x + first * X_ROW, x_scales + first * SCALE_ROW,
+                            topk_idx + first * K, topk_weights + first * K,
+                            pair_pos + first * K, ring + first * R,
+                            node_ring + first * (R // N), plan, xstats, parity, local_base,
+                            tl.minimum(T - first, W).to(tl.int32), (first + 0).to(tl.int32), H,
+                            K, R, N, me, ROW_BYTES, META_STRIDE, NODE_META, KMAX, not CACHED,
+                            HAS_WEIGHTS, FP8, UE8M0, GS, ALIGN, EVEN_H, BLOCK_T, BLOCK_H,
+                            BLOCK_K, BLOCK_N)
             if draw_last_of(tickets, programs):
                 publish_counts(counts + i * COUNTS_STRIDE, peer_ptrs, stats,
                                counts_off + parity * counts_parity, signal_off,
@@ -262,11 +363,26 @@ def dispatch_rounds_kernel(
                                        ROW_BYTES, META_STRIDE, local_base, ring_addr,
                                        RING_SLOTS, errors_addr, timeout_ns, not CACHED,
                                        BLOCK_L)
+                if HIER:  # one descriptor per node, to its forwarder
+                    post_node_messages(plan, counts + i * COUNTS_STRIDE,
+                                       node_counts + i * (R // N), parity, epoch,
+                                       row_payload(x, H, FP8, UE8M0, GS), L, N, R, me,
+                                       ROW_BYTES, NODE_META, not CACHED, local_base, ring_addr,
+                                       RING_SLOTS, errors_addr, timeout_ns, BLOCK_C)
                 tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
+            relayed = True
+            if HIER:  # the forwarder's pass: every other node's message into this node
+                relayed = _forward_round(pid, programs, epoch, parity, plan, peer_ptrs,
+                                         fwd_slots + i * (R // N) * W * N,
+                                         fwd_n + i * FWD_N_STRIDE, node_signals, fwd_tickets,
+                                         xstats, local_base, errors, timeout_ns, W, L, R, N,
+                                         me, ROW_BYTES, row_payload(x, H, FP8, UE8M0, GS),
+                                         META_STRIDE, NODE_META, CACHED, ALIGN, FWD_T, FWD_B,
+                                         FWD_M, BLOCK_R, BLOCK_C, NUM_THREADS)
             # (FT: program 0 decides who arrived, for every program)
             ok = wait_round(pid, epoch, signals, errors, timeout_ns, live + i * R, ft_words,
                             mask_off, local_base, peer_ptrs, R, me, FT, TRANSPORT, BLOCK_R,
-                            NUM_THREADS)
+                            NUM_THREADS) & relayed
             if ok:  # the round's slots of every source, after the earlier rounds'
                 view = slot_offsets + i * OFFSETS_STRIDE
                 arrived = first_live
@@ -304,11 +420,13 @@ def round_tiles(flavour: Flavour, hidden: int, fp8: int, ue8m0: int, x_elem_byte
                 out_elem_bytes: float):
     """``(send, expand)`` tiles of :func:`dispatch_rounds_kernel` for a send of format
     ``(fp8, ue8m0)`` of rows of ``x_elem_bytes``: one program per SM with the expand's warps
-    (``kernels.tiles``); a send that quantizes to NVFP4, or any that quantizes over NVSHMEM,
-    in tiles of its own."""
+    (``kernels.tiles``); a send that quantizes to NVFP4, or any that quantizes over NVSHMEM
+    or hierarchical through the proxy (beside an outbox), in tiles of its own."""
     send = "dispatch_rounds_send"
     if fp8 == 1 and flavour.transport == 1:
         send = "dispatch_rounds_send_nvshmem_quantizing"
+    elif fp8 == 1 and flavour.transport == 2 and flavour.hierarchical:
+        send = "dispatch_rounds_send_hier_quantizing"
     elif fp8 == 1 and ue8m0 == NVFP4:
         send = "dispatch_rounds_send_nvfp4"
     return (tiles(send, flavour.compiled, hidden, sent_elem_bytes(fp8, ue8m0, x_elem_bytes)),
@@ -334,14 +452,17 @@ def fits_one_launch(world_size: int, ring_slots: int, hidden: int, topk: int,
     elem = sent_elem_bytes(fp8, ue8m0, x_elem_bytes)
     send, expand = round_tiles(flavour, hidden, fp8, ue8m0, x_elem_bytes, elem)
     programs = rounds_grid(num_sms, flavour)
+    hier = flavour.transport == 2 and flavour.hierarchical
     return dispatch_round_trips(world_size, ring_slots, topk, programs, send.block_t,
-                                expand.block_t) <= MAX_TRIPS
+                                expand.block_t,
+                                hier and world_size // flavour.ranks_per_node - 1,
+                                forward_tiles(flavour)[0].block_t) <= MAX_TRIPS
 
 
 _VARYING = ("x", "x_scales", "topk_idx", "topk_weights", "pair_pos", "ring", "counts",
             "row_base", "tokens_per_expert", "expert_offsets", "slot_rows", "slot_offsets",
             "out", "out_scales", "out_global", "out_weights", "out_src_rank", "out_src_token",
-            "T", "COUNTS_STRIDE", "max_rows")
+            "T", "COUNTS_STRIDE", "max_rows", "node_ring", "node_counts", "fwd_slots", "fwd_n")
 
 
 def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts, row_base,
@@ -356,7 +477,8 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
                     live: torch.Tensor | None = None,
                     ft_words: torch.Tensor | None = None, box_offsets=((0, 0),) * 3,
                     plan: torch.Tensor | None = None,
-                    xstats: torch.Tensor | None = None) -> bool:
+                    xstats: torch.Tensor | None = None, node: tuple | None = None,
+                    node_meta_stride: int = 0) -> bool:
     """Launches :func:`dispatch_rounds_kernel` (module docstring): rounds ``1..rounds - 1`` of
     a dispatch whose round 0 was sent, laid out and expanded. The send's arguments are
     ``dispatch_send``'s for the whole call (``counts`` [rounds, R, L + 1], ``ring`` the ring
@@ -381,17 +503,28 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
     (offset, parity stride) of the rdma_rows / rdma_meta / rdma_counts outboxes: each round
     sends as ``dispatch_send_kernel`` does there (module docstring, "Over NVSHMEM"); through
     the proxy, flat (``flavour.transport == 2``), those of px_rows / px_meta / px_counts, with
-    ``plan`` and ``xstats`` (module docstring, "Through the proxy")."""
+    ``plan`` and ``xstats`` (module docstring, "Through the proxy"); hierarchical, ``plan``,
+    ``xstats`` and ``node`` = ``(node_ring [T, M], node_counts [rounds, M], fwd_slots
+    [rounds * M, W, N], fwd_n [rounds * S], node_signals [M] int64, forwarder ticket [1])``
+    (``kernels.layout.ring_positions``' node outputs, ``NormalMode._forward_slots``' tensors,
+    this rank's node_signals of the dispatch, its ticket word; module docstring,
+    "Hierarchical") with ``node_meta_stride`` the words of a node message's row."""
     cached = topk_idx is None
+    hier = flavour.transport == 2 and flavour.hierarchical
     if flavour.transport not in (0, 1, 2) or (flavour.transport == 1
                                               and flavour.fault_tolerant) \
-            or (flavour.transport == 2 and flavour.hierarchical):
+            or (hier and flavour.fault_tolerant):
         raise ValueError("a dispatch's rounds in one launch reach every peer by stores,"
-                         " NVSHMEM puts (without fault tolerance), or the proxy's flat"
-                         " transfers")
+                         " NVSHMEM puts (without fault tolerance), or the proxy's flat or"
+                         " hierarchical transfers (hierarchical: without fault tolerance)")
     box = proxy_box(flavour)
     if box and (plan is None or xstats is None or counts is None):
         raise ValueError("rounds through the proxy take plan, xstats and counts")
+    if hier != (node is not None) or hier and (plan is None or xstats is None
+                                                or len(node) != 6 or not node_meta_stride):
+        raise ValueError("hierarchical rounds take plan, xstats, node (node_ring, node_counts,"
+                         " fwd_slots, fwd_n, node_signals, tickets) and node_meta_stride;"
+                         " other rounds no node")
     ft = flavour.fault_tolerant
     check_round_words(ft, live, ft_words, rounds, peer_ptrs.numel(), "dispatch")
     T, H = x.shape
@@ -414,17 +547,22 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
     values = (x, dummy if x_scales is None else x_scales, *per_token, ring,
               *layout, tokens_per_expert, expert_offsets, slot_rows, slot_offsets, out8,
               scales8, out_global if nvfp4 else dummy, *sources, T,
-              0 if counts is None else counts.stride(0), out.shape[0])
+              0 if counts is None else counts.stride(0), out.shape[0],
+              *(node[:4] if hier else (dummy,) * 4))
     key = ("dispatch_rounds", H, out.shape[1], slot_rows.shape[1], specs(values[:18]),
            x_scales is None, has_weights, quantized, id(peer_ptrs), id(stats), id(tickets),
            id(epochs), id(signals), id(staging), id(meta), id(dcounts), id(offsets), rank,
            num_local_experts, meta_stride, max_topk, ring_slots, rounds, offsets_stride,
            row_bytes, fp8, ue8m0, scale_strides, num_sms, id(flavour), cached,
            id(live) if ft else None, id(ft_words) if ft else None, box_offsets,
-           id(plan) if box else None, id(xstats) if box else None)
+           id(plan) if box or hier else None, id(xstats) if box or hier else None,
+           specs(node[:4]) if hier else None, id(node[4]) if hier else None,
+           id(node[5]) if hier else None, node_meta_stride)
     if call_bound(bound, key, values):
         return True
     R, L, K = peer_ptrs.numel(), num_local_experts, slot_rows.shape[1]
+    N = flavour.ranks_per_node if hier else 1
+    fwd_tile, fwd_b = forward_tiles(flavour)
     send_tile, expand_tile = round_tiles(flavour, H, fp8, ue8m0, x.element_size(),
                                          out.element_size())
     programs = rounds_grid(num_sms, flavour)
@@ -440,17 +578,20 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
         offsets["rows"][0], offsets["meta"][0],
         offsets["counts"][0], offsets["signal"], offsets["rows"][1], offsets["meta"][1],
         offsets["counts"][1], *(off for off, _ in box_offsets),
-        *(stride for _, stride in box_offsets), plan if box else dummy,
-        xstats if box else dummy, flavour.ring_addr if box else 0,
-        flavour.ring_slots if box else 0, stg.stride(0), meta.stride(0),
+        *(stride for _, stride in box_offsets), plan if box or hier else dummy,
+        xstats if box or hier else dummy, *(node if hier else (dummy,) * 6),
+        flavour.ring_addr if box or hier else 0,
+        flavour.ring_slots if box or hier else 0, stg.stride(0), meta.stride(0),
         dcounts.stride(0),
         flavour.local_base, flavour.errors_addr, flavour.timeout_ns, T, ring_slots, rounds,
+        N, node[3].numel() // rounds if hier else 0,
         x.stride(0), scale_row, values[19], offsets_stride, values[20], slot_rows.shape[0], H,
         out.shape[1], K, R, L, rank, row_bytes, per_row, groups, stg.stride(2),
         scale_strides[0], scale_strides[1])
     kwargs = dict(
         META_STRIDE=meta_stride, KMAX=max_topk, CACHED=cached, FT=ft,
-        TRANSPORT=flavour.transport, PROXY_BOX=box, HAS_WEIGHTS=has_weights,
+        TRANSPORT=flavour.transport, PROXY_BOX=box, HIER=hier, NODE_META=node_meta_stride,
+        HAS_WEIGHTS=has_weights,
         FP8=fp8,
         UE8M0=bool(ue8m0), GS=scale_group(ue8m0), GLOBAL=nvfp4, ALIGN=flavour.row_align,
         EVEN_H=even(H, send_tile.block_h), EXPAND_EVEN_H=even(out.shape[1], expand_tile.block_h),
@@ -459,6 +600,8 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
         BLOCK_G=triton.next_power_of_2(max(per_row, 1)),
         BLOCK_L=triton.next_power_of_2(L + 1), BLOCK_R=triton.next_power_of_2(R),
         BLOCK_Z=ZERO_TILES * expand_tile.block_t,
-        NUM_THREADS=expand_tile.num_threads, **flavour.launch_options(send_tile))
+        NUM_THREADS=expand_tile.num_threads, BLOCK_N=triton.next_power_of_2(N),
+        BLOCK_C=triton.next_power_of_2(N * (L + 1) + 1), FWD_T=fwd_tile.block_t, FWD_B=fwd_b,
+        FWD_M=triton.next_power_of_2(meta_stride), **flavour.launch_options(send_tile))
     launch(bound, key, dispatch_rounds_kernel, (programs,), args, kwargs, _VARYING)
     return True

@@ -421,6 +421,41 @@ def forward_rows(a, p, P, parity, plan, peer_ptrs, fwd_slots, fwd_n, local_base,
 
 
 @triton.jit
+def forward_messages(pid, programs, parity, plan, peer_ptrs, fwd_slots, fwd_n, local_base, TMAX,
+                     L, R, N, me, ROW_BYTES, PAYLOAD, META_STRIDE: tl.constexpr,
+                     NODE_META: tl.constexpr, CACHED: tl.constexpr, ALIGN: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_A: tl.constexpr):
+    """Program ``pid`` of ``programs`` on the messages of every other node of ``parity``: the
+    row tiles of all of them dealt round-robin (tile ``t`` of node ``a``'s message is
+    :func:`forward_rows`' program ``t`` of as many as it has tiles), so a program takes
+    ``ceil(sum of the tiles / programs)`` of them however many nodes there are; program 0
+    writes ``fwd_n`` (not ``CACHED``). Returns the bytes this program stored ([1] int64)."""
+    a = tl.arange(0, BLOCK_A)
+    am = (a < R // N) & (a != me // N)
+    if CACHED:
+        n = tl.load(fwd_n + a, mask=am, other=0)
+    else:  # each message's rows, after its counts of each rank of this node
+        counts = local_base + _at(plan, FWD_COUNTS) + parity * _at(plan, FWD_COUNTS_PAR) \
+            + a.to(tl.int64) * _at(plan, FWD_COUNTS_SRC)
+        n = tl.load(counts.to(tl.pointer_type(tl.int32)) + N * (L + 1), mask=am, other=0)
+        if pid == 0:
+            tl.store(fwd_n + a, n, mask=am)
+    node_tiles = (n + BLOCK_T - 1) // BLOCK_T
+    tiles_end = tl.cumsum(node_tiles, axis=0)
+    forwarded = tl.zeros([1], tl.int64)
+    for w in range(pid, tl.sum(node_tiles, axis=0), programs):
+        b = tl.sum((tiles_end <= w).to(tl.int32), axis=0)
+        at_b = a == b
+        forwarded += forward_rows(b, w - tl.sum(tl.where(at_b, tiles_end - node_tiles, 0), axis=0),
+                                  tl.sum(tl.where(at_b, node_tiles, 0), axis=0), parity, plan,
+                                  peer_ptrs, fwd_slots, fwd_n, local_base, TMAX, L, N, me,
+                                  ROW_BYTES, PAYLOAD, META_STRIDE, NODE_META, CACHED, ALIGN,
+                                  BLOCK_T, BLOCK_B, BLOCK_M)
+    return forwarded
+
+
+@triton.jit
 def publish_forwarded(plan, peer_ptrs, parity, epoch, local_base, R, L, N, me,
                       CACHED: tl.constexpr, BLOCK_C: tl.constexpr):
     """After every program's :func:`forward_rows` (the last program): for every other node's

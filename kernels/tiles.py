@@ -98,6 +98,10 @@ _GPU = {
     # registers under Triton 3.6, 8 still 56 to 88; 4 (NVFP4: 8, for 16-byte stores of its
     # packed codes) do not, under 3.6 and 3.9
     "dispatch_rounds_send_nvshmem_quantizing": (4, 1024, 8, 1),
+    # and hierarchical through the proxy every send that quantizes (the window quantized
+    # again for the node outboxes): 16 tokens spilled 120 to 160 bytes under Triton 3.9, 8 do
+    # not (223 to 231 registers)
+    "dispatch_rounds_send_hier_quantizing": (8, 1024, 8, 1),
     # persistent: 64 slots a tile (at most 32 trips of a program over the slots of uniform
     # routing at DeepSeek-V3 prefill sizes with 20 programs), several choices' gathers in
     # flight (combine.gathers_in_flight); one program per SM, so a 128-byte accumulator a
@@ -243,15 +247,19 @@ def combine_round_trips(R: int, W: int, K: int, H: int, programs: int, send_bloc
 
 
 def dispatch_round_trips(R: int, W: int, K: int, programs: int, send_block_t: int,
-                         expand_block_t: int) -> int:
+                         expand_block_t: int, forwarded_nodes: int = 0,
+                         forward_block_t: int = 1) -> int:
     """Serial trips of one round of ``kernels.dispatch_rounds`` on ``programs`` programs: the
     send's token tiles of the round's ``W`` tokens, and the expand's tiles of every source's
     slots, all sources' dealt round-robin: at uniform routing ``R * u`` slots in all, in at
     most ``R * u / tile`` full tiles and a partial one per source that sent any (at most
-    ``min(R, R * u)`` of them)."""
+    ``min(R, R * u)`` of them); hierarchical, the outbox's token tiles of the ``W`` tokens
+    again and the forwarder's row tiles of ``forwarded_nodes`` other nodes' messages (at most
+    ``W`` rows each, the tiles of all of them dealt over the programs together)."""
     slots = R * uniform_slots(W, R, K)
-    return (_cdiv(W, send_block_t * programs)
-            + _cdiv(slots / expand_block_t + min(R, slots), programs))
+    return ((1 + bool(forwarded_nodes)) * _cdiv(W, send_block_t * programs)
+            + _cdiv(slots / expand_block_t + min(R, slots), programs)
+            + _cdiv(forwarded_nodes * _cdiv(W, forward_block_t), programs))
 
 
 def _invariant_send_trips(a: dict) -> int:
@@ -294,7 +302,8 @@ SCHEDULES = {
     "combine_send_kernel": Schedule(PERSISTENT, _combine_send_trips),
     "combine_reduce_kernel": Schedule(WAVE, lambda a: 1),
     "dispatch_rounds_kernel": Schedule(PERSISTENT, lambda a: dispatch_round_trips(
-        a["R"], a["W"], a["K"], a["programs"], a["BLOCK_T"], a["EXPAND_T"])),
+        a["R"], a["W"], a["K"], a["programs"], a["BLOCK_T"], a["EXPAND_T"],
+        a["HIER"] and a["R"] // a["N"] - 1, a["FWD_T"])),
     "combine_rounds_kernel": Schedule(PERSISTENT, lambda a: combine_round_trips(
         a["R"], a["W"], a["K"], a["H"], a["programs"], a["BLOCK_T"], a["REDUCE_T"],
         a["REDUCE_H"], a["HIER"] and a["R"] // a["N"] - 1)),

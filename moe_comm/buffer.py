@@ -429,9 +429,9 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             for fp8 in (False, True) for pair in (False, True)}
         # a dispatch's rounds after its first send as one launch (kernels.dispatch_rounds), by
         # the send's format (fp8, ue8m0, the rows' element bytes): the same conditions, fault
-        # tolerance too (the EP-invariant combine changes no dispatch; through the proxy flat)
-        dispatch_launch = combine_launch or (
-            rounds_in_kernels and proxy is not None and not layout.hierarchical)
+        # tolerance too (the EP-invariant combine changes no dispatch; through the proxy
+        # hierarchical too: each round's node messages and forwarder pass in the launch)
+        dispatch_launch = combine_launch or (rounds_in_kernels and proxy is not None)
         self._dispatch_in_one_launch = {
             (fp8, ue8m0, elem): dispatch_launch and fits_dispatch_rounds(
                 self.world_size, layout.ring_slots, self.hidden, self.max_topk, self.num_sms, f,

@@ -28,7 +28,7 @@ epoch of the channel for the source tokens ``[i * W, (i + 1) * W)``::
         wait for every rank's epoch of round i; expand (dispatch) or sum (combine) its rows
 
 Each round launches what a call of one round does (without the layout), but on one node,
-across nodes through the proxy (flat, and a hierarchical combine; below) or across hosts over
+across nodes through the proxy (flat or hierarchical; below) or across hosts over
 NVSHMEM, where every rank runs in a process of its own with waits in the kernels (GPUs, or CPU
 ranks with ``MOE_COMM_WAIT=kernel``): there one launch runs a combine's rounds
 (``kernels.combine_rounds``:
@@ -40,7 +40,8 @@ in the launch, ``kernels.internode.forward_round``; EP-invariant:
 and one launch a dispatch's after its round 0 is sent and laid out (``kernels.dispatch_rounds``:
 round 0's expand, then each later round's send, wait and expand; fault-tolerant too, where
 round 0's send laid it out; across nodes through the proxy too, flat (fault-tolerant too),
-each round's last program posting its transfers),
+each round's last program posting its transfers, or hierarchical, each round's node messages
+and forwarder pass in the launch, round 0 laid out by a launch of its own after its forwarder's),
 and one launch every round of a cached dispatch (the same kernel, through the proxy too); each
 says why it cannot deadlock, and on GPUs they run where a round fits the launch's ``num_sms``
 programs (``fits_one_launch``; a Buffer on GPUs cuts its ring to fit, ``moe_comm.rings``).
@@ -50,17 +51,19 @@ otherwise). Every other program of that send has finished, and every rank's last
 publishes before it waits, so no rank waits for one that is waiting; the host read that sizes
 the outputs follows.
 A dispatch in rounds is then five launches: the layout's two, the ring positions, round 0's send
-and the one launch (through the proxy, flat, too). Across nodes through the proxy each round's
-send fills the outboxes with the window's rows for other nodes and posts one descriptor per peer
-(flat: the send itself) or per node (hierarchical: ``_send_other_nodes``, a launch per round);
-hierarchical, each round adds the forwarder's pass
-(``_forward_dispatch`` after the round's send, ``_forward_combine`` after the round's combine
-send, where the combine launches per round), which waits for the round's messages from other
-nodes (the dispatch; the combine: this node's partials) and stores their rows into its node's
-staging (the combine: sums them and sends one row per token home). The ring positions and
-the rounds' counts are one launch (``kernels.layout.ring_positions``; hierarchical, each
-token's row in each node's message of its round and those messages' rows too), the rounds'
-slot offsets torch ops (written by the one launch where there is one).
+and the one launch (through the proxy, flat, too); hierarchical, nine: round 0's send, outbox,
+the forwarder's wait and pass and the received layout in place of the send, as a call of one
+round has them, whatever the number of rounds. Across nodes through the proxy each round's send
+fills the outboxes with the window's rows for other nodes and posts one descriptor per peer
+(flat: the send itself) or per node (hierarchical: ``_send_other_nodes``, where a dispatch
+launches per round); hierarchical, each round adds the forwarder's pass (``_forward_dispatch``
+after the round's send, ``_forward_combine`` after the round's combine send, where they launch
+per round), which waits for the round's messages from other nodes (the dispatch; the combine:
+this node's partials) and stores their rows into its node's staging (the combine: sums them and
+sends one row per token home). The ring positions and the rounds' counts are one launch
+(``kernels.layout.ring_positions``; hierarchical, each token's row in each node's message of
+its round and those messages' rows too), the rounds' slot offsets torch ops (written by the
+one launch where there is one).
 A window holds at most ``W`` tokens, so at most ``W`` rows for any rank and at most ``W`` rows in
 any node's message. The order that makes it safe, in each place the kernels run: a rank's send of
 round ``i`` needs nothing but its own inputs (the parity it writes was last read in round ``i - 2``,
@@ -256,8 +259,8 @@ class NormalMode:
             stream = self._stream(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts,
                                   K, fp8, ue8m0)
             later = functools.partial(self._send_round, stream)
-            if expert_alignment is not None and self._dispatch_in_one_launch[
-                    fp8, ue8m0, x.element_size()]:
+            if expert_alignment is not None and not self.hierarchical and \
+                    self._dispatch_in_one_launch[fp8, ue8m0, x.element_size()]:
                 received = (*dispatch_kernels.received_layout_outputs(
                     self.world_size, self.num_local_experts, self.device,
                     torch.empty(self.slot_offsets_size(), dtype=torch.int64,
@@ -590,7 +593,7 @@ class NormalMode:
             slot_offsets = every_round  # (the launch writes the later rounds' and the gaps)
             self._dispatch_rounds(stream, row_base, tokens_per_expert, expert_offsets,
                                   slot_offsets, outputs, scale_memory, scale_strides,
-                                  global_scale)
+                                  global_scale, fwd_slots, fwd_n)
             self._check_usable("dispatch")  # its waits ran in the kernel: a timeout shows now
         else:
             staging, meta = self._staging(DISPATCH)
@@ -639,18 +642,26 @@ class NormalMode:
 
     def _dispatch_rounds(self, stream: Stream, row_base, tokens_per_expert, expert_offsets,
                          slot_offsets, outputs: tuple, scale_memory, scale_strides,
-                         global_scale) -> None:
+                         global_scale, fwd_slots, fwd_n) -> None:
         """Round 0's expand and rounds ``1..rounds - 1`` of a dispatch in one launch
         (``kernels.dispatch_rounds``): ``stream``'s sends, and into ``outputs``
         (``(slot_rows, out, out_weights, src_rank, src_token)``, as an expand gets them) and
-        ``slot_offsets`` (every round's; round 0's given) the rows of every round."""
+        ``slot_offsets`` (every round's; round 0's given) the rows of every round;
+        hierarchical, each later round's node messages and forwarder pass too, into
+        ``fwd_slots`` / ``fwd_n`` (:meth:`_forward_slots`)."""
         slot_rows, out, out_weights, src_rank, src_token = outputs
+        node = None
+        if self.hierarchical:
+            ticket = dispatch_rounds_kernels.FORWARD_TICKET
+            node = (stream.node_ring, stream.node_counts, fwd_slots, fwd_n,
+                    self._region("node_signals")[0], self._ticket_words[ticket:ticket + 1])
         self.launches["dispatch_rounds"] += dispatch_rounds_kernels.dispatch_rounds(
             stream.x, stream.x_scales, stream.topk_idx, stream.topk_weights, stream.pair_pos,
             stream.ring, stream.counts, row_base, tokens_per_expert, expert_offsets, slot_rows,
             slot_offsets, out, out_weights, src_rank, src_token, *self._rounds_fixed(),
             fp8=stream.fp8, ue8m0=stream.ue8m0, out_scales=scale_memory,
-            scale_strides=scale_strides, out_global=global_scale, **self._rounds_options())
+            scale_strides=scale_strides, out_global=global_scale, node=node,
+            **self._rounds_options())
 
     def _rounds_fixed(self) -> tuple:
         """The Buffer's tensors ``kernels.dispatch_rounds.dispatch_rounds`` takes, made once
@@ -676,19 +687,29 @@ class NormalMode:
                 row_bytes=self._row_bytes, num_sms=self.num_sms, flavour=self.flavour,
                 bound=self._bound, live=self._ft_dispatch_live,
                 ft_words=self._ft_dispatch_words, box_offsets=self._rdma_offsets(DISPATCH),
-                plan=self._plan, xstats=self._xstats)
+                plan=self._plan, xstats=self._xstats,
+                node_meta_stride=self.layout.node_meta_stride if self.hierarchical else 0)
         return options
 
-    def _cached_dispatch_rounds(self, x, ring, counts, slot_rows, slot_offsets,
-                                tokens_per_expert, expert_offsets, out) -> None:
+    def _cached_dispatch_rounds(self, x, ring, counts, node_ring, slot_rows, slot_offsets,
+                                tokens_per_expert, expert_offsets, out, fwd_slots,
+                                fwd_n) -> None:
         """A whole cached dispatch of several rounds in one launch
         (``kernels.dispatch_rounds``, its cached form): ``x``'s rows to their ring positions
         ``ring`` (``counts``: :meth:`_cached_target_counts`), into ``out`` by the handle's
-        ``slot_rows`` and every round's ``slot_offsets``."""
+        ``slot_rows`` and every round's ``slot_offsets``; hierarchical, each round's rows for
+        another node at the handle's ``node_ring``, forwarded as the handle's ``fwd_slots`` /
+        ``fwd_n`` place them."""
+        node = None
+        if self.hierarchical:  # the rows of each round's message to each node
+            ticket = dispatch_rounds_kernels.FORWARD_TICKET
+            node = (node_ring, self._round_windows(node_ring >= 0).sum(1, dtype=torch.int32),
+                    fwd_slots, fwd_n, self._region("node_signals")[0],
+                    self._ticket_words[ticket:ticket + 1])
         self.launches["dispatch_rounds"] += dispatch_rounds_kernels.dispatch_rounds(
             x, None, None, None, None, ring, counts, None, tokens_per_expert, expert_offsets,
             slot_rows, slot_offsets, out, None, None, None, *self._rounds_fixed(),
-            **self._rounds_options())
+            node=node, **self._rounds_options())
 
     @poisons_buffer_on_error("dispatch")
     def dispatch_cached_send(self, x, slot_of, node_slot_of=None) -> PendingSend:
@@ -703,7 +724,7 @@ class NormalMode:
                 (0, 0, x.element_size()), False):  # the launch in the receive (slot_of: the
             self._start_later_rounds(DISPATCH)  # ring positions)
             return PendingSend(DISPATCH, epoch, all_rounds=functools.partial(
-                self._cached_dispatch_rounds, x, slot_of, counts))
+                self._cached_dispatch_rounds, x, slot_of, counts, node_slot_of))
         if self.layout.rounds == 1:
             self._send_window(x, None, None, None, None, slot_of, counts, 1)
             self._send_other_nodes(x, None, None, None, None, slot_of, None,
@@ -743,7 +764,8 @@ class NormalMode:
         """:meth:`dispatch_cached_recv` as steps (as :meth:`dispatch_recv_steps`)."""
         if pending.all_rounds is not None:  # every round in one launch, from here
             out = torch.empty((num_rows, self.hidden), dtype=self.dtype, device=self.device)
-            pending.all_rounds(slot_rows, slot_offsets, tokens_per_expert, expert_offsets, out)
+            pending.all_rounds(slot_rows, slot_offsets, tokens_per_expert, expert_offsets, out,
+                               fwd_slots, fwd_n)
             self._check_usable("dispatch")  # its waits ran in the kernel: a timeout shows now
             return out
         if self.hierarchical:

@@ -14,7 +14,7 @@ region                  shape, dtype                 contents, on rank ``d``
 ``signals``             [2 channels, R] int64        ``[c, s]``: latest epoch of channel ``c``
                                                      (0 dispatch, 1 combine) at which rank ``s``
                                                      finished its puts into ``d``. Never reset.
-``tickets``             [9] int64                    local: programs finished so far of the
+``tickets``             [10] int64                   local: programs finished so far of the
                                                      dispatch and combine sends, then of the
                                                      internode kernels (``kernels.internode``),
                                                      then of the rounds in one launch
@@ -22,7 +22,7 @@ region                  shape, dtype                 contents, on rank ``d``
                                                      ``kernels.combine_rounds``, 6, and
                                                      ``kernels.invariant_rounds``, 7), then of
                                                      the forwarder's pass in the combine's
-                                                     (8)
+                                                     (8) and in the dispatch's (9)
 ``epochs``              [2 channels] int64           local: epoch of this rank's latest send
                                                      per channel (the send's last program
                                                      advances it; kernels take epoch and parity
@@ -319,7 +319,7 @@ class WorkspaceLayout:
         self.meta_stride = 1 + 3 * K  # int32 words per dispatch slot
         specs = [
             ("signals", (2, R), torch.int64),
-            ("tickets", (9,), torch.int64),
+            ("tickets", (10,), torch.int64),
             ("epochs", (2,), torch.int64),
             ("stats", (4,), torch.int64),
             ("xstats", (4,), torch.int64),

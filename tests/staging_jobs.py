@@ -302,13 +302,14 @@ def dispatch_forms(rank, world_size, case: Case, slots: int, in_kernels: bool,
 
 
 def dies_after_round_0(rank, world_size, case: Case, slots: int, victim: int,
-                       wait_timeout_s: float) -> dict:
+                       wait_timeout_s: float, **buffer_kwargs) -> dict:
     """Waits in the kernels, rounds of ``slots`` slots, no fault tolerance: ``victim`` sends
     and lays out round 0 of its dispatch, then its process ends (SIGKILL) where the launch of
     the later rounds would start. The others' launch (``kernels.dispatch_rounds``) must fail
-    within the timeout, naming it."""
+    within the timeout, naming it (``buffer_kwargs``: more of the Buffer's arguments, nodes
+    through the proxy)."""
     xs, idxs, ws = make_inputs(case)
-    buf = _bounded_buffer(case, slots, timeout_s=wait_timeout_s)
+    buf = _bounded_buffer(case, slots, timeout_s=wait_timeout_s, **buffer_kwargs)
     report = {"raised": None, "rounds": buf.rounds}
     if rank == victim:
         buf._dispatch_rounds = lambda *args, **kwargs: _die()

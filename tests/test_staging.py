@@ -260,6 +260,33 @@ def test_flat_nodes_in_rounds_with_waits_in_the_kernels_run_in_one_launch(ranks)
             assert a["stats"][key] == b["stats"][key], (rank, key)
 
 
+def test_hierarchical_rounds_in_one_launch_deal_every_nodes_messages(ranks):
+    """4 nodes of one rank through the proxy, hierarchical, rings of two slots (6 rounds a
+    call), waits in the kernels: each forwarder's pass in the one launch takes the messages of
+    three other nodes, their row tiles dealt together (``kernels.internode.forward_messages``).
+    Bit for bit against the reference (two calls, stragglers), a dispatch in the launches of
+    one round, and every forwarder stores exactly the rows of its node's tokens from the other
+    nodes (a row and its metadata each)."""
+    pytest.importorskip("nixl_cu13")
+    case = Case(4, 16, 128, 4, (9, 0, 5, 12), torch.bfloat16, "zipf", 16, seed=217)
+    calls, L = 2, case.num_experts // 4
+    reports = ranks(4).run(with_kernel_waits, nodes_case, case, 1, True, iterations=calls,
+                           straggle_s=0.02, max_topk=case.topk,
+                           staging_bytes=slots_budget(case, 2, outboxes=True, ranks_per_node=1))
+    row = 2 * case.hidden + 4 * (1 + 3 * case.topk)  # bf16 payload and metadata
+    for f, report in enumerate(reports):
+        got = report["launches"]
+        assert report["ring_slots"] == 2 and all(got[name] == calls for name in (
+            "dispatch_outbox", "dispatch_forward", "dispatch_rounds")), (f, got)
+        assert "dispatch_expand" not in got, (f, got)
+        rows = 0
+        for it in range(calls):
+            _, idxs, _ = make_inputs(case, it)
+            rows += sum(int(((idxs[s] >= 0) & (idxs[s] // L == f)).any(-1).sum())
+                        for s in range(4) if s != f)
+        assert report["stats"]["dispatch_bytes_forwarded"] == rows * row, (f, rows)
+
+
 def _check_round_extras(rank, part, full, calls: int, rounds: int, L: int, extras: list[int],
                         same: tuple[str, ...]) -> None:
     """Across nodes, what ``calls`` calls of ``rounds`` rounds each moved beyond the whole
@@ -532,7 +559,11 @@ def test_hierarchical_nodes_in_rounds_match_reference(ranks):
     sums), stragglers, two calls, each checked bit for bit against the reference by the job;
     the rows that cross nodes, are forwarded and stored equal the whole batch's, and each later
     round adds its node counts to every node message and its counts and epoch to every rank of
-    the node."""
+    the node. With the waits in the kernels every dispatch's rounds after its round 0 run in
+    one launch (``kernels.dispatch_rounds`` with HIER: each round's rows for the other node once
+    into the outboxes, one descriptor to its forwarder, then the forwarder's pass, in the
+    launch), a dispatch in the launches of one round: its bits, bytes, messages and forwarded
+    rows are those of the launches per round."""
     pytest.importorskip("nixl_cu13")
     case = Case(4, 16, 128, 4, (9, 0, 5, 12), torch.bfloat16, "zipf", 16, seed=214)
     L, N, calls, rounds = case.num_experts // 4, 2, 2, 6
@@ -542,7 +573,20 @@ def test_hierarchical_nodes_in_rounds_match_reference(ranks):
                                 max_topk=case.topk,
                                 staging_bytes=None if slots is None else budget)
             for slots in (None, 2)}
-    for rank, (full, part) in enumerate(zip(runs[None], runs[2], strict=True)):
+    # waits in the kernels: every dispatch's rounds after its round 0 in one launch
+    one_launch = ranks(4).run(with_kernel_waits, nodes_case, case, N, True, iterations=calls,
+                              straggle_s=0.02, max_topk=case.topk, staging_bytes=budget)
+    for rank, (full, part, one) in enumerate(zip(runs[None], runs[2], one_launch,
+                                                 strict=True)):
+        got = one["launches"]  # round 0: send, outbox, the forwarder's wait and pass,
+        assert all(got[name] == calls for name in (  # received layout; then one
+            "dispatch_send", "dispatch_outbox", "dispatch_forward", "received_layout",
+            "dispatch_rounds", "ring_positions")) and "dispatch_expand" not in got, (rank, got)
+        assert one["internode"] == part["internode"], rank
+        for key in ("dispatch_bytes_to_peers", "dispatch_bytes_to_self",
+                    "dispatch_bytes_to_outbox", "dispatch_bytes_forwarded",
+                    "internode_messages"):
+            assert one["stats"][key] == part["stats"][key], (rank, key)
         assert part["ring_slots"] == 2 and full["ring_slots"] == case.max_tokens, rank
         assert full["launches"]["dispatch_forward"] == calls, rank
         assert part["launches"]["dispatch_forward"] == part["launches"]["combine_forward"] \
@@ -556,28 +600,45 @@ def test_hierarchical_nodes_in_rounds_match_reference(ranks):
                              "dispatch_bytes_forwarded", "combine_bytes_to_forwarders"))
 
 
-@pytest.mark.parametrize("fmt", [dict(fp8=True, ue8m0=True, combine_dtype="fp8"),
-                                 dict(fp8=None, dispatch_dtype="mxfp8")],
-                         ids=["fp8-ue8m0", "mxfp8"])
-def test_quantized_hierarchical_nodes_in_rounds_of_one_slot(ranks, fmt):
+@pytest.mark.parametrize("fmt, in_kernels", [
+    (dict(fp8=True, ue8m0=True, combine_dtype="fp8"), False),
+    (dict(fp8=None, dispatch_dtype="mxfp8"), False),
+    (dict(fp8=None, dispatch_dtype="mxfp8"), True)],
+    ids=["fp8-ue8m0", "mxfp8", "mxfp8-one-launch"])
+def test_quantized_hierarchical_nodes_in_rounds_of_one_slot(ranks, fmt, in_kernels):
     """Hierarchical across 2 nodes, one slot per source (8 rounds a call): quantized rows
     forwarded as they travel (and FP8 partials summed by the forwarders) bit for bit against
-    the reference."""
+    the reference; with the waits in the kernels, the rounds after round 0 in one launch (the
+    send quantizing to MXFP8 into the staging of its node and, once per node, the outboxes for
+    the other; its codes and exponent bytes forwarded as they came)."""
     pytest.importorskip("nixl_cu13")
     case = Case(4, 8, 128, 2, (5, 8, 0, 6), torch.bfloat16, "uniform", 1, seed=215)
-    reports = ranks(4).run(nodes_case, case, 2, True, iterations=1, max_topk=case.topk,
+    job = (with_kernel_waits, nodes_case) if in_kernels else (nodes_case,)
+    reports = ranks(4).run(*job, case, 2, True, iterations=1, max_topk=case.topk,
                            staging_bytes=slots_budget(case, 1, outboxes=True, ranks_per_node=2),
                            **fmt)
-    assert all(r["launches"]["dispatch_forward"] == 8 for r in reports)
+    forwards = [(r["launches"]["dispatch_forward"], r["launches"].get("dispatch_rounds", 0))
+                for r in reports]
+    assert forwards == [(1, 1) if in_kernels else (8, 0)] * 4, forwards
 
 
-def test_gradients_of_hierarchical_nodes_in_rounds_match_reference_autograd(ranks):
+@pytest.mark.parametrize("in_kernels", [False, True], ids=["host_waits", "kernel_waits"])
+def test_gradients_of_hierarchical_nodes_in_rounds_match_reference_autograd(ranks, in_kernels):
     """float64 forward and backward (the backward's cached dispatch forwards each round as the
-    dispatch placed it) in rounds of two slots."""
+    dispatch placed it) in rounds of two slots; with the waits in the kernels every op's
+    rounds in one launch, the cached dispatch's too (each round's rows for the other node once
+    into the outbox, its forwarder's pass placing them by the handle's slots)."""
     case = Case(4, 16, 64, 4, (5, 3, 0, 6), torch.float64, "uniform", 16, seed=216)
-    ranks(4).run(gradients, case, ranks_per_node=2, transport="nixl", hierarchical=True,
-                 max_topk=4, staging_bytes=slots_budget(case, 2, outboxes=True,
-                                                        ranks_per_node=2))
+    job = (with_kernel_waits, gradients) if in_kernels else (gradients,)
+    reports = ranks(4).run(*job, case, ranks_per_node=2, transport="nixl", hierarchical=True,
+                           max_topk=4, staging_bytes=slots_budget(case, 2, outboxes=True,
+                                                                  ranks_per_node=2))
+    for rank, launches in enumerate(reports):
+        if in_kernels:  # a dispatch (round 0 laid out by launches of its own), two combines
+            assert (launches["dispatch_forward"], launches["dispatch_rounds"],  # and their
+                    launches["combine_rounds"]) == (1, 3, 3), (rank, launches)  # backward
+        else:
+            assert "dispatch_rounds" not in launches, (rank, launches)
 
 
 
@@ -830,6 +891,27 @@ def test_one_launch_dispatch_names_a_peer_that_stops_after_round_0():
         assert report["peer"] == 3, report
         assert f"moe_comm rank {rank}" in report["raised"] and "rank 3" in report["raised"]
         assert timeout_s <= report["elapsed_s"] < timeout_s + 5, report
+
+
+def test_hierarchical_one_launch_dispatch_names_a_rank_that_stops_after_round_0():
+    """2 nodes x 2 ranks through the proxy, hierarchical, waits in the kernels: rank 3 sends
+    and lays out round 0 of its dispatch, then its process ends. Every other rank's launch of
+    the later rounds fails within the timeout naming a rank, and rank 3 in its message: rank
+    1's transfer of round 1 to rank 3 (the forwarder of node 1 for it) fails, naming it; rank
+    0 waits for rank 3's epoch (forwarded by rank 1, which has failed), rank 2 for rank 1's
+    (forwarded by rank 3)."""
+    pytest.importorskip("nixl_cu13")
+    case = Case(4, 8, 64, 2, (6, 6, 6, 6), seed=219)
+    timeout_s = 2.0
+    with fresh_pool(4) as pool:
+        reports = pool.run(dies_after_round_0, case, 2, victim=3, wait_timeout_s=timeout_s,
+                           may_die=(3,), ranks_per_node=2, transport="nixl", hierarchical=True)
+    assert reports[3] is None  # (killed)
+    for rank, report in enumerate(reports[:3]):
+        assert report["rounds"] == 3 and report["launches"]["dispatch_rounds"] == 1, report
+        assert report["peer"] == (1 if rank == 2 else 3), report
+        assert f"moe_comm rank {rank}" in report["raised"] and "rank 3" in report["raised"]
+        assert timeout_s <= report["elapsed_s"] < 2 * timeout_s + 5, report
 
 
 def test_launches_of_a_calls_rounds_check_their_fault_words():

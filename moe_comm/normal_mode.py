@@ -650,18 +650,24 @@ class NormalMode:
         hierarchical, each later round's node messages and forwarder pass too, into
         ``fwd_slots`` / ``fwd_n`` (:meth:`_forward_slots`)."""
         slot_rows, out, out_weights, src_rank, src_token = outputs
-        node = None
-        if self.hierarchical:
-            ticket = dispatch_rounds_kernels.FORWARD_TICKET
-            node = (stream.node_ring, stream.node_counts, fwd_slots, fwd_n,
-                    self._region("node_signals")[0], self._ticket_words[ticket:ticket + 1])
         self.launches["dispatch_rounds"] += dispatch_rounds_kernels.dispatch_rounds(
             stream.x, stream.x_scales, stream.topk_idx, stream.topk_weights, stream.pair_pos,
             stream.ring, stream.counts, row_base, tokens_per_expert, expert_offsets, slot_rows,
             slot_offsets, out, out_weights, src_rank, src_token, *self._rounds_fixed(),
             fp8=stream.fp8, ue8m0=stream.ue8m0, out_scales=scale_memory,
-            scale_strides=scale_strides, out_global=global_scale, node=node,
+            scale_strides=scale_strides, out_global=global_scale,
+            node=self._rounds_node(stream.node_ring, stream.node_counts, fwd_slots, fwd_n),
             **self._rounds_options())
+
+    def _rounds_node(self, node_ring, node_counts, fwd_slots, fwd_n) -> tuple | None:
+        """Hierarchical: ``kernels.dispatch_rounds.dispatch_rounds``' ``node`` (the call's node
+        rows and each round's message rows, the dispatch's ``fwd_slots`` / ``fwd_n``, this
+        rank's node signals of the dispatch, the forwarder pass's ticket word); else None."""
+        if not self.hierarchical:
+            return None
+        ticket = dispatch_rounds_kernels.FORWARD_TICKET
+        return (node_ring, node_counts, fwd_slots, fwd_n, self._region("node_signals")[0],
+                self._ticket_words[ticket:ticket + 1])
 
     def _rounds_fixed(self) -> tuple:
         """The Buffer's tensors ``kernels.dispatch_rounds.dispatch_rounds`` takes, made once
@@ -702,10 +708,8 @@ class NormalMode:
         ``fwd_n`` place them."""
         node = None
         if self.hierarchical:  # the rows of each round's message to each node
-            ticket = dispatch_rounds_kernels.FORWARD_TICKET
-            node = (node_ring, self._round_windows(node_ring >= 0).sum(1, dtype=torch.int32),
-                    fwd_slots, fwd_n, self._region("node_signals")[0],
-                    self._ticket_words[ticket:ticket + 1])
+            node = self._rounds_node(node_ring, self._rows_per_round(node_ring), fwd_slots,
+                                     fwd_n)
         self.launches["dispatch_rounds"] += dispatch_rounds_kernels.dispatch_rounds(
             x, None, None, None, None, ring, counts, None, tokens_per_expert, expert_offsets,
             slot_rows, slot_offsets, out, None, None, None, *self._rounds_fixed(),
@@ -747,6 +751,11 @@ class NormalMode:
             return None
         if self.layout.rounds == 1:
             return (ring >= 0).sum(0, dtype=torch.int32)
+        return self._rows_per_round(ring)
+
+    def _rows_per_round(self, ring: torch.Tensor) -> torch.Tensor:
+        """``ring`` [T, C] (a row per token, -1 where none) as [rounds, C] int32: the rows of
+        each round's window in each column."""
         return self._round_windows(ring >= 0).sum(1, dtype=torch.int32)
 
     def dispatch_cached_recv(self, pending: PendingSend, slot_rows, slot_offsets,

@@ -297,7 +297,7 @@ def _wait_named(words, stride, n, expected, SHIFT: tl.constexpr, deadline_ns, er
     seen = acquire_word(words + i * stride, im) >> SHIFT
     late = im & (seen < expected)
     arrived = tl.max(late.to(tl.int32), axis=0) == 0
-    if not arrived:
+    if not arrived:  # gate: cold
         peer = tl.min(tl.where(late, i, BLOCK), axis=0)
         _record_timeout(errors, flag, first_rank + peer * rank_step, expected,
                         tl.sum(tl.where(i == peer, seen, 0), axis=0), HAS_FLAG)
@@ -324,7 +324,7 @@ def wait_all_or_exclude(words, stride, n, expected, SHIFT: tl.constexpr, deadlin
     arrived = im & (seen >= expected)
     excluded = tl.load(mask + i, mask=im, other=0, volatile=True) != 0
     cut_off = uniform_load(mask + me, NUM_THREADS) != 0
-    if cut_off:
+    if cut_off:  # gate: cold
         _record_timeout(errors, flag, me, expected, 0, HAS_FLAG)
     else:
         silent = im & ~arrived & ~excluded

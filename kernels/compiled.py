@@ -30,7 +30,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
-GATE_TAGS = ("row", "scales", "exponents", "scalebytes", "tail", "publish", "acquire")
+GATE_TAGS = ("row", "scales", "exponents", "scalebytes", "tail", "publish", "acquire", "cold")
+BRANCH_TAGS = ("cold",)  # on an ``if``: a branch a correct call does not take (an error's)
 # Narrowest store (bits) each kind of row data may use where rows are 16-byte aligned. FP8
 # scales are one float (UE8M0: one byte) per 128 channels: a tile of BLOCK_H channels of a token
 # has BLOCK_H / 128 of them (32 bytes at BLOCK_H = 1024), spread over the threads that hold the
@@ -68,12 +69,24 @@ class Facts:
     programs: int = 0  # the launch's grid (the gate fills these three from the recording)
     max_trips: int = 0
     schedule: str = ""
+    # config -> the busiest program's path at that config's launch (kernels.critical_path):
+    # steps, bytes, inflight_kb, predicted_us, in_row_loops, unknown_loops
+    paths: dict = field(default_factory=dict)
+    paths_summary: list = field(default_factory=list)  # the paths the TSV's columns show
+    speed_notes: list = field(default_factory=list)  # speed facts not yet held as rules
     compile_s: float = 0.0
     uses_nvshmem: bool = False
     error: str = ""
 
     def as_row(self) -> dict:
         row = asdict(self)
+        paths = self.paths_summary or list(self.paths.values())
+        row["speed_notes"] = "; ".join(self.speed_notes) or "-"
+        row["steps"] = f"{max(p['steps'] for p in paths):g}" if paths else ""
+        inflight = [p["inflight_kb"] for p in paths if p["inflight_kb"] is not None]
+        row["inflight_kb"] = f"{min(inflight):.1f}" if inflight else "-"
+        row["predicted_us"] = (f"{max(p['predicted_us'] for p in paths):.1f}" if paths
+                               else "")
         for name in ("row_store_bits", "nvshmem_issuers"):
             row[name] = ",".join(f"{k}={v}" for k, v in sorted(row[name].items())) or "-"
         row["unordered_signals"] = ";".join(self.unordered_signals) or "-"
@@ -193,6 +206,9 @@ def check_markers(path: str) -> list[str]:
         text = open(path).read().splitlines()[line_no - 1]
         if tag not in GATE_TAGS:
             bad.append(f"{path}:{line_no}: unknown gate tag {tag!r}")
+        elif tag in BRANCH_TAGS:
+            if not text.lstrip().startswith("if "):
+                bad.append(f"{path}:{line_no}: '# gate: {tag}' on a line where no if starts")
         elif "tl.store(" not in text and "tl.atomic_" not in text:
             bad.append(f"{path}:{line_no}: '# gate: {tag}' on a line where no store starts")
     return bad
@@ -206,7 +222,7 @@ def unemitted_markers(emitted, paths) -> list[str]:
     seen = set(emitted)
     return [f"{os.path.basename(p)}:{line}: '# gate: {tag}' emitted no instruction in any "
             f"compiled variant" for p in paths for line, tag in _source_markers(p).items()
-            if f"{os.path.basename(p)}:{line}" not in seen]
+            if tag not in BRANCH_TAGS and f"{os.path.basename(p)}:{line}" not in seen]
 
 
 _SSA = re.compile(r"(%[\w#.]+)")
@@ -310,8 +326,44 @@ def host_loads(ttir: str, names=HOST_POINTERS) -> tuple[int, int]:
     return outside, inside
 
 
-def inspect_launch(launch, arch: int, config: str, variant: str) -> Facts:
-    """Compiles ``launch`` for ``sm_<arch>`` and reads what the gate checks."""
+def row_store_lines(package_dir: str) -> set:
+    """``(file name, line)`` of every line of a store marked ``# gate: row`` in the kernels'
+    sources (what ``kernels.critical_path`` measures the bytes in flight at)."""
+    lines = set()
+    for name in sorted(os.listdir(package_dir)):
+        if name.endswith(".py"):
+            for line, (tag, _) in _marked_spans(os.path.join(package_dir, name)).items():
+                if tag == "row":
+                    lines.add((name, line))
+    return lines
+
+
+def walk_paths(ttgir: str, analysis: dict, package_dir: str, regs: int, smem: int,
+               num_warps: int) -> dict:
+    """``config -> path facts`` of a compiled kernel at each of its launches: ``analysis``
+    maps a config to ``(grid, arguments, trips of the loops bounded by data)``."""
+    from . import critical_path
+
+    rows = row_store_lines(package_dir)
+    paths = {}
+    for cfg, (grid, args, hints) in analysis.items():
+        path = critical_path.analyse(ttgir, args, grid, hints, rows)
+        programs = 1
+        for g in grid:
+            programs *= g
+        paths[cfg] = dict(
+            steps=path.steps, bytes=path.bytes,
+            inflight_kb=None if path.inflight_bytes is None else path.inflight_bytes / 1024,
+            predicted_us=critical_path.predicted_us(path, programs, regs, num_warps, smem),
+            in_row_loops=sorted(set(path.barriers_in_row_loops)),
+            unknown_loops=sorted(set(path.unknown_loops)))
+    return paths
+
+
+def inspect_launch(launch, arch: int, config: str, variant: str,
+                   analysis: dict | None = None) -> Facts:
+    """Compiles ``launch`` for ``sm_<arch>`` and reads what the gate checks; ``analysis``
+    (:func:`walk_paths`): the launches whose busiest program to walk."""
     import inspect as pyinspect
 
     facts = Facts(launch.name, arch, config, variant, uses_nvshmem=launch.uses_nvshmem)
@@ -347,6 +399,9 @@ def inspect_launch(launch, arch: int, config: str, variant: str) -> Facts:
     if launch.options.get("enable_fp_fusion") is False:
         facts.fused_mul_adds = sum(line.lstrip().startswith("fma.rn.f32")
                                    for line in compiled.asm["ptx"].splitlines())
+    if analysis:
+        facts.paths = walk_paths(compiled.asm["ttgir"], analysis, package_dir, facts.regs,
+                                 facts.smem_bytes, int(launch.options.get("num_warps", 4)))
     return facts
 
 

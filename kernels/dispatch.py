@@ -507,19 +507,19 @@ def expand_padding(q, Q, expert_offsets, tokens_per_expert, total, slots_end, sl
     for e in range(q, L, Q):
         start = tl.load(expert_offsets + e) + tl.load(tokens_per_expert + e)
         end = tl.minimum(tl.load(expert_offsets + e + 1), max_rows)
-        for r0 in range(start, end, BLOCK_Z):
+        for pad0 in range(start, end, BLOCK_Z):
             _zero_rows(out, out_scales, out_global, out_weights, out_src_rank, out_src_token,
-                       r0 + tl.arange(0, BLOCK_Z), end, H, G, SCALE_ROW_STRIDE,
+                       pad0 + tl.arange(0, BLOCK_Z), end, H, G, SCALE_ROW_STRIDE,
                        SCALE_GROUP_STRIDE, CACHED, HAS_WEIGHTS, FP8, UE8M0, GLOBAL, EVEN_H,
                        not SLOT_MAJOR, BLOCK_Z, BLOCK_H, BLOCK_G)
-    for r0 in range(total + q * BLOCK_Z, max_rows, Q * BLOCK_Z):
+    for tail0 in range(total + q * BLOCK_Z, max_rows, Q * BLOCK_Z):
         _zero_rows(out, out_scales, out_global, out_weights, out_src_rank, out_src_token,
-                   r0 + tl.arange(0, BLOCK_Z), max_rows, H, G, SCALE_ROW_STRIDE,
+                   tail0 + tl.arange(0, BLOCK_Z), max_rows, H, G, SCALE_ROW_STRIDE,
                    SCALE_GROUP_STRIDE, CACHED, HAS_WEIGHTS, FP8, UE8M0, GLOBAL, EVEN_H,
                    not SLOT_MAJOR, BLOCK_Z, BLOCK_H, BLOCK_G)
     if not CACHED:  # slot_rows past the last slot: -1 (every row of it is written)
-        for r0 in range(slots_end + q * BLOCK_Z, SLOTS, Q * BLOCK_Z):
-            r = (r0 + tl.arange(0, BLOCK_Z)).to(tl.int64)
+        for slot0 in range(slots_end + q * BLOCK_Z, SLOTS, Q * BLOCK_Z):
+            r = (slot0 + tl.arange(0, BLOCK_Z)).to(tl.int64)
             tl.store(slot_rows + r[:, None] * K + kk[None, :],
                      tl.full([BLOCK_Z, BLOCK_K], -1, tl.int32),
                      mask=(r < SLOTS)[:, None] & (kk < K)[None, :])

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import triton
 
@@ -169,6 +169,48 @@ def tiles(kernel: str, compiled: bool, hidden: int, elem_bytes: float = 2) -> Ti
     return Tiles(block_t, block_h, num_warps, maxnreg)
 
 
+# The low-latency kernels move whole rows: a program holds the rows of its work (a tile of
+# tokens, or of one (expert, source) block's rows) at every channel at once, padded to a power
+# of two, so it loads them all before it stores any and walks no channel loop. The grids cover
+# the work, not num_sms (the normal mode's budget: this mode overlaps nothing while it runs,
+# its hooks free the SMs between send and receive). Per kernel on a GPU: (rows a program holds
+# at most, bytes of rows it holds at most, warps, programs an SM holds at once).
+_LL_GPU = {
+    "ll_dispatch_send": (2, 32 * 1024, 8, 1),  # 64 programs at DeepSeek-V3 decode sizes
+    "ll_dispatch_recv": (8, 64 * 1024, 8, 2),  # an (expert, source) block: 256 programs
+    "ll_combine_send": (8, 64 * 1024, 8, 2),  # the same blocks
+    # a combine that sends FP8 quantizes its rows in fp32: two of them spilled 16 bytes at
+    # 128 registers, one 8 bytes through the proxy
+    "ll_combine_send_fp8": (1, 32 * 1024, 8, 1),
+    # a token's slots, every choice at once (bytes of one channel of a token: K rows' worth),
+    # its row split in channel tiles where one program cannot hold them: 4096 channels of 8
+    # bf16 choices at DeepSeek-V3 decode sizes, 2 x 128 programs
+    "ll_combine_recv": (1, 64 * 1024, 8, 2),
+}
+_LL_INTERPRETER_ROWS = 64
+
+
+@functools.cache
+def ll_tiles(kernel: str, compiled: bool, hidden: int, elem_bytes: float,
+             max_rows: int) -> Tiles:
+    """Tiles of a low-latency kernel: ``block_h`` the whole row (the next power of two of
+    ``hidden``; on a GPU halved until one row of ``elem_bytes`` per channel fits the kernel's
+    budget), ``block_t`` rows as many as fit the budget (at least 1, at most ``max_rows``
+    rounded up to a power of two); the interpreter takes 64 rows (its cost is per program and
+    operation)."""
+    block_h = triton.next_power_of_2(hidden)
+    rows = triton.next_power_of_2(max(1, max_rows))
+    if not compiled:
+        return Tiles(min(_LL_INTERPRETER_ROWS, rows), block_h, 4)
+    most, budget, num_warps, per_sm = _LL_GPU[kernel]
+    while block_h > GROUP and block_h * elem_bytes > budget:  # a row split into channel tiles
+        block_h //= 2
+    fits = max(1, int(budget // (block_h * elem_bytes)))
+    block_t = min(most, rows, max(1, triton.next_power_of_2(fits + 1) // 2))
+    maxnreg = min(255, REGISTERS_PER_SM // (32 * num_warps * per_sm)) // 8 * 8
+    return Tiles(block_t, block_h, num_warps, maxnreg)
+
+
 def persistent_programs(work_tiles: int, num_sms: int | None) -> int:
     """Programs of a persistent send grid: one per tile of work, at most ``num_sms``."""
     work_tiles = max(1, work_tiles)
@@ -195,6 +237,7 @@ def per_source_programs(world_size: int, compiled: bool) -> int:
 PERSISTENT = "persistent"  # a send, or a receive that waits: at most num_sms programs
 WAVE = "wave"  # a row mover that waits for nothing: at least one wave of the GPU
 CONTROL = "control"  # bookkeeping and waits: no rows, as many programs as it needs
+WHOLE_GPU = "whole-gpu"  # the low-latency pair: a program per block of its work, up to every SM
 WAVE_PROGRAMS = 132  # one wave: a program per SM of an H100 / H200
 MAX_TRIPS = 32  # serial trips of a program at DeepSeek-V3 sizes, at most
 ZERO_TILES = 4  # the expand's padding tiles: ZERO_TILES * BLOCK_T rows (stores of constants)
@@ -217,16 +260,42 @@ def _layout_place_trips(a: dict) -> int:
             + _cdiv(chunks, a["BLOCK_CR"]))  # the last program's bad-row scan
 
 
-def _expand_trips(a: dict) -> int:
-    R, P = a["grid0"], a["grid1"]
-    slots = uniform_slots(a["TMAX"], R, a["K"])
+def _expand_slot_tiles(a: dict) -> int:
+    """The tiles of one source's slots a program of an expand takes (grid (R, P))."""
+    return _cdiv(uniform_slots(a["TMAX"], a["grid0"], a["K"]), a["BLOCK_T"] * a["grid1"])
+
+
+def _expand_tail_tiles(a: dict) -> int:
+    """Zero tiles of the output rows past the last group, per program."""
     rows = a["TMAX"] * a["K"]  # rows a rank receives at uniform routing (R sources x TMAX*K/R)
-    zero_tile = ZERO_TILES * a["BLOCK_T"]
-    cached = a["CACHED"]
-    return (_cdiv(slots, a["BLOCK_T"] * P)  # the slots of one source
-            + _cdiv(a["L"], R * P)  # each expert's padding (under one zero tile)
-            + _cdiv(a["max_rows"] - rows, zero_tile * R * P)  # rows past the last group
-            + (0 if cached else _cdiv(a["SLOTS"] - R * slots, zero_tile * R * P)))  # slot_rows
+    return _cdiv(a["max_rows"] - rows, ZERO_TILES * a["BLOCK_T"] * a["grid0"] * a["grid1"])
+
+
+def _expand_slot_row_tiles(a: dict) -> int:
+    """Tiles of slot_rows past the last slot a program fills with -1 (not CACHED)."""
+    slots = a["grid0"] * uniform_slots(a["TMAX"], a["grid0"], a["K"])
+    return 0 if a["CACHED"] else _cdiv(a["SLOTS"] - slots, ZERO_TILES * a["BLOCK_T"]
+                                       * a["grid0"] * a["grid1"])
+
+
+def _expand_trips(a: dict) -> int:
+    return (_expand_slot_tiles(a)  # the slots of one source
+            + _cdiv(a["L"], a["grid0"] * a["grid1"])  # each expert's padding (one zero tile)
+            + _expand_tail_tiles(a) + _expand_slot_row_tiles(a))
+
+
+def gather_groups(world_size: int, num_experts: int, topk: int, slots: int,
+                  in_flight: int) -> float:
+    """Expected passes of a combine send's gathers over a tile of ``slots`` slots at uniform
+    routing: its fullest slot's rows (a token's choices among one rank's ``num_experts /
+    world_size`` experts, given it chose one there: hypergeometric) in groups of
+    ``in_flight``."""
+    local = num_experts // world_size
+    p = [math.comb(local, c) * math.comb(num_experts - local, topk - c)
+         / math.comb(num_experts, topk) for c in range(topk + 1)]
+    below = [sum(p[1:c + 1]) / (1 - p[0]) for c in range(topk + 1)]  # P(rows <= c | >= 1)
+    return sum(math.ceil(c / in_flight) * (below[c] ** slots - below[c - 1] ** slots)
+               for c in range(1, topk + 1))
 
 
 def _combine_send_trips(a: dict) -> int:
@@ -262,23 +331,33 @@ def dispatch_round_trips(R: int, W: int, K: int, programs: int, send_block_t: in
             + _cdiv(forwarded_nodes * _cdiv(W, forward_block_t), programs))
 
 
+def _round_send_tiles(a: dict) -> int:
+    """Slot tiles of one round's send a program of a launch of a call's rounds takes."""
+    return _cdiv(a["R"] * uniform_slots(a["W"], a["R"], a["K"]), a["BLOCK_T"] * a["programs"])
+
+
 def _invariant_send_trips(a: dict) -> int:
     """Slot tiles a program takes (each stores its slots' rows choice by choice)."""
     return _cdiv(a["R"] * uniform_slots(a["W"], a["R"], a["K"]), a["BLOCK_T"] * a["programs"])
 
 
-def _ll_block_trips(a: dict) -> int:
-    """The L x R (expert, source) blocks a program takes; at uniform routing a block holds
-    T*K/E pairs, under one tile at decode sizes."""
-    return _cdiv(a["L"] * a["R"], a["programs"])
+def ll_block_rows(a: dict) -> float:
+    """Rows of one (expert, source) block of the low-latency mode at uniform routing: a source's
+    ``tokens * topk`` pairs spread over its ``L * R`` experts (the gate's config gives the
+    routing: ``ROUTED_TOKENS``, ``ROUTED_TOPK``)."""
+    return a["ROUTED_TOKENS"] * a["ROUTED_TOPK"] / (a["L"] * a["R"])
 
 
 @dataclass(frozen=True)
 class Schedule:
-    kind: str  # PERSISTENT, WAVE or CONTROL
+    kind: str  # PERSISTENT, WAVE, CONTROL or WHOLE_GPU
     trips: object  # launch arguments (scalars, constexprs, grid0..2, programs) -> serial trips
     gpu: bool = True  # runs on GPUs today (the proxy's kernels run on CPU ranks only so far)
     decode: bool = False  # a low-latency kernel: held to the rules at decode sizes only
+    # the trips at uniform routing of the loops whose bounds the device counts (rows received,
+    # slots filled), by loop variable: what kernels.critical_path cannot read off the bounds
+    loops: dict = field(default_factory=dict)
+    blocks: object = None  # WHOLE_GPU: launch arguments -> the blocks of work a launch has
 
 
 def _per_token_tiles(a: dict) -> int:
@@ -298,28 +377,56 @@ SCHEDULES = {
     "set_word_on_all_kernel": Schedule(CONTROL, lambda a: 1),
     "quantize_kernel": Schedule(WAVE, lambda a: 1),
     "dispatch_send_kernel": Schedule(PERSISTENT, _per_token_tiles),
-    "dispatch_expand_kernel": Schedule(WAVE, _expand_trips),
-    "combine_send_kernel": Schedule(PERSISTENT, _combine_send_trips),
+    "dispatch_expand_kernel": Schedule(WAVE, _expand_trips, loops={
+        "j0": _expand_slot_tiles, "pad0": lambda a: 1, "tail0": _expand_tail_tiles,
+        "slot0": _expand_slot_row_tiles}),
+    "combine_send_kernel": Schedule(PERSISTENT, _combine_send_trips, loops={
+        "w": _combine_send_trips,
+        "c0": lambda a: gather_groups(a["R"], a["ROUTED_EXPERTS"], a["K"], a["BLOCK_T"],
+                                      a["IN_FLIGHT"])}),
     "combine_reduce_kernel": Schedule(WAVE, lambda a: 1),
     "dispatch_rounds_kernel": Schedule(PERSISTENT, lambda a: dispatch_round_trips(
         a["R"], a["W"], a["K"], a["programs"], a["BLOCK_T"], a["EXPAND_T"],
-        a["HIER"] and a["R"] // a["N"] - 1, a["FWD_T"])),
+        a["HIER"] and a["R"] // a["N"] - 1, a["FWD_T"]), loops={
+        # a round's expand: every source's tiles of its slots dealt over the programs, one
+        # tile a call of the expand's body; the padding before the rounds
+        "w": lambda a: _cdiv(a["R"] * uniform_slots(a["W"], a["R"], a["K"]) / a["EXPAND_T"]
+                             + min(a["R"], a["R"] * uniform_slots(a["W"], a["R"], a["K"])),
+                             a["programs"]),
+        "j0": lambda a: 1, "pad0": lambda a: 1,
+        "tail0": lambda a: _cdiv(a["max_rows"] - a["T"] * a["K"], a["BLOCK_Z"] * a["programs"]),
+        "slot0": lambda a: 0 if a["CACHED"] else _cdiv(
+            a["SLOTS"] - a["R"] * uniform_slots(a["T"], a["R"], a["K"]),
+            a["BLOCK_Z"] * a["programs"])}),
     "combine_rounds_kernel": Schedule(PERSISTENT, lambda a: combine_round_trips(
         a["R"], a["W"], a["K"], a["H"], a["programs"], a["BLOCK_T"], a["REDUCE_T"],
-        a["REDUCE_H"], a["HIER"] and a["R"] // a["N"] - 1)),
+        a["REDUCE_H"], a["HIER"] and a["R"] // a["N"] - 1), loops={  # a round's send
+        "w": _round_send_tiles,
+        "c0": lambda a: gather_groups(a["R"], a["ROUTED_EXPERTS"], a["K"], a["BLOCK_T"],
+                                      a["IN_FLIGHT"])}),
     "invariant_rounds_kernel": Schedule(PERSISTENT, lambda a: combine_round_trips(
         a["R"], a["W"], a["K"], a["H"], a["programs"], a["BLOCK_T"], a["REDUCE_T"],
-        a["REDUCE_H"])),
-    "invariant_send_kernel": Schedule(PERSISTENT, _invariant_send_trips),
+        a["REDUCE_H"]), loops={"w": _round_send_tiles}),
+    "invariant_send_kernel": Schedule(PERSISTENT, _invariant_send_trips,
+                                      loops={"w": _invariant_send_trips}),
     "invariant_reduce_kernel": Schedule(WAVE, lambda a: 1),
-    # (a tile's pair prefix: one trip of BLOCK_P tokens)
-    "ll_dispatch_send_kernel": Schedule(PERSISTENT, lambda a: _per_token_tiles(a) * (
-        1 + _cdiv(a["T"], a["BLOCK_P"])) + _cdiv(a["T"], a["BLOCK_P"]), decode=True),
-    "ll_dispatch_recv_kernel": Schedule(PERSISTENT, _ll_block_trips, decode=True),
-    "ll_combine_send_kernel": Schedule(PERSISTENT, _ll_block_trips, decode=True),
-    "ll_combine_recv_kernel": Schedule(PERSISTENT, lambda a: _cdiv(
-        _cdiv(a["T"], a["BLOCK_T"]) * _cdiv(a["H"], a["BLOCK_H"]), a["programs"]),
-        decode=True),
+    # the low-latency pair: a program per tile of tokens or per (expert, source) block, whole
+    # rows (one pass of a block's rows at uniform routing); the send's earlier passes of
+    # BLOCK_P tokens (none at decode sizes)
+    "ll_dispatch_send_kernel": Schedule(
+        WHOLE_GPU, lambda a: _cdiv(a["T"], a["BLOCK_P"]), decode=True,
+        blocks=lambda a: _cdiv(a["TMAX"], a["BLOCK_T"])),
+    "ll_dispatch_recv_kernel": Schedule(
+        WHOLE_GPU, lambda a: _cdiv(ll_block_rows(a), a["BLOCK_T"]), decode=True,
+        loops={"j0": lambda a: _cdiv(ll_block_rows(a), a["BLOCK_T"])},
+        blocks=lambda a: a["L"] * a["R"]),
+    "ll_combine_send_kernel": Schedule(
+        WHOLE_GPU, lambda a: _cdiv(ll_block_rows(a), a["BLOCK_T"]), decode=True,
+        loops={"j0": lambda a: _cdiv(ll_block_rows(a), a["BLOCK_T"])},
+        blocks=lambda a: a["L"] * a["R"]),
+    "ll_combine_recv_kernel": Schedule(
+        WHOLE_GPU, lambda a: 1, decode=True,
+        blocks=lambda a: _cdiv(a["TMAX"], a["BLOCK_T"]) * _cdiv(a["H"], a["BLOCK_H"])),
     # through the proxy (CPU ranks so far: its GPU half is not built)
     "outbox_dispatch_kernel": Schedule(PERSISTENT, _per_token_tiles, gpu=False),
     "forward_dispatch_kernel": Schedule(PERSISTENT, lambda a: _cdiv(
@@ -341,10 +448,19 @@ def schedule_facts(name: str, grid: tuple, args: dict) -> tuple[str, int, int]:
     return SCHEDULES[name].kind, programs, int(SCHEDULES[name].trips(a))
 
 
+def schedule_blocks(name: str, grid: tuple, args: dict) -> int:
+    """The blocks of work of a WHOLE_GPU launch (0 for the other kinds)."""
+    blocks = SCHEDULES[name].blocks
+    return int(blocks(dict(args, grid0=grid[0], grid1=grid[1], grid2=grid[2]))) if blocks else 0
+
+
 def schedule_problems(name: str, kind: str, programs: int, trips: int,
-                      num_sms: int) -> list[str]:
+                      num_sms: int, blocks: int = 0) -> list[str]:
     """The gate's grid and serial-trip rules for one launch at DeepSeek-V3 sizes."""
     problems = []
+    if kind == WHOLE_GPU and programs < min(blocks, WAVE_PROGRAMS):
+        problems.append(f"{programs} programs for {blocks} blocks of work (a low-latency "
+                        f"kernel takes at least min(blocks, {WAVE_PROGRAMS} SMs))")
     if trips > MAX_TRIPS:
         problems.append(f"a program runs {trips} serial trips (at most {MAX_TRIPS})")
     if kind == PERSISTENT and programs > num_sms:

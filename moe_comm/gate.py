@@ -80,6 +80,8 @@ CONFIGS = (
 
 
 GATE_NUM_SMS = 20  # the num_sms of the gate's Buffers (the GPU default)
+MAX_LL_STEPS = 20  # dependent steps of a low-latency program (about 0.5 us each)
+MIN_INFLIGHT_KB = 32  # row loads in flight per wait of a normal-mode row mover
 DSV3 = ("dsv3-prefill", "dsv3-decode", "dsv3-prefill-rounds")
 SPEED_DTYPES = ("bfloat16", "float16")  # what the speed rules read (DeepSeek-V3 runs in bf16)
 
@@ -93,16 +95,26 @@ class Variant:
     dtype: str
     rows_aligned: bool
     problems: list
-    # config -> (kind, most programs, most serial trips) over its launches (kernels.tiles)
+    # config -> (kind, most programs, most serial trips, blocks of work) over its launches
+    # (kernels.tiles)
     schedule: dict = field(default_factory=dict)
+    # config -> (grid, arguments) of its launch with the most serial trips: what
+    # kernels.critical_path walks
+    heaviest: dict = field(default_factory=dict)
 
-    def see(self, cfg_name: str, launch) -> None:
-        """Adds a launch of this variant at ``cfg_name``: its grid and serial trips."""
-        from .kernels.tiles import schedule_facts
+    def see(self, cfg: GateConfig, launch) -> None:
+        """Adds a launch of this variant at ``cfg``: its grid and serial trips (the
+        schedules' counts at uniform routing read the config's tokens and top-k)."""
+        from .kernels.tiles import schedule_blocks, schedule_facts
 
-        kind, programs, trips = schedule_facts(launch.name, launch.grid, launch.scalars)
-        _, p0, t0 = self.schedule.get(cfg_name, (kind, 0, 0))
-        self.schedule[cfg_name] = (kind, max(p0, programs), max(t0, trips))
+        args = dict(launch.scalars, ROUTED_TOKENS=cfg.tokens, ROUTED_TOPK=cfg.topk,
+                    ROUTED_EXPERTS=cfg.num_experts)
+        kind, programs, trips = schedule_facts(launch.name, launch.grid, args)
+        _, p0, t0, _ = self.schedule.get(cfg.name, (kind, 0, -1, 0))
+        self.schedule[cfg.name] = (kind, max(p0, programs), max(t0, trips),
+                                   schedule_blocks(launch.name, launch.grid, args))
+        if trips > t0:
+            self.heaviest[cfg.name] = (tuple(launch.grid), args)
 
     def schedule_problems(self) -> list[str]:
         """The grid and serial-trip rules at the DeepSeek-V3 sizes, for kernels that run on
@@ -113,11 +125,70 @@ class Variant:
         if not self.on_gpus or self.dtype not in SPEED_DTYPES:
             return []
         found = []
-        for cfg_name, (kind, programs, trips) in sorted(self.schedule.items()):
+        for cfg_name, (kind, programs, trips, blocks) in sorted(self.schedule.items()):
             if cfg_name in (("dsv3-decode",) if schedule.decode else DSV3):
                 found += [f"{p} [{cfg_name}]" for p in schedule_problems(
-                    self.launch.name, kind, programs, trips, GATE_NUM_SMS)]
+                    self.launch.name, kind, programs, trips, GATE_NUM_SMS, blocks)]
         return found
+
+    def analysis(self) -> dict:
+        """What ``kernels.critical_path`` walks for this variant: per config, the grid and
+        arguments of its heaviest launch and the trips of its loops bounded by data
+        (``Schedule.loops``, at uniform routing)."""
+        from .kernels.tiles import SCHEDULES
+
+        loops = SCHEDULES[self.launch.name].loops
+        out = {}
+        for cfg_name, (grid, args) in self.heaviest.items():
+            a = dict(args, grid0=grid[0], grid1=grid[1], grid2=grid[2],
+                     programs=grid[0] * grid[1] * grid[2])
+            out[cfg_name] = (grid, args, {name: trips(a) for name, trips in loops.items()})
+        return out
+
+    def rule_paths(self, facts) -> dict:
+        """The paths the speed rules read: at the DeepSeek-V3 sizes (decode for a low-latency
+        kernel), of the bf16 and fp16 variants that run on GPUs."""
+        from .kernels.tiles import SCHEDULES
+
+        decode = SCHEDULES[self.launch.name].decode
+        if not self.on_gpus or self.dtype not in SPEED_DTYPES:
+            return {}
+        return {c: p for c, p in facts.paths.items()
+                if c in (("dsv3-decode",) if decode else DSV3)}
+
+    def path_problems(self, facts) -> tuple[list[str], list[str]]:
+        """``(problems, notes)`` of the busiest program's path (``kernels.critical_path``)
+        at the configs of :meth:`rule_paths`. Problems: a low-latency kernel of one node (its
+        stores through peer pointers) with a loop whose trips the bounds do not give, more than
+        ``MAX_LL_STEPS`` dependent steps, or a barrier across warps, reduction or index gather
+        that its rows wait for inside a loop that stores them. Notes, the same facts of the
+        normal mode (and of the transports' low-latency kernels) and less than
+        ``MIN_INFLIGHT_KB`` of row loads in flight at a normal-mode row mover's wait: what its
+        rework has to reach, not yet held."""
+        from .kernels.tiles import PERSISTENT, SCHEDULES, WAVE, WHOLE_GPU
+
+        kind = SCHEDULES[self.launch.name].kind
+        held = kind == WHOLE_GPU and self.launch.flags().get("TRANSPORT", 0) == 0
+        problems, notes = [], []
+        for cfg_name, path in sorted(self.rule_paths(facts).items()):
+            where = f" [{cfg_name}]"
+            found = []
+            if path["unknown_loops"]:
+                found.append("loops whose trips the bounds do not give (declare them in "
+                             "kernels/tiles.SCHEDULES): " + ", ".join(path["unknown_loops"])
+                             + where)
+            if kind == WHOLE_GPU and path["steps"] > MAX_LL_STEPS:
+                found.append(f"{path['steps']:g} dependent steps in a program (a low-latency "
+                             f"kernel takes at most {MAX_LL_STEPS})" + where)
+            if path["in_row_loops"]:
+                found.append("rows wait inside a loop that stores them for: "
+                             + ", ".join(path["in_row_loops"]) + where)
+            if (kind in (PERSISTENT, WAVE) and path["inflight_kb"] is not None
+                    and path["inflight_kb"] < MIN_INFLIGHT_KB):
+                found.append(f"{path['inflight_kb']:.1f} KB of row loads in flight at a wait "
+                             f"(at least {MIN_INFLIGHT_KB})" + where)
+            (problems if held else notes).extend(found)
+        return problems, notes
 
     @property
     def on_gpus(self) -> bool:
@@ -383,7 +454,7 @@ def record_config(cfg: GateConfig, arch: int) -> dict[str, Variant]:
             v = variants.setdefault(launch.key, Variant(launch, [], name, aligned, []))
             if cfg.name not in v.configs:
                 v.configs.append(cfg.name)
-            v.see(cfg.name, launch)
+            v.see(cfg, launch)
     return variants
 
 
@@ -437,7 +508,7 @@ def schedule_table(configs=CONFIGS, arch: int = 90, recorded=None
         for key, v in recorded[cfg.name].items():
             if key.startswith("problem:"):
                 continue
-            kind, programs, trips = v.schedule[cfg.name]
+            kind, programs, trips, _ = v.schedule[cfg.name]
             lines.add(f"{cfg.name} {v.launch.name} {v.dtype} {kind} programs={programs} "
                       f"trips={trips}")
             problems += [f"{v.launch.name} {_variant_flags(v.launch, v.dtype)}: {p}"
@@ -461,7 +532,8 @@ def _variant_text(launch, dtype: str) -> str:
 
 def _compile_job(job):
     """In a worker process: re-import the kernel, compile for ``arch``, read it."""
-    module, name, signature, constexprs, attrs, options, key, arch, config, variant = job
+    (module, name, signature, constexprs, attrs, options, key, arch, config, variant,
+     analysis) = job
     os.environ["TRITON_INTERPRET"] = "0"
     import importlib
 
@@ -474,7 +546,7 @@ def _compile_job(job):
         # the same code as the whole library, linked in a fifth of the time
         options = with_library(options, slim_bitcode(arch))
     launch = Launch(kernel, signature, constexprs, attrs, options, key)
-    return inspect_launch(launch, arch, config, variant)
+    return inspect_launch(launch, arch, config, variant, analysis)
 
 
 def _brief(v: Variant) -> bool:
@@ -512,6 +584,7 @@ def run(archs, jobs: int, out: str, configs=CONFIGS, brief_archs=()) -> int:
             if mine is not v:
                 mine.configs += [c for c in v.configs if c not in mine.configs]
                 mine.schedule.update(v.schedule)
+                mine.heaviest.update(v.heaviest)
     recorded = time.perf_counter() - start
     problems = [v for k, v in variants.items() if k.startswith("problem:")]
     todo = [v for k, v in variants.items() if not k.startswith("problem:")]
@@ -536,7 +609,7 @@ def run(archs, jobs: int, out: str, configs=CONFIGS, brief_archs=()) -> int:
         for arch in [*archs, *(brief_archs if id(v) in brief else ())]:
             work.append((launch.kernel.fn.__module__, launch.name, launch.signature,
                          launch.constexprs, launch.attrs, launch.options, launch.key, arch,
-                         "+".join(v.configs), _variant_text(launch, v.dtype)))
+                         "+".join(v.configs), _variant_text(launch, v.dtype), v.analysis()))
     if jobs > 1:
         ctx = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
@@ -551,30 +624,118 @@ def run(archs, jobs: int, out: str, configs=CONFIGS, brief_archs=()) -> int:
         v = by_key[job[6]]
         schedules = list(v.schedule.values())
         f.schedule = schedules[0][0] if schedules else ""
-        f.programs = max((p for _, p, _ in schedules), default=0)
-        f.max_trips = max((t for _, _, t in schedules), default=0)
-        found = violations(f, v.rows_aligned, host_rules=v.on_gpus) + v.schedule_problems()
+        f.programs = max((p for _, p, _, _ in schedules), default=0)
+        f.max_trips = max((t for _, _, t, _ in schedules), default=0)
+        held, notes = ([], []) if f.error else v.path_problems(f)
+        found = violations(f, v.rows_aligned, host_rules=v.on_gpus) + v.schedule_problems() + held
+        f.speed_notes = notes
+        rule_paths = list(v.rule_paths(f).values()) or list(f.paths.values())
+        f.paths_summary = rule_paths
         failed += bool(found)
         row = f.as_row()
         row["status"] = "ok" if not found else "FAIL: " + "; ".join(found)
         rows.append(row)
     _write_tsv(out, rows)
+    _write_paths(paths_tsv(out), list(zip(work, facts)))
     _print_table(rows)
     for p in problems:
         print(f"FAIL {p.configs[0]} {p.dtype}: {p.problems[0]}")
     for p in marker_problems:
         print(f"FAIL marker {p}")
+    op_lines, op_problems = op_predictions(list(zip(work, facts)))
+    print("\n".join(op_lines))
+    for p in op_problems:
+        print(f"FAIL {p}")
     total = time.perf_counter() - start
     compile_s = sum(f.compile_s for f in facts)
     print(f"gate: {len(rows)} compiled variants, {failed} failing, {len(problems)} "
-          f"specialisation and {len(marker_problems)} marker problems; "
-          f"{compile_s:.0f} s of compiling, {total:.0f} s in all -> {out}")
-    return 1 if failed or problems or marker_problems else 0
+          f"specialisation, {len(marker_problems)} marker and {len(op_problems)} op-time "
+          f"problems; {compile_s:.0f} s of compiling, {total:.0f} s in all -> {out}")
+    return 1 if failed or problems or marker_problems or op_problems else 0
+
+
+# The ops the speed targets name (an H200, DeepSeek-V3 sizes, per rank): their kernels' bf16
+# variants of one node (what the variant's text must hold), the config, the target in us, and
+# whether the gate holds it. The normal mode's are read, not held: its row movers' rework
+# (kernels.critical_path's notes in the TSV) has not reached them yet.
+OP_TARGETS = (
+    ("low-latency FP8 dispatch", "dsv3-decode", 30.0, True, (
+        ("ll_dispatch_send_kernel", "FP8=1 UE8M0=0 GS=128 FT=0 TRANSPORT=0"),
+        ("ll_dispatch_recv_kernel", "FP8=1 UE8M0=0 GLOBAL=0 HAS_STATS=0 TRANSPORT=0 FT=0"))),
+    ("low-latency bf16 combine", "dsv3-decode", 40.0, True, (
+        ("ll_combine_send_kernel", "TRANSPORT=0 FT=0 ZERO_COPY=0 FP8=0"),
+        ("ll_combine_recv_kernel", "HAS_WEIGHTS=1 TRANSPORT=0 FT=0 FP8=0"))),
+    ("normal bf16 dispatch", "dsv3-prefill", 600.0, False, (
+        ("layout_count_kernel", "FT=0"), ("layout_place_kernel", ""),
+        ("dispatch_send_kernel", "HAS_WEIGHTS=1 FP8=0 TRANSPORT=0"),
+        ("received_layout_kernel", "WAIT=1 LIVE=0 FT=0 TRANSPORT=0"),
+        ("dispatch_expand_kernel", "CACHED=0 HAS_WEIGHTS=1 FP8=0 LIVE=0"))),
+    ("normal bf16 combine", "dsv3-prefill", 600.0, False, (
+        ("combine_send_kernel", "HAS_WEIGHTS=1 HAS_PAIR=0 FP8=0 TRANSPORT=0 HIER=0"),
+        ("wait_epochs_kernel", ""),
+        ("combine_reduce_kernel", "HAS_PAIR=0 HIER=0 LIVE=0 FP8=0"))),
+)
+
+
+def op_predictions(done) -> tuple[list[str], list[str]]:
+    """``(lines, problems)``: each op of :data:`OP_TARGETS`, its kernels' predicted times at
+    its config summed (the slowest bf16 sm_90 variant that matches each), against its target;
+    ``done``: (compile job, Facts) pairs."""
+    lines, problems = ["gate: predicted device time per op and rank (kernels.critical_path; "
+                       "H200 constants fitted to 2026-12-04's kernels):"], []
+    for op, cfg, target, held, kernels in OP_TARGETS:
+        parts, total, uncounted = [], 0.0, False
+        for kernel, flags in kernels:
+            want = set(flags.split())
+            paths = [f.paths[cfg] for job, f in done
+                     if job[1] == kernel and job[7] == 90 and cfg in f.paths
+                     and job[9].startswith("bfloat16") and want <= set(job[9].split())]
+            if paths:
+                slowest = max(p["predicted_us"] for p in paths)
+                parts.append(f"{kernel.removesuffix('_kernel')} {slowest:.1f}")
+                total += slowest
+                uncounted |= any(p["unknown_loops"] for p in paths)
+        if not parts:
+            continue
+        verdict = "meets" if total <= target and not uncounted else "misses"
+        if uncounted:
+            verdict = "unknown (a loop's trips are not counted)"
+        lines.append(f"  {op} [{cfg}]: {total:.1f} us ({', '.join(parts)}); target "
+                     f"{target:g} us: {verdict}{'' if held else ' (not held yet)'}")
+        if held and (total > target or uncounted):
+            note = " (uncounted loops)" if uncounted else ""
+            problems.append(f"{op} [{cfg}]: predicted {total:.1f} us{note}, target {target:g} us")
+    return lines, problems
 
 
 COLUMNS = ("kernel", "arch", "config", "variant", "regs", "stack_bytes", "smem_bytes",
            "row_store_bits", "nvshmem_issuers", "unordered_signals", "schedule", "programs",
-           "max_trips", "host_loads", "compile_s", "status")
+           "max_trips", "steps", "inflight_kb", "predicted_us", "host_loads", "compile_s",
+           "status", "speed_notes")
+
+
+PATH_COLUMNS = ("kernel", "arch", "config", "variant", "programs", "regs", "num_warps",
+                "smem_bytes", "steps", "mbytes", "inflight_kb", "predicted_us")
+
+
+def paths_tsv(out: str) -> str:
+    """Where the gate writes each variant's path per config, beside its table ``out``."""
+    return out[:-4] + "_paths.tsv" if out.endswith(".tsv") else out + "_paths.tsv"
+
+
+def _write_paths(path: str, done) -> None:
+    """One row per compiled variant, arch and config: the busiest program's path
+    (``kernels.critical_path``) at that config's launch: what bench/fit_model.py fits to."""
+    with open(path, "w") as f:
+        f.write("\t".join(PATH_COLUMNS) + "\n")
+        for job, facts in done:
+            for cfg, p in sorted(facts.paths.items()):
+                grid = job[10][cfg][0]
+                inflight = "-" if p["inflight_kb"] is None else f"{p['inflight_kb']:.1f}"
+                f.write("\t".join(str(v) for v in (
+                    job[1], job[7], cfg, job[9], grid[0] * grid[1] * grid[2], facts.regs,
+                    job[5].get("num_warps", 4), facts.smem_bytes, f"{p['steps']:g}",
+                    f"{p['bytes'] / 1e6:.4f}", inflight, f"{p['predicted_us']:.2f}")) + "\n")
 
 
 def _write_tsv(path: str, rows: list[dict]) -> None:

@@ -2,6 +2,7 @@
 
     python tests/gate_jobs.py MUTATION WORKDIR
     python tests/gate_jobs.py slim_library      # kernels.nvshmem_slim against the whole library
+    python tests/gate_jobs.py ll:MUTATION WORKDIR  # the low-latency pair's speed rules
 
 Copies ``kernels/`` to ``WORKDIR``, breaks one habit the gate enforces (``MUTATIONS``), records
 a GPU launch of the broken copy's dispatch send at DeepSeek-V3 sizes with the same recorder the
@@ -68,12 +69,39 @@ MUTATIONS = {
         '        tl.atomic_add(word, 0, mask=mask, sem="acquire", scope="sys")  # gate: acquire\n'
         '    return tl.load(word, mask=mask, volatile=True)\n', 0),
 }
+# The low-latency pair's speed rules (kernels.critical_path): name -> (file, text,
+# replacement). The broken copy's launchers run under the real Buffer (one node, bf16,
+# DeepSeek-V3 decode sizes); the gate's own rules read what they launch.
+LL_MUTATIONS = {
+    "none": ("low_latency.py", "", ""),
+    "ll_capped_grid": (  # the receive on num_sms programs again: 20 for 256 blocks
+        "low_latency.py",
+        "    launch(bound, key, ll_dispatch_recv_kernel, (L * R,), args, kwargs, _RECV_VARYING)",
+        "    launch(bound, key, ll_dispatch_recv_kernel, (min(L * R, 20),), args, kwargs,\n"
+        "           _RECV_VARYING)"),
+    "ll_choice_loop_at_run_time": (  # the combine's choices one after another, not unrolled,
+        # each reloading its expert rank's signal word before its row (the old receive)
+        "low_latency.py",
+        "        for k in tl.static_range(BLOCK_K):"
+        "  # unrolled: every choice's load issued at once\n"
+        "            vk = column(valid.to(tl.int32), k) != 0\n",
+        "        for k in range(K):\n"
+        "            vk = column(valid.to(tl.int32), k) != 0\n"
+        "            dk = column(tl.where(valid, ids, 0), k) // (E // R)\n"
+        "            vk = vk & (tl.load(signals + parity * R + dk, mask=vk, other=0) >= epoch)\n"),
+    "ll_barrier_in_row_loop": (  # every pass of the receive's rows waits for every warp
+        "low_latency.py",
+        "            # the pass's rows, meta words and scales, loaded before any is stored\n",
+        "            tl.debug_barrier()\n"),
+    "ll_slower_step": (  # a dependent step ten times as long: the ops' times over target
+        "critical_path.py", "LATENCY_US = 0.32", "LATENCY_US = 3.2"),
+}
 RANKS = 8
 
 
-def broken_copy(name: str, workdir: str):
+def broken_copy(name: str, workdir: str, mutations: dict = MUTATIONS):
     """The kernels package with mutation ``name`` applied, imported under a fresh name."""
-    file, text, replacement, _ = MUTATIONS[name]
+    file, text, replacement = mutations[name][:3]
     package = f"mutated_{name}"
     target = os.path.join(workdir, package)
     shutil.rmtree(target, ignore_errors=True)
@@ -199,6 +227,46 @@ def slim_library_report() -> dict:
     return report
 
 
+def ll_main(name: str, workdir: str) -> dict:
+    """The gate's speed rules on the low-latency pair of the broken copy: its launchers under the
+    Buffer's own low-latency calls (the gate's driver), each launch compiled and its busiest
+    program walked; the schedules and the critical path's constants are the broken copy's."""
+    import torch
+
+    from moe_comm import gate
+    from moe_comm import low_latency as ll_mode
+    from moe_comm.kernels import compiled, critical_path
+
+    pkg = broken_copy(name, workdir, LL_MUTATIONS)
+    launchers = importlib.import_module(pkg.__name__ + ".low_latency")
+    for launcher in ("ll_dispatch_send", "ll_dispatch_recv", "ll_combine_send",
+                     "ll_combine_recv"):
+        setattr(ll_mode, launcher, getattr(launchers, launcher))
+    mutated = importlib.import_module(pkg.__name__ + ".critical_path")
+    critical_path.LATENCY_US = mutated.LATENCY_US
+    cfg = next(c for c in gate.CONFIGS if c.name == "dsv3-decode")
+    runs = gate.gate_runs
+    gate.gate_runs = lambda c: [r for r in runs(c) if r[:4] == ("bfloat16", torch.bfloat16, 0,
+                                                                 True) and len(r) == 5]
+    targets = [(kernel, set(flags.split())) for _, c, _, held, kernels in gate.OP_TARGETS
+               if held and c == cfg.name for kernel, flags in kernels]
+    variants = [v for k, v in gate.record_config(cfg, 90).items() if not k.startswith("problem:")
+                and any(v.launch.name == kernel and flags <= set(gate._variant_text(
+                    v.launch, v.dtype).split()) for kernel, flags in targets)]
+    problems, done = [], []
+    for v in variants:
+        text = gate._variant_text(v.launch, v.dtype)
+        facts = compiled.inspect_launch(v.launch, 90, cfg.name, text, v.analysis())
+        problems += [f"{v.launch.name}: {p}" for p in v.schedule_problems()
+                     + v.path_problems(facts)[0] + compiled.violations(facts, True)]
+        done.append(((None, v.launch.name, None, None, None, None, None, 90, cfg.name, text),
+                     facts))
+    lines, op_problems = gate.op_predictions(done)
+    return {"problems": problems + op_problems, "ops": lines,
+            "steps": {f"{v.launch.name} {gate._variant_flags(v.launch, v.dtype)}":
+                      f.paths[cfg.name]["steps"] for v, (_, f) in zip(variants, done)}}
+
+
 def main(name: str, workdir: str) -> dict:
     from moe_comm.gate import _specialisation_problems
     from moe_comm.kernels.compiled import inspect_launch, unemitted_markers, violations
@@ -224,5 +292,7 @@ def main(name: str, workdir: str) -> dict:
 if __name__ == "__main__":
     if sys.argv[1] == "slim_library":
         print(json.dumps(slim_library_report()))
+    elif sys.argv[1].startswith("ll:"):
+        print(json.dumps(ll_main(sys.argv[1][3:], sys.argv[2])))
     else:
         print(json.dumps(main(sys.argv[1], sys.argv[2])))

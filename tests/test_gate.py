@@ -94,10 +94,14 @@ def test_grids_and_serial_trips_hold_at_the_deepseek_sizes():
     assert rows[(prefill, "combine_send_kernel", b16)] == ("persistent", 20, 17)
     assert rows[(prefill, "dispatch_expand_kernel", b16)][:2] == ("wave", 264)
     assert rows[(decode, "combine_reduce_kernel", b16)][:2] == ("wave", 224)
-    for kernel in ("ll_dispatch_send_kernel", "ll_dispatch_recv_kernel",
-                   "ll_combine_send_kernel", "ll_combine_recv_kernel"):
+    # the low-latency pair covers its work, every SM where it has the blocks: a program per
+    # two tokens, per (expert, source) block, per token and half a row (a quarter for FP8
+    # slots, dequantized to fp32); a block's rows in one pass (FP8 combine: a row a pass)
+    for kernel, want in (("ll_dispatch_send_kernel", (64, 1)), ("ll_dispatch_recv_kernel",
+                         (256, 1)), ("ll_combine_send_kernel", (256, 4)),
+                         ("ll_combine_recv_kernel", (512, 1))):
         kind, programs, trips = rows[(decode, kernel, b16)]
-        assert kind == "persistent" and programs <= 20 and trips <= 32, (kernel, programs)
+        assert kind == "whole-gpu" and (programs, trips) == want, (kernel, programs, trips)
     assert "gate: " in proc.stdout and " 0 problems" in proc.stdout
 
 
@@ -194,6 +198,30 @@ def test_each_rule_fails_on_its_mutation(name, expect, tmp_path):
     assert report["specialisation_problems"] == (
         ["dispatch_send_kernel specialises differently on different ranks"] if apart else []), \
         report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, expect", [
+    ("none", None),
+    ("ll_capped_grid", "20 programs for 256 blocks of work"),
+    ("ll_choice_loop_at_run_time", "dependent steps in a program (a low-latency kernel takes "
+                                   "at most 20)"),
+    ("ll_barrier_in_row_loop", "rows wait inside a loop that stores them for: "
+                               "low_latency.py"),
+    ("ll_slower_step", "low-latency FP8 dispatch [dsv3-decode]: predicted"),
+])
+def test_each_low_latency_speed_rule_fails_on_its_mutation(name, expect, tmp_path):
+    """The low-latency pair's speed rules (the ops the targets name, one node, bf16, DeepSeek-V3
+    decode sizes): a grid that covers its blocks, at most 20 dependent steps a program, no
+    barrier inside a loop that stores rows, each op's predicted time within its target; the
+    unbroken copy passes them all."""
+    report = _mutation(f"ll:{name}", tmp_path)
+    if expect is None:
+        assert report["problems"] == [], report
+        assert all(" meets" in line for line in report["ops"][1:]), report
+        assert max(report["steps"].values()) <= 20, report
+    else:
+        assert any(expect in p for p in report["problems"]), report
 
 
 def test_the_slim_nvshmem_library_compiles_to_the_same_code():

@@ -46,36 +46,51 @@ from .tiles import tiles
 
 
 @triton.jit
+def load_ids(topk_idx, t, tm, K, BLOCK_K: tl.constexpr):
+    """The raw expert ids of tokens ``t`` [BLOCK_T, BLOCK_K] int64 (-1 where not ``tm`` or
+    ``k >= K``): the load of :func:`checked_ids` alone, to issue it early."""
+    kk = tl.arange(0, BLOCK_K)
+    m2 = tm[:, None] & (kk < K)[None, :]
+    return tl.load(topk_idx + t.to(tl.int64)[:, None] * K + kk[None, :], mask=m2, other=-1)
+
+
+@triton.jit
+def check_ids(ids, E, BLOCK_K: tl.constexpr):
+    """:func:`checked_ids` of ids already loaded (:func:`load_ids`). The first bad choice of a
+    row decides what is recorded: an id out of range before a repeat, an earlier choice
+    first; the choices are compared column by column (reductions along a row, unrolled)."""
+    kk = tl.arange(0, BLOCK_K)
+    again = tl.zeros(ids.shape, tl.int32)  # choice k's expert comes back at a later choice
+    for k in tl.static_range(BLOCK_K):
+        e_k = column(ids, k)
+        later = tl.max(((ids == e_k[:, None]) & (kk[None, :] > k)).to(tl.int32), axis=1)
+        again = tl.where(kk[None, :] == k, later[:, None], again)
+    out_of_range = (ids < -1) | (ids >= E)
+    key = tl.where(out_of_range, kk[None, :],
+                   tl.where((again > 0) & (ids >= 0), BLOCK_K + kk[None, :], 2 * BLOCK_K))
+    first = tl.min(key, axis=1)
+    value = tl.sum(tl.where(kk[None, :] == first[:, None] % BLOCK_K, ids, 0), axis=1)
+    bad = first < 2 * BLOCK_K
+    code = tl.where(first < BLOCK_K, BAD_EXPERT_ID, REPEATED_EXPERT)
+    value = tl.where(bad, value, -1)
+    ids = tl.where(bad[:, None], -1, ids).to(tl.int32)
+    return ids, bad, code, value
+
+
+@triton.jit
 def checked_ids(topk_idx, t, tm, K, E, BLOCK_K: tl.constexpr):
     """``(ids [BLOCK_T, BLOCK_K] int32, bad [BLOCK_T], code [BLOCK_T], value [BLOCK_T])``:
     the expert ids of tokens ``t`` (-1 where unused or ``k >= K``); a row with an id outside
     ``[-1, E)`` or an expert twice is bad: all its ids become -1, ``code`` says why and
     ``value`` is the offending id."""
-    kk = tl.arange(0, BLOCK_K)
-    m2 = tm[:, None] & (kk < K)[None, :]
-    ids = tl.load(topk_idx + t.to(tl.int64)[:, None] * K + kk[None, :], mask=m2, other=-1)
-    out_of_range = m2 & ((ids < -1) | (ids >= E))
-    first_k = tl.min(tl.where(out_of_range, kk[None, :], BLOCK_K), axis=1)
-    range_value = tl.sum(tl.where(kk[None, :] == first_k[:, None], ids, 0), axis=1)
-    repeated_value = tl.full(t.shape, -1, tl.int64)
-    for k in range(K):
-        e_k = column(ids, k)
-        again = tl.max(((ids == e_k[:, None]) & (kk[None, :] > k) & m2).to(tl.int32), axis=1)
-        repeated_value = tl.where((again > 0) & (e_k >= 0) & (repeated_value < 0), e_k,
-                                  repeated_value)
-    bad_range = first_k < BLOCK_K
-    bad = bad_range | (repeated_value >= 0)
-    code = tl.where(bad_range, BAD_EXPERT_ID, REPEATED_EXPERT)
-    value = tl.where(bad_range, range_value, repeated_value)
-    ids = tl.where(bad[:, None], -1, ids).to(tl.int32)
-    return ids, bad, code, value
+    return check_ids(load_ids(topk_idx, t, tm, K, BLOCK_K), E, BLOCK_K)
 
 
 @triton.jit
 def record_first_bad(errors, t, bad, code, value, T):
     """Records the first bad row of this tile (if any) in the input part of the error record."""
     first = tl.min(tl.where(bad, t, T), axis=0)
-    if first < T:
+    if first < T:  # gate: cold
         c = tl.sum(tl.where(t == first, code, 0), axis=0)
         v = tl.sum(tl.where(t == first, value, 0), axis=0)
         record_error(errors, INPUT_RECORD, c, first, v)
@@ -206,7 +221,7 @@ def layout_place_kernel(
                 first = here
                 code = tl.sum(tl.load(noted + 1, mask=cm & (tok == here), other=0), axis=0)
                 value = tl.sum(tl.load(noted + 2, mask=cm & (tok == here), other=0), axis=0)
-        if first < T:
+        if first < T:  # gate: cold
             record_error(errors_addr.to(tl.pointer_type(tl.int64)), INPUT_RECORD, code, first,
                          value)
 

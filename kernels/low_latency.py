@@ -57,6 +57,8 @@ from .bound import BoundLaunches, call_bound, launch, specs
 from .comm import (
     CPU_RANKS,
     Flavour,
+    acquire_word,
+    aligned_ptr,
     by_stores,
     draw_last_of,
     local_ptr,
@@ -69,7 +71,7 @@ from .comm import (
     wait_all_at_least,
     wait_all_or_exclude,
 )
-from .layout import checked_ids, record_first_bad
+from .layout import check_ids, checked_ids, load_ids, record_first_bad
 from .numerics import cast_rne, channel_tile, column
 from .nvshmem import int_p, put_bytes, quiet, signal_set
 from .proxy import post_signal, post_signal_to_remote, post_transfer
@@ -79,11 +81,10 @@ from .rows import (
     load_fp8_partials,
     quantize_row_tile,
     row_payload,
-    sent_elem_bytes,
     store_fp8_partials,
     store_rows,
 )
-from .tiles import even, persistent_programs, tiles
+from .tiles import even, ll_tiles
 
 META_K_BITS = 32  # meta word = token * 32 + choice
 TIMED_OUT = 8  # ll_state[8]: 1 once a low-latency wait of this rank timed out (device memory)
@@ -92,17 +93,36 @@ _GPU_PER_RANK = ["local_base", "errors_addr", "timeout_ns", "me", "ring_addr"]
 
 
 @triton.jit
-def _pairs_before(topk_idx, t0, T, K, E, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+def _pairs_before(before, tp, ids, t, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
                   BLOCK_E: tl.constexpr):
-    """[BLOCK_E] int32: the pairs of the tokens ``0 .. t0 - 1`` per expert (bad rows of
-    topk_idx pick none), counted ``BLOCK_P`` tokens a trip (one trip at decode sizes)."""
-    counts = tl.zeros([BLOCK_E], tl.int32)
-    for s0 in range(0, t0, BLOCK_P):
-        t = s0 + tl.arange(0, BLOCK_P)
-        ids, bad, code, value = checked_ids(topk_idx, t, (t < t0) & (t < T), K, E, BLOCK_K)
-        flat = tl.reshape(ids, [BLOCK_P * BLOCK_K])
-        counts += tl.histogram(flat, BLOCK_E, mask=flat >= 0)
-    return counts
+    """[BLOCK_T, BLOCK_K] int32: for each pair (``t``, k) of ``ids``, the pairs of the tokens
+    ``tp`` before the tile's first token (checked ids ``before`` [BLOCK_P, BLOCK_K]) that chose
+    the same expert: their counts per expert (one histogram), picked by each pair's expert."""
+    flat = tl.reshape(before, [BLOCK_P * BLOCK_K])
+    flat_t = tl.reshape(tl.broadcast_to(tp[:, None], [BLOCK_P, BLOCK_K]), [BLOCK_P * BLOCK_K])
+    counts = tl.histogram(flat, BLOCK_E, mask=(flat >= 0) & (flat_t < tl.min(t, axis=0)))
+    lane = tl.arange(0, BLOCK_E)
+    return tl.sum(tl.where(lane[None, None, :] == ids[:, :, None], counts[None, None, :], 0),
+                  axis=2)
+
+
+@triton.jit
+def _pairs_in_tile(ids, t, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_T, BLOCK_K] int32: for each pair of ``ids``, the tile's earlier tokens that chose
+    the same expert (a token chooses an expert once)."""
+    mine = tl.reshape(ids, [BLOCK_T * BLOCK_K])
+    mine_t = tl.reshape(tl.broadcast_to(t[:, None], [BLOCK_T, BLOCK_K]), [BLOCK_T * BLOCK_K])
+    in_tile = (mine[None, None, :] == ids[:, :, None]) & (mine_t[None, None, :] < t[:, None, None])
+    return tl.sum(in_tile.to(tl.int32), axis=2)
+
+
+@triton.jit
+def _pass_counts(topk_idx, s0, T, K, E, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_E: tl.constexpr):
+    """[BLOCK_E] int32: the pairs of tokens ``s0 .. s0 + BLOCK_P - 1`` per expert."""
+    tp = s0 + tl.arange(0, BLOCK_P)
+    flat = tl.reshape(checked_ids(topk_idx, tp, tp < T, K, E, BLOCK_K)[0], [BLOCK_P * BLOCK_K])
+    return tl.histogram(flat, BLOCK_E, mask=flat >= 0)
 
 
 @triton.jit
@@ -139,6 +159,38 @@ def _wait_all(words, stride, expected, SHIFT: tl.constexpr, R, errors_addr, time
 
 
 @triton.jit
+def _wait_parity(words, parity_stride, parity, stride, expected, SHIFT: tl.constexpr, R,
+                 errors_addr, timeout_ns, state, peer_ptrs, mask_off, local_base, me,
+                 BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr, TRANSPORT: tl.constexpr,
+                 FT: tl.constexpr):
+    """:func:`_wait_all` of the words of parity ``parity`` (``words + parity *
+    parity_stride``) in one round trip where they are all there: the words of both parities are
+    read at once, with acquire ordering, beside the device flag (and, FT, this rank's own mask
+    word), so the read does not wait for the epoch that picks the parity; every thread takes
+    part in the decision (one reduction across the warps: uniform, and a barrier after the
+    acquires). Only where a word is missing, the flag is set or this rank is excluded does
+    :func:`_wait_all` run (it spins, bounded)."""
+    lanes = tl.arange(0, 2 * NUM_THREADS)
+    i = lanes % BLOCK_R
+    p = (lanes // BLOCK_R) % 2
+    im = i < R
+    code = 2 * (tl.load(state + TIMED_OUT_WORD + lanes * 0, mask=lanes == 0, other=0,
+                        volatile=True) != 0).to(tl.int32)
+    if FT:
+        mask = local_ptr(local_base, mask_off, tl.int64, 8)
+        code |= 4 * (tl.load(mask + me + lanes * 0, mask=lanes == 0, other=0,
+                             volatile=True) != 0).to(tl.int32)
+    seen = acquire_word(words + p * parity_stride + i * stride, im) >> SHIFT
+    code |= (im & (p == parity) & (seen < expected)).to(tl.int32)
+    ok = tl.max(code, axis=0) == 0
+    if not ok:  # gate: cold
+        ok = _wait_all(words + parity * parity_stride, stride, expected, SHIFT, R, errors_addr,
+                       timeout_ns, state, peer_ptrs, mask_off, local_base, me, BLOCK_R,
+                       NUM_THREADS, TRANSPORT, FT)
+    return ok
+
+
+@triton.jit
 def _excluded(peer, valid, mask_off, local_base, FT: tl.constexpr):
     """Where ``valid``, whether rank ``peer`` is excluded (FT; always False otherwise)."""
     if FT:
@@ -147,6 +199,21 @@ def _excluded(peer, valid, mask_off, local_base, FT: tl.constexpr):
     else:
         out = peer < 0
     return out
+
+
+@triton.jit
+def _store_row_tile(row8, h, g, H, codes, scales, exps, rows, hm, FP8: tl.constexpr,
+                    UE8M0: tl.constexpr, GS: tl.constexpr, EVEN_H: tl.constexpr,
+                    H32: tl.constexpr):
+    """Whole rows (channels ``h``, groups ``g``) at uint8 row pointers ``row8`` [BLOCK_T]
+    where ``rows``: quantized (``kernels.rows.store_rows``) or, without FP8, ``codes`` as
+    they are."""
+    if FP8:  # (channel 0 as a tensor: NVFP4's packed tile takes an alignment fact of it)
+        store_rows(row8, tl.zeros([1], tl.int32), h, g, H, codes, scales, exps, rows, hm, UE8M0,
+                   GS, EVEN_H, H32)
+    else:
+        rowx = row8.to(tl.pointer_type(codes.dtype), bitcast=True)
+        tl.store(rowx[:, None] + h[None, :], codes, mask=rows[:, None] & hm[None, :])  # gate: row
 
 
 @triton.jit(do_not_specialize=_GPU_PER_RANK + ["T"])
@@ -174,150 +241,158 @@ def ll_dispatch_send_kernel(
     TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; where a pointer is 0:
     # 1 NVSHMEM puts, 2 the proxy (one descriptor per pair, then one fenced signal per expert)
     DEVICE_WAIT: tl.constexpr,  # wait for the acknowledgements here (else the host waited)
-    EVEN_H: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr,
-    BLOCK_P: tl.constexpr,  # tokens a trip of the pair counts (the whole batch at decode sizes)
+    EVEN_H: tl.constexpr,  # BLOCK_H == H
+    H32: tl.constexpr,  # H % 32 == 0 (NVFP4's packed codes end on a 16-byte boundary)
+    BLOCK_T: tl.constexpr,  # tokens of a program (the grid covers TMAX)
+    BLOCK_H: tl.constexpr,  # channels: the whole row (a power of two >= H)
+    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
+    NUM_THREADS: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # tokens of a pass of the pair positions (the batch at decode sizes)
 ):
     pid = tl.program_id(0)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    tm = t < T
+    t64 = t.to(tl.int64)
+    # What depends on no epoch is read first, in the round trip of the epoch and of the
+    # acknowledgements: this tile's rows, the ids of the pass of BLOCK_P tokens that holds its
+    # tokens (the whole batch at decode sizes), and the peers of its pairs
+    h, hm = channel_tile(0, H, BLOCK_H, EVEN_H)
+    v = tl.load(x + t64[:, None] * H + h[None, :], mask=tm[:, None] & hm[None, :], other=0.0)
+    c0 = (pid * BLOCK_T) // BLOCK_P * BLOCK_P
+    tp = c0 + tl.arange(0, BLOCK_P)
+    raw = load_ids(topk_idx, tp, tp < T, K, BLOCK_K)
+    gs = 0.0
+    if GS == NVFP4_GS:
+        gs = tl.load(global_scale)
+    raw_mine = load_ids(topk_idx, t, tm, K, BLOCK_K)
+    base = tl.load(peer_ptrs + tl.minimum(tl.maximum(raw_mine, 0), E - 1) // L)  # (0: none)
     epoch = tl.load(state) + 1
     parity = epoch % 2
     errors = errors_addr.to(tl.pointer_type(tl.int64))
     ok = True
     if DEVICE_WAIT:  # parity p is free once every destination acknowledged call epoch - 2
-        acks = local_ptr(local_base, acks_off + parity * acks_parity_stride, tl.int64, 8)
-        ok = _wait_all(acks, 1, epoch - 2, 0, R, errors_addr, timeout_ns, state, peer_ptrs,
-                       mask_off, local_base, me, BLOCK_R, NUM_THREADS, TRANSPORT, FT)
+        acks = local_ptr(local_base, acks_off, tl.int64, 8)
+        ok = _wait_parity(acks, acks_parity_stride // 8, parity, 1, epoch - 2, 0, R,
+                          errors_addr, timeout_ns, state, peer_ptrs, mask_off, local_base, me,
+                          BLOCK_R, NUM_THREADS, TRANSPORT, FT)
     rows_base = rows_off + parity * rows_parity_stride
     meta_base = meta_off + parity * meta_parity_stride
-    to_peers = tl.zeros([1], tl.int64)
-    to_self = tl.zeros([1], tl.int64)
     payload = row_payload(x, H, FP8, UE8M0, GS)
-    lane = tl.arange(0, BLOCK_E)
+    # every pair's destination, once: its expert's rank, its position among the expert's pairs
+    # (those of earlier tokens: no program waits for another), its slot's address there
+    pass_ids, pass_bad, pass_code, pass_value = check_ids(raw, E, BLOCK_K)
+    ids = tl.sum(tl.where(tp[None, :, None] == t[:, None, None], pass_ids[None, :, :], 0),
+                 axis=1)  # this tile's rows of the pass, checked there (bad rows -1)
+    j = _pairs_before(pass_ids, tp, ids, t, BLOCK_P, BLOCK_K, BLOCK_E) \
+        + _pairs_in_tile(ids, t, BLOCK_T, BLOCK_K)
+    for s0 in range(0, c0, BLOCK_P):  # earlier passes (none at decode sizes)
+        before = s0 + tl.arange(0, BLOCK_P)
+        j += _pairs_before(checked_ids(topk_idx, before, before < T, K, E, BLOCK_K)[0],
+                           before, ids, t, BLOCK_P, BLOCK_K, BLOCK_E)
+    valid = tm[:, None] & (ids >= 0)
+    d = tl.where(valid, ids // L, 0)
+    valid = valid & ~_excluded(d, valid, mask_off, local_base, FT)
+    block = (((ids - d * L) * R + me) * TMAX + j).to(tl.int64)
+    stored = valid & (base != 0)  # the pairs this program stores itself
+    row_at = base + rows_base + block * SLOT_BYTES
+    meta_at = base + meta_base + block * 4
+    nbytes = tl.where(valid, payload + 4, 0).to(tl.int64)
+    to_peers = tl.sum(tl.sum(tl.where(d != me, nbytes, 0), axis=1), axis=0)
+    to_self = tl.sum(tl.sum(tl.where(d == me, nbytes, 0), axis=1), axis=0)
+    if FP8:  # quantized once per token (groups past H // GS are not stored)
+        codes, scales, exps = quantize_row_tile(v.to(tl.float32), gs, BLOCK_T, BLOCK_H, UE8M0,
+                                                GS)
+        g = tl.arange(0, BLOCK_H // GS)
+    else:
+        codes, scales, exps = v, v, v
+        g = h
+    kk = tl.arange(0, BLOCK_K)
+    to_peers = tl.where(ok, to_peers, 0)
+    to_self = tl.where(ok, to_self, 0)
     if ok:  # after a failed wait nothing is written: a peer may still read this parity
-        for t0 in range(pid * BLOCK_T, T, tl.num_programs(0) * BLOCK_T):  # persistent grid
-            before = _pairs_before(topk_idx, t0, T, K, E, BLOCK_P, BLOCK_K, BLOCK_E)
-            t = t0 + tl.arange(0, BLOCK_T)
-            tm = t < T
-            t64 = t.to(tl.int64)
-            ids, bad, code, value = checked_ids(topk_idx, t, tm, K, E, BLOCK_K)
-            record_first_bad(errors, t, bad, code, value, T)
-            onehot = tl.zeros([BLOCK_T, BLOCK_E], tl.int32)
-            for k in range(K):
-                onehot += (column(ids, k)[:, None] == lane[None, :]).to(tl.int32)
-            position = tl.cumsum(onehot, axis=0) - onehot + before[None, :]  # [BLOCK_T, BLOCK_E]
-            for k in range(K):  # metadata, and the slot of every pair
-                e = column(ids, k)
-                valid = tm & (e >= 0)
-                d = tl.where(valid, e // L, 0)
-                valid = valid & ~_excluded(d, valid, mask_off, local_base, FT)
-                j = tl.sum(tl.where(e[:, None] == lane[None, :], position, 0), axis=1)
-                block = ((e - d * L) * R + me) * TMAX + j
-                meta = peer_ptr(peer_ptrs, d, meta_base, tl.int32, 4) + block
-                tl.store(meta, t * 32 + k, mask=by_stores(peer_ptrs, d, valid, TRANSPORT))
-                nbytes = tl.where(valid, payload + 4, 0).to(tl.int64)
-                to_peers += tl.sum(tl.where(d != me, nbytes, 0), axis=0)
-                to_self += tl.sum(tl.where(d == me, nbytes, 0), axis=0)
-            for h0 in range(0, H, BLOCK_H):
-                h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
-                m = tm[:, None] & hm[None, :]
-                v = tl.load(x + t64[:, None] * H + h[None, :], mask=m, other=0.0)
-                if FP8:  # groups past H // GS (MXFP8 with H % 128 != 0) are not stored
-                    gs = 0.0
-                    if GS == NVFP4_GS:
-                        gs = tl.load(global_scale)
-                    codes, scales, exps = quantize_row_tile(v.to(tl.float32), gs, BLOCK_T,
-                                                            BLOCK_H, UE8M0, GS)
-                    g = h0 // GS + tl.arange(0, BLOCK_H // GS)
-                if TRANSPORT != 0:  # each token's row once into the outbox, for the puts
-                    box = local_ptr(local_base, outbox_off + parity * outbox_parity_stride,
-                                    tl.uint8, 16) + t64 * SLOT_BYTES
-                    if FP8:
-                        store_rows(box, h0, h, g, H, codes, scales, exps, tm, hm, UE8M0, GS,
-                                   EVEN_H)
-                    else:
-                        boxx = box.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
-                        tl.store(boxx[:, None] + h[None, :], v, mask=m)  # gate: row
-                for k in range(K):
-                    e = column(ids, k)
-                    valid = tm & (e >= 0)
-                    d = tl.where(valid, e // L, 0)
-                    valid = valid & ~_excluded(d, valid, mask_off, local_base, FT)
-                    valid = by_stores(peer_ptrs, d, valid, TRANSPORT)
-                    j = tl.sum(tl.where(e[:, None] == lane[None, :], position, 0), axis=1)
-                    block = (((e - d * L) * R + me) * TMAX + j).to(tl.int64)
-                    row8 = peer_ptr(peer_ptrs, d, rows_base, tl.uint8, 16) + block * SLOT_BYTES
-                    if FP8:
-                        store_rows(row8, h0, h, g, H, codes, scales, exps, valid, hm, UE8M0,
-                                   GS, EVEN_H)
-                    else:
-                        rowx = row8.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
-                        tl.store(rowx[:, None] + h[None, :], v,  # gate: row
-                                 mask=valid[:, None] & hm[None, :])
-            if TRANSPORT != 0:  # pairs whose expert's rank has no pointer
-                tl.debug_barrier()
-                rows_in_tile = tl.arange(0, BLOCK_T)
-                for i in range(BLOCK_T):
-                    ti = t0 + i
-                    row_ids = tl.sum(tl.where(rows_in_tile[:, None] == i, ids, 0), axis=0)
-                    for k in range(K):
-                        e = tl.sum(tl.where(tl.arange(0, BLOCK_K) == k, row_ids, 0))
-                        d = tl.maximum(e, 0) // L
-                        if (ti < T) & (e >= 0) & (tl.load(peer_ptrs + d) == 0) \
-                                & ~_excluded(d, True, mask_off, local_base, FT):
-                            j = tl.sum(tl.sum(tl.where((rows_in_tile[:, None] == i)
-                                                       & (lane[None, :] == e), position, 0),
-                                              axis=1))
-                            block = (((e - d * L) * R + me) * TMAX + j).to(tl.int64)
-                            box_row = (outbox_off + parity * outbox_parity_stride
-                                       + ti.to(tl.int64) * SLOT_BYTES)
-                            if TRANSPORT == 1:
-                                put_bytes(local_base, rows_base + block * SLOT_BYTES, box_row,
-                                          payload, d)
-                                if one_thread():
-                                    int_p(local_base + meta_base + block * 4, ti * 32 + k,
-                                          d.to(tl.int32))
-                            elif one_thread():  # the row and its meta word; a no-op signal
-                                post_transfer(ring_addr, RING_SLOTS, d, signals_off + parity
-                                              * signals_parity_stride
-                                              + ((e - d * L) * R + me) * 8, 0, 2,
-                                              box_row, rows_base + block * SLOT_BYTES, payload,
-                                              payload, 1,
-                                              meta_table_off + (ti * KMAX + k).to(tl.int64) * 4,
-                                              meta_base + block * 4, 4, 4, 1,
-                                              0, 0, 0, 0, 0, errors, timeout_ns)
+        if TRANSPORT != 0:  # each token's row once into the outbox, for the puts
+            box = local_ptr(local_base, outbox_off + parity * outbox_parity_stride,
+                            tl.uint8, 16) + t64 * SLOT_BYTES
+            _store_row_tile(box, h, g, H, codes, scales, exps, tm, hm, FP8, UE8M0, GS, EVEN_H,
+                            H32)
+        for k in tl.static_range(BLOCK_K):  # every choice's row and meta word
+            mk = column(stored.to(tl.int32), k) != 0
+            _store_row_tile(aligned_ptr(column(row_at, k), tl.uint8, 16), h, g, H, codes,
+                            scales, exps, mk, hm, FP8, UE8M0, GS, EVEN_H, H32)
+            tl.store(aligned_ptr(column(meta_at, k), tl.int32, 4), t * 32 + k, mask=mk)
+        if TRANSPORT != 0:  # pairs whose expert's rank has no pointer
+            tl.debug_barrier()
+            remote = valid & (base == 0)
+            rows_in_tile = tl.arange(0, BLOCK_T)
+            for i in range(BLOCK_T):
+                ti = pid * BLOCK_T + i
+                row_remote = tl.sum(tl.where(rows_in_tile[:, None] == i, remote.to(tl.int32), 0),
+                                    axis=0)
+                row_ids = tl.sum(tl.where(rows_in_tile[:, None] == i, ids, 0), axis=0)
+                row_block = tl.sum(tl.where(rows_in_tile[:, None] == i, block, 0), axis=0)
+                for kq in range(K):
+                    at_k = kk == kq
+                    if tl.sum(tl.where(at_k, row_remote, 0)) != 0:
+                        e = tl.sum(tl.where(at_k, row_ids, 0))
+                        dk = e // L
+                        bk = tl.sum(tl.where(at_k, row_block, 0))
+                        box_row = (outbox_off + parity * outbox_parity_stride
+                                   + ti.to(tl.int64) * SLOT_BYTES)
+                        if TRANSPORT == 1:
+                            put_bytes(local_base, rows_base + bk * SLOT_BYTES, box_row,
+                                      payload, dk)
+                            if one_thread():
+                                int_p(local_base + meta_base + bk * 4, ti * 32 + kq,
+                                      dk.to(tl.int32))
+                        elif one_thread():  # the row and its meta word; a no-op signal
+                            post_transfer(ring_addr, RING_SLOTS, dk, signals_off + parity
+                                          * signals_parity_stride
+                                          + ((e - dk * L) * R + me) * 8, 0, 2,
+                                          box_row, rows_base + bk * SLOT_BYTES, payload,
+                                          payload, 1,
+                                          meta_table_off + (ti * KMAX + kq).to(tl.int64) * 4,
+                                          meta_base + bk * 4, 4, 4, 1,
+                                          0, 0, 0, 0, 0, errors, timeout_ns)
         if TRANSPORT == 1:  # this program's puts complete before its ticket
             tl.debug_barrier()
             if one_thread():
                 quiet()
-    tl.atomic_add(stats + tl.arange(0, 1), to_peers, sem="relaxed")
-    tl.atomic_add(stats + 1 + tl.arange(0, 1), to_self, sem="relaxed")
+        record_first_bad(errors, tp, pass_bad, pass_code, pass_value, T)  # (its pass's first)
+    tl.atomic_add(stats + tl.arange(0, 1), to_peers + tl.zeros([1], tl.int64), sem="relaxed")
+    tl.atomic_add(stats + 1 + tl.arange(0, 1), to_self + tl.zeros([1], tl.int64), sem="relaxed")
     if draw_last_of(state + 4, tl.num_programs(0)):  # the last program publishes
-        if not timed_out(errors, NUM_THREADS):
-            total = _pairs_before(topk_idx, T, T, K, E, BLOCK_P, BLOCK_K, BLOCK_E)
+        # (every program's wait is over: the device flag holds still, a plain load agrees)
+        if tl.load(state + TIMED_OUT_WORD) == 0:
+            lane = tl.arange(0, BLOCK_E)
+            flat = tl.reshape(pass_ids, [BLOCK_P * BLOCK_K])
+            total = tl.histogram(flat, BLOCK_E, mask=flat >= 0)  # this program's pass, and
+            for s0 in range(0, c0, BLOCK_P):  # the others (none at decode sizes)
+                total += _pass_counts(topk_idx, s0, T, K, E, BLOCK_P, BLOCK_K, BLOCK_E)
+            for s0 in range(c0 + BLOCK_P, T, BLOCK_P):
+                total += _pass_counts(topk_idx, s0, T, K, E, BLOCK_P, BLOCK_K, BLOCK_E)
             em = lane < E
-            d = tl.where(em, lane // L, 0)
-            word = peer_ptr(peer_ptrs, d, signals_off + parity * signals_parity_stride,
-                            tl.int64, 8) + (lane - d * L) * R + me
+            de = tl.where(em, lane // L, 0)
+            word = peer_ptr(peer_ptrs, de, signals_off + parity * signals_parity_stride,
+                            tl.int64, 8) + (lane - de * L) * R + me
             tl.atomic_xchg(word, (epoch << 32) | total.to(tl.int64),  # gate: publish
-                           mask=by_stores(peer_ptrs, d, em, TRANSPORT), sem="release",
+                           mask=by_stores(peer_ptrs, de, em, TRANSPORT), sem="release",
                            scope="sys")
             if TRANSPORT != 0:
-                for g in range(E):
-                    dg = g // L
+                for ge in range(E):
+                    dg = ge // L
                     if (tl.load(peer_ptrs + dg) == 0) \
                             & ~_excluded(dg, True, mask_off, local_base, FT):
                         # a reduction: every thread of the program takes part
-                        n = tl.sum(tl.where(lane == g, total, 0)).to(tl.int64)
+                        n = tl.sum(tl.where(lane == ge, total, 0)).to(tl.int64)
                         signal_off = (signals_off + parity * signals_parity_stride
-                                      + ((g - dg * L) * R + me) * 8)
+                                      + ((ge - dg * L) * R + me) * 8)
                         if one_thread():
                             if TRANSPORT == 1:
                                 signal_set(local_base, signal_off, (epoch << 32) | n, dg)
                             else:  # after this rank's pair transfers to dg (a fence)
                                 post_signal(ring_addr, RING_SLOTS, dg, signal_off,
                                             (epoch << 32) | n, errors, timeout_ns)
-            remote = tl.sum(tl.where(em & (d != me), 8, 0).to(tl.int64), axis=0)
+            remote = tl.sum(tl.where(em & (de != me), 8, 0).to(tl.int64), axis=0)
             tl.atomic_add(stats + tl.arange(0, 1), remote + tl.zeros([1], tl.int64),
                           sem="relaxed")
             tl.atomic_add(stats + 1 + tl.arange(0, 1), 8 * L + tl.zeros([1], tl.int64),
@@ -348,78 +423,85 @@ def ll_dispatch_recv_kernel(
     H: tl.int32, R: tl.int32, L: tl.int32, me: tl.int32, TMAX: tl.int32,
     G: tl.int32,  # FP8: scales per row
     SLOT_ELEMS: tl.int64,  # staging slot stride in elements of `staging`
-    SCALE_ROW_STRIDE: tl.int64, SCALE_GROUP_STRIDE: tl.int64, SCALE_EXPERT_STRIDE: tl.int64,
+    SCALE_ROW_STRIDE: tl.int64,
+    SCALE_GROUP_STRIDE: tl.constexpr,  # 1 (row-major scales: stored as wide as loaded) or rows
+    SCALE_EXPERT_STRIDE: tl.int64,
     FP8: tl.constexpr,
     UE8M0: tl.constexpr,  # byte scales: exponents, MXFP8's E8M0 or NVFP4's e4m3
     GLOBAL: tl.constexpr,  # NVFP4: a float32 global scale between the codes and the scales
     HAS_STATS: tl.constexpr,
     TRANSPORT: tl.constexpr, DEVICE_WAIT: tl.constexpr, FT: tl.constexpr, EVEN_H: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
-    NUM_THREADS: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # rows of a pass over the block (its rows at uniform routing)
+    BLOCK_H: tl.constexpr,  # channels: the whole row (a power of two >= H)
+    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, NUM_THREADS: tl.constexpr,
 ):
+    """One program per (expert ``e``, source ``s``) block: after the wait for every source of
+    ``e`` (the block's first output row needs their counts), its rows go whole to the compact,
+    expert-major output, ``BLOCK_T`` at a time."""
+    pid = tl.program_id(0)
+    e = pid // R
+    s = pid % R
     epoch = tl.load(state + 1) + 1
     parity = epoch % 2
     errors = errors_addr.to(tl.pointer_type(tl.int64))
-    # persistent: the L x R blocks (expert e, source s) shared by at most num_sms programs
-    for es in range(tl.program_id(0), L * R, tl.num_programs(0)):
-        e = es // R
-        s = es % R
-        ok = True
-        if DEVICE_WAIT:  # this block's offset needs the counts of every source of expert e
-            ok = _wait_all(signals + (parity * L + e) * R, 1, epoch, 32, R, errors_addr,
-                           timeout_ns, state, peer_ptrs, mask_off, local_base, me, BLOCK_R,
-                           NUM_THREADS, TRANSPORT, FT)
-        if ok:  # after a failed wait nothing is copied and nothing acknowledged
-            sources = tl.arange(0, BLOCK_R)
-            words = tl.load(signals + (parity * L + e) * R + sources, mask=sources < R,
-                            other=0)
-            # a source counts only with this call's epoch (one excluded, or late, counts 0)
-            counts = tl.where((words >> 32) >= epoch, words & 0xFFFFFFFF, 0).to(tl.int32)
-            n = tl.sum(tl.where(sources == s, counts, 0), axis=0)
-            first = tl.sum(tl.where(sources < s, counts, 0), axis=0)
-            tl.store(layout + (e * R + s) * 2 + tl.arange(0, 2),
-                     tl.where(tl.arange(0, 2) == 0, first, n))
-            if s == 0:
-                total = tl.sum(counts, axis=0)
-                tl.store(count + e + tl.arange(0, 1), total + tl.zeros([1], tl.int32))
-                if HAS_STATS:
-                    old = tl.load(recv_stats + e + tl.arange(0, 1))
-                    tl.store(recv_stats + e + tl.arange(0, 1), old + total)
-            block0 = ((parity * L + e) * R + s).to(tl.int64) * TMAX
-            for j0 in range(0, n, BLOCK_T):
-                j = j0 + tl.arange(0, BLOCK_T)
-                jm = j < n
-                slot = block0 + j
-                dst = (e * R * TMAX + first + j).to(tl.int64)
-                word = tl.load(meta + slot, mask=jm, other=0)
-                tl.store(src_info + dst, s * TMAX + word // 32, mask=jm)
-                tl.store(src_k + dst, word % 32, mask=jm)
-                for h0 in range(0, H, BLOCK_H):
-                    h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
-                    m = jm[:, None] & hm[None, :]
-                    tile = tl.load(staging + slot[:, None] * SLOT_ELEMS + h[None, :], mask=m)
-                    tl.store(out + dst[:, None] * H + h[None, :], tile, mask=m)  # gate: row
-                if FP8:
-                    g = tl.arange(0, BLOCK_G)
-                    gm = jm[:, None] & (g < G)[None, :]
-                    out_row = (first + j).to(tl.int64)
-                    codes_end = slot * SLOT_ELEMS + H
-                    if GLOBAL:
-                        glob = tl.load(staging_f32 + codes_end // 4, mask=jm)
-                        tl.store(out_global + e * R * TMAX + out_row, glob, mask=jm)
-                    if UE8M0:
-                        sc = tl.load(staging + codes_end[:, None] + 4 * GLOBAL + g[None, :],
-                                     mask=gm)
-                        word4 = e * SCALE_EXPERT_STRIDE \
-                            + (g // 4)[None, :] * SCALE_GROUP_STRIDE \
-                            + out_row[:, None] * SCALE_ROW_STRIDE
-                        tl.store(out_scales + word4 * 4 + (g % 4)[None, :], sc, mask=gm)
-                    else:
-                        sc = tl.load(staging_f32 + codes_end[:, None] // 4 + g[None, :],
-                                     mask=gm)
-                        tl.store(out_scales + e * SCALE_EXPERT_STRIDE
-                                 + g[None, :] * SCALE_GROUP_STRIDE
-                                 + out_row[:, None] * SCALE_ROW_STRIDE, sc, mask=gm)
+    ok = True
+    if DEVICE_WAIT:  # the block's offset needs the counts of every source of expert e
+        ok = _wait_parity(signals + e * R, L * R, parity, 1, epoch, 32, R, errors_addr,
+                          timeout_ns, state, peer_ptrs, mask_off, local_base, me, BLOCK_R,
+                          NUM_THREADS, TRANSPORT, FT)
+    if ok:  # after a failed wait nothing is copied and nothing acknowledged
+        sources = tl.arange(0, BLOCK_R)
+        words = tl.load(signals + (parity * L + e) * R + sources, mask=sources < R, other=0)
+        # a source counts only with this call's epoch (one excluded, or late, counts 0)
+        counts = tl.where((words >> 32) >= epoch, words & 0xFFFFFFFF, 0).to(tl.int32)
+        n = tl.sum(tl.where(sources == s, counts, 0), axis=0)
+        first = tl.sum(tl.where(sources < s, counts, 0), axis=0)
+        tl.store(layout + (e * R + s) * 2 + tl.arange(0, 2),
+                 tl.where(tl.arange(0, 2) == 0, first, n))
+        if s == 0:
+            total = tl.sum(counts, axis=0)
+            tl.store(count + e + tl.arange(0, 1), total + tl.zeros([1], tl.int32))
+            if HAS_STATS:
+                old = tl.load(recv_stats + e + tl.arange(0, 1))
+                tl.store(recv_stats + e + tl.arange(0, 1), old + total)
+        block0 = ((parity * L + e) * R + s).to(tl.int64) * TMAX
+        h, hm = channel_tile(0, H, BLOCK_H, EVEN_H)
+        g = tl.arange(0, BLOCK_G)
+        for j0 in range(0, n, BLOCK_T):  # one pass at uniform routing
+            j = j0 + tl.arange(0, BLOCK_T)
+            jm = j < n
+            slot = block0 + j
+            dst = (e * R * TMAX + first + j).to(tl.int64)
+            out_row = (first + j).to(tl.int64)
+            codes_end = slot * SLOT_ELEMS + H
+            # the pass's rows, meta words and scales, loaded before any is stored
+            word = tl.load(meta + slot, mask=jm, other=0)
+            m = jm[:, None] & hm[None, :]
+            tile = tl.load(staging + slot[:, None] * SLOT_ELEMS + h[None, :], mask=m)
+            gm = jm[:, None] & (g < G)[None, :]
+            if FP8:
+                if GLOBAL:
+                    glob = tl.load(staging_f32 + codes_end // 4, mask=jm)
+                if UE8M0:
+                    sc = tl.load(staging + codes_end[:, None] + 4 * GLOBAL + g[None, :],
+                                 mask=gm)
+                else:
+                    sc = tl.load(staging_f32 + codes_end[:, None] // 4 + g[None, :], mask=gm)
+            tl.store(src_info + dst, s * TMAX + word // 32, mask=jm)
+            tl.store(src_k + dst, word % 32, mask=jm)
+            tl.store(out + dst[:, None] * H + h[None, :], tile, mask=m)  # gate: row
+            if FP8:
+                if GLOBAL:
+                    tl.store(out_global + e * R * TMAX + out_row, glob, mask=jm)
+                if UE8M0:
+                    word4 = e * SCALE_EXPERT_STRIDE \
+                        + (g // 4)[None, :] * SCALE_GROUP_STRIDE \
+                        + out_row[:, None] * SCALE_ROW_STRIDE
+                    tl.store(out_scales + word4 * 4 + (g % 4)[None, :], sc, mask=gm)
+                else:
+                    tl.store(out_scales + e * SCALE_EXPERT_STRIDE
+                             + g[None, :] * SCALE_GROUP_STRIDE
+                             + out_row[:, None] * SCALE_ROW_STRIDE, sc, mask=gm)
     if draw_last_of(state + 5, tl.num_programs(0)):  # every block is out: acknowledge
         if not timed_out(errors, NUM_THREADS):
             publish_to_all(peer_ptrs, acks_off + parity * acks_parity_stride, me, epoch, R,
@@ -455,86 +537,90 @@ def ll_combine_send_kernel(
     ZERO_COPY: tl.constexpr,  # y lies in symmetric memory already: put from there, no copy
     FP8: tl.constexpr,  # rows travel as FP8 per 128 channels (kernels.rows; not ZERO_COPY)
     ALIGN: tl.constexpr, EVEN_H: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-    NUM_THREADS: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # rows of a pass over the block (its rows at uniform routing)
+    BLOCK_H: tl.constexpr,  # channels: the whole row (a power of two >= H)
+    BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr,
 ):
+    """One program per (expert ``e``, source ``s``) block of the dispatch's output: its rows
+    go whole, ``BLOCK_T`` at a time, to their slots ``[token, choice]`` on their home rank
+    ``s``."""
+    pid = tl.program_id(0)
+    e = pid // R
+    s = pid % R
+    # what depends on no epoch is read in the round trip of the epoch and acknowledgements
+    first_n = tl.load(layout + (e * R + s) * 2 + tl.arange(0, 2))
+    first = tl.sum(tl.where(tl.arange(0, 2) == 0, first_n, 0), axis=0)
+    n = tl.sum(tl.where(tl.arange(0, 2) == 1, first_n, 0), axis=0)
+    if _excluded(s, True, mask_off, local_base, FT):
+        n = 0
     epoch = tl.load(state + 2) + 1
     parity = epoch % 2
     errors = errors_addr.to(tl.pointer_type(tl.int64))
     ok = True
     if DEVICE_WAIT:  # parity p is free once every home rank acknowledged call epoch - 2
-        acks = local_ptr(local_base, acks_off + parity * acks_parity_stride, tl.int64, 8)
-        ok = _wait_all(acks, 1, epoch - 2, 0, R, errors_addr, timeout_ns, state, peer_ptrs,
-                       mask_off, local_base, me, BLOCK_R, NUM_THREADS, TRANSPORT, FT)
+        acks = local_ptr(local_base, acks_off, tl.int64, 8)
+        ok = _wait_parity(acks, acks_parity_stride // 8, parity, 1, epoch - 2, 0, R,
+                          errors_addr, timeout_ns, state, peer_ptrs, mask_off, local_base, me,
+                          BLOCK_R, NUM_THREADS, TRANSPORT, FT)
     stride = H * y.dtype.element_ty.primitive_bitwidth // 8  # bytes between staging rows
     row_bytes = stride
     if FP8:
         row_bytes = H + 4 * (H // 128)
     to_peers = tl.zeros([1], tl.int64)
     to_self = tl.zeros([1], tl.int64)
-    # persistent: the L x R blocks (expert e, source s) shared by at most num_sms programs
-    for es in range(tl.program_id(0), L * R, tl.num_programs(0)):
-        e = es // R
-        s = es % R
-        n = tl.load(layout + (e * R + s) * 2 + 1)
-        if _excluded(s, True, mask_off, local_base, FT):
-            n = 0
-        if ok:  # after a failed wait nothing is written: the home rank may still read it
-            first = tl.load(layout + (e * R + s) * 2)
-            dst_base = peer_ptr(peer_ptrs, s, rows_off + parity * rows_parity_stride,
-                                y.dtype.element_ty, ALIGN)
-            via = tl.load(peer_ptrs + s + tl.zeros([BLOCK_T], tl.int32)) != 0
-            via_stores = via[:, None]
-            if ZERO_COPY:  # the puts read y where it lies (its offset does not follow the parity)
-                src_off = y_box_off
+    if ok:  # after a failed wait nothing is written: the home rank may still read it
+        dst_base = peer_ptr(peer_ptrs, s, rows_off + parity * rows_parity_stride,
+                            y.dtype.element_ty, ALIGN)
+        via = tl.load(peer_ptrs + s + tl.zeros([BLOCK_T], tl.int32)) != 0
+        if ZERO_COPY:  # the puts read y where it lies (its offset does not follow the parity)
+            src_off = y_box_off
+        else:
+            src_off = outbox_off + parity * outbox_parity_stride
+        box = local_ptr(local_base, src_off, y.dtype.element_ty, ALIGN)
+        h, hm = channel_tile(0, H, BLOCK_H, EVEN_H)
+        for j0 in range(0, n, BLOCK_T):  # one pass at uniform routing
+            j = j0 + tl.arange(0, BLOCK_T)
+            jm = j < n
+            row = (e * R * TMAX + first + j).to(tl.int64)
+            m = jm[:, None] & hm[None, :]
+            # the pass's rows and where they go, loaded before any is stored
+            token = tl.load(src_info + row, mask=jm, other=0) - s * TMAX
+            k = tl.load(src_k + row, mask=jm, other=0)
+            tile = tl.load(y + row[:, None] * H + h[None, :], mask=m)
+            slot = (token * KMAX + k).to(tl.int64)
+            if FP8:
+                store_fp8_partials(tile.to(tl.float32), dst_base.to(tl.pointer_type(
+                                       tl.uint8), bitcast=True) + slot * stride, jm & via,
+                                   box.to(tl.pointer_type(tl.uint8), bitcast=True)
+                                   + row * stride, jm & ~via, 0, h, hm, H, TRANSPORT != 0,
+                                   EVEN_H, BLOCK_T, BLOCK_H)
             else:
-                src_off = outbox_off + parity * outbox_parity_stride
-            box = local_ptr(local_base, src_off, y.dtype.element_ty, ALIGN)
-            for j0 in range(0, n, BLOCK_T):
-                j = j0 + tl.arange(0, BLOCK_T)
-                jm = j < n
-                row = (e * R * TMAX + first + j).to(tl.int64)
-                token = tl.load(src_info + row, mask=jm, other=0) - s * TMAX
-                k = tl.load(src_k + row, mask=jm, other=0)
-                slot = (token * KMAX + k).to(tl.int64)
-                for h0 in range(0, H, BLOCK_H):
-                    h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
-                    m = jm[:, None] & hm[None, :]
-                    tile = tl.load(y + row[:, None] * H + h[None, :], mask=m)
-                    if FP8:
-                        store_fp8_partials(tile.to(tl.float32), dst_base.to(tl.pointer_type(
-                                               tl.uint8), bitcast=True) + slot * stride, jm & via,
-                                           box.to(tl.pointer_type(tl.uint8), bitcast=True)
-                                           + row * stride, jm & ~via, h0, h, hm, H,
-                                           TRANSPORT != 0, EVEN_H, BLOCK_T, BLOCK_H)
-                    else:
-                        tl.store(dst_base + slot[:, None] * H + h[None, :], tile,  # gate: row
-                                 mask=m & via_stores)
-                        if TRANSPORT != 0:
-                            if not ZERO_COPY:
-                                tl.store(box + row[:, None] * H + h[None, :], tile,  # gate: row
-                                         mask=m & ~via_stores)
+                tl.store(dst_base + slot[:, None] * H + h[None, :], tile,  # gate: row
+                         mask=m & via[:, None])
                 if TRANSPORT != 0:
-                    if tl.load(peer_ptrs + s) == 0:  # one put (or descriptor) per row
-                        tl.debug_barrier()
-                        for i in range(BLOCK_T):
-                            if j0 + i < n:
-                                r = (e * R * TMAX + first + j0 + i).to(tl.int64)
-                                tok = tl.load(src_info + r) - s * TMAX
-                                dst = (rows_off + parity * rows_parity_stride
-                                       + (tok * KMAX + tl.load(src_k + r)).to(tl.int64) * stride)
-                                if TRANSPORT == 1:
-                                    put_bytes(local_base, dst, src_off + r * stride, row_bytes, s)
-                                elif one_thread():  # a no-op signal: the epoch follows, fenced
-                                    post_transfer(ring_addr, RING_SLOTS, s, signals_off + parity
-                                                  * signals_parity_stride + me * 8, 0, 1,
-                                                  src_off + r * stride, dst, row_bytes,
-                                                  row_bytes, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                                  errors, timeout_ns)
-            nbytes = n.to(tl.int64) * row_bytes + tl.zeros([1], tl.int64)
-            to_peers += tl.where(s != me, nbytes, 0)
-            to_self += tl.where(s == me, nbytes, 0)
-    if ok:
+                    if not ZERO_COPY:
+                        tl.store(box + row[:, None] * H + h[None, :], tile,  # gate: row
+                                 mask=m & ~via[:, None])
+            if TRANSPORT != 0:
+                if tl.load(peer_ptrs + s) == 0:  # one put (or descriptor) per row
+                    tl.debug_barrier()
+                    for i in range(BLOCK_T):
+                        if j0 + i < n:
+                            r = (e * R * TMAX + first + j0 + i).to(tl.int64)
+                            tok = tl.load(src_info + r) - s * TMAX
+                            dst = (rows_off + parity * rows_parity_stride
+                                   + (tok * KMAX + tl.load(src_k + r)).to(tl.int64) * stride)
+                            if TRANSPORT == 1:
+                                put_bytes(local_base, dst, src_off + r * stride, row_bytes, s)
+                            elif one_thread():  # a no-op signal: the epoch follows, fenced
+                                post_transfer(ring_addr, RING_SLOTS, s, signals_off + parity
+                                              * signals_parity_stride + me * 8, 0, 1,
+                                              src_off + r * stride, dst, row_bytes,
+                                              row_bytes, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                              errors, timeout_ns)
+        nbytes = n.to(tl.int64) * row_bytes + tl.zeros([1], tl.int64)
+        to_peers += tl.where(s != me, nbytes, 0)
+        to_self += tl.where(s == me, nbytes, 0)
         if TRANSPORT == 1:  # this program's puts complete before its ticket
             tl.debug_barrier()
             if one_thread():
@@ -575,49 +661,55 @@ def ll_combine_recv_kernel(
     FT: tl.constexpr,
     FP8: tl.constexpr,  # staging (uint8) holds FP8 rows, ROW_BYTES apart: dequantized here
     ROW_BYTES: tl.int64,  # (a runtime value: no variant per Buffer size)
-    EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    EVEN_H: tl.constexpr,  # every channel tile is full
+    BLOCK_T: tl.constexpr,  # tokens of a program
+    BLOCK_H: tl.constexpr,  # channels of a program (grid axis 1 splits the row)
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr,
 ):
-    """Persistent over the (token tile, channel tile) pairs of the ``T`` tokens: each program
-    sums the tiles ``pid, pid + programs, ...`` (at most ``num_sms`` programs)."""
+    """Program (i, c) sums channel tile c of token tile i: every choice's slot of the tile is
+    loaded at once, then added in choice order."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tm = t < T
+    t64 = t.to(tl.int64)
+    # what depends on no epoch is read in the round trip of the epoch and the signals
+    raw = load_ids(topk_idx, t, tm, K, BLOCK_K)
+    kk = tl.arange(0, BLOCK_K)
+    w = tl.full([BLOCK_T, BLOCK_K], 1.0, tl.float32)
+    if HAS_WEIGHTS:
+        w = tl.load(topk_weights + t64[:, None] * K + kk[None, :],
+                    mask=tm[:, None] & (kk < K)[None, :], other=0.0)
     epoch = tl.load(state + 3) + 1
     parity = epoch % 2
     errors = errors_addr.to(tl.pointer_type(tl.int64))
     ok = True
     if DEVICE_WAIT:  # every expert rank has put its rows
-        ok = _wait_all(signals + parity * R, 1, epoch, 0, R, errors_addr, timeout_ns, state,
-                       peer_ptrs, mask_off, local_base, me, BLOCK_R, NUM_THREADS, TRANSPORT, FT)
+        ok = _wait_parity(signals, R, parity, 1, epoch, 0, R, errors_addr, timeout_ns, state,
+                          peer_ptrs, mask_off, local_base, me, BLOCK_R, NUM_THREADS, TRANSPORT,
+                          FT)
     if ok:  # after a failed wait nothing is read and nothing acknowledged
-        n_h = tl.cdiv(H, BLOCK_H)
-        for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T) * n_h, tl.num_programs(0)):
-            t = (tile // n_h) * BLOCK_T + tl.arange(0, BLOCK_T)
-            tm = t < T
-            t64 = t.to(tl.int64)
-            ids, bad, code, value = checked_ids(topk_idx, t, tm, K, E, BLOCK_K)
-            h0 = (tile % n_h) * BLOCK_H
-            h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
-            acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
-            L = E // R
-            for k in range(K):
-                e = column(ids, k)
-                valid = tm & (e >= 0)
-                # a choice counts only if its expert rank's rows of this call arrived
-                d = tl.where(valid, e // L, 0)
-                valid = valid & (tl.load(signals + parity * R + d, mask=valid, other=0) >= epoch)
-                slot = (parity * TMAX + t64) * KMAX + k
-                if FP8:  # codes times their group's scale (kernels.rows layout)
-                    v = load_fp8_partials(staging + slot * ROW_BYTES, valid, h0, h, hm, H, BLOCK_T,
-                                          BLOCK_H)
-                else:
-                    v = tl.load(staging + slot[:, None] * H + h[None, :],
-                                mask=valid[:, None] & hm[None, :], other=0.0).to(tl.float32)
-                if HAS_WEIGHTS:
-                    v = v * tl.load(topk_weights + t64 * K + k, mask=valid, other=0.0)[:, None]
-                acc += v
-            result = cast_rne(acc, out.dtype.element_ty)
-            tl.store(out + t64[:, None] * H + h[None, :], result,  # gate: row
-                     mask=tm[:, None] & hm[None, :])
-    if draw_last_of(state + 7, tl.num_programs(0)):  # slots read
+        ids = check_ids(raw, E, BLOCK_K)[0]
+        valid = tm[:, None] & (ids >= 0)
+        if FT:  # a choice counts only if its expert rank's rows of this call arrived
+            d = tl.where(valid, ids // (E // R), 0)
+            valid = valid & (tl.load(signals + parity * R + d, mask=valid, other=0) >= epoch)
+        h0 = tl.program_id(1) * BLOCK_H
+        h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
+        acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
+        for k in tl.static_range(BLOCK_K):  # unrolled: every choice's load issued at once
+            vk = column(valid.to(tl.int32), k) != 0
+            slot = (parity * TMAX + t64) * KMAX + k
+            if FP8:  # codes times their group's scale (kernels.rows layout)
+                v = load_fp8_partials(staging + slot * ROW_BYTES, vk, h0, h, hm, H, BLOCK_T,
+                                      BLOCK_H)
+            else:
+                v = tl.load(staging + slot[:, None] * H + h[None, :],
+                            mask=vk[:, None] & hm[None, :], other=0.0).to(tl.float32)
+            # in choice order, each product and each sum rounded to fp32
+            acc += v * tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)[:, None]
+        result = cast_rne(acc, out.dtype.element_ty)
+        tl.store(out + t64[:, None] * H + h[None, :], result,  # gate: row
+                 mask=tm[:, None] & hm[None, :])
+    if draw_last_of(state + 7, tl.num_programs(0) * tl.num_programs(1)):  # slots read
         if not timed_out(errors, NUM_THREADS):
             publish_to_all(peer_ptrs, acks_off + parity * acks_parity_stride, me, epoch, R,
                            local_base, BLOCK_R, TRANSPORT)
@@ -634,8 +726,9 @@ def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, ran
                      slot_bytes: int, fp8: bool, ue8m0: int, num_sms: int | None = None,
                      flavour: Flavour = CPU_RANKS, global_scale=None,
                      bound: BoundLaunches | None = None) -> bool:
-    """Launches ``min(cdiv(max_tokens, block_t), num_sms)`` persistent send programs (the
-    grid depends on the Buffer alone). ``offsets``: rows / meta / signals / acks / outbox ->
+    """Launches one program per tile of ``max_tokens`` (``kernels.tiles.ll_tiles``: the grid
+    depends on the Buffer alone and covers the GPU in one wave; ``num_sms`` is the normal
+    mode's budget, not this mode's). ``offsets``: rows / meta / signals / acks / outbox ->
     (byte offset of parity 0, bytes per parity); ``meta_table`` -> byte offset (the proxy).
     NVFP4 (``ue8m0 == 3``): ``global_scale`` [1] float32. ``bound``: the owner's bound
     launches (``kernels.bound``; the caller's tensors and the token count vary)."""
@@ -644,14 +737,11 @@ def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, ran
     scales = stats if global_scale is None else global_scale
     key = ("ll_dispatch_send", H, K, specs((x, topk_idx, scales)),
            id(peer_ptrs), id(state), id(stats), id(offsets), rank, num_local_experts,
-           num_experts, max_tokens, max_topk, slot_bytes, fp8, ue8m0, num_sms, id(flavour))
+           num_experts, max_tokens, max_topk, slot_bytes, fp8, ue8m0, id(flavour))
     if call_bound(bound, key, (x, scales, topk_idx, T)):
         return True
     R = peer_ptrs.numel()
-    kernel = "ll_dispatch_send_nvfp4" if fp8 and ue8m0 == NVFP4 else "ll_dispatch_send"
-    tile = tiles(kernel, flavour.compiled, H,
-                 sent_elem_bytes(fp8, ue8m0, x.element_size()))
-    programs = persistent_programs(triton.cdiv(max_tokens, tile.block_t), num_sms)
+    tile = ll_tiles("ll_dispatch_send", flavour.compiled, H, x.element_size(), max_tokens)
     args = (x, scales, topk_idx, peer_ptrs, state, stats,
             *offsets["rows"], *offsets["meta"],
             *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)),
@@ -662,13 +752,13 @@ def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, ran
         FP8=fp8, UE8M0=bool(ue8m0), GS=scale_group(ue8m0), FT=flavour.fault_tolerant,
         TRANSPORT=flavour.transport,
         DEVICE_WAIT=flavour.device_wait,
-        EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t, BLOCK_H=tile.block_h,
-        BLOCK_K=triton.next_power_of_2(max(K, 1)),
+        EVEN_H=tile.block_h == H, H32=H % 32 == 0, BLOCK_T=tile.block_t,
+        BLOCK_H=tile.block_h, BLOCK_K=triton.next_power_of_2(max(K, 1)),
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_R=triton.next_power_of_2(R),
         NUM_THREADS=tile.num_threads, BLOCK_P=min(triton.next_power_of_2(max_tokens), 128),
         **flavour.launch_options(tile))
-    launch(bound, key, ll_dispatch_send_kernel, (programs,), args, kwargs,
-           ("x", "global_scale", "topk_idx", "T"))
+    launch(bound, key, ll_dispatch_send_kernel, (triton.cdiv(max_tokens, tile.block_t),), args,
+           kwargs, ("x", "global_scale", "topk_idx", "T"))
     return True
 
 
@@ -681,12 +771,12 @@ def ll_dispatch_recv(staging, meta, signals, peer_ptrs, state, out, out_scales, 
                      scale_strides: tuple, ue8m0: int, flavour: Flavour = CPU_RANKS,
                      out_global=None, num_sms: int | None = None,
                      bound: BoundLaunches | None = None) -> bool:
-    """Launches ``min(L * R, num_sms)`` persistent receive programs over the ``L x R`` blocks
-    (expert, source): the grid depends on the Buffer alone. ``staging``: the ll_dispatch_rows
-    region viewed as uint8 (quantized) or as ``out``'s dtype, [P, L, R, TMAX, slot];
-    ``out_scales`` (given for quantized rows): contiguous scale memory with (expert, row,
-    group) strides ``scale_strides``; NVFP4 (``ue8m0 == 3``): ``out`` [L, R * TMAX, H/2] uint8 and
-    ``out_global`` [L, R * TMAX] float32; ``acks``: (offset, parity stride) of
+    """Launches one receive program per (expert, source) block, ``L * R`` (the grid depends on
+    the Buffer alone; ``num_sms`` is the normal mode's budget, not this mode's). ``staging``:
+    the ll_dispatch_rows region viewed as uint8 (quantized) or as ``out``'s dtype, [P, L, R,
+    TMAX, slot]; ``out_scales`` (given for quantized rows): contiguous scale memory with
+    (expert, row, group) strides ``scale_strides``; NVFP4 (``ue8m0 == 3``): ``out`` [L, R *
+    TMAX, H/2] uint8 and ``out_global`` [L, R * TMAX] float32; ``acks``: (offset, parity stride) of
     ll_acks[DISPATCH]; ``bound``: the owner's bound launches (the outputs vary)."""
     P, L, R, TMAX, slot = staging.shape
     H = out.shape[2]
@@ -705,7 +795,7 @@ def ll_dispatch_recv(staging, meta, signals, peer_ptrs, state, out, out_scales, 
     if call_bound(bound, key, values):
         return True
     groups = (2 * H if nvfp4 else H) // scale_group(ue8m0) if fp8 else 0
-    tile = tiles("ll_dispatch_recv", flavour.compiled, H, out.element_size())
+    tile = ll_tiles("ll_dispatch_recv", flavour.compiled, H, out.element_size(), TMAX)
     args = (values[0], values[1], meta, signals, peer_ptrs, state, *values[2:], *acks,
             flavour.ring_addr, flavour.ring_slots, flavour.mask_off, *flavour.args(), H, R, L,
             rank, TMAX, groups, slot, scale_strides[1], scale_strides[2], scale_strides[0])
@@ -713,12 +803,11 @@ def ll_dispatch_recv(staging, meta, signals, peer_ptrs, state, out, out_scales, 
         FP8=fp8, UE8M0=bool(fp8 and ue8m0), GLOBAL=nvfp4,
         HAS_STATS=recv_stats is not None,
         TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait, FT=flavour.fault_tolerant,
-        EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t, BLOCK_H=tile.block_h,
+        EVEN_H=tile.block_h == H, BLOCK_T=tile.block_t, BLOCK_H=tile.block_h,
         BLOCK_R=triton.next_power_of_2(R),
         BLOCK_G=triton.next_power_of_2(max(groups, 1)),
         NUM_THREADS=tile.num_threads, **flavour.launch_options(tile))
-    launch(bound, key, ll_dispatch_recv_kernel, (persistent_programs(L * R, num_sms),), args,
-           kwargs, _RECV_VARYING)
+    launch(bound, key, ll_dispatch_recv_kernel, (L * R,), args, kwargs, _RECV_VARYING)
     return True
 
 
@@ -726,8 +815,8 @@ def ll_combine_send(y, layout, src_info, src_k, peer_ptrs, state, stats, *, offs
                     rank: int, max_tokens: int, max_topk: int, flavour: Flavour = CPU_RANKS,
                     y_box_offset: int | None = None, fp8: bool = False,
                     num_sms: int | None = None, bound: BoundLaunches | None = None) -> bool:
-    """Launches ``min(L * R, num_sms)`` persistent send programs over the ``L x R`` blocks
-    (expert, source); ``offsets``: rows / signals / acks / outbox ->
+    """Launches one send program per (expert, source) block, ``L * R`` (``num_sms`` is the
+    normal mode's budget, not this mode's); ``offsets``: rows / signals / acks / outbox ->
     (offset, parity stride). ``y_box_offset``: where ``y`` lies in this rank's segment when it
     is symmetric memory already (the NVSHMEM puts read it there: no copy; not with ``fp8``,
     whose rows are quantized into the outbox). ``bound``: the owner's bound launches (the
@@ -741,8 +830,8 @@ def ll_combine_send(y, layout, src_info, src_k, peer_ptrs, state, stats, *, offs
         return True
     L, _, H = y.shape
     R = peer_ptrs.numel()
-    # FP8 quantizes in fp32 (4 bytes a channel: half the tile, no spills)
-    tile = tiles("ll_combine_send", flavour.compiled, H, 4 if fp8 else y.element_size())
+    tile = ll_tiles("ll_combine_send_fp8" if fp8 else "ll_combine_send", flavour.compiled, H,
+                    4 if fp8 else y.element_size(), max_tokens)
     args = (*values[:4], peer_ptrs, state, stats, *offsets["rows"],
             *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)),
             values[4], flavour.ring_addr, flavour.ring_slots,
@@ -750,11 +839,11 @@ def ll_combine_send(y, layout, src_info, src_k, peer_ptrs, state, stats, *, offs
     kwargs = dict(
         TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait, FT=flavour.fault_tolerant,
         ZERO_COPY=zero_copy, FP8=fp8,
-        ALIGN=flavour.row_align, EVEN_H=even(H, tile.block_h), BLOCK_T=tile.block_t,
+        ALIGN=flavour.row_align, EVEN_H=tile.block_h == H, BLOCK_T=tile.block_t,
         BLOCK_H=tile.block_h, BLOCK_R=triton.next_power_of_2(R), NUM_THREADS=tile.num_threads,
         **flavour.launch_options(tile))
-    launch(bound, key, ll_combine_send_kernel, (persistent_programs(L * R, num_sms),), args,
-           kwargs, ("y", "layout", "src_info", "src_k", "y_box_off"))
+    launch(bound, key, ll_combine_send_kernel, (L * R,), args, kwargs,
+           ("y", "layout", "src_info", "src_k", "y_box_off"))
     return True
 
 
@@ -762,8 +851,9 @@ def ll_combine_recv(staging, topk_idx, topk_weights, out, peer_ptrs, state, sign
                     acks: tuple, rank: int, num_experts: int,
                     flavour: Flavour = CPU_RANKS, fp8: bool = False,
                     num_sms: int | None = None, bound: BoundLaunches | None = None) -> bool:
-    """Launches ``min(cdiv(TMAX, block_t) * cdiv(H, block_h), num_sms)`` persistent receive
-    programs (the grid depends on the Buffer alone); ``staging`` [P, TMAX, KMAX, H];
+    """Launches one receive program per (token tile, channel tile) of ``TMAX`` tokens (the grid
+    depends on the Buffer alone; ``num_sms`` is the normal mode's budget, not this mode's);
+    ``staging`` [P, TMAX, KMAX, H];
     ``signals``: the local ll_combine_signals [P, R]; ``fp8``: the rows arrived as FP8;
     ``bound``: the owner's bound launches (the caller's tensors and the token count vary)."""
     P, TMAX, KMAX, H = staging.shape
@@ -779,8 +869,10 @@ def ll_combine_recv(staging, topk_idx, topk_weights, out, peer_ptrs, state, sign
     if call_bound(bound, key, values):
         return True
     R = peer_ptrs.numel()
-    tile = tiles("ll_combine_recv", flavour.compiled, H, 4)  # fp32 sums
-    tiles_ = triton.cdiv(TMAX, tile.block_t) * triton.cdiv(H, tile.block_h)
+    # FP8 codes are dequantized to fp32 in registers: tiles as for 4-byte slots
+    tile = ll_tiles("ll_combine_recv", flavour.compiled, H,
+                    KMAX * (4 if fp8 else staging.element_size()), TMAX)
+    grid = (triton.cdiv(TMAX, tile.block_t), triton.cdiv(H, tile.block_h))
     args = (*values[:4], peer_ptrs, state, *acks, signals, flavour.ring_addr,
             flavour.ring_slots, flavour.mask_off, *flavour.args(), T, H, K, R, num_experts,
             rank, TMAX, KMAX)
@@ -792,6 +884,6 @@ def ll_combine_recv(staging, topk_idx, topk_weights, out, peer_ptrs, state, sign
         BLOCK_R=triton.next_power_of_2(R), NUM_THREADS=tile.num_threads,
         enable_fp_fusion=False,  # each product and sum rounded: the EP-invariant combine's bits
         **flavour.launch_options(tile))
-    launch(bound, key, ll_combine_recv_kernel, (persistent_programs(tiles_, num_sms),), args,
-           kwargs, ("staging", "topk_idx", "topk_weights", "out", "T"))
+    launch(bound, key, ll_combine_recv_kernel, grid, args, kwargs,
+           ("staging", "topk_idx", "topk_weights", "out", "T"))
     return True

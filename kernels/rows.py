@@ -80,12 +80,16 @@ def _bytes_to_f32(p, mask):
 
 
 @triton.jit
-def _packed_tile(h0, H, BLOCK_V: tl.constexpr, EVEN_H: tl.constexpr):
+def _packed_tile(h0, H, BLOCK_V: tl.constexpr, EVEN_H: tl.constexpr, H32: tl.constexpr = False):
     """Bytes ``h0 / 2 ..`` of an NVFP4 row's packed codes and their mask; with ``EVEN_H`` the
-    mask is a constant (a mask that varies along a row stops 16-byte stores)."""
+    mask is a constant (a mask that varies along a row stops 16-byte stores); with ``H32``
+    (``H % 32 == 0``) the row's end is written as a multiple of 16 bytes, so the mask holds
+    still over every 16 bytes (``H // 2`` alone is known to be a multiple of 8)."""
     hv = tl.multiple_of(h0 // 2, BLOCK_V) + tl.arange(0, BLOCK_V)  # h0: a multiple of 2 BLOCK_V
     if EVEN_H:
         hvm = tl.full([BLOCK_V], True, tl.int1)
+    elif H32:
+        hvm = hv < (H // 32) * 16
     else:
         hvm = hv < H // 2
     return hv, hvm
@@ -138,14 +142,14 @@ def load_send_tile(x, x_scales, t64, tm, h0, h, hm, g, H, BLOCK_T: tl.constexpr,
 
 @triton.jit
 def store_rows(row8, h0, h, g, H, codes, scales, exps, rows, hm, UE8M0: tl.constexpr,
-               GS: tl.constexpr = 128, EVEN_H: tl.constexpr = False):
+               GS: tl.constexpr = 128, EVEN_H: tl.constexpr = False, H32: tl.constexpr = False):
     """Stores a channel tile (from ``h0``; channels ``h``, groups ``g``) of quantized token
     rows in the layout of the module docstring: ``row8`` [BLOCK_T] uint8 pointers to each
     row's start, ``rows`` [BLOCK_T] masks tokens, ``hm`` channels (all of them with
-    ``EVEN_H``); groups past H // GS are not stored (FP8 per 128 needs H % 128 == 0, MXFP8
-    H % 32, NVFP4 H % 16)."""
+    ``EVEN_H``; ``H32``: H % 32 == 0, :func:`_packed_tile`); groups past H // GS are not stored
+    (FP8 per 128 needs H % 128 == 0, MXFP8 H % 32, NVFP4 H % 16)."""
     if GS == NVFP4_GS:  # codes [BLOCK_T, BLOCK_H / 2] packed, scales the global per row
-        hv, hvm = _packed_tile(h0, H, codes.shape[1], EVEN_H)
+        hv, hvm = _packed_tile(h0, H, codes.shape[1], EVEN_H, H32)
         tl.store(row8[:, None] + hv[None, :], codes, mask=rows[:, None] & hvm[None, :])  # gate: row
         glob = (row8 + H // 2).to(tl.pointer_type(tl.float32), bitcast=True)
         tl.store(glob, scales, mask=rows & (h0 == 0))  # gate: scales

@@ -161,7 +161,7 @@ class LowLatencyMode:
             from .csrc_kernels import CsrcLowLatencyKernels
 
             self._csrc_kernels = CsrcLowLatencyKernels(
-                self.device, num_sms=self.num_sms or 20, timeout_s=self.timeout_s,
+                self.device, timeout_s=self.timeout_s,
                 nvshmem=self.flavour.transport == 1)
         return self._csrc_kernels
 

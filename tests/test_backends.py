@@ -88,10 +88,11 @@ def test_cpu_buffers_use_the_cpu_flavour_and_validate_knobs():
         moe_comm.Buffer.loopback(2, 128, 4, 8, num_sms=0)
 
 
-def test_persistent_send_grid_covers_every_tile():
-    """num_sms=1: one program walks all token tiles (T=150 is three 64-token tiles), one
-    program walks all 8 (expert, source) blocks of the receive and the combine send, and one
-    all token tiles of the combine receive."""
+def test_low_latency_grids_cover_every_tile():
+    """num_sms=1, the normal mode's budget, which the low-latency grids do not take: T=150 is
+    three 64-token tiles of the send over two 128-token passes of its pair positions (the
+    tile past the first pass counts the pairs of the pass before it once), the 8 (expert,
+    source) blocks a program each, and every token tile of the combine receive."""
     case = Case(2, 8, 128, 4, (150, 70), seed=31)
     xs, idxs, ws = make_inputs(case)
     bufs = moe_comm.Buffer.loopback(2, 128, 8, 150, low_latency=True, num_sms=1)

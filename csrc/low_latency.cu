@@ -45,15 +45,24 @@ constexpr int kMaxTopk = 32;  // meta word = token * 32 + choice
 
 // Warp-collective: for lane k < K holding expert `mine` of pair (t, k), the number of pairs of
 // tokens 0..t-1 that picked the same expert (the pair's position in its (expert, source) block).
+// The ids are read kInFlight chunks of 32 at a time (all loaded before any is compared).
 __device__ int pairs_before(const int64_t* topk_idx, int t, int K, int64_t mine, int lane) {
   int count = 0;
   const int64_t n = static_cast<int64_t>(t) * K;
-  for (int64_t base = 0; base < n; base += kWarpSize) {
-    const int64_t v = base + lane < n ? topk_idx[base + lane] : -2;
+  for (int64_t base = 0; base < n; base += static_cast<int64_t>(kWarpSize) * kInFlight) {
+    int64_t v[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int64_t i = base + static_cast<int64_t>(u) * kWarpSize + lane;
+      v[u] = i < n ? topk_idx[i] : -2;
+    }
     for (int k = 0; k < K; ++k) {
       const int64_t target = __shfl_sync(kFullMask, mine, k);
-      const unsigned hits = __ballot_sync(kFullMask, target >= 0 && v == target);
-      if (lane == k) count += __popc(hits);
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        const unsigned hits = __ballot_sync(kFullMask, target >= 0 && v[u] == target);
+        if (lane == k) count += __popc(hits);
+      }
     }
   }
   return count;
@@ -61,16 +70,33 @@ __device__ int pairs_before(const int64_t* topk_idx, int t, int K, int64_t mine,
 
 // One token's row in its native dtype to every load/store destination of the warp (dsts[k], null
 // for pairs that are invalid or go through NVSHMEM) and, if non-null, to the outbox row.
+// kInFlight units per lane loaded before any is stored.
 template <typename U>
 __device__ void send_row_units(const char* src, int64_t nbytes, char* const* dsts, int K,
                                char* outbox, int lane) {
   const int64_t n = nbytes / static_cast<int64_t>(sizeof(U));
-  for (int64_t i = lane; i < n; i += kWarpSize) {
-    const U v = reinterpret_cast<const U*>(src)[i];
-    for (int k = 0; k < K; ++k) {
-      if (dsts[k] != nullptr) reinterpret_cast<U*>(dsts[k])[i] = v;
+  for (int64_t base = lane; base < n; base += static_cast<int64_t>(kWarpSize) * kInFlight) {
+    U v[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int64_t i = base + static_cast<int64_t>(u) * kWarpSize;
+      if (i < n) v[u] = reinterpret_cast<const U*>(src)[i];
     }
-    if (outbox != nullptr) reinterpret_cast<U*>(outbox)[i] = v;
+    for (int k = 0; k < K; ++k) {
+      if (dsts[k] == nullptr) continue;
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        const int64_t i = base + static_cast<int64_t>(u) * kWarpSize;
+        if (i < n) reinterpret_cast<U*>(dsts[k])[i] = v[u];
+      }
+    }
+    if (outbox != nullptr) {
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        const int64_t i = base + static_cast<int64_t>(u) * kWarpSize;
+        if (i < n) reinterpret_cast<U*>(outbox)[i] = v[u];
+      }
+    }
   }
 }
 
@@ -89,19 +115,28 @@ __device__ void send_row_raw(const char* src, int64_t nbytes, char* const* dsts,
   }
 }
 
-// One token's row quantized once (warp per group of 128) and stored to every destination.
+// One token's row quantized once (warp per group of 128) and stored to every destination;
+// kInFlight groups loaded before any is quantized.
 __device__ void send_row_fp8(const char* src, int32_t x_dtype, int H, bool ue8m0,
                              char* const* dsts, int K, char* outbox, int lane) {
   const int G = H / kGroup;
-  for (int g = 0; g < G; ++g) {
-    const int h = g * kGroup + lane * 4;
-    float v[4];
-    load4_as_float(src, x_dtype, h, v);
-    const QuantGroup q = quantize_group(v, ue8m0);
-    for (int k = 0; k < K; ++k) {
-      if (dsts[k] != nullptr) store_group(dsts[k], H, g, h, q, ue8m0, lane);
+  for (int g0 = 0; g0 < G; g0 += kInFlight) {
+    float v[kInFlight][4];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      if (g0 + u < G) load4_as_float(src, x_dtype, (g0 + u) * kGroup + lane * 4, v[u]);
     }
-    if (outbox != nullptr) store_group(outbox, H, g, h, q, ue8m0, lane);
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int g = g0 + u;
+      if (g >= G) break;
+      const int h = g * kGroup + lane * 4;
+      const QuantGroup q = quantize_group(v[u], ue8m0);
+      for (int k = 0; k < K; ++k) {
+        if (dsts[k] != nullptr) store_group(dsts[k], H, g, h, q, ue8m0, lane);
+      }
+      if (outbox != nullptr) store_group(outbox, H, g, h, q, ue8m0, lane);
+    }
   }
 }
 
@@ -223,7 +258,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_send(
 // Dispatch receive: item (e, s) waits for expert e's signals, copies source s's block to the
 // compact expert-major output (sources in rank order, tokens in order) and records where each row
 // came from; the last block acknowledges the parity to every source.
-extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_recv(
+extern "C" __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(
     const char* staging,          // [P, L, R, TMAX, S] local ll_dispatch_rows
     const int32_t* meta,          // [P, L, R, TMAX] int32 local ll_dispatch_meta
     const int64_t* signals,       // [P, L, R] int64 local ll_dispatch_signals
@@ -320,7 +355,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_recv(
 // =============================================================================================
 // Combine send: each received row goes back to its home rank's slot [token, choice]; the last
 // block publishes the epoch to every rank. Bytes: rows * H * b + 8 per rank.
-extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_send(
+extern "C" __global__ void __launch_bounds__(kThreads, 2) ll_combine_send(
     const char* y,                // [L, R * TMAX, H] expert outputs, rows as the dispatch output
     const int32_t* layout,        // [L, R, 2] int32: (first row, rows) per source block
     const int32_t* src_info,      // [L, R * TMAX] int32: source rank * TMAX + source token
@@ -438,28 +473,49 @@ __device__ __forceinline__ void store_channels(char* p, int32_t dtype, const flo
 
 // Warp-collective, one token: out[t, h] = sum over valid k of w[t, k] * slot[t, k, h] in fp32, in
 // choice order, multiply and add each rounded (as moe_comm.reference computes it), rounded to the
-// row dtype at the end. Lane k < K holds choice k's expert and weight.
+// row dtype at the end. Lane k < K holds choice k's expert and weight. kChoices choices' slots
+// are loaded before any is added (a token's top-8 in one round trip per channel chunk).
+constexpr int kChoices = 8;
+
 template <int V>
 __device__ void combine_token(const char* staging, const int64_t* topk_idx,
                               const float* topk_weights, char* out, int64_t t, int H, int K,
-                              int64_t parity, int TMAX, int KMAX, int32_t dtype, int lane) {
+                              int64_t parity, int TMAX, int KMAX, int32_t dtype, int lane,
+                              int warp) {
   const int64_t b = dtype_bytes(dtype);
   const int64_t e_mine = lane < K ? topk_idx[t * K + lane] : -1;
   const float w_mine =
       lane < K && topk_weights != nullptr && e_mine >= 0 ? topk_weights[t * K + lane] : 0.0f;
-  for (int64_t h0 = 0; h0 < H; h0 += static_cast<int64_t>(kWarpSize) * V) {
+  // the block's warps split the row: warp w takes chunks w, w + kWarps, ... of 32 x V channels
+  for (int64_t h0 = static_cast<int64_t>(warp) * kWarpSize * V; h0 < H;
+       h0 += static_cast<int64_t>(kWarps) * kWarpSize * V) {
     const int64_t h = h0 + static_cast<int64_t>(lane) * V;
-    float acc[V], v[V];
+    float acc[V];
 #pragma unroll
     for (int i = 0; i < V; ++i) acc[i] = 0.0f;
-    for (int k = 0; k < K; ++k) {
-      const int64_t e = __shfl_sync(kFullMask, e_mine, k);
-      const float w = __shfl_sync(kFullMask, w_mine, k);
-      if (e < 0 || h >= H) continue;
-      load_channels<V>(staging + (((parity * TMAX + t) * KMAX + k) * H + h) * b, dtype, v);
+    for (int k0 = 0; k0 < K; k0 += kChoices) {
+      float v[kChoices][V];
+      float w[kChoices];
+      bool valid[kChoices];
 #pragma unroll
-      for (int i = 0; i < V; ++i) {
-        acc[i] = __fadd_rn(acc[i], topk_weights != nullptr ? __fmul_rn(v[i], w) : v[i]);
+      for (int u = 0; u < kChoices; ++u) {
+        const int k = k0 + u;
+        const int64_t e = __shfl_sync(kFullMask, e_mine, k < K ? k : 0);
+        w[u] = __shfl_sync(kFullMask, w_mine, k < K ? k : 0);
+        valid[u] = k < K && e >= 0 && h < H;
+        if (valid[u]) {
+          load_channels<V>(staging + (((parity * TMAX + t) * KMAX + k) * H + h) * b, dtype,
+                           v[u]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kChoices; ++u) {
+        if (!valid[u]) continue;
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          acc[i] = __fadd_rn(acc[i], topk_weights != nullptr ? __fmul_rn(v[u][i], w[u])
+                                                             : v[u][i]);
+        }
       }
     }
     if (h < H) store_channels<V>(out + (t * H + h) * b, dtype, acc);
@@ -490,16 +546,16 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_recv(
   const int b = dtype_bytes(dtype);
   const bool wide = (static_cast<int64_t>(H) * b) % 16 == 0 &&
                     (reinterpret_cast<uint64_t>(out) | reinterpret_cast<uint64_t>(staging)) % 16 == 0;
-  for (int64_t t = blockIdx.x * kWarps + warp; ok && t < T; t += gridDim.x * kWarps) {
+  for (int64_t t = blockIdx.x; ok && t < T; t += gridDim.x) {  // a block per token
     if (wide && b == 2) {
       combine_token<8>(staging, topk_idx, topk_weights, out, t, H, K, parity, TMAX, KMAX, dtype,
-                       lane);
+                       lane, warp);
     } else if (wide && b == 4) {
       combine_token<4>(staging, topk_idx, topk_weights, out, t, H, K, parity, TMAX, KMAX, dtype,
-                       lane);
+                       lane, warp);
     } else {
       combine_token<1>(staging, topk_idx, topk_weights, out, t, H, K, parity, TMAX, KMAX, dtype,
-                       lane);
+                       lane, warp);
     }
   }
   bool any_failed = false;

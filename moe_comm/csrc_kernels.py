@@ -15,7 +15,7 @@ same names, positional arguments and keywords, plus what the CUDA kernels need o
   :func:`raise_if_timed_out`; ``pes``: int32 [R] NVSHMEM PE of each rank (None: PE = rank).
 
 ``block_t`` / ``block_h`` are accepted and ignored (the CUDA kernels use one warp per token or
-row). Grids are persistent and depend only on the Buffer's sizes and ``num_sms``.
+row). Grids cover the work (``launch_grids``) and depend only on the Buffer's sizes.
 
 The module is loaded with ``cuda.core`` (always present next to nvshmem4py) or ``cupy``
 (``loader="cupy"``), both imported lazily; with ``nvshmem=True`` it is initialised for NVSHMEM
@@ -38,7 +38,6 @@ WARPS_PER_BLOCK = THREADS // 32
 MAX_GRID = 2047  # csrc/common.cuh kMaxGrid (the ticket field's width)
 MAX_TOPK = 32  # meta word = token * 32 + choice
 MAX_DYNAMIC_SMEM_BYTES = 48 * 1024
-DEFAULT_NUM_SMS = 20
 DEFAULT_TIMEOUT_S = 120.0
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float64: 3}
 
@@ -108,20 +107,18 @@ def pack_args(kernel: str, **values) -> list:
     return packed
 
 
-def launch_grids(*, num_sms: int, world_size: int, num_local_experts: int, max_tokens: int
+def launch_grids(*, world_size: int, num_local_experts: int, max_tokens: int
                  ) -> dict[str, int]:
-    """Blocks per launch of each kernel (fixed by the Buffer's sizes: CUDA-graph safe)."""
+    """Blocks per launch of each kernel (fixed by the Buffer's sizes: CUDA-graph safe): as many
+    as the work has, up to ``MAX_GRID`` (the kernels loop past it): a warp per token of the
+    send, a block per (local expert, source) of the receive and the combine send, a block per
+    token of the combine receive (its warps split the row). The low-latency pair takes the
+    whole GPU, as DeepEP's does (``num_sms`` is the normal mode's budget, not this mode's)."""
     items = num_local_experts * world_size  # (local expert, source) blocks
-    grids = {
-        "ll_dispatch_send": num_sms,
-        "ll_dispatch_recv": min(num_sms, items),
-        "ll_combine_send": min(num_sms, items),
-        "ll_combine_recv": min(num_sms, max(1, math.ceil(max_tokens / WARPS_PER_BLOCK))),
-    }
-    for name, g in grids.items():
-        if not 1 <= g <= MAX_GRID:
-            raise ValueError(f"{name}: grid of {g} blocks; num_sms must be in [1, {MAX_GRID}]")
-    return grids
+    warps = max(1, math.ceil(max_tokens / WARPS_PER_BLOCK))
+    return {"ll_dispatch_send": min(warps, MAX_GRID), "ll_dispatch_recv": min(items, MAX_GRID),
+            "ll_combine_send": min(items, MAX_GRID),
+            "ll_combine_recv": min(max(1, max_tokens), MAX_GRID)}
 
 
 def new_error_record(device: torch.device | str) -> torch.Tensor:
@@ -269,24 +266,20 @@ def _load_module(index: int, loader: str):
 class CsrcLowLatencyKernels:
     """The csrc/ kernels of one device, launched like ``moe_comm.kernels.low_latency``'s.
 
-    ``num_sms``: blocks of the persistent send grids (and the cap of the receive grids);
     ``timeout_s``: bound of every in-kernel wait; ``nvshmem``: initialise the module for NVSHMEM
     (some peer is reached through NVSHMEM); ``module``: an already loaded module (tests pass a
     fake with ``launch(name, grid, block, shared_bytes, args, stream)``).
     """
 
-    def __init__(self, device: torch.device | str, *, num_sms: int = DEFAULT_NUM_SMS,
+    def __init__(self, device: torch.device | str, *,
                  timeout_s: float = DEFAULT_TIMEOUT_S, nvshmem: bool = False,
                  loader: str = "auto", module=None):
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        if isinstance(num_sms, bool) or not isinstance(num_sms, int) or \
-                not 1 <= num_sms <= MAX_GRID:
-            raise ValueError(f"num_sms must be an int in [1, {MAX_GRID}], got {num_sms!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        self.num_sms, self.timeout_s = num_sms, float(timeout_s)
+        self.timeout_s = float(timeout_s)
         if module is None:
             if self.device.type != "cuda":
                 raise RuntimeError(f"the csrc kernels run on CUDA devices, got {self.device}")
@@ -352,8 +345,8 @@ class CsrcLowLatencyKernels:
         return True
 
     def grids(self, world_size: int, num_local_experts: int, max_tokens: int) -> dict[str, int]:
-        return launch_grids(num_sms=self.num_sms, world_size=world_size,
-                            num_local_experts=num_local_experts, max_tokens=max_tokens)
+        return launch_grids(world_size=world_size, num_local_experts=num_local_experts,
+                            max_tokens=max_tokens)
 
     # ------------------------------------------------------------------ the four launchers
     def ll_dispatch_send(self, x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, rank: int,

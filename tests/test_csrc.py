@@ -384,14 +384,18 @@ def test_pack_args_orders_types_and_checks():
         csrc_kernels.pack_args("ll_combine_recv", **{**values, "K": 1.5})
 
 
-def test_grids_are_persistent_and_bounded():
-    g = csrc_kernels.launch_grids(num_sms=24, world_size=8, num_local_experts=32, max_tokens=128)
-    assert g == {"ll_dispatch_send": 24, "ll_dispatch_recv": 24, "ll_combine_send": 24,
-                 "ll_combine_recv": 16}
-    g = csrc_kernels.launch_grids(num_sms=24, world_size=2, num_local_experts=1, max_tokens=3)
-    assert g["ll_dispatch_recv"] == 2 and g["ll_combine_recv"] == 1
-    with pytest.raises(ValueError, match="num_sms"):
-        csrc_kernels.launch_grids(num_sms=5000, world_size=2, num_local_experts=1, max_tokens=3)
+def test_grids_cover_the_work_up_to_the_ticket_field():
+    """A warp per token of the send, a block per (expert, source) of the receive and the
+    combine send, a block per token of the combine receive; past MAX_GRID blocks the kernels
+    loop."""
+    g = csrc_kernels.launch_grids(world_size=8, num_local_experts=32, max_tokens=128)
+    assert g == {"ll_dispatch_send": 16, "ll_dispatch_recv": 256, "ll_combine_send": 256,
+                 "ll_combine_recv": 128}
+    g = csrc_kernels.launch_grids(world_size=2, num_local_experts=1, max_tokens=3)
+    assert g == {"ll_dispatch_send": 1, "ll_dispatch_recv": 2, "ll_combine_send": 2,
+                 "ll_combine_recv": 3}
+    g = csrc_kernels.launch_grids(world_size=64, num_local_experts=64, max_tokens=4096)
+    assert g["ll_dispatch_recv"] == csrc_kernels.MAX_GRID and g["ll_dispatch_send"] == 512
 
 
 def test_error_record_raises_peer_timeout():
@@ -428,7 +432,7 @@ def test_launcher_passes_what_the_buffer_would_pass():
     bufs = moe_comm.Buffer.loopback(R, H, E, T, torch.bfloat16, low_latency=True, max_topk=K)
     buf, lay = bufs[1], bufs[1].layout
     fake = FakeModule()
-    kernels = csrc_kernels.CsrcLowLatencyKernels("cpu", num_sms=3, timeout_s=0.5, module=fake)
+    kernels = csrc_kernels.CsrcLowLatencyKernels("cpu", timeout_s=0.5, module=fake)
     xs, idxs, ws = make_inputs(Case(R, E, H, K, (T, 4), seed=3))
 
     def offs(name):
@@ -446,7 +450,7 @@ def test_launcher_passes_what_the_buffer_would_pass():
         fp8=True, ue8m0=True, acks=acks(DISPATCH), outbox_offset=12345, error=error,
         block_t=64, block_h=256)
     name, grid, block, shared, a = _decode(fake.calls[-1])
-    assert (name, grid, block, shared) == ("ll_dispatch_send", 3, 256, 4 * E)
+    assert (name, grid, block, shared) == ("ll_dispatch_send", 1, 256, 4 * E)
     assert (a["T"], a["H"], a["K"], a["R"], a["L"], a["E"], a["me"], a["TMAX"]) == \
         (4, H, K, R, 2, E, 1, T)
     assert (a["rows_off"], a["rows_parity_stride"]) == offs("ll_dispatch_rows")
@@ -469,7 +473,7 @@ def test_launcher_passes_what_the_buffer_would_pass():
         scales, count, src_info, src_k, layout, stats, acks=acks(DISPATCH), rank=1,
         scale_strides=(rows, 1, 1), ue8m0=True)
     name, grid, _, shared, a = _decode(fake.calls[-1])
-    assert (name, grid, shared) == ("ll_dispatch_recv", 3, 4 * R)
+    assert (name, grid, shared) == ("ll_dispatch_recv", 2 * R, 4 * R)
     assert a["slot_bytes"] == lay.ll_slot_bytes and a["row_bytes"] == H and a["fp8"] == 1
     assert (a["scale_expert_stride"], a["scale_row_stride"], a["scale_group_stride"]) == \
         (rows, 1, 1)
@@ -482,7 +486,8 @@ def test_launcher_passes_what_the_buffer_would_pass():
         offsets={"rows": offs("ll_combine_rows"), "signals": offs("ll_combine_signals")},
         rank=1, max_tokens=T, max_topk=K, acks=acks(COMBINE), outbox_offset=777)
     name, grid, _, shared, a = _decode(fake.calls[-1])
-    assert (name, grid, shared, a["row_bytes"], a["KMAX"]) == ("ll_combine_send", 3, 0, 2 * H, K)
+    assert (name, grid, shared, a["row_bytes"], a["KMAX"]) == ("ll_combine_send", 2 * R, 0,
+                                                                 2 * H, K)
     assert (a["acks_off"], a["acks_parity_stride"]) == acks(COMBINE) and a["outbox_off"] == 777
 
     out2 = torch.empty((4, H), dtype=torch.bfloat16)
@@ -491,10 +496,10 @@ def test_launcher_passes_what_the_buffer_would_pass():
         buf._ll_state, acks=acks(COMBINE), rank=1,
         signals=lay.view(buf.heap, "ll_combine_signals"))
     name, grid, _, _, a = _decode(fake.calls[-1])
-    assert (name, grid, a["T"], a["K"], a["KMAX"], a["dtype"]) == ("ll_combine_recv", 1, 4, K,
+    assert (name, grid, a["T"], a["K"], a["KMAX"], a["dtype"]) == ("ll_combine_recv", T, 4, K,
                                                                    K, 0)
-    assert [c[:2] for c in fake.calls] == [("ll_dispatch_send", 3), ("ll_dispatch_recv", 3),
-                                           ("ll_combine_send", 3), ("ll_combine_recv", 1)]
+    assert [c[:2] for c in fake.calls] == [("ll_dispatch_send", 1), ("ll_dispatch_recv", 2 * R),
+                                           ("ll_combine_send", 2 * R), ("ll_combine_recv", T)]
     assert kernels.launches == {name: 1 for name in KERNELS}
 
 
@@ -567,8 +572,6 @@ def test_launcher_rejects_bad_calls_before_launching():
                                 buf.heap.peer_ptrs, buf._ll_state, acks=(0, 16), rank=0,
                                 signals=lay.view(buf.heap, "ll_combine_signals"))
     assert fake.calls == []
-    with pytest.raises(ValueError, match="num_sms"):
-        csrc_kernels.CsrcLowLatencyKernels("cpu", num_sms=0, module=fake)
     with pytest.raises(RuntimeError, match="CUDA devices"):
         csrc_kernels.CsrcLowLatencyKernels("cpu")
 
@@ -708,7 +711,7 @@ def test_gpu_csrc_kernels_match_reference(case, fp8, ue8m0, col_major):
     R, T = case.world_size, case.max_tokens
     bufs = moe_comm.Buffer.loopback(R, case.hidden, case.num_experts, T, case.dtype,
                                     low_latency=True, device="cuda")
-    kernels = csrc_kernels.CsrcLowLatencyKernels("cuda", num_sms=8, timeout_s=10)
+    kernels = csrc_kernels.CsrcLowLatencyKernels("cuda", timeout_s=10)
     b = torch.empty((), dtype=case.dtype).element_size()
     stats = [[0] * 4 for _ in bufs]
     for it in range(iterations):
@@ -738,7 +741,7 @@ def test_gpu_receive_without_sender_times_out_and_returns():
     bufs = moe_comm.Buffer.loopback(2, 128, 4, 4, torch.bfloat16, low_latency=True,
                                     device="cuda")
     buf, lay = bufs[0], bufs[0].layout
-    kernels = csrc_kernels.CsrcLowLatencyKernels("cuda", num_sms=4, timeout_s=0.05)
+    kernels = csrc_kernels.CsrcLowLatencyKernels("cuda", timeout_s=0.05)
     error = csrc_kernels.new_error_record("cuda")
     first = lay.offset("ll_acks", COMBINE, 0)
     kernels.ll_combine_recv(
@@ -932,18 +935,22 @@ def test_gpu_cuda_graph_replays_the_low_latency_pair():
             assert torch.equal(outs[r].cpu(), ref[r]), (it, r)
 
 
-def test_kernel_impl_auto_takes_the_faster_of_the_last_gpu_run():
+def test_kernel_impl_auto_takes_the_faster_of_the_last_gpu_run(monkeypatch):
     """``kernel_impl="auto"`` (the default): on a GPU the low-latency ops take the faster
-    implementation of the last measured run (``FASTER_ON_GPU``: csrc/) where csrc/ can serve
-    the Buffer and its cubin loads; everything else runs the Triton kernels."""
-    from moe_comm.buffer import FASTER_ON_GPU, check_kernel_impl
+    implementation of the last measured run (``FASTER_ON_GPU``: Triton since 2026-12-04); where
+    that is csrc/, csrc/ where it can serve the Buffer and its cubin loads; everything else
+    runs the Triton kernels."""
+    from moe_comm import buffer
+    from moe_comm.buffer import check_kernel_impl
 
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
 
     def loads(device):
         return True
 
-    assert FASTER_ON_GPU == {"low_latency": "cuda", "normal": "triton"}
+    assert buffer.FASTER_ON_GPU == {"low_latency": "triton", "normal": "triton"}
+    assert check_kernel_impl("auto", gpu, True, csrc_loads=loads) == "triton"
+    monkeypatch.setitem(buffer.FASTER_ON_GPU, "low_latency", "cuda")  # a run where csrc/ wins
     assert check_kernel_impl("auto", cpu, True, csrc_loads=loads) == "triton"
     assert check_kernel_impl("auto", gpu, False, csrc_loads=loads) == "triton"  # normal mode
     assert check_kernel_impl("auto", gpu, True, csrc_loads=loads) == "cuda"

@@ -158,6 +158,16 @@ def measure(label, op, bufs, key, iters, warmup, ceiling):
     return row
 
 
+def write_kernel_times(path: str, rows: list[dict], device: str) -> None:
+    """One line per (op, kernel) the profiler saw: device us per call, all ranks, and the
+    launches per call (bench/fit_model.py reads them)."""
+    with open(path, "w") as f:
+        f.write("device\top\tkernel\tdevice_us_per_call\tlaunches_per_call\n")
+        for row in rows:
+            for kernel, (ms, launches) in sorted(row.get("kernels", {}).items()):
+                f.write(f"{device}\t{row['op']}\t{kernel}\t{ms * 1e3:.3f}\t{launches:g}\n")
+
+
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -524,6 +534,9 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default="")
+    parser.add_argument("--kernels-tsv", default="",
+                        help="each op's kernels, device us per call (all ranks) and launches "
+                             "per call: what bench/fit_model.py fits the gate's constants to")
     parser.add_argument("--sms-sweep", type=int, nargs="+", default=[],
                         help="only the bf16 normal mode, once per SM count of the persistent "
                              "send grids (Buffer num_sms), and no low-latency rows")
@@ -555,6 +568,8 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(table + "\n")
+    if args.kernels_tsv:
+        write_kernel_times(args.kernels_tsv, rows, device)
     if failures:
         print(f"\nFAILED ({len(failures)}):", *failures, sep="\n  ")
         return 1

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One prepared check for a single lent GPU (a 15-minute window, 10 minutes per command): the
-# versions and device facts, every kernel variant compiled ahead (in parallel, timed), ranks as
-# processes sharing the GPU (tests/test_gpu_processes.py: the cuda heap, NVSHMEM puts, the
-# proxy's GPU half), the virtual-rank GPU tests, each with its own time limit, then the checked
-# dispatch/combine table of bench/gpu_bench.py. The whole script ends within
-# GPU_CHECK_BUDGET_S (default 470 s, under 8 minutes); a phase that would overrun gets a shorter
+# versions and device facts, every kernel variant compiled ahead (in parallel, timed), the
+# csrc/ kernels' GPU tests, ranks as processes sharing the GPU (tests/test_gpu_processes.py:
+# the proxy's GPU half, NVSHMEM puts, the cuda heap), the checked dispatch/combine table of
+# bench/gpu_bench.py with each kernel's device time and the gate's model fitted to it
+# (bench/fit_model.py), then the virtual-rank GPU tests, each with its own time limit. The whole
+# script ends within GPU_CHECK_BUDGET_S (default 470 s, under 8 minutes); a phase that would overrun gets a shorter
 # limit or is skipped, and said so. Nothing stops it early: every failure is reported, the
 # summary lists each phase with its time and status, and the exit status is 1 if anything
 # failed. Everything goes to $OUT (default bench/results/gpu); copy the table into docs/PERF.md
@@ -60,7 +61,7 @@ cat <<EOF
    gate of this tree records about 230 variants per arch at ~0.4 s of compiling each, the
    NVSHMEM-linked ones a few seconds: roughly 230 x 0.4 / ${JOBS} + recording and worker start,
    30-90 s), the csrc/ cubin for sm_${ARCH} alongside (nvcc, 30-90 s when not cached);
-   then the GPU tests (limit ${TEST_TIMEOUT_S}s each) and the benchmark (~1-2 min).
+   then the GPU tests (limit ${TEST_TIMEOUT_S}s each) with the benchmark (~1-2 min).
 EOF
 
 # ---------------------------------------------------------------------------- install
@@ -147,7 +148,7 @@ else
            variants: ${NVSHMEM_ROWS:-none} (see gpu_gate.txt, gpu_gate.tsv)"
 fi
 # not a failure by itself: the kernel_impl='cuda' tests report what it means
-SUMMARY+=("$(printf '%-8s %5s  %s' csrc '' "$(head -1 "$OUT/csrc_build.txt")")")
+SUMMARY+=("$(printf '%-8s %5s  %s' cubin '' "$(head -1 "$OUT/csrc_build.txt")")")
 
 # ---------------------------------------------------------------------------- processes
 # one process per rank sharing the GPU (no MPS: their kernels take turns, so what it prints are
@@ -174,65 +175,88 @@ procs_phase() {  # procs_phase NAME CAP RESERVE -k EXPRESSION
   else done_phase "$1" "$start" \
     "FAIL (rc $rc$([[ $rc == 124 ]] && echo ': time limit')): $P of $N passed"; fi
 }
-procs_phase procs 150 220 -k "not nvshmem and not proxy"
-procs_phase nvshmem 80 180 -k nvshmem
-procs_phase proxy 100 150 -k proxy
 
 # ---------------------------------------------------------------------------- GPU tests
-start=$SECONDS
-T=$(limit 250 100)
-(( T < 30 )) && T=30
-note "GPU tests (limit ${TEST_TIMEOUT_S}s each, ${T}s in all)"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
-timeout 120 "$PY" -m pytest --collect-only -q -p no:cacheprovider -m gpu tests/test_gpu.py \
-  tests/test_csrc.py > "$OUT/gpu_collect.txt" 2>&1
-grep "::" "$OUT/gpu_collect.txt" > "$OUT/gpu_test_ids.txt"
-COLLECTED=$(wc -l < "$OUT/gpu_test_ids.txt")
-echo "$COLLECTED tests collected; $(tail -1 "$OUT/gpu_collect.txt")"
-(( COLLECTED )) || tail -30 "$OUT/gpu_collect.txt"
-: > "$OUT/gpu_tests.log"
-if "$PY" -c "import pytest_timeout" 2>/dev/null; then
-  timeout "$T" "$PY" -m pytest -v -p no:cacheprovider -o console_output_style=classic \
-    --timeout="$TEST_TIMEOUT_S" -rfEs --tb=short -m gpu tests/test_gpu.py tests/test_csrc.py \
-    >> "$OUT/gpu_tests.log" 2>&1
-  echo "pytest exit status $? after $((SECONDS - start)) s" >> "$OUT/gpu_tests.log"
-else
-  echo "pytest-timeout is not installed: one process per test" | tee -a "$OUT/gpu_tests.log"
-fi
-# tests without a result (no pytest-timeout, or pytest killed): one process each, while time is
-# left (the benchmark keeps its reserve)
-"$PY" bench/gpu_prepare.py results --ids "$OUT/gpu_test_ids.txt" --log "$OUT/gpu_tests.log" \
-  --out "$OUT/gpu_tests.txt" > "$OUT/gpu_tests_missing.txt"
-while read -r id; do
-  t=$(limit "$TEST_TIMEOUT_S" 100)
-  if (( t < 20 )); then echo "out of time: $id not run" | tee -a "$OUT/gpu_tests.log"; continue; fi
-  timeout "$t" "$PY" -m pytest -v -p no:cacheprovider -o console_output_style=classic -rfEs \
-    --tb=short "$id" >> "$OUT/gpu_tests.log" 2>&1 < /dev/null
-  rc=$?
-  (( rc == 124 )) && echo "$id FAILED (killed after ${t}s)" >> "$OUT/gpu_tests.log"
-done < "$OUT/gpu_tests_missing.txt"
-"$PY" bench/gpu_prepare.py results --ids "$OUT/gpu_test_ids.txt" --log "$OUT/gpu_tests.log" \
-  --out "$OUT/gpu_tests.txt" > /dev/null
-TESTS_RC=$?
-grep -E "^(FAILED|ERROR|SKIPPED)|^E  |Timeout" "$OUT/gpu_tests.log" | head -40
-cat "$OUT/gpu_tests.txt"
-echo "Triton cache now $(cache_entries) entries (new ones were compiled by the tests themselves)"
-if (( COLLECTED == 0 )); then done_phase tests "$start" "FAIL: no test collected"
-elif [[ $TESTS_RC == 0 ]]; then done_phase tests "$start" "ok: $(tail -1 "$OUT/gpu_tests.txt")"
-else done_phase tests "$start" "FAIL: $(tail -1 "$OUT/gpu_tests.txt")"; fi
-
-# ---------------------------------------------------------------------------- benchmark
+tests_phase() {  # tests_phase NAME CAP RESERVE FILE...: the virtual-rank GPU tests of FILEs
+  local name=$1 start=$SECONDS reserve=$3 T t rc id tag=$OUT/gpu_tests_$1 collected tests_rc
+  T=$(limit "$2" "$reserve")
+  (( T < 30 )) && T=30
+  shift 3
+  note "GPU tests: $name (limit ${TEST_TIMEOUT_S}s each, ${T}s in all)"
+  timeout 120 "$PY" -m pytest --collect-only -q -p no:cacheprovider -m gpu "$@" \
+    > "$tag.collect" 2>&1
+  grep "::" "$tag.collect" > "$tag.ids"
+  collected=$(wc -l < "$tag.ids")
+  echo "$collected tests collected; $(tail -1 "$tag.collect")"
+  (( collected )) || tail -30 "$tag.collect"
+  : > "$tag.log"
+  if "$PY" -c "import pytest_timeout" 2>/dev/null; then
+    timeout "$T" "$PY" -m pytest -v -p no:cacheprovider -o console_output_style=classic \
+      --timeout="$TEST_TIMEOUT_S" -rfEs --tb=short -m gpu "$@" >> "$tag.log" 2>&1
+    echo "pytest exit status $? after $((SECONDS - start)) s" >> "$tag.log"
+  else
+    echo "pytest-timeout is not installed: one process per test" | tee -a "$tag.log"
+  fi
+  # tests without a result (no pytest-timeout, or pytest killed): one process each, while time
+  # is left (the phases after it keep their reserve)
+  "$PY" bench/gpu_prepare.py results --ids "$tag.ids" --log "$tag.log" --out "$tag.txt" \
+    > "$tag.missing"
+  while read -r id; do
+    t=$(limit "$TEST_TIMEOUT_S" "$reserve")
+    if (( t < 20 )); then echo "out of time: $id not run" | tee -a "$tag.log"; continue; fi
+    timeout "$t" "$PY" -m pytest -v -p no:cacheprovider -o console_output_style=classic -rfEs \
+      --tb=short "$id" >> "$tag.log" 2>&1 < /dev/null
+    rc=$?
+    (( rc == 124 )) && echo "$id FAILED (killed after ${t}s)" >> "$tag.log"
+  done < "$tag.missing"
+  "$PY" bench/gpu_prepare.py results --ids "$tag.ids" --log "$tag.log" --out "$tag.txt" \
+    > /dev/null
+  tests_rc=$?
+  grep -E "^(FAILED|ERROR|SKIPPED)|^E  |Timeout" "$tag.log" | head -40
+  cat "$tag.txt"
+  if (( collected == 0 )); then done_phase "$name" "$start" "FAIL: no test collected"
+  elif [[ $tests_rc == 0 ]]; then done_phase "$name" "$start" "ok: $(tail -1 "$tag.txt")"
+  else done_phase "$name" "$start" "FAIL: $(tail -1 "$tag.txt")"; fi
+}
+# first what failed or was not reached on the last runs: the csrc/ kernels' GPU tests, the
+# proxy's GPU half, NVSHMEM puts, the cuda heap (warm-up after real calls); then the benchmark
+# and the fit; then the virtual-rank tests of the Triton kernels in the time left
+tests_phase csrc 60 300 tests/test_csrc.py
+procs_phase proxy 60 240 -k proxy
+procs_phase nvshmem 50 200 -k nvshmem
+procs_phase procs 80 160 -k "not nvshmem and not proxy"
+# ---------------------------------------------------------------------------- benchmark, fit
+# after what failed or was not reached before: the timings and each kernel's device time are
+# what the gate's model is fitted to (bench/fit_model.py against the gate's gpu_gate_paths.tsv
+# of the same tree)
 start=$SECONDS
-T=$(limit 240 5)
+T=$(limit 150 10)
 if (( T >= 30 )); then
   note "benchmark (limit ${T}s)"
-  timeout "$T" "$PY" bench/gpu_bench.py --out "$OUT/perf.md" 2>&1 | tee "$OUT/gpu_bench.txt"
+  timeout "$T" "$PY" bench/gpu_bench.py --out "$OUT/perf.md" --kernels-tsv "$OUT/kernels.tsv" \
+    2>&1 | tee "$OUT/gpu_bench.txt"
   rc=${PIPESTATUS[0]}
   if [[ $rc == 0 ]]; then done_phase bench "$start" ok; else done_phase bench "$start" \
     "FAIL (rc $rc$([[ $rc == 124 ]] && echo ': time limit'))"; fi
 else
   done_phase bench "$start" "FAIL: skipped, ${T}s left"
 fi
+start=$SECONDS
+if [[ -s $OUT/kernels.tsv && -s $OUT/gpu_gate_paths.tsv ]]; then
+  note "the gate's model against this run's kernel times"
+  timeout 60 "$PY" bench/fit_model.py --fit "$OUT/kernels.tsv" "$OUT/gpu_gate_paths.tsv" \
+    2>&1 | tee "$OUT/fit.txt"
+  rc=${PIPESTATUS[0]}
+  # not a failure by itself: the model's error is a finding, printed in the summary
+  SUMMARY+=("$(printf '%-8s %4ss  %s' fit "$((SECONDS - start))" \
+    "rc $rc: $(grep -m1 -i "worst" "$OUT/fit.txt" | cut -c1-120)")")
+else
+  SUMMARY+=("$(printf '%-8s %5s  %s' fit '' "no kernels.tsv or gpu_gate_paths.tsv: not fitted")")
+fi
+
+tests_phase tests 200 0 tests/test_gpu.py
+echo "Triton cache now $(cache_entries) entries (new ones were compiled by the tests themselves)"
 
 # ---------------------------------------------------------------------------- summary
 {

@@ -475,6 +475,28 @@ def test_implementations_keep_their_own_formats_and_costs():
     assert flat.dispatch.bytes.rdma_bytes > 2 * hier.dispatch.bytes.rdma_bytes
 
 
+def test_moe_comm_normal_constants_are_this_package_s_measurements():
+    """The moe_comm normal mode's layout cost, per-SM copy rate and SMs come from this
+    package (docs/PERFMODEL.md section 6); moe_comm.perfmodel itself stays free of the kernels."""
+    from moe_comm.kernels.critical_path import SM_GBPS
+    from moe_comm.rings import DEFAULT_GPU_SMS
+    alg = IMPLEMENTATIONS["moe_comm"].modes["normal"]
+    assert alg.sm_copy_GBps == SM_GBPS / 2      # SM_GBPS counts loads plus stores: a copy is both
+    assert alg.num_sms == DEFAULT_GPU_SMS
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "bench", "measured", "h200-2026-12-04-kernels.tsv")) as fh:
+        rows = [line.rstrip("\n").split("\t") for line in fh if not line.startswith("#")]
+    layout = sum(float(r[3]) for r in rows[1:] if r[1].startswith("normal EP8 T=4096 bf16 dispatch")
+                 and r[2] in ("layout_count_kernel", "layout_place_kernel"))
+    assert alg.per_token_us == (pytest.approx(layout / 8 / 4096), 0.0) and layout == 30 + 98
+    pkg = os.path.dirname(os.path.abspath(calibration.__file__))
+    for name in sorted(os.listdir(pkg)):
+        if name.endswith(".py"):
+            with open(os.path.join(pkg, name)) as fh:
+                imports = [line for line in fh if line.lstrip().startswith(("import ", "from "))]
+            assert not [line for line in imports if "kernels" in line], name
+
+
 def test_small_batches_are_fixed_cost_bound_and_grow_with_ep():
     """1 to 128 tokens: the one-sided profile's fixed cost, its per-peer barrier cost."""
     args = dict(tokens_per_rank=1, implementation="trtllm-onesided",
@@ -558,9 +580,13 @@ def test_more_bandwidth_never_slower(mode, ep, T):
 # ---------------------------------------------------------------- bottlenecks, systems, fabric
 def test_bottlenecks_name_the_binding_resource():
     ours = predict("h800", "normal", ep=8, tokens_per_rank=4096, **DSV3)
-    assert ours.combine.bottleneck == "nvlink" and ours.dispatch.bottleneck == "latency"
-    assert predict("h800", "normal", ep=8, tokens_per_rank=4096, implementation="deepep-v1",
-                   **DSV3).bottleneck == "nvlink"      # the layout scan is this package's
+    v1 = predict("h800", "normal", ep=8, tokens_per_rank=4096, implementation="deepep-v1",
+                 **DSV3)
+    assert ours.bottleneck == v1.bottleneck == "nvlink"
+    # the routing layout is this package's: 16 us a rank at 4096 tokens (2026-12-04, H200)
+    assert ours.dispatch.latency_us - v1.dispatch.latency_us == pytest.approx(16.0)
+    assert predict("h800", "normal", ep=8, tokens_per_rank=256,
+                   **DSV3).dispatch.bottleneck == "latency"
     assert predict("h800", "low_latency", ep=64, tokens_per_rank=128,
                    **DSV3).bottleneck == "rdma"
     assert predict("h800", "low_latency", ep=8, tokens_per_rank=1,

@@ -98,9 +98,20 @@ def with_algorithm(impl: Implementation, mode: str, **changes) -> Implementation
     return impl.replace(modes=modes)
 
 
-# This package's routing-layout kernel on an H200 (docs/PERF.md): 8.829 ms of device time for
-# 8 launches of 4096 tokens each, one program per destination rank scanning every token.
-MOE_COMM_LAYOUT_US = 8.829e3 / 8 / 4096
+# This package's own constants, from one H200 with 8 virtual ranks on the GPU at DeepSeek-V3
+# sizes: the run of 2026-12-04 (evening) on commit 320afca, docs/PERF.md, device time per call
+# summed over the 8 ranks in bench/measured/h200-2026-12-04-kernels.tsv.
+# Normal dispatch's routing layout: layout_count_kernel 30 us + layout_place_kernel 98 us per
+# call for 8 ranks of 4096 tokens each, per token of the rank (it scales with the rank's tokens).
+MOE_COMM_LAYOUT_US = (30 + 98) / 8 / 4096
+# Normal mode's per-SM copy rate: kernels/critical_path.py's SM_GBPS = 62 (bytes loaded plus
+# stored per SM, GB/s), fitted by bench/fit_model.py to the 14 Triton kernels of that run
+# (docs/PERF.md, "The gate's predictions against the measurements"). A copy loads and stores
+# each byte, so one SM copies SM_GBPS / 2 (tests/test_perfmodel.py checks it against SM_GBPS;
+# moe_comm.perfmodel does not import the kernels).
+MOE_COMM_SM_COPY_GBPS = 62.0 / 2
+# Normal mode's SMs: the Buffer's default num_sms on GPUs (moe_comm/rings.py DEFAULT_GPU_SMS).
+MOE_COMM_NUM_SMS = 20
 
 # Fitted constants: calibration.fit(name) over the "fit" cases of published.py, rounded to
 # three digits (tests/test_perfmodel.py refits and compares). DeepEP V1 (H800, CX7 400G):
@@ -113,16 +124,25 @@ _V1_LL = Algorithm("per_pair", "flat", DEEPEP_V1, num_sms=None, copy_efficiency=
 IMPLEMENTATIONS: dict[str, Implementation] = {
     "moe_comm": Implementation(
         "moe_comm", "this package",
-        {"normal": _V1_NORMAL.replace(fmt=MOE_COMM, per_token_us=(MOE_COMM_LAYOUT_US, 0.0)),
+        {"normal": _V1_NORMAL.replace(fmt=MOE_COMM, num_sms=MOE_COMM_NUM_SMS,
+                                      sm_copy_GBps=MOE_COMM_SM_COPY_GBPS,
+                                      per_token_us=(MOE_COMM_LAYOUT_US, 0.0)),
          "low_latency": _V1_LL.replace(fmt=MOE_COMM)},
         notes=("message formats exact: tests/test_perfmodel_bytes.py checks every byte the "
                "kernels count on CPU ranks",
-               "no multi-GPU measurement yet: copy efficiency and fixed costs are assumed "
-               "equal to DeepEP V1's (the same kind of SM-driven copy and signal kernels)",
-               "normal dispatch: the routing-layout kernel's serial scan, 0.269 us per token "
-               "of the rank, measured on an H200 (docs/PERF.md, 2026-12-01: 8.829 ms for 8 "
-               "ranks of 4096 tokens; one program per destination rank, so latency-bound and "
-               "the same on a rank's own GPU)",
+               "measured (one H200, 8 virtual ranks on the GPU, DeepSeek-V3 sizes, run of "
+               "2026-12-04 evening on commit 320afca, bench/measured/h200-2026-12-04-kernels.tsv"
+               "): the normal dispatch's routing layout, 0.0039 us per token of the rank "
+               "(layout_count_kernel 30 us + layout_place_kernel 98 us per call over 8 ranks of "
+               "4096 tokens), and the normal mode's per-SM copy rate, 31 GB/s copied (the gate's "
+               "SM_GBPS, 62 GB/s loaded plus stored, fitted to that run's 14 Triton kernels, "
+               "halved)",
+               "normal mode on 20 SMs: the Buffer's default num_sms on GPUs "
+               "(moe_comm/rings.py DEFAULT_GPU_SMS)",
+               "DeepEP V1's fitted values, not measured for this package: the NVLink copy "
+               "efficiency and the fixed costs (virtual ranks on one GPU have no NVLink and share "
+               "its SMs, so their times do not transfer), and every low-latency constant (the "
+               "low-latency kernels were rewritten after that run; no GPU has run the new ones)",
                "across nodes hierarchical by default (Buffer(hierarchical=None)); "
                "hierarchical=False gives the flat mode")),
     "deepep-v1": Implementation(

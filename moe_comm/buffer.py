@@ -80,10 +80,10 @@ _CONFIG_FIELDS = ("hidden", "num_experts", "max_tokens_per_rank", "dtype", "max_
                   "fault_tolerant", "staging_bytes", "ep_invariant", "num_sms")
 KERNEL_IMPLS = ("auto", "triton", "cuda")
 # kernel_impl="auto" on GPUs: the faster implementation per mode on the last measured GPU run
-# (docs/PERF.md, 2026-12-01, H200, 8 virtual ranks: the low-latency FP8 dispatch 2.8 ms on
-# csrc/ against 20.2 ms on Triton, the bf16 combine 2.7 against 32.3 ms; normal mode runs on
-# Triton only). Rewrite it from the next run's table.
-FASTER_ON_GPU = {"low_latency": "cuda", "normal": "triton"}
+# (docs/PERF.md, 2026-12-04 evening, H200, 8 virtual ranks, device us per rank: the
+# low-latency FP8 dispatch 226 on Triton against 242 on csrc/, the bf16 combine 163 against
+# 311; normal mode runs on Triton only). Rewrite it from the next run's table.
+FASTER_ON_GPU = {"low_latency": "triton", "normal": "triton"}
 
 
 def check_kernel_impl(kernel_impl: str, device: torch.device, low_latency: bool,

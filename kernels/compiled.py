@@ -345,9 +345,10 @@ def walk_paths(ttgir: str, analysis: dict, package_dir: str, regs: int, smem: in
     from . import critical_path
 
     rows = row_store_lines(package_dir)
+    module = critical_path.parse(ttgir)  # once: each config walks the same module
     paths = {}
     for cfg, (grid, args, hints) in analysis.items():
-        path = critical_path.analyse(ttgir, args, grid, hints, rows)
+        path = critical_path.walk(module, args, grid, hints, rows)
         programs = 1
         for g in grid:
             programs *= g

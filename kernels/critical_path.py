@@ -534,13 +534,19 @@ def analyse(ttgir: str, scalars: dict, grid: tuple, hints: dict | None = None,
     """The busiest program's :class:`Path` through a compiled kernel launched with ``grid``
     and scalar arguments ``scalars`` (by name); ``hints``: trips of loops bounded by loaded
     data, by induction variable; ``row_lines``: ``(file basename, line)`` of the row stores."""
-    module = parse(ttgir)
-    walk = _Walk(module, scalars, grid, hints or {}, row_lines or set())
-    _uses(module.body, walk.used)
-    end, moved = walk.region(module.body, 0.0)
-    walk.path.steps = end
-    walk.path.bytes = moved
-    return walk.path
+    return walk(parse(ttgir), scalars, grid, hints, row_lines)
+
+
+def walk(module: Module, scalars: dict, grid: tuple, hints: dict | None = None,
+         row_lines: set | None = None) -> Path:
+    """:func:`analyse` of a module already parsed (:func:`parse`; the walk leaves it as it
+    was, so one parse serves every launch of the kernel)."""
+    w = _Walk(module, scalars, grid, hints or {}, row_lines or set())
+    _uses(module.body, w.used)
+    end, moved = w.region(module.body, 0.0)
+    w.path.steps = end
+    w.path.bytes = moved
+    return w.path
 
 
 def resident_programs(regs: int, num_warps: int, smem_bytes: int = 0) -> int:

@@ -15,28 +15,32 @@ pair. Call ``n`` uses parity ``n % 2``; the receive kernels acknowledge each par
 source (``acks``), and a sender writes parity ``p`` again only after every destination
 acknowledged the call before (checked by the host before the launch on CPU ranks).
 
-Kernels (launches per op: dispatch 2, combine 2):
+Kernels (launches per op: dispatch 2, combine 2). Their grids cover the work, up to the whole
+GPU (``kernels.tiles.ll_tiles``; ``num_sms`` is the normal mode's budget): each program holds
+whole rows, loads them before it stores any, and waits once.
 
-* ``ll_dispatch_send_kernel`` (grid ``min(cdiv(T_max, BLOCK_T), num_sms)``, persistent over
-  token tiles): for each tile the pairs of the tokens before it per expert are counted in one
-  vectorised pass (a histogram of up to ``BLOCK_P`` tokens a trip: one trip at decode sizes; so
-  positions are deterministic and no program waits for another), the tile is quantized once
-  (FP8) and each pair's row and meta go straight into the expert's slot. The last program
-  publishes ``epoch << 32 | count`` for every expert. Bytes into rank ``d``: pairs(d) *
-  (row + 4) + 8 * L.
-* ``ll_dispatch_recv_kernel`` (grid ``min(L * R, num_sms)``, persistent over the ``L x R``
-  blocks): after the wait, block ``(e, s)`` is copied to the compact, expert-major output
-  (sources in rank order, tokens in order) with where each row came from, and the last program
-  acknowledges the parity to every source.
-* ``ll_combine_send_kernel`` (grid ``min(L * R, num_sms)``, persistent over the same blocks):
-  each received row goes back to its home rank's slot ``[token, choice]``; the last program
-  publishes the epoch to every rank.
-* ``ll_combine_recv_kernel`` (grid ``min(cdiv(T_max, BLOCK_T) * cdiv(H, BLOCK_H), num_sms)``,
-  persistent over the token and channel tiles of the call's ``T`` tokens): ``out[t] =
-  sum_k w[t, k] * slot[t, k]`` in fp32 (choice order, each product and each sum rounded to fp32:
-  compiled without fused multiply-adds), rounded to nearest even; the last program
-  acknowledges. That is the EP-invariant combine's formula (``kernels.invariant``): the
-  low-latency combine's result depends on no placement of experts.
+* ``ll_dispatch_send_kernel`` (grid ``cdiv(T_max, BLOCK_T)``: a program per tile of tokens,
+  2 at DeepSeek-V3 sizes, 1 for NVFP4): the tile's rows, the ids of its pass of ``BLOCK_P``
+  tokens and its peers' bases are loaded before the wait; each pair's position is the pairs
+  of earlier tokens that chose its expert (one histogram of the pass, one trip at decode
+  sizes: positions are deterministic and no program waits for another); the tile is
+  quantized once (FP8) and each choice's row and meta go straight into the expert's slot
+  (stores unrolled over the choices). The last program publishes ``epoch << 32 | count`` for
+  every expert. Bytes into rank ``d``: pairs(d) * (row + 4) + 8 * L.
+* ``ll_dispatch_recv_kernel`` (grid ``L * R``: a program per (expert, source) block): after
+  one wait for its block's word, the block is copied to the compact, expert-major output
+  (sources in rank order, tokens in order) with where each row came from, and the last
+  program acknowledges the parity to every source.
+* ``ll_combine_send_kernel`` (grid ``L * R``, the same blocks): each received row goes back to
+  its home rank's slot ``[token, choice]``; the last program publishes the epoch to every
+  rank.
+* ``ll_combine_recv_kernel`` (grid ``cdiv(T_max, BLOCK_T) x cdiv(H, BLOCK_H)``: token tiles
+  by channel tiles, a group of 128 channels for FP8 slots): every choice's slot of the tile
+  is loaded at once, then ``out[t] = sum_k w[t, k] * slot[t, k]`` in fp32 (choice order, each
+  product and each sum rounded to fp32: compiled without fused multiply-adds), rounded to
+  nearest even; the last program acknowledges. That is the EP-invariant combine's formula
+  (``kernels.invariant``): the low-latency combine's result depends on no placement of
+  experts.
 
 With in-kernel waits (GPUs), every wait polls all its sources' words at once (device memory
 only; the clock every ``comm.SPIN_BUDGET`` polls), a wait that times out records the peer in
@@ -72,13 +76,13 @@ from .comm import (
     wait_all_or_exclude,
 )
 from .layout import check_ids, checked_ids, load_ids, record_first_bad
+from .microscale import e4m3_value
 from .numerics import cast_rne, channel_tile, column
 from .nvshmem import int_p, put_bytes, quiet, signal_set
 from .proxy import post_signal, post_signal_to_remote, post_transfer
 from .quant import NVFP4, scale_group
 from .rows import (
     NVFP4_GS,
-    load_fp8_partials,
     quantize_row_tile,
     row_payload,
     store_fp8_partials,
@@ -364,11 +368,8 @@ def ll_dispatch_send_kernel(
         # (every program's wait is over: the device flag holds still, a plain load agrees)
         if tl.load(state + TIMED_OUT_WORD) == 0:
             lane = tl.arange(0, BLOCK_E)
-            flat = tl.reshape(pass_ids, [BLOCK_P * BLOCK_K])
-            total = tl.histogram(flat, BLOCK_E, mask=flat >= 0)  # this program's pass, and
-            for s0 in range(0, c0, BLOCK_P):  # the others (none at decode sizes)
-                total += _pass_counts(topk_idx, s0, T, K, E, BLOCK_P, BLOCK_K, BLOCK_E)
-            for s0 in range(c0 + BLOCK_P, T, BLOCK_P):
+            total = tl.zeros([BLOCK_E], tl.int32)
+            for s0 in range(0, T, BLOCK_P):  # every pass (one at decode sizes)
                 total += _pass_counts(topk_idx, s0, T, K, E, BLOCK_P, BLOCK_K, BLOCK_E)
             em = lane < E
             de = tl.where(em, lane // L, 0)
@@ -698,9 +699,15 @@ def ll_combine_recv_kernel(
         for k in tl.static_range(BLOCK_K):  # unrolled: every choice's load issued at once
             vk = column(valid.to(tl.int32), k) != 0
             slot = (parity * TMAX + t64) * KMAX + k
-            if FP8:  # codes times their group's scale (kernels.rows layout)
-                v = load_fp8_partials(staging + slot * ROW_BYTES, vk, h0, h, hm, H, BLOCK_T,
-                                      BLOCK_H)
+            if FP8:  # codes times their row's scale of this group (kernels.rows layout): a
+                # tile is one group of 128 channels, so no reshape spreads the scales
+                tl.static_assert(BLOCK_H == 128)
+                row8 = staging + slot * ROW_BYTES
+                codes = tl.load(row8[:, None] + h[None, :], mask=vk[:, None] & hm[None, :],
+                                other=0)
+                sc = tl.load((row8 + H).to(tl.pointer_type(tl.float32), bitcast=True)
+                             + h0 // 128, mask=vk, other=0.0)
+                v = e4m3_value(codes) * sc[:, None]
             else:
                 v = tl.load(staging + slot[:, None] * H + h[None, :],
                             mask=vk[:, None] & hm[None, :], other=0.0).to(tl.float32)
@@ -741,7 +748,9 @@ def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, ran
     if call_bound(bound, key, (x, scales, topk_idx, T)):
         return True
     R = peer_ptrs.numel()
-    tile = ll_tiles("ll_dispatch_send", flavour.compiled, H, x.element_size(), max_tokens)
+    # NVFP4 quantizes a row in fp32 with its scales (more registers): a row a program
+    tile = ll_tiles("ll_dispatch_send_nvfp4" if fp8 and ue8m0 == 3 else "ll_dispatch_send",
+                    flavour.compiled, H, x.element_size(), max_tokens)
     args = (x, scales, topk_idx, peer_ptrs, state, stats,
             *offsets["rows"], *offsets["meta"],
             *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)),
@@ -869,9 +878,13 @@ def ll_combine_recv(staging, topk_idx, topk_weights, out, peer_ptrs, state, sign
     if call_bound(bound, key, values):
         return True
     R = peer_ptrs.numel()
-    # FP8 codes are dequantized to fp32 in registers: tiles as for 4-byte slots
-    tile = ll_tiles("ll_combine_recv", flavour.compiled, H,
-                    KMAX * (4 if fp8 else staging.element_size()), TMAX)
+    # FP8 codes are dequantized to fp32 in registers (tiles as for 4-byte slots), a group of
+    # 128 channels a program (one scale per row and choice)
+    if fp8:
+        tile = ll_tiles("ll_combine_recv_fp8", flavour.compiled, 128, KMAX * 4, TMAX)
+    else:
+        tile = ll_tiles("ll_combine_recv", flavour.compiled, H, KMAX * staging.element_size(),
+                        TMAX)
     grid = (triton.cdiv(TMAX, tile.block_t), triton.cdiv(H, tile.block_h))
     args = (*values[:4], peer_ptrs, state, *acks, signals, flavour.ring_addr,
             flavour.ring_slots, flavour.mask_off, *flavour.args(), T, H, K, R, num_experts,

@@ -177,6 +177,9 @@ def tiles(kernel: str, compiled: bool, hidden: int, elem_bytes: float = 2) -> Ti
 # at most, bytes of rows it holds at most, warps, programs an SM holds at once).
 _LL_GPU = {
     "ll_dispatch_send": (2, 32 * 1024, 8, 1),  # 64 programs at DeepSeek-V3 decode sizes
+    # NVFP4: two rows spilled 8 to 56 bytes at 248 registers under Triton 3.6 (fault
+    # tolerant, and through NVSHMEM or the proxy)
+    "ll_dispatch_send_nvfp4": (1, 32 * 1024, 8, 1),
     "ll_dispatch_recv": (8, 64 * 1024, 8, 2),  # an (expert, source) block: 256 programs
     "ll_combine_send": (8, 64 * 1024, 8, 2),  # the same blocks
     # a combine that sends FP8 quantizes its rows in fp32: two of them spilled 16 bytes at
@@ -186,6 +189,10 @@ _LL_GPU = {
     # its row split in channel tiles where one program cannot hold them: 4096 channels of 8
     # bf16 choices at DeepSeek-V3 decode sizes, 2 x 128 programs
     "ll_combine_recv": (1, 64 * 1024, 8, 2),
+    # FP8 slots: one group of 128 channels (one scale per row and choice) of 16 tokens, so no
+    # reshape spreads the scales over their channels (under Triton 3.6 a reshape per choice
+    # went through shared memory: 34 steps and a spill)
+    "ll_combine_recv_fp8": (2, 64 * 1024, 1, 12),
 }
 _LL_INTERPRETER_ROWS = 64
 
@@ -203,6 +210,8 @@ def ll_tiles(kernel: str, compiled: bool, hidden: int, elem_bytes: float,
     if not compiled:
         return Tiles(min(_LL_INTERPRETER_ROWS, rows), block_h, 4)
     most, budget, num_warps, per_sm = _LL_GPU[kernel]
+    if elem_bytes >= 8:  # fp64 rows: a channel takes two registers (spills at 128)
+        per_sm = 1
     while block_h > GROUP and block_h * elem_bytes > budget:  # a row split into channel tiles
         block_h //= 2
     fits = max(1, int(budget // (block_h * elem_bytes)))

@@ -86,6 +86,9 @@ def test_a_loop_costs_its_trips_times_a_trip(source):
     unknown = walk(body, source, {})
     assert unknown.unknown_loops and unknown.steps == 1
     assert walk(body, source, {}, {"i": 3}).steps == 3
+    # one parse serves every launch (the gate walks each config's launch of a compiled kernel)
+    parsed = cp.parse(module(body, source))
+    assert [cp.walk(parsed, {"n": n}, (1, 1, 1)).steps for n in (4, 9, 4)] == [4, 9, 4]
 
 
 def test_a_wait_counts_its_polls_once_and_never_its_spin(source):

@@ -94,12 +94,14 @@ def test_grids_and_serial_trips_hold_at_the_deepseek_sizes():
     assert rows[(prefill, "combine_send_kernel", b16)] == ("persistent", 20, 17)
     assert rows[(prefill, "dispatch_expand_kernel", b16)][:2] == ("wave", 264)
     assert rows[(decode, "combine_reduce_kernel", b16)][:2] == ("wave", 224)
-    # the low-latency pair covers its work, every SM where it has the blocks: a program per
-    # two tokens, per (expert, source) block, per token and half a row (a quarter for FP8
-    # slots, dequantized to fp32); a block's rows in one pass (FP8 combine: a row a pass)
-    for kernel, want in (("ll_dispatch_send_kernel", (64, 1)), ("ll_dispatch_recv_kernel",
+    # the low-latency pair covers its work, every SM where it has the blocks (the most
+    # programs of any bf16 variant): a program per token (NVFP4; two tokens for the other
+    # formats), per (expert, source) block, per two tokens and a group of 128 channels (FP8
+    # slots; per token and half a row for bf16 slots); a block's rows in one pass (FP8
+    # combine: a row a pass)
+    for kernel, want in (("ll_dispatch_send_kernel", (128, 1)), ("ll_dispatch_recv_kernel",
                          (256, 1)), ("ll_combine_send_kernel", (256, 4)),
-                         ("ll_combine_recv_kernel", (512, 1))):
+                         ("ll_combine_recv_kernel", (3584, 1))):
         kind, programs, trips = rows[(decode, kernel, b16)]
         assert kind == "whole-gpu" and (programs, trips) == want, (kernel, programs, trips)
     assert "gate: " in proc.stdout and " 0 problems" in proc.stdout

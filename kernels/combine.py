@@ -9,10 +9,11 @@ Equivalent PyTorch::
 
 **Send** (``combine_send_kernel``, on the expert rank): a persistent grid of at most
 ``num_sms`` programs deals the tiles of every source's slots (their counts are read on the
-device) round-robin; for each tile the rows of every slot's choices are loaded once, then every
-channel tile gathers the up to K rows several at once (``gathers_in_flight``: unrolled loads,
-as many as registers hold), reduces them in fp32 in choice order (fp64 for fp64 data) and
-stores one partial row into rank ``s``'s
+device) round-robin; for each tile the rows of every slot's choices are compacted once (valid
+rows first, in choice order) and the first ``gathers_in_flight`` of them (1, 2 or 4, as many as
+registers hold) and their weights loaded once into registers; then every channel tile issues
+those rows' gathers together (a slot's further rows, rare, one at a time after them), reduces
+them in fp32 in choice order (fp64 for fp64 data) and stores one partial row into rank ``s``'s
 ``combine_rows[p, me, slot]``; optionally one float per (slot, choice) goes along into
 ``combine_meta`` (the gradient of the router weights). The last program publishes the epoch to
 every rank. Bytes stored into rank ``s``: ``n_s * (H * elem [+ 4K]) + 8``: the mirror image of
@@ -70,6 +71,9 @@ from .nvshmem import put_bytes, quiet
 from .rows import load_fp8_partials, store_fp8_partials
 from .tiles import even, persistent_programs, tiles
 
+# a combine send's channel loop: the gathers of the next channel tile in flight while one is
+# summed and stored (2 x IN_FLIGHT x 16 KB of shared memory at bf16 64 x 128 tiles)
+SEND_STAGES = tl.constexpr(3)
 _SEND_PER_CALL = ["rows_off", "meta_off", "signal_off", "local_base", "errors_addr", "me"]
 
 
@@ -123,20 +127,71 @@ def _partial_destination(peer_ptrs, s, me, N, parity, plan, local_base, rows_off
 
 
 @triton.jit
-def _add_choice(acc, y, slots, jm, weights, k, K, h, hm, H, HAS_WEIGHTS: tl.constexpr):
-    """``acc + w * y[row]`` (channels ``h``) for row ``k < K`` of every slot of the tile:
-    ``slots`` points at each slot's rows. The row and its weight are loaded where they are used
-    (cached after the first channel tile): taking them out of a tile held in registers would
-    convert layouts through shared memory, with a barrier, per row and channel tile."""
-    km = jm & (jm.to(tl.int32) * 0 + k < K)  # (a tensor: k and K may both be ints)
-    row = tl.load(slots + k, mask=km, other=-1).to(tl.int64)
+def _choice(slots, c, jm, weights, HAS_WEIGHTS: tl.constexpr):
+    """Row ``c`` of every slot of the tile (``slots`` points at each slot's compacted rows: -1
+    past its count) and its weight: ``(rows [BLOCK_T] int32, weights [BLOCK_T])``."""
+    row = tl.load(slots + c, mask=jm, other=-1)
+    wk = row.to(tl.float32) * 0.0
+    if HAS_WEIGHTS:
+        wk = tl.load(weights + row, mask=row >= 0, other=0.0)
+    return row, wk
+
+
+@triton.jit
+def _add_row(acc, y, row, wk, h, hm, H, HAS_WEIGHTS: tl.constexpr):
+    """``acc + w * y[row]`` (channels ``h``; ``row`` -1 adds +0.0, which changes no sum)."""
     rm = row >= 0
-    v = tl.load(y + row[:, None] * H + h[None, :], mask=rm[:, None] & hm[None, :],
+    v = tl.load(y + row.to(tl.int64)[:, None] * H + h[None, :],  # gate: live
+                mask=rm[:, None] & hm[None, :],
                 other=0.0).to(acc.dtype)
     if HAS_WEIGHTS:
-        wk = tl.load(weights + row, mask=rm, other=0.0)
         v = v * wk.to(acc.dtype)[:, None]
     return acc + v
+
+
+@triton.jit
+def _partial_rows(y, weights, slots, jm, kmax, r0, w0, r1, w1, r2, w2, r3, w3, dst, box, j64,
+                  staged, via_stores, fp8_rows, stride, H, HAS_WEIGHTS: tl.constexpr,
+                  ACC_FP64: tl.constexpr, FP8: tl.constexpr, TRANSPORT: tl.constexpr,
+                  EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_K: tl.constexpr, IN_FLIGHT: tl.constexpr, STAGES: tl.constexpr):
+    """The tile's partial rows, channel tile by channel tile: the first ``IN_FLIGHT`` rows of
+    every slot (``r0..r3`` and their weights, held) gathered together, then, in a tile whose
+    fullest slot has more (``kmax``), the next ``IN_FLIGHT`` of each slot at a time (their
+    indices loaded there; one at a time where ``STAGES`` is 1), summed in choice order and
+    stored as :func:`send_partials` says. ``STAGES`` > 1: the loop is software pipelined, the
+    held rows' gathers of the next ``STAGES - 1`` channel tiles in flight (through shared
+    memory) while one is summed."""
+    for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
+        h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
+        acc = acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64)
+        acc = _add_row(acc, y, r0, w0, h, hm, H, HAS_WEIGHTS)
+        if IN_FLIGHT > 1:
+            acc = _add_row(acc, y, r1, w1, h, hm, H, HAS_WEIGHTS)
+        if IN_FLIGHT > 2:
+            acc = _add_row(acc, y, r2, w2, h, hm, H, HAS_WEIGHTS)
+            acc = _add_row(acc, y, r3, w3, h, hm, H, HAS_WEIGHTS)
+        if STAGES > 1:  # (a loop inside would keep this one from being pipelined)
+            for g in tl.static_range(1, BLOCK_K // IN_FLIGHT):  # a fuller tile's further rows
+                if kmax > g * IN_FLIGHT:  # gate: rare
+                    for i in tl.static_range(IN_FLIGHT):
+                        rc, wc = _choice(slots, g * IN_FLIGHT + i, jm, weights, HAS_WEIGHTS)
+                        acc = _add_row(acc, y, rc, wc, h, hm, H, HAS_WEIGHTS)
+        else:  # one at a time: fewer registers
+            for c in range(IN_FLIGHT, kmax):
+                rc, wc = _choice(slots, c, jm, weights, HAS_WEIGHTS)
+                acc = _add_row(acc, y, rc, wc, h, hm, H, HAS_WEIGHTS)
+        if FP8:  # (fp8_rows: a runtime flag with HIER)
+            if fp8_rows:
+                store_fp8_partials(acc, dst.to(tl.pointer_type(tl.uint8), bitcast=True)
+                                   + j64 * stride, via_stores,
+                                   box.to(tl.pointer_type(tl.uint8), bitcast=True)
+                                   + staged * stride, jm & ~via_stores, h0, h, hm, H,
+                                   TRANSPORT == 1, EVEN_H, BLOCK_T, BLOCK_H)
+            else:
+                _store_partials(dst, box, acc, j64, staged, jm, via_stores, h, hm, H, TRANSPORT)
+        else:
+            _store_partials(dst, box, acc, j64, staged, jm, via_stores, h, hm, H, TRANSPORT)
 
 
 @triton.jit
@@ -172,7 +227,7 @@ def send_partials(pid, programs, parity, y, weights, pair_values, slot_rows, slo
                   FP8: tl.constexpr, TRANSPORT: tl.constexpr, HIER: tl.constexpr,
                   ALIGN: tl.constexpr, EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                  IN_FLIGHT: tl.constexpr):
+                  IN_FLIGHT: tl.constexpr, STAGES: tl.constexpr):
     """Program ``pid`` of ``programs``: its tiles of the send (the slots of ``slot_offsets``,
     dealt round-robin) reduced and stored into parity ``parity`` (the offsets are that
     parity's), and its bytes added to ``stats`` (``combine_send_kernel``'s arguments)."""
@@ -202,8 +257,8 @@ def send_partials(pid, programs, parity, y, weights, pair_values, slot_rows, slo
         # that picked this rank's experts (about 1.5 of top-8 at EP 8), so gathering choice k
         # of every slot would leave most lanes masked; the c-th rows fill them. The sum keeps
         # the choice order (a masked choice added +0.0, which changes no sum). The tile goes
-        # through the program's scratch so that the channel loop loads each column where it
-        # is used (a column of a register tile is a layout conversion with a barrier).
+        # through the program's scratch and each column is loaded from there as a vector (a
+        # column of a register tile is a layout conversion with a barrier).
         cc = tl.arange(0, BLOCK_K)
         rows = tl.load(slot_rows + (first_slot + j64)[:, None] * K + kk[None, :],
                        mask=jm[:, None] & (kk < K)[None, :], other=-1)
@@ -213,32 +268,7 @@ def send_partials(pid, programs, parity, y, weights, pair_values, slot_rows, slo
         picked = (valid[:, None, :] != 0) & (place[:, None, :] == cc[None, :, None])
         compacted = tl.sum(tl.where(picked, rows[:, None, :], 0), axis=2)
         compacted = tl.where(cc[None, :] < count[:, None], compacted, -1)
-        mine = compact + pid.to(tl.int64) * (BLOCK_T * BLOCK_K)
-        tl.debug_barrier()  # every thread's loads of the previous tile are done
-        tl.store(mine + tl.arange(0, BLOCK_T)[:, None] * BLOCK_K + cc[None, :], compacted)
-        tl.debug_barrier()  # the tile is visible to every thread of the program
-        slots = mine + tl.arange(0, BLOCK_T) * BLOCK_K
-        kmax = tl.max(count, axis=0)  # the most rows of any slot of the tile
-        for h0 in range(0, H, BLOCK_H):
-            h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
-            acc = acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64)
-            for c0 in range(0, kmax, IN_FLIGHT):  # IN_FLIGHT rows' gathers in flight at once
-                for i in tl.static_range(IN_FLIGHT):
-                    acc = _add_choice(acc, y, slots, jm, weights, c0 + i, kmax, h, hm, H,
-                                      HAS_WEIGHTS)
-            if FP8:  # (fp8_rows: a runtime flag with HIER)
-                if fp8_rows:
-                    store_fp8_partials(acc, dst.to(tl.pointer_type(tl.uint8), bitcast=True)
-                                       + j64 * stride, via_stores,
-                                       box.to(tl.pointer_type(tl.uint8), bitcast=True)
-                                       + staged * stride, jm & ~via_stores, h0, h, hm, H,
-                                       TRANSPORT == 1, EVEN_H, BLOCK_T, BLOCK_H)
-                else:
-                    _store_partials(dst, box, acc, j64, staged, jm, via_stores, h, hm, H,
-                                    TRANSPORT)
-            else:
-                _store_partials(dst, box, acc, j64, staged, jm, via_stores, h, hm, H, TRANSPORT)
-        if HAS_PAIR:  # per (slot, choice), in choice order
+        if HAS_PAIR:  # per (slot, choice), in choice order (before the rows: `rows` dies)
             m2 = jm[:, None] & (kk < K)[None, :]
             vals = tl.load(pair_values + rows.to(tl.int64), mask=rows >= 0, other=0.0)
             tl.store(dst_meta + j64[:, None] * KMAX + kk[None, :], vals,
@@ -247,6 +277,28 @@ def send_partials(pid, programs, parity, y, weights, pair_values, slot_rows, slo
                 box_meta = local_ptr(local_base, box_meta_off, tl.float32, 4)
                 tl.store(box_meta + staged[:, None] * KMAX + kk[None, :], vals,
                          mask=m2 & ~via_stores[:, None])
+        mine = compact + pid.to(tl.int64) * (BLOCK_T * BLOCK_K)
+        tl.debug_barrier()  # every thread's loads of the previous tile are done
+        tl.store(mine + tl.arange(0, BLOCK_T)[:, None] * BLOCK_K + cc[None, :], compacted)
+        tl.debug_barrier()  # the tile is visible to every thread of the program
+        slots = mine + tl.arange(0, BLOCK_T) * BLOCK_K
+        kmax = tl.max(count, axis=0)  # the most rows of any slot of the tile
+        # the first IN_FLIGHT (up to 4) rows of every slot and their weights, once a tile, kept
+        # in registers: each channel tile issues all their gathers, then adds them in order
+        r0, w0 = _choice(slots, 0, jm, weights, HAS_WEIGHTS)
+        r1, w1, r2, w2, r3, w3 = r0, w0, r0, w0, r0, w0
+        if IN_FLIGHT > 1:
+            r1, w1 = _choice(slots, 1, jm, weights, HAS_WEIGHTS)
+        if IN_FLIGHT > 2:
+            r2, w2 = _choice(slots, 2, jm, weights, HAS_WEIGHTS)
+            r3, w3 = _choice(slots, 3, jm, weights, HAS_WEIGHTS)
+        # the channel loop is software pipelined (the next tile's gathers in flight while one
+        # is summed and stored), but not over NVSHMEM, nor where FP8 rows and plain ones share
+        # the loop: 8 to 16 bytes spilled at 248 registers under Triton 3.6 or 3.9
+        _partial_rows(y, weights, slots, jm, kmax, r0, w0, r1, w1, r2, w2, r3, w3, dst, box, j64,
+                      staged, via_stores, fp8_rows, stride, H, HAS_WEIGHTS, ACC_FP64, FP8,
+                      TRANSPORT, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K, IN_FLIGHT,
+                      1 if TRANSPORT == 1 or (FP8 and HIER) else STAGES)
         if TRANSPORT == 1:
             if remote:  # one block put per partial row (and its pair values)
                 tl.debug_barrier()
@@ -311,6 +363,7 @@ def combine_send_kernel(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     NUM_THREADS: tl.constexpr,
     IN_FLIGHT: tl.constexpr,  # rows gathered at once (a slot's compacted rows, -1 past its count)
+    STAGES: tl.constexpr,  # channel tiles of gathers in flight + 1 (software pipelining)
 ):
     epoch = tl.load(epochs) + 1  # device epochs and a fixed grid: no per-call scalar (graphs)
     parity = epoch % 2
@@ -322,7 +375,7 @@ def combine_send_kernel(
                   slot_rows, slot_offsets, compact, peer_ptrs, stats, xstats, rows_off,
                   meta_off, box_rows_off, box_meta_off, local_base, plan, H, K, R, me, TMAX, N,
                   KMAX, HAS_WEIGHTS, HAS_PAIR, ACC_FP64, FP8, TRANSPORT, HIER, ALIGN, EVEN_H,
-                  BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R, IN_FLIGHT)
+                  BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R, IN_FLIGHT, STAGES)
     if draw_last_of(tickets, tl.num_programs(0)):
         if not timed_out(errors_addr.to(tl.pointer_type(tl.int64)), NUM_THREADS):
             publish_partials(peer_ptrs, signal_off, epoch, parity, stats, plan, slot_offsets,
@@ -567,7 +620,7 @@ def combine_send(y, weights, pair_values, slot_rows, slot_offsets, peer_ptrs, st
         BLOCK_H=tile.block_h, BLOCK_K=block_k,
         BLOCK_R=triton.next_power_of_2(R), NUM_THREADS=tile.num_threads,
         IN_FLIGHT=gathers_in_flight(topk, y.element_size(), flavour.compiled),
-        **flavour.launch_options(tile))
+        STAGES=SEND_STAGES.value, **flavour.launch_options(tile))
     launch(bound, key, combine_send_kernel, grid, args, kwargs,
            ("y", "weights", "pair_values", "slot_rows", "slot_offsets", "xstats", "plan"))
     return True
@@ -585,12 +638,12 @@ def _scratch(pool: dict | None, device, numel: int) -> torch.Tensor:
 
 
 def gathers_in_flight(topk: int, elem_bytes: int, compiled: bool) -> int:
-    """Rows of a slot (its compacted choices) a combine send gathers at once: on a GPU as many
-    as registers hold beside the fp32 accumulator (4 rows of 16-bit data, 2 of 32-bit, 1 of
-    64-bit), never more than the choices' block; the interpreter takes them all (its cost is
-    per operation)."""
+    """Rows of a slot (its compacted choices) a combine send gathers at once, their indices and
+    weights held across the channel tiles: 1, 2 or 4, never more than the choices' block; on a
+    GPU as many as registers hold beside the fp32 accumulator (4 rows of 16-bit data, 2 of
+    32-bit, 1 of 64-bit), 4 in the interpreter (its cost is per operation)."""
     block_k = triton.next_power_of_2(max(topk, 1))
-    return min(block_k, 8 // elem_bytes if compiled else block_k)
+    return min(block_k, 8 // elem_bytes if compiled else 4)
 
 
 def reduce_grid(tokens: int, hidden: int, flavour: Flavour, elem_bytes: int) -> tuple[int, int]:

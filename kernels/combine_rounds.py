@@ -89,7 +89,14 @@ import triton
 import triton.language as tl
 
 from .bound import BoundLaunches, call_bound, launch, specs
-from .combine import _scratch, gathers_in_flight, publish_partials, reduce_tile, send_partials
+from .combine import (
+    SEND_STAGES,
+    _scratch,
+    gathers_in_flight,
+    publish_partials,
+    reduce_tile,
+    send_partials,
+)
 from .comm import CPU_RANKS, Flavour, check_round_words, draw_last_of, timed_out, wait_round
 from .internode import forward_round
 from .tiles import MAX_TRIPS, combine_round_trips, even, tiles
@@ -185,7 +192,8 @@ def combine_rounds_kernel(
                           * box_rows_parity, box_meta_off + parity * box_meta_parity,
                           local_base, plan, H, K, R,
                           me, W, N, KMAX, HAS_WEIGHTS, HAS_PAIR, ACC_FP64, FP8, TRANSPORT, HIER,
-                          ALIGN, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R, IN_FLIGHT)
+                          ALIGN, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R, IN_FLIGHT,
+                          1 if FT and TRANSPORT == 2 else SEND_STAGES)  # (8 bytes spilled)
             if draw_last_of(tickets, programs):  # the round's epoch, as combine_send_kernel's
                 publish_partials(peer_ptrs, signal_off, epoch, parity, stats, plan, offsets,
                                  local_base, ring_addr, RING_SLOTS, errors_addr, timeout_ns,

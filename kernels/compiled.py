@@ -30,8 +30,14 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
-GATE_TAGS = ("row", "scales", "exponents", "scalebytes", "tail", "publish", "acquire", "cold")
-BRANCH_TAGS = ("cold",)  # on an ``if``: a branch a correct call does not take (an error's)
+GATE_TAGS = ("row", "scales", "exponents", "scalebytes", "tail", "publish", "acquire", "cold",
+             "rare", "live")
+# on an ``if``: a branch a correct call does not take (an error's), or one taken as often as
+# its schedule's ``rare`` says (kernels.critical_path weighs its arms)
+BRANCH_TAGS = ("cold", "rare")
+# on a ``tl.load``: a gather whose lanes the routing masks; kernels.critical_path counts the
+# share of its lanes that load at uniform routing (a schedule's ``live``), not the whole tile
+LOAD_TAGS = ("live",)
 # Narrowest store (bits) each kind of row data may use where rows are 16-byte aligned. FP8
 # scales are one float (UE8M0: one byte) per 128 channels: a tile of BLOCK_H channels of a token
 # has BLOCK_H / 128 of them (32 bytes at BLOCK_H = 1024), spread over the threads that hold the
@@ -209,6 +215,9 @@ def check_markers(path: str) -> list[str]:
         elif tag in BRANCH_TAGS:
             if not text.lstrip().startswith("if "):
                 bad.append(f"{path}:{line_no}: '# gate: {tag}' on a line where no if starts")
+        elif tag in LOAD_TAGS:
+            if "tl.load(" not in text:
+                bad.append(f"{path}:{line_no}: '# gate: {tag}' on a line where no load starts")
         elif "tl.store(" not in text and "tl.atomic_" not in text:
             bad.append(f"{path}:{line_no}: '# gate: {tag}' on a line where no store starts")
     return bad
@@ -222,7 +231,7 @@ def unemitted_markers(emitted, paths) -> list[str]:
     seen = set(emitted)
     return [f"{os.path.basename(p)}:{line}: '# gate: {tag}' emitted no instruction in any "
             f"compiled variant" for p in paths for line, tag in _source_markers(p).items()
-            if tag not in BRANCH_TAGS and f"{os.path.basename(p)}:{line}" not in seen]
+            if tag not in BRANCH_TAGS + LOAD_TAGS and f"{os.path.basename(p)}:{line}" not in seen]
 
 
 _SSA = re.compile(r"(%[\w#.]+)")
@@ -326,14 +335,15 @@ def host_loads(ttir: str, names=HOST_POINTERS) -> tuple[int, int]:
     return outside, inside
 
 
-def row_store_lines(package_dir: str) -> set:
-    """``(file name, line)`` of every line of a store marked ``# gate: row`` in the kernels'
-    sources (what ``kernels.critical_path`` measures the bytes in flight at)."""
+def marked_lines(package_dir: str, wanted: str) -> set:
+    """``(file name, line)`` of every line of a call marked ``# gate: <wanted>`` in the
+    kernels' sources: the row stores (``row``, what ``kernels.critical_path`` measures the
+    bytes in flight at), the gathers the routing masks (``live``)."""
     lines = set()
     for name in sorted(os.listdir(package_dir)):
         if name.endswith(".py"):
             for line, (tag, _) in _marked_spans(os.path.join(package_dir, name)).items():
-                if tag == "row":
+                if tag == wanted:
                     lines.add((name, line))
     return lines
 
@@ -344,11 +354,11 @@ def walk_paths(ttgir: str, analysis: dict, package_dir: str, regs: int, smem: in
     maps a config to ``(grid, arguments, trips of the loops bounded by data)``."""
     from . import critical_path
 
-    rows = row_store_lines(package_dir)
+    rows, live = marked_lines(package_dir, "row"), marked_lines(package_dir, "live")
     module = critical_path.parse(ttgir)  # once: each config walks the same module
     paths = {}
     for cfg, (grid, args, hints) in analysis.items():
-        path = critical_path.walk(module, args, grid, hints, rows)
+        path = critical_path.walk(module, args, grid, hints, rows, live)
         programs = 1
         for g in grid:
             programs *= g

@@ -14,14 +14,22 @@ H200 under load, :data:`LATENCY_US`):
   histograms and layout conversions whose data crosses warps (read off the layouts);
 * a wait (``scf.while``) is counted as if its peers had arrived: the polls before it and its
   condition once, never the spin; so is a branch marked ``# gate: cold`` on its ``if`` line (a
-  wait's slow path, a bad input's or a timeout's record): not taken;
+  wait's slow path, a bad input's or a timeout's record): not taken; a branch marked
+  ``# gate: rare`` counts each arm as often as it is taken at uniform routing (the hint
+  :data:`RARE`);
+* a software-pipelined loop's copies (``ttg.async_copy_global_to_local``) issue like loads; its
+  ``async_wait`` waits for the copies of ``1 + ahead`` trips back, ``ahead`` the trips of
+  copies it leaves in flight (its ``num`` over the commit groups of a trip): ``1 / (1 + ahead)``
+  of a step a trip, after the step that fills the pipeline;
 * a loop costs its trips times the steps of one trip. Trips come from the loop's bounds,
   evaluated from the launch's scalars, grid and constants; a bound made of loaded data (rows
   received, slots filled) needs a declared count at uniform routing (``hints``: the induction
   variable's name -> trips), else the analysis says which loop it could not count.
 
 Stores cost no step. *Bytes* are the tiles' sizes (masked lanes included: an upper bound of the
-useful bytes), loads plus stores, times the trips. *In flight* (``inflight_kb``) is, for each
+useful bytes), loads plus stores, times the trips; a load marked ``# gate: live`` (a gather whose
+lanes the routing masks) counts the share of its lanes that load at uniform routing (the hint
+:data:`LIVE`). *In flight* (``inflight_kb``) is, for each
 store marked ``# gate: row``, the bytes of the loads issued in the step whose value it stores;
 the least over a kernel's row stores. The predicted time of a launch (:func:`predicted_us`) is
 the slower of its busiest program's steps (times the waves of programs the GPU holds at once)
@@ -41,6 +49,8 @@ from dataclasses import dataclass, field
 LATENCY_US = 0.32  # one dependent step under load
 SM_GBPS = 62.0  # bytes (loads plus stores) one SM moves per microsecond, in kB, when not waiting
 BARRIER_STEPS = 1.0  # a barrier across warps, in steps
+LIVE = "@live"  # hint: the share of a ``# gate: live`` load's lanes that load (no loop's name)
+RARE = "@rare"  # hint: how often an ``if`` marked ``# gate: rare`` is taken
 GPU_SMS = 132  # SMs of an H100 / H200
 REGISTERS_PER_SM = 65536
 WARPS_PER_SM = 64
@@ -347,17 +357,20 @@ class Path:
 
 class _Walk:
     def __init__(self, module: Module, scalars: dict, grid: tuple, hints: dict,
-                 row_lines: set):
+                 row_lines: set, live_lines: set = frozenset()):
         self.m = module
         self.values: dict = {a: scalars.get(a.lstrip("%")) for a in module.args}
         self.ready: dict = {}
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.hints = hints
         self.row_lines = row_lines  # (basename, line) of the row stores
+        self.live_lines = live_lines  # (basename, line) of the loads the routing masks
         self.loads_at: dict = {}  # issue step -> bytes
         self.loaded: dict = {}  # value -> the issue step of the latest load it is made from
         self.marks: dict = {}  # value -> the cross-warp ops and gathers of a row loop it needs
         self.path = Path()
+        self.pipelines: list = []  # per loop being walked: (commit groups, copy bytes) a trip
+        self.copies: set = set()  # the tokens of asynchronous copies
         self.used = set()
         self.trace: list | None = None
 
@@ -383,12 +396,34 @@ class _Walk:
         """An ``if`` whose source line is marked ``# gate: cold``."""
         return re.search(r"#\s*gate:\s*cold\s*$", self.source_line(op)) is not None
 
+    def rare(self, op: Op) -> float | None:
+        """How often an ``if`` marked ``# gate: rare`` is taken (the hint :data:`RARE`)."""
+        if RARE in self.hints and re.search(r"#\s*gate:\s*rare\s*$", self.source_line(op)):
+            return self.hints[RARE]
+        return None
+
     def is_row_store(self, op: Op) -> bool:
         f, line = source_of(self.m, op.loc)
         return (os.path.basename(f), line) in self.row_lines
 
-    def operands_ready(self, op: Op) -> float:
-        return max([0.0] + [self.ready.get(o, 0.0) for o in op.operands()])
+    def live_share(self, op: Op) -> float:
+        """The share of a load's lanes that load: :data:`LIVE`'s hint where it is marked."""
+        f, line = source_of(self.m, op.loc)
+        marked = (os.path.basename(f), line) in self.live_lines
+        return self.hints.get(LIVE, 1.0) if marked else 1.0
+
+    def pipelined_ahead(self, op: Op) -> int:
+        """Trips of copies an ``async_wait`` inside a software-pipelined loop leaves in flight:
+        its ``num`` (commit groups still outstanding) over the groups a trip commits."""
+        m = re.search(r"\{num = (\d+)", op.text)
+        if not self.pipelines or not self.pipelines[-1][0] or m is None:
+            return 0
+        return int(m.group(1)) // self.pipelines[-1][0]
+
+    def operands_ready(self, op: Op, skip=()) -> float:
+        """When ``op``'s operands are there (``skip``: those it does not wait for: a loop's
+        yield passes the tokens of its asynchronous copies on, their wait waits)."""
+        return max([0.0] + [self.ready.get(o, 0.0) for o in op.operands() if o not in skip])
 
     def region(self, ops: list, start: float, row_loop: bool = False) -> tuple[float, float]:
         """Walks ``ops`` from step ``start``: ``(step at which the last op issued, bytes
@@ -408,6 +443,10 @@ class _Walk:
                     end, b = self.loop(op, at, row_loop)
                 elif name == "scf.while":  # the polls' condition once: the peers arrived
                     end, b = self.region(op.regions[0], at) if op.regions else (at, 0.0)
+                elif (p := self.rare(op)) is not None:  # each arm as often as it is taken
+                    arms = [self.region(r, at, row_loop) for r in op.regions] + [(at, 0.0)]
+                    end = at + p * (arms[0][0] - at) + (1 - p) * (arms[1][0] - at)
+                    b = p * arms[0][1] + (1 - p) * arms[1][1]
                 else:  # the heavier arm, but never a branch marked cold
                     regions = op.regions[1:] if self.is_cold(op) else op.regions
                     arms = [self.region(r, at, row_loop) for r in regions] or [(at, 0.0)]
@@ -423,15 +462,18 @@ class _Walk:
                     self.loaded[r] = made_of
                     self.marks[r] = marks
                 continue
-            at = max(floor, self.operands_ready(op))
+            passes_on = name in ("scf.yield", "ttg.async_commit_group")  # copies' tokens
+            at = max(floor, self.operands_ready(op, skip=self.copies if passes_on else ()))
             loaded = max([-1.0] + [self.loaded.get(o, -1.0) for o in op.operands()])
             # what in this loop's trip the value waited for (kept inside loops that store rows)
             marks = frozenset().union(*(self.marks.get(o, frozenset()) for o in op.operands()))
-            if name == "tt.load":
+            if name in ("ttg.async_copy_global_to_local", "ttg.async_commit_group"):
+                self.copies.update(op.results)
+            if name in ("tt.load", "ttg.async_copy_global_to_local"):  # (the copy: a token)
                 at = max(at, floor_mem)
                 if row_loop and op.operands() and self.loaded.get(op.operands()[0], -1.0) >= start:
                     marks = marks | {f"{self.where(op)} index gather"}
-                n = _bytes(op)
+                n = _bytes(op) * self.live_share(op)
                 moved += n
                 self.loads_at[at] = self.loads_at.get(at, 0.0) + n
                 ready = at + 1
@@ -467,6 +509,20 @@ class _Walk:
                     self.path.barriers_in_row_loops.append(f"{self.where(op)} barrier")
                 elif row_loop:  # what the row data waits for, if it flows into a row store
                     marks = marks | {f"{self.where(op)} {name.split('.')[-1]} across warps"}
+            elif name == "ttg.async_commit_group":  # issues at once; its token: when they land
+                ready = self.operands_ready(op)
+            elif name == "ttg.async_wait":  # the thread waits (then every warp, a barrier)
+                ahead = self.pipelined_ahead(op)
+                at = max(at, done, floor_mem)
+                ready = at
+                if ahead:  # the oldest of 1 + ahead trips' copies (from earlier trips, in
+                    # flight for as many trips): a share of a step a trip
+                    at = max(floor, done, floor_mem)
+                    ready = at + 1 / (1 + ahead)
+                    self.loads_at[at] = self.loads_at.get(at, 0.0) \
+                        + (1 + ahead) * self.pipelines[-1][1]
+                loaded = at
+                floor = floor_mem = ready
             elif name == "tt.extern_elementwise" and "nvshmem" in op.text:
                 at = max(at, floor_mem)
                 ready = floor_mem = at + 1
@@ -512,7 +568,13 @@ class _Walk:
         row_loop = in_row_loop or (self._contains_row_store(op.regions[0]) if op.regions
                                    else False)
         start = now
-        end, moved = self.region(op.regions[0], start, row_loop) if op.regions else (now, 0.0)
+        body = op.regions[0] if op.regions else []
+        self.pipelines.append((
+            sum(o.name == "ttg.async_commit_group" for o in body),
+            sum(_bytes(o) * self.live_share(o) for o in body
+                if o.name == "ttg.async_copy_global_to_local")))
+        end, moved = self.region(body, start, row_loop) if body else (now, 0.0)
+        self.pipelines.pop()
         per_trip = end - start
         now = start + trips * per_trip
         if self.trace is not None:
@@ -530,18 +592,19 @@ def _uses(ops: list, used: set) -> None:
 
 
 def analyse(ttgir: str, scalars: dict, grid: tuple, hints: dict | None = None,
-            row_lines: set | None = None) -> Path:
+            row_lines: set | None = None, live_lines: set | None = None) -> Path:
     """The busiest program's :class:`Path` through a compiled kernel launched with ``grid``
     and scalar arguments ``scalars`` (by name); ``hints``: trips of loops bounded by loaded
-    data, by induction variable; ``row_lines``: ``(file basename, line)`` of the row stores."""
-    return walk(parse(ttgir), scalars, grid, hints, row_lines)
+    data, by induction variable (and :data:`LIVE`); ``row_lines`` / ``live_lines``: ``(file
+    basename, line)`` of the row stores / of the loads marked ``# gate: live``."""
+    return walk(parse(ttgir), scalars, grid, hints, row_lines, live_lines)
 
 
 def walk(module: Module, scalars: dict, grid: tuple, hints: dict | None = None,
-         row_lines: set | None = None) -> Path:
+         row_lines: set | None = None, live_lines: set | None = None) -> Path:
     """:func:`analyse` of a module already parsed (:func:`parse`; the walk leaves it as it
     was, so one parse serves every launch of the kernel)."""
-    w = _Walk(module, scalars, grid, hints or {}, row_lines or set())
+    w = _Walk(module, scalars, grid, hints or {}, row_lines or set(), live_lines or set())
     _uses(module.body, w.used)
     end, moved = w.region(module.body, 0.0)
     w.path.steps = end

@@ -13,7 +13,8 @@ Equivalent PyTorch (``reference.invariant_combine``), for token ``t`` of home ra
 
 **Send** (``invariant_send_kernel``, on the expert rank): a persistent grid of at most
 ``num_sms`` programs deals the tiles of every source's received slots round-robin (as the
-default combine's send); for each slot, each choice ``k`` with a row ``r`` on this rank stores
+default combine's send); for each slot, each choice ``k`` with a row ``r`` on this rank (a tile
+takes its slots' c-th rows together, up to its fullest slot's count) stores
 ``y[r]`` unchanged (the Buffer's dtype) into home ``s``'s ``inv_rows[p, (t % W) * K + k]`` (``t``
 the slot's source token, ``W`` the ring slots: a round's window) and the pair
 ``(weights[r], pair_values[r])`` as two floats into ``inv_meta[p, (t % W) * K + k]``. The last
@@ -55,6 +56,9 @@ from .proxy import post_signal_to_remote, post_transfer
 from .tiles import even, persistent_programs, tiles
 
 META_WORDS = tl.constexpr(2)  # floats per (token, choice) in inv_meta: its weight, its value
+# the send's row copy: the next channel tile's loads in flight (through shared memory) while
+# one is stored
+COPY_STAGES = tl.constexpr(3)
 
 
 @triton.jit
@@ -64,12 +68,15 @@ def send_pairs(pid, programs, y, weights, pair_values, slot_rows, slot_offsets, 
                W, KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr,
                TRANSPORT: tl.constexpr, ALIGN: tl.constexpr, EVEN_H: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-               BLOCK_R: tl.constexpr):
+               BLOCK_R: tl.constexpr, COMPACT: tl.constexpr, STAGES: tl.constexpr):
     """Program ``pid`` of ``programs``: its tiles of every source's slots (``slot_offsets``
     [R + 1], a round's), each (slot, choice) row and its two floats to the home's
     ``inv_rows`` / ``inv_meta`` (``rows_off`` / ``meta_off`` of the parity to write; through the
     proxy the outboxes and a descriptor each), their bytes added to ``stats`` (``xstats``: the
-    outbox's); :func:`invariant_send_kernel`'s arguments."""
+    outbox's); :func:`invariant_send_kernel`'s arguments. ``COMPACT``: a tile's passes take
+    the c-th rows of its slots (up to its fullest slot's count), else choice c (K passes);
+    ``STAGES`` > 1: the row copy is software pipelined, the next ``STAGES - 1`` channel tiles'
+    loads in flight while one is stored (through shared memory)."""
     stride = H * y.dtype.element_ty.primitive_bitwidth // 8  # bytes of a row
     first_slots, src_tiles, tiles_end = source_tiles(slot_offsets, R, BLOCK_T, BLOCK_R)
     kk = tl.arange(0, BLOCK_K)
@@ -98,15 +105,28 @@ def send_pairs(pid, programs, y, weights, pair_values, slot_rows, slot_offsets, 
         # the slot's home token: every row of a slot came from the same one
         token = tl.max(tl.load(src_token + rows.to(tl.int64), mask=rows >= 0, other=-1), axis=1)
         base = (token % W) * KMAX  # the token's rows in its round's window
+        # COMPACT: pass c takes the c-th valid row of every slot (and its choice k), so that it
+        # fills the lanes of every slot that has one (about 1.5 rows of top-8 a slot at EP 8):
+        # passes up to the tile's fullest slot, not K; else pass c takes choice c
+        valid = rows >= 0
+        place = tl.where(valid, tl.cumsum(valid.to(tl.int32), axis=1) - 1, -1)
+        passes = K
+        if COMPACT:
+            passes = tl.max(tl.max(place, axis=1), axis=0) + 1
         pairs = tl.zeros([1], tl.int64)
-        for k in range(K):
-            row = column(rows, k).to(tl.int64)
+        for c in range(passes):
+            if COMPACT:  # (row + 1 summed: -1 where a slot has no c-th row)
+                mine = place == c
+                row = tl.sum(tl.where(mine, rows + 1, 0), axis=1).to(tl.int64) - 1
+                at = base + tl.sum(tl.where(mine, kk[None, :], 0), axis=1)
+            else:
+                row = column(rows, c).to(tl.int64)
+                at = base + c
             rm = jm & (row >= 0)
-            at = base + k
-            for h0 in range(0, H, BLOCK_H):
+            for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
                 h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
                 m = rm[:, None] & hm[None, :]
-                v = tl.load(y + row[:, None] * H + h[None, :], mask=m)
+                v = tl.load(y + row[:, None] * H + h[None, :], mask=m)  # gate: live
                 tl.store(dst + at[:, None] * H + h[None, :], v, mask=m)  # gate: row
             wv = tl.zeros([BLOCK_T], tl.float32)
             pv = tl.zeros([BLOCK_T], tl.float32)
@@ -173,7 +193,7 @@ def invariant_send_kernel(
                slot_offsets, src_token, peer_ptrs, stats, xstats, rows_off, meta_off,
                signal_off, box_rows_off, box_meta_off, local_base, errors, ring_addr,
                RING_SLOTS, timeout_ns, H, K, R, me, W, KMAX, HAS_WEIGHTS, HAS_PAIR, TRANSPORT,
-               ALIGN, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R)
+               ALIGN, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R, True, COPY_STAGES)
     if draw_last_of(tickets, tl.num_programs(0)):
         if not timed_out(errors, NUM_THREADS):
             publish_pairs(peer_ptrs, signal_off, epoch, stats, local_base, ring_addr,

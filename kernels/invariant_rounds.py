@@ -51,7 +51,7 @@ import triton.language as tl
 from .bound import BoundLaunches, call_bound, launch, specs
 from .combine_rounds import rounds_grid
 from .comm import CPU_RANKS, Flavour, check_round_words, draw_last_of, timed_out, wait_round
-from .invariant import publish_pairs, reduce_tokens, send_pairs
+from .invariant import COPY_STAGES, publish_pairs, reduce_tokens, send_pairs
 from .tiles import MAX_TRIPS, combine_round_trips, even, tiles
 
 ROUNDS_TICKET = 7  # the word of ``tickets`` this kernel draws from (combine_rounds: 6)
@@ -119,7 +119,8 @@ def invariant_rounds_kernel(
                        signal_off, box_rows_off + parity * box_rows_parity,
                        box_meta_off + parity * box_meta_parity, local_base, errors, ring_addr,
                        RING_SLOTS, timeout_ns, H, K, R, me, W, KMAX, HAS_WEIGHTS, HAS_PAIR,
-                       TRANSPORT, ALIGN, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R)
+                       TRANSPORT, ALIGN, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R,
+                       not FT, 1 if FT else COPY_STAGES)  # (with FT: 8-16 bytes spilled)
             if draw_last_of(tickets, programs):  # the round's epoch to every rank
                 publish_pairs(peer_ptrs, signal_off, epoch, stats, local_base, ring_addr,
                               RING_SLOTS, errors, timeout_ns, R, me, TRANSPORT)

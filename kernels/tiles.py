@@ -293,18 +293,47 @@ def _expand_trips(a: dict) -> int:
             + _expand_tail_tiles(a) + _expand_slot_row_tiles(a))
 
 
-def gather_groups(world_size: int, num_experts: int, topk: int, slots: int,
-                  in_flight: int) -> float:
-    """Expected passes of a combine send's gathers over a tile of ``slots`` slots at uniform
-    routing: its fullest slot's rows (a token's choices among one rank's ``num_experts /
-    world_size`` experts, given it chose one there: hypergeometric) in groups of
-    ``in_flight``."""
+def _slot_rows(world_size: int, num_experts: int, topk: int) -> list:
+    """P(a slot holds c rows), c = 0..topk, at uniform routing: a token's choices among one
+    rank's ``num_experts / world_size`` experts, given it chose one there (hypergeometric)."""
     local = num_experts // world_size
     p = [math.comb(local, c) * math.comb(num_experts - local, topk - c)
          / math.comb(num_experts, topk) for c in range(topk + 1)]
-    below = [sum(p[1:c + 1]) / (1 - p[0]) for c in range(topk + 1)]  # P(rows <= c | >= 1)
-    return sum(math.ceil(c / in_flight) * (below[c] ** slots - below[c - 1] ** slots)
-               for c in range(1, topk + 1))
+    return [0.0] + [q / (1 - p[0]) for q in p[1:]]
+
+
+def fuller_tiles(world_size: int, num_experts: int, topk: int, slots: int,
+                 in_flight: int) -> float:
+    """The share of a combine send's tiles of ``slots`` slots that hold a slot of more than
+    ``in_flight`` rows at uniform routing."""
+    return 1 - sum(_slot_rows(world_size, num_experts, topk)[:in_flight + 1]) ** slots
+
+
+def further_rows(world_size: int, num_experts: int, topk: int, slots: int,
+                 in_flight: int) -> float:
+    """Expected rows past the first ``in_flight`` of the fullest of a tile's ``slots`` slots at
+    uniform routing (the trips of a combine send's loop over them, one at a time)."""
+    p = _slot_rows(world_size, num_experts, topk)
+    return sum(1 - sum(p[:c]) ** slots for c in range(in_flight + 1, topk + 1))
+
+
+def fullest_slot(world_size: int, num_experts: int, topk: int, slots: int) -> float:
+    """Expected rows of the fullest of ``slots`` slots at uniform routing (the passes of the
+    EP-invariant send over a tile's c-th rows)."""
+    p = _slot_rows(world_size, num_experts, topk)
+    return sum(1 - sum(p[:c]) ** slots for c in range(1, topk + 1))  # sum of P(max >= c)
+
+
+def slot_rows_mean(world_size: int, num_experts: int, topk: int) -> float:
+    """Expected rows of a slot at uniform routing."""
+    return sum(c * q for c, q in enumerate(_slot_rows(world_size, num_experts, topk)))
+
+
+def live_choices(world_size: int, num_experts: int, topk: int, in_flight: int) -> float:
+    """The share of a combine send's gathers of the first ``in_flight`` rows of its slots that
+    load at uniform routing: a slot's rows, at most ``in_flight`` of them, over ``in_flight``."""
+    p = _slot_rows(world_size, num_experts, topk)
+    return sum(min(c, in_flight) * p[c] for c in range(topk + 1)) / in_flight
 
 
 def _combine_send_trips(a: dict) -> int:
@@ -350,6 +379,32 @@ def _invariant_send_trips(a: dict) -> int:
     return _cdiv(a["R"] * uniform_slots(a["W"], a["R"], a["K"]), a["BLOCK_T"] * a["programs"])
 
 
+def _combine_live(a: dict) -> float:
+    return live_choices(a["R"], a["ROUTED_EXPERTS"], a["K"], a["IN_FLIGHT"])
+
+
+def _combine_fuller(a: dict) -> float:
+    return fuller_tiles(a["R"], a["ROUTED_EXPERTS"], a["K"], a["BLOCK_T"], a["IN_FLIGHT"])
+
+
+def _combine_further_rows(a: dict) -> float:
+    """A combine send's loop over a tile's further rows (where it is not pipelined)."""
+    return further_rows(a["R"], a["ROUTED_EXPERTS"], a["K"], a["BLOCK_T"], a["IN_FLIGHT"])
+
+
+def _invariant_passes(a: dict) -> float:
+    """The EP-invariant send's passes over a tile: its fullest slot's rows, or (with fault
+    tolerance in rounds) one per choice (kernels.invariant.send_pairs, COMPACT)."""
+    if a.get("FT"):
+        return a["K"]
+    return fullest_slot(a["R"], a["ROUTED_EXPERTS"], a["K"], a["BLOCK_T"])
+
+
+def _invariant_live(a: dict) -> float:
+    """The share of its passes' gathers that load: a slot's rows over the passes."""
+    return slot_rows_mean(a["R"], a["ROUTED_EXPERTS"], a["K"]) / _invariant_passes(a)
+
+
 def ll_block_rows(a: dict) -> float:
     """Rows of one (expert, source) block of the low-latency mode at uniform routing: a source's
     ``tokens * topk`` pairs spread over its ``L * R`` experts (the gate's config gives the
@@ -367,6 +422,11 @@ class Schedule:
     # slots filled), by loop variable: what kernels.critical_path cannot read off the bounds
     loops: dict = field(default_factory=dict)
     blocks: object = None  # WHOLE_GPU: launch arguments -> the blocks of work a launch has
+    # launch arguments -> the share of a ``# gate: live`` gather's lanes that load at uniform
+    # routing (kernels.critical_path.LIVE), and how often an ``if`` marked ``# gate: rare`` is
+    # taken there (kernels.critical_path.RARE)
+    live: object = None
+    rare: object = None
 
 
 def _per_token_tiles(a: dict) -> int:
@@ -390,9 +450,8 @@ SCHEDULES = {
         "j0": _expand_slot_tiles, "pad0": lambda a: 1, "tail0": _expand_tail_tiles,
         "slot0": _expand_slot_row_tiles}),
     "combine_send_kernel": Schedule(PERSISTENT, _combine_send_trips, loops={
-        "w": _combine_send_trips,
-        "c0": lambda a: gather_groups(a["R"], a["ROUTED_EXPERTS"], a["K"], a["BLOCK_T"],
-                                      a["IN_FLIGHT"])}),
+        "w": _combine_send_trips, "c": _combine_further_rows},
+        live=_combine_live, rare=_combine_fuller),
     "combine_reduce_kernel": Schedule(WAVE, lambda a: 1),
     "dispatch_rounds_kernel": Schedule(PERSISTENT, lambda a: dispatch_round_trips(
         a["R"], a["W"], a["K"], a["programs"], a["BLOCK_T"], a["EXPAND_T"],
@@ -410,14 +469,15 @@ SCHEDULES = {
     "combine_rounds_kernel": Schedule(PERSISTENT, lambda a: combine_round_trips(
         a["R"], a["W"], a["K"], a["H"], a["programs"], a["BLOCK_T"], a["REDUCE_T"],
         a["REDUCE_H"], a["HIER"] and a["R"] // a["N"] - 1), loops={  # a round's send
-        "w": _round_send_tiles,
-        "c0": lambda a: gather_groups(a["R"], a["ROUTED_EXPERTS"], a["K"], a["BLOCK_T"],
-                                      a["IN_FLIGHT"])}),
+        "w": _round_send_tiles, "c": _combine_further_rows},
+        live=_combine_live, rare=_combine_fuller),
     "invariant_rounds_kernel": Schedule(PERSISTENT, lambda a: combine_round_trips(
         a["R"], a["W"], a["K"], a["H"], a["programs"], a["BLOCK_T"], a["REDUCE_T"],
-        a["REDUCE_H"]), loops={"w": _round_send_tiles}),
+        a["REDUCE_H"]), loops={"w": _round_send_tiles, "c": _invariant_passes},
+        live=_invariant_live),
     "invariant_send_kernel": Schedule(PERSISTENT, _invariant_send_trips,
-                                      loops={"w": _invariant_send_trips}),
+                                      loops={"w": _invariant_send_trips, "c": _invariant_passes},
+                                      live=_invariant_live),
     "invariant_reduce_kernel": Schedule(WAVE, lambda a: 1),
     # the low-latency pair: a program per tile of tokens or per (expert, source) block, whole
     # rows (one pass of a block's rows at uniform routing); the send's earlier passes of

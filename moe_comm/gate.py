@@ -133,16 +133,23 @@ class Variant:
 
     def analysis(self) -> dict:
         """What ``kernels.critical_path`` walks for this variant: per config, the grid and
-        arguments of its heaviest launch and the trips of its loops bounded by data
-        (``Schedule.loops``, at uniform routing)."""
+        arguments of its heaviest launch, the trips of its loops bounded by data
+        (``Schedule.loops``, at uniform routing), the live share of its masked gathers
+        (``Schedule.live``) and how often its rare branch is taken (``Schedule.rare``)."""
+        from .kernels.critical_path import LIVE, RARE
         from .kernels.tiles import SCHEDULES
 
-        loops = SCHEDULES[self.launch.name].loops
+        schedule = SCHEDULES[self.launch.name]
         out = {}
         for cfg_name, (grid, args) in self.heaviest.items():
             a = dict(args, grid0=grid[0], grid1=grid[1], grid2=grid[2],
                      programs=grid[0] * grid[1] * grid[2])
-            out[cfg_name] = (grid, args, {name: trips(a) for name, trips in loops.items()})
+            hints = {name: trips(a) for name, trips in schedule.loops.items()}
+            if schedule.live is not None:
+                hints[LIVE] = schedule.live(a)
+            if schedule.rare is not None:
+                hints[RARE] = schedule.rare(a)
+            out[cfg_name] = (grid, args, hints)
         return out
 
     def rule_paths(self, facts) -> dict:

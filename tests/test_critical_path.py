@@ -26,16 +26,18 @@ def module(body: str, source: str, args: str = "%a: !tt.ptr<i32> loc(\"a\"(#loc)
 
 @pytest.fixture
 def source(tmp_path):
-    """A kernel source the IR's locations name: line 2 stores rows, line 3 is a cold branch."""
+    """A kernel source the IR's locations name: line 2 stores rows, line 3 is a cold branch,
+    line 4 a gather the routing masks, line 5 a branch taken now and then."""
     path = tmp_path / "k.py"
-    path.write_text("x = 1\ntl.store(p, v)  # gate: row\nif bad:  # gate: cold\n")
+    path.write_text("x = 1\ntl.store(p, v)  # gate: row\nif bad:  # gate: cold\n"
+                    "v = tl.load(p, mask=m)  # gate: live\nif fuller:  # gate: rare\n")
     return str(path)
 
 
 def walk(body, source, scalars=None, hints=None, grid=(1, 1, 1)):
     text = module(body, source)
     return cp.analyse(text, {"n": 4} if scalars is None else scalars, grid, hints or {},
-                      {(os.path.basename(source), 2)})
+                      {(os.path.basename(source), 2)}, {(os.path.basename(source), 4)})
 
 
 def test_loads_issued_together_cost_one_step_and_their_bytes_travel_together(source):
@@ -122,6 +124,54 @@ def test_a_cold_branch_is_not_taken_the_heavier_arm_is(source):
     assert walk(body.format(loc="#loc3"), source).steps == 0  # line 3: "# gate: cold"
 
 
+def test_a_rare_branch_counts_each_arm_as_often_as_it_is_taken(source):
+    body = """\
+    %c = arith.cmpi slt, %n, %n : i32 loc(#loc5)
+    scf.if %c {
+      %x = tt.load %a : !tt.ptr<i32> loc(#loc1)
+      %q = tt.addptr %a, %x : !tt.ptr<i32>, i32 loc(#loc1)
+      %y = tt.load %q : !tt.ptr<i32> loc(#loc1)
+      tt.store %a, %y : !tt.ptr<i32> loc(#loc1)
+    } else {
+      %z = tt.load %a : !tt.ptr<i32> loc(#loc1)
+      tt.store %a, %z : !tt.ptr<i32> loc(#loc1)
+    } loc(#loc5)
+"""
+    weighed = walk(body, source, hints={cp.RARE: 0.25})
+    assert weighed.steps == pytest.approx(0.25 * 2 + 0.75 * 1)
+    assert weighed.bytes == pytest.approx(0.25 * 3 * 4 + 0.75 * 2 * 4)
+    assert walk(body, source).steps == 2  # without the hint: the heavier arm
+
+
+def test_a_software_pipelined_loop_waits_a_share_of_a_step_a_trip(source):
+    body = """\
+    %c0 = arith.constant 0 : i32 loc(#loc1)
+    %c1 = arith.constant 1 : i32 loc(#loc1)
+    %buf = ttg.local_alloc : () -> !ttg.memdesc<{smem}> loc(#loc1)
+    %p = tt.splat %a : !tt.ptr<i32> -> {ptrs} loc(#loc1)
+    %t0 = ttg.async_copy_global_to_local %p, %buf : {ptrs} -> <{smem}> loc(#loc1)
+    %g0 = ttg.async_commit_group tokens %t0 loc(#loc1)
+    %r = scf.for %i = %c0 to %n step %c1 iter_args(%tok = %g0) -> (!ttg.async.token)  : i32 {{
+      %w = ttg.async_wait %tok {{num = {ahead} : i32}} loc(#loc1)
+      %v = ttg.local_load %buf token %w : !ttg.memdesc<{smem}> -> {values} loc(#loc1)
+      tt.store %p, %v : {ptrs} loc(#loc2)
+      %t1 = ttg.async_copy_global_to_local %p, %buf : {ptrs} -> <{smem}> loc(#loc1)
+      %g1 = ttg.async_commit_group tokens %t1 loc(#loc1)
+      scf.yield %g1 : !ttg.async.token loc(#loc1)
+    }} loc(#loc1)
+""".replace("{smem}", "128xi32, #shared, #smem, mutable").replace(
+        "{ptrs}", "tensor<128x!tt.ptr<i32>, #blocked>").replace(
+        "{values}", "tensor<128xi32, #blocked>")
+    # the first copy before the loop, then a trip waits for the copies of 1 + num trips back
+    one_ahead = walk(body.format(ahead=1), source, {"n": 4})
+    assert one_ahead.steps == pytest.approx(1 + 4 / 2)
+    assert one_ahead.inflight_bytes == 2 * 128 * 4  # this trip's tile and the next one's
+    assert one_ahead.bytes == (1 + 2 * 4) * 128 * 4
+    assert walk(body.format(ahead=2), source, {"n": 4}).steps == pytest.approx(1 + 4 / 3)
+    # num 0 waits for this trip's own copies: a whole step (issued last trip: ready now)
+    assert walk(body.format(ahead=0), source, {"n": 4}).steps >= 1
+
+
 def test_barriers_across_warps_cost_a_step_and_those_within_a_warp_none(source):
     body = """\
     %r = tt.make_range {{end = {n} : i32, start = 0 : i32}} : tensor<{n}xi32, {layout}> loc(#loc1)
@@ -162,6 +212,23 @@ def test_what_rows_wait_for_inside_a_loop_that_stores_them(source):
     assert plain.barriers_in_row_loops == [] and plain.steps == 4
 
 
+def test_a_gather_the_routing_masks_counts_its_live_lanes_only(source):
+    body = """\
+    %p = tt.splat %a : !tt.ptr<i32> -> tensor<128x!tt.ptr<i32>, #blocked> loc(#loc1)
+    %x = tt.load %p : tensor<128x!tt.ptr<i32>, #blocked> loc(#loc1)
+    %y = tt.load %p : tensor<128x!tt.ptr<i32>, #blocked> loc({line})
+    %s = arith.addi %x, %y : tensor<128xi32, #blocked> loc(#loc1)
+    tt.store %p, %s : tensor<128x!tt.ptr<i32>, #blocked> loc(#loc2)
+"""
+    marked = walk(body.format(line="#loc4"), source, hints={cp.LIVE: 0.25})
+    assert marked.bytes == (1 + 0.25 + 1) * 128 * 4
+    assert marked.inflight_bytes == (1 + 0.25) * 128 * 4
+    assert marked.steps == 1
+    # without the hint the marked load counts whole; an unmarked load never takes the hint
+    assert walk(body.format(line="#loc4"), source).bytes == 3 * 128 * 4
+    assert walk(body.format(line="#loc1"), source, hints={cp.LIVE: 0.25}).bytes == 3 * 128 * 4
+
+
 def test_predicted_time_is_the_slower_of_steps_and_bytes():
     path = cp.Path(steps=10, bytes=0)
     assert cp.predicted_us(path, programs=132, regs=64, num_warps=8) == \
@@ -171,3 +238,34 @@ def test_predicted_time_is_the_slower_of_steps_and_bytes():
         pytest.approx(2 * 10 * cp.LATENCY_US)
     heavy = cp.Path(steps=1, bytes=cp.SM_GBPS * 1e3 * 100)  # 100 us of one SM's bytes
     assert cp.predicted_us(heavy, programs=20, regs=64, num_warps=8) == pytest.approx(100)
+
+
+def test_the_combine_sends_routing_hints_match_a_uniform_draw():
+    """tiles.live_choices, fuller_tiles, further_rows, fullest_slot and slot_rows_mean against
+    tokens routed at random: rank 0 of 8 holds 32 of 256 experts, top-8; its slots are the
+    tokens with a choice there, in tiles of 64."""
+    import numpy as np
+
+    from moe_comm.kernels.tiles import (
+        fuller_tiles,
+        fullest_slot,
+        further_rows,
+        live_choices,
+        slot_rows_mean,
+    )
+
+    rng = np.random.default_rng(0)
+    chosen = rng.random((100_000, 256)).argpartition(8, axis=1)[:, :8]
+    rows = (chosen < 32).sum(axis=1)
+    rows = rows[rows > 0]  # one slot each
+    for in_flight in (1, 2, 4):
+        share = np.minimum(rows, in_flight).mean() / in_flight
+        assert live_choices(8, 256, 8, in_flight) == pytest.approx(share, abs=0.01)
+    tiles = rows[: rows.size // 64 * 64].reshape(-1, 64).max(axis=1)  # a tile's fullest slot
+    for in_flight in (2, 4):
+        assert fuller_tiles(8, 256, 8, 64, in_flight) == pytest.approx(
+            (tiles > in_flight).mean(), abs=0.02)
+        assert further_rows(8, 256, 8, 64, in_flight) == pytest.approx(
+            np.maximum(tiles - in_flight, 0).mean(), abs=0.05)
+    assert fullest_slot(8, 256, 8, 64) == pytest.approx(tiles.mean(), abs=0.05)
+    assert slot_rows_mean(8, 256, 8) == pytest.approx(rows.mean(), abs=0.01)

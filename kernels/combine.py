@@ -12,8 +12,10 @@ Equivalent PyTorch::
 device) round-robin; for each tile the rows of every slot's choices are compacted once (valid
 rows first, in choice order) and the first ``gathers_in_flight`` of them (1, 2 or 4, as many as
 registers hold) and their weights loaded once into registers; then every channel tile issues
-those rows' gathers together (a slot's further rows, rare, one at a time after them), reduces
-them in fp32 in choice order (fp64 for fp64 data) and stores one partial row into rank ``s``'s
+those rows' gathers together, in a software-pipelined loop (the next channel tile's gathers in
+flight while one is summed and stored; a tile whose fullest slot has more rows takes them
+``gathers_in_flight`` at a time after them), reduces them in fp32 in choice order (fp64 for
+fp64 data) and stores one partial row into rank ``s``'s
 ``combine_rows[p, me, slot]``; optionally one float per (slot, choice) goes along into
 ``combine_meta`` (the gradient of the router weights). The last program publishes the epoch to
 every rank. Bytes stored into rank ``s``: ``n_s * (H * elem [+ 4K]) + 8``: the mirror image of
@@ -641,7 +643,7 @@ def gathers_in_flight(topk: int, elem_bytes: int, compiled: bool) -> int:
     """Rows of a slot (its compacted choices) a combine send gathers at once, their indices and
     weights held across the channel tiles: 1, 2 or 4, never more than the choices' block; on a
     GPU as many as registers hold beside the fp32 accumulator (4 rows of 16-bit data, 2 of
-    32-bit, 1 of 64-bit), 4 in the interpreter (its cost is per operation)."""
+    32-bit, 1 of 64-bit), 4 in the interpreter (the 16-bit path, whatever the dtype)."""
     block_k = triton.next_power_of_2(max(topk, 1))
     return min(block_k, 8 // elem_bytes if compiled else 4)
 

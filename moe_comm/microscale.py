@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+FP8_GROUP = 128  # this package's FP8: e4m3 codes, one float32 scale per 128 channels
 MX_GROUP = 32
 NVFP4_GROUP = 16
 E4M3_MAX = 448.0
@@ -70,6 +71,13 @@ def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = ue8m0_ceil(_div(amax, E4M3_MAX))
     q = _div(g, scale[..., None].expand_as(g).contiguous()).reshape(T, H)
     return q.to(torch.float8_e4m3fn), e8m0_codes(scale).view(torch.float8_e8m0fnu)
+
+
+def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """This package's FP8 rows back to float32: ``q.float() * scale`` per group of 128
+    channels ([T, H] codes, [T, H / 128] float32 scales)."""
+    T, H = q.shape
+    return (q.float().reshape(T, H // FP8_GROUP, FP8_GROUP) * scales[..., None]).reshape(T, H)
 
 
 def dequantize_mxfp8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import microscale
+from .microscale import dequantize_fp8
 
 
 @dataclass
@@ -80,12 +81,6 @@ def quantize_fp8(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, to
         scale = microscale.ue8m0_ceil(scale)
     q = (g / scale[..., None]).reshape(T, H).to(torch.float8_e4m3fn)
     return q, scale
-
-
-def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``q.float() * scale`` per group of 128 channels: [T, H] float32."""
-    T, H = q.shape
-    return (q.float().reshape(T, H // FP8_GROUP, FP8_GROUP) * scales[..., None]).reshape(T, H)
 
 
 def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 import moe_comm
-from moe_comm import microscale, reference
+from moe_comm import microscale
 
 __all__ = ["BufferCache", "buffers", "dispatch", "DISPATCH_DTYPES", "COMBINE_DTYPES"]
 
@@ -131,7 +131,7 @@ def dequantize_rows(res: moe_comm.DispatchResult, dispatch_dtype: str,
     """The rows of a quantized dispatch (``dispatch_dtype`` "fp8" with float32 scales,
     "mxfp8" or "nvfp4", row-major scales) as ``[rows, H]`` of ``dtype``."""
     if dispatch_dtype == "fp8":
-        rows = reference.dequantize_fp8(res.x, res.x_scales)
+        rows = microscale.dequantize_fp8(res.x, res.x_scales)
     elif dispatch_dtype == "mxfp8":
         rows = microscale.dequantize_mxfp8(res.x, res.x_scales)
     else:

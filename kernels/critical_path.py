@@ -416,9 +416,7 @@ class _Walk:
         """Trips of copies an ``async_wait`` inside a software-pipelined loop leaves in flight:
         its ``num`` (commit groups still outstanding) over the groups a trip commits."""
         m = re.search(r"\{num = (\d+)", op.text)
-        if not self.pipelines or not self.pipelines[-1][0] or m is None:
-            return 0
-        return int(m.group(1)) // self.pipelines[-1][0]
+        return int(m.group(1)) // self.pipelines[-1][0] if m else 0
 
     def operands_ready(self, op: Op, skip=()) -> float:
         """When ``op``'s operands are there (``skip``: those it does not wait for: a loop's
@@ -512,11 +510,15 @@ class _Walk:
             elif name == "ttg.async_commit_group":  # issues at once; its token: when they land
                 ready = self.operands_ready(op)
             elif name == "ttg.async_wait":  # the thread waits (then every warp, a barrier)
-                ahead = self.pipelined_ahead(op)
                 at = max(at, done, floor_mem)
                 ready = at
-                if ahead:  # the oldest of 1 + ahead trips' copies (from earlier trips, in
-                    # flight for as many trips): a share of a step a trip
+                # its tokens carried by the loop (a drain after a pipelined loop names none: it
+                # waits for the copies of trips past the loop's end, which load nothing)
+                carried = op.operands() and not any(o in self.ready for o in op.operands())
+                if carried and self.pipelines and self.pipelines[-1][0]:  # in a loop that
+                    # copies: the oldest of 1 + ahead trips' copies (issued in earlier trips, in
+                    # flight for as many trips), a share of a step a trip
+                    ahead = self.pipelined_ahead(op)
                     at = max(floor, done, floor_mem)
                     ready = at + 1 / (1 + ahead)
                     self.loads_at[at] = self.loads_at.get(at, 0.0) \

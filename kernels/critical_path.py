@@ -392,15 +392,17 @@ class _Walk:
         except (OSError, IndexError):
             return ""
 
+    def marked(self, op: Op, tag: str) -> bool:
+        """An op whose source line ends in ``# gate: <tag>``."""
+        return re.search(rf"#\s*gate:\s*{tag}\s*$", self.source_line(op)) is not None
+
     def is_cold(self, op: Op) -> bool:
         """An ``if`` whose source line is marked ``# gate: cold``."""
-        return re.search(r"#\s*gate:\s*cold\s*$", self.source_line(op)) is not None
+        return self.marked(op, "cold")
 
     def rare(self, op: Op) -> float | None:
         """How often an ``if`` marked ``# gate: rare`` is taken (the hint :data:`RARE`)."""
-        if RARE in self.hints and re.search(r"#\s*gate:\s*rare\s*$", self.source_line(op)):
-            return self.hints[RARE]
-        return None
+        return self.hints[RARE] if RARE in self.hints and self.marked(op, "rare") else None
 
     def is_row_store(self, op: Op) -> bool:
         f, line = source_of(self.m, op.loc)

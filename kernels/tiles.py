@@ -319,9 +319,8 @@ def further_rows(world_size: int, num_experts: int, topk: int, slots: int,
 
 def fullest_slot(world_size: int, num_experts: int, topk: int, slots: int) -> float:
     """Expected rows of the fullest of ``slots`` slots at uniform routing (the passes of the
-    EP-invariant send over a tile's c-th rows)."""
-    p = _slot_rows(world_size, num_experts, topk)
-    return sum(1 - sum(p[:c]) ** slots for c in range(1, topk + 1))  # sum of P(max >= c)
+    EP-invariant send over a tile's c-th rows): :func:`further_rows` past none."""
+    return further_rows(world_size, num_experts, topk, slots, 0)
 
 
 def slot_rows_mean(world_size: int, num_experts: int, topk: int) -> float:

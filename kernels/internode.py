@@ -479,6 +479,27 @@ def publish_forwarded(plan, peer_ptrs, parity, epoch, local_base, R, L, N, me,
                 publish_epoch(peer_ptrs, d, _at(plan, D_SIGNALS) + src2 * 8, epoch)
 
 
+@triton.jit
+def other_node(i, me, N):
+    """The ``i``-th node other than this rank's (``me // N``): the forwarders' grids run
+    ``(M - 1, P)`` programs, so that none of them idles on this rank's own node."""
+    return i + (i >= me // N).to(tl.int32)
+
+
+def forward_grid(num_nodes: int, rows: int, block_t: int, num_sms: int | None,
+                 compiled: bool) -> tuple[int, int]:
+    """Grid ``(M - 1, P)`` of the forwarders (at least one program for one node): ``P``
+    programs per other node, one per tile of ``rows`` (at most 32), ``(M - 1) * P`` at most
+    ``num_sms`` (one program per node in the interpreter)."""
+    nodes = max(num_nodes - 1, 1)
+    if not compiled:
+        return nodes, 1
+    per_node = min(triton.cdiv(rows, block_t), 32)
+    if num_sms:
+        per_node = min(per_node, num_sms // nodes)
+    return nodes, max(1, per_node)
+
+
 @triton.jit(do_not_specialize=_FORWARD_PER_CALL)
 def forward_dispatch_kernel(
     plan,  # [PLAN_FIELDS] int64
@@ -496,15 +517,16 @@ def forward_dispatch_kernel(
     ALIGN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, NUM_THREADS: tl.constexpr,
 ):
-    """Program ``(a, p)``: the rows node ``a``'s source with this local index sent here, stored
+    """Program ``(i, p)``: the rows node ``a`` (the ``i``-th other node, :func:`other_node`)'s
+    source with this local index sent here, stored
     into the staging of every rank of this node that gets them (:func:`forward_rows`); the last
     program copies the counts and publishes the sources' epochs (:func:`publish_forwarded`)."""
-    a = tl.program_id(0)
+    a = other_node(tl.program_id(0), me, N)
     p = tl.program_id(1)
     epoch = tl.load(epochs)
     parity = epoch % 2
     forwarded = tl.zeros([1], tl.int64)
-    if a != me // N:
+    if a < R // N:
         forwarded = forward_rows(a, p, tl.num_programs(1), parity, plan, peer_ptrs, fwd_slots,
                                  fwd_n, local_base, TMAX, L, N, me, ROW_BYTES, PAYLOAD,
                                  META_STRIDE, NODE_META, CACHED, ALIGN, BLOCK_T, BLOCK_B,
@@ -539,15 +561,16 @@ def forward_combine_kernel(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_THREADS: tl.constexpr,
 ):
-    """Program ``(a, p)``: for each node row from node ``a``, the sum in local-rank order of
+    """Program ``(i, p)``: for each node row from node ``a`` (the ``i``-th other node,
+    :func:`other_node`), the sum in local-rank order of
     this node's partials (fp32, rounded once; with FP8 quantized from fp32) into the outbox;
     the last program posts one transfer per source node to the source (this local index
     there)."""
-    a = tl.program_id(0)
+    a = other_node(tl.program_id(0), me, N)
     epoch = tl.load(epochs)
     parity = epoch % 2
     summed = tl.zeros([1], tl.int64)
-    if a != me // N:
+    if a < R // N:
         summed += forward_node_sums(a, tl.program_id(1), tl.num_programs(1), parity, hc_rows,
                                     hc_meta, box_rows, box_meta, fwd_slots, fwd_n, TMAX, H, K,
                                     N, HC_PARITY, HC_META_PARITY, BOX_PARITY, BOX_META_PARITY,
@@ -776,12 +799,12 @@ def forward_tiles(flavour: Flavour):
 def forward_dispatch(plan, peer_ptrs, fwd_slots, fwd_n, xstats, tickets, epochs, *, rank: int,
                      num_local_experts: int, max_tokens: int, row_bytes: int, payload: int,
                      meta_stride: int, node_meta_stride: int, cached: bool,
-                     flavour: Flavour) -> bool:
-    """Launches :func:`forward_dispatch_kernel` on grid ``(M, P)``."""
+                     num_sms: int | None, flavour: Flavour) -> bool:
+    """Launches :func:`forward_dispatch_kernel` on :func:`forward_grid`."""
     R, N = peer_ptrs.numel(), flavour.ranks_per_node
     tile, block_b = forward_tiles(flavour)
-    P = 1 if not flavour.compiled else max(1, min(triton.cdiv(max_tokens, tile.block_t), 32))
-    forward_dispatch_kernel[(R // N, P)](
+    forward_dispatch_kernel[forward_grid(R // N, max_tokens, tile.block_t, num_sms,
+                                         flavour.compiled)](
         plan, peer_ptrs, fwd_slots, fwd_n, xstats, tickets, epochs, flavour.local_base,
         flavour.errors_addr, max_tokens, R, num_local_experts, N, rank, row_bytes, payload,
         META_STRIDE=meta_stride, NODE_META=node_meta_stride, CACHED=cached,
@@ -794,12 +817,12 @@ def forward_dispatch(plan, peer_ptrs, fwd_slots, fwd_n, xstats, tickets, epochs,
 
 def forward_combine(hc_rows, hc_meta, box_rows, box_meta, fwd_slots, fwd_n, plan, xstats,
                     tickets, epochs, *, rank: int, world_size: int, topk: int, max_topk: int,
-                    has_pair: bool, flavour: Flavour, fp8: bool = False) -> bool:
-    """Launches :func:`forward_combine_kernel` on grid ``(M, P)`` (``fp8``: FP8 sums)."""
+                    has_pair: bool, num_sms: int | None, flavour: Flavour,
+                    fp8: bool = False) -> bool:
+    """Launches :func:`forward_combine_kernel` on :func:`forward_grid` (``fp8``: FP8 sums)."""
     P_, M, N, TMAX, H = hc_rows.shape
     tile = tiles("combine_send", flavour.compiled, H, max(4, hc_rows.element_size()))
-    P = 1 if not flavour.compiled else max(1, min(triton.cdiv(TMAX, tile.block_t), 32))
-    forward_combine_kernel[(M, P)](
+    forward_combine_kernel[forward_grid(M, TMAX, tile.block_t, num_sms, flavour.compiled)](
         hc_rows, hc_meta, box_rows, box_meta, fwd_slots, fwd_n, plan, xstats, tickets, epochs,
         flavour.local_base, flavour.ring_addr, flavour.errors_addr, flavour.timeout_ns,
         TMAX, H, topk, world_size, N, rank, flavour.ring_slots, hc_rows.stride(0),

@@ -453,7 +453,8 @@ class NormalMode:
             self._channel_words(DISPATCH)[1], rank=self.rank,
             num_local_experts=self.num_local_experts, max_tokens=self.layout.ring_slots,
             row_bytes=self._row_bytes, payload=payload, meta_stride=self.layout.meta_stride,
-            node_meta_stride=self.layout.node_meta_stride, cached=cached, flavour=self.flavour)
+            node_meta_stride=self.layout.node_meta_stride, cached=cached, num_sms=self.num_sms,
+            flavour=self.flavour)
 
     def _forward_combine(self, epoch: int, fwd_slots, fwd_n, topk: int, has_pair: bool,
                          fp8: bool = False) -> None:
@@ -470,7 +471,8 @@ class NormalMode:
             self._ticket_words[internode.FORWARD_COMBINE_TICKET:
                                internode.FORWARD_COMBINE_TICKET + 1],
             self._channel_words(COMBINE)[1], rank=self.rank, world_size=self.world_size,
-            topk=topk, max_topk=self.max_topk, has_pair=has_pair, flavour=self.flavour, fp8=fp8)
+            topk=topk, max_topk=self.max_topk, has_pair=has_pair, num_sms=self.num_sms,
+            flavour=self.flavour, fp8=fp8)
 
     def _received_layout(self, expert_alignment: int, pending: PendingSend,
                          within: torch.Tensor | None = None, slot_offsets=None):

@@ -232,3 +232,15 @@ def test_low_latency_across_nodes_two_in_flight(ranks):
                  transport="nixl")
     ranks(4).run(ll_pipelined_dispatches, case, calls=6, straggle_s=0.03, ranks_per_node=2,
                  transport="nixl")
+
+
+@pytest.mark.parametrize("nodes,num_sms", [(2, 20), (4, 20), (8, 20), (2, None), (16, 8)])
+def test_forwarders_run_on_other_nodes_within_num_sms(nodes, num_sms):
+    from kernels.internode import forward_grid
+
+    other, per_node = forward_grid(nodes, 4096, 64, num_sms, compiled=True)
+    assert other == nodes - 1 and per_node >= 1
+    if num_sms and num_sms >= other:
+        assert other * per_node <= num_sms
+    assert per_node <= 32
+    assert forward_grid(nodes, 4096, 64, num_sms, compiled=False) == (nodes - 1, 1)

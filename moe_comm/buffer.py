@@ -57,7 +57,9 @@ from .transport.select import nixl_backend as nixl_backend_name
 from .types import DispatchHandle, DispatchResult
 from .validation import (
     FLOAT_DTYPES,
+    check_combine_bounds,
     check_combine_inputs,
+    check_dispatch_bounds,
     check_dispatch_inputs,
     check_scale_layout,
     combine_is_fp8,
@@ -109,7 +111,7 @@ def check_kernel_impl(kernel_impl: str, device: torch.device, low_latency: bool,
 
 def _check_config(world_size: int, hidden, num_experts, max_tokens_per_rank, dtype, max_topk,
                   dispatch_dtype=None):
-    for name, v in (("hidden", hidden), ("num_experts", num_experts),
+    for name, v in (("world_size", world_size), ("hidden", hidden), ("num_experts", num_experts),
                     ("max_tokens_per_rank", max_tokens_per_rank), ("max_topk", max_topk)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -384,7 +386,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             for region, index in never_signalled(layout, heap.rank):
                 layout.view(heap, region)[index] = NEVER  # waits see them arrived
         self._ll_epochs = [0, 0]  # host mirrors of the device epochs (CPU waits need them)
-        self._ll_pending = [0, 0]  # sends of each channel whose hook has not run
+        self._ll_queue = ([], [])  # hooks of each channel whose receive has not run, in order
         self._ll_op_pending = {}  # the same through moe_comm.ll_ops: (channel, serial) -> entry
         self._ll_state = layout.view(heap, "ll_state") if layout.low_latency else None
         if layout.low_latency and layout.proxy:  # the proxy copies pair meta words from here
@@ -654,17 +656,33 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
     def _dispatch_inputs(self, x, topk_idx, topk_weights, expert_alignment, fp8, ue8m0: int,
                          col_major_scales, max_recv_rows=None, global_scale=None) -> tuple:
         """``(rows, scales, mode)`` of a dispatch's ``x`` (``validation.resolve_fp8``), the
-        inputs checked unless ``MOE_COMM_CHECK_INPUTS=0``."""
+        inputs checked (with ``MOE_COMM_CHECK_INPUTS=0`` only what keeps the kernels inside
+        their buffers: ``validation.check_dispatch_bounds``)."""
         rows, scales, mode = resolve_fp8(
             x, fp8, ue8m0, col_major_scales, default_fp8=self.dispatch_dtype != self.dtype,
             hidden=self.hidden, device=self.device, global_scale=global_scale)
+        dtype, width = sent_rows_check(mode, ue8m0, self.hidden, self.dtype)
         if env.check_inputs():
-            dtype, width = sent_rows_check(mode, ue8m0, self.hidden, self.dtype)
             check_dispatch_inputs(rows, topk_idx, topk_weights, expert_alignment,
                                   hidden=width, max_tokens=self.max_tokens_per_rank,
                                   max_topk=self.max_topk, dtype=dtype,
                                   device=self.device, max_recv_rows=max_recv_rows)
+        else:
+            check_dispatch_bounds(rows, topk_idx, topk_weights, hidden=width,
+                                  max_tokens=self.max_tokens_per_rank, max_topk=self.max_topk,
+                                  itemsize=dtype.itemsize)
         return rows, scales, mode
+
+    def _combine_inputs(self, y, handle, weights) -> None:
+        """A combine's inputs checked (``validation.check_combine_inputs``), or with
+        ``MOE_COMM_CHECK_INPUTS=0`` only what keeps the kernels inside their buffers."""
+        if env.check_inputs():
+            check_combine_inputs(y, handle, weights, buffer_id=self.id,
+                                 latest_serial=self.dispatch_serial, hidden=self.hidden,
+                                 dtype=self.dtype, device=self.device)
+        else:
+            check_combine_bounds(y, handle, weights, buffer_id=self.id, hidden=self.hidden,
+                                 itemsize=self.dtype.itemsize)
 
     def _with_routing(self, res: DispatchResult, topk_idx, topk_weights) -> DispatchResult:
         """A fault-tolerant Buffer's handle keeps the routing (for ``combine(...,
@@ -743,10 +761,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         self._invariant_normal_mode()
         fp8 = combine_is_fp8(combine_dtype, dtype=self.dtype, hidden=self.hidden,
                              ep_invariant=self.ep_invariant)
-        if env.check_inputs():
-            check_combine_inputs(y, handle, weights, buffer_id=self.id,
-                                 latest_serial=self.dispatch_serial, hidden=self.hidden,
-                                 dtype=self.dtype, device=self.device)
+        self._combine_inputs(y, handle, weights)
         out = combine_autograd(self, y, handle, weights, fp8)
         if renormalize:
             self._ft_require("renormalize=True")

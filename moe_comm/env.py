@@ -28,7 +28,9 @@ def timeout_s() -> float:
 
 def check_inputs() -> bool:
     """``MOE_COMM_CHECK_INPUTS``: 0 skips the host-side checks of types, shapes, devices and
-    handles (none of them reads tensor data; the kernels check the expert ids either way)."""
+    handles, except the sizes that keep the kernels inside their buffers
+    (``validation.check_dispatch_bounds``, ``check_combine_bounds``); none of them reads tensor
+    data, and the kernels check the expert ids either way."""
     return os.environ.get("MOE_COMM_CHECK_INPUTS", "1") != "0"
 
 

@@ -165,7 +165,7 @@ class FaultTolerance:
         clean_mask itself can leave the views different: call it again.)"""
         self._ft_require("clean_mask")
         self._check_usable()
-        if any(self._ll_pending):
+        if any(self._ll_queue):
             raise RuntimeError("clean_mask with a low-latency hook not yet called; call the "
                                "hooks first")
         if self.device.type == "cuda":

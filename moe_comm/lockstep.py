@@ -13,12 +13,9 @@ import torch
 from .ops import wrap_dispatch_outputs
 from .types import DispatchResult
 from .validation import (
-    check_combine_inputs,
-    check_dispatch_inputs,
+    check_cached_rows,
     combine_is_fp8,
-    resolve_fp8,
     scale_code,
-    sent_rows_check,
 )
 
 
@@ -52,14 +49,8 @@ def dispatch(buffers, xs, topk_idxs, topk_weights=None, expert_alignment: int = 
     for buf, x, idx, w in zip(buffers, xs, topk_idxs, topk_weights, strict=True):
         buf._check_usable()
         buf._raise_input_errors("an earlier call")
-        rows, scales, mode = resolve_fp8(
-            x, fp8, ue8m0, col_major_scales, default_fp8=buf.dispatch_dtype != buf.dtype,
-            hidden=buf.hidden, device=buf.device, global_scale=global_scale)
-        dtype, width = sent_rows_check(mode, ue8m0, buf.hidden, buf.dtype)
-        check_dispatch_inputs(rows, idx, w, expert_alignment, hidden=width,
-                              max_tokens=buf.max_tokens_per_rank, max_topk=buf.max_topk,
-                              device=buf.device, max_recv_rows=max_recv_rows, dtype=dtype)
-        prepared.append((rows, scales, mode))
+        prepared.append(buf._dispatch_inputs(x, idx, w, expert_alignment, fp8, ue8m0,
+                                             col_major_scales, max_recv_rows, global_scale))
     pending = [buf.dispatch_send(rows, idx, w, scales, mode, ue8m0, expert_alignment)
                for buf, (rows, scales, mode), idx, w
                in zip(buffers, prepared, topk_idxs, topk_weights)]
@@ -88,8 +79,7 @@ def combine(buffers, ys, handles, weights=None, *, combine_dtype=None) -> list[t
     for buf, y, h, w in zip(buffers, ys, handles, weights, strict=True):
         buf._check_usable()
         buf._raise_input_errors("an earlier call")
-        check_combine_inputs(y, h, w, buffer_id=buf.id, latest_serial=buf.dispatch_serial,
-                             hidden=buf.hidden, dtype=buf.dtype, device=buf.device)
+        buf._combine_inputs(y, h, w)
     pending = [buf.combine_send(y, w, None, h.slot_rows, h.recv_slot_offsets,
                                 *h.node_tensors()[1:], fp8=fp8, src_token=h.src_token)
                for buf, y, h, w in zip(buffers, ys, handles, weights)]
@@ -102,6 +92,8 @@ def combine(buffers, ys, handles, weights=None, *, combine_dtype=None) -> list[t
 def dispatch_cached(buffers, xs, handles) -> list[torch.Tensor]:
     """Every virtual rank's dispatch of the cached layout of ``handles`` (the backward of
     combine): rows [num_rows, H] per rank."""
+    for buf, x, h in zip(buffers, xs, handles, strict=True):
+        check_cached_rows(x, h.slot_of, hidden=buf.hidden, dtype=buf.dtype)
     pending = [buf.dispatch_cached_send(x, h.slot_of, h.node_tensors()[0])
                for buf, x, h in zip(buffers, xs, handles, strict=True)]
     return in_lockstep([buf.dispatch_cached_recv_steps(

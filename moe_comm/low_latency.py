@@ -20,8 +20,8 @@ at the call that failed on CPU ranks; on a GPU at the first hook or call after t
 recorded it. The CUDA kernels of csrc/ (``kernel_impl="cuda"``) do not check expert ids:
 with them one small launch per op (``kernels.layout.checked_topk_idx``) hands them
 ``topk_idx`` with every bad row set to -1, and the dispatch records the first bad row, as the
-Triton kernels do in place (no synchronisation either way; ``MOE_COMM_CHECK_INPUTS=0`` drops
-that launch, and a bad id is then undefined behaviour).
+Triton kernels do in place (no synchronisation either way; ``MOE_COMM_CHECK_INPUTS=0`` keeps
+that launch: it is what keeps the CUDA kernels inside their slots).
 """
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ from .kernels.quant import MXFP8, NVFP4, scale_group
 from .microscale import swizzle_128x4
 from .validation import (
     check_block_scaled_options,
+    check_dispatch_bounds,
     check_dispatch_inputs,
     check_scale_layout,
     check_tensor,
@@ -97,22 +98,41 @@ class LowLatencyRecv:
 
 
 class _Hook:
-    """Callable once; runs the receive phase of one low-latency call."""
+    """Callable once; returns its call's receive. The device receives a channel's calls in the
+    order they were sent (it counts them), so a hook first runs every earlier receive of its
+    channel whose hook has not run (each into its own call's outputs, kept for its hook):
+    hooks called in any order, or never, each give their own call's rows."""
 
-    def __init__(self, buffer, channel: int, receive):
+    def __init__(self, buffer, channel: int, serial: int, receive):
         self._buffer, self._channel, self._receive = buffer, channel, receive
-        self.done = False
+        self.serial = serial  # the call's epoch on its channel
+        self.done = False  # the hook was called
+        self.received = False  # the receive ran (by this hook or by a later one)
+        self._result = None
+        buffer._ll_queue[channel].append(self)
 
     def __call__(self):
         if self.done:
-            raise RuntimeError("this low-latency hook was already called")
+            raise RuntimeError(f"the hook of low-latency {_WHAT[self._channel]} call "
+                               f"{self.serial} was already called")
         self.done = True
-        self._buffer._ll_pending[self._channel] -= 1
-        result = self._receive()
-        what = "low-latency dispatch" if self._channel == DISPATCH else "low-latency combine"
+        queue = self._buffer._ll_queue[self._channel]
+        while not self.received:
+            _receive_oldest(queue)
+        what = f"low-latency {_WHAT[self._channel]}"
         self._buffer._check_usable(what)
         self._buffer._raise_input_errors(what)
-        return result
+        return self._result
+
+
+_WHAT = {DISPATCH: "dispatch", COMBINE: "combine"}
+
+
+def _receive_oldest(queue: list) -> None:
+    """Runs the receive of the oldest hook in ``queue`` (its hook returns the result)."""
+    oldest = queue.pop(0)
+    oldest.received = True
+    oldest._result = oldest._receive()
 
 
 def _ll_scales_out(L: int, rows: int, groups: int, ue8m0: int, col_major: bool, device):
@@ -182,9 +202,32 @@ class LowLatencyMode:
         return first, lay.offset("ll_acks", channel, 1) - first
 
     def _ll_check_in_flight(self, channel: int, what: str) -> None:
-        if self._ll_pending[channel] >= IN_FLIGHT:
-            raise RuntimeError(f"{IN_FLIGHT} low-latency {what} calls are already waiting for "
-                               "their hooks; call the oldest hook before sending again")
+        """A send finds a staging parity free: with ``IN_FLIGHT`` calls of the channel whose
+        hooks have not run, the oldest one's hook was dropped (or is late): its receive runs now
+        (into its own outputs, which its hook still returns) and the call raises naming it, so
+        the parity is clean and the next call is right."""
+        queue = self._ll_queue[channel]
+        if len(queue) < IN_FLIGHT:
+            return
+        oldest = queue[0]
+        serials = [h.serial for h in queue]
+        _receive_oldest(queue)
+        self._check_usable(f"low-latency {what}")
+        raise RuntimeError(f"{IN_FLIGHT} low-latency {what} calls ({serials}) were waiting for "
+                           f"their hooks on rank {self.rank}: a hook was dropped or called too "
+                           f"late. Call {oldest.serial} has now been received (its hook returns "
+                           "its rows) and this call was not sent; call each hook before the "
+                           f"send after next, or clean_low_latency_buffer() on every rank")
+
+    def clean_low_latency_buffer(self) -> None:
+        """Runs every low-latency receive whose hook has not run, oldest first (each into its
+        own call's outputs, which its hook still returns), so that no call is left half done;
+        call it on every rank (each receive waits for its peers' sends of that call). Equivalent
+        to calling every outstanding hook in order and dropping the results."""
+        self._ll_require()
+        for queue in self._ll_queue:
+            while queue:
+                _receive_oldest(queue)
 
     def _ll_begin(self, channel: int, what: str) -> int:
         """Epoch of a new send; waits until every destination consumed this parity's last call."""
@@ -231,14 +274,13 @@ class LowLatencyMode:
 
     def _csrc_ids(self, topk_idx: torch.Tensor, record: bool) -> torch.Tensor:
         """``topk_idx`` as the csrc/ kernels may read it: bad rows -1 (one launch; with
-        ``record`` the first is recorded), unless input checks are off."""
-        if not env.check_inputs():
-            return topk_idx
+        ``record`` the first is recorded), input checks on or off (the csrc/ kernels index
+        their slots by the ids unchecked)."""
         self.launches["checked_topk_idx"] += 1
         return checked_topk_idx(topk_idx, self.num_experts, self.flavour, record)
 
     # ----------------------------------------------------------------- dispatch
-    def low_latency_dispatch(self, x, topk_idx: torch.Tensor, *, fp8: bool = True,
+    def low_latency_dispatch(self, x, topk_idx: torch.Tensor, *, fp8: bool | None = None,
                              ue8m0: bool = False, col_major_scales: bool = False,
                              cumulative_local_expert_recv_stats: torch.Tensor | None = None,
                              return_hook: bool = False, dispatch_dtype: str | None = None,
@@ -247,8 +289,11 @@ class LowLatencyMode:
         """Puts every (token, expert) pair into the expert's slot; returns ``(recv, hook)``.
 
         ``x`` [T, H] of the Buffer's dtype (T <= max_tokens_per_rank); ``topk_idx`` [T, K]
-        int64 in ``[0, E)`` or -1. ``fp8`` quantizes in the send kernel (H % 128 == 0), with
-        ``ue8m0`` / ``col_major_scales`` as in ``Buffer.dispatch``; ``dispatch_dtype="mxfp8"``:
+        int64 in ``[0, E)`` or -1. The rows travel in the Buffer's dtype unless a format is
+        asked for (``fp8=None``: quantize exactly when ``ue8m0``, ``col_major_scales`` or
+        ``dispatch_dtype`` is given). ``fp8=True`` quantizes in the send kernel to FP8 per 128
+        channels (H % 128 == 0), with ``ue8m0`` / ``col_major_scales`` as in ``Buffer.dispatch``
+        (``moe_comm.deep_ep`` keeps DeepEP's ``use_fp8=True`` default); ``dispatch_dtype="mxfp8"``:
         MXFP8 (E8M0 per 32 channels, H % 32 == 0; ``recv.x_scales`` float8_e8m0fnu
         [L, R * T_max, H/32]); ``"nvfp4"``: NVFP4 as in ``Buffer.dispatch`` (``global_scale``
         [1] float32 or computed on the device; ``recv.x`` [L, R * T_max, H/2] uint8,
@@ -267,6 +312,12 @@ class LowLatencyMode:
             check_dispatch_inputs(x, topk_idx, None, 1, hidden=self.hidden,
                                   max_tokens=self.max_tokens_per_rank, max_topk=self.max_topk,
                                   dtype=self.dtype, device=self.device)
+        else:
+            check_dispatch_bounds(x, topk_idx, None, hidden=self.hidden,
+                                  max_tokens=self.max_tokens_per_rank, max_topk=self.max_topk,
+                                  itemsize=self.dtype.itemsize)
+        if fp8 is None:
+            fp8 = bool(dispatch_dtype is not None or ue8m0 or col_major_scales)
         ue8m0 = scale_code(dispatch_dtype, ue8m0)
         check_scale_layout(scale_layout, ue8m0)
         group = scale_group(ue8m0)
@@ -338,14 +389,13 @@ class LowLatencyMode:
                 num_sms=self.num_sms, flavour=self.flavour, max_topk=self.max_topk,
                 global_scale=global_scale, bound=self._bound, **common)
         recv = LowLatencyRecv(recv_x, scales, count, src_info, handle, x_global_scale=out_global)
-        self._ll_pending[DISPATCH] += 1
 
         def receive():
             self._ll_dispatch_recv(epoch, recv, scale_memory, scale_strides, ue8m0, stats, impl)
             if swizzle:
                 recv.x_scales = torch.stack([swizzle_128x4(s) for s in recv.x_scales])
 
-        return recv, _Hook(self, DISPATCH, receive)
+        return recv, _Hook(self, DISPATCH, epoch, receive)
 
     @poisons_buffer_on_error("low-latency dispatch")
     def _ll_dispatch_recv(self, epoch, recv, scale_memory, scale_strides, ue8m0, stats,
@@ -471,7 +521,6 @@ class LowLatencyMode:
             self.launches["ll_combine_send"] += ll_combine_send(
                 *args, flavour=self.flavour, y_box_offset=self._combine_outbox_offset(y),
                 fp8=fp8, num_sms=self.num_sms, bound=self._bound, **common)
-        self._ll_pending[COMBINE] += 1
 
         def receive():
             self._ll_combine_recv(epoch, topk_idx, topk_weights, out, fp8, impl)
@@ -481,7 +530,7 @@ class LowLatencyMode:
                 out.copy_(renormalized(out, topk_idx, topk_weights, reached))
             return out
 
-        return out, _Hook(self, COMBINE, receive)
+        return out, _Hook(self, COMBINE, epoch, receive)
 
     @poisons_buffer_on_error("low-latency combine")
     def _ll_combine_recv(self, epoch, topk_idx, topk_weights, out, fp8=False, impl="triton"):

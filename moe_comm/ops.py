@@ -40,6 +40,7 @@ from torch.autograd.function import once_differentiable
 from ._registry import lookup
 from .kernels.quant import NVFP4
 from .types import DispatchHandle, DispatchResult
+from .validation import check_cached_rows
 
 
 @torch.library.custom_op("moe_comm::dispatch", mutates_args=())
@@ -111,6 +112,7 @@ def dispatch_cached_op(buffer_id: str, x: Tensor, slot_of: Tensor, slot_rows: Te
                        fwd_n: Optional[Tensor] = None) -> Tensor:
     buf = lookup(buffer_id)
     buf._ready()
+    check_cached_rows(x, slot_of, hidden=buf.hidden, dtype=buf.dtype)
     pending = buf.dispatch_cached_send(x, slot_of, node_slot_of)
     return buf.dispatch_cached_recv(pending, slot_rows, recv_slot_offsets, tokens_per_expert,
                                     expert_offsets, num_rows, fwd_slots, fwd_n)

@@ -33,6 +33,49 @@ def check_tensor(name: str, t, *, dtype, ndim: int, device: torch.device) -> Non
         raise ValueError(f"{name} is on {t.device}; this Buffer's workspace is on {device}")
 
 
+def _bounded(name: str, t, shape: tuple, itemsize: int) -> None:
+    """``t`` a tensor of ``shape`` (None: any size there) with elements of ``itemsize``
+    bytes."""
+    if not isinstance(t, torch.Tensor) or t.dim() != len(shape) or t.element_size() != itemsize \
+            or any(n is not None and m != n for m, n in zip(t.shape, shape)):
+        got = (f"{list(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor)
+               else type(t).__name__)
+        want = ", ".join("*" if n is None else str(n) for n in shape)
+        raise ValueError(f"{name} must be [{want}] of {itemsize}-byte elements, got {got}")
+
+
+def check_dispatch_bounds(x, topk_idx, topk_weights, *, hidden: int, max_tokens: int,
+                          max_topk: int, itemsize: int) -> None:
+    """The sizes that keep a dispatch's kernels inside their buffers, checked even with
+    ``MOE_COMM_CHECK_INPUTS=0`` (shapes only, no tensor data): ``x`` [T, hidden] with
+    ``T <= max_tokens``, ``topk_idx`` [T, K] 8-byte with ``1 <= K <= max_topk``, weights
+    [T, K] 4-byte or None. The expert ids themselves are bounded by the kernels."""
+    _bounded("x", x, (None, hidden), itemsize)
+    if x.shape[0] > max_tokens:
+        raise ValueError(f"x has {x.shape[0]} tokens, more than max_tokens_per_rank="
+                         f"{max_tokens}; split the batch or build the Buffer with a larger "
+                         "max_tokens_per_rank")
+    _bounded("topk_idx", topk_idx, (x.shape[0], None), 8)
+    if not 1 <= topk_idx.shape[1] <= max_topk:
+        raise ValueError(f"top-k is {topk_idx.shape[1]}; this Buffer supports 1..{max_topk} "
+                         "(max_topk)")
+    if topk_weights is not None:
+        _bounded("topk_weights", topk_weights, tuple(topk_idx.shape), 4)
+
+
+def check_combine_bounds(y, handle, weights, *, buffer_id: str, hidden: int,
+                         itemsize: int) -> None:
+    """What keeps a combine's kernels inside their buffers, checked even with
+    ``MOE_COMM_CHECK_INPUTS=0``: a handle of this Buffer (its slots index this workspace),
+    ``y`` [handle.num_rows, hidden], weights [handle.num_rows] 4-byte or None."""
+    if not isinstance(handle, DispatchHandle) or handle.buffer_id != buffer_id:
+        raise ValueError("handle must be the DispatchResult.handle of a dispatch of this "
+                         "Buffer")
+    _bounded("y", y, (handle.num_rows, hidden), itemsize)
+    if weights is not None:
+        _bounded("weights", weights, (handle.num_rows,), 4)
+
+
 def check_dispatch_inputs(x, topk_idx, topk_weights, expert_alignment, *, hidden: int,
                           max_tokens: int, max_topk: int, dtype: torch.dtype,
                           device: torch.device, max_recv_rows: int | None = None) -> None:
@@ -62,6 +105,18 @@ def check_dispatch_inputs(x, topk_idx, topk_weights, expert_alignment, *, hidden
                                       or not isinstance(max_recv_rows, int)
                                       or max_recv_rows < 0):
         raise ValueError(f"max_recv_rows must be None or an int >= 0, got {max_recv_rows!r}")
+
+
+def check_cached_rows(x, slot_of: torch.Tensor, *, hidden: int, dtype) -> None:
+    """A cached dispatch moves the rows of the dispatch that made its layout (``slot_of``
+    [T, R]): ``x`` [T, hidden] of the Buffer's dtype, else ValueError before anything is
+    sent."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2 or tuple(x.shape) != (slot_of.shape[0], hidden) or x.dtype != dtype:
+        raise ValueError(f"a cached dispatch moves the rows of the dispatch that made the "
+                         f"handle: x must be [{slot_of.shape[0]}, {hidden}] {dtype}, got "
+                         f"{list(x.shape)} {x.dtype}")
 
 
 def check_combine_inputs(y, handle, weights, *, buffer_id: str, latest_serial: int,

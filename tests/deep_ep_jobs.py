@@ -250,8 +250,10 @@ def low_latency(rank, world_size, case: Case, iterations: int = 2, fp8: bool = F
     """low_latency_dispatch (bf16; FP8 with column-major scales; with ``ue8m0`` power-of-two
     scales packed four exponents per int32, DeepEP's ``round_scale=True, use_ue8m0=True``)
     with a hook and ``cumulative_local_expert_recv_stats``, then low_latency_combine into
-    ``out=`` and into the zero-copy buffer, against the model. ``ranks_per_node``: across
-    nodes of that many ranks. Returns the nodes and transport of the workspace."""
+    ``out=`` and into the zero-copy buffer, against the model; before the second call two
+    dispatches whose hooks are dropped, then ``clean_low_latency_buffer``.
+    ``ranks_per_node``: across nodes of that many ranks. Returns the nodes and transport of
+    the workspace."""
     T = case.max_tokens
     R, E, H = world_size, case.num_experts, case.hidden
     L = E // R
@@ -261,6 +263,11 @@ def low_latency(rank, world_size, case: Case, iterations: int = 2, fp8: bool = F
     want_stats = stats.clone()
     for it in range(iterations):
         xs, idxs, ws = make_inputs(case, it)
+        if it == 1:  # two hooks dropped (an exception after each send): cleaned on every rank
+            for _ in range(2):
+                buf.low_latency_dispatch(xs[rank], idxs[rank], T, E, use_fp8=fp8,
+                                         return_recv_hook=True)
+            buf.clean_low_latency_buffer(T, H, E)
         recv_x, count, handle, event, hook = buf.low_latency_dispatch(
             xs[rank], idxs[rank], T, E, cumulative_local_expert_recv_stats=stats, use_fp8=fp8,
             round_scale=ue8m0, use_ue8m0=ue8m0, return_recv_hook=True)
@@ -439,17 +446,25 @@ def bad_facade_inputs(rank, world_size) -> dict:
     probe("dispatch float topk_idx", lambda: dispatch(idx=idx.float()))
     probe("dispatch int weights", lambda: dispatch(w=w.int()))
     probe("dispatch weights shape", lambda: dispatch(w=w[:, :1]))
+    probe("dispatch int32 x", lambda: dispatch(x=x.int()))
     probe("dispatch id >= num_experts", lambda: dispatch(idx=idx + E))  # (every rank: in step)
     res = dispatch()  # a good call: every rank in step
     handle = res[4]
     probe("combine tuple handle", lambda: buf.combine(res[0], handle=(1, 2)))
     probe("combine x 1-d", lambda: buf.combine(res[0][:, 0], handle=handle))
+    probe("combine other hidden", lambda: buf.combine(res[0][:, :64], handle=handle))
     probe("cached dispatch tuple handle", lambda: buf.dispatch(x, handle=(1, 2)))
+    probe("cached dispatch other hidden", lambda: buf.dispatch(x[:, :64], handle=handle))
+    probe("cached dispatch fewer tokens", lambda: buf.dispatch(x[:3], handle=handle))
     out = buf.combine(res[0], handle=handle)  # a good call
     found["good calls"] = f"ok {tuple(out[0].shape)}"
     probe("low-latency int32 topk_idx (converted)",
           lambda: buf.low_latency_dispatch(x, idx.int(), 8, E, use_fp8=False))
+    probe("low-latency int32 x", lambda: buf.low_latency_dispatch(x.int(), idx, 8, E,
+                                                                   use_fp8=False))
     recv = buf.low_latency_dispatch(x, idx, 8, E, use_fp8=False)
+    probe("low-latency combine out shape", lambda: buf.low_latency_combine(
+        recv[0], idx, w, recv[2], out=torch.empty(7, H, dtype=torch.bfloat16)))
     probe("low-latency combine tuple handle",
           lambda: buf.low_latency_combine(recv[0], idx, w, (1, 2)))
     probe("low-latency combine buffer tuple handle",

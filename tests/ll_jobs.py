@@ -159,12 +159,15 @@ def ll_misuse(rank, world_size, case: Case) -> dict:
     with new_ll_buffer(case) as buf:
         r1, h1 = buf.low_latency_dispatch(x, idx, fp8=False, return_hook=True)
         r2, h2 = buf.low_latency_dispatch(x, idx, fp8=False, return_hook=True)
-        expect("third_send", lambda: buf.low_latency_dispatch(x, idx, return_hook=True))
         expect("combine_before_receive", lambda: buf.low_latency_combine(
             torch.zeros_like(r1.x), idx, w, r1.handle))
-        h1()
+        expect("third_send", lambda: buf.low_latency_dispatch(x, idx, return_hook=True))
+        assert r1.handle.received and not r2.handle.received  # the oldest was received
+        h1()  # its hook still returns its rows
+        check_recv(rank, case, 0, r1, xs, idxs, fp8=False)
         expect("hook_twice", h1)
         h2()
+        check_recv(rank, case, 0, r2, xs, idxs, fp8=False)
         expect("y_shape", lambda: buf.low_latency_combine(r1.x[:, :1], idx, w, r1.handle))
         expect("topk_shape", lambda: buf.low_latency_combine(r1.x, idx[:, :1], w, r1.handle))
         expect("stats_shape", lambda: buf.low_latency_dispatch(
@@ -207,3 +210,53 @@ def ll_skip(rank, world_size, case: Case, skipper: int, wait_timeout_s: float,
     report["acks"] = buf.layout.view(buf.heap, "ll_acks")[0].tolist()  # [parity][rank]
     buf.close()
     return report
+
+
+def ll_dropped_and_reordered_hooks(rank, world_size, case: Case) -> list[str]:
+    """Hooks never called, called late, called in reverse order, and two dropped in a row:
+    every result is checked against the reference; returns the errors raised, in order."""
+    errors = []
+
+    def dispatch(it, **kwargs):
+        xs, idxs, ws = make_inputs(case, it)
+        recv, hook = buf.low_latency_dispatch(xs[rank], idxs[rank], fp8=False, **kwargs)
+        return recv, hook, xs, idxs, ws
+
+    def round_trip(it, combine_hook=False):
+        recv, _, xs, idxs, ws = dispatch(it)
+        check_recv(rank, case, it, recv, xs, idxs, fp8=False)
+        ys, refs = _all_ys(case, xs, idxs, False, it)
+        out, hook = buf.low_latency_combine(ys[rank], idxs[rank], ws[rank], recv.handle,
+                                            return_hook=combine_hook)
+        if hook is None:
+            check_out(rank, case, it, out, (ys, refs), idxs, ws)
+        return out, hook, (ys, refs), idxs, ws
+
+    with new_ll_buffer(case) as buf:
+        dispatch(0, return_hook=True)  # dropped: an exception between the send and the hook
+        for it in range(1, 4):
+            round_trip(it)
+        dropped = round_trip(4, combine_hook=True)  # a dropped combine hook
+        for it in range(5, 8):
+            round_trip(it)
+        late = dropped[1]()  # called late: still its own call's sums
+        check_out(rank, case, 4, late, *dropped[2:])
+        sent = [dispatch(it, return_hook=True) for it in (8, 9)]
+        for _, hook, *_ in reversed(sent):  # out of order
+            hook()
+        for it, (recv, _, xs, idxs, _) in zip((8, 9), sent):
+            check_recv(rank, case, it, recv, xs, idxs, fp8=False)
+        dispatch(10, return_hook=True)
+        dispatch(11, return_hook=True)  # two dropped, then a third send
+        try:
+            dispatch(12, return_hook=True)
+        except RuntimeError as error:
+            errors.append(str(error))
+        for it in range(12, 14):
+            round_trip(it)
+        kept = dispatch(14, return_hook=True)
+        buf.clean_low_latency_buffer()  # receives 14 (on every rank); its hook returns it
+        kept[1]()
+        check_recv(rank, case, 14, kept[0], *kept[2:4], fp8=False)
+        round_trip(15)
+    return errors

@@ -2,7 +2,7 @@
 
     python tests/mutants.py [--list] [--only NAME ...] [--timeout S]
 
-Each entry of ``MUTANTS`` breaks one promise of the README with a one-line change of the
+Each entry of ``MUTANTS`` breaks one promise of the README or docs/ with a one-line change of the
 product and names the tests that hold that promise. The runner copies the tree (the files git
 tracks, and untracked ones it does not ignore) into a temporary folder, runs every named test
 there unchanged first (the control: a test that fails without a mutation catches nothing),
@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @dataclass(frozen=True)
 class Mutant:
     name: str
-    promise: str  # what the README promises that the mutation breaks
+    promise: str  # what the README or docs/ promise that the mutation breaks
     path: str  # relative to the tree
     old: str  # text within one line of the product
     new: str
@@ -277,11 +277,46 @@ MUTANTS = (
            "kernels/comm.py", "deadline = start + timeout_s", "deadline = start + 10 * timeout_s",
            ("tests/test_ranks.py::test_peer_that_skips_a_call_is_named_within_the_timeout"
             "[host-waits]",)),
+    Mutant("combine_reads_rows_on_the_host",
+           "a normal combine reads no tensor data on the host",
+           "moe_comm/buffer.py", "out = combine_autograd(self, y, handle, weights, fp8)",
+           "out = combine_autograd(self, y, handle, weights, fp8 or not torch.equal(y, y))",
+           ("tests/test_syncs.py::test_gpu_flavours_read_nothing_else_on_the_meta_device",)),
+    Mutant("bounds_let_more_tokens_through",
+           "with MOE_COMM_CHECK_INPUTS=0 no kernel reaches outside its buffers",
+           "moe_comm/validation.py", "    if x.shape[0] > max_tokens:",
+           "    if x.shape[0] > 2 * max_tokens:",
+           ("tests/test_bounds.py::test_normal_mode_bounds_hold_without_the_checks",)),
+    Mutant("facade_cached_dispatch_takes_any_rows",
+           "the facade's cached dispatch checks x against its handle",
+           "moe_comm/deep_ep/checks.py", "    if tuple(t.shape) != (tokens, hidden):",
+           "    if t.shape[1] > hidden:",
+           ("tests/test_deep_ep.py::test_bad_input_to_every_facade_call_names_the_argument",)),
+    Mutant("native_low_latency_quantizes_by_default",
+           "the native low-latency dispatch sends the Buffer's dtype unless a format is asked",
+           "moe_comm/low_latency.py",
+           "            fp8 = bool(dispatch_dtype is not None or ue8m0 or col_major_scales)",
+           "            fp8 = True",
+           ("tests/test_low_latency.py::"
+            "test_the_native_dispatch_sends_the_buffers_dtype_unless_a_format_is_asked_for",)),
+    Mutant("proxy_fence_does_not_wait",
+           "a signal posted alone goes out after every earlier transfer to its peer completed",
+           "moe_comm/transport/nixl.py",
+           "            if peer in held or oldest.get(peer, after + 1) <= after:",
+           "            if peer in held:",
+           ("tests/test_proxy_order.py",)),
     Mutant("third_low_latency_send_allowed",
            "a third low-latency send before the oldest hook raises",
-           "moe_comm/low_latency.py", "if self._ll_pending[channel] >= IN_FLIGHT:",
-           "if self._ll_pending[channel] > IN_FLIGHT:",
+           "moe_comm/low_latency.py", "if len(queue) < IN_FLIGHT:",
+           "if len(queue) <= IN_FLIGHT:",
            ("tests/test_low_latency.py::test_misuse_raises_clear_errors",)),
+    Mutant("low_latency_hook_receives_only_itself",
+           "a hook runs every earlier receive of its channel first (dropped or reordered "
+           "hooks each give their own call's rows)",
+           "moe_comm/low_latency.py", "    oldest = queue.pop(0)",
+           "    oldest = queue.pop(-1)",
+           ("tests/test_low_latency.py::"
+            "test_dropped_and_reordered_hooks_give_each_call_its_own_rows",)),
     # ---- bounded staging: the rounds of a call
     Mutant("round_meta_names_window_token",
            "a row sent in a later round names its token by its index in the call",

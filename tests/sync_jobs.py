@@ -7,10 +7,12 @@ A meta tensor has no data: ``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``,
 ``torch.equal``, a copy into a host tensor, a boolean index or ``bool(t)`` on one raises. The
 static gate's virtual ranks (``moe_comm.gate``) drive every op of every GPU flavour on it (one
 node, NVSHMEM, the proxy flat and hierarchical, fault tolerant; every dispatch format, both
-combines, the backward ops, the low-latency pair); the one read that is meant, a dispatch's
-received-row count without ``max_recv_rows``, goes through ``moe_comm.host_sync.read_int``, which
-is replaced by a stand-in that counts and answers a bound. Prints, as JSON, the reads per
-flavour through the helper; any other read raises and the script fails.
+combines, the backward ops, the low-latency pair with its hooks), and the normal mode's
+public ``Buffer.dispatch`` / ``Buffer.combine`` too, rank after rank; the one read that is
+meant, a dispatch's received-row count without ``max_recv_rows``, goes through
+``moe_comm.host_sync.read_int``, which is replaced by a stand-in that counts and answers a
+bound. Prints, as JSON, the reads per flavour through the helper; any other read raises and
+the script fails.
 """
 from __future__ import annotations
 
@@ -32,6 +34,21 @@ FLAVOURS = [("one_node", False, 0, False, False), ("one_node_ll", True, 0, False
             ("proxy_flat", False, 2, False, False), ("proxy_hier", False, 2, True, False),
             ("proxy_ll", True, 2, False, False), ("fault_tolerant", False, 0, False, True),
             ("fault_tolerant_ll", True, 0, False, True)]
+
+
+def public_calls(bufs, xs, idxs, ws, dtype) -> None:
+    """The calls a user makes, rank after rank (the waits are in the recorded kernels, so no
+    rank waits for another): ``Buffer.dispatch`` sized by the row count and with
+    ``max_recv_rows``, ``Buffer.combine`` of each, with and without weights."""
+    from moe_comm import ops
+
+    for op in (ops.dispatch_op, ops.combine_op, ops.dispatch_cached_op, ops.row_dot_op):
+        op.register_kernel("meta")(op._init_fn)  # the real op, not its fake, on meta tensors
+    for buf, x, idx, w in zip(bufs, xs, idxs, ws):
+        for max_recv_rows in (None, 64):
+            res = buf.dispatch(x, idx, w, max_recv_rows=max_recv_rows)
+            y = torch.empty(res.x.shape, dtype=dtype, device="meta")
+            buf.combine(y, res.handle, res.weights)
 
 
 def main() -> dict:
@@ -58,6 +75,7 @@ def main() -> dict:
                 res = lockstep.dispatch(bufs, xs, idxs, ws)   # sized by the row count
                 ys = [torch.empty(r.x.shape, dtype=dtype, device="meta") for r in res]
                 lockstep.combine(bufs, ys, [r.handle for r in res], [r.weights for r in res])
+                public_calls(bufs, xs, idxs, ws, dtype)
         assert launches, name
         meant[name] = sum(sum(b.host_syncs.values()) for b in bufs)
     return meant

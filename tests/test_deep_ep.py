@@ -150,6 +150,16 @@ def test_bad_input_to_every_facade_call_names_the_argument(ranks):
         "dispatch int weights": "TypeError: topk_weights must be floating point",
         "dispatch weights shape": "ValueError: topk_weights has shape (6, 1)",
         "dispatch id >= num_experts": "ValueError: moe_comm rank",
+        "dispatch int32 x": "TypeError: x must be rows of one of torch.bfloat16",
+        "combine other hidden": "ValueError: x has hidden 64; the dispatch that made the "
+                                "handle moved 128",
+        "cached dispatch other hidden": "ValueError: x has shape (6, 64); the dispatch that "
+                                        "made the handle moved [6, 128]",
+        "cached dispatch fewer tokens": "ValueError: x has shape (3, 128); the dispatch that "
+                                        "made the handle moved [6, 128]",
+        "low-latency int32 x": "TypeError: x must be rows of one of torch.bfloat16",
+        "low-latency combine out shape": "ValueError: out must be [6, 128] torch.bfloat16 on "
+                                         "cpu, got [7, 128]",
         "combine tuple handle": "TypeError: handle must be the handle a dispatch returned",
         "combine x 1-d": "ValueError: x must be [num_tokens, hidden]",
         "cached dispatch tuple handle": "TypeError: handle must be the handle a dispatch",

@@ -169,6 +169,7 @@ def test_a_stopped_proxy_is_named_by_every_rank_within_the_timeout(ranks, in_ker
         assert rep["seconds"] < timeout_s + 2.0, (rank, rep)
         if not in_kernels or rank // 2 != victim // 2:
             assert victim in (rep["peer"], rep["via"]), (rank, rep["message"])
+            assert f"rank {rep['peer']}" in rep["message"], (rank, rep["message"])
     assert reports[victim]["kind"] == "TransportError"
 
 
@@ -187,6 +188,7 @@ def test_a_vanished_peer_is_named_across_nodes_and_nothing_hangs(ranks, low_late
             assert rep["kind"] in ("PeerTimeoutError", "TransportError"), (rank, rep)
             assert rep["seconds"] < timeout_s + 2.0, (rank, rep)
             assert victim in (rep["peer"], rep["via"]), (rank, rep["message"])
+            assert f"rank {rep['peer']}" in rep["message"], (rank, rep["message"])
 
 
 # ------------------------------------------------------------------------------ low latency

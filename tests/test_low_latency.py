@@ -4,7 +4,14 @@ import torch
 
 import moe_comm
 from cases import Case, make_inputs
-from ll_jobs import ll_misuse, ll_pipelined_dispatches, ll_round_trip, ll_skip, ll_two_in_flight
+from ll_jobs import (
+    ll_dropped_and_reordered_hooks,
+    ll_misuse,
+    ll_pipelined_dispatches,
+    ll_round_trip,
+    ll_skip,
+    ll_two_in_flight,
+)
 from moe_comm import lockstep, reference
 
 LOOPBACK = [  # (case, fp8, ue8m0, col_major)
@@ -46,6 +53,31 @@ def test_loopback_matches_reference(case, fp8, ue8m0, col_major):
             assert torch.equal(outs[r], ref_outs[r]), r
     assert dict(bufs[0].launches) == {"ll_dispatch_send": 2, "ll_dispatch_recv": 2,
                                       "ll_combine_send": 2, "ll_combine_recv": 2}
+
+
+def test_the_native_dispatch_sends_the_buffers_dtype_unless_a_format_is_asked_for():
+    """H = 64 cannot be FP8 (groups of 128): a plain call sends bf16 rows bit for bit; asking
+    for FP8 there raises naming the hidden size; ``ue8m0`` alone asks for FP8."""
+    case = Case(2, 4, 64, 2, (3, 2), seed=21)
+    bufs = moe_comm.Buffer.loopback(2, case.hidden, case.num_experts, case.max_tokens,
+                                    low_latency=True)
+    xs, idxs, _ = make_inputs(case)
+    got = lockstep.low_latency_dispatch(bufs, xs, idxs)
+    want = reference.low_latency_dispatch_all(xs, idxs, num_experts=case.num_experts,
+                                              max_tokens=case.max_tokens, fp8=False)
+    for r in range(2):
+        assert got[r].x.dtype == torch.bfloat16 and got[r].x_scales is None
+        assert torch.equal(got[r].count, want[r].count)
+        for e, n in enumerate(want[r].count.tolist()):
+            assert torch.equal(got[r].x[e, :n], want[r].x[e, :n]), (r, e)
+    for kwargs in (dict(fp8=True), dict(ue8m0=True)):
+        with pytest.raises(ValueError, match="hidden % 128 == 0"):
+            bufs[0].low_latency_dispatch(xs[0], idxs[0], **kwargs)
+
+
+def test_loopback_of_no_ranks_raises_value_error():
+    with pytest.raises(ValueError, match="world_size must be a positive int, got 0"):
+        moe_comm.Buffer.loopback(0, 64, 4, 3)
 
 
 def test_workspace_bytes_formula():
@@ -123,10 +155,22 @@ def test_misuse_raises_clear_errors(ranks):
     for rank, errors in enumerate(ranks(2).run(ll_misuse, Case(2, 8, 128, 2, (5, 3), seed=18))):
         missing = [name for name, text in errors.items() if text is None]
         assert not missing, f"rank {rank}: no error for {missing}"
-        assert "already waiting for their hooks" in errors["third_send"]
+        assert "were waiting for their hooks on rank" in errors["third_send"]
+        assert "Call 1 has now been received" in errors["third_send"], errors["third_send"]
         assert "already called" in errors["hook_twice"]
         assert "call its hook first" in errors["combine_before_receive"]
         assert "low_latency=True" in errors["no_ll_workspace"]
+
+
+def test_dropped_and_reordered_hooks_give_each_call_its_own_rows(ranks):
+    """A hook never called, called late or out of order: every dispatch and combine after it
+    (and the late hook itself) matches the reference bit for bit; two dropped hooks make the
+    next send raise naming them, and the calls after that are right."""
+    for rank, errors in enumerate(ranks(2).run(ll_dropped_and_reordered_hooks,
+                                               Case(2, 8, 128, 2, (5, 3), seed=20))):
+        assert len(errors) == 1, (rank, errors)
+        assert "calls ([11, 12]) were waiting" in errors[0], errors[0]
+        assert "Call 11 has now been received" in errors[0], errors[0]
 
 
 @pytest.mark.parametrize("in_kernels", [False, True], ids=["host-waits", "kernel-waits"])
@@ -142,5 +186,6 @@ def test_skipped_call_times_out_naming_the_peer(ranks, in_kernels):
             continue
         assert report["peer"] == 1 and "low-latency dispatch" in report["raised"], report
         assert "timed out" in report["raised"], report
+        assert "waiting for rank 1 " in report["raised"], report
         assert 2.0 <= report["elapsed_s"] < 7.0
         assert "unusable" in report["later"], report

@@ -29,6 +29,23 @@ def test_opcheck_dispatch_and_combine(max_recv_rows):
                           (buf.id, x, slot_of, slot_rows, slot_off, tpe, offsets, y.shape[0]))
 
 
+def test_a_cached_dispatch_refuses_rows_unlike_its_handles_and_stays_usable():
+    """Another hidden size, fewer or more tokens, another dtype: ValueError naming the shape
+    before anything is sent; then the right rows move as the dispatch moved them."""
+    buf, x, idx, w = _one_rank()
+    outs = torch.ops.moe_comm.dispatch(buf.id, x, None, idx, w, 1, 0, False, False, None)
+    tpe, offsets, slot_of, slot_rows, slot_off = outs[5:10]
+
+    def cached(rows):
+        return torch.ops.moe_comm.dispatch_cached(buf.id, rows, slot_of, slot_rows, slot_off,
+                                                  tpe, offsets, outs[0].shape[0])
+
+    for bad in (x[:, :16], x[:3], torch.cat([x, x]), x.double()):
+        with pytest.raises(ValueError, match=r"x must be \[8, 32\] torch.float32, got"):
+            cached(bad)
+    assert torch.equal(cached(x), outs[0])
+
+
 def test_fake_implementations_give_shapes():
     buf, x, idx, w = _one_rank(H=32, E=4)
     with FakeTensorMode(shape_env=ShapeEnv()) as mode:

@@ -34,7 +34,7 @@ HONOURED = [
     ("low_latency_dispatch(use_nvfp4=True, x_global_scale=) (the hybrid-ep branch)", "no",
      "NotImplementedError: its CuTe-DSL layout is not reproduced; moe_comm.Buffer(..., "
      "dispatch_dtype='nvfp4') has moe_comm's"),
-    ("clean_low_latency_buffer", "yes", "nothing to clean: epochs only grow"),
+    ("clean_low_latency_buffer", "yes", "receives every call whose hook was not called"),
     ("enable_shrink: update (mask=True) / query / clean mask", "yes",
      "moe_comm's fault-tolerance mask; unmasking one rank: NotImplementedError; clean is "
      "collective over the live ranks"),

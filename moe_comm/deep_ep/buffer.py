@@ -351,6 +351,8 @@ class Buffer:
                                "alone) is not supported: pass topk_idx, or a handle")
         pair = isinstance(x, tuple)
         rows = checks.rows(x)
+        if not pair:
+            checks.float_rows(rows, _DTYPES)
         topk_idx = checks.topk_idx(topk_idx)
         topk_weights = checks.weights(topk_weights, topk_idx)
         checks.tokens_match(rows, topk_idx)
@@ -405,9 +407,7 @@ class Buffer:
             raise _unsupported("a cached dispatch of an FP8 pair is not supported (moe_comm's "
                                "cached dispatch moves rows of the Buffer's dtype)")
         buf, h, n = handle.buffer, handle.moe, handle.num_recv
-        checks.rows(x)
-        if x.dtype != buf.dtype:
-            raise TypeError(f"x is {x.dtype}; the dispatch that made the handle moved {buf.dtype}")
+        checks.cached_rows(checks.rows(x), h.num_tokens, buf.hidden, buf.dtype)
         dev, L = x.device, buf.num_local_experts
         one_group = torch.zeros(L, dtype=torch.int64, device=dev)
         one_group[0] = n
@@ -431,6 +431,9 @@ class Buffer:
         checks.handle(handle, _NormalHandle, "dispatch")
         checks.rows(x)
         buf, h, n = handle.buffer, handle.moe, handle.num_recv
+        if x.shape[1] != buf.hidden:
+            raise ValueError(f"x has hidden {x.shape[1]}; the dispatch that made the handle "
+                             f"moved {buf.hidden}")
         if x.shape[0] < n:
             raise ValueError(f"x has {x.shape[0]} rows; the dispatch that made the handle "
                              f"received {n}")
@@ -509,7 +512,7 @@ class Buffer:
         if round_scale and not use_ue8m0:
             raise _unsupported("round_scale without use_ue8m0 (power-of-two scales kept as "
                                "float32) is not supported")
-        checks.rows(x)
+        checks.float_rows(checks.rows(x), _DTYPES)
         topk_idx = checks.topk_idx(topk_idx)
         checks.tokens_match(x, topk_idx)
         checks.num_experts(num_experts, self.group_size)
@@ -544,6 +547,8 @@ class Buffer:
         checks.handle(handle, _LowLatencyHandle, "low_latency_dispatch")
         topk_idx = checks.topk_idx(topk_idx)
         topk_weights = checks.weights(topk_weights, topk_idx)
+        checks.out_rows(out, topk_idx.shape[0], handle.buffer.hidden, handle.buffer.dtype,
+                        handle.buffer.device)
         result, hook = handle.buffer.low_latency_combine(
             x, topk_idx, topk_weights, handle.moe, return_hook=True)
 
@@ -563,9 +568,12 @@ class Buffer:
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
-        """Nothing to clean: moe_comm's signals are epochs that only grow (no reset needed
-        between calls or after a normal-mode call)."""
+        """Runs every low-latency receive whose hook was not called, oldest first (``moe_comm``
+        ``Buffer.clean_low_latency_buffer``), so that no call is left half done; call it on
+        every rank. The signals need no reset: they are epochs that only grow."""
         self._check_alive()
+        if self._low_latency is not None:
+            self._low_latency.clean_low_latency_buffer()
 
     # ----------------------------------------------------------------- masks (enable_shrink)
     def _shrinkable(self) -> moe_comm.Buffer:

@@ -94,3 +94,32 @@ def handle(value, kind: type, call: str):
         raise TypeError(f"handle must be the handle a {call} returned, got "
                         f"{type(value).__name__}")
     return value
+
+
+def float_rows(t: torch.Tensor, dtypes: tuple, name: str = "x") -> None:
+    """Rows of a dtype the Buffer moves (DeepEP's rows are bf16; int or FP8 rows only as the
+    pair)."""
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must be rows of one of {', '.join(map(str, dtypes))}, got "
+                        f"{t.dtype}")
+
+
+def cached_rows(t: torch.Tensor, tokens: int, hidden: int, dtype: torch.dtype,
+                name: str = "x") -> None:
+    """A cached dispatch's rows: the shape and dtype of the dispatch that made the handle."""
+    if t.dtype != dtype:
+        raise TypeError(f"{name} is {t.dtype}; the dispatch that made the handle moved {dtype}")
+    if tuple(t.shape) != (tokens, hidden):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; the dispatch that made the handle "
+                         f"moved [{tokens}, {hidden}] (a cached dispatch moves the same tokens)")
+
+
+def out_rows(out, tokens: int, hidden: int, dtype: torch.dtype, device,
+             name: str = "out") -> None:
+    """An ``out=`` tensor for ``[tokens, hidden]`` rows of ``dtype`` on ``device``."""
+    if out is None:
+        return
+    t = _tensor(name, out)
+    if tuple(t.shape) != (tokens, hidden) or t.dtype != dtype or t.device != device:
+        raise ValueError(f"{name} must be [{tokens}, {hidden}] {dtype} on {device}, got "
+                         f"{list(t.shape)} {t.dtype} on {t.device}")

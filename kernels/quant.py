@@ -12,10 +12,10 @@ The e4m3 byte is built by hand (``e4m3_bits``): the interpreter's own float-to-f
 does not round to nearest even, and the hand-made one gives the same bits in the interpreter,
 on the GPU and in PyTorch. ``amax / 448`` and ``x / scale`` use ``div_rn`` (IEEE division).
 
-Error bound (documented in the README): a value whose quantized magnitude is a normal e4m3
-number is off by at most 2**-4 of itself; one in the subnormal range (below ``2**-6 * scale``)
-by at most ``2**-10 * scale``. ``amax`` is clamped at 1e-4, so an all-zero group quantizes to
-zeros with scale ``1e-4 / 448``.
+Error bound (documented in docs/FORMATS.md, "FP8 dispatch"): a value whose quantized magnitude
+is a normal e4m3 number is off by at most 2**-4 of itself; one in the subnormal range (below
+``2**-6 * scale``) by at most ``2**-10 * scale``. ``amax`` is clamped at 1e-4, so an all-zero
+group quantizes to zeros with scale ``1e-4 / 448``.
 """
 from __future__ import annotations
 

@@ -80,9 +80,9 @@ def expert_fn(x: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
 
 
 def nvfp4_global_scale_oracle(x: torch.Tensor) -> torch.Tensor:
-    """NVFP4's documented global scale written from the README alone, element by element in
-    Python and numpy's float32 (no code shared with the product): ``max(amax of the finite |x|,
-    1e-4) / (448 * 6)`` as one IEEE float32 division; [1] float32."""
+    """NVFP4's documented global scale written from docs/FORMATS.md ("NVFP4") alone, element by
+    element in Python and numpy's float32 (no code shared with the product): ``max(amax of the
+    finite |x|, 1e-4) / (448 * 6)`` as one IEEE float32 division; [1] float32."""
     import math
 
     import numpy as np

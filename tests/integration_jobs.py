@@ -67,11 +67,12 @@ class _StraightThrough(torch.autograd.Function):
 
 
 def format_error_bound(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Bound of ``|quantize_dequantize(x) - x|`` per element. FP8 (README "FP8 dispatch"): at most
-    ``2**-4 |x|`` in e4m3's normal range, ``2**-10 * scale`` in its subnormal range, scale =
-    max(amax of the 128-channel group, 1e-4) / 448; MXFP8 the same with the power-of-two scale
-    of its 32-channel block. NVFP4 (from its grid: e2m1 keeps one mantissa bit, its smallest
-    step is 0.5): ``2**-2 |x|`` plus ``2**-2 * s * g`` (s, g: the block and global scales)."""
+    """Bound of ``|quantize_dequantize(x) - x|`` per element. FP8 (docs/FORMATS.md "FP8
+    dispatch"): at most ``2**-4 |x|`` in e4m3's normal range, ``2**-10 * scale`` in its
+    subnormal range, scale = max(amax of the 128-channel group, 1e-4) / 448; MXFP8 the same with
+    the power-of-two scale of its 32-channel block. NVFP4 (from its grid: e2m1 keeps one
+    mantissa bit, its smallest step is 0.5): ``2**-2 |x|`` plus ``2**-2 * s * g`` (s, g: the
+    block and global scales)."""
     from moe_comm import microscale, reference
 
     rows = x.detach().float().reshape(-1, x.shape[-1])
@@ -96,9 +97,9 @@ def input_within_format_bound(x: torch.Tensor, fmt: str) -> bool:
 def fp8_combine_bounds(calls: list[dict], rank: int, world_size: int
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per recorded forward: the exact combine of this rank's tokens (float64, no rounding of
-    the partials) and the error bound of an FP8 combine from README "FP8 combine": per partial
-    (the sum of a token's weighted rows on one expert rank) ``2**-4`` of each element, or
-    ``2**-10 * amax / 448`` of its 128-channel group; the ranks' errors add. Collective."""
+    the partials) and the error bound of an FP8 combine from docs/FORMATS.md "FP8 combine": per
+    partial (the sum of a token's weighted rows on one expert rank) ``2**-4`` of each element,
+    or ``2**-10 * amax / 448`` of its 128-channel group; the ranks' errors add. Collective."""
     results = []
     for call in calls:
         sent = {name: call[name] for name in ("src_rank", "src_token", "y", "weights")}

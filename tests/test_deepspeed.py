@@ -173,9 +173,9 @@ def test_quantized_dispatch_equals_deepspeed_fed_the_same_rows(ranks, dispatch_d
     with the tokens it places in its expert blocks put through ``dequantize(quantize(x))``
     (identity backward: the plugin's straight-through gradient) gives the same output and
     gradients bit for bit; the rows are within the format's bound of ``x`` (FP8, MXFP8: 2**-4
-    relative, 2**-10 * scale near zero, README "FP8 dispatch"; NVFP4: 2**-2 relative plus
-    2**-2 * block scale, from its grid), and the output differs from DeepSpeed's unquantized
-    one."""
+    relative, 2**-10 * scale near zero, docs/FORMATS.md "FP8 dispatch"; NVFP4: 2**-2 relative
+    plus 2**-2 * block scale, from its grid), and the output differs from DeepSpeed's
+    unquantized one."""
     reports = ranks(2).run(deepspeed_formats, "float32", 128, 8, 2, 16, seed=71,
                            mode="capacity", drop_tokens=True, dispatch_dtype=dispatch_dtype,
                            use=use)
@@ -188,7 +188,7 @@ def test_quantized_dispatch_equals_deepspeed_fed_the_same_rows(ranks, dispatch_d
 def test_fp8_combine_output_within_its_bound(ranks, mode, dispatch_dtype):
     """``combine_dtype="fp8"``: each expert rank's weighted partial sum of a token travels as
     FP8. The output differs from DeepSpeed's (fed the same rows) by at most the documented
-    bound of the FP8 combine (README "FP8 combine": per partial 2**-4 of each element or
+    bound of the FP8 combine (docs/FORMATS.md "FP8 combine": per partial 2**-4 of each element or
     2**-10 * amax / 448 of its 128-channel group, the ranks' errors added; plus the dtype's
     rounding of both outputs), computed from the rows and gate values the ranks combined. The
     backward is the exact combine's: gradients bit for bit in capacity mode, to fp32 rounding

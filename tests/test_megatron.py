@@ -195,8 +195,8 @@ def test_quantized_dispatch_equals_megatron_fed_the_same_rows(ranks, dispatch_dt
     fed ``dequantize(quantize(x))`` per token (identity backward: the plugin's straight-through
     gradient) then gives the same output and gradients bit for bit (top-2, fp32); the rows are
     within the format's bound of ``x`` (FP8, MXFP8: 2**-4 relative, 2**-10 * scale near zero,
-    README "FP8 dispatch"; NVFP4: 2**-2 relative plus 2**-2 * block scale, from its grid), and
-    the output differs from Megatron's unquantized one."""
+    docs/FORMATS.md "FP8 dispatch"; NVFP4: 2**-2 relative plus 2**-2 * block scale, from its
+    grid), and the output differs from Megatron's unquantized one."""
     reports = ranks(2).run(megatron_formats, "float32", 128, 8, 2, ((6, 2), (5, 2)), seed=51,
                            dispatch_dtype=dispatch_dtype, use=use)
     for rep in reports:
@@ -212,9 +212,9 @@ def test_fp8_combine_output_within_its_bound_gradients_exact(ranks, world_size, 
                                                              dispatch_dtype, use, tokens):
     """``combine_dtype="fp8"``: each expert rank's partial sum of a token travels as FP8. The
     output differs from Megatron's (fed the same rows) by at most the documented bound of the
-    FP8 combine (README "FP8 combine": per partial 2**-4 of each element or 2**-10 * amax / 448
-    of its 128-channel group, the ranks' errors added; plus the dtype's rounding of both
-    outputs), computed from the expert rows the ranks actually combined; the backward is the
+    FP8 combine (docs/FORMATS.md "FP8 combine": per partial 2**-4 of each element or 2**-10 *
+    amax / 448 of its 128-channel group, the ranks' errors added; plus the dtype's rounding of
+    both outputs), computed from the expert rows the ranks actually combined; the backward is the
     exact combine's, so every gradient equals Megatron's bit for bit."""
     reports = ranks(world_size).run(megatron_formats, dtype, 128, 8, 2, tokens, seed=52,
                                     dispatch_dtype=dispatch_dtype, combine_dtype="fp8",

@@ -137,7 +137,7 @@ def test_nvfp4_kernel_equals_reference(H, given):
         bound = torch.where(scale >= 2 ** -6, sq, torch.maximum(sq, xf.abs()))
         assert (err <= bound * (1 + 1e-6))[finite].all()
         assert (scale >= 2 ** -6).float().mean() > 0.3          # the bound is not vacuous
-    # an infinity saturates at +-6 s g (README), its block's scale is finite
+    # an infinity saturates at +-6 s g (docs/FORMATS.md, "NVFP4"), its block's scale is finite
     inf = torch.isinf(xf) & ~nan_block.repeat_interleave(16, dim=1)
     assert inf.any() and torch.isfinite(scale[inf]).all()
     assert torch.equal(deq[inf], torch.sign(xf[inf]) * 6 * scale[inf] * rgs)

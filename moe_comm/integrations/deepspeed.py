@@ -39,7 +39,7 @@ DeepSpeed. Not supported: tensor parallelism of the non-expert part (``groups.mp
 1) and Tutel's dispatcher (ignored). Expert modules must act row-wise on ``[..., H]``, which
 DeepSpeed's own padded blocks already assume.
 
-Fault tolerance and formats (README "Fault tolerance", "FP8 dispatch", "FP8 combine";
+Fault tolerance and formats (docs/FAULT_TOLERANCE.md; docs/FORMATS.md "FP8 dispatch", "FP8 combine";
 :mod:`moe_comm.integrations`), in ``apply_deepspeed``, ``convert`` and the class:
 ``fault_tolerant=True`` (with ``max_tokens_per_rank``) builds the Buffer with
 ``moe_comm.Buffer(..., fault_tolerant=True)``: a rank that dies is excluded and the survivors'

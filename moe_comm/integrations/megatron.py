@@ -46,7 +46,7 @@ built with ``ep_invariant=True`` (``ModuleSpec(..., params={"ep_invariant": True
 in fp32 in ascending expert order (the choice order here) and rounds once, so the combined
 output is a function of those rows alone, whatever the EP size and expert placement.
 
-Fault tolerance and formats (README "Fault tolerance", "FP8 dispatch", "FP8 combine";
+Fault tolerance and formats (docs/FAULT_TOLERANCE.md; docs/FORMATS.md "FP8 dispatch", "FP8 combine";
 :mod:`moe_comm.integrations`): ``apply_megatron(fault_tolerant=True, max_tokens_per_rank=N)``
 builds the Buffers with ``moe_comm.Buffer(..., fault_tolerant=True)``: a rank that dies is
 excluded and each survivor's layer completes forward and backward, the dead rank's experts left

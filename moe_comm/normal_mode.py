@@ -130,6 +130,7 @@ from .kernels import invariant_rounds as invariant_rounds_kernels
 from .kernels.layout import ring_positions, routing_layout
 from .kernels.quant import MXFP8, NVFP4, scale_group
 from .kernels.rows import payload_bytes, sent_elem_bytes
+from .types import DispatchOutputs
 from .workspace import COMBINE, DISPATCH
 
 
@@ -638,9 +639,12 @@ class NormalMode:
         self._dispatch_serial += 1
         node_slot_of = pending.node_slot_of if pending.node_slot_of is not None \
             else self._empty_int()
-        return (out, scales, out_weights, src_rank, src_token, tokens_per_expert,
-                expert_offsets, pending.slot_of, slot_rows, slot_offsets, node_slot_of,
-                fwd_slots, fwd_n, global_scale)
+        return DispatchOutputs(
+            x=out, scales=scales, weights=out_weights, src_rank=src_rank, src_token=src_token,
+            tokens_per_expert=tokens_per_expert, expert_offsets=expert_offsets,
+            slot_of=pending.slot_of, slot_rows=slot_rows, slot_offsets=slot_offsets,
+            node_slot_of=node_slot_of, fwd_slots=fwd_slots, fwd_n=fwd_n,
+            global_scale=global_scale)
 
     def _dispatch_rounds(self, stream: Stream, row_base, tokens_per_expert, expert_offsets,
                          slot_offsets, outputs: tuple, scale_memory, scale_strides,

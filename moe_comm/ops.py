@@ -39,7 +39,7 @@ from torch.autograd.function import once_differentiable
 
 from ._registry import lookup
 from .kernels.quant import NVFP4
-from .types import DispatchHandle, DispatchResult
+from .types import DispatchHandle, DispatchOutputs, DispatchResult
 from .validation import check_cached_rows
 
 
@@ -54,7 +54,7 @@ def dispatch_op(buffer_id: str, x: Tensor, x_scales: Optional[Tensor], topk_idx:
     pending = buf.dispatch_send(x, topk_idx, topk_weights, x_scales, fp8, ue8m0, expert_alignment)
     outs = buf.dispatch_recv(pending, expert_alignment, col_major_scales, max_recv_rows)
     buf._raise_input_errors("dispatch")
-    return outs
+    return tuple(outs)
 
 
 @dispatch_op.register_fake
@@ -84,13 +84,17 @@ def _(buffer_id, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8, ue8
         scales = x.new_empty((0,), dtype=torch.float32)
     recv_x = (x.new_empty((rows, H // 2), dtype=torch.uint8) if nvfp4 else
               x.new_empty((rows, H), dtype=torch.float8_e4m3fn if fp8 else buf.dtype))
-    return (recv_x, scales,
-            x.new_empty((rows if topk_weights is not None else 0,), dtype=torch.float32),
-            x.new_empty((rows,), dtype=i64), x.new_empty((rows,), dtype=i64),
-            x.new_empty((L,), dtype=i64), x.new_empty((L + 1,), dtype=i64),
-            x.new_empty((T, R), dtype=i32), x.new_empty((slots, K), dtype=i32),
-            x.new_empty((buf.slot_offsets_size(),), dtype=i64), *_node_fakes(buf, x, T),
-            x.new_empty((rows if nvfp4 else 0,), dtype=torch.float32))
+    node_slot_of, fwd_slots, fwd_n = _node_fakes(buf, x, T)
+    return tuple(DispatchOutputs(
+        x=recv_x, scales=scales,
+        weights=x.new_empty((rows if topk_weights is not None else 0,), dtype=torch.float32),
+        src_rank=x.new_empty((rows,), dtype=i64), src_token=x.new_empty((rows,), dtype=i64),
+        tokens_per_expert=x.new_empty((L,), dtype=i64),
+        expert_offsets=x.new_empty((L + 1,), dtype=i64),
+        slot_of=x.new_empty((T, R), dtype=i32), slot_rows=x.new_empty((slots, K), dtype=i32),
+        slot_offsets=x.new_empty((buf.slot_offsets_size(),), dtype=i64),
+        node_slot_of=node_slot_of, fwd_slots=fwd_slots, fwd_n=fwd_n,
+        global_scale=x.new_empty((rows if nvfp4 else 0,), dtype=torch.float32)))
 
 
 def _node_fakes(buf, x, T):
@@ -192,20 +196,24 @@ class _Dispatch(torch.autograd.Function):
         outs = torch.ops.moe_comm.dispatch(buffer_id, x, x_scales, topk_idx, topk_weights,
                                            expert_alignment, fp8, ue8m0, col_major_scales,
                                            max_recv_rows)
-        recv_x, scales, recv_w, src_rank, src_token, tpe, offsets, slot_of, slot_rows, slot_off, \
-            *nodes, global_scale = outs
-        ctx.buffer_id, ctx.num_rows = buffer_id, recv_x.shape[0]
-        ctx.save_for_backward(slot_of, slot_rows, slot_off, topk_idx, src_token, *nodes)
-        ctx.mark_non_differentiable(scales, src_rank, src_token, tpe, offsets, slot_of,
-                                    slot_rows, slot_off, *nodes, global_scale)
+        o = DispatchOutputs(*outs)
+        nodes = (o.node_slot_of, o.fwd_slots, o.fwd_n)
+        ctx.buffer_id, ctx.num_rows = buffer_id, o.x.shape[0]
+        ctx.save_for_backward(o.slot_of, o.slot_rows, o.slot_offsets, topk_idx, o.src_token,
+                              *nodes)
+        ctx.mark_non_differentiable(o.scales, o.src_rank, o.src_token, o.tokens_per_expert,
+                                    o.expert_offsets, o.slot_of, o.slot_rows, o.slot_offsets,
+                                    *nodes, o.global_scale)
         ctx.fp8 = bool(fp8)
         if fp8:  # quantized rows carry no gradient to x
-            ctx.mark_non_differentiable(recv_x)
+            ctx.mark_non_differentiable(o.x)
         return outs
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_x, _grad_scales, grad_w, *_):
+    def backward(ctx, *grads):
+        grads = DispatchOutputs(*grads)
+        grad_x, grad_w = grads.x, grads.weights
         slot_of, slot_rows, slot_off, topk_idx, src_token, *nodes = ctx.saved_tensors
         buf = lookup(ctx.buffer_id)
         if grad_x is None or ctx.fp8:
@@ -269,16 +277,16 @@ def wrap_dispatch_outputs(buf, outs, topk: int, has_weights: bool, fp8: int, ue8
     """The tensors of ``moe_comm::dispatch`` as a DispatchResult with its handle (an
     EP-invariant Buffer's keeps ``topk_idx`` and ``src_token``; the handle's rows are those of
     ``src_rank``, which a slot-major dispatch's ``recv_x`` does not have)."""
-    recv_x, scales, recv_w, src_rank, src_token, tpe, offsets, slot_of, slot_rows, slot_off, \
-        node_slot_of, fwd_slots, fwd_n, global_scale = outs
+    o = DispatchOutputs(*outs)
     invariant = buf.ep_invariant
-    handle = DispatchHandle(buf.id, buf.dispatch_serial, slot_of, slot_rows, slot_off,
-                            src_rank.shape[0], topk, tpe, offsets, node_slot_of, fwd_slots, fwd_n,
+    handle = DispatchHandle(buf.id, buf.dispatch_serial, o.slot_of, o.slot_rows,
+                            o.slot_offsets, o.src_rank.shape[0], topk, o.tokens_per_expert,
+                            o.expert_offsets, o.node_slot_of, o.fwd_slots, o.fwd_n,
                             topk_idx=topk_idx if invariant else None,
-                            src_token=src_token if invariant else None)
-    return DispatchResult(recv_x, scales if fp8 else None, recv_w if has_weights else None,
-                          src_rank, src_token, tpe, offsets, handle,
-                          global_scale if fp8 and ue8m0 == NVFP4 else None)
+                            src_token=o.src_token if invariant else None)
+    return DispatchResult(o.x, o.scales if fp8 else None, o.weights if has_weights else None,
+                          o.src_rank, o.src_token, o.tokens_per_expert, o.expert_offsets, handle,
+                          o.global_scale if fp8 and ue8m0 == NVFP4 else None)
 
 
 def combine_autograd(buf, y, handle: DispatchHandle, weights, fp8: bool = False) -> Tensor:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -80,3 +81,26 @@ class DispatchResult:
     expert_offsets: torch.Tensor
     handle: DispatchHandle
     x_global_scale: torch.Tensor | None = None
+
+
+class DispatchOutputs(NamedTuple):
+    """The tensors of ``moe_comm::dispatch``, in the op's order (written here only: the op,
+    its fake, its autograd and ``wrap_dispatch_outputs`` name them). Unused ones are empty:
+    ``scales`` without a quantized format, ``weights`` without weights, ``global_scale``
+    unless NVFP4, the three node tensors unless hierarchical. ``x`` .. ``expert_offsets`` as
+    in :class:`DispatchResult`; ``slot_of`` .. ``fwd_n`` as in :class:`DispatchHandle`."""
+
+    x: torch.Tensor
+    scales: torch.Tensor
+    weights: torch.Tensor
+    src_rank: torch.Tensor
+    src_token: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    expert_offsets: torch.Tensor
+    slot_of: torch.Tensor
+    slot_rows: torch.Tensor
+    slot_offsets: torch.Tensor
+    node_slot_of: torch.Tensor
+    fwd_slots: torch.Tensor
+    fwd_n: torch.Tensor
+    global_scale: torch.Tensor

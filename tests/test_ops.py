@@ -7,6 +7,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 import moe_comm
 from cases import Case, expert_fn, make_inputs
 from moe_comm import reference
+from moe_comm.types import DispatchOutputs
 
 
 def _one_rank(H=32, E=4, T=8, dtype=torch.float32):
@@ -20,11 +21,12 @@ def test_opcheck_dispatch_and_combine(max_recv_rows):
     buf, x, idx, w = _one_rank()
     torch.library.opcheck(torch.ops.moe_comm.dispatch.default,
                           (buf.id, x, None, idx, w, 1, 0, False, False, max_recv_rows))
-    outs = torch.ops.moe_comm.dispatch(buf.id, x, None, idx, w, 1, 0, False, False,
-                                       max_recv_rows)
-    y, tpe, offsets, slot_of, slot_rows, slot_off = outs[0], *outs[5:10]
+    outs = DispatchOutputs(*torch.ops.moe_comm.dispatch(buf.id, x, None, idx, w, 1, 0, False,
+                                                        False, max_recv_rows))
+    y, tpe, offsets = outs.x, outs.tokens_per_expert, outs.expert_offsets
+    slot_of, slot_rows, slot_off = outs.slot_of, outs.slot_rows, outs.slot_offsets
     torch.library.opcheck(torch.ops.moe_comm.combine.default,
-                          (buf.id, y, outs[2], None, slot_of, slot_rows, slot_off))
+                          (buf.id, y, outs.weights, None, slot_of, slot_rows, slot_off))
     torch.library.opcheck(torch.ops.moe_comm.dispatch_cached.default,
                           (buf.id, x, slot_of, slot_rows, slot_off, tpe, offsets, y.shape[0]))
 
@@ -33,33 +35,34 @@ def test_a_cached_dispatch_refuses_rows_unlike_its_handles_and_stays_usable():
     """Another hidden size, fewer or more tokens, another dtype: ValueError naming the shape
     before anything is sent; then the right rows move as the dispatch moved them."""
     buf, x, idx, w = _one_rank()
-    outs = torch.ops.moe_comm.dispatch(buf.id, x, None, idx, w, 1, 0, False, False, None)
-    tpe, offsets, slot_of, slot_rows, slot_off = outs[5:10]
+    outs = DispatchOutputs(*torch.ops.moe_comm.dispatch(buf.id, x, None, idx, w, 1, 0, False,
+                                                        False, None))
 
     def cached(rows):
-        return torch.ops.moe_comm.dispatch_cached(buf.id, rows, slot_of, slot_rows, slot_off,
-                                                  tpe, offsets, outs[0].shape[0])
+        return torch.ops.moe_comm.dispatch_cached(
+            buf.id, rows, outs.slot_of, outs.slot_rows, outs.slot_offsets,
+            outs.tokens_per_expert, outs.expert_offsets, outs.x.shape[0])
 
     for bad in (x[:, :16], x[:3], torch.cat([x, x]), x.double()):
         with pytest.raises(ValueError, match=r"x must be \[8, 32\] torch.float32, got"):
             cached(bad)
-    assert torch.equal(cached(x), outs[0])
+    assert torch.equal(cached(x), outs.x)
 
 
 def test_fake_implementations_give_shapes():
     buf, x, idx, w = _one_rank(H=32, E=4)
     with FakeTensorMode(shape_env=ShapeEnv()) as mode:
         fx, fidx, fw = mode.from_tensor(x), mode.from_tensor(idx), mode.from_tensor(w)
-        outs = torch.ops.moe_comm.dispatch(buf.id, fx, None, fidx, fw, 16, 0, False, False,
-                                           None)
-        assert outs[0].shape[1] == 32 and outs[0].dtype == torch.float32
-        static = torch.ops.moe_comm.dispatch(buf.id, fx, None, fidx, fw, 16, 0, False, False,
-                                             99)
-        assert static[0].shape == (99, 32) and static[2].shape == (99,)  # no dynamic size
-        assert outs[5].shape == (4,) and outs[6].shape == (5,)  # L, L + 1
-        assert outs[7].shape == (8, 1) and outs[7].dtype == torch.int32  # slot_of [T, R]
-        out, pair = torch.ops.moe_comm.combine(buf.id, outs[0], outs[2], None, outs[7],
-                                               outs[8], outs[9])
+        outs = DispatchOutputs(*torch.ops.moe_comm.dispatch(buf.id, fx, None, fidx, fw, 16, 0,
+                                                            False, False, None))
+        assert outs.x.shape[1] == 32 and outs.x.dtype == torch.float32
+        static = DispatchOutputs(*torch.ops.moe_comm.dispatch(buf.id, fx, None, fidx, fw, 16,
+                                                              0, False, False, 99))
+        assert static.x.shape == (99, 32) and static.weights.shape == (99,)  # no dynamic size
+        assert outs.tokens_per_expert.shape == (4,) and outs.expert_offsets.shape == (5,)
+        assert outs.slot_of.shape == (8, 1) and outs.slot_of.dtype == torch.int32  # [T, R]
+        out, pair = torch.ops.moe_comm.combine(buf.id, outs.x, outs.weights, None, outs.slot_of,
+                                               outs.slot_rows, outs.slot_offsets)
         assert out.shape == (8, 32) and pair.shape == (0,)
 
 

@@ -215,6 +215,7 @@ def _buffers(cfg: GateConfig, dtype, low_latency: bool, transport: int, arch: in
     are kernels (``warmup.twins``)."""
     import torch
 
+    from .buffer import Buffer
     from .kernels.comm import Flavour
     from .kernels.nvshmem import device_bitcode
     from .warmup import RingStandIn, twins
@@ -234,7 +235,7 @@ def _buffers(cfg: GateConfig, dtype, low_latency: bool, transport: int, arch: in
                       ring_slots=RingStandIn.slots if proxy else 0, ranks_per_node=N or 0,
                       hierarchical=layout.hierarchical, fault_tolerant=fault_tolerant,
                       mask_off=layout["ft_mask"].offset)
-    buffers = twins(layout, cfg.num_experts, flavour, GATE_NUM_SMS, proxy=proxy,
+    buffers = twins(Buffer, layout, cfg.num_experts, flavour, GATE_NUM_SMS, proxy=proxy,
                     own_process=True)  # as one process per GPU launches
     for buf in buffers:
         buf.backend = "gate"

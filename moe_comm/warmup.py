@@ -36,17 +36,18 @@ class RingStandIn:
         pass
 
 
-def twins(layout, num_experts: int, flavour, num_sms: int | None, *, proxy: bool = False,
-          dispatch_dtype: torch.dtype | None = None, own_process: bool = False) -> list:
-    """Virtual ranks on the meta device with ``layout`` and ``flavour`` (the GPU's: every wait,
-    the proxy's forwarders' too, is a kernel), whose ops launch nothing but can be recorded;
-    ``own_process``: they launch what ranks in processes of their own launch."""
-    from .buffer import Buffer
+def twins(buffer_class, layout, num_experts: int, flavour, num_sms: int | None, *,
+          proxy: bool = False, dispatch_dtype: torch.dtype | None = None,
+          own_process: bool = False) -> list:
+    """Virtual ranks (``moe_comm.Buffer``, passed in: this module lies below it) on the meta
+    device with ``layout`` and ``flavour`` (the GPU's: every wait, the proxy's forwarders' too,
+    is a kernel), whose ops launch nothing but can be recorded; ``own_process``: they launch
+    what ranks in processes of their own launch."""
     from .symm import create_loopback_heaps
 
     buffers = []
     for heap in create_loopback_heaps(layout.world_size, layout.nbytes, "meta"):
-        buf = Buffer.__new__(Buffer)
+        buf = buffer_class.__new__(buffer_class)
         buf._setup(heap, layout, num_experts, None, dispatch_dtype, num_sms=num_sms,
                    kernel_impl="triton", flavour=flavour, proxy=RingStandIn() if proxy else None,
                    own_process=own_process)
@@ -90,7 +91,7 @@ def launches(buf, topk: int, fp8: bool, backward: bool, arch: int) -> list:
     compiled for ``sm_<arch>``."""
     from .kernels.recording import recording
 
-    bufs = twins(buf.layout, buf.num_experts, buf.flavour, buf.num_sms,
+    bufs = twins(type(buf), buf.layout, buf.num_experts, buf.flavour, buf.num_sms,
                  proxy=buf.proxy is not None, dispatch_dtype=buf.dispatch_dtype,
                  own_process=buf.own_process)
     with recording(arch) as recorded:

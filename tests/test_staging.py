@@ -424,7 +424,8 @@ def test_gpu_rings_are_cut_to_what_one_launch_runs_a_round_of():
             == WorkspaceLayout(R, T, H, 256 // R, K, dtype, rdma=True, ring_slots=cut).nbytes, R
     for ring in (560, 576):  # every format, the quantizing sends the first to drop out
         layout = WorkspaceLayout(16, T, H, 16, K, dtype, rdma=True, ring_slots=ring)
-        buf = twins(layout, 256, Flavour(transport=1, device_wait=True, compiled=True), 20,
+        buf = twins(moe_comm.Buffer, layout, 256,
+                    Flavour(transport=1, device_wait=True, compiled=True), 20,
                     own_process=True)[0]
         assert all(buf._combine_in_one_launch.values()), ring
         assert {key for key, one in buf._dispatch_in_one_launch.items() if not one} == (
@@ -433,7 +434,7 @@ def test_gpu_rings_are_cut_to_what_one_launch_runs_a_round_of():
     # all a multiple above (EP 16: the FP8 combine and the NVFP4-quantizing send fit 640)
     for ring in (640, 656):
         layout = WorkspaceLayout(16, T, H, 16, K, dtype, ring_slots=ring)
-        buf = twins(layout, 256, Flavour(device_wait=True, compiled=True), 20,
+        buf = twins(moe_comm.Buffer, layout, 256, Flavour(device_wait=True, compiled=True), 20,
                     own_process=True)[0]
         tables = [*buf._combine_in_one_launch.values(), *buf._dispatch_in_one_launch.values()]
         assert len(tables) == 4 + 3 * 4 * 2 and any(tables), ring

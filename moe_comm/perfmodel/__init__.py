@@ -38,16 +38,10 @@ from .bound import predict_bound
 from .counted import moe_comm_counters
 from .formats import COMBINE_DTYPES, DTYPES, payload_bytes
 from .implementations import IMPLEMENTATIONS, Algorithm, Implementation, get_implementation
-from .model import (
-    BOTTLENECKS,
-    MODES,
-    PhaseBytes,
-    PhasePrediction,
-    Prediction,
-    predict,
-)
+from .model import predict
 from .routing import expected_fanout
 from .systems import GB, SYSTEMS, System, get_system
+from .workload import BOTTLENECKS, MODES, PhaseBytes, PhasePrediction, Prediction
 
 __all__ = [
     "BOTTLENECKS",

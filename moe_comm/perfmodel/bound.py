@@ -22,7 +22,8 @@ import numpy as np
 
 from .formats import element_bytes, payload_bytes
 from .loads import LoadStat, compute_loads
-from .model import (
+from .systems import get_system
+from .workload import (
     FP8_LL_CONVENTION_HEADER,
     MODES,
     PhaseBytes,
@@ -31,7 +32,6 @@ from .model import (
     _check_ep_invariant,
     _workload,
 )
-from .systems import get_system
 
 _CLASSES = ("rank_send_self", "rank_send_nvl", "rank_recv_nvl")
 _NODE_CLASSES = ("node_send_rdma", "node_recv_rdma")

@@ -22,8 +22,9 @@ import sys
 
 from .formats import COMBINE_DTYPES, DTYPES
 from .implementations import IMPLEMENTATIONS
-from .model import MODES, Prediction, predict
+from .model import predict
 from .systems import SYSTEMS
+from .workload import MODES, Prediction
 
 COLUMNS = (  # header, width-free formatter
     ("system", lambda p: p.system),

@@ -108,10 +108,10 @@ mutants: $(STAMP)  ## one-line mutations of the product, each caught by its test
 	$(BIN)/python tests/mutants.py
 
 gpu-gate: $(STAMP)  ## every kernel as launched on a GPU, compiled for sm_90/sm_100 and read
-	TRITON_INTERPRET=0 $(BIN)/python -m moe_comm.gate --arch 90 100
+	TRITON_INTERPRET=0 $(BIN)/python -m moe_comm.testing.gate --arch 90 100
 
 gpu-gate-triton36: $(STAMP36)  ## the same gate under Triton 3.6 (sm_90, DeepSeek-V3 sizes)
-	TRITON_INTERPRET=0 $(VENV36)/bin/python -m moe_comm.gate --arch 90 \
+	TRITON_INTERPRET=0 $(VENV36)/bin/python -m moe_comm.testing.gate --arch 90 \
 		--config dsv3-prefill dsv3-decode dsv3-prefill-rounds \
 		--out bench/results/gpu_gate_triton36.tsv
 

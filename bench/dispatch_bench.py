@@ -397,7 +397,7 @@ def main(argv=None) -> int:
         if args.system not in SYSTEMS:
             parser.error(f"--system must be one of {sorted(SYSTEMS)}")
 
-    from moe_comm.launch import RankPool
+    from moe_comm.testing.launch import RankPool
 
     configs = [c for c in CONFIGS if c.name in args.configs]
     if args.fp8:
@@ -475,7 +475,7 @@ def _internode(args, configs) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import internode_bench
 
-    from moe_comm.launch import RankPool
+    from moe_comm.testing.launch import RankPool
 
     if args.ranks % args.nodes:
         raise SystemExit(f"--ranks {args.ranks} does not split into {args.nodes} nodes")

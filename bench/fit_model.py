@@ -3,7 +3,7 @@
     python bench/fit_model.py --fit KERNELS.tsv PATHS.tsv [--check KERNELS.tsv PATHS.tsv ...]
 
 ``KERNELS.tsv``: what ``bench/gpu_bench.py --kernels-tsv`` writes (each op's kernels, device us
-per call over all ranks, launches per call). ``PATHS.tsv``: what ``python -m moe_comm.gate``
+per call over all ranks, launches per call). ``PATHS.tsv``: what ``python -m moe_comm.testing.gate``
 writes beside its table (``gpu_gate_paths.tsv``: every variant's busiest program, per config:
 dependent steps, bytes, grid, registers), of the same commit. Each measured kernel is matched
 to its variant (``OPS``), measured per launch and rank (device time over launches), and the

@@ -1,6 +1,7 @@
 """A framework's own MoE dispatcher against moe_comm on the same routing: bytes and agreement.
 
-For ``bench/dispatch_bench.py --framework megatron|deepspeed``. On a ``moe_comm.launch.RankPool``
+For ``bench/dispatch_bench.py --framework megatron|deepspeed``. On a
+``moe_comm.testing.launch.RankPool``
 (or any gloo group of CPU ranks)::
 
     import framework_compare   # bench/ on sys.path

@@ -51,7 +51,8 @@ from gpu_compare import (
 )
 
 import moe_comm
-from moe_comm import lockstep, reference
+from moe_comm import reference
+from moe_comm.testing import lockstep
 
 ROW_ROUNDING = 256  # max_recv_rows = the largest rank's rows, rounded up to this
 

@@ -95,7 +95,7 @@ note "compile every runtime specialisation for sm_${ARCH} (limit ${T}s; Triton c
   "$TRITON_CACHE_DIR: $(cache_entries) entries)"
 NVSHMEM_SKIPPED=""
 if [[ $BITCODE_RC == 0 ]]; then
-  GATE=(-m moe_comm.gate --arch "$ARCH" --jobs "$JOBS" --out "$OUT/gpu_gate.tsv"
+  GATE=(-m moe_comm.testing.gate --arch "$ARCH" --jobs "$JOBS" --out "$OUT/gpu_gate.tsv"
         --config small dsv3-prefill dsv3-decode)
 else
   echo "NVSHMEM bitcode unusable here (see above): the gate compiles everything else"

@@ -104,7 +104,7 @@ def csrc(args) -> int:
 
 
 def gate(args) -> int:
-    from moe_comm import gate as static_gate
+    from moe_comm.testing import gate as static_gate
 
     configs = [c for c in static_gate.CONFIGS if c.name in args.config]
     if args.no_nvshmem:

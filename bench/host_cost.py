@@ -4,7 +4,8 @@ calls and host microseconds, on virtual ranks on the ``meta`` device (no GPU, no
     python bench/host_cost.py [--calls 200] [--json bench/results/host_cost.json]
     python bench/host_cost.py --verify      # every bound launch checked against Triton's path
 
-The static gate's virtual ranks (``moe_comm.gate``: the GPU flavour, in-kernel waits, one node,
+The static gate's virtual ranks (``moe_comm.testing.gate``: the GPU flavour, in-kernel waits,
+one node,
 DeepSeek-V3 decode sizes: 8 ranks, 128 tokens, H 7168, top-8, 256 experts, bf16) run each op
 in lockstep; ``dispatch_rounds`` and ``combine_rounds`` are the normal mode with a bounded
 staging of 32 slots per source (4 rounds a call; the ranks launch what ranks in processes of
@@ -66,9 +67,9 @@ from triton.runtime.driver import driver  # noqa: E402
 
 import moe_comm  # noqa: E402
 import moe_comm.kernels  # noqa: E402
-from moe_comm import gate, lockstep  # noqa: E402
 from moe_comm.kernels import bound as bound_launches  # noqa: E402
 from moe_comm.kernels.recording import compiled_stand_ins  # noqa: E402
+from moe_comm.testing import gate, lockstep  # noqa: E402
 
 CONFIG = gate.GateConfig("dsv3-decode", 8, 256, 7168, 8, 128, nvshmem=False)
 # bounded staging at the same sizes: every normal-mode call in 4 rounds of 32 slots per source

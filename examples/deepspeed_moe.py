@@ -28,7 +28,7 @@ import torch
 # first: without a GPU, importing moe_comm selects the Triton interpreter, which must happen
 # before a framework imports triton
 import moe_comm  # noqa: F401
-from moe_comm.launch import run_ranks
+from moe_comm.testing.launch import run_ranks
 
 HIDDEN, EXPERTS, TOPK, TOKENS = 32, 8, 2, 24
 

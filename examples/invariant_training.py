@@ -111,7 +111,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
-    from moe_comm.launch import parallel_launch
+    from moe_comm.testing.launch import parallel_launch
 
     status = 0
     for invariant in (True, False):

@@ -26,7 +26,7 @@ import torch
 # first: without a GPU, importing moe_comm selects the Triton interpreter, which must happen
 # before a framework imports triton
 import moe_comm  # noqa: F401
-from moe_comm.launch import run_ranks
+from moe_comm.testing.launch import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HIDDEN, EXPERTS, TOPK, SEQ, BATCH = 32, 8, 2, 12, 2

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import moe_comm
-from moe_comm.launch import run_ranks
+from moe_comm.testing.launch import run_ranks
 
 HIDDEN, FFN, EXPERTS, TOPK, TOKENS = 64, 128, 8, 2, 48
 

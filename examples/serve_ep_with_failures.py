@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
-from moe_comm.launch import RankPool
+from moe_comm.testing.launch import RankPool
 
 HIDDEN, EXPERTS, TOPK, TOKENS = 128, 8, 2, 8
 

@@ -241,7 +241,7 @@ def main() -> int:
     args = parser.parse_args()
     if "RANK" in os.environ:  # started by torchrun
         return _torchrun_main(args)
-    from moe_comm.launch import parallel_launch
+    from moe_comm.testing.launch import parallel_launch
 
     ep = parallel_launch(args.ranks, train_ep, args)[0]
     return compare(ep, train_dense(args.ranks, args))

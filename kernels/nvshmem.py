@@ -174,7 +174,7 @@ def device_bitcode(arch: int) -> str:
 def compiled_kernel_of(fn, compile: dict, key):
     """The CompiledKernel a ``jit_post_compile_hook`` call is about: Triton 3.6 to 3.9 file it
     in ``device_caches[device][0]`` under the hook's ``key`` before calling the hook
-    (``moe_comm.gate`` checks this on the Triton it runs under)."""
+    (``moe_comm.testing.gate`` checks this on the Triton it runs under)."""
     return fn.jit_function.device_caches[compile["device"]][0][key]
 
 

@@ -5,7 +5,8 @@ kernels move wide tiles (64 tokens x up to 2048 channels). A GPU wants the oppos
 fit in registers (a tile that does not fit spills to local memory, and the driver reserves that
 stack for every resident thread), enough programs to cover the SMs, and 16-byte stores. The
 launchers in this package take their tiles from :func:`tiles` and their grids from the
-functions below, and the static gate (``python -m moe_comm.gate``) compiles exactly what they
+functions below, and the static gate (``python -m moe_comm.testing.gate``) compiles exactly what
+they
 pick, so the two can never drift apart.
 
 Each GPU choice is sized so that a thread holds at most 64 bytes of a row tile (``block_h``,
@@ -236,7 +237,7 @@ def per_source_programs(world_size: int, compiled: bool) -> int:
 
 
 # ------------------------------------------------------------------------------ schedules
-# What the static gate (``moe_comm.gate``) holds each kernel to, beside its tiles: its kind
+# What the static gate (``moe_comm.testing.gate``) holds each kernel to, beside its tiles: its kind
 # and the serial trips of its busiest program. A *trip* is one pass of a loop over rows,
 # tokens, slots, chunks or (expert, source) blocks: the loops whose length grows with the
 # work. Loops over the channels of a row, the choices of a token or the ranks a row goes to

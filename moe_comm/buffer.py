@@ -2,7 +2,7 @@
 
 Every op is two phases, *send* (local layout, puts into peers, publish an epoch) and *receive*
 (bounded wait for every peer's epoch, then local work). ``dispatch``/``combine`` run both; the
-loopback driver (``moe_comm.lockstep``) runs each phase for all virtual ranks in turn.
+loopback driver (``moe_comm.testing.lockstep``) runs each phase for all virtual ranks in turn.
 
 Why two parities of staging are enough (no "consumed" signal): every rank publishes to every
 rank on every call, and every receive waits for all of them. Rank A writes call ``n + 2`` of a
@@ -303,7 +303,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                  timeout_s: float | None = None, device="cpu", num_sms: int | None = None,
                  kernel_impl: str = "auto", fault_tolerant: bool = False,
                  staging_bytes: int | None = None, ep_invariant: bool = False) -> list[Buffer]:
-        """``world_size`` virtual ranks in this process; drive them with ``moe_comm.lockstep``
+        """``world_size`` virtual ranks in this process; drive them with
+        ``moe_comm.testing.lockstep``
         (``fault_tolerant``: as ``Buffer(..., fault_tolerant=True)``; ``clean_mask`` needs
         every rank at once, which one thread cannot give)."""
         if max_topk is None and isinstance(num_experts, int):

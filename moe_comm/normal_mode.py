@@ -1,7 +1,7 @@
 """Normal mode (training, prefill): the send and receive phases of dispatch and combine.
 
 A mixin of ``Buffer``: each phase is a method, called with validated inputs by the custom ops
-(``moe_comm.ops``) and by the loopback driver (``moe_comm.lockstep``). Launch counts go to
+(``moe_comm.ops``) and by the loopback driver (``moe_comm.testing.lockstep``). Launch counts go to
 ``self.launches``: dispatch = layout (2: count, place) + send + received layout + expand,
 combine = send + reduce (reduce skipped for T = 0); the cached dispatch (combine's backward) is
 send + expand; with waits in kernels the received layout waits itself (no launch of its own)
@@ -71,7 +71,8 @@ by the two-parity argument of ``moe_comm.buffer`` applied per round), and its wa
 needs only every rank's send of round ``i``, which every rank issues before its own wait: so on GPUs
 (the send and the wait in stream order, each rank on its own GPU) and on CPU ranks (one process per
 rank, host or in-kernel waits) no rank waits for one that is waiting; virtual ranks
-(``moe_comm.lockstep``) run every rank's send of a round before any rank's receive of it (the
+(``moe_comm.testing.lockstep``) run every rank's send of a round before any rank's receive of it
+(the
 receive phases are generators that yield between a round's send and its receive). Hierarchical adds
 one link to the chain and the same argument holds for it: the forwarder's pass of round ``i`` waits
 only for sends of round ``i`` (issued before any wait of round ``i``), and every write of parity
@@ -518,7 +519,7 @@ class NormalMode:
                             col_major_scales: bool = False, max_recv_rows: int | None = None,
                             slot_major: bool = False):
         """:meth:`dispatch_recv` as steps: it yields after the send of each round past the
-        first, before that round's receive (``moe_comm.lockstep`` runs every virtual rank's
+        first, before that round's receive (``moe_comm.testing.lockstep`` runs every virtual rank's
         step before any rank receives), and returns the tensors of ``moe_comm::dispatch``.
 
         ``max_recv_rows`` (an upper bound of the rows this rank receives, padding included)

@@ -11,7 +11,8 @@ instead of compiling them::
         dispatch + combine (+ their backward ops) on the twins, K = topk, T = max_tokens
     for variant in distinct(launches): triton.compile(variant)   # into Triton's cache
 
-The recording is the static gate's (``moe_comm.gate``): the twins launch what the Buffer would,
+The recording is the static gate's (``moe_comm.testing.gate``): the twins launch what the
+Buffer would,
 with the signature, constants and alignment facts Triton derives from real arguments, so each
 compile lands on the cache entry the Buffer's first launch looks up. Local (no peer takes part)
 and cached by Triton across processes. The csrc/ low-latency kernels (``kernel_impl="cuda"``)
@@ -61,7 +62,7 @@ def drive(bufs, topk: int, fp8: bool, backward: bool) -> None:
     host read; the same kernels as without) and combine with weights, and with ``backward`` the
     backward of each (a cached dispatch, a combine with router-weight gradients); low-latency
     Buffers: their dispatch (``fp8``) and combine."""
-    from . import lockstep
+    from .testing import lockstep
 
     b = bufs[0]
     T, H, R = b.max_tokens_per_rank, b.hidden, b.world_size

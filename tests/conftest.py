@@ -7,7 +7,7 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 import pytest  # noqa: E402
 
-from moe_comm.launch import RankPool  # noqa: E402
+from moe_comm.testing.launch import RankPool  # noqa: E402
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
 # vLLM's and SGLang's DeepEP paths run in their own environments (make test-vllm, make

@@ -233,9 +233,9 @@ def ll_main(name: str, workdir: str) -> dict:
     program walked; the schedules and the critical path's constants are the broken copy's."""
     import torch
 
-    from moe_comm import gate
     from moe_comm import low_latency as ll_mode
     from moe_comm.kernels import compiled, critical_path
+    from moe_comm.testing import gate
 
     pkg = broken_copy(name, workdir, LL_MUTATIONS)
     launchers = importlib.import_module(pkg.__name__ + ".low_latency")
@@ -268,8 +268,8 @@ def ll_main(name: str, workdir: str) -> dict:
 
 
 def main(name: str, workdir: str) -> dict:
-    from moe_comm.gate import _specialisation_problems
     from moe_comm.kernels.compiled import inspect_launch, unemitted_markers, violations
+    from moe_comm.testing.gate import _specialisation_problems
 
     pkg = broken_copy(name, workdir)
     transport = MUTATIONS[name][3]

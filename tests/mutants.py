@@ -141,15 +141,15 @@ MUTANTS = (
            ("tests/test_host_cost.py::test_every_bound_launch_is_the_launch_tritons_path_makes",)),
     # ---- the static gate
     Mutant("gate_drops_mxfp8", "the gate compiles every dispatch format",
-           "moe_comm/gate.py", 'for fmt in ("mxfp8", "nvfp4"):', 'for fmt in ("nvfp4",):',
+           "moe_comm/testing/gate.py", 'for fmt in ("mxfp8", "nvfp4"):', 'for fmt in ("nvfp4",):',
            ("tests/test_gate.py::test_gate_drivers_launch_the_listed_variants",)),
     Mutant("gate_drops_fault_tolerant_low_latency",
            "the gate compiles the fault-tolerant flavour in both modes",
-           "moe_comm/gate.py", "(name, dtype, 0, True, False, True)]", "]",
+           "moe_comm/testing/gate.py", "(name, dtype, 0, True, False, True)]", "]",
            ("tests/test_gate.py::test_gate_drivers_launch_the_listed_variants",)),
     Mutant("gate_specialisation_rule_off",
            "the gate fails when ranks specialise apart",
-           "moe_comm/gate.py", "if any(len(set(g)) > 1 for g in groups):", "if False:",
+           "moe_comm/testing/gate.py", "if any(len(set(g)) > 1 for g in groups):", "if False:",
            ("tests/test_gate.py::test_each_rule_fails_on_its_mutation[specialised_rank-None]",)),
     # ---- formats
     Mutant("nvfp4_global_scale_keeps_infinity",

@@ -5,7 +5,8 @@ recorded launches, no interpreter).
 
 A meta tensor has no data: ``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``,
 ``torch.equal``, a copy into a host tensor, a boolean index or ``bool(t)`` on one raises. The
-static gate's virtual ranks (``moe_comm.gate``) drive every op of every GPU flavour on it (one
+static gate's virtual ranks (``moe_comm.testing.gate``) drive every op of every GPU flavour on it
+(one
 node, NVSHMEM, the proxy flat and hierarchical, fault tolerant; every dispatch format, both
 combines, the backward ops, the low-latency pair with its hooks), and the normal mode's
 public ``Buffer.dispatch`` / ``Buffer.combine`` too, rank after rank; the one read that is
@@ -24,8 +25,9 @@ os.environ["TRITON_INTERPRET"] = "0"
 
 import torch  # noqa: E402
 
-from moe_comm import gate, lockstep, normal_mode  # noqa: E402
+from moe_comm import normal_mode  # noqa: E402
 from moe_comm.kernels.recording import recording  # noqa: E402
+from moe_comm.testing import gate, lockstep  # noqa: E402
 
 CONFIG = gate.GateConfig("syncs", 4, 16, 256, 4, 32, nvshmem=True)
 # (name, low_latency, transport, hierarchical, fault_tolerant), as gate.record_config builds them

@@ -97,7 +97,7 @@ def test_low_latency_grids_cover_every_tile():
     xs, idxs, ws = make_inputs(case)
     bufs = moe_comm.Buffer.loopback(2, 128, 8, 150, low_latency=True, num_sms=1)
     for call in range(2):  # both parities
-        got = moe_comm.lockstep.low_latency_dispatch(bufs, xs, idxs, fp8=False)
+        got = moe_comm.testing.lockstep.low_latency_dispatch(bufs, xs, idxs, fp8=False)
         want = moe_comm.reference.low_latency_dispatch_all(xs, idxs, num_experts=8,
                                                            max_tokens=150)
         for r in range(2):
@@ -105,7 +105,7 @@ def test_low_latency_grids_cover_every_tile():
             for e, n in enumerate(want[r].count.tolist()):
                 assert torch.equal(got[r].x[e, :n], want[r].x[e, :n])
         ys = [(r.x.float() * (call + 1.5)).to(r.x.dtype) for r in got]
-        outs = moe_comm.lockstep.low_latency_combine(bufs, ys, idxs, ws,
+        outs = moe_comm.testing.lockstep.low_latency_combine(bufs, ys, idxs, ws,
                                                      [r.handle for r in got])
         wants = moe_comm.reference.low_latency_combine_all(ys, idxs, ws, want, max_tokens=150)
         for r in range(2):
@@ -158,11 +158,11 @@ def test_normal_dispatch_send_grid_is_persistent():
     case = Case(2, 8, 128, 2, (150, 40), seed=33)
     xs, idxs, ws = make_inputs(case)
     bufs = moe_comm.Buffer.loopback(2, 128, 8, 150, num_sms=1)
-    got = moe_comm.lockstep.dispatch(bufs, xs, idxs, ws)
+    got = moe_comm.testing.lockstep.dispatch(bufs, xs, idxs, ws)
     want = moe_comm.reference.dispatch_all(xs, idxs, ws, num_experts=8)
     for g, w in zip(got, want):
         assert torch.equal(g.x, w.x) and torch.equal(g.src_token, w.src_token)
-    outs = moe_comm.lockstep.combine(bufs, [g.x for g in got], [g.handle for g in got],
+    outs = moe_comm.testing.lockstep.combine(bufs, [g.x for g in got], [g.handle for g in got],
                                      [g.weights for g in got])
     ref = moe_comm.reference.combine_all([w.x for w in want], [w.handle for w in want],
                                          [w.weights for w in want])

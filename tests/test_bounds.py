@@ -6,8 +6,9 @@ import torch
 
 import moe_comm
 from cases import Case, make_inputs
-from moe_comm import lockstep, reference
+from moe_comm import reference
 from moe_comm.symm import loopback
+from moe_comm.testing import lockstep
 
 GUARD, PATTERN = 4096, 0xA5
 CASE = Case(2, 8, 128, 2, (5, 3), seed=31)

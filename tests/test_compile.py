@@ -16,7 +16,7 @@ from compile_jobs import compiled_layer, ll_compiled_layer
 
 import moe_comm
 from cases import Case
-from moe_comm.launch import RankPool
+from moe_comm.testing.launch import RankPool
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,9 @@ import torch
 
 import moe_comm
 from cases import Case, make_inputs
-from moe_comm import csrc_build, csrc_kernels, lockstep, reference
+from moe_comm import csrc_build, csrc_kernels, reference
 from moe_comm.kernels.comm import PeerTimeoutError
+from moe_comm.testing import lockstep
 from moe_comm.workspace import COMBINE, DISPATCH
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"

@@ -29,7 +29,7 @@ from integration_jobs import (
     deepspeed_rejects,
 )
 from moe_comm.integrations import deepspeed as plugin
-from moe_comm.launch import RankPool
+from moe_comm.testing.launch import RankPool
 
 FP32_RTOL = 1e-5
 

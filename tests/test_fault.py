@@ -14,7 +14,7 @@ import torch
 
 import moe_comm
 from cases import Case
-from moe_comm.launch import RankPool
+from moe_comm.testing.launch import RankPool
 
 CALLS = 22  # the rank dies in call 1: that call and 20 more
 # deaths inside combine happen at call 2: both staging parities then hold the dying rank's

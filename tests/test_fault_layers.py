@@ -21,10 +21,11 @@ from fault_jobs import survivors_inputs
 
 import moe_comm
 from cases import Case, expert_fn, make_inputs
-from moe_comm import lockstep, reference
+from moe_comm import reference
 from moe_comm.fault import RankExcludedError
 from moe_comm.kernels import comm
 from moe_comm.ops import wrap_dispatch_outputs
+from moe_comm.testing import lockstep
 from rank_jobs import FIELDS, kernel_waits
 
 CASE = Case(4, 16, 256, 2, (6, 5, 7, 5), seed=61)

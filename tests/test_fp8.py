@@ -4,8 +4,9 @@ import torch
 
 import moe_comm
 from cases import Case, make_inputs
-from moe_comm import lockstep, reference
+from moe_comm import reference
 from moe_comm.kernels.quant import quantize_fp8
+from moe_comm.testing import lockstep
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

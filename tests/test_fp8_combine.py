@@ -6,8 +6,9 @@ import torch
 
 import moe_comm
 from cases import Case, make_inputs
-from moe_comm import lockstep, reference
+from moe_comm import reference
 from moe_comm.perfmodel import moe_comm_counters
+from moe_comm.testing import lockstep
 
 CASES = [
     Case(2, 8, 256, 8, (13, 0), dtype=torch.float32, routing="zipf", alignment=16, seed=101),

@@ -48,7 +48,7 @@ def _listed_variants() -> set[str]:
 def _recorded() -> subprocess.CompletedProcess:
     """``gate --list --schedules``: the variant list, then every variant's grid, from one
     recording of the drivers (shared by the two tests below)."""
-    return subprocess.run([sys.executable, "-m", "moe_comm.gate", "--list", "--schedules"],
+    return subprocess.run([sys.executable, "-m", "moe_comm.testing.gate", "--list", "--schedules"],
                           capture_output=True, text=True, env=COMPILED_ENV, cwd=ROOT,
                           timeout=600)
 
@@ -57,7 +57,8 @@ def test_gate_drivers_launch_the_listed_variants():
     """The variants the gate's drivers launch at each config (recorded, not compiled) are
     exactly those of tests/gate_variants.txt: a format, flavour, dtype or op that drops out of
     a driver, or one added without a look at what it compiles, fails here. After a deliberate
-    change: python -m moe_comm.gate --list > tests/gate_variants.txt (TRITON_INTERPRET=0)."""
+    change: python -m moe_comm.testing.gate --list > tests/gate_variants.txt
+    (TRITON_INTERPRET=0)."""
     proc = _recorded()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = {line.strip() for line in proc.stdout.splitlines() if line.strip()
@@ -113,7 +114,7 @@ def test_gate_passes_at_the_runtime_configurations():
     # every variant of the DeepSeek-V3 sizes for sm_90; for sm_100 one bf16 variant of those
     # sizes without NVSHMEM per kernel (gate.brief_variants); make gpu-gate builds everything
     # for both, the small config too (the CPU tests' sizes: no GPU runs them)
-    proc = subprocess.run([sys.executable, "-m", "moe_comm.gate", "--arch", "90",
+    proc = subprocess.run([sys.executable, "-m", "moe_comm.testing.gate", "--arch", "90",
                            "--brief-arch", "100", "--config", *DSV3_CONFIGS, "--out", out],
                           capture_output=True, text=True, env=COMPILED_ENV, cwd=ROOT,
                           timeout=1800)

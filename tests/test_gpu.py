@@ -21,7 +21,8 @@ import torch
 
 import moe_comm
 from cases import Case, expert_fn, make_inputs
-from moe_comm import csrc_build, lockstep, reference
+from moe_comm import csrc_build, reference
+from moe_comm.testing import lockstep
 
 BENCH = str(Path(__file__).resolve().parent.parent / "bench")
 if BENCH not in sys.path:  # the comparisons are shared with bench/gpu_bench.py

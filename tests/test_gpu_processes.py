@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from cases import Case
-from moe_comm.launch import RankPool
 from moe_comm.symm.cuda import OVERLAP_ENV
+from moe_comm.testing.launch import RankPool
 
 pytestmark = [
     pytest.mark.gpu,

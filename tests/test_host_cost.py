@@ -129,7 +129,7 @@ def test_the_launch_counter_sees_every_kernel_of_the_public_ops():
 
 _WARM_PROXY_COMBINES = """
 import host_cost
-from moe_comm import gate
+from moe_comm.testing import gate
 with host_cost.compiled_stand_ins():
     for flags in ((False,), (True,), (False, True), (False, False, True)):
         bufs = gate._buffers(host_cost.ROUNDS_CONFIG, host_cost.DTYPE, False, 2, 90, *flags)

@@ -17,8 +17,9 @@ from invariant_jobs import (
     train_calls,
 )
 
-from moe_comm import Buffer, lockstep
+from moe_comm import Buffer
 from moe_comm.reference import invariant_combine
+from moe_comm.testing import lockstep
 from moe_comm.workspace import staging_slot_bytes
 from rank_jobs import kernel_waits, with_kernel_waits
 

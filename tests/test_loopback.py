@@ -1,10 +1,12 @@
-"""Virtual ranks in one process (``Buffer.loopback``, ``moe_comm.lockstep``) vs the reference."""
+"""Virtual ranks in one process (``Buffer.loopback``, ``moe_comm.testing.lockstep``) vs the
+reference."""
 import pytest
 import torch
 
 import moe_comm
 from cases import Case, expert_fn, make_inputs
-from moe_comm import lockstep, reference
+from moe_comm import reference
+from moe_comm.testing import lockstep
 
 FIELDS = ("x", "weights", "src_rank", "src_token", "tokens_per_expert", "expert_offsets")
 

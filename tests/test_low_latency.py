@@ -12,7 +12,8 @@ from ll_jobs import (
     ll_skip,
     ll_two_in_flight,
 )
-from moe_comm import lockstep, reference
+from moe_comm import reference
+from moe_comm.testing import lockstep
 
 LOOPBACK = [  # (case, fp8, ue8m0, col_major)
     (Case(1, 4, 128, 1, (6,), seed=1), True, False, False),

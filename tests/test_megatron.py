@@ -23,7 +23,7 @@ from integration_jobs import (
     megatron_rejects,
 )
 from moe_comm.integrations import megatron as plugin
-from moe_comm.launch import RankPool
+from moe_comm.testing.launch import RankPool
 
 INEXACT_WITH_TOPK_ABOVE_2 = {"out", "x.grad"}
 
@@ -277,7 +277,7 @@ def test_flex_dispatcher_over_moe_comm_deep_ep(world_size, dtype, experts, token
     """Megatron's flex dispatcher with its DeepEP backend, unmodified, over moe_comm.deep_ep:
     outputs and every gradient equal Megatron's alltoall dispatcher over three steps."""
     from integration_jobs import megatron_deep_ep_parity
-    from moe_comm.launch import RankPool
+    from moe_comm.testing.launch import RankPool
 
     with RankPool(world_size) as pool:  # fresh processes: deep_ep installed before megatron
         reports = pool.run(megatron_deep_ep_parity, dtype, 16, experts, 2, tokens, seed=21)

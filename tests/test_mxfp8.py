@@ -5,8 +5,9 @@ import torch
 
 import moe_comm
 from cases import Case, make_inputs
-from moe_comm import lockstep, microscale, reference
+from moe_comm import microscale, reference
 from moe_comm.perfmodel import moe_comm_counters
+from moe_comm.testing import lockstep
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ import torch
 
 import moe_comm
 from cases import Case, make_inputs
-from moe_comm import lockstep, reference
+from moe_comm import reference
+from moe_comm.testing import lockstep
 
 GPU_NAN = torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.float32)[0]
 

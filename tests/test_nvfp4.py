@@ -6,8 +6,9 @@ import torch
 
 import moe_comm
 from cases import Case, make_inputs, nvfp4_global_scale_oracle
-from moe_comm import lockstep, microscale, reference
+from moe_comm import microscale, reference
 from moe_comm.perfmodel import moe_comm_counters
+from moe_comm.testing import lockstep
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

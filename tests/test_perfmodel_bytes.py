@@ -11,8 +11,8 @@ import torch
 from perfmodel_jobs import link_bytes
 
 import moe_comm
-from moe_comm import lockstep
 from moe_comm.perfmodel import moe_comm_counters, predict
+from moe_comm.testing import lockstep
 from moe_comm.workspace import staging_slot_bytes
 
 

@@ -175,7 +175,7 @@ def test_compiled_pool_spawns_ranks_whose_kernels_compile(ranks):
     """``RankPool(compiled=True)`` (GPU ranks as processes): spawned, not forked from the
     interpreter's fork server, so the kernels a rank imports compile; the default pool's
     ranks interpret them."""
-    from moe_comm.launch import RankPool
+    from moe_comm.testing.launch import RankPool
 
     with RankPool(2, compiled=True) as pool:
         assert pool.run(launch_mode) == [("0", "JITFunction", 2)] * 2

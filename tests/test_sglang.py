@@ -41,7 +41,7 @@ if importlib.util.find_spec("sglang") is None:
 import sglang_jobs
 import sglang_shims
 
-from moe_comm.launch import RankPool
+from moe_comm.testing.launch import RankPool
 
 if importlib.metadata.version("sglang") != sglang_shims.SGLANG_VERSION:
     pytest.skip(f"sglang {importlib.metadata.version('sglang')} is installed; the stand-ins "

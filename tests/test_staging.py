@@ -18,7 +18,8 @@ from test_loopback import check_case
 
 import moe_comm
 from cases import Case, expert_fn, make_inputs
-from moe_comm import lockstep, microscale, reference
+from moe_comm import microscale, reference
+from moe_comm.testing import lockstep
 from moe_comm.workspace import DEFAULT_STAGING_BYTES, staging_slot_bytes
 from rank_jobs import construct, gradients, with_kernel_waits
 

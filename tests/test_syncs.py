@@ -19,7 +19,8 @@ import torch
 
 import moe_comm
 from cases import Case, expert_fn, make_inputs
-from moe_comm import lockstep, reference
+from moe_comm import reference
+from moe_comm.testing import lockstep
 
 _READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "__array__")
 

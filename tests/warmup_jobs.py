@@ -19,8 +19,9 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 import torch  # noqa: E402
 
-from moe_comm import gate, lockstep, warmup  # noqa: E402
+from moe_comm import warmup  # noqa: E402
 from moe_comm.kernels.recording import recording  # noqa: E402
+from moe_comm.testing import gate, lockstep  # noqa: E402
 
 SMALL = gate.CONFIGS[0]
 ROUNDS = gate.GateConfig("small-rounds", 2, 8, 512, 2, 64, nvshmem=False, ring_slots=16)

@@ -2,7 +2,8 @@
 
 All segments are ordinary tensors on one device; every virtual rank's pointer table lists the
 same N addresses. There is no concurrency between virtual ranks: a driver runs each phase of an
-op for every rank before the next phase (see ``Buffer.loopback`` and ``moe_comm.lockstep``), so
+op for every rank before the next phase (see ``Buffer.loopback`` and
+``moe_comm.testing.lockstep``), so
 a wait is always already satisfied when it is reached.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the fork server of ``moe_comm.launch.RankPool`` holds before it forks a rank.
+"""What the fork server of ``moe_comm.testing.launch.RankPool`` holds before it forks a rank.
 
 Imported once by the server (``multiprocessing``'s ``forkserver`` start method): the workers'
 environment, torch with one thread (and ``torch._dynamo``, which the custom ops import on their
@@ -20,7 +20,8 @@ import torch.distributed  # noqa: E402,F401  (the workers' process groups)
 
 torch.set_num_threads(1)
 
-from . import Buffer, lockstep  # noqa: E402
+from .. import Buffer  # noqa: E402
+from . import lockstep  # noqa: E402
 
 
 def _warm_up() -> None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .ops import wrap_dispatch_outputs
-from .types import DispatchResult
-from .validation import (
+from ..ops import wrap_dispatch_outputs
+from ..types import DispatchResult
+from ..validation import (
     check_cached_rows,
     combine_is_fp8,
     scale_code,

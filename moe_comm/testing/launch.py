@@ -29,14 +29,15 @@ WORKER_ENV = {"TRITON_INTERPRET": "1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THRE
 
 def _context():
     """How workers start: forked from multiprocessing's fork server, which imported torch, Triton
-    and the kernels once and ran the main ones once (``moe_comm._rank_preload``), so a rank is up
+    and the kernels once and ran the main ones once (``moe_comm.testing.rank_preload``), so a
+    rank is up
     in a fraction of a second instead of the seconds an import and the interpreter's first call
     of a kernel cost each process; ``spawn`` where there is no fork server. The server starts
     with the first pool of this process and ends with it."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["moe_comm._rank_preload"])
+    ctx.set_forkserver_preload(["moe_comm.testing.rank_preload"])
     return ctx
 
 

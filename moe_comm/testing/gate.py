@@ -1,6 +1,7 @@
 """The static gate: every kernel as the Buffer launches it on a GPU, compiled and read.
 
-    python -m moe_comm.gate [--arch 90 100] [--brief-arch 100] [--jobs N] [--out TSV] [--list]
+    python -m moe_comm.testing.gate [--arch 90 100] [--brief-arch 100] [--jobs N] [--out TSV]
+                                    [--list]
                             [--schedules]
 
 Virtual ranks on the ``meta`` device (no memory, no GPU) drive the public ops with the GPU
@@ -105,7 +106,7 @@ class Variant:
     def see(self, cfg: GateConfig, launch) -> None:
         """Adds a launch of this variant at ``cfg``: its grid and serial trips (the
         schedules' counts at uniform routing read the config's tokens and top-k)."""
-        from .kernels.tiles import schedule_blocks, schedule_facts
+        from ..kernels.tiles import schedule_blocks, schedule_facts
 
         args = dict(launch.scalars, ROUTED_TOKENS=cfg.tokens, ROUTED_TOPK=cfg.topk,
                     ROUTED_EXPERTS=cfg.num_experts)
@@ -119,7 +120,7 @@ class Variant:
     def schedule_problems(self) -> list[str]:
         """The grid and serial-trip rules at the DeepSeek-V3 sizes, for kernels that run on
         GPUs (``kernels.tiles.SCHEDULES``)."""
-        from .kernels.tiles import SCHEDULES, schedule_problems
+        from ..kernels.tiles import SCHEDULES, schedule_problems
 
         schedule = SCHEDULES[self.launch.name]
         if not self.on_gpus or self.dtype not in SPEED_DTYPES:
@@ -136,8 +137,8 @@ class Variant:
         arguments of its heaviest launch, the trips of its loops bounded by data
         (``Schedule.loops``, at uniform routing), the live share of its masked gathers
         (``Schedule.live``) and how often its rare branch is taken (``Schedule.rare``)."""
-        from .kernels.critical_path import LIVE, RARE
-        from .kernels.tiles import SCHEDULES
+        from ..kernels.critical_path import LIVE, RARE
+        from ..kernels.tiles import SCHEDULES
 
         schedule = SCHEDULES[self.launch.name]
         out = {}
@@ -155,7 +156,7 @@ class Variant:
     def rule_paths(self, facts) -> dict:
         """The paths the speed rules read: at the DeepSeek-V3 sizes (decode for a low-latency
         kernel), of the bf16 and fp16 variants that run on GPUs."""
-        from .kernels.tiles import SCHEDULES
+        from ..kernels.tiles import SCHEDULES
 
         decode = SCHEDULES[self.launch.name].decode
         if not self.on_gpus or self.dtype not in SPEED_DTYPES:
@@ -172,7 +173,7 @@ class Variant:
         normal mode (and of the transports' low-latency kernels) and less than
         ``MIN_INFLIGHT_KB`` of row loads in flight at a normal-mode row mover's wait: what its
         rework has to reach, not yet held."""
-        from .kernels.tiles import PERSISTENT, SCHEDULES, WAVE, WHOLE_GPU
+        from ..kernels.tiles import PERSISTENT, SCHEDULES, WAVE, WHOLE_GPU
 
         kind = SCHEDULES[self.launch.name].kind
         held = kind == WHOLE_GPU and self.launch.flags().get("TRANSPORT", 0) == 0
@@ -201,7 +202,7 @@ class Variant:
     def on_gpus(self) -> bool:
         """Whether this variant runs on GPUs today: not the proxy's (transport 2: its GPU half
         is not built, it runs on CPU ranks), whose speed rules wait for it."""
-        from .kernels.tiles import SCHEDULES
+        from ..kernels.tiles import SCHEDULES
 
         return SCHEDULES[self.launch.name].gpu and self.launch.flags().get("TRANSPORT") != 2
 
@@ -215,11 +216,11 @@ def _buffers(cfg: GateConfig, dtype, low_latency: bool, transport: int, arch: in
     are kernels (``warmup.twins``)."""
     import torch
 
-    from .buffer import Buffer
-    from .kernels.comm import Flavour
-    from .kernels.nvshmem import device_bitcode
-    from .warmup import RingStandIn, twins
-    from .workspace import WorkspaceLayout
+    from ..buffer import Buffer
+    from ..kernels.comm import Flavour
+    from ..kernels.nvshmem import device_bitcode
+    from ..warmup import RingStandIn, twins
+    from ..workspace import WorkspaceLayout
 
     L = cfg.num_experts // cfg.world_size
     proxy = transport == 2  # two nodes; the ring's address does not change what compiles
@@ -372,7 +373,7 @@ def drive_low_latency(bufs, cfg: GateConfig, dtype) -> None:
 def drive_quantize(cfg: GateConfig, dtype) -> None:
     import torch
 
-    from .kernels.quant import quantize_fp8
+    from ..kernels.quant import quantize_fp8
 
     if dtype != torch.float64 and cfg.hidden % 128 == 0:
         x = torch.empty((cfg.tokens, cfg.hidden), dtype=dtype, device="meta")
@@ -384,8 +385,8 @@ def drive_checked_ids(cfg: GateConfig) -> None:
     """The id check that runs before the csrc/ low-latency kernels (``kernel_impl="cuda"``)."""
     import torch
 
-    from .kernels.comm import Flavour
-    from .kernels.layout import checked_topk_idx
+    from ..kernels.comm import Flavour
+    from ..kernels.layout import checked_topk_idx
 
     idx = torch.empty((cfg.tokens, cfg.topk), dtype=torch.int64, device="meta")
     for record in (True, False):  # dispatch, combine
@@ -437,7 +438,7 @@ def record_config(cfg: GateConfig, arch: int) -> dict[str, Variant]:
     seen while recording (a kernel specialised differently per rank or per call)."""
     import torch
 
-    from .kernels.recording import recording
+    from ..kernels.recording import recording
 
     variants: dict[str, Variant] = {}
     for name, dtype, transport, low_latency, *flags in gate_runs(cfg):
@@ -545,9 +546,9 @@ def _compile_job(job):
     os.environ["TRITON_INTERPRET"] = "0"
     import importlib
 
-    from .kernels.compiled import inspect_launch
-    from .kernels.nvshmem_slim import slim_bitcode, with_library
-    from .kernels.recording import Launch
+    from ..kernels.compiled import inspect_launch
+    from ..kernels.nvshmem_slim import slim_bitcode, with_library
+    from ..kernels.recording import Launch
 
     kernel = getattr(importlib.import_module(module), name)
     if "libnvshmem_device" in dict(options.get("extern_libs") or ()):
@@ -580,8 +581,8 @@ def brief_variants(variants) -> set[int]:
 def run(archs, jobs: int, out: str, configs=CONFIGS, brief_archs=()) -> int:
     """Records, compiles every variant for each of ``archs`` and the :func:`brief_variants` for
     ``brief_archs``, reads, prints; returns the exit status."""
-    from .kernels.compiled import check_markers, unemitted_markers, violations
-    from .kernels.recording import post_compile_hook_finds_the_kernel
+    from ..kernels.compiled import check_markers, unemitted_markers, violations
+    from ..kernels.recording import post_compile_hook_finds_the_kernel
 
     start = time.perf_counter()
     print(f"gate: {post_compile_hook_finds_the_kernel(archs[0])}", flush=True)
@@ -606,7 +607,7 @@ def run(archs, jobs: int, out: str, configs=CONFIGS, brief_archs=()) -> int:
                if f.endswith(".py")]
     marker_problems = [p for path in sources for p in check_markers(path)]
     if any(v.launch.uses_nvshmem for v in todo):  # built once here, not in every worker
-        from .kernels.nvshmem_slim import slim_bitcode
+        from ..kernels.nvshmem_slim import slim_bitcode
 
         for arch in archs:
             slim_bitcode(arch)

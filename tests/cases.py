@@ -90,3 +90,10 @@ def nvfp4_global_scale_oracle(x: torch.Tensor) -> torch.Tensor:
     amax = max((abs(v) for v in x.double().flatten().tolist() if math.isfinite(v)), default=0.0)
     amax = max(np.float32(amax), np.float32(1e-4))
     return torch.tensor([np.float32(amax) / np.float32(448 * 6)], dtype=torch.float32)
+
+
+def names_rank(message: str, peer: int) -> bool:
+    """Whether an error's text names ``peer`` as the rank this one waited for: a timeout
+    ("waiting for rank p ") or, across nodes, the transport towards it ("transport to rank p
+    ")."""
+    return f"waiting for rank {peer} " in message or f"transport to rank {peer} " in message

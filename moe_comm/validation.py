@@ -258,7 +258,8 @@ def resolve_fp8(x, fp8, ue8m0: int, col_major_scales: bool, *, default_fp8: bool
                 "global_scale [1] float32)" if nv else
                 f"(x_fp8 [T, H] float8_e4m3fn, scales [T, H/{group}] {scale_dtype})")
         if len(x) != (3 if nv else 2):
-            raise TypeError(f"a quantized {name} x is {want}")
+            raise TypeError(f"x must be a torch.Tensor [T, H] or a quantized {name} tuple "
+                            f"{want}, got a {type(x).__name__} of {len(x)} items")
         rows, scales = x[0], x[1]
         if nv:
             check_tensor("x[0] (values)", rows, dtype=(torch.uint8, torch.float4_e2m1fn_x2),

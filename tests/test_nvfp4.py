@@ -152,7 +152,7 @@ def test_nvfp4_errors_before_any_kernel():
         buf.dispatch(x, idx, dispatch_dtype="mxfp8", global_scale=torch.ones(1))
     with pytest.raises(ValueError, match="'mxfp8' or 'nvfp4'"):
         buf.dispatch(x, idx, fp8=True, scale_layout="swizzled")
-    with pytest.raises(TypeError, match="a quantized NVFP4 x is"):
+    with pytest.raises(TypeError, match="or a quantized NVFP4 tuple"):
         buf.dispatch((q, s), idx, dispatch_dtype="nvfp4")
     with pytest.raises(ValueError, match="one per 16 channels"):
         buf.dispatch((q, s[:, :2], g), idx, dispatch_dtype="nvfp4")

@@ -63,11 +63,9 @@ from torch import Tensor
 
 from ._registry import lookup
 from .kernels.quant import NVFP4, scale_group
-from .low_latency import LowLatencyHandle, LowLatencyRecv, _ll_scales_out
+from .low_latency import CHANNEL_NAMES, LowLatencyHandle, LowLatencyRecv, _ll_scales_out
 from .validation import combine_is_fp8, scale_code
 from .workspace import COMBINE, DISPATCH
-
-_CHANNELS = {DISPATCH: "dispatch", COMBINE: "combine"}
 
 
 def _ticket(channel: int, serial: int) -> Tensor:
@@ -79,13 +77,13 @@ def _take(buf, ticket: Tensor, channel: int, static: tuple):
     once). ``static``: what fixes the receive's shapes (the dispatch's format, the combine's
     token count) as the receive was given it; checked first, so a refused receive can be made
     again."""
-    what = _CHANNELS[channel]
+    what = CHANNEL_NAMES[channel]
     if ticket.dtype != torch.int64 or ticket.shape != (2,):
         raise ValueError(f"ticket must be the [2] int64 tensor ll_{what}_send returned, got "
                          f"{ticket.dtype} {tuple(ticket.shape)}")
     kind, serial = ticket.tolist()
     if kind != channel:
-        raise ValueError(f"ll_{what}_recv got a ticket of ll_{_CHANNELS.get(kind, kind)}_send")
+        raise ValueError(f"ll_{what}_recv got a ticket of ll_{CHANNEL_NAMES.get(kind, kind)}_send")
     pending = buf._ll_op_pending
     entry = pending.get((channel, serial))
     if entry is None:

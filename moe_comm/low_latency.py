@@ -113,19 +113,19 @@ class _Hook:
 
     def __call__(self):
         if self.done:
-            raise RuntimeError(f"the hook of low-latency {_WHAT[self._channel]} call "
+            raise RuntimeError(f"the hook of low-latency {CHANNEL_NAMES[self._channel]} call "
                                f"{self.serial} was already called")
         self.done = True
         queue = self._buffer._ll_queue[self._channel]
         while not self.received:
             _receive_oldest(queue)
-        what = f"low-latency {_WHAT[self._channel]}"
+        what = f"low-latency {CHANNEL_NAMES[self._channel]}"
         self._buffer._check_usable(what)
         self._buffer._raise_input_errors(what)
         return self._result
 
 
-_WHAT = {DISPATCH: "dispatch", COMBINE: "combine"}
+CHANNEL_NAMES = {DISPATCH: "dispatch", COMBINE: "combine"}
 
 
 def _receive_oldest(queue: list) -> None:

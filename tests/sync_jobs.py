@@ -25,7 +25,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 
 import torch  # noqa: E402
 
-from moe_comm import normal_mode  # noqa: E402
+from moe_comm import normal_mode, ops  # noqa: E402
 from moe_comm.kernels.recording import recording  # noqa: E402
 from moe_comm.testing import gate, lockstep  # noqa: E402
 
@@ -41,11 +41,8 @@ FLAVOURS = [("one_node", False, 0, False, False), ("one_node_ll", True, 0, False
 def public_calls(bufs, xs, idxs, ws, dtype) -> None:
     """The calls a user makes, rank after rank (the waits are in the recorded kernels, so no
     rank waits for another): ``Buffer.dispatch`` sized by the row count and with
-    ``max_recv_rows``, ``Buffer.combine`` of each, with and without weights."""
-    from moe_comm import ops
-
-    for op in (ops.dispatch_op, ops.combine_op, ops.dispatch_cached_op, ops.row_dot_op):
-        op.register_kernel("meta")(op._init_fn)  # the real op, not its fake, on meta tensors
+    ``max_recv_rows``, ``Buffer.combine`` of each with its weights (the ops' real
+    implementations on meta tensors: :func:`main` registers them)."""
     for buf, x, idx, w in zip(bufs, xs, idxs, ws):
         for max_recv_rows in (None, 64):
             res = buf.dispatch(x, idx, w, max_recv_rows=max_recv_rows)
@@ -64,6 +61,8 @@ def main() -> dict:
         return bound
 
     normal_mode.read_int = read_int
+    for op in (ops.dispatch_op, ops.combine_op, ops.dispatch_cached_op, ops.row_dot_op):
+        op.register_kernel("meta")(op._init_fn)  # the real op, not its fake, on meta tensors
     dtype = torch.bfloat16
     xs, idxs, ws = gate._inputs(CONFIG, dtype)
     for name, low_latency, transport, hierarchical, fault_tolerant in FLAVOURS:

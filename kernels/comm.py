@@ -62,6 +62,13 @@ INPUT_RECORD = tl.constexpr(4)
 BAD_EXPERT_ID = tl.constexpr(1)  # input error codes
 REPEATED_EXPERT = tl.constexpr(2)
 TOO_MANY_ROWS = tl.constexpr(3)
+CALL_DIFFERS = tl.constexpr(4)  # a source's call descriptor is not this rank's (below)
+# The last word of a dispatch's counts row (``dispatch_counts[p, s, L]``) carries the slots
+# source s filled in its low SLOT_BITS bits and the source's call descriptor above them
+# (``moe_comm.call_descriptor``): the options every rank must agree on, or a refusal. The
+# word travels wherever the counts go (peer stores, the proxy's outboxes, NVSHMEM puts).
+SLOT_BITS = tl.constexpr(18)
+SLOT_MASK = tl.constexpr((1 << 18) - 1)
 _INTERPRETER_SPIN_S = 1e-4
 # polls of a spin between two reads of the clock (the interpreter's clock read is what yields
 # the CPU to the ranks it waits for: there every poll reads it)
@@ -124,6 +131,29 @@ def record_error(errors, part, a, b, c):
         tl.store(flag + 2, tl.cast(b, tl.int64))
         tl.store(flag + 3, tl.cast(c, tl.int64))
         tl.atomic_xchg(flag, tl.cast(1, tl.int64), sem="release", scope="sys")
+
+
+@triton.jit
+def slots_in(word):
+    """The slots a counts row's last word holds (its low SLOT_BITS bits)."""
+    return word & SLOT_MASK
+
+
+@triton.jit
+def check_descriptors(words, keep, src, me, epoch, errors_addr):
+    """Compares the call descriptors of the sources ``src`` (the high bits of the last word of
+    each counts row, ``words`` [BLOCK_R] int64) with this rank's own (``src == me``): the first
+    source in ``keep`` whose descriptor differs is recorded in the input part of the error
+    record (at ``errors_addr``, int64) as (CALL_DIFFERS, source, theirs | mine << 16 | epoch <<
+    32); raised once the call is complete on this rank (``moe_comm.error_record``)."""
+    desc = words >> SLOT_BITS
+    mine = tl.sum(tl.where(src == me, desc, 0), axis=0)
+    none = 1 << 30
+    first = tl.min(tl.where(keep & (desc != mine), src, none), axis=0)
+    if first < none:  # gate: cold
+        theirs = tl.sum(tl.where(src == first, desc, 0), axis=0)
+        record_error(errors_addr.to(tl.pointer_type(tl.int64)), INPUT_RECORD, CALL_DIFFERS,
+                     first, theirs | (mine << 16) | (epoch.to(tl.int64) << 32))
 
 
 @triton.jit

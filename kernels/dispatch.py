@@ -58,12 +58,14 @@ from .comm import (
     Flavour,
     aligned_ptr,
     by_stores,
+    check_descriptors,
     draw_last_of,
     local_ptr,
     one_thread,
     peer_ptr,
     publish_epoch_to,
     record_error,
+    slots_in,
     timed_out,
     uniform_now_ns,
     wait_all_at_least,
@@ -796,8 +798,9 @@ def lay_out_received(counts, signals, expected, live, row_base, tokens_per_exper
     source's epoch (all at once, bounded; a timeout leaves every count zero; FT: a source that
     stays silent is excluded and counts zero, and a rank that finds itself excluded counts
     nothing), then turns the counts the sources published into the receive's layout (no host
-    read; the arguments are :func:`received_layout_kernel`'s). Returns the sources laid out
-    ([BLOCK_R] bool)."""
+    read; the arguments are :func:`received_layout_kernel`'s); a source whose call descriptor
+    differs from this rank's is recorded (``comm.check_descriptors``). Returns the sources
+    laid out ([BLOCK_R] bool)."""
     src = tl.arange(0, BLOCK_R)
     sm = src < R
     arrived = sm
@@ -818,10 +821,12 @@ def lay_out_received(counts, signals, expected, live, row_base, tokens_per_exper
     counts += (expected % 2) * COUNT_PARITY
     per_source = tl.load(counts + src[:, None] * (L + 1) + e[None, :],
                          mask=sm[:, None] & em[None, :], other=0).to(tl.int64)
-    slots = tl.load(counts + src * (L + 1) + L, mask=sm, other=0).to(tl.int64)
+    words = tl.load(counts + src * (L + 1) + L, mask=sm, other=0).to(tl.int64)
     keep = sm & arrived
     if LIVE:
         keep = keep & (tl.load(live + src, mask=sm, other=0) != 0)
+    check_descriptors(words, keep, src, me, expected, errors_addr)
+    slots = slots_in(words)
     per_source = tl.where(keep[:, None], per_source, 0)
     slots = tl.where(keep, slots, 0)
     per_expert = tl.sum(per_source, axis=0)
@@ -887,7 +892,9 @@ def received_layout(counts, signals, epochs, live, *, world_size: int, num_local
     Equivalent PyTorch (``counts`` [R, L + 1] of this call's parity, zero for the sources not
     ``live``)::
 
-        per_source, slots = counts[:, :L], counts[:, L]
+        per_source, slots = counts[:, :L], counts[:, L] & (2**SLOT_BITS - 1)
+        # (and the first source whose counts[:, L] >> SLOT_BITS differs from this rank's is
+        # recorded: comm.check_descriptors)
         tokens_per_expert = per_source.sum(0)
         padded = (tokens_per_expert + alignment - 1) // alignment * alignment
         expert_offsets = cat([[0], padded.cumsum(0)])

@@ -133,6 +133,7 @@ from .comm import (
     check_round_words,
     draw_last_of,
     record_error,
+    slots_in,
     timed_out,
     uniform_now_ns,
     wait_relayed,
@@ -392,8 +393,8 @@ def dispatch_rounds_kernel(
                     ends = tl.load(view + src + 1, mask=sm, other=0)
                     n = tl.where(arrived, ends - tl.load(view + src, mask=sm, other=0), 0)
                 else:
-                    n = tl.load(dcounts + parity * COUNT_PARITY + src * (L + 1) + L,
-                                mask=arrived, other=0).to(tl.int64)
+                    n = slots_in(tl.load(dcounts + parity * COUNT_PARITY + src * (L + 1) + L,
+                                         mask=arrived, other=0).to(tl.int64))
                     ends = end + tl.cumsum(n, axis=0)
                     if pid == 0:  # (and zeros between the earlier round's offsets and these)
                         tl.store(view + src + 1, ends, mask=sm)

@@ -43,6 +43,7 @@ from .comm import (
     one_thread,
     peer_ptr,
     publish_epoch,
+    slots_in,
     timed_out,
     uniform_now_ns,
     wait_relayed,
@@ -332,7 +333,7 @@ def post_dispatch_flat(plan, counts, peer_ptrs, parity, epoch, R, L, payload, RO
                 c = tl.load(counts + d * (L + 1) + lane, mask=lane < L + 1)
                 box = local_ptr(local_base, _off(plan, PX_COUNTS, parity, d), tl.int32, 4)
                 tl.store(box + lane, c, mask=lane < L + 1)
-                n = tl.load(counts + d * (L + 1) + L).to(tl.int64)
+                n = slots_in(tl.load(counts + d * (L + 1) + L).to(tl.int64))
             else:
                 n = tl.load(counts + d).to(tl.int64)
             tl.debug_barrier()

@@ -9,7 +9,7 @@ Equivalent PyTorch for this rank (``R`` ranks, ``L`` local experts per rank)::
     goes = [(dest == d).any(1) for d in range(R)]          # token t is sent to rank d once
     slot_of[:, d] = where(goes[d], goes[d].cumsum(0) - 1, -1)
     counts[d, :L] = bincount(topk_idx[dest == d] - d * L, minlength=L)
-    counts[d, L] = goes[d].sum()
+    counts[d, L] = goes[d].sum() | descriptor << SLOT_BITS   # the call's (comm.SLOT_BITS)
     pair_pos[t, k] = #{t' < t : expert topk_idx[t, k] in topk_idx[t']}   # valid pairs only
 
 The first bad row is recorded in the error record (code, token, offending id), which the host
@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .bound import BoundLaunches, call_bound, launch, specs
-from .comm import BAD_EXPERT_ID, INPUT_RECORD, REPEATED_EXPERT, Flavour, record_error
+from .comm import BAD_EXPERT_ID, INPUT_RECORD, REPEATED_EXPERT, SLOT_BITS, Flavour, record_error
 from .numerics import column
 from .tiles import tiles
 
@@ -153,14 +153,16 @@ def _sum_rows_before(chunk_counts, c, W, col, cm, BLOCK_C: tl.constexpr,
     return acc
 
 
-@triton.jit(do_not_specialize=["errors_addr", "T"])
+@triton.jit(do_not_specialize=["errors_addr", "descriptor", "T"])
 def layout_place_kernel(
     pair_pos,  # [T, K] int32: in the checked ids (count), out each pair's position
     chunk_counts,  # [C, E + R] int32 from count
     chunk_bad,  # [C, 3] int64 from count
     slot_of,  # [T, R] int32 out: slot of token t in rank d's staging, -1 if not sent to d
-    counts,  # [R, L + 1] int32 out: tokens per expert of rank d, then slots used on d
+    counts,  # [R, L + 1] int32 out: tokens per expert of rank d, then slots used on d (with
+             # the call descriptor above SLOT_BITS)
     errors_addr: tl.int64,  # error record: the first bad row of topk_idx
+    descriptor: tl.int32,  # this call's descriptor (moe_comm.call_descriptor), 0: none
     T: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, E: tl.int32,
     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_R: tl.constexpr,  # ranks per trip of the slot loop
@@ -206,7 +208,8 @@ def layout_place_kernel(
         tl.store(slot_of + t64[:, None] * R + d[None, :], tl.where(goes > 0, slot, -1),
                  mask=tm[:, None] & dm[None, :])
         if last:
-            tl.store(counts + d * (L + 1) + L, sent + tl.sum(goes, axis=0), mask=dm)
+            tl.store(counts + d * (L + 1) + L,
+                     (sent + tl.sum(goes, axis=0)) | (descriptor << SLOT_BITS), mask=dm)
     if last:  # the first bad row of all chunks (chunks are in token order)
         first = tl.zeros([], tl.int64) + T
         code = tl.zeros([], tl.int64)
@@ -242,7 +245,7 @@ def layout_scratch(max_tokens: int, world_size: int, num_experts: int, flavour: 
 
 def routing_layout(topk_idx: torch.Tensor, world_size: int, num_local_experts: int,
                    flavour: Flavour, rank: int = 0, scratch=None,
-                   bound: BoundLaunches | None = None
+                   bound: BoundLaunches | None = None, descriptor: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launches the two layout kernels: ``(slot_of [T, R], pair_pos [T, K], counts [R, L+1])``
     (int32); bad rows of ``topk_idx`` go nowhere and the first is recorded at
@@ -250,7 +253,9 @@ def routing_layout(topk_idx: torch.Tensor, world_size: int, num_local_experts: i
     in the mask words (read on the device: as if its experts' ids were -1), nor anywhere once
     ``rank`` itself is excluded (the fence against its late writes on GPUs, where the host
     does not read the mask). ``scratch``: :func:`layout_scratch` for at least T tokens (made
-    here if None). ``bound``: the owner's bound launches (``kernels.bound``)."""
+    here if None). ``bound``: the owner's bound launches (``kernels.bound``). ``descriptor``
+    (< 2**13): the call's, in ``counts[:, L]`` above the slots (``counts[d, L] = slots |
+    descriptor << SLOT_BITS``)."""
     T, K = topk_idx.shape
     R, L = world_size, num_local_experts
     E = R * L
@@ -264,7 +269,7 @@ def routing_layout(topk_idx: torch.Tensor, world_size: int, num_local_experts: i
     pair_pos = torch.empty((T, K), dtype=torch.int32, device=dev)
     counts = torch.empty((R, L + 1), dtype=torch.int32, device=dev)
     key = ("layout", chunks, K, specs((topk_idx, slot_of, pair_pos, counts)), id(chunk_counts),
-           id(chunk_bad), R, L, rank, id(flavour))
+           id(chunk_bad), R, L, rank, id(flavour), descriptor)
     count_values = (topk_idx, pair_pos, T)
     place_values = (pair_pos, slot_of, counts, T)
     if not call_bound(bound, ("count",) + key, count_values, (("place",) + key, place_values)):
@@ -279,8 +284,8 @@ def routing_layout(topk_idx: torch.Tensor, world_size: int, num_local_experts: i
                ("topk_idx", "ids_out", "T"))
         block_r = min(triton.next_power_of_2(R), 128)
         launch(bound, ("place",) + key, layout_place_kernel, (chunks,),
-               (pair_pos, chunk_counts, chunk_bad, slot_of, counts, flavour.errors_addr, T, K,
-                R, L, E),
+               (pair_pos, chunk_counts, chunk_bad, slot_of, counts, flavour.errors_addr,
+                descriptor, T, K, R, L, E),
                dict(CHUNK=tile.block_t, BLOCK_K=block_k, BLOCK_E=block_e, BLOCK_R=block_r,
                     BLOCK_CE=prefix_rows(block_e), BLOCK_CR=prefix_rows(block_r),
                     **tile.launch_options()),
@@ -356,6 +361,7 @@ def ring_positions_kernel(
     if d < R:
         c = tl.arange(0, BLOCK_C)
         mine = tl.load(counts + d * C + c, mask=c < C, other=0)
+        descriptor = (mine >> SLOT_BITS) << SLOT_BITS  # (the last word's; 0 elsewhere)
         before = T * 0  # rank d's slots in the earlier rounds
         for i in range(ROUNDS):
             hits = tl.zeros([BLOCK_T], tl.int32)
@@ -367,8 +373,8 @@ def ring_positions_kernel(
                          mask=tm)
                 hits += (slot >= 0).to(tl.int32)
             rows = tl.sum(hits, axis=0)
-            tl.store(words + i * WORDS + d * C + c, tl.where(c == C - 1, rows, mine),
-                     mask=c < C)
+            tl.store(words + i * WORDS + d * C + c,
+                     tl.where(c == C - 1, rows | descriptor, mine), mask=c < C)
             before += rows
     elif NODES:
         b = d - R
@@ -404,7 +410,8 @@ def ring_positions(slot_of: torch.Tensor, counts: torch.Tensor, ring_slots: int,
         rows = hits.view(rounds, W, R).sum(1)                 # each round's rows per rank
         first = rows.cumsum(0) - rows
         ring = torch.where(slot_of >= 0, slot_of - first[torch.arange(T) // W], -1)
-        words[i, :R * C].view(R, C) = counts, its last column rows[i]
+        words[i, :R * C].view(R, C) = counts, its last column rows[i] | the descriptor bits
+                                                    # (counts[:, -1] >> SLOT_BITS << SLOT_BITS)
         hit = hits.view(rounds, W, M, N).amax(-1)            # token t goes to node b
         seen = hit.cumsum(1)
         node_ring = torch.where(hit > 0, seen - 1, -1).view(-1, M)[:T]

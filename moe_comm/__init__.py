@@ -18,10 +18,11 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 
 from . import ll_ops, reference, testing  # noqa: E402  (ll_ops: the low-latency custom ops)
 from .buffer import Buffer  # noqa: E402
+from .call_descriptor import PeerInputError  # noqa: E402
 from .kernels.comm import PeerTimeoutError  # noqa: E402
 from .transport import TransportError  # noqa: E402
 from .types import DispatchHandle, DispatchResult  # noqa: E402
 
-__all__ = ["Buffer", "DispatchResult", "DispatchHandle", "PeerTimeoutError", "TransportError",
-           "ll_ops", "reference", "testing"]
+__all__ = ["Buffer", "DispatchResult", "DispatchHandle", "PeerInputError", "PeerTimeoutError",
+           "TransportError", "ll_ops", "reference", "testing"]
 __version__ = "0.1.0"

@@ -25,12 +25,14 @@ import torch.distributed as dist
 import triton
 
 from . import _registry, env
+from .call_descriptor import MAX_TOPK, PeerInputError, refusal
 from .error_record import ErrorRecord
 from .fault import FaultTolerance, RankExcludedError, renormalized
 from .kernels import emulated_puts
 from .kernels.bound import BoundLaunches, call_bound, launch, specs
 from .kernels.combine_rounds import fits_one_launch as fits_combine_rounds
 from .kernels.comm import (
+    SLOT_BITS,
     Flavour,
     PeerTimeoutError,
     ft_wait_epochs_kernel,
@@ -122,6 +124,10 @@ def _check_config(world_size: int, hidden, num_experts, max_tokens_per_rank, dty
                          f"{world_size}; expert e lives on rank e // (num_experts // world_size)")
     if max_topk > num_experts:
         raise ValueError(f"max_topk={max_topk} exceeds num_experts={num_experts}")
+    if max_tokens_per_rank >= 1 << SLOT_BITS.value or max_topk > MAX_TOPK:  # (call_descriptor)
+        raise ValueError(f"max_tokens_per_rank must be < {1 << SLOT_BITS.value} and max_topk <= "
+                         f"{MAX_TOPK} (a dispatch's counts word holds the slots and its call "
+                         f"descriptor), got {max_tokens_per_rank} and {max_topk}")
     if dispatch_dtype not in (None, dtype, torch.float8_e4m3fn):
         raise TypeError(f"dispatch_dtype must be None, {dtype} or torch.float8_e4m3fn, "
                         f"got {dispatch_dtype}")
@@ -643,16 +649,40 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         """
         self._ready()
         self._invariant_normal_mode()
-        ue8m0 = scale_code(dispatch_dtype, ue8m0)
-        check_scale_layout(scale_layout, ue8m0)
-        rows, scales, mode = self._dispatch_inputs(
-            x, topk_idx, topk_weights, expert_alignment, fp8, ue8m0, col_major_scales,
-            max_recv_rows, global_scale)
+        try:
+            ue8m0 = scale_code(dispatch_dtype, ue8m0)
+            check_scale_layout(scale_layout, ue8m0)
+            rows, scales, mode = self._dispatch_inputs(
+                x, topk_idx, topk_weights, expert_alignment, fp8, ue8m0, col_major_scales,
+                max_recv_rows, global_scale)
+        except (TypeError, ValueError) as error:
+            self._refuse_dispatch(error)
+            raise
         res = dispatch_autograd(self, rows, scales, topk_idx, topk_weights, expert_alignment,
                                 mode, ue8m0, col_major_scales, max_recv_rows)
         if scale_layout == "swizzled":
             res = dataclasses.replace(res, x_scales=swizzle_128x4(res.x_scales))
         return self._with_routing(res, topk_idx, topk_weights)
+
+    def _refuse_dispatch(self, error: BaseException) -> None:
+        """This rank's dispatch input is bad (``error``, which the caller raises next): it still
+        takes part in the call's protocol, with no rows and a refusal for its call descriptor
+        (``moe_comm.call_descriptor``), so every peer's call completes and raises
+        PeerInputError naming this rank and the argument, where it would otherwise wait out
+        the timeout; every rank can make the next call. Equivalent to::
+
+            self.dispatch(x[:0], topk_idx[:0])   # no rows, the counts say 'refused'
+        """
+        if self.world_size == 1 or torch.compiler.is_compiling():
+            return
+        x = torch.empty((0, self.hidden), dtype=self.dtype, device=self.device)
+        topk_idx = torch.empty((0, 1), dtype=torch.int64, device=self.device)
+        with torch.no_grad():
+            self.dispatch_recv(self.dispatch_send(x, topk_idx, None, refusal=refusal(error)), 1)
+        try:  # this rank's own record of the call (every peer differs from a refusal)
+            self._raise_input_errors("dispatch")
+        except PeerInputError:
+            pass
 
     def _dispatch_inputs(self, x, topk_idx, topk_weights, expert_alignment, fp8, ue8m0: int,
                          col_major_scales, max_recv_rows=None, global_scale=None) -> tuple:
@@ -715,9 +745,14 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         if self.layout.rounds > 1:
             raise ValueError(f"dispatch_by_slot needs one round; this Buffer runs a call in "
                              f"{self.layout.rounds} (staging_bytes={self.staging_bytes})")
-        ue8m0 = scale_code(None, ue8m0)
-        rows, scales, mode = self._dispatch_inputs(x, topk_idx, topk_weights, expert_alignment,
-                                                   fp8, ue8m0, col_major_scales)
+        try:
+            ue8m0 = scale_code(None, ue8m0)
+            rows, scales, mode = self._dispatch_inputs(x, topk_idx, topk_weights,
+                                                       expert_alignment, fp8, ue8m0,
+                                                       col_major_scales)
+        except (TypeError, ValueError) as error:
+            self._refuse_dispatch(error)
+            raise
         with torch.no_grad():
             pending = self.dispatch_send(rows, topk_idx, topk_weights, scales, mode, ue8m0)
             outs = self.dispatch_recv(pending, expert_alignment, col_major_scales,

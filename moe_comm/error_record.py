@@ -14,12 +14,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .call_descriptor import REFUSED_BIT, PeerInputError, describe
 from .kernels import comm
 from .kernels.comm import ERRORS_WORDS, PeerTimeoutError
 
 TIMEOUT_RECORD, INPUT_RECORD = comm.TIMEOUT_RECORD.value, comm.INPUT_RECORD.value
 BAD_EXPERT_ID, REPEATED_EXPERT = comm.BAD_EXPERT_ID.value, comm.REPEATED_EXPERT.value
-TOO_MANY_ROWS = comm.TOO_MANY_ROWS.value
+TOO_MANY_ROWS, CALL_DIFFERS = comm.TOO_MANY_ROWS.value, comm.CALL_DIFFERS.value
 
 
 class ErrorRecord:
@@ -60,7 +61,8 @@ class ErrorRecord:
         return True
 
     def raise_input_error(self, *, rank: int, what: str) -> None:
-        """ValueError (bad expert id, repeated expert) or RuntimeError (too many rows) if a
+        """ValueError (bad expert id, repeated expert; PeerInputError: a source refused the
+        call or sent another call descriptor) or RuntimeError (too many rows) if a
         kernel recorded one; the part is cleared first, so the Buffer stays usable (every rank
         completed the call)."""
         part = self._words[INPUT_RECORD:INPUT_RECORD + 4]
@@ -80,5 +82,12 @@ class ErrorRecord:
             raise RuntimeError(f"moe_comm rank {rank}: {what}: {a} rows arrived but "
                                f"max_recv_rows={b}; the rows past it were dropped. Pass a "
                                "larger max_recv_rows (or None: exact size, one host sync)")
+        if code == CALL_DIFFERS:  # b: theirs | mine << 16 | epoch << 32
+            theirs, mine, epoch = b & 0xFFFF, b >> 16 & 0xFFFF, b >> 32
+            did = (f"refused the dispatch of epoch {epoch}" if theirs >> REFUSED_BIT & 1 else
+                   f"made the dispatch of epoch {epoch} with other options")
+            raise PeerInputError(f"moe_comm rank {rank}: {what}: rank {a} {did}: "
+                                 f"{describe(theirs, mine)}. Every rank completed the call; "
+                                 "the Buffer stays usable", a)
         raise RuntimeError(f"moe_comm rank {rank}: {what}: unknown error code {code} "
                            f"({a}, {b})")

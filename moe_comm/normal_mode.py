@@ -120,6 +120,7 @@ from dataclasses import dataclass
 import torch
 
 from ._guard import poisons_buffer_on_error, run_steps
+from .call_descriptor import dispatch_descriptor
 from .host_sync import read_int
 from .kernels import combine as combine_kernels
 from .kernels import combine_rounds as combine_rounds_kernels
@@ -233,13 +234,15 @@ class NormalMode:
 
     @poisons_buffer_on_error("dispatch")
     def dispatch_send(self, x, topk_idx, topk_weights, x_scales=None, fp8: int = 0,
-                      ue8m0: int = 0, expert_alignment: int | None = None) -> PendingSend:
+                      ue8m0: int = 0, expert_alignment: int | None = None,
+                      refusal: int = 0) -> PendingSend:
         """Send phase of dispatch: layout + put rows and metadata (``fp8`` as in PendingSend).
         Bad rows of ``topk_idx`` are sent nowhere and recorded (raised after the call).
         ``expert_alignment`` (the receive's, given where the receive follows at once): a
         dispatch whose later rounds run in one launch has its round 0's send wait for every
         source and lay them out (``kernels.dispatch.dispatch_send``, ``lay_out``): a launch
-        less."""
+        less. The counts carry the call's descriptor (``moe_comm.call_descriptor``), or
+        ``refusal`` (a refused call's: no rows)."""
         epoch = self._start(DISPATCH)
         x = x.contiguous()
         topk_idx = topk_idx.contiguous()  # (the layout drops the choices of excluded ranks)
@@ -247,7 +250,9 @@ class NormalMode:
         slot_of, pair_pos, counts = routing_layout(topk_idx, self.world_size,
                                                    self.num_local_experts, self.flavour,
                                                    self.rank, self._layout_scratch,
-                                                   self._bound)
+                                                   self._bound, refusal or dispatch_descriptor(
+                                                       fp8, ue8m0, topk_weights is not None,
+                                                       topk_idx.shape[1]))
         self.launches["layout"] += 2
         if x_scales is not None:
             x_scales = x_scales.contiguous()

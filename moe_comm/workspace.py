@@ -43,7 +43,8 @@ region                  shape, dtype                 contents, on rank ``d``
                                                      combine, low-latency dispatch and combine)
 ``dispatch_counts``     [P, R, L + 1] int32          from source ``s``: tokens per local expert,
                                                      then the number of slots ``s`` filled (in
-                                                     this round)
+                                                     this round) with ``s``'s call descriptor
+                                                     above bit 18 (``moe_comm.call_descriptor``)
 ``dispatch_meta``       [P, R, W, 1 + 3K] int32      per slot: source token index; per top-k
                                                      choice: global expert id or -1, position
                                                      among ``s``'s tokens for that expert,

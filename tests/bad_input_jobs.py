@@ -19,13 +19,13 @@ def _inputs(rank: int, world_size: int):
     return case, xs, idxs, ws
 
 
-def table(buf, ll, x, idx, w, res, recv, other, other_recv):
-    """``buf``: a normal Buffer with ``res`` its latest dispatch; ``ll``: a low-latency Buffer
+def table(buf, ll, x, idx, w, latest, recv, other, other_recv):
+    """``buf``: a normal Buffer with ``latest()`` its latest dispatch; ``ll``: a low-latency Buffer
     with ``recv`` its latest received dispatch; ``other`` / ``other_recv``: another normal /
     low-latency Buffer's dispatch result."""
     T, H, K = x.shape[0], x.shape[1], idx.shape[1]
     big = buf.max_tokens_per_rank + 1
-    y = torch.zeros_like(res.x)
+    y = torch.zeros_like(latest().x)
     return [
         ("x a list", lambda: buf.dispatch(x.tolist(), idx, w), TypeError, "x must be a"),
         ("x 1-d", lambda: buf.dispatch(x[0], idx, w), ValueError, "x must have 2 dims"),
@@ -61,21 +61,21 @@ def table(buf, ll, x, idx, w, res, recv, other, other_recv):
          ValueError, "scale_layout must be"),
         ("combine y other rows", lambda: buf.combine(y[:-1] if len(y) else
                                                      torch.zeros(1, H, dtype=y.dtype),
-                                                     res.handle, res.weights),
+                                                     latest().handle, latest().weights),
          ValueError, "y has shape"),
-        ("combine y float64", lambda: buf.combine(y.double(), res.handle, res.weights),
+        ("combine y float64", lambda: buf.combine(y.double(), latest().handle, latest().weights),
          TypeError, "y must be"),
-        ("combine handle a tuple", lambda: buf.combine(y, (1, 2), res.weights), TypeError,
+        ("combine handle a tuple", lambda: buf.combine(y, (1, 2), latest().weights), TypeError,
          "handle must be"),
-        ("combine another Buffer's handle", lambda: buf.combine(y, other.handle, res.weights),
+        ("combine another Buffer's handle", lambda: buf.combine(y, other.handle, latest().weights),
          ValueError, "another Buffer"),
-        ("combine weights shape", lambda: buf.combine(y, res.handle, torch.zeros(len(y) + 1)),
+        ("combine weights shape", lambda: buf.combine(y, latest().handle, torch.zeros(len(y) + 1)),
          ValueError, "weights has"),
-        ("combine_dtype unknown", lambda: buf.combine(y, res.handle, res.weights,
+        ("combine_dtype unknown", lambda: buf.combine(y, latest().handle, latest().weights,
                                                       combine_dtype="int8"),
          ValueError, "combine_dtype must be"),
         ("renormalize without fault tolerance",
-         lambda: buf.combine(y, res.handle, res.weights, renormalize=True),
+         lambda: buf.combine(y, latest().handle, latest().weights, renormalize=True),
          (ValueError, RuntimeError), "fault_tolerant"),
         ("low-latency x int32", lambda: ll.low_latency_dispatch(x.int(), idx), TypeError,
          "x must be"),
@@ -125,8 +125,11 @@ def bad_inputs(rank: int, world_size: int, group=None) -> dict:
         other_res = other.dispatch(x, idx, w)
         recv, _ = ll.low_latency_dispatch(x, idx)
         other_recv, _ = other_ll.low_latency_dispatch(x, idx)
-        for what, call, kinds, text in table(buf, ll, x, idx, w, res, recv, other_res,
-                                             other_recv):
+        latest = [res]  # a refused dispatch is a call (on two ranks: the handles before it
+        for what, call, kinds, text in table(buf, ll, x, idx, w, lambda: latest[0], recv,
+                                             other_res, other_recv):  # are old)
+            if what.startswith("combine") and latest[0] is res:
+                latest[0] = buf.dispatch(x, idx, w)
             try:
                 call()
                 found[what] = "returned"

@@ -317,6 +317,22 @@ MUTANTS = (
            "    oldest = queue.pop(-1)",
            ("tests/test_low_latency.py::"
             "test_dropped_and_reordered_hooks_give_each_call_its_own_rows",)),
+    Mutant("ranks_do_not_compare_call_descriptors",
+           "a normal dispatch whose ranks pass options that must agree raises on every rank",
+           "kernels/comm.py",
+           "first = tl.min(tl.where(keep & (desc != mine), src, none), axis=0)",
+           "first = tl.min(tl.where(keep & (desc != desc), src, none), axis=0)",
+           ("tests/test_call_agreement.py::"
+            "test_a_rank_that_refuses_or_disagrees_is_named_on_every_rank_within_the_call"
+            "[one-node]",)),
+    Mutant("bad_dispatch_input_is_not_refused",
+           "a rank whose dispatch input is bad takes part in the call: its peers raise within it",
+           "moe_comm/buffer.py",
+           "        if self.world_size == 1 or torch.compiler.is_compiling():",
+           "        if True:",
+           ("tests/test_call_agreement.py::"
+            "test_a_rank_that_refuses_or_disagrees_is_named_on_every_rank_within_the_call"
+            "[one-node]",)),
     # ---- bounded staging: the rounds of a call
     Mutant("round_meta_names_window_token",
            "a row sent in a later round names its token by its index in the call",

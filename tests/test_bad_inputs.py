@@ -1,6 +1,7 @@
 """Every public call of the native Buffer with one mistake, on 1 and 2 ranks: a TypeError or
-ValueError whose text names the argument, before anything runs (every rank makes the same
-mistake, so none waits), and correct calls afterwards match the reference bit for bit. The
+ValueError whose text names the argument, before any kernel runs on its inputs (a bad normal
+dispatch input on 2 ranks still takes part in the call as a refusal, with no rows:
+tests/test_call_agreement.py), and correct calls afterwards match the reference bit for bit. The
 facade's table is tests/test_deep_ep.py::test_bad_input_to_every_facade_call_names_the_argument.
 """
 import pytest

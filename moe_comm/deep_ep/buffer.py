@@ -350,17 +350,20 @@ class Buffer:
             raise _unsupported("a dispatch without topk_idx (routing by is_token_in_rank "
                                "alone) is not supported: pass topk_idx, or a handle")
         pair = isinstance(x, tuple)
-        rows = checks.rows(x)
-        if not pair:
-            checks.float_rows(rows, _DTYPES)
-        topk_idx = checks.topk_idx(topk_idx)
-        topk_weights = checks.weights(topk_weights, topk_idx)
-        checks.tokens_match(rows, topk_idx)
+        try:
+            rows = checks.rows(x)
+            if not pair:
+                checks.float_rows(rows, _DTYPES)
+            topk_idx = checks.topk_idx(topk_idx)
+            topk_weights = checks.weights(topk_weights, topk_idx)
+            checks.tokens_match(rows, topk_idx)
+            if num_tokens_per_expert is None:
+                raise ValueError("num_tokens_per_expert (from get_dispatch_layout) is needed")
+        except (TypeError, ValueError) as error:
+            self._refuse_dispatch(error)
+            raise
         T, H = rows.shape
-        if num_tokens_per_expert is not None:
-            num_experts = num_tokens_per_expert.numel()
-        else:
-            raise ValueError("num_tokens_per_expert (from get_dispatch_layout) is needed")
+        num_experts = num_tokens_per_expert.numel()
         dtype = torch.bfloat16 if pair else rows.dtype
         buf = self._normal_buffer(T, topk_idx.shape[1], H, dtype, num_experts, rows.device)
         by_slot = buf.rounds == 1  # rows arrive in DeepEP's order: no copy here
@@ -400,6 +403,15 @@ class Buffer:
         out_handle = _NormalHandle(buf, h, first, choice_rows, slot_rows, n, h.num_rows)
         return (recv_x, recv_idx, recv_w, per_expert.tolist(), out_handle,
                 EventOverlap(EventHandle()))
+
+    def _refuse_dispatch(self, error: BaseException) -> None:
+        """This rank's dispatch input is bad (``error``, raised next): where the peers go on into
+        the call (a workspace exists), take part as they do, with no rows and a refusal, so
+        theirs raises ``moe_comm.PeerInputError`` within the call (``Buffer._refuse_dispatch``)."""
+        native = self._normal
+        if native is not None:
+            self._normal_buffer(0, 1, native.hidden, native.dtype, native.num_experts,
+                                native.device)._refuse_dispatch(error)
 
     def _cached_dispatch(self, x, handle: _NormalHandle):
         checks.handle(handle, _NormalHandle, "dispatch")

@@ -1,0 +1,75 @@
+"""Normal dispatches whose ranks disagree, on one node, over NVSHMEM and through the proxy
+(flat with fault tolerance, hierarchical), in rounds: a bad input on the odd ranks, or
+options that must agree set differently there (``moe_comm.call_descriptor``). The odd ranks
+raise their own error, every other rank PeerInputError naming the first rank whose call
+differs and what differs, each within a second on two ranks (three on four, which share two
+cores; the Buffers wait 60 s for a peer), and a correct round trip afterwards matches
+the reference bit for bit on every rank."""
+import pytest
+from call_agreement_jobs import disagreeing_calls, facade_refusals
+
+CONFIGS = {  # (ranks, Buffer arguments)
+    "one-node": (2, {}),
+    "nvshmem-rounds": (2, dict(ranks_per_node=1, transport="nvshmem", ring_slots=2)),
+    "proxy-hierarchical-rounds": (4, dict(ranks_per_node=2, transport="nixl",
+                                          hierarchical=True, ring_slots=2)),
+    "proxy-flat-fault-tolerant-rounds": (4, dict(ranks_per_node=2, transport="nixl",
+                                                 hierarchical=False, fault_tolerant=True,
+                                                 ring_slots=2)),
+}
+# the odd ranks' own error (type, text) for each refusal, and what their peers' message names
+REFUSED = {"x int32": ("TypeError", "x must be torch.bfloat16", "its x was bad"),
+           "more tokens than the maximum": ("ValueError", "more than max_tokens_per_rank",
+                                            "its x was bad"),
+           "x other hidden": ("ValueError", "x has hidden size 64", "its x was bad"),
+           "topk_idx fewer rows": ("ValueError", "topk_idx has 1 rows", "its topk_idx was bad"),
+           "expert_alignment 0": ("ValueError", "expert_alignment must be",
+                                  "its expert_alignment was bad")}
+# what the message of each disagreement names, as an even rank sees rank 1 and an odd one rank 0
+DIFFERS = {"fp8 on rank 0 only": ("it sent rows in the Buffer's dtype, this rank FP8 rows",
+                                  "it sent FP8 rows with float32 scales, this rank rows in"),
+           "mxfp8 against fp8": ("it sent MXFP8 rows, this rank FP8 rows",
+                                 "it sent FP8 rows with float32 scales, this rank MXFP8 rows"),
+           "weights on rank 0 only": ("its topk_weights None, this rank's given",
+                                      "its topk_weights given, this rank's None"),
+           "top-k differs": ("its top-k 3, this rank's 2", "its top-k 2, this rank's 3")}
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_a_rank_that_refuses_or_disagrees_is_named_on_every_rank_within_the_call(ranks, config):
+    world_size, kwargs = CONFIGS[config]
+    found = ranks(world_size).run(disagreeing_calls, timeout_s=60.0, **kwargs)
+    limit = 1.0 if world_size <= 2 else 3.0  # s; four ranks under the interpreter share 2 cores
+    for rank, calls in enumerate(found):
+        assert calls.pop("after") is True, rank  # the Buffer goes on, bit for bit
+        assert calls.pop("rounds") == (3 if "ring_slots" in kwargs else 1), rank
+        assert set(calls) == set(REFUSED) | set(DIFFERS), (rank, sorted(calls))
+        for what, (kind, text, seconds) in calls.items():
+            assert seconds < limit, (rank, what, seconds)  # within the call, not the timeout
+            if what in REFUSED and rank % 2:  # the rank with the bad input: its own error
+                assert (kind, REFUSED[what][1] in text) == (REFUSED[what][0], True), \
+                    (rank, what, kind, text)
+                continue
+            assert kind == "PeerInputError", (rank, what, kind, text)
+            peer = 0 if rank % 2 else 1  # the first rank whose call differs from this one's
+            if what in REFUSED:
+                want = (f"rank {peer} refused the dispatch", REFUSED[what][2])
+            else:
+                want = (f"rank {peer} made the dispatch", DIFFERS[what][rank % 2])
+            assert all(w in text for w in want), (rank, what, text)
+
+
+def test_the_deep_ep_facade_refuses_a_bad_dispatch_input_on_one_rank(ranks):
+    found = ranks(2).run(facade_refusals, timeout_s=120)
+    own = {"x int32": "TypeError", "x 1-d": "ValueError",
+           "topk_idx fewer rows": "ValueError"}
+    for rank, calls in enumerate(found):
+        assert calls.pop("after") is True, rank
+        assert set(calls) == set(own), (rank, sorted(calls))
+        for what, (kind, text, seconds) in calls.items():
+            assert seconds < 1.0, (rank, what, seconds)
+            if rank == 1:  # the bad input: its own error
+                assert kind == own[what], (what, kind, text)
+            else:
+                assert kind == "PeerInputError" and "rank 1 refused the dispatch" in text, \
+                    (what, kind, text)

@@ -105,6 +105,28 @@ inline __device__ __noinline__ void record_timeout(int64_t* err, int peer, int64
   __threadfence_system();
 }
 
+// A dispatch's count word: pairs in the low kSlotBits bits, the call descriptor above them
+// (moe_comm.call_descriptor; kernels.comm.SLOT_BITS). A receive that finds a source's descriptor
+// unlike its own writes (1, kCallDiffers, source, theirs | mine << 16 | epoch << 32) into the
+// int64[4] input part of the record, `part` (null: none), once; the host raises it.
+constexpr int kSlotBits = 18;
+constexpr int64_t kSlotMask = (1ll << kSlotBits) - 1;
+constexpr int64_t kCallDiffers = 4;
+inline __device__ __noinline__ void record_call_differs(int64_t* part, int source,
+                                                        int64_t theirs, int64_t mine,
+                                                        int64_t epoch) {
+  if (part == nullptr) return;
+  auto* claim = reinterpret_cast<unsigned long long*>(part);
+  if (atomicCAS(claim, 0ull, ~0ull) != 0ull) return;  // an earlier input error is recorded
+  volatile int64_t* record = part;
+  record[1] = kCallDiffers;
+  record[2] = source;
+  record[3] = theirs | (mine << 16) | (epoch << 32);
+  __threadfence_system();
+  record[0] = 1;
+  __threadfence_system();
+}
+
 // Spins until `(word >> shift) >= expected` (acquire); false after `timeout_ns`.
 __device__ __forceinline__ bool wait_at_least(const int64_t* word, int shift, int64_t expected,
                                               int peer, int64_t timeout_ns, int64_t* err) {

@@ -159,6 +159,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_send(
     int64_t outbox_off,                                  // ll_outbox [TMAX, S]
     int32_t T, int32_t H, int32_t K, int32_t R, int32_t L, int32_t E, int32_t me, int32_t TMAX,
     int64_t slot_bytes, int32_t x_dtype, int32_t fp8, int32_t ue8m0,
+    int32_t descriptor,           // the call's, published above each count (kSlotBits)
     int64_t timeout_ns, int64_t* err) {
   extern __shared__ int32_t s_pairs[];  // [E] pairs per expert (last block)
   __shared__ char* s_dst[kWarps][kMaxTopk];
@@ -244,7 +245,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_send(
       const int d = e / L;
       if ((peers.direct(d) == nullptr) != (pass == 1)) continue;
       const int64_t offset = signals_base + ((static_cast<int64_t>(e) - d * L) * R + me) * 8;
-      publish_word(peers, d, offset, (epoch << 32) | static_cast<int64_t>(s_pairs[e]));
+      publish_word(peers, d, offset,
+                   (epoch << 32) | (static_cast<int64_t>(descriptor) << kSlotBits) |
+                       static_cast<int64_t>(s_pairs[e]));
     }
   }
   if (threadIdx.x == 0) {
@@ -277,7 +280,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(
     int32_t H, int32_t R, int32_t L, int32_t me, int32_t TMAX, int64_t slot_bytes,
     int64_t row_bytes,            // bytes of one output row
     int64_t scale_row_stride, int64_t scale_group_stride, int64_t scale_expert_stride,
-    int32_t fp8, int32_t ue8m0, int64_t timeout_ns, int64_t* err) {
+    int32_t fp8, int32_t ue8m0, int64_t timeout_ns, int64_t* err,
+    int64_t* input_err) {         // [4] the input part of the error record, or null
   extern __shared__ int32_t s_counts[];  // [R] pairs per source of the current expert
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const Peers peers{peer_ptrs, pes, me};
@@ -293,6 +297,18 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(
     for (int i = threadIdx.x; i < R; i += blockDim.x) {
       s_counts[i] = static_cast<int32_t>(load_acquire(words + i) & 0xFFFFFFFFll);
     }
+    __syncthreads();
+    if (s == 0 && threadIdx.x == 0) {  // a source with another call descriptor, once per expert
+      const int64_t mine = s_counts[me] >> kSlotBits;
+      for (int i = 0; i < R; ++i) {
+        if ((s_counts[i] >> kSlotBits) != mine) {
+          record_call_differs(input_err, i, s_counts[i] >> kSlotBits, mine, epoch);
+          break;
+        }
+      }
+    }
+    __syncthreads();  // (the check read every word before the descriptors are masked off)
+    for (int i = threadIdx.x; i < R; i += blockDim.x) s_counts[i] &= kSlotMask;
     __syncthreads();
     int first = 0, total = 0;
     for (int i = 0; i < R; ++i) {

@@ -6,7 +6,7 @@ its own routing. Equivalent PyTorch, for source ``s`` and global expert ``g`` on
 
     pairs = [(t, k) for t in range(T) for k in range(K) if topk_idx[t, k] == g]  # token order
     staging_d[p, g % L, s, j] = quantize(x[t]), meta_d[p, g % L, s, j] = t * 32 + k  # j-th pair
-    signal_d[p, g % L, s] = epoch << 32 | len(pairs)
+    signal_d[p, g % L, s] = epoch << 32 | descriptor << SLOT_BITS | len(pairs)  # the call's
 
 Epochs and tickets live in device memory (``state``: [0] dispatch sent, [1] dispatch received,
 [2] combine sent, [3] combine received, [4..7] the four kernels' tickets), grids depend only on
@@ -60,15 +60,18 @@ import triton.language as tl
 from .bound import BoundLaunches, call_bound, launch, specs
 from .comm import (
     CPU_RANKS,
+    SLOT_BITS,
     Flavour,
     acquire_word,
     aligned_ptr,
     by_stores,
+    check_descriptors,
     draw_last_of,
     local_ptr,
     one_thread,
     peer_ptr,
     publish_to_all,
+    slots_in,
     timed_out,
     uniform_load,
     uniform_now_ns,
@@ -220,7 +223,7 @@ def _store_row_tile(row8, h, g, H, codes, scales, exps, rows, hm, FP8: tl.conste
         tl.store(rowx[:, None] + h[None, :], codes, mask=rows[:, None] & hm[None, :])  # gate: row
 
 
-@triton.jit(do_not_specialize=_GPU_PER_RANK + ["T"])
+@triton.jit(do_not_specialize=_GPU_PER_RANK + ["descriptor", "T"])
 def ll_dispatch_send_kernel(
     x,  # [T, H] bf16/fp16/fp32
     global_scale,  # [1] float32: NVFP4's global scale (GS == 16)
@@ -237,6 +240,7 @@ def ll_dispatch_send_kernel(
     ring_addr: tl.int64, RING_SLOTS: tl.int64,  # the proxy's ring (TRANSPORT 2)
     mask_off: tl.int64,  # the mask words (FT)
     local_base: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
+    descriptor: tl.int32,  # the call's (moe_comm.call_descriptor), above each count's slots
     T: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, L: tl.int32, E: tl.int32,
     me: tl.int32, TMAX: tl.int32, KMAX: tl.int32, SLOT_BYTES: tl.int64,
     FP8: tl.constexpr, UE8M0: tl.constexpr,
@@ -375,7 +379,8 @@ def ll_dispatch_send_kernel(
             de = tl.where(em, lane // L, 0)
             word = peer_ptr(peer_ptrs, de, signals_off + parity * signals_parity_stride,
                             tl.int64, 8) + (lane - de * L) * R + me
-            tl.atomic_xchg(word, (epoch << 32) | total.to(tl.int64),  # gate: publish
+            described = descriptor.to(tl.int64) << SLOT_BITS
+            tl.atomic_xchg(word, (epoch << 32) | described | total.to(tl.int64),  # gate: publish
                            mask=by_stores(peer_ptrs, de, em, TRANSPORT), sem="release",
                            scope="sys")
             if TRANSPORT != 0:
@@ -389,10 +394,11 @@ def ll_dispatch_send_kernel(
                                       + ((ge - dg * L) * R + me) * 8)
                         if one_thread():
                             if TRANSPORT == 1:
-                                signal_set(local_base, signal_off, (epoch << 32) | n, dg)
+                                signal_set(local_base, signal_off,
+                                           (epoch << 32) | described | n, dg)
                             else:  # after this rank's pair transfers to dg (a fence)
                                 post_signal(ring_addr, RING_SLOTS, dg, signal_off,
-                                            (epoch << 32) | n, errors, timeout_ns)
+                                            (epoch << 32) | described | n, errors, timeout_ns)
             remote = tl.sum(tl.where(em & (de != me), 8, 0).to(tl.int64), axis=0)
             tl.atomic_add(stats + tl.arange(0, 1), remote + tl.zeros([1], tl.int64),
                           sem="relaxed")
@@ -454,7 +460,10 @@ def ll_dispatch_recv_kernel(
         sources = tl.arange(0, BLOCK_R)
         words = tl.load(signals + (parity * L + e) * R + sources, mask=sources < R, other=0)
         # a source counts only with this call's epoch (one excluded, or late, counts 0)
-        counts = tl.where((words >> 32) >= epoch, words & 0xFFFFFFFF, 0).to(tl.int32)
+        current = (sources < R) & ((words >> 32) >= epoch)
+        counts = tl.where(current, slots_in(words & 0xFFFFFFFF), 0).to(tl.int32)
+        if s == 0:  # a source with another call descriptor is recorded (once per expert)
+            check_descriptors(words & 0xFFFFFFFF, current, sources, me, epoch, errors_addr)
         n = tl.sum(tl.where(sources == s, counts, 0), axis=0)
         first = tl.sum(tl.where(sources < s, counts, 0), axis=0)
         tl.store(layout + (e * R + s) * 2 + tl.arange(0, 2),
@@ -732,19 +741,22 @@ def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, ran
                      num_local_experts: int, num_experts: int, max_tokens: int, max_topk: int,
                      slot_bytes: int, fp8: bool, ue8m0: int, num_sms: int | None = None,
                      flavour: Flavour = CPU_RANKS, global_scale=None,
-                     bound: BoundLaunches | None = None) -> bool:
+                     bound: BoundLaunches | None = None, descriptor: int = 0) -> bool:
     """Launches one program per tile of ``max_tokens`` (``kernels.tiles.ll_tiles``: the grid
     depends on the Buffer alone and covers the GPU in one wave; ``num_sms`` is the normal
     mode's budget, not this mode's). ``offsets``: rows / meta / signals / acks / outbox ->
     (byte offset of parity 0, bytes per parity); ``meta_table`` -> byte offset (the proxy).
     NVFP4 (``ue8m0 == 3``): ``global_scale`` [1] float32. ``bound``: the owner's bound
-    launches (``kernels.bound``; the caller's tensors and the token count vary)."""
+    launches (``kernels.bound``; the caller's tensors and the token count vary).
+    ``descriptor``: the call's, published above each expert's count (``signal = epoch << 32 |
+    descriptor << SLOT_BITS | pairs``); fixed by the call's format, so a captured graph keeps
+    it."""
     T, H = x.shape
     K = topk_idx.shape[1]
     scales = stats if global_scale is None else global_scale
     key = ("ll_dispatch_send", H, K, specs((x, topk_idx, scales)),
            id(peer_ptrs), id(state), id(stats), id(offsets), rank, num_local_experts,
-           num_experts, max_tokens, max_topk, slot_bytes, fp8, ue8m0, id(flavour))
+           num_experts, max_tokens, max_topk, slot_bytes, fp8, ue8m0, id(flavour), descriptor)
     if call_bound(bound, key, (x, scales, topk_idx, T)):
         return True
     R = peer_ptrs.numel()
@@ -755,7 +767,7 @@ def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, ran
             *offsets["rows"], *offsets["meta"],
             *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)),
             offsets.get("meta_table", 0), flavour.ring_addr, flavour.ring_slots,
-            flavour.mask_off, *flavour.args(),
+            flavour.mask_off, *flavour.args(), descriptor,
             T, H, K, R, num_local_experts, num_experts, rank, max_tokens, max_topk, slot_bytes)
     kwargs = dict(
         FP8=fp8, UE8M0=bool(ue8m0), GS=scale_group(ue8m0), FT=flavour.fault_tolerant,

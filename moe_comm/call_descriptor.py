@@ -27,6 +27,11 @@ bit 11     a refusal: bits 0-10 say which argument was bad (``REFUSAL_REASONS``)
 
 Options that shape only the receiver's own output (expert alignment, the scales' memory
 layout, ``max_recv_rows``) need no agreement and are not sent.
+
+A low-latency dispatch does the same with the signal word of each (expert, source): ``epoch <<
+32 | descriptor << SLOT_BITS | pairs``, the descriptor its format or a refusal
+(:func:`low_latency_descriptor`); every receive program of an expert's first source block
+compares them (the Triton and the csrc/ receive alike), and the hook raises.
 """
 from __future__ import annotations
 
@@ -57,6 +62,14 @@ def dispatch_descriptor(fp8: int, ue8m0: int, has_weights: bool, topk: int) -> i
     ``normal_mode.PendingSend``) with scale code ``ue8m0``, weights given, top-k."""
     fmt = 1 + ue8m0 if fp8 else 0
     return fmt | int(has_weights) << WEIGHTS_BIT | min(topk, MAX_TOPK) << TOPK_SHIFT
+
+
+@functools.cache
+def low_latency_descriptor(fp8: int, ue8m0: int) -> int:
+    """The descriptor of a low-latency dispatch: the rows' format alone (the receive takes no
+    weights, and each pair's meta word carries its own choice), published above each expert's
+    count in the signal word (``kernels.low_latency``)."""
+    return 1 + ue8m0 if fp8 else 0
 
 
 def refusal(error: BaseException) -> int:

@@ -52,7 +52,7 @@ SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
         ("acks_off", I64), ("acks_parity_stride", I64), ("outbox_off", I64), ("T", I32),
         ("H", I32), ("K", I32), ("R", I32), ("L", I32), ("E", I32), ("me", I32), ("TMAX", I32),
         ("slot_bytes", I64), ("x_dtype", I32), ("fp8", I32), ("ue8m0", I32),
-        ("timeout_ns", I64), ("err", PTR)),
+        ("descriptor", I32), ("timeout_ns", I64), ("err", PTR)),
     "ll_dispatch_recv": (
         ("staging", PTR), ("meta", PTR), ("signals", PTR), ("peer_ptrs", PTR), ("pes", PTR),
         ("state", PTR), ("out", PTR), ("out_scales", PTR), ("count", PTR), ("src_info", PTR),
@@ -60,7 +60,8 @@ SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
         ("acks_off", I64), ("acks_parity_stride", I64), ("H", I32), ("R", I32), ("L", I32),
         ("me", I32), ("TMAX", I32), ("slot_bytes", I64), ("row_bytes", I64),
         ("scale_row_stride", I64), ("scale_group_stride", I64), ("scale_expert_stride", I64),
-        ("fp8", I32), ("ue8m0", I32), ("timeout_ns", I64), ("err", PTR)),
+        ("fp8", I32), ("ue8m0", I32), ("timeout_ns", I64), ("err", PTR),
+        ("input_err", PTR)),
     "ll_combine_send": (
         ("y", PTR), ("layout", PTR), ("src_info", PTR), ("src_k", PTR), ("peer_ptrs", PTR),
         ("pes", PTR), ("state", PTR), ("stats", PTR), ("rows_off", I64),
@@ -353,8 +354,9 @@ class CsrcLowLatencyKernels:
                          num_local_experts: int, num_experts: int, max_tokens: int,
                          slot_bytes: int, fp8: bool, ue8m0: bool, acks: tuple,
                          outbox_offset: int, error=None, pes=None, block_t=None,
-                         block_h=None) -> bool:
-        """``kernels.low_latency.ll_dispatch_send`` in CUDA; ``acks``: ll_acks[DISPATCH]."""
+                         block_h=None, descriptor: int = 0) -> bool:
+        """``kernels.low_latency.ll_dispatch_send`` in CUDA; ``acks``: ll_acks[DISPATCH];
+        ``descriptor``: the call's (``moe_comm.call_descriptor``), above each count."""
         R = self._peers(peer_ptrs, pes, rank)
         self._check("x", x, tuple(DTYPE_CODES), ndim=2)
         self._check("topk_idx", topk_idx, (torch.int64,), ndim=2)
@@ -385,16 +387,19 @@ class CsrcLowLatencyKernels:
             signals_parity_stride=offsets["signals"][1], acks_off=acks[0],
             acks_parity_stride=acks[1], outbox_off=outbox_offset, T=T, H=H, K=K, R=R, L=L, E=E,
             me=rank, TMAX=max_tokens, slot_bytes=slot_bytes, x_dtype=DTYPE_CODES[x.dtype],
-            fp8=int(fp8), ue8m0=int(fp8 and ue8m0), timeout_ns=self.timeout_ns, err=error)
+            fp8=int(fp8), ue8m0=int(fp8 and ue8m0), descriptor=descriptor,
+            timeout_ns=self.timeout_ns, err=error)
 
     def ll_dispatch_recv(self, staging, meta, signals, peer_ptrs, state, out, out_scales, count,
                          src_info, src_k, layout, recv_stats, *, acks: tuple, rank: int,
                          scale_strides: tuple, ue8m0: bool, error=None, pes=None, block_t=None,
-                         block_h=None) -> bool:
+                         block_h=None, input_error=None) -> bool:
         """``kernels.low_latency.ll_dispatch_recv`` in CUDA: ``staging`` [P, L, R, TMAX, slot]
-        (uint8 or the rows' dtype), ``out`` [L, R * TMAX, H] (float8_e4m3fn with FP8)."""
+        (uint8 or the rows' dtype), ``out`` [L, R * TMAX, H] (float8_e4m3fn with FP8);
+        ``input_error``: the record's input part (a source with another call descriptor)."""
         R = self._peers(peer_ptrs, pes, rank)
         self._check_error(error)
+        self._check_error(input_error)
         self._check("staging", staging, ndim=5)
         self._check("out", out, ndim=3)
         P, L, R_staging, TMAX, slot = staging.shape
@@ -426,7 +431,7 @@ class CsrcLowLatencyKernels:
             slot_bytes=slot * staging.element_size(), row_bytes=H * out.element_size(),
             scale_row_stride=scale_strides[1], scale_group_stride=scale_strides[2],
             scale_expert_stride=scale_strides[0], fp8=int(fp8), ue8m0=int(fp8 and ue8m0),
-            timeout_ns=self.timeout_ns, err=error)
+            timeout_ns=self.timeout_ns, err=error, input_err=input_error)
 
     def ll_combine_send(self, y, layout, src_info, src_k, peer_ptrs, state, stats, *,
                         offsets: dict, rank: int, max_tokens: int, max_topk: int, acks: tuple,

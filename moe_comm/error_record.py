@@ -40,6 +40,11 @@ class ErrorRecord:
         """The [4] timeout words (the record the csrc/ kernels write)."""
         return self.tensor[TIMEOUT_RECORD:TIMEOUT_RECORD + 4]
 
+    @property
+    def input_part(self) -> torch.Tensor:
+        """The [4] input words (a source's other call descriptor, from the csrc/ receive)."""
+        return self.tensor[INPUT_RECORD:INPUT_RECORD + 4]
+
     def timed_out(self) -> bool:
         return int(self._words[TIMEOUT_RECORD]) == 1
 

@@ -31,6 +31,7 @@ import torch
 
 from . import env
 from ._guard import poisons_buffer_on_error
+from .call_descriptor import PeerInputError, low_latency_descriptor, refusal
 from .fault import renormalized
 from .kernels.comm import wait_for_epochs
 from .kernels.layout import checked_topk_idx
@@ -308,41 +309,46 @@ class LowLatencyMode:
         self._raise_input_errors("an earlier call")
         self._ll_require()
         self._ll_check_in_flight(DISPATCH, "dispatch")
-        if env.check_inputs():
-            check_dispatch_inputs(x, topk_idx, None, 1, hidden=self.hidden,
-                                  max_tokens=self.max_tokens_per_rank, max_topk=self.max_topk,
-                                  dtype=self.dtype, device=self.device)
-        else:
-            check_dispatch_bounds(x, topk_idx, None, hidden=self.hidden,
-                                  max_tokens=self.max_tokens_per_rank, max_topk=self.max_topk,
-                                  itemsize=self.dtype.itemsize)
-        if fp8 is None:
-            fp8 = bool(dispatch_dtype is not None or ue8m0 or col_major_scales)
-        ue8m0 = scale_code(dispatch_dtype, ue8m0)
-        check_scale_layout(scale_layout, ue8m0)
-        group = scale_group(ue8m0)
-        name = {MXFP8: "MXFP8", NVFP4: "NVFP4"}.get(ue8m0, "FP8")
-        impl = self._ll_impl(ue8m0 < MXFP8)
-        if ue8m0 >= MXFP8:
-            check_block_scaled_options(ue8m0, fp8, col_major_scales)
-            if impl == "cuda":
-                raise ValueError(f"kernel_impl='cuda' sends FP8 per 128 channels only; {name} "
-                                 "runs on the Triton kernels")
-        if fp8 and (self.hidden % group or self.dtype == torch.float64):
-            raise ValueError(f"{name} dispatch needs hidden % {group} == 0 and a 16/32-bit "
-                             f"dtype, got hidden={self.hidden}, dtype={self.dtype}")
-        glob = nvfp4_send_global(x, global_scale, ue8m0, self.device)
-        if not fp8 and (ue8m0 or col_major_scales):
-            raise ValueError("ue8m0 and col_major_scales shape FP8 scales; pass fp8=True")
-        stats = cumulative_local_expert_recv_stats
-        if stats is not None:
-            if not isinstance(stats, torch.Tensor) or stats.dtype not in (torch.int32,
-                                                                         torch.int64):
-                raise TypeError("cumulative_local_expert_recv_stats must be an int32 or int64 "
-                                "tensor")
-            if stats.shape != (self.num_local_experts,) or stats.device != self.device:
-                raise ValueError(f"cumulative_local_expert_recv_stats must have shape "
-                                 f"[{self.num_local_experts}] on {self.device}")
+        try:  # (inline: the host path counts every Python call)
+            if env.check_inputs():
+                check_dispatch_inputs(x, topk_idx, None, 1, hidden=self.hidden,
+                                      max_tokens=self.max_tokens_per_rank,
+                                      max_topk=self.max_topk, dtype=self.dtype,
+                                      device=self.device)
+            else:
+                check_dispatch_bounds(x, topk_idx, None, hidden=self.hidden,
+                                      max_tokens=self.max_tokens_per_rank,
+                                      max_topk=self.max_topk, itemsize=self.dtype.itemsize)
+            if fp8 is None:
+                fp8 = bool(dispatch_dtype is not None or ue8m0 or col_major_scales)
+            ue8m0 = scale_code(dispatch_dtype, ue8m0)
+            check_scale_layout(scale_layout, ue8m0)
+            group = scale_group(ue8m0)
+            name = {MXFP8: "MXFP8", NVFP4: "NVFP4"}.get(ue8m0, "FP8")
+            impl = self._ll_impl(ue8m0 < MXFP8)
+            if ue8m0 >= MXFP8:
+                check_block_scaled_options(ue8m0, fp8, col_major_scales)
+                if impl == "cuda":
+                    raise ValueError(f"kernel_impl='cuda' sends FP8 per 128 channels only; "
+                                     f"{name} runs on the Triton kernels")
+            if fp8 and (self.hidden % group or self.dtype == torch.float64):
+                raise ValueError(f"{name} dispatch needs hidden % {group} == 0 and a 16/32-bit "
+                                 f"dtype, got hidden={self.hidden}, dtype={self.dtype}")
+            glob = nvfp4_send_global(x, global_scale, ue8m0, self.device)
+            if not fp8 and (ue8m0 or col_major_scales):
+                raise ValueError("ue8m0 and col_major_scales shape FP8 scales; pass fp8=True")
+            stats = cumulative_local_expert_recv_stats
+            if stats is not None:
+                if not isinstance(stats, torch.Tensor) or stats.dtype not in (torch.int32,
+                                                                             torch.int64):
+                    raise TypeError("cumulative_local_expert_recv_stats must be an int32 or "
+                                    "int64 tensor")
+                if stats.shape != (self.num_local_experts,) or stats.device != self.device:
+                    raise ValueError(f"cumulative_local_expert_recv_stats must have shape "
+                                     f"[{self.num_local_experts}] on {self.device}")
+        except (TypeError, ValueError) as error:
+            self._refuse_low_latency_dispatch(error)
+            raise
         recv, hook = self._ll_dispatch_send(x.contiguous(), topk_idx.contiguous(), fp8, ue8m0,
                                             col_major_scales, stats, glob,
                                             scale_layout == "swizzled", impl)
@@ -351,10 +357,32 @@ class LowLatencyMode:
         hook()
         return recv, None
 
+    def _refuse_low_latency_dispatch(self, error: BaseException) -> None:
+        """This rank's low-latency dispatch input is bad (``error``, which the caller raises
+        next): it still sends, no pairs and a refusal for its descriptor in every expert's
+        signal word (``moe_comm.call_descriptor``), and receives, so every peer's hook raises
+        PeerInputError naming this rank instead of waiting out the timeout. Equivalent to::
+
+            self.low_latency_dispatch(x[:0], topk_idx[:0])   # the signals say 'refused'
+        """
+        alone = self.world_size == 1 or self.backend == "loopback"  # (virtual ranks: their
+        if alone or torch.compiler.is_compiling():  # calls run in lockstep, not from here)
+            return
+        x = torch.empty((0, self.hidden), dtype=self.dtype, device=self.device)
+        topk_idx = torch.empty((0, 1), dtype=torch.int64, device=self.device)
+        _, hook = self._ll_dispatch_send(x, topk_idx, False, 0, False, None, refusal=refusal(error))
+        try:  # this rank's own record of the call (every peer differs from a refusal)
+            hook()
+        except PeerInputError:
+            pass
+
     @poisons_buffer_on_error("low-latency dispatch")
     def _ll_dispatch_send(self, x, topk_idx, fp8, ue8m0, col_major, stats, global_scale=None,
-                          swizzle=False, impl="triton"):
+                          swizzle=False, impl="triton", refusal: int = 0):
+        """The send of a low-latency dispatch; returns ``(recv, hook)``. Every expert's signal
+        word carries the call's descriptor, or ``refusal`` (``moe_comm.call_descriptor``)."""
         epoch = self._ll_begin(DISPATCH, "dispatch")
+        descriptor = refusal or low_latency_descriptor(fp8, ue8m0)
         L, R, T, H, dev = (self.num_local_experts, self.world_size, self.max_tokens_per_rank,
                            self.hidden, self.device)
         rows = R * T
@@ -382,12 +410,12 @@ class LowLatencyMode:
             self.launches["ll_dispatch_send"] += self._csrc().ll_dispatch_send(
                 x, self._csrc_ids(topk_idx, True), self.heap.peer_ptrs, self._ll_state, self._stats,
                 offsets=offsets, acks=offsets["acks"], error=self.errors.timeout_part,
-                outbox_offset=self._outbox_offset("ll_outbox"), **common)
+                outbox_offset=self._outbox_offset("ll_outbox"), descriptor=descriptor, **common)
         else:
             self.launches["ll_dispatch_send"] += ll_dispatch_send(
                 x, topk_idx, self.heap.peer_ptrs, self._ll_state, self._stats, offsets=offsets,
                 num_sms=self.num_sms, flavour=self.flavour, max_topk=self.max_topk,
-                global_scale=global_scale, bound=self._bound, **common)
+                global_scale=global_scale, bound=self._bound, descriptor=descriptor, **common)
         recv = LowLatencyRecv(recv_x, scales, count, src_info, handle, x_global_scale=out_global)
 
         def receive():
@@ -423,7 +451,8 @@ class LowLatencyMode:
                       ue8m0=ue8m0)
         if impl == "cuda":
             self.launches["ll_dispatch_recv"] += self._csrc().ll_dispatch_recv(
-                *args, error=self.errors.timeout_part, **common)
+                *args, error=self.errors.timeout_part, input_error=self.errors.input_part,
+                **common)
         else:
             self.launches["ll_dispatch_recv"] += ll_dispatch_recv(
                 *args, flavour=self.flavour, out_global=recv.x_global_scale,

@@ -88,9 +88,10 @@ def disagreeing_calls(rank: int, world_size: int, ring_slots: int | None = None,
 
 
 def facade_refusals(rank: int, world_size: int) -> dict:
-    """The DeepEP-compatible dispatch with a bad input on the odd ranks, once its workspace
-    exists: ``{what: (error type, message, seconds)}``, then ``"after"``: the same correct
-    dispatch gives the rows it gave before."""
+    """The DeepEP-compatible dispatch and low-latency dispatch with a bad input on the odd
+    ranks, once their workspace exists: ``{what: (error type, message, seconds)}``, then
+    ``"after"`` / ``"low-latency after"``: the same correct call gives what it gave before (the
+    rows, the counts)."""
     import torch.distributed as dist
 
     from moe_comm import deep_ep
@@ -121,4 +122,72 @@ def facade_refusals(rank: int, world_size: int) -> dict:
         found["after"] = torch.equal(dispatch(x, idx, w)[0], first)
     finally:
         buf.destroy()
+    T, E, H = case.max_tokens, case.num_experts, case.hidden
+    ll = deep_ep.Buffer(dist.group.WORLD, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(
+        T, H, world_size, E), low_latency_mode=True, num_qps_per_rank=E // world_size)
+    try:
+        first = ll.low_latency_dispatch(x, idx, T, E, use_fp8=False)[1]
+        for what, args in (("low-latency x int32", (x.int(), idx)),
+                           ("low-latency topk_idx fewer rows", (x, idx[:1]))):
+            start = time.monotonic()
+            try:
+                ll.low_latency_dispatch(*(args if odd else (x, idx)), T, E, use_fp8=False)
+                found[what] = ("returned", "", time.monotonic() - start)
+            except Exception as exc:  # noqa: BLE001 - reported, the test judges it
+                found[what] = (type(exc).__name__, str(exc), time.monotonic() - start)
+        found["low-latency after"] = torch.equal(
+            ll.low_latency_dispatch(x, idx, T, E, use_fp8=False)[1], first)
+    finally:
+        ll.destroy()
+    return found
+
+
+def low_latency_mismatches(rank: int, x, idx, big: int):
+    """``(what, arguments of this rank's low-latency dispatch)``: the odd ranks differ."""
+    H, K = x.shape[1], idx.shape[1]
+    odd = rank % 2 == 1
+    return [
+        ("x int32", dict(x=x.int() if odd else x)),
+        ("more tokens than the maximum",
+         dict(x=torch.zeros(big, H, dtype=x.dtype), idx=torch.full((big, K), -1))
+         if odd else {}),
+        ("x other hidden", dict(x=x[:, :64] if odd else x)),
+        ("stats shape", dict(cumulative_local_expert_recv_stats=torch.zeros(99, dtype=torch.int32))
+         if odd else {}),
+        ("fp8 on rank 0 only", dict(fp8=not odd)),
+        ("mxfp8 against fp8", dict(dispatch_dtype="mxfp8") if odd else dict(fp8=True)),
+        ("fp8 on rank 0 only, hooks", dict(fp8=not odd, return_hook=True)),
+    ]
+
+
+def low_latency_disagreements(rank: int, world_size: int, **buffer_kwargs) -> dict:
+    """Each row of :func:`low_latency_mismatches` on a low-latency Buffer (with hooks: the
+    hook raises): ``{what: (error type, message, seconds)}``; then ``"after"``: a correct
+    low-latency dispatch equals the reference."""
+    import torch.distributed as dist
+
+    case, xs, idxs, ws = _inputs(world_size)
+    buf = moe_comm.Buffer(dist.group.WORLD, hidden=case.hidden, num_experts=case.num_experts,
+                          max_tokens_per_rank=case.max_tokens, low_latency=True,
+                          **buffer_kwargs)
+    x, idx = xs[rank], idxs[rank]
+    found = {}
+    with buf:
+        buf.low_latency_dispatch(x, idx)  # warm
+        for what, args in low_latency_mismatches(rank, x, idx, buf.max_tokens_per_rank + 1):
+            kwargs = {k: v for k, v in args.items() if k not in ("x", "idx")}
+            start = time.monotonic()
+            try:
+                _, hook = buf.low_latency_dispatch(args.get("x", x), args.get("idx", idx),
+                                                   **kwargs)
+                if hook is not None:
+                    hook()
+                found[what] = ("returned", "", time.monotonic() - start)
+            except Exception as exc:  # noqa: BLE001 - reported, the test judges it
+                found[what] = (type(exc).__name__, str(exc), time.monotonic() - start)
+        recv, _ = buf.low_latency_dispatch(x, idx)
+        want = reference.low_latency_dispatch_all(xs, idxs, num_experts=case.num_experts,
+                                                  max_tokens=case.max_tokens)[rank]
+        found["after"] = torch.equal(recv.count, want.count) and all(
+            torch.equal(recv.x[e, :n], want.x[e, :n]) for e, n in enumerate(want.count.tolist()))
     return found

@@ -328,10 +328,26 @@ MUTANTS = (
     Mutant("bad_dispatch_input_is_not_refused",
            "a rank whose dispatch input is bad takes part in the call: its peers raise within it",
            "moe_comm/buffer.py",
-           "        if self.world_size == 1 or torch.compiler.is_compiling():",
-           "        if True:",
+           "        if alone or torch.compiler.is_compiling():  # calls run in lockstep, not",
+           "        if True:  # calls run in lockstep, not",
            ("tests/test_call_agreement.py::"
             "test_a_rank_that_refuses_or_disagrees_is_named_on_every_rank_within_the_call"
+            "[one-node]",)),
+    Mutant("low_latency_receive_ignores_call_descriptors",
+           "a low-latency dispatch whose ranks pass other formats raises in every hook",
+           "kernels/low_latency.py",
+           "        if s == 0:  # a source with another call descriptor is recorded",
+           "        if s < 0:  # a source with another call descriptor is recorded",
+           ("tests/test_call_agreement.py::"
+            "test_a_low_latency_rank_that_refuses_or_disagrees_is_named_by_every_hook"
+            "[one-node]",)),
+    Mutant("bad_low_latency_input_is_not_refused",
+           "a rank whose low-latency input is bad takes part: its peers' hooks raise",
+           "moe_comm/low_latency.py",
+           "        if alone or torch.compiler.is_compiling():  # calls run in lockstep, not",
+           "        if True:  # calls run in lockstep, not",
+           ("tests/test_call_agreement.py::"
+            "test_a_low_latency_rank_that_refuses_or_disagrees_is_named_by_every_hook"
             "[one-node]",)),
     # ---- bounded staging: the rounds of a call
     Mutant("round_meta_names_window_token",

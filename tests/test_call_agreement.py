@@ -1,12 +1,13 @@
-"""Normal dispatches whose ranks disagree, on one node, over NVSHMEM and through the proxy
-(flat with fault tolerance, hierarchical), in rounds: a bad input on the odd ranks, or
-options that must agree set differently there (``moe_comm.call_descriptor``). The odd ranks
-raise their own error, every other rank PeerInputError naming the first rank whose call
-differs and what differs, each within a second on two ranks (three on four, which share two
-cores; the Buffers wait 60 s for a peer), and a correct round trip afterwards matches
-the reference bit for bit on every rank."""
+"""Dispatches whose ranks disagree: normal ones on one node, over NVSHMEM and through the proxy
+(flat with fault tolerance, hierarchical), in rounds; low-latency ones on one node, over
+NVSHMEM and through the proxy with fault tolerance; the DeepEP-compatible module's. A bad input
+on the odd ranks, or options that must agree set differently there
+(``moe_comm.call_descriptor``). The odd ranks raise their own error, every other rank
+PeerInputError naming the first rank whose call differs and what differs, each within a second
+on two ranks (three on four, which share two cores; the Buffers wait 60 s for a peer), and a
+correct call afterwards matches the reference bit for bit on every rank."""
 import pytest
-from call_agreement_jobs import disagreeing_calls, facade_refusals
+from call_agreement_jobs import disagreeing_calls, facade_refusals, low_latency_disagreements
 
 CONFIGS = {  # (ranks, Buffer arguments)
     "one-node": (2, {}),
@@ -59,12 +60,13 @@ def test_a_rank_that_refuses_or_disagrees_is_named_on_every_rank_within_the_call
             assert all(w in text for w in want), (rank, what, text)
 
 
-def test_the_deep_ep_facade_refuses_a_bad_dispatch_input_on_one_rank(ranks):
+def test_the_deep_ep_facade_refuses_a_bad_input_on_one_rank_in_both_modes(ranks):
     found = ranks(2).run(facade_refusals, timeout_s=120)
     own = {"x int32": "TypeError", "x 1-d": "ValueError",
-           "topk_idx fewer rows": "ValueError"}
+           "topk_idx fewer rows": "ValueError", "low-latency x int32": "TypeError",
+           "low-latency topk_idx fewer rows": "ValueError"}
     for rank, calls in enumerate(found):
-        assert calls.pop("after") is True, rank
+        assert calls.pop("after") is True and calls.pop("low-latency after") is True, rank
         assert set(calls) == set(own), (rank, sorted(calls))
         for what, (kind, text, seconds) in calls.items():
             assert seconds < 1.0, (rank, what, seconds)
@@ -73,3 +75,38 @@ def test_the_deep_ep_facade_refuses_a_bad_dispatch_input_on_one_rank(ranks):
             else:
                 assert kind == "PeerInputError" and "rank 1 refused the dispatch" in text, \
                     (what, kind, text)
+
+
+LOW_LATENCY = {  # (ranks, Buffer arguments)
+    "one-node": (2, {}),
+    "nvshmem": (2, dict(ranks_per_node=1, transport="nvshmem")),
+    "proxy-fault-tolerant": (4, dict(ranks_per_node=2, transport="nixl", fault_tolerant=True)),
+}
+LL_REFUSED = {"x int32": ("TypeError", "x must be torch.bfloat16"),
+              "more tokens than the maximum": ("ValueError", "more than max_tokens_per_rank"),
+              "x other hidden": ("ValueError", "x has hidden size 64"),
+              "stats shape": ("ValueError", "cumulative_local_expert_recv_stats must have")}
+LL_DIFFERS = {"fp8 on rank 0 only": DIFFERS["fp8 on rank 0 only"],
+              "fp8 on rank 0 only, hooks": DIFFERS["fp8 on rank 0 only"],
+              "mxfp8 against fp8": DIFFERS["mxfp8 against fp8"]}
+
+
+@pytest.mark.parametrize("config", LOW_LATENCY)
+def test_a_low_latency_rank_that_refuses_or_disagrees_is_named_by_every_hook(ranks, config):
+    world_size, kwargs = LOW_LATENCY[config]
+    found = ranks(world_size).run(low_latency_disagreements, timeout_s=60.0, **kwargs)
+    limit = 1.0 if world_size <= 2 else 3.0  # s, as above
+    for rank, calls in enumerate(found):
+        assert calls.pop("after") is True, rank
+        assert set(calls) == set(LL_REFUSED) | set(LL_DIFFERS), (rank, sorted(calls))
+        for what, (kind, text, seconds) in calls.items():
+            assert seconds < limit, (rank, what, seconds)
+            if what in LL_REFUSED and rank % 2:
+                assert (kind, LL_REFUSED[what][1] in text) == (LL_REFUSED[what][0], True), \
+                    (rank, what, kind, text)
+                continue
+            peer = 0 if rank % 2 else 1
+            want = (f"rank {peer} refused the dispatch",) if what in LL_REFUSED else (
+                f"rank {peer} made the dispatch", LL_DIFFERS[what][rank % 2])
+            assert kind == "PeerInputError" and all(w in text for w in want), \
+                (rank, what, kind, text)

@@ -21,6 +21,7 @@ import torch
 import moe_comm
 from cases import Case, make_inputs
 from moe_comm import csrc_build, csrc_kernels, reference
+from moe_comm.kernels import comm
 from moe_comm.kernels.comm import PeerTimeoutError
 from moe_comm.testing import lockstep
 from moe_comm.workspace import COMBINE, DISPATCH
@@ -354,6 +355,9 @@ def test_constants_match_the_cuda_headers():
         return int(re.search(rf"constexpr int {name} = (\d+);", common).group(1))
 
     assert constexpr("kThreads") == csrc_kernels.THREADS
+    assert constexpr("kSlotBits") == comm.SLOT_BITS.value  # a count word's slots
+    assert int(re.search(r"constexpr int64_t kCallDiffers = (\d+);", common).group(1)) == \
+        comm.CALL_DIFFERS.value
     assert 2 ** (constexpr("kFailShift") - constexpr("kTicketShift")) - 1 == \
         csrc_kernels.MAX_GRID
     assert int(re.search(r"constexpr int kMaxTopk = (\d+);",
@@ -449,7 +453,7 @@ def test_launcher_passes_what_the_buffer_would_pass():
         offsets={n: offs(f"ll_dispatch_{n}") for n in ("rows", "meta", "signals")}, rank=1,
         num_local_experts=2, num_experts=E, max_tokens=T, slot_bytes=lay.ll_slot_bytes,
         fp8=True, ue8m0=True, acks=acks(DISPATCH), outbox_offset=12345, error=error,
-        block_t=64, block_h=256)
+        block_t=64, block_h=256, descriptor=0b101)
     name, grid, block, shared, a = _decode(fake.calls[-1])
     assert (name, grid, block, shared) == ("ll_dispatch_send", 1, 256, 4 * E)
     assert (a["T"], a["H"], a["K"], a["R"], a["L"], a["E"], a["me"], a["TMAX"]) == \
@@ -458,7 +462,7 @@ def test_launcher_passes_what_the_buffer_would_pass():
     assert (a["acks_off"], a["acks_parity_stride"]) == acks(DISPATCH)
     assert a["outbox_off"] == 12345 and a["fp8"] == 1 and a["ue8m0"] == 1
     assert a["x_dtype"] == 0 and a["timeout_ns"] == 500_000_000
-    assert a["err"] == error.data_ptr() and a["pes"] == 0
+    assert a["err"] == error.data_ptr() and a["pes"] == 0 and a["descriptor"] == 0b101
     assert a["peer_ptrs"] == buf.heap.peer_ptrs.data_ptr()
 
     L, rows = 2, R * T
@@ -472,9 +476,10 @@ def test_launcher_passes_what_the_buffer_would_pass():
         lay.view(buf.heap, "ll_dispatch_rows"), lay.view(buf.heap, "ll_dispatch_meta"),
         lay.view(buf.heap, "ll_dispatch_signals"), buf.heap.peer_ptrs, buf._ll_state, out,
         scales, count, src_info, src_k, layout, stats, acks=acks(DISPATCH), rank=1,
-        scale_strides=(rows, 1, 1), ue8m0=True)
+        scale_strides=(rows, 1, 1), ue8m0=True, input_error=buf.errors.input_part)
     name, grid, _, shared, a = _decode(fake.calls[-1])
     assert (name, grid, shared) == ("ll_dispatch_recv", 2 * R, 4 * R)
+    assert a["input_err"] == buf.errors.input_part.data_ptr() == buf.errors.address + 32
     assert a["slot_bytes"] == lay.ll_slot_bytes and a["row_bytes"] == H and a["fp8"] == 1
     assert (a["scale_expert_stride"], a["scale_row_stride"], a["scale_group_stride"]) == \
         (rows, 1, 1)

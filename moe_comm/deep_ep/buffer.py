@@ -519,17 +519,22 @@ class Buffer:
         if dispatch_wait_recv_cost_stats is not None:
             raise _unsupported("dispatch_wait_recv_cost_stats (GPU cycles per source) is not "
                                "recorded; on CPU ranks recv.source_wait_s has the seconds")
-        if use_ue8m0 and not round_scale:
-            raise ValueError("use_ue8m0 needs round_scale=True (as in DeepEP)")
         if round_scale and not use_ue8m0:
             raise _unsupported("round_scale without use_ue8m0 (power-of-two scales kept as "
                                "float32) is not supported")
-        checks.float_rows(checks.rows(x), _DTYPES)
-        topk_idx = checks.topk_idx(topk_idx)
-        checks.tokens_match(x, topk_idx)
-        checks.num_experts(num_experts, self.group_size)
-        buf = self._low_latency_buffer(num_max_dispatch_tokens_per_rank, x.shape[1],
-                                       num_experts, x.dtype, x.device)
+        try:
+            if use_ue8m0 and not round_scale:
+                raise ValueError("use_ue8m0 needs round_scale=True (as in DeepEP)")
+            checks.float_rows(checks.rows(x), _DTYPES)
+            topk_idx = checks.topk_idx(topk_idx)
+            checks.tokens_match(x, topk_idx)
+            checks.num_experts(num_experts, self.group_size)
+            buf = self._low_latency_buffer(num_max_dispatch_tokens_per_rank, x.shape[1],
+                                           num_experts, x.dtype, x.device)
+        except (TypeError, ValueError) as error:
+            if self._low_latency is not None:  # the peers go on into the call: take part
+                self._low_latency._refuse_low_latency_dispatch(error)
+            raise
         recv, hook = buf.low_latency_dispatch(
             x, topk_idx, fp8=use_fp8, ue8m0=use_ue8m0, col_major_scales=use_fp8,
             cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,

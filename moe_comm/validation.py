@@ -1,8 +1,10 @@
 """Input checks run on the host before any kernel launch; each error says how to fix the call.
 
-A failed check raises ``TypeError`` or ``ValueError`` and leaves the Buffer untouched (no epoch
-advanced, nothing sent), so the caller may fix the input and call again. Peers that did make the
-call time out naming this rank, as with any missing call.
+A failed check raises ``TypeError`` or ``ValueError`` before any kernel reads the input, so the
+caller may fix it and call again. In a dispatch on several ranks the Buffer first takes part in
+the call with no rows and a refusal (``moe_comm.call_descriptor``): its peers raise
+``PeerInputError`` naming this rank within the call. Peers of a combine that fails here wait
+for it and time out naming this rank, as with any missing call.
 
 The checks read no tensor data (types, shapes, devices, sizes): nothing here synchronises with a
 GPU. The values of ``topk_idx`` (ids in range, no expert twice in a row) are checked by the

@@ -36,6 +36,7 @@ def mismatches(rank: int, x, idx, w, big: int):
         ("expert_alignment 0", dict(expert_alignment=0 if odd else 1)),
         # options that must agree
         ("fp8 on rank 0 only", dict(fp8=not odd)),
+        ("fp8 on rank 0 only, no host read", dict(fp8=not odd, max_recv_rows=64)),
         ("mxfp8 against fp8", dict(dispatch_dtype="mxfp8") if odd else dict(fp8=True)),
         ("weights on rank 0 only", dict(w=None if odd else w)),
         ("top-k differs", dict(idx=torch.cat([idx, torch.full_like(idx[:, :1], -1)], 1)

@@ -29,6 +29,9 @@ REFUSED = {"x int32": ("TypeError", "x must be torch.bfloat16", "its x was bad")
 # what the message of each disagreement names, as an even rank sees rank 1 and an odd one rank 0
 DIFFERS = {"fp8 on rank 0 only": ("it sent rows in the Buffer's dtype, this rank FP8 rows",
                                   "it sent FP8 rows with float32 scales, this rank rows in"),
+           "fp8 on rank 0 only, no host read": (
+               "it sent rows in the Buffer's dtype, this rank FP8 rows",
+               "it sent FP8 rows with float32 scales, this rank rows in"),
            "mxfp8 against fp8": ("it sent MXFP8 rows, this rank FP8 rows",
                                  "it sent FP8 rows with float32 scales, this rank MXFP8 rows"),
            "weights on rank 0 only": ("its topk_weights None, this rank's given",

@@ -88,21 +88,27 @@ __device__ __forceinline__ void publish_word(const Peers& peers, int d, int64_t 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Bounded waits. On timeout the first waiter to give up writes (1, peer, expected, observed) into
-// the int64[4] record `err` (device memory or host-mapped pinned memory; word 0 reads -1 while the
-// record is being written) and the kernel stops doing work instead of hanging.
-inline __device__ __noinline__ void record_timeout(int64_t* err, int peer, int64_t expected,
-                                            int64_t observed) {
-  if (err == nullptr) return;
-  auto* claim = reinterpret_cast<unsigned long long*>(err);
-  if (atomicCAS(claim, 0ull, ~0ull) != 0ull) return;  // an earlier timeout is already recorded
-  volatile int64_t* record = err;
-  record[1] = peer;
-  record[2] = expected;
-  record[3] = observed;
+// A part of the error record: int64[4] (device memory or host-mapped pinned memory) that the first
+// writer claims (word 0 reads -1 while it is being written), fills with (a, b, c), then flags 1.
+inline __device__ __noinline__ void record_once(int64_t* part, int64_t a, int64_t b,
+                                                int64_t c) {
+  if (part == nullptr) return;
+  auto* claim = reinterpret_cast<unsigned long long*>(part);
+  if (atomicCAS(claim, 0ull, ~0ull) != 0ull) return;  // an earlier error is already recorded
+  volatile int64_t* record = part;
+  record[1] = a;
+  record[2] = b;
+  record[3] = c;
   __threadfence_system();
   record[0] = 1;
   __threadfence_system();
+}
+
+// Bounded waits. On timeout the first waiter to give up writes (1, peer, expected, observed) into
+// the record `err` and the kernel stops doing work instead of hanging.
+inline __device__ void record_timeout(int64_t* err, int peer, int64_t expected,
+                                      int64_t observed) {
+  record_once(err, peer, expected, observed);
 }
 
 // A dispatch's count word: pairs in the low kSlotBits bits, the call descriptor above them
@@ -112,19 +118,9 @@ inline __device__ __noinline__ void record_timeout(int64_t* err, int peer, int64
 constexpr int kSlotBits = 18;
 constexpr int64_t kSlotMask = (1ll << kSlotBits) - 1;
 constexpr int64_t kCallDiffers = 4;
-inline __device__ __noinline__ void record_call_differs(int64_t* part, int source,
-                                                        int64_t theirs, int64_t mine,
-                                                        int64_t epoch) {
-  if (part == nullptr) return;
-  auto* claim = reinterpret_cast<unsigned long long*>(part);
-  if (atomicCAS(claim, 0ull, ~0ull) != 0ull) return;  // an earlier input error is recorded
-  volatile int64_t* record = part;
-  record[1] = kCallDiffers;
-  record[2] = source;
-  record[3] = theirs | (mine << 16) | (epoch << 32);
-  __threadfence_system();
-  record[0] = 1;
-  __threadfence_system();
+inline __device__ void record_call_differs(int64_t* part, int source, int64_t theirs,
+                                           int64_t mine, int64_t epoch) {
+  record_once(part, kCallDiffers, source, theirs | (mine << 16) | (epoch << 32));
 }
 
 // Spins until `(word >> shift) >= expected` (acquire); false after `timeout_ns`.

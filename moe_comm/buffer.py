@@ -25,7 +25,7 @@ import torch.distributed as dist
 import triton
 
 from . import _registry, env
-from .call_descriptor import MAX_TOPK, PeerInputError, refusal
+from .call_descriptor import MAX_TOPK, PeerInputError, refusal, refusal_inputs
 from .error_record import ErrorRecord
 from .fault import FaultTolerance, RankExcludedError, renormalized
 from .kernels import emulated_puts
@@ -673,13 +673,11 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
 
             self.dispatch(x[:0], topk_idx[:0])   # no rows, the counts say 'refused'
         """
-        alone = self.world_size == 1 or self.backend == "loopback"  # (virtual ranks: their
-        if alone or torch.compiler.is_compiling():  # calls run in lockstep, not from here)
+        empty = refusal_inputs(self)
+        if empty is None:
             return
-        x = torch.empty((0, self.hidden), dtype=self.dtype, device=self.device)
-        topk_idx = torch.empty((0, 1), dtype=torch.int64, device=self.device)
         with torch.no_grad():
-            self.dispatch_recv(self.dispatch_send(x, topk_idx, None, refusal=refusal(error)), 1)
+            self.dispatch_recv(self.dispatch_send(*empty, None, refusal=refusal(error)), 1)
         try:  # this rank's own record of the call (every peer differs from a refusal)
             self._raise_input_errors("dispatch")
         except PeerInputError:

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 FORMAT_MASK, WEIGHTS_BIT, TOPK_SHIFT, TOPK_BITS, REFUSED_BIT = 7, 3, 4, 7, 11
 MAX_TOPK = (1 << TOPK_BITS) - 1
 # the argument a refusal names, by the first word of the refusing rank's error message
@@ -60,16 +62,26 @@ class PeerInputError(ValueError):
 def dispatch_descriptor(fp8: int, ue8m0: int, has_weights: bool, topk: int) -> int:
     """The descriptor of a dispatch: ``fp8`` (0: rows as they are, else FP8 or finer, as
     ``normal_mode.PendingSend``) with scale code ``ue8m0``, weights given, top-k."""
-    fmt = 1 + ue8m0 if fp8 else 0
-    return fmt | int(has_weights) << WEIGHTS_BIT | min(topk, MAX_TOPK) << TOPK_SHIFT
+    return (low_latency_descriptor(fp8, ue8m0) | int(has_weights) << WEIGHTS_BIT
+            | min(topk, MAX_TOPK) << TOPK_SHIFT)
 
 
 @functools.cache
 def low_latency_descriptor(fp8: int, ue8m0: int) -> int:
     """The descriptor of a low-latency dispatch: the rows' format alone (the receive takes no
     weights, and each pair's meta word carries its own choice), published above each expert's
-    count in the signal word (``kernels.low_latency``)."""
+    count in the signal word (``kernels.low_latency``); a normal dispatch's low bits."""
     return 1 + ue8m0 if fp8 else 0
+
+
+def refusal_inputs(buf):
+    """``(x [0, H], topk_idx [0, 1])`` of ``buf``'s dtype and device, for a refused call that
+    takes part with no rows; None where no peer waits for this rank's call from here (one
+    rank; virtual ranks, whose calls run in lockstep; a ``torch.compile`` trace)."""
+    if buf.world_size == 1 or buf.backend == "loopback" or torch.compiler.is_compiling():
+        return None
+    return (torch.empty((0, buf.hidden), dtype=buf.dtype, device=buf.device),
+            torch.empty((0, 1), dtype=torch.int64, device=buf.device))
 
 
 def refusal(error: BaseException) -> int:

@@ -31,7 +31,12 @@ import torch
 
 from . import env
 from ._guard import poisons_buffer_on_error
-from .call_descriptor import PeerInputError, low_latency_descriptor, refusal
+from .call_descriptor import (
+    PeerInputError,
+    low_latency_descriptor,
+    refusal,
+    refusal_inputs,
+)
 from .fault import renormalized
 from .kernels.comm import wait_for_epochs
 from .kernels.layout import checked_topk_idx
@@ -365,12 +370,10 @@ class LowLatencyMode:
 
             self.low_latency_dispatch(x[:0], topk_idx[:0])   # the signals say 'refused'
         """
-        alone = self.world_size == 1 or self.backend == "loopback"  # (virtual ranks: their
-        if alone or torch.compiler.is_compiling():  # calls run in lockstep, not from here)
+        empty = refusal_inputs(self)
+        if empty is None:
             return
-        x = torch.empty((0, self.hidden), dtype=self.dtype, device=self.device)
-        topk_idx = torch.empty((0, 1), dtype=torch.int64, device=self.device)
-        _, hook = self._ll_dispatch_send(x, topk_idx, False, 0, False, None, refusal=refusal(error))
+        _, hook = self._ll_dispatch_send(*empty, False, 0, False, None, refusal=refusal(error))
         try:  # this rank's own record of the call (every peer differs from a refusal)
             hook()
         except PeerInputError:

@@ -10,6 +10,7 @@ import torch
 
 import moe_comm
 from cases import Case, make_inputs
+from ll_jobs import check_recv
 from moe_comm import reference
 
 CASE = Case(2, 8, 128, 2, (5, 3), seed=83)  # H = 128: the FP8 formats apply
@@ -21,23 +22,38 @@ def _inputs(world_size: int):
     return (case, *make_inputs(case))
 
 
-def mismatches(rank: int, x, idx, w, big: int):
-    """``(what, the call's arguments on this rank)``: the odd ranks differ from the even."""
+def _timed(call, *args, **kwargs) -> tuple[str, str, float]:
+    """``(error type or "returned", message, seconds)`` of ``call(*args, **kwargs)``."""
+    start = time.monotonic()
+    try:
+        call(*args, **kwargs)
+        return "returned", "", time.monotonic() - start
+    except Exception as exc:  # noqa: BLE001 - reported, the test judges it
+        return type(exc).__name__, str(exc), time.monotonic() - start
+
+
+def _both_modes(odd: bool, x, idx, big: int) -> list:
+    """The rows of both modes' tables: three bad inputs and two formats that differ."""
     H, K = x.shape[1], idx.shape[1]
-    odd = rank % 2 == 1
     return [
-        # refusals: a bad input on the odd ranks only
         ("x int32", dict(x=x.int() if odd else x)),
         ("more tokens than the maximum",
          dict(x=torch.zeros(big, H, dtype=x.dtype), idx=torch.full((big, K), -1))
          if odd else {}),
         ("x other hidden", dict(x=x[:, :64] if odd else x)),
+        ("fp8 on rank 0 only", dict(fp8=not odd)),
+        ("mxfp8 against fp8", dict(dispatch_dtype="mxfp8") if odd else dict(fp8=True)),
+    ]
+
+
+def mismatches(rank: int, x, idx, w, big: int):
+    """``(what, the call's arguments on this rank)``: the odd ranks differ from the even (a bad
+    input there, refused; or options that must agree)."""
+    odd = rank % 2 == 1
+    return _both_modes(odd, x, idx, big) + [
         ("topk_idx fewer rows", dict(idx=idx[:1] if odd else idx)),
         ("expert_alignment 0", dict(expert_alignment=0 if odd else 1)),
-        # options that must agree
-        ("fp8 on rank 0 only", dict(fp8=not odd)),
         ("fp8 on rank 0 only, no host read", dict(fp8=not odd, max_recv_rows=64)),
-        ("mxfp8 against fp8", dict(dispatch_dtype="mxfp8") if odd else dict(fp8=True)),
         ("weights on rank 0 only", dict(w=None if odd else w)),
         ("top-k differs", dict(idx=torch.cat([idx, torch.full_like(idx[:, :1], -1)], 1)
                                if odd else idx,
@@ -72,13 +88,8 @@ def disagreeing_calls(rank: int, world_size: int, ring_slots: int | None = None,
         buf.dispatch(x, idx, w)  # compiled and warm
         for what, args in mismatches(rank, x, idx, w, buf.max_tokens_per_rank + 1):
             kwargs = {k: v for k, v in args.items() if k not in ("x", "idx", "w")}
-            start = time.monotonic()
-            try:
-                buf.dispatch(args.get("x", x), args.get("idx", idx), args.get("w", w),
-                             **kwargs)
-                found[what] = ("returned", "", time.monotonic() - start)
-            except Exception as exc:  # noqa: BLE001 - reported, the test judges it
-                found[what] = (type(exc).__name__, str(exc), time.monotonic() - start)
+            found[what] = _timed(buf.dispatch, args.get("x", x), args.get("idx", idx),
+                                 args.get("w", w), **kwargs)
         got = buf.dispatch(x, idx, w)
         want = reference.dispatch_all(xs, idxs, ws, num_experts=case.num_experts)
         out = buf.combine(got.x, got.handle, got.weights)
@@ -114,12 +125,7 @@ def facade_refusals(rank: int, world_size: int) -> dict:
         for what, args in (("x int32", (x.int(), idx, w)),
                            ("x 1-d", (x[0], idx, w)),
                            ("topk_idx fewer rows", (x, idx[:1], w[:1]))):
-            start = time.monotonic()
-            try:
-                dispatch(*(args if odd else (x, idx, w)))
-                found[what] = ("returned", "", time.monotonic() - start)
-            except Exception as exc:  # noqa: BLE001 - reported, the test judges it
-                found[what] = (type(exc).__name__, str(exc), time.monotonic() - start)
+            found[what] = _timed(dispatch, *(args if odd else (x, idx, w)))
         found["after"] = torch.equal(dispatch(x, idx, w)[0], first)
     finally:
         buf.destroy()
@@ -130,12 +136,8 @@ def facade_refusals(rank: int, world_size: int) -> dict:
         first = ll.low_latency_dispatch(x, idx, T, E, use_fp8=False)[1]
         for what, args in (("low-latency x int32", (x.int(), idx)),
                            ("low-latency topk_idx fewer rows", (x, idx[:1]))):
-            start = time.monotonic()
-            try:
-                ll.low_latency_dispatch(*(args if odd else (x, idx)), T, E, use_fp8=False)
-                found[what] = ("returned", "", time.monotonic() - start)
-            except Exception as exc:  # noqa: BLE001 - reported, the test judges it
-                found[what] = (type(exc).__name__, str(exc), time.monotonic() - start)
+            found[what] = _timed(ll.low_latency_dispatch, *(args if odd else (x, idx)), T, E,
+                                 use_fp8=False)
         found["low-latency after"] = torch.equal(
             ll.low_latency_dispatch(x, idx, T, E, use_fp8=False)[1], first)
     finally:
@@ -145,20 +147,19 @@ def facade_refusals(rank: int, world_size: int) -> dict:
 
 def low_latency_mismatches(rank: int, x, idx, big: int):
     """``(what, arguments of this rank's low-latency dispatch)``: the odd ranks differ."""
-    H, K = x.shape[1], idx.shape[1]
     odd = rank % 2 == 1
-    return [
-        ("x int32", dict(x=x.int() if odd else x)),
-        ("more tokens than the maximum",
-         dict(x=torch.zeros(big, H, dtype=x.dtype), idx=torch.full((big, K), -1))
-         if odd else {}),
-        ("x other hidden", dict(x=x[:, :64] if odd else x)),
+    return _both_modes(odd, x, idx, big) + [
         ("stats shape", dict(cumulative_local_expert_recv_stats=torch.zeros(99, dtype=torch.int32))
          if odd else {}),
-        ("fp8 on rank 0 only", dict(fp8=not odd)),
-        ("mxfp8 against fp8", dict(dispatch_dtype="mxfp8") if odd else dict(fp8=True)),
         ("fp8 on rank 0 only, hooks", dict(fp8=not odd, return_hook=True)),
     ]
+
+
+def _low_latency_round(buf, x, idx, **kwargs) -> None:
+    """A low-latency dispatch, its hook called where it returned one."""
+    _, hook = buf.low_latency_dispatch(x, idx, **kwargs)
+    if hook is not None:
+        hook()
 
 
 def low_latency_disagreements(rank: int, world_size: int, **buffer_kwargs) -> dict:
@@ -177,18 +178,9 @@ def low_latency_disagreements(rank: int, world_size: int, **buffer_kwargs) -> di
         buf.low_latency_dispatch(x, idx)  # warm
         for what, args in low_latency_mismatches(rank, x, idx, buf.max_tokens_per_rank + 1):
             kwargs = {k: v for k, v in args.items() if k not in ("x", "idx")}
-            start = time.monotonic()
-            try:
-                _, hook = buf.low_latency_dispatch(args.get("x", x), args.get("idx", idx),
-                                                   **kwargs)
-                if hook is not None:
-                    hook()
-                found[what] = ("returned", "", time.monotonic() - start)
-            except Exception as exc:  # noqa: BLE001 - reported, the test judges it
-                found[what] = (type(exc).__name__, str(exc), time.monotonic() - start)
+            found[what] = _timed(_low_latency_round, buf, args.get("x", x),
+                                 args.get("idx", idx), **kwargs)
         recv, _ = buf.low_latency_dispatch(x, idx)
-        want = reference.low_latency_dispatch_all(xs, idxs, num_experts=case.num_experts,
-                                                  max_tokens=case.max_tokens)[rank]
-        found["after"] = torch.equal(recv.count, want.count) and all(
-            torch.equal(recv.x[e, :n], want.x[e, :n]) for e, n in enumerate(want.count.tolist()))
+        check_recv(rank, case, "after", recv, xs, idxs, False)  # (raises where it differs)
+        found["after"] = True
     return found

@@ -118,6 +118,7 @@ inline __device__ void record_timeout(int64_t* err, int peer, int64_t expected,
 constexpr int kSlotBits = 18;
 constexpr int64_t kSlotMask = (1ll << kSlotBits) - 1;
 constexpr int64_t kCallDiffers = 4;
+constexpr int kRefusedBit = 11;  // of a descriptor: the call was refused (it sends no rows)
 inline __device__ void record_call_differs(int64_t* part, int source, int64_t theirs,
                                            int64_t mine, int64_t epoch) {
   record_once(part, kCallDiffers, source, theirs | (mine << 16) | (epoch << 32));

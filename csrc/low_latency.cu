@@ -7,7 +7,8 @@
 //                                          [2] combine sent, [3] combine received; [4..7] tickets;
 //                                          [8] the Triton waits' timed-out flag (not used here)
 //   ll_dispatch_signals [P, L, R] int64    [p, e, s] = epoch << 32 | pairs source s put for e
-//   ll_combine_signals  [P, R] int64       [p, s] = epoch of expert rank s's puts
+//   ll_combine_signals  [P, R] int64       [p, s] = epoch << 32 | descriptor << kSlotBits of
+//                                          expert rank s's puts
 //   ll_acks             [2, P, R] int64    on a sender: [c, p, d] = latest epoch of parity p that
 //                                          rank d consumed (c: 0 dispatch, 1 combine)
 //   ll_dispatch_meta    [P, L, R, T] int32 per slot: source token * 32 + top-k choice
@@ -370,7 +371,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(
 
 // =============================================================================================
 // Combine send: each received row goes back to its home rank's slot [token, choice]; the last
-// block publishes the epoch to every rank. Bytes: rows * H * b + 8 per rank.
+// block publishes epoch << 32 | descriptor << kSlotBits to every rank (a refused call sends no
+// rows). Bytes: rows * H * b + 8 per rank.
 extern "C" __global__ void __launch_bounds__(kThreads, 2) ll_combine_send(
     const char* y,                // [L, R * TMAX, H] expert outputs, rows as the dispatch output
     const int32_t* layout,        // [L, R, 2] int32: (first row, rows) per source block
@@ -385,10 +387,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) ll_combine_send(
     int64_t acks_off, int64_t acks_parity_stride,        // ll_acks[COMBINE]
     int64_t outbox_off,                                  // ll_combine_outbox [L, R * TMAX, H]
     int32_t H, int32_t R, int32_t L, int32_t me, int32_t TMAX, int32_t KMAX,
-    int64_t row_bytes, int64_t timeout_ns, int64_t* err) {
+    int64_t row_bytes,
+    int32_t descriptor,           // the call's (moe_comm.call_descriptor), above the epoch's
+    int64_t timeout_ns, int64_t* err) {
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const Peers peers{peer_ptrs, pes, me};
   char* const local = peers.local();
+  const bool refused = (descriptor >> kRefusedBit) & 1;  // a refused call sends no rows
   const int64_t epoch = state[2] + 1;
   const int64_t parity = epoch & 1;
   const bool any_remote = block_any_remote(peer_ptrs, R);
@@ -399,7 +404,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) ll_combine_send(
   for (int item = blockIdx.x; ok && item < L * R; item += gridDim.x) {
     const int e = item / R, s = item % R;
     const int first = layout[(e * R + s) * 2];
-    const int n = layout[(e * R + s) * 2 + 1];
+    const int n = refused ? 0 : layout[(e * R + s) * 2 + 1];
     char* const direct = peers.direct(s);
     if (threadIdx.x == 0) (s != me ? to_peers : to_self) += n * row_bytes;
     for (int j = warp; j < n; j += kWarps) {
@@ -430,7 +435,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) ll_combine_send(
       __syncthreads();
     }
     for (int d = threadIdx.x; d < R; d += blockDim.x) {
-      if ((peers.direct(d) == nullptr) == (pass == 1)) publish_word(peers, d, word, epoch);
+      if ((peers.direct(d) == nullptr) == (pass == 1)) {
+        publish_word(peers, d, word,
+                     (epoch << 32) | (static_cast<int64_t>(descriptor) << kSlotBits));
+      }
     }
   }
   if (threadIdx.x == 0) {
@@ -551,13 +559,25 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_recv(
     int64_t* state,               // [8] int64 local ll_state
     int64_t acks_off, int64_t acks_parity_stride,  // ll_acks[COMBINE] (on the expert ranks)
     int32_t T, int32_t H, int32_t K, int32_t R, int32_t me, int32_t TMAX, int32_t KMAX,
-    int32_t dtype, int64_t timeout_ns, int64_t* err) {
+    int32_t dtype, int64_t timeout_ns, int64_t* err,
+    int64_t* input_err) {         // [4] the input part of the error record, or null
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const Peers peers{peer_ptrs, pes, me};
   const int64_t epoch = state[3] + 1;
   const int64_t parity = epoch & 1;
-  const bool ok = block_wait_all(reinterpret_cast<const char*>(signals + parity * R), 8, R, 0,
+  const bool ok = block_wait_all(reinterpret_cast<const char*>(signals + parity * R), 8, R, 32,
                                  epoch, timeout_ns, err);
+  if (ok && blockIdx.x == 0 && threadIdx.x == 0) {  // an expert rank with another descriptor
+    const int64_t* words = signals + parity * R;
+    const int64_t mine = (load_acquire(words + me) & 0xFFFFFFFFll) >> kSlotBits;
+    for (int i = 0; i < R; ++i) {
+      const int64_t theirs = (load_acquire(words + i) & 0xFFFFFFFFll) >> kSlotBits;
+      if (theirs != mine) {
+        record_call_differs(input_err, i, theirs, mine, epoch);
+        break;
+      }
+    }
+  }
   // 16-byte vectors of channels where H and the addresses allow, else one channel per lane
   const int b = dtype_bytes(dtype);
   const bool wide = (static_cast<int64_t>(H) * b) % 16 == 0 &&

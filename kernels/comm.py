@@ -69,6 +69,7 @@ CALL_DIFFERS = tl.constexpr(4)  # a source's call descriptor is not this rank's 
 # word travels wherever the counts go (peer stores, the proxy's outboxes, NVSHMEM puts).
 SLOT_BITS = tl.constexpr(18)
 SLOT_MASK = tl.constexpr((1 << 18) - 1)
+REFUSED_BIT = tl.constexpr(11)  # of a descriptor: the call was refused (it sends no rows)
 _INTERPRETER_SPIN_S = 1e-4
 # polls of a spin between two reads of the clock (the interpreter's clock read is what yields
 # the CPU to the ranks it waits for: there every poll reads it)

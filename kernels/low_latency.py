@@ -32,8 +32,9 @@ whole rows, loads them before it stores any, and waits once.
   (sources in rank order, tokens in order) with where each row came from, and the last
   program acknowledges the parity to every source.
 * ``ll_combine_send_kernel`` (grid ``L * R``, the same blocks): each received row goes back to
-  its home rank's slot ``[token, choice]``; the last program publishes the epoch to every
-  rank.
+  its home rank's slot ``[token, choice]``; the last program publishes ``epoch << 32 |
+  descriptor << SLOT_BITS`` (the call's format, or a refusal and no rows:
+  ``moe_comm.call_descriptor``) to every rank.
 * ``ll_combine_recv_kernel`` (grid ``cdiv(T_max, BLOCK_T) x cdiv(H, BLOCK_H)``: token tiles
   by channel tiles, a group of 128 channels for FP8 slots): every choice's slot of the tile
   is loaded at once, then ``out[t] = sum_k w[t, k] * slot[t, k]`` in fp32 (choice order, each
@@ -60,6 +61,7 @@ import triton.language as tl
 from .bound import BoundLaunches, call_bound, launch, specs
 from .comm import (
     CPU_RANKS,
+    REFUSED_BIT,
     SLOT_BITS,
     Flavour,
     acquire_word,
@@ -524,7 +526,7 @@ def ll_dispatch_recv_kernel(
         tl.store(state + 1 + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
 
 
-@triton.jit(do_not_specialize=_GPU_PER_RANK + ["y_box_off"])
+@triton.jit(do_not_specialize=_GPU_PER_RANK + ["y_box_off", "descriptor"])
 def ll_combine_send_kernel(
     y,  # [L, R * TMAX, H] expert outputs, rows as in the dispatch's output
     layout,  # [L, R, 2] int32: (first row, rows) of each source's block
@@ -542,6 +544,7 @@ def ll_combine_send_kernel(
     mask_off: tl.int64,  # the mask words (FT)
     local_base: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
     H: tl.int32, R: tl.int32, L: tl.int32, me: tl.int32, TMAX: tl.int32, KMAX: tl.int32,
+    descriptor: tl.int32,  # the call's (moe_comm.call_descriptor), published above the epoch's
     TRANSPORT: tl.constexpr, DEVICE_WAIT: tl.constexpr,
     FT: tl.constexpr,  # fault tolerance: no row goes to an excluded home rank
     ZERO_COPY: tl.constexpr,  # y lies in symmetric memory already: put from there, no copy
@@ -562,6 +565,8 @@ def ll_combine_send_kernel(
     first = tl.sum(tl.where(tl.arange(0, 2) == 0, first_n, 0), axis=0)
     n = tl.sum(tl.where(tl.arange(0, 2) == 1, first_n, 0), axis=0)
     if _excluded(s, True, mask_off, local_base, FT):
+        n = 0
+    if (descriptor >> REFUSED_BIT) & 1:  # a refused call sends no rows
         n = 0
     epoch = tl.load(state + 2) + 1
     parity = epoch % 2
@@ -639,12 +644,13 @@ def ll_combine_send_kernel(
     tl.atomic_add(stats + 3 + tl.arange(0, 1), to_self, sem="relaxed")
     if draw_last_of(state + 6, tl.num_programs(0)):  # every row is out: tell every rank
         if not timed_out(errors, NUM_THREADS):
-            publish_to_all(peer_ptrs, signals_off + parity * signals_parity_stride, me, epoch, R,
+            word = (epoch << 32) | (descriptor.to(tl.int64) << SLOT_BITS)
+            publish_to_all(peer_ptrs, signals_off + parity * signals_parity_stride, me, word, R,
                            local_base, BLOCK_R, TRANSPORT)
             if TRANSPORT == 2:  # after this rank's row transfers to each (fenced)
                 if one_thread():
                     post_signal_to_remote(peer_ptrs, signals_off + parity
-                                          * signals_parity_stride, me, epoch, R, ring_addr,
+                                          * signals_parity_stride, me, word, R, ring_addr,
                                           RING_SLOTS, errors, timeout_ns)
             signal_bytes = 8 + tl.zeros([1], tl.int64)
             tl.atomic_add(stats + 2 + tl.arange(0, 1), (R - 1) * signal_bytes, sem="relaxed")
@@ -693,15 +699,22 @@ def ll_combine_recv_kernel(
     errors = errors_addr.to(tl.pointer_type(tl.int64))
     ok = True
     if DEVICE_WAIT:  # every expert rank has put its rows
-        ok = _wait_parity(signals, R, parity, 1, epoch, 0, R, errors_addr, timeout_ns, state,
+        ok = _wait_parity(signals, R, parity, 1, epoch, 32, R, errors_addr, timeout_ns, state,
                           peer_ptrs, mask_off, local_base, me, BLOCK_R, NUM_THREADS, TRANSPORT,
                           FT)
     if ok:  # after a failed wait nothing is read and nothing acknowledged
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):  # gate: cold
+            # an expert rank with another call descriptor (one that arrived) is recorded
+            sources = tl.arange(0, BLOCK_R)
+            words = tl.load(signals + parity * R + sources, mask=sources < R, other=0)
+            check_descriptors(words & 0xFFFFFFFF, (sources < R) & ((words >> 32) >= epoch),
+                              sources, me, epoch, errors_addr)
         ids = check_ids(raw, E, BLOCK_K)[0]
         valid = tm[:, None] & (ids >= 0)
         if FT:  # a choice counts only if its expert rank's rows of this call arrived
             d = tl.where(valid, ids // (E // R), 0)
-            valid = valid & (tl.load(signals + parity * R + d, mask=valid, other=0) >= epoch)
+            valid = valid & ((tl.load(signals + parity * R + d, mask=valid, other=0) >> 32)
+                             >= epoch)
         h0 = tl.program_id(1) * BLOCK_H
         h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
         acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
@@ -835,18 +848,20 @@ def ll_dispatch_recv(staging, meta, signals, peer_ptrs, state, out, out_scales, 
 def ll_combine_send(y, layout, src_info, src_k, peer_ptrs, state, stats, *, offsets: dict,
                     rank: int, max_tokens: int, max_topk: int, flavour: Flavour = CPU_RANKS,
                     y_box_offset: int | None = None, fp8: bool = False,
-                    num_sms: int | None = None, bound: BoundLaunches | None = None) -> bool:
+                    num_sms: int | None = None, bound: BoundLaunches | None = None,
+                    descriptor: int = 0) -> bool:
     """Launches one send program per (expert, source) block, ``L * R`` (``num_sms`` is the
     normal mode's budget, not this mode's); ``offsets``: rows / signals / acks / outbox ->
     (offset, parity stride). ``y_box_offset``: where ``y`` lies in this rank's segment when it
     is symmetric memory already (the NVSHMEM puts read it there: no copy; not with ``fp8``,
     whose rows are quantized into the outbox). ``bound``: the owner's bound launches (the
-    dispatch's handle and ``y`` vary)."""
+    dispatch's handle and ``y`` vary). ``descriptor``: the call's, published above the epoch
+    (``signal = epoch << 32 | descriptor << SLOT_BITS``); a refusal sends no rows."""
     zero_copy = y_box_offset is not None and not fp8
     values = (y, layout, src_info, src_k, y_box_offset if zero_copy else 0)
     key = ("ll_combine_send", y.shape, specs(values[:4]),
            values[4], id(peer_ptrs), id(state), id(stats), id(offsets), rank, max_tokens,
-           max_topk, fp8, num_sms, id(flavour))
+           max_topk, fp8, num_sms, id(flavour), descriptor)
     if call_bound(bound, key, values):
         return True
     L, _, H = y.shape
@@ -856,7 +871,7 @@ def ll_combine_send(y, layout, src_info, src_k, peer_ptrs, state, stats, *, offs
     args = (*values[:4], peer_ptrs, state, stats, *offsets["rows"],
             *offsets["signals"], *offsets["acks"], *offsets.get("outbox", (0, 0)),
             values[4], flavour.ring_addr, flavour.ring_slots,
-            flavour.mask_off, *flavour.args(), H, R, L, rank, max_tokens, max_topk)
+            flavour.mask_off, *flavour.args(), H, R, L, rank, max_tokens, max_topk, descriptor)
     kwargs = dict(
         TRANSPORT=flavour.transport, DEVICE_WAIT=flavour.device_wait, FT=flavour.fault_tolerant,
         ZERO_COPY=zero_copy, FP8=fp8,

@@ -32,6 +32,11 @@ A low-latency dispatch does the same with the signal word of each (expert, sourc
 32 | descriptor << SLOT_BITS | pairs``, the descriptor its format or a refusal
 (:func:`low_latency_descriptor`); every receive program of an expert's first source block
 compares them (the Triton and the csrc/ receive alike), and the hook raises.
+
+A low-latency combine sends its descriptor (:func:`combine_descriptor`: bit 12 set, bit 0 the
+rows' format: the Buffer's dtype or FP8 per 128 channels; or a refusal with bit 12 set) in the
+word each expert rank publishes to every home rank, ``epoch << 32 | descriptor << SLOT_BITS``;
+one receive program compares them and the hook raises. The normal combine sends none yet.
 """
 from __future__ import annotations
 
@@ -39,12 +44,16 @@ import functools
 
 import torch
 
-FORMAT_MASK, WEIGHTS_BIT, TOPK_SHIFT, TOPK_BITS, REFUSED_BIT = 7, 3, 4, 7, 11
+from .kernels import comm
+
+FORMAT_MASK, WEIGHTS_BIT, TOPK_SHIFT, TOPK_BITS, COMBINE_BIT = 7, 3, 4, 7, 12
+REFUSED_BIT = comm.REFUSED_BIT.value  # (the kernels read it: a refused call sends no rows)
 MAX_TOPK = (1 << TOPK_BITS) - 1
 # the argument a refusal names, by the first word of the refusing rank's error message
 REFUSAL_REASONS = ("an input", "x", "x_scales", "topk_idx", "topk_weights", "expert_alignment",
                    "max_recv_rows", "dispatch_dtype", "scale_layout", "global_scale", "top-k",
-                   "ue8m0", "fp8")
+                   "ue8m0", "fp8", "y", "handle", "combine_dtype", "renormalize=True",
+                   "out")
 _FORMATS = ("rows in the Buffer's dtype", "FP8 rows with float32 scales",
             "FP8 rows with UE8M0 scales", "MXFP8 rows", "NVFP4 rows")
 
@@ -74,6 +83,18 @@ def low_latency_descriptor(fp8: int, ue8m0: int) -> int:
     return 1 + ue8m0 if fp8 else 0
 
 
+@functools.cache
+def combine_descriptor(fp8: bool) -> int:
+    """The descriptor of a low-latency combine: bit 12 (a combine) and the rows' format (0 the
+    Buffer's dtype, 1 FP8 per 128 channels with float32 scales, ``combine_dtype="fp8"``)."""
+    return 1 << COMBINE_BIT | int(fp8)
+
+
+def call_name(descriptor: int) -> str:
+    """Which call a descriptor describes: "combine" (bit 12) or "dispatch"."""
+    return "combine" if descriptor >> COMBINE_BIT & 1 else "dispatch"
+
+
 def refusal_inputs(buf):
     """``(x [0, H], topk_idx [0, 1])`` of ``buf``'s dtype and device, for a refused call that
     takes part with no rows; None where no peer waits for this rank's call from here (one
@@ -84,12 +105,13 @@ def refusal_inputs(buf):
             torch.empty((0, 1), dtype=torch.int64, device=buf.device))
 
 
-def refusal(error: BaseException) -> int:
-    """The descriptor of a refused call: which argument ``error`` (the refusing rank's own,
-    a ValueError or TypeError naming the argument first) is about."""
+def refusal(error: BaseException, combine: bool = False) -> int:
+    """The descriptor of a refused call (``combine``: a combine's, bit 12 set): which argument
+    ``error`` (the refusing rank's own, a ValueError or TypeError naming the argument first)
+    is about."""
     word = str(error).split(" ", 1)[0].split("[", 1)[0]
     code = REFUSAL_REASONS.index(word) if word in REFUSAL_REASONS else 0
-    return 1 << REFUSED_BIT | code
+    return 1 << REFUSED_BIT | int(combine) << COMBINE_BIT | code
 
 
 def describe(theirs: int, mine: int) -> str:
@@ -104,8 +126,9 @@ def describe(theirs: int, mine: int) -> str:
     fmt = (theirs & FORMAT_MASK, mine & FORMAT_MASK)
     if fmt[0] != fmt[1]:
         name = [_FORMATS[f] if f < len(_FORMATS) else f"format {f}" for f in fmt]
-        fields.append(f"it sent {name[0]}, this rank {name[1]} (fp8 / dispatch_dtype / "
-                      "ue8m0 must agree)")
+        agree = ("combine_dtype" if call_name(mine) == "combine" else
+                 "fp8 / dispatch_dtype / ue8m0")
+        fields.append(f"it sent {name[0]}, this rank {name[1]} ({agree} must agree)")
     weights = (theirs >> WEIGHTS_BIT & 1, mine >> WEIGHTS_BIT & 1)
     if weights[0] != weights[1]:
         given = ["given" if w else "None" for w in weights]

@@ -68,13 +68,13 @@ SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
         ("rows_parity_stride", I64), ("signals_off", I64), ("signals_parity_stride", I64),
         ("acks_off", I64), ("acks_parity_stride", I64), ("outbox_off", I64), ("H", I32),
         ("R", I32), ("L", I32), ("me", I32), ("TMAX", I32), ("KMAX", I32), ("row_bytes", I64),
-        ("timeout_ns", I64), ("err", PTR)),
+        ("descriptor", I32), ("timeout_ns", I64), ("err", PTR)),
     "ll_combine_recv": (
         ("staging", PTR), ("topk_idx", PTR), ("topk_weights", PTR), ("out", PTR),
         ("signals", PTR), ("peer_ptrs", PTR), ("pes", PTR), ("state", PTR), ("acks_off", I64),
         ("acks_parity_stride", I64), ("T", I32), ("H", I32), ("K", I32), ("R", I32),
         ("me", I32), ("TMAX", I32), ("KMAX", I32), ("dtype", I32), ("timeout_ns", I64),
-        ("err", PTR)),
+        ("err", PTR), ("input_err", PTR)),
 }
 _CASTS = {PTR: np.uint64, I32: np.int32, I64: np.int64}
 _INT_RANGES = {I32: (-(2**31), 2**31 - 1), I64: (-(2**63), 2**63 - 1), PTR: (0, 2**64 - 1)}
@@ -436,8 +436,9 @@ class CsrcLowLatencyKernels:
     def ll_combine_send(self, y, layout, src_info, src_k, peer_ptrs, state, stats, *,
                         offsets: dict, rank: int, max_tokens: int, max_topk: int, acks: tuple,
                         outbox_offset: int, error=None, pes=None, block_t=None,
-                        block_h=None) -> bool:
-        """``kernels.low_latency.ll_combine_send`` in CUDA; ``acks``: ll_acks[COMBINE]."""
+                        block_h=None, descriptor: int = 0) -> bool:
+        """``kernels.low_latency.ll_combine_send`` in CUDA; ``acks``: ll_acks[COMBINE];
+        ``descriptor``: the call's (``moe_comm.call_descriptor``), above the epoch."""
         R = self._peers(peer_ptrs, pes, rank)
         self._check_error(error)
         self._check("y", y, tuple(DTYPE_CODES), ndim=3)
@@ -457,15 +458,17 @@ class CsrcLowLatencyKernels:
             signals_parity_stride=offsets["signals"][1], acks_off=acks[0],
             acks_parity_stride=acks[1], outbox_off=outbox_offset, H=H, R=R, L=L, me=rank,
             TMAX=max_tokens, KMAX=max_topk, row_bytes=H * y.element_size(),
-            timeout_ns=self.timeout_ns, err=error)
+            descriptor=descriptor, timeout_ns=self.timeout_ns, err=error)
 
     def ll_combine_recv(self, staging, topk_idx, topk_weights, out, peer_ptrs, state, *,
                         acks: tuple, rank: int, signals, error=None, pes=None, block_t=None,
-                        block_h=None) -> bool:
+                        block_h=None, input_error=None) -> bool:
         """``kernels.low_latency.ll_combine_recv`` in CUDA: ``staging`` [P, TMAX, KMAX, H];
-        ``signals``: the local ll_combine_signals [P, R] int64."""
+        ``signals``: the local ll_combine_signals [P, R] int64; ``input_error``: the record's
+        input part (an expert rank with another call descriptor)."""
         R = self._peers(peer_ptrs, pes, rank)
         self._check_error(error)
+        self._check_error(input_error)
         self._check("staging", staging, tuple(DTYPE_CODES), ndim=4)
         self._check("topk_idx", topk_idx, (torch.int64,), ndim=2)
         P, TMAX, KMAX, H = staging.shape
@@ -484,4 +487,4 @@ class CsrcLowLatencyKernels:
             topk_weights=topk_weights, out=out, signals=signals, peer_ptrs=peer_ptrs, pes=pes,
             state=state, acks_off=acks[0], acks_parity_stride=acks[1], T=T, H=H, K=K, R=R,
             me=rank, TMAX=TMAX, KMAX=KMAX, dtype=DTYPE_CODES[staging.dtype],
-            timeout_ns=self.timeout_ns, err=error)
+            timeout_ns=self.timeout_ns, err=error, input_err=input_error)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .call_descriptor import REFUSED_BIT, PeerInputError, describe
+from .call_descriptor import REFUSED_BIT, PeerInputError, call_name, describe
 from .kernels import comm
 from .kernels.comm import ERRORS_WORDS, PeerTimeoutError
 
@@ -89,8 +89,9 @@ class ErrorRecord:
                                "larger max_recv_rows (or None: exact size, one host sync)")
         if code == CALL_DIFFERS:  # b: theirs | mine << 16 | epoch << 32
             theirs, mine, epoch = b & 0xFFFF, b >> 16 & 0xFFFF, b >> 32
-            did = (f"refused the dispatch of epoch {epoch}" if theirs >> REFUSED_BIT & 1 else
-                   f"made the dispatch of epoch {epoch} with other options")
+            call = f"the {call_name(mine)} of epoch {epoch}"
+            did = (f"refused {call}" if theirs >> REFUSED_BIT & 1 else
+                   f"made {call} with other options")
             raise PeerInputError(f"moe_comm rank {rank}: {what}: rank {a} {did}: "
                                  f"{describe(theirs, mine)}. Every rank completed the call; "
                                  "the Buffer stays usable", a)

@@ -33,6 +33,7 @@ from . import env
 from ._guard import poisons_buffer_on_error
 from .call_descriptor import (
     PeerInputError,
+    combine_descriptor,
     low_latency_descriptor,
     refusal,
     refusal_inputs,
@@ -481,39 +482,43 @@ class LowLatencyMode:
         self._check_usable()
         self._raise_input_errors("an earlier call")
         self._ll_require()
-        if not isinstance(handle, LowLatencyHandle):
-            raise TypeError(f"handle must be recv.handle of a low_latency_dispatch, got "
-                            f"{type(handle).__name__}")
-        if handle.buffer_id != self.id:
-            raise ValueError("handle comes from another Buffer")
-        if not handle.received:
-            raise RuntimeError("the dispatch of this handle has not been received; call its "
-                               "hook first")
         self._ll_check_in_flight(COMBINE, "combine")
-        fp8 = combine_is_fp8(combine_dtype, dtype=self.dtype, hidden=self.hidden)
-        impl = self._ll_impl(not fp8)
-        if fp8 and impl == "cuda":
-            raise ValueError("kernel_impl='cuda' combines in the Buffer's dtype only; an FP8 "
-                             "combine runs on the Triton kernels")
-        if renormalize:
-            self._ft_require("renormalize=True")
-            if topk_weights is None:
-                raise ValueError("renormalize=True needs topk_weights")
-        L, rows = self.num_local_experts, self.world_size * self.max_tokens_per_rank
-        check_tensor("y", y, dtype=self.dtype, ndim=3, device=self.device)
-        if y.shape != (L, rows, self.hidden):
-            raise ValueError(f"y has shape {tuple(y.shape)}; expected [{L}, {rows}, "
-                             f"{self.hidden}] like recv.x")
-        check_tensor("topk_idx", topk_idx, dtype=torch.int64, ndim=2, device=self.device)
-        if topk_idx.shape != (handle.num_tokens, handle.topk):
-            raise ValueError(f"topk_idx has shape {tuple(topk_idx.shape)}; the dispatch had "
-                             f"[{handle.num_tokens}, {handle.topk}]")
-        if topk_weights is not None:
-            check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2,
-                         device=self.device)
-            if topk_weights.shape != topk_idx.shape:
-                raise ValueError("topk_weights and topk_idx shapes differ")
-            topk_weights = topk_weights.contiguous()
+        try:  # (inline: the host path counts every Python call)
+            if not isinstance(handle, LowLatencyHandle):
+                raise TypeError(f"handle must be recv.handle of a low_latency_dispatch, got "
+                                f"{type(handle).__name__}")
+            if handle.buffer_id != self.id:
+                raise ValueError("handle comes from another Buffer")
+            if not handle.received:
+                raise RuntimeError("the dispatch of this handle has not been received; call "
+                                   "its hook first")
+            fp8 = combine_is_fp8(combine_dtype, dtype=self.dtype, hidden=self.hidden)
+            impl = self._ll_impl(not fp8)
+            if fp8 and impl == "cuda":
+                raise ValueError("kernel_impl='cuda' combines in the Buffer's dtype only; an "
+                                 "FP8 combine runs on the Triton kernels")
+            if renormalize:
+                self._ft_require("renormalize=True")
+                if topk_weights is None:
+                    raise ValueError("renormalize=True needs topk_weights")
+            L, rows = self.num_local_experts, self.world_size * self.max_tokens_per_rank
+            check_tensor("y", y, dtype=self.dtype, ndim=3, device=self.device)
+            if y.shape != (L, rows, self.hidden):
+                raise ValueError(f"y has shape {tuple(y.shape)}; expected [{L}, {rows}, "
+                                 f"{self.hidden}] like recv.x")
+            check_tensor("topk_idx", topk_idx, dtype=torch.int64, ndim=2, device=self.device)
+            if topk_idx.shape != (handle.num_tokens, handle.topk):
+                raise ValueError(f"topk_idx has shape {tuple(topk_idx.shape)}; the dispatch "
+                                 f"had [{handle.num_tokens}, {handle.topk}]")
+            if topk_weights is not None:
+                check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2,
+                             device=self.device)
+                if topk_weights.shape != topk_idx.shape:
+                    raise ValueError("topk_weights and topk_idx shapes differ")
+                topk_weights = topk_weights.contiguous()
+        except (TypeError, ValueError, RuntimeError) as error:
+            self._refuse_low_latency_combine(error)
+            raise
         out, hook = self._ll_combine_send(y.contiguous(), topk_idx.contiguous(), topk_weights,
                                           handle, renormalize, fp8, impl)
         if return_hook:
@@ -533,18 +538,44 @@ class LowLatencyMode:
                 return y.data_ptr() - self.heap.local.data_ptr()
         return None
 
+    def _refuse_low_latency_combine(self, error: BaseException) -> None:
+        """This rank's low-latency combine input is bad (``error``, which the caller raises
+        next): it still sends, no rows and a refusal for its descriptor in the word it
+        publishes to every rank (``moe_comm.call_descriptor``), and receives, so every peer's
+        hook raises PeerInputError naming this rank instead of waiting out the timeout."""
+        empty = refusal_inputs(self)
+        if empty is None:
+            return
+        L, R, T = self.num_local_experts, self.world_size, self.max_tokens_per_rank
+        ints = dict(dtype=torch.int32, device=self.device)
+        nowhere = LowLatencyHandle(self.id, 0, torch.zeros((L, R, 2), **ints),
+                                   torch.empty((L, R * T), **ints),
+                                   torch.empty((L, R * T), **ints), 0, 1)
+        y = torch.empty((L, R * T, self.hidden), dtype=self.dtype, device=self.device)
+        impl = self._ll_impl(True)
+        _, hook = self._ll_combine_send(y, empty[1], None, nowhere, impl=impl,
+                                        refusal=refusal(error, combine=True))
+        try:  # this rank's own record of the call (every peer differs from a refusal)
+            hook()
+        except PeerInputError:
+            pass
+
     @poisons_buffer_on_error("low-latency combine")
     def _ll_combine_send(self, y, topk_idx, topk_weights, handle, renormalize=False, fp8=False,
-                         impl="triton"):
+                         impl="triton", refusal: int = 0):
+        """The send of a low-latency combine; returns ``(out, hook)``. The word it publishes to
+        every rank carries the call's descriptor, or ``refusal`` (``moe_comm.call_descriptor``;
+        a refusal sends no rows)."""
         if fp8 and self._combine_outbox_offset(y) is not None:
             y = y.clone()  # FP8 rows are quantized into the outbox that y lies in
         epoch = self._ll_begin(COMBINE, "combine")
+        descriptor = refusal or combine_descriptor(fp8)
         out = torch.empty((topk_idx.shape[0], self.hidden), dtype=self.dtype, device=self.device)
         args = (y, handle.layout, handle.src_info, handle.src_k, self.heap.peer_ptrs,
                 self._ll_state, self._stats)
         offsets = self._ll_send_offsets("ll_combine_", ("rows", "signals"), COMBINE)
         common = dict(offsets=offsets, rank=self.rank, max_tokens=self.max_tokens_per_rank,
-                      max_topk=self.max_topk)
+                      max_topk=self.max_topk, descriptor=descriptor)
         if impl == "cuda":
             self.launches["ll_combine_send"] += self._csrc().ll_combine_send(
                 *args, acks=offsets["acks"], error=self.errors.timeout_part,
@@ -558,7 +589,7 @@ class LowLatencyMode:
             self._ll_combine_recv(epoch, topk_idx, topk_weights, out, fp8, impl)
             if renormalize:  # the expert ranks whose rows of this call arrived
                 signals = self._region("ll_combine_signals")[epoch % 2]
-                reached = self._reached(topk_idx, signals >= epoch)
+                reached = self._reached(topk_idx, (signals >> 32) >= epoch)
                 out.copy_(renormalized(out, topk_idx, topk_weights, reached))
             return out
 
@@ -568,10 +599,14 @@ class LowLatencyMode:
     def _ll_combine_recv(self, epoch, topk_idx, topk_weights, out, fp8=False, impl="triton"):
         if not self.flavour.device_wait:  # GPUs wait in the receive kernel itself
             words = self._region("ll_combine_signals")[epoch % 2].numpy()
+
+            def observed():  # [R] words: each expert rank's epoch (its descriptor below)
+                return (words >> 32).tolist()
+
             if self.fault_tolerant:  # an expert rank that stays silent is excluded
-                self._ft_wait(words.tolist, epoch, "low-latency combine")
+                self._ft_wait(observed, epoch, "low-latency combine")
             else:
-                wait_for_epochs(self._checking_transport(words.tolist), epoch,
+                wait_for_epochs(self._checking_transport(observed), epoch,
                                 timeout_s=self.timeout_s, rank=self.rank,
                                 channel="low-latency combine")
         staging = self._region("ll_combine_rows")
@@ -580,7 +615,8 @@ class LowLatencyMode:
         if impl == "cuda":
             self.launches["ll_combine_recv"] += self._csrc().ll_combine_recv(
                 staging, self._csrc_ids(topk_idx, False), topk_weights, out, self.heap.peer_ptrs,
-                self._ll_state, signals=signals, error=self.errors.timeout_part, **common)
+                self._ll_state, signals=signals, error=self.errors.timeout_part,
+                input_error=self.errors.input_part, **common)
         else:
             self.launches["ll_combine_recv"] += ll_combine_recv(
                 staging, topk_idx, topk_weights, out, self.heap.peer_ptrs, self._ll_state,

@@ -67,9 +67,11 @@ or ``H + 4*H/128`` if that is larger, so that FP8 rows with their scales fit too
 ``ll_state``            [9] int64                    local: device epochs (dispatch sent/received,
                                                      combine sent/received), kernel tickets, and
                                                      1 once a low-latency wait timed out
-``ll_dispatch_signals`` [P, L, R] int64              ``[p, e, s]``: ``epoch << 32 | pairs`` that
-                                                     source ``s`` put for local expert ``e``
-``ll_combine_signals``  [P, R] int64                 ``[p, s]``: epoch of expert rank ``s``'s puts
+``ll_dispatch_signals`` [P, L, R] int64              ``[p, e, s]``: ``epoch << 32 | descriptor
+                                                     << 18 | pairs`` that source ``s`` put for
+                                                     local expert ``e``
+``ll_combine_signals``  [P, R] int64                 ``[p, s]``: ``epoch << 32 | descriptor <<
+                                                     18`` of expert rank ``s``'s puts
 ``ll_acks``             [2 channels, P, R] int64     on a sender: ``[c, p, d]``, the latest epoch
                                                      of parity ``p`` that rank ``d`` consumed
 ``ll_dispatch_meta``    [P, L, R, T] int32           per slot: source token * 32 + top-k choice

@@ -10,7 +10,7 @@ import torch
 
 import moe_comm
 from cases import Case, make_inputs
-from ll_jobs import check_recv
+from ll_jobs import _all_ys, check_out, check_recv
 from moe_comm import reference
 
 CASE = Case(2, 8, 128, 2, (5, 3), seed=83)  # H = 128: the FP8 formats apply
@@ -100,10 +100,10 @@ def disagreeing_calls(rank: int, world_size: int, ring_slots: int | None = None,
 
 
 def facade_refusals(rank: int, world_size: int) -> dict:
-    """The DeepEP-compatible dispatch and low-latency dispatch with a bad input on the odd
-    ranks, once their workspace exists: ``{what: (error type, message, seconds)}``, then
-    ``"after"`` / ``"low-latency after"``: the same correct call gives what it gave before (the
-    rows, the counts)."""
+    """The DeepEP-compatible dispatch, low-latency dispatch and low-latency combine with a bad
+    input on the odd ranks, once their workspace exists: ``{what: (error type, message,
+    seconds)}``, then ``"after"`` / ``"low-latency after"`` / ``"low-latency combine after"``:
+    the same correct call gives what it gave before (the rows, the counts, the sums)."""
     import torch.distributed as dist
 
     from moe_comm import deep_ep
@@ -140,6 +140,16 @@ def facade_refusals(rank: int, world_size: int) -> dict:
                                  use_fp8=False)
         found["low-latency after"] = torch.equal(
             ll.low_latency_dispatch(x, idx, T, E, use_fp8=False)[1], first)
+        for what, out in (("low-latency combine out of another shape",
+                           torch.empty(len(idx) + 1, H, dtype=x.dtype) if odd else None),
+                          ("low-latency combine fp8 y", None)):
+            recv_x, _, handle, _, _ = ll.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+            y = recv_x.to(torch.float8_e4m3fn) if odd and out is None else recv_x
+            found[what] = _timed(ll.low_latency_combine, y, idx, w, handle, out=out)
+        recv_x, _, handle, _, _ = ll.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+        combined = ll.low_latency_combine(recv_x, idx, w, handle)[0]
+        found["low-latency combine after"] = torch.equal(
+            combined, ll.low_latency_combine(recv_x, idx, w, handle)[0])
     finally:
         ll.destroy()
     return found
@@ -162,10 +172,32 @@ def _low_latency_round(buf, x, idx, **kwargs) -> None:
         hook()
 
 
+def low_latency_combine_mismatches(rank: int, y, idx, w):
+    """``(what, arguments of this rank's low-latency combine)``: the odd ranks differ (a bad
+    input there, refused; or the rows' format)."""
+    odd = rank % 2 == 1
+    return [
+        ("combine y float32", dict(y=y.float() if odd else y)),
+        ("combine y other hidden", dict(y=y[..., :64] if odd else y)),
+        ("combine topk_idx fewer rows", dict(idx=idx[:1] if odd else idx)),
+        ("combine fp8 on rank 0 only", dict(combine_dtype=None if odd else "fp8")),
+        ("combine fp8 on rank 0 only, hooks", dict(combine_dtype=None if odd else "fp8",
+                                                   return_hook=True)),
+    ]
+
+
+def _low_latency_combine_round(buf, y, idx, w, handle, **kwargs) -> None:
+    """A low-latency combine, its hook called where it returned one."""
+    _, hook = buf.low_latency_combine(y, idx, w, handle, **kwargs)
+    if hook is not None:
+        hook()
+
+
 def low_latency_disagreements(rank: int, world_size: int, **buffer_kwargs) -> dict:
-    """Each row of :func:`low_latency_mismatches` on a low-latency Buffer (with hooks: the
-    hook raises): ``{what: (error type, message, seconds)}``; then ``"after"``: a correct
-    low-latency dispatch equals the reference."""
+    """Each row of :func:`low_latency_mismatches` and of
+    :func:`low_latency_combine_mismatches` (each after a correct dispatch) on a low-latency
+    Buffer (with hooks: the hook raises): ``{what: (error type, message, seconds)}``; then
+    ``"after"``: a correct low-latency dispatch and combine equal the reference."""
     import torch.distributed as dist
 
     case, xs, idxs, ws = _inputs(world_size)
@@ -173,6 +205,7 @@ def low_latency_disagreements(rank: int, world_size: int, **buffer_kwargs) -> di
                           max_tokens_per_rank=case.max_tokens, low_latency=True,
                           **buffer_kwargs)
     x, idx = xs[rank], idxs[rank]
+    ys, refs = _all_ys(case, xs, idxs, False, seed=7)
     found = {}
     with buf:
         buf.low_latency_dispatch(x, idx)  # warm
@@ -180,7 +213,15 @@ def low_latency_disagreements(rank: int, world_size: int, **buffer_kwargs) -> di
             kwargs = {k: v for k, v in args.items() if k not in ("x", "idx")}
             found[what] = _timed(_low_latency_round, buf, args.get("x", x),
                                  args.get("idx", idx), **kwargs)
+        w = ws[rank]
+        for what, args in low_latency_combine_mismatches(rank, ys[rank], idx, w):
+            recv, _ = buf.low_latency_dispatch(x, idx)
+            kwargs = {k: v for k, v in args.items() if k not in ("y", "idx")}
+            found[what] = _timed(_low_latency_combine_round, buf, args.get("y", ys[rank]),
+                                 args.get("idx", idx), w, recv.handle, **kwargs)
         recv, _ = buf.low_latency_dispatch(x, idx)
         check_recv(rank, case, "after", recv, xs, idxs, False)  # (raises where it differs)
+        out, _ = buf.low_latency_combine(ys[rank], idx, w, recv.handle)
+        check_out(rank, case, "after", out, (ys, refs), idxs, ws)
         found["after"] = True
     return found

@@ -349,6 +349,22 @@ MUTANTS = (
            ("tests/test_call_agreement.py::"
             "test_a_low_latency_rank_that_refuses_or_disagrees_is_named_by_every_hook"
             "[one-node]",)),
+    Mutant("low_latency_combine_ignores_call_descriptors",
+           "a low-latency combine whose ranks pass other formats raises in every hook",
+           "kernels/low_latency.py",
+           "        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):  # gate: cold",
+           "        if (tl.program_id(0) < 0) & (tl.program_id(1) == 0):  # gate: cold",
+           ("tests/test_call_agreement.py::"
+            "test_a_low_latency_rank_that_refuses_or_disagrees_is_named_by_every_hook"
+            "[one-node]",)),
+    Mutant("bad_low_latency_combine_input_is_not_refused",
+           "a rank whose low-latency combine input is bad takes part: its peers' hooks raise",
+           "moe_comm/low_latency.py",
+           "        empty = refusal_inputs(self)",
+           "        empty = None",
+           ("tests/test_call_agreement.py::"
+            "test_a_low_latency_rank_that_refuses_or_disagrees_is_named_by_every_hook"
+            "[one-node]",), nth=1),
     # ---- bounded staging: the rounds of a call
     Mutant("round_meta_names_window_token",
            "a row sent in a later round names its token by its index in the call",

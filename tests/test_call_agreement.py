@@ -1,6 +1,7 @@
 """Dispatches whose ranks disagree: normal ones on one node, over NVSHMEM and through the proxy
-(flat with fault tolerance, hierarchical), in rounds; low-latency ones on one node, over
-NVSHMEM and through the proxy with fault tolerance; the DeepEP-compatible module's. A bad input
+(flat with fault tolerance, hierarchical), in rounds; low-latency ones, and low-latency
+combines, on one node, over NVSHMEM and through the proxy with fault tolerance; the
+DeepEP-compatible module's. A bad input
 on the odd ranks, or options that must agree set differently there
 (``moe_comm.call_descriptor``). The odd ranks raise their own error, every other rank
 PeerInputError naming the first rank whose call differs and what differs, each within the call:
@@ -70,16 +71,20 @@ def test_the_deep_ep_facade_refuses_a_bad_input_on_one_rank_in_both_modes(ranks)
     found = ranks(2).run(facade_refusals, timeout_s=120)
     own = {"x int32": "TypeError", "x 1-d": "ValueError",
            "topk_idx fewer rows": "ValueError", "low-latency x int32": "TypeError",
-           "low-latency topk_idx fewer rows": "ValueError"}
+           "low-latency topk_idx fewer rows": "ValueError",
+           "low-latency combine out of another shape": "ValueError",
+           "low-latency combine fp8 y": "TypeError"}
     for rank, calls in enumerate(found):
         assert calls.pop("after") is True and calls.pop("low-latency after") is True, rank
+        assert calls.pop("low-latency combine after") is True, rank
         assert set(calls) == set(own), (rank, sorted(calls))
         for what, (kind, text, seconds) in calls.items():
             assert seconds < WITHIN_S, (rank, what, seconds)
             if rank == 1:  # the bad input: its own error
                 assert kind == own[what], (what, kind, text)
             else:
-                assert kind == "PeerInputError" and "rank 1 refused the dispatch" in text, \
+                call = "combine" if "combine" in what else "dispatch"
+                assert kind == "PeerInputError" and f"rank 1 refused the {call}" in text, \
                     (what, kind, text)
 
 
@@ -95,6 +100,17 @@ LL_REFUSED = {"x int32": ("TypeError", "x must be torch.bfloat16"),
 LL_DIFFERS = {"fp8 on rank 0 only": DIFFERS["fp8 on rank 0 only"],
               "fp8 on rank 0 only, hooks": DIFFERS["fp8 on rank 0 only"],
               "mxfp8 against fp8": DIFFERS["mxfp8 against fp8"]}
+# the combine's: the odd ranks' own error, and what their peers' message names
+LL_COMBINE_REFUSED = {"combine y float32": ("TypeError", "y must be torch.bfloat16", "its y"),
+                      "combine y other hidden": ("ValueError", "y has shape", "its y"),
+                      "combine topk_idx fewer rows": ("ValueError", "topk_idx has shape",
+                                                      "its topk_idx")}
+_COMBINE_FORMATS = ("it sent rows in the Buffer's dtype, this rank FP8 rows with float32 scales "
+                    "(combine_dtype must agree)",
+                    "it sent FP8 rows with float32 scales, this rank rows in the Buffer's dtype "
+                    "(combine_dtype must agree)")
+LL_COMBINE_DIFFERS = {"combine fp8 on rank 0 only": _COMBINE_FORMATS,
+                      "combine fp8 on rank 0 only, hooks": _COMBINE_FORMATS}
 
 
 @pytest.mark.parametrize("config", LOW_LATENCY)
@@ -103,7 +119,21 @@ def test_a_low_latency_rank_that_refuses_or_disagrees_is_named_by_every_hook(ran
     found = ranks(world_size).run(low_latency_disagreements, timeout_s=60.0, **kwargs)
     for rank, calls in enumerate(found):
         assert calls.pop("after") is True, rank
+        combines = {what: calls.pop(what) for what in list(calls) if what.startswith("combine")}
         assert set(calls) == set(LL_REFUSED) | set(LL_DIFFERS), (rank, sorted(calls))
+        assert set(combines) == set(LL_COMBINE_REFUSED) | set(LL_COMBINE_DIFFERS), rank
+        for what, (kind, text, seconds) in combines.items():
+            assert seconds < WITHIN_S, (rank, what, seconds)
+            if what in LL_COMBINE_REFUSED and rank % 2:  # the bad input: its own error
+                want = LL_COMBINE_REFUSED[what]
+                assert (kind, want[1] in text) == (want[0], True), (rank, what, kind, text)
+                continue
+            peer = 0 if rank % 2 else 1
+            want = ((f"rank {peer} refused the combine", LL_COMBINE_REFUSED[what][2] + " was bad")
+                    if what in LL_COMBINE_REFUSED else
+                    (f"rank {peer} made the combine", LL_COMBINE_DIFFERS[what][rank % 2]))
+            assert kind == "PeerInputError" and all(w in text for w in want), \
+                (rank, what, kind, text)
         for what, (kind, text, seconds) in calls.items():
             assert seconds < WITHIN_S, (rank, what, seconds)
             if what in LL_REFUSED and rank % 2:

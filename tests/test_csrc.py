@@ -21,6 +21,7 @@ import torch
 import moe_comm
 from cases import Case, make_inputs
 from moe_comm import csrc_build, csrc_kernels, reference
+from moe_comm.call_descriptor import combine_descriptor
 from moe_comm.kernels import comm
 from moe_comm.kernels.comm import PeerTimeoutError
 from moe_comm.testing import lockstep
@@ -356,6 +357,7 @@ def test_constants_match_the_cuda_headers():
 
     assert constexpr("kThreads") == csrc_kernels.THREADS
     assert constexpr("kSlotBits") == comm.SLOT_BITS.value  # a count word's slots
+    assert constexpr("kRefusedBit") == comm.REFUSED_BIT.value  # a refused call sends no rows
     assert int(re.search(r"constexpr int64_t kCallDiffers = (\d+);", common).group(1)) == \
         comm.CALL_DIFFERS.value
     assert 2 ** (constexpr("kFailShift") - constexpr("kTicketShift")) - 1 == \
@@ -490,20 +492,23 @@ def test_launcher_passes_what_the_buffer_would_pass():
     kernels.ll_combine_send(
         y, layout, src_info, src_k, buf.heap.peer_ptrs, buf._ll_state, buf._stats,
         offsets={"rows": offs("ll_combine_rows"), "signals": offs("ll_combine_signals")},
-        rank=1, max_tokens=T, max_topk=K, acks=acks(COMBINE), outbox_offset=777)
+        rank=1, max_tokens=T, max_topk=K, acks=acks(COMBINE), outbox_offset=777,
+        descriptor=combine_descriptor(False))
     name, grid, _, shared, a = _decode(fake.calls[-1])
     assert (name, grid, shared, a["row_bytes"], a["KMAX"]) == ("ll_combine_send", 2 * R, 0,
                                                                  2 * H, K)
     assert (a["acks_off"], a["acks_parity_stride"]) == acks(COMBINE) and a["outbox_off"] == 777
+    assert a["descriptor"] == combine_descriptor(False) == 1 << 12
 
     out2 = torch.empty((4, H), dtype=torch.bfloat16)
     kernels.ll_combine_recv(
         lay.view(buf.heap, "ll_combine_rows"), idxs[1], ws[1], out2, buf.heap.peer_ptrs,
         buf._ll_state, acks=acks(COMBINE), rank=1,
-        signals=lay.view(buf.heap, "ll_combine_signals"))
+        signals=lay.view(buf.heap, "ll_combine_signals"), input_error=buf.errors.input_part)
     name, grid, _, _, a = _decode(fake.calls[-1])
     assert (name, grid, a["T"], a["K"], a["KMAX"], a["dtype"]) == ("ll_combine_recv", T, 4, K,
                                                                    K, 0)
+    assert a["input_err"] == buf.errors.input_part.data_ptr()
     assert [c[:2] for c in fake.calls] == [("ll_dispatch_send", 1), ("ll_dispatch_recv", 2 * R),
                                            ("ll_combine_send", 2 * R), ("ll_combine_recv", T)]
     assert kernels.launches == {name: 1 for name in KERNELS}

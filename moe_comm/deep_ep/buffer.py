@@ -561,11 +561,16 @@ class Buffer:
         if combine_wait_recv_cost_stats is not None:
             raise _unsupported("combine_wait_recv_cost_stats (GPU cycles per source) is not "
                                "recorded")
-        checks.handle(handle, _LowLatencyHandle, "low_latency_dispatch")
-        topk_idx = checks.topk_idx(topk_idx)
-        topk_weights = checks.weights(topk_weights, topk_idx)
-        checks.out_rows(out, topk_idx.shape[0], handle.buffer.hidden, handle.buffer.dtype,
-                        handle.buffer.device)
+        try:
+            checks.handle(handle, _LowLatencyHandle, "low_latency_dispatch")
+            topk_idx = checks.topk_idx(topk_idx)
+            topk_weights = checks.weights(topk_weights, topk_idx)
+            checks.out_rows(out, topk_idx.shape[0], handle.buffer.hidden, handle.buffer.dtype,
+                            handle.buffer.device)
+        except (TypeError, ValueError) as error:
+            if self._low_latency is not None:  # the peers go on into the call: take part
+                self._low_latency._refuse_low_latency_combine(error)
+            raise
         result, hook = handle.buffer.low_latency_combine(
             x, topk_idx, topk_weights, handle.moe, return_hook=True)
 

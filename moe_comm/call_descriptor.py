@@ -13,7 +13,7 @@ other descriptor when they are not all equal), so the Buffer stays usable. Equiv
         if descriptor(s's call) != mine:
             raise PeerInputError(...)               # after the call: names s and the option
 
-Bits of a dispatch's descriptor (12 of the 14 above the slots):
+Bits of a descriptor (13 of the 14 above a dispatch's slots):
 
 =========  ===================================================================================
 bits 0-2   the rows' format on the link: 0 the Buffer's dtype, else 1 + the scale code (FP8
@@ -23,6 +23,7 @@ bit 3      weights given (a rank without them would send weight 0 for its rows)
 bits 4-10  top-k (the receiver reads that many choices of each source's metadata)
 bit 11     a refusal: bits 0-10 say which argument was bad (``REFUSAL_REASONS``); the rank
            takes part in the call's protocol with no rows and raises its own error
+bit 12     a low-latency combine's descriptor (bit 0 its rows' format), not a dispatch's
 =========  ===================================================================================
 
 Options that shape only the receiver's own output (expert alignment, the scales' memory

@@ -395,6 +395,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         self._ll_epochs = [0, 0]  # host mirrors of the device epochs (CPU waits need them)
         self._ll_queue = ([], [])  # hooks of each channel whose receive has not run, in order
         self._ll_op_pending = {}  # the same through moe_comm.ll_ops: (channel, serial) -> entry
+        self._ll_outputs = [None, None]  # per parity: a dispatch's outputs to reuse, see there
         self._ll_state = layout.view(heap, "ll_state") if layout.low_latency else None
         if layout.low_latency and layout.proxy:  # the proxy copies pair meta words from here
             T, K = layout.max_tokens, layout.max_topk

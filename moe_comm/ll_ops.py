@@ -46,7 +46,8 @@ A ticket is [2] int64 on the CPU, ``(channel, serial)``: the receive reads it on
 (no device synchronisation) and finds the send's hook by it, so the two calls in flight per
 channel that the low-latency mode allows (``low_latency.IN_FLIGHT``) are received each by its
 own ticket. A receive without its send, or a second receive of one ticket, raises naming the
-serial. The receives return fresh tensors (allocated by the send, filled by the receive).
+serial. The receives return the send's outputs (new, or its parity's earlier ones once
+nothing refers to them: ``Buffer.low_latency_dispatch``), filled by the receive.
 
 Order: the four ops are registered as ordered side effects (``EffectType.ORDERED``): a compiled
 graph threads one effect token through them, so no pass drops, merges or reorders them against

@@ -25,6 +25,7 @@ that launch: it is what keeps the CUDA kernels inside their slots).
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -142,6 +143,78 @@ def _receive_oldest(queue: list) -> None:
     oldest._result = oldest._receive()
 
 
+def _stream_of(device: torch.device):
+    """The stream this rank's kernels are queued on now (None off CUDA): outputs are reused on
+    the stream that last wrote them only, as the caching allocator reuses memory. False while
+    a CUDA graph is captured: those outputs are the graph's (never pooled, never reused)."""
+    if device.type != "cuda":
+        return None
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _dispatch_outputs(L: int, R: int, T: int, H: int, fp8: bool, ue8m0: int, col_major: bool,
+                      dtype: torch.dtype, device) -> tuple:
+    """A low-latency dispatch's outputs: ``(x, x_global_scale, x_scales, scale memory, scale
+    strides, count, src_info, layout, src_k)`` (None where the format has none)."""
+    rows = R * T
+    if fp8 and ue8m0 == NVFP4:
+        x = torch.empty((L, rows, H // 2), device=device, dtype=torch.uint8)
+    else:
+        x = torch.empty((L, rows, H), device=device,
+                        dtype=torch.float8_e4m3fn if fp8 else dtype)
+    glob = (torch.empty((L, rows), dtype=torch.float32, device=device)
+            if fp8 and ue8m0 == NVFP4 else None)
+    scales = (None, None, (0, 0, 0))
+    if fp8:
+        scales = _ll_scales_out(L, rows, H // scale_group(ue8m0), ue8m0, col_major, device)
+    i32 = dict(dtype=torch.int32, device=device)
+    return (x, glob, *scales, torch.empty(L, **i32), torch.empty((L, rows), **i32),
+            torch.empty((L, R, 2), **i32), torch.empty((L, rows), **i32))
+
+
+def _pooled(key, outs: tuple) -> tuple:
+    """``(key, outs, refs, uses)``: a low-latency dispatch's outputs kept for its parity's next
+    call, with the Python references of each tensor and its storage's use count as they are
+    while only ``outs`` holds them (measured here: the caller holds the tuple alone)."""
+    refs, uses = [], []
+    for i in range(len(outs)):  # (as _reusable counts them)
+        t = outs[i]
+        refs.append(sys.getrefcount(t))
+        uses.append(_uses(t))
+    return key, outs, tuple(refs), tuple(uses)
+
+
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # (a torch without it: no reuse)
+
+
+def _uses(t) -> int:
+    """Tensors over ``t``'s memory (plus one: the storage object asked), 0 for a non-tensor."""
+    if not isinstance(t, torch.Tensor) or _USE_COUNT is None:
+        return 0
+    return _USE_COUNT(t.untyped_storage()._cdata)
+
+
+def _reusable(pooled, key):
+    """The pooled outputs of a parity (``_pooled``), if ``key`` (the format and the stream)
+    is theirs and nothing outside the pool refers to them any longer: no Python reference to
+    any of them (the caller's recv, its handle, an unrun hook) and no other tensor over their
+    memory (a view or slice the caller kept); else None. Outputs are thus never written while
+    anyone can read them, and a layer that drops its dispatch's outputs before the call after
+    next makes no new ones."""
+    if pooled is None or pooled[0] != key or key[-1] is False or _USE_COUNT is None:
+        return None
+    outs, refs, uses = pooled[1], pooled[2], pooled[3]
+    for i in range(len(outs)):  # (no zip: its reused tuple would hold a reference)
+        t = outs[i]
+        if isinstance(t, torch.Tensor) and (  # (inline: the host path counts every call)
+                sys.getrefcount(t) != refs[i]
+                or _USE_COUNT(t.untyped_storage()._cdata) != uses[i]):
+            return None
+    return outs
+
+
 def _ll_scales_out(L: int, rows: int, groups: int, ue8m0: int, col_major: bool, device):
     """Scales of a low-latency receive: (public [L, rows, width], memory, (expert, row, group)
     strides in elements). MXFP8 (``ue8m0 == 2``) / NVFP4 (3): public E8M0 / e4m3 bytes
@@ -204,9 +277,14 @@ class LowLatencyMode:
         return self.layout[name].offset, self.layout.parity_stride(name)
 
     def _ll_acks(self, channel: int) -> tuple[int, int]:
-        lay = self.layout
-        first = lay.offset("ll_acks", channel, 0)
-        return first, lay.offset("ll_acks", channel, 1) - first
+        """(byte offset, parity stride) of ``ll_acks[channel]`` (computed once per channel)."""
+        acks = self._offsets.get(("ll_acks", channel))
+        if acks is None:
+            lay = self.layout
+            first = lay.offset("ll_acks", channel, 0)
+            acks = self._offsets[("ll_acks", channel)] = (
+                first, lay.offset("ll_acks", channel, 1) - first)
+        return acks
 
     def _ll_check_in_flight(self, channel: int, what: str) -> None:
         """A send finds a staging parity free: with ``IN_FLIGHT`` calls of the channel whose
@@ -309,7 +387,10 @@ class LowLatencyMode:
         expert's block scales in the 128x4 layout (``recv.x_scales`` [L, bytes]).
         ``cumulative_local_expert_recv_stats`` [L] int32/int64: the receive adds each local
         expert's rows to it. With ``return_hook`` the call returns after the send launch and
-        ``hook()`` receives; otherwise the call receives and ``hook`` is None.
+        ``hook()`` receives; otherwise the call receives and ``hook`` is None. The outputs are
+        those of this parity's call before last where nothing refers to them any longer (no
+        reference, no view of their memory: ``_reusable``), else new ones: what the caller
+        holds is never written again.
         """
         self._check_usable()
         self._raise_input_errors("an earlier call")
@@ -391,22 +472,20 @@ class LowLatencyMode:
                            self.hidden, self.device)
         rows = R * T
         nvfp4 = fp8 and ue8m0 == NVFP4
-        recv_x = (torch.empty((L, rows, H // 2), device=dev, dtype=torch.uint8) if nvfp4 else
-                  torch.empty((L, rows, H), device=dev,
-                              dtype=torch.float8_e4m3fn if fp8 else self.dtype))
-        out_global = torch.zeros((L, rows), dtype=torch.float32, device=dev) if nvfp4 else None
-        scales, scale_memory, scale_strides = None, None, (0, 0, 0)
-        if fp8:
-            scales, scale_memory, scale_strides = _ll_scales_out(
-                L, rows, H // scale_group(ue8m0), ue8m0, col_major, dev)
-            if ue8m0:
-                scale_memory.zero_()  # padding bytes of the packed words
-        count = torch.empty(L, dtype=torch.int32, device=dev)
-        src_info = torch.empty((L, rows), dtype=torch.int32, device=dev)
-        handle = LowLatencyHandle(self.id, epoch, torch.empty((L, R, 2), dtype=torch.int32,
-                                                              device=dev),
-                                  src_info, torch.empty((L, rows), dtype=torch.int32, device=dev),
-                                  x.shape[0], topk_idx.shape[1])
+        stream = _stream_of(dev)
+        key = (fp8, ue8m0, col_major, stream)
+        outs = _reusable(self._ll_outputs[epoch % 2], key)
+        if outs is None:  # (the parity's last outputs are still held by someone: new ones)
+            outs = _dispatch_outputs(L, R, T, H, fp8, ue8m0, col_major, self.dtype, dev)
+            self._ll_outputs[epoch % 2] = None if stream is False else _pooled(key, outs)
+        recv_x, out_global, scales, scale_memory, scale_strides, count, src_info, layout, \
+            src_k = outs
+        if nvfp4:
+            out_global.zero_()
+        if ue8m0 and fp8:
+            scale_memory.zero_()  # padding bytes of the packed words
+        handle = LowLatencyHandle(self.id, epoch, layout, src_info, src_k, x.shape[0],
+                                  topk_idx.shape[1])
         offsets = self._ll_send_offsets("ll_dispatch_", ("rows", "meta", "signals"), DISPATCH)
         common = dict(rank=self.rank, num_local_experts=L, num_experts=self.num_experts,
                       max_tokens=T, slot_bytes=self.layout.ll_slot_bytes, fp8=fp8, ue8m0=ue8m0)

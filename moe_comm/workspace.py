@@ -174,7 +174,7 @@ def low_latency_slot_bytes(hidden: int, dtype: torch.dtype) -> int:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize  # (no tensor made: the host path calls it)
 
 
 STAGING_REGIONS = ("dispatch_meta", "dispatch_rows", "combine_meta", "combine_rows")

@@ -349,6 +349,12 @@ MUTANTS = (
            ("tests/test_call_agreement.py::"
             "test_a_low_latency_rank_that_refuses_or_disagrees_is_named_by_every_hook"
             "[one-node]",)),
+    Mutant("held_low_latency_outputs_are_reused",
+           "a low-latency dispatch never writes into outputs the caller still holds",
+           "moe_comm/low_latency.py", "sys.getrefcount(t) != refs[i]",
+           "sys.getrefcount(t) < 0",
+           ("tests/test_low_latency.py::"
+            "test_outputs_are_reused_only_when_nothing_refers_to_them",)),
     Mutant("low_latency_combine_ignores_call_descriptors",
            "a low-latency combine whose ranks pass other formats raises in every hook",
            "kernels/low_latency.py",

@@ -76,6 +76,67 @@ def test_the_native_dispatch_sends_the_buffers_dtype_unless_a_format_is_asked_fo
             bufs[0].low_latency_dispatch(xs[0], idxs[0], **kwargs)
 
 
+def test_outputs_are_reused_only_when_nothing_refers_to_them():
+    """A dispatch writes into the outputs its parity's call before last made, if the caller
+    dropped them (no new tensors); outputs, a handle or a view the caller still holds are
+    never written again (new ones are made): every held result equals the reference after
+    four more calls, and a combine with an old handle is right."""
+    case = Case(2, 8, 128, 2, (5, 3), seed=31)
+    R, T = case.world_size, case.max_tokens
+    bufs = moe_comm.Buffer.loopback(R, case.hidden, case.num_experts, T, low_latency=True)
+
+    def call(it, **kwargs):
+        xs, idxs, ws = make_inputs(case, it)
+        got = lockstep.low_latency_dispatch(bufs, xs, idxs, **kwargs)
+        want = reference.low_latency_dispatch_all(xs, idxs, num_experts=case.num_experts,
+                                                  max_tokens=T, fp8=kwargs.get("fp8", False))
+        return got, want, (idxs, ws)
+
+    def same(got, want):
+        for r in range(R):
+            assert torch.equal(got[r].count, want[r].count), r
+            for e, n in enumerate(want[r].count.tolist()):
+                assert torch.equal(got[r].x[e, :n], want[r].x[e, :n]), (r, e)
+                assert torch.equal(got[r].src_info[e, :n], want[r].src_info[e, :n]), (r, e)
+
+    def where(got):
+        return [(g.x.data_ptr(), g.handle.layout.data_ptr()) for g in got]
+
+    first, want1, _ = call(0)  # parity 1
+    second, want2, routing2 = call(1)  # parity 0
+    held = where(first)
+    kept_view = ([g.x[0].view(torch.int16).clone() for g in first],  # (bits: rows past the
+                 [g.x[0].view(torch.int16) for g in first])  # count are any, NaN too)
+    del first  # only a view of each rank's x stays: the storage is still read
+    third, want3, _ = call(2)  # parity 1: new outputs (a view of the first call's x is held)
+    assert all(a[0] != b[0] and a[1] != b[1] for a, b in zip(where(third), held))
+    assert all(torch.equal(a, b) for a, b in zip(*kept_view))
+    handle2 = [g.handle for g in second]
+    x2 = [g.x for g in second]
+    del second  # the handle and x stay
+    fourth, want4, _ = call(3)  # parity 0: every output new
+    assert all(a[0] != b[0] and a[1] != b[1] for a, b in zip(where(fourth),
+                                                             [(x.data_ptr(), h.layout.data_ptr())
+                                                              for x, h in zip(x2, handle2)]))
+    same(third, want3)
+    same(fourth, want4)
+    ys = [torch.randn(x.shape).to(torch.bfloat16) for x in x2]
+    outs = lockstep.low_latency_combine(bufs, ys, *routing2, handle2)
+    ref = reference.low_latency_combine_all(ys, *routing2, want2, T)
+    assert all(torch.equal(o, w) for o, w in zip(outs, ref))
+    at3, at4 = where(third), where(fourth)
+    del kept_view, third, x2, handle2
+    fifth, want5, _ = call(4)  # parity 1: the third call's outputs are free again: reused
+    assert where(fifth) == at3
+    del fourth
+    sixth, want6, _ = call(5)  # parity 0: the fourth's, reused
+    assert where(sixth) == at4
+    same(fifth, want5)
+    same(sixth, want6)
+    with_fp8, _, _ = call(6, fp8=True)  # another format: outputs of its own
+    assert with_fp8[0].x.dtype == torch.float8_e4m3fn
+
+
 def test_loopback_of_no_ranks_raises_value_error():
     with pytest.raises(ValueError, match="world_size must be a positive int, got 0"):
         moe_comm.Buffer.loopback(0, 64, 4, 3)

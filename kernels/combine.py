@@ -50,6 +50,7 @@ from .comm import (
     peer_ptr,
     publish_epoch,
     publish_epoch_to,
+    signal_word,
     timed_out,
 )
 from .internode import (
@@ -76,7 +77,8 @@ from .tiles import even, persistent_programs, tiles
 # a combine send's channel loop: the gathers of the next channel tile in flight while one is
 # summed and stored (2 x IN_FLIGHT x 16 KB of shared memory at bf16 64 x 128 tiles)
 SEND_STAGES = tl.constexpr(3)
-_SEND_PER_CALL = ["rows_off", "meta_off", "signal_off", "local_base", "errors_addr", "me"]
+_SEND_PER_CALL = ["rows_off", "meta_off", "signal_off", "local_base", "errors_addr", "me",
+                  "descriptor"]
 
 
 @triton.jit
@@ -354,6 +356,7 @@ def combine_send_kernel(
     ring_addr: tl.int64, timeout_ns: tl.int64,  # TRANSPORT 2: the proxy's ring (flat)
     H: tl.int32, K: tl.int32, R: tl.int32, me: tl.int32, TMAX: tl.int32,
     N: tl.int32, RING_SLOTS: tl.int32,  # TRANSPORT 2: ranks per node, ring slots
+    descriptor: tl.int32,  # the call's (moe_comm.call_descriptor), in every signal word
     KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr,
     ACC_FP64: tl.constexpr,
     FP8: tl.constexpr,  # partials travel as FP8 per 128 channels (not with ACC_FP64; with HIER
@@ -380,37 +383,39 @@ def combine_send_kernel(
                   BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R, IN_FLIGHT, STAGES)
     if draw_last_of(tickets, tl.num_programs(0)):
         if not timed_out(errors_addr.to(tl.pointer_type(tl.int64)), NUM_THREADS):
-            publish_partials(peer_ptrs, signal_off, epoch, parity, stats, plan, slot_offsets,
-                             local_base, ring_addr, RING_SLOTS, errors_addr, timeout_ns,
+            publish_partials(peer_ptrs, signal_off, signal_word(epoch, descriptor), parity,
+                             stats, plan, slot_offsets, local_base, ring_addr, RING_SLOTS,
+                             errors_addr, timeout_ns,
                              H * y.dtype.element_ty.primitive_bitwidth // 8, H, K, R, N, me,
                              KMAX, HAS_PAIR, FP8, TRANSPORT, HIER)
         tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
 
 
 @triton.jit
-def publish_partials(peer_ptrs, signal_off, epoch, parity, stats, plan, slot_offsets,
+def publish_partials(peer_ptrs, signal_off, word, parity, stats, plan, slot_offsets,
                      local_base, ring_addr, RING_SLOTS, errors_addr, timeout_ns, stride, H, K, R,
                      N, me, KMAX: tl.constexpr, HAS_PAIR: tl.constexpr, FP8: tl.constexpr,
                      TRANSPORT: tl.constexpr, HIER: tl.constexpr):
-    """The end of a combine send's partials of epoch ``epoch`` (in its last program,
-    ``combine_send_kernel``'s arguments; ``stride``: bytes of a partial row): the epoch to
-    every rank it reaches by stores (or NVSHMEM, TRANSPORT 1); through the proxy (TRANSPORT 2)
-    to every forwarder of this node (HIER) or, flat, one transfer per home on another node,
-    which raises the epoch there after the partials. 8 bytes a rank reached, in ``stats``."""
+    """The end of a combine send's partials (in its last program, ``combine_send_kernel``'s
+    arguments; ``word``: the call's signal word, ``kernels.comm.signal_word``; ``stride``: bytes
+    of a partial row): the word to every rank it reaches by stores (or NVSHMEM, TRANSPORT 1);
+    through the proxy (TRANSPORT 2) to every forwarder of this node (HIER) or, flat, one
+    transfer per home on another node, which raises the word there after the partials. 8
+    bytes a rank reached, in ``stats``."""
     for d in range(R):
-        publish_epoch_to(peer_ptrs, d, signal_off, epoch, local_base, TRANSPORT)
+        publish_epoch_to(peer_ptrs, d, signal_off, word, local_base, TRANSPORT)
     reached = R
     if TRANSPORT == 2:
         reached = N
         if HIER:  # every forwarder of this node: this rank's partials are there
             for f in range(N):
                 publish_epoch(peer_ptrs, (me // N) * N + f,
-                              _at(plan, HC_SIGNALS) + (me % N) * 8, epoch)
+                              _at(plan, HC_SIGNALS) + (me % N) * 8, word)
         elif one_thread():
             flat_payload = stride
             if FP8:
                 flat_payload = H + 4 * (H // 128)
-            post_combine_flat(plan, slot_offsets, R, N, me, epoch, parity, flat_payload,
+            post_combine_flat(plan, slot_offsets, R, N, me, word, parity, flat_payload,
                               stride, K, KMAX, HAS_PAIR, ring_addr, RING_SLOTS, errors_addr,
                               timeout_ns)
     signal_bytes = 8 + tl.zeros([1], tl.int64)
@@ -574,7 +579,7 @@ def combine_send(y, weights, pair_values, slot_rows, slot_offsets, peer_ptrs, st
                  num_sms: int | None = None, flavour: Flavour = CPU_RANKS,
                  box_offsets: tuple = ((0, 0),) * 2, xstats=None, plan=None,
                  fp8: bool = False, bound: BoundLaunches | None = None,
-                 scratch: dict | None = None) -> bool:
+                 scratch: dict | None = None, descriptor: int = 0) -> bool:
     """Launches the persistent send programs of :func:`send_grid` (every rank is signalled):
     they deal the tiles of every source's slots (``slot_offsets`` [R + 1] int64, the diff being
     each source's slots) round-robin among themselves.
@@ -587,7 +592,8 @@ def combine_send(y, weights, pair_values, slot_rows, slot_offsets, peer_ptrs, st
     ``fp8``: the partials travel quantized (module docstring; not fp64); hierarchical: those
     for other nodes go to the forwarders unquantized, which send FP8 sums. ``bound``: the
     owner's bound launches (``kernels.bound``; ``y`` and the dispatch's tensors vary);
-    ``scratch``: the owner's scratch tensors (:func:`_scratch`), else one per call."""
+    ``scratch``: the owner's scratch tensors (:func:`_scratch`), else one per call;
+    ``descriptor``: the call's, in every signal word (``moe_comm.call_descriptor``)."""
     H = y.shape[1]
     dummy = slot_offsets
     values = (y, weights if weights is not None else dummy,
@@ -596,7 +602,7 @@ def combine_send(y, weights, pair_values, slot_rows, slot_offsets, peer_ptrs, st
     key = ("combine_send", H, topk, specs(values), weights is None,
            pair_values is None, xstats is None, plan is None, id(peer_ptrs), id(stats),
            id(tickets), id(epochs), id(offsets), rank, max_topk, max_tokens, num_sms,
-           id(flavour), box_offsets, fp8, id(scratch))
+           id(flavour), box_offsets, fp8, id(scratch), descriptor)
     if call_bound(bound, key, values):
         return True
     R = peer_ptrs.numel()
@@ -612,7 +618,7 @@ def combine_send(y, weights, pair_values, slot_rows, slot_offsets, peer_ptrs, st
         *(off for off, _ in box_offsets), *(stride for _, stride in box_offsets),
         flavour.local_base, flavour.errors_addr, values[6],
         flavour.ring_addr, flavour.timeout_ns, H, topk, R, rank, max_tokens,
-        flavour.ranks_per_node or R, flavour.ring_slots)
+        flavour.ranks_per_node or R, flavour.ring_slots, descriptor)
     kwargs = dict(
         KMAX=max_topk,
         HAS_WEIGHTS=weights is not None, HAS_PAIR=pair_values is not None,

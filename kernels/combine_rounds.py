@@ -97,14 +97,22 @@ from .combine import (
     reduce_tile,
     send_partials,
 )
-from .comm import CPU_RANKS, Flavour, check_round_words, draw_last_of, timed_out, wait_round
+from .comm import (
+    CPU_RANKS,
+    Flavour,
+    check_round_words,
+    draw_last_of,
+    signal_word,
+    timed_out,
+    wait_round,
+)
 from .internode import forward_round
 from .tiles import MAX_TRIPS, combine_round_trips, even, tiles
 
 ROUNDS_TICKET = 6  # the word of ``tickets`` this kernel draws from (kernels.dispatch_rounds: 5)
 FORWARD_TICKET = 8  # and the word its forwarder's pass draws from (HIER)
 _PER_CALL = ["rows_off", "meta_off", "signal_off", "local_base", "errors_addr", "timeout_ns",
-             "T", "me", "mask_off", "ring_addr"]
+             "T", "me", "mask_off", "ring_addr", "descriptor"]
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
@@ -159,6 +167,7 @@ def combine_rounds_kernel(
     T: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, me: tl.int32,
     W: tl.int32,  # ring slots per source: the tokens of a round
     ROUNDS: tl.int32, OFFSETS_STRIDE: tl.int32,
+    descriptor: tl.int32,  # the call's (moe_comm.call_descriptor), in every round's signal word
     FT: tl.constexpr,  # fault tolerance: a silent source is excluded, each round sums the rest
     TRANSPORT: tl.constexpr,  # 0: every peer by stores; 1: NVSHMEM where a pointer is 0;
                               # 2: other nodes through the proxy (flat, or HIER)
@@ -195,8 +204,9 @@ def combine_rounds_kernel(
                           ALIGN, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R, IN_FLIGHT,
                           1 if FT and TRANSPORT == 2 else SEND_STAGES)  # (8 bytes spilled)
             if draw_last_of(tickets, programs):  # the round's epoch, as combine_send_kernel's
-                publish_partials(peer_ptrs, signal_off, epoch, parity, stats, plan, offsets,
-                                 local_base, ring_addr, RING_SLOTS, errors_addr, timeout_ns,
+                publish_partials(peer_ptrs, signal_off, signal_word(epoch, descriptor), parity,
+                                 stats, plan, offsets, local_base, ring_addr, RING_SLOTS,
+                                 errors_addr, timeout_ns,
                                  H * y.dtype.element_ty.primitive_bitwidth // 8, H, K, R, N, me,
                                  KMAX, HAS_PAIR, FP8, TRANSPORT, HIER)
                 tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
@@ -210,7 +220,7 @@ def combine_rounds_kernel(
                                    BLOCK_K, BLOCK_R, NUM_THREADS)
             waited = wait_round(pid, epoch, signals, errors, timeout_ns, live + i * R, decided,
                                 mask_off, local_base, peer_ptrs, R, me, FT, TRANSPORT, BLOCK_R,
-                                NUM_THREADS)
+                                NUM_THREADS, True)
             if HIER:  # (a pass whose wait timed out ends the program's rounds too)
                 waited = waited & ok
             ok = waited
@@ -281,7 +291,8 @@ def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, 
                    num_sms: int | None = None, flavour: Flavour = CPU_RANKS, fp8: bool = False,
                    bound: BoundLaunches | None = None, scratch: dict | None = None,
                    live=None, decided=None, xstats=None, plan=None,
-                   box_offsets: tuple = ((0, 0),) * 2, node: tuple | None = None) -> bool:
+                   box_offsets: tuple = ((0, 0),) * 2, node: tuple | None = None,
+                   descriptor: int = 0) -> bool:
     """Launches :func:`combine_rounds_kernel` (module docstring): the whole combine of
     ``rounds`` rounds. ``offsets``: rows / meta -> (byte offset of this rank's slice of parity
     0, bytes per parity), signal -> byte offset (``combine_send``'s); ``staging`` / ``meta``
@@ -297,7 +308,8 @@ def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, 
     home's and the forwarder's tensors: the whole hcomb_rows / hcomb_meta, hc_rows / hc_meta
     and px_combine_rows / px_combine_meta regions, the dispatch's ``node_slot_of`` (its ring
     rows per node), ``fwd_slots`` and ``fwd_n``, and the forwarder pass's ticket word
-    (``FORWARD_TICKET``)."""
+    (``FORWARD_TICKET``). ``descriptor``: the call's, in every round's signal word
+    (``moe_comm.call_descriptor``; each round's wait compares them)."""
     T, H = out.shape
     R, W = staging.shape[1:3]
     row_bytes = staging.stride(2) * staging.element_size()
@@ -318,7 +330,7 @@ def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, 
            id(staging), id(meta), staging.shape, row_bytes, id(offsets), rank,
            max_topk, rounds, offsets_stride, num_sms, id(flavour), fp8, id(scratch), id(decided),
            id(xstats), id(plan), box_offsets, hier and tuple(id(t) for t in node[:6]),
-           hier and id(node[9]))
+           hier and id(node[9]), descriptor)
     if call_bound(bound, key, values):
         return True
     check_one_launch(flavour, live, decided, rounds, R, plan, node)  # (once: bound)
@@ -341,7 +353,7 @@ def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, 
         *(off for off, _ in box_offsets), *(stride for _, stride in box_offsets),
         staging.stride(0), meta.stride(0), row_bytes, flavour.local_base, flavour.errors_addr,
         flavour.timeout_ns, flavour.mask_off, values[12], H, topk, R, rank, W, rounds,
-        offsets_stride)
+        offsets_stride, descriptor)
     M = R // (flavour.ranks_per_node or R)
     kwargs = dict(
         FT=flavour.fault_tolerant, TRANSPORT=flavour.transport, HIER=hier, KMAX=max_topk,

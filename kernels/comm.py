@@ -70,6 +70,12 @@ CALL_DIFFERS = tl.constexpr(4)  # a source's call descriptor is not this rank's 
 SLOT_BITS = tl.constexpr(18)
 SLOT_MASK = tl.constexpr((1 << 18) - 1)
 REFUSED_BIT = tl.constexpr(11)  # of a descriptor: the call was refused (it sends no rows)
+MIXED_BIT = tl.constexpr(13)  # of a forwarded one: the ranks of its node sent other descriptors
+MIXED = tl.constexpr(1 << 13)
+# A combine's signal words (normal mode: ``signals[1]``, ``hc_signals``; low-latency:
+# ``ll_combine_signals``) carry ``epoch << EPOCH_SHIFT | descriptor << SLOT_BITS``: its waits
+# compare the epoch above EPOCH_SHIFT, its receivers the descriptors (``check_signal_words``)
+EPOCH_SHIFT = tl.constexpr(32)
 _INTERPRETER_SPIN_S = 1e-4
 # polls of a spin between two reads of the clock (the interpreter's clock read is what yields
 # the CPU to the ranks it waits for: there every poll reads it)
@@ -155,6 +161,30 @@ def check_descriptors(words, keep, src, me, epoch, errors_addr):
         theirs = tl.sum(tl.where(src == first, desc, 0), axis=0)
         record_error(errors_addr.to(tl.pointer_type(tl.int64)), INPUT_RECORD, CALL_DIFFERS,
                      first, theirs | (mine << 16) | (epoch.to(tl.int64) << 32))
+
+
+@triton.jit
+def signal_word(epoch, descriptor):
+    """A combine's signal word: ``epoch << EPOCH_SHIFT | descriptor << SLOT_BITS`` (int64)."""
+    return (tl.cast(epoch, tl.int64) << EPOCH_SHIFT) | (tl.cast(descriptor, tl.int64)
+                                                        << SLOT_BITS)
+
+
+@triton.jit
+def check_signal_words(words, src, valid, me, epoch, errors_addr):
+    """:func:`check_descriptors` of a combine's signal words ``words`` [BLOCK] (published for
+    the ranks ``src``, ``valid`` lanes): those of this call's ``epoch`` only (a word set
+    above every epoch, one no source publishes, or an excluded source's old one is left out);
+    this rank's own is the one of ``src == me``. Returns the descriptor to pass on: the first
+    that differs from this rank's, else this rank's (a hierarchical forwarder relays it)."""
+    keep = valid & ((words >> EPOCH_SHIFT) == epoch)
+    low = words & 0xFFFFFFFF
+    check_descriptors(low, keep, src, me, epoch, errors_addr)
+    desc = low >> SLOT_BITS
+    mine = tl.sum(tl.where(src == me, desc, 0), axis=0)
+    none = 1 << 30
+    first = tl.min(tl.where(keep & (desc != mine), src, none), axis=0)
+    return tl.where(first < none, tl.sum(tl.where(src == first, desc, 0), axis=0), mine)
 
 
 @triton.jit
@@ -370,17 +400,19 @@ def wait_all_or_exclude(words, stride, n, expected, SHIFT: tl.constexpr, deadlin
 @triton.jit
 def wait_or_exclude_once(pid, words, expected, live, decided, deadline_ns, timeout_ns, errors,
                          mask, me, peer_ptrs, mask_off, R, local_base, BLOCK: tl.constexpr,
-                         NUM_THREADS: tl.constexpr, TRANSPORT: tl.constexpr):
+                         NUM_THREADS: tl.constexpr, TRANSPORT: tl.constexpr,
+                         SHIFT: tl.constexpr = 0):
     """:func:`wait_all_or_exclude` taken once for every program of a launch, so that they all
     read the same sources: program 0 waits, writes which sources arrived into ``live`` [R]
     int32 and then release-stores ``decided := 2 * expected + ok`` (a local int64 word that
     only grows: epochs do); every other program waits, bounded (``deadline_ns`` plus
     ``timeout_ns``, program 0's own wait; a timeout names this rank), for ``decided >> 1 >=
-    expected`` and takes ``ok`` from its low bit. Returns ``ok`` (this rank may go on)."""
+    expected`` and takes ``ok`` from its low bit. Returns ``ok`` (this rank may go on).
+    ``SHIFT``: the epoch's place in ``words`` (:func:`wait_all_at_least`)."""
     if pid == 0:
-        arrived, ok = wait_all_or_exclude(words, 1, R, expected, 0, deadline_ns, errors, words,
-                                          mask, me, peer_ptrs, mask_off, R, local_base, BLOCK,
-                                          NUM_THREADS, TRANSPORT, False)
+        arrived, ok = wait_all_or_exclude(words, 1, R, expected, SHIFT, deadline_ns, errors,
+                                          words, mask, me, peer_ptrs, mask_off, R, local_base,
+                                          BLOCK, NUM_THREADS, TRANSPORT, False)
         s = tl.arange(0, BLOCK)
         tl.store(live + s, arrived.to(tl.int32), mask=s < R)
         tl.debug_barrier()
@@ -397,22 +429,32 @@ def wait_or_exclude_once(pid, words, expected, live, decided, deadline_ns, timeo
 @triton.jit
 def wait_round(pid, epoch, signals, errors, timeout_ns, live, decided, mask_off, local_base,
                peer_ptrs, R, me, FT: tl.constexpr, TRANSPORT: tl.constexpr,
-               BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr):
+               BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr, COMBINE: tl.constexpr = False):
     """A round's wait in a launch of a call's rounds (``kernels.combine_rounds``,
     ``kernels.dispatch_rounds``, ``kernels.invariant_rounds``): every program waits, bounded,
     for every rank's ``epoch`` in ``signals``; returns whether all arrived (a timeout is
     recorded, naming the rank). ``FT``: :func:`wait_or_exclude_once` (program 0 excludes a
     source silent until the deadline and writes who arrived into ``live`` [R]; every program
     reads the same; an exclusion reaches the ranks it reaches by stores, ``TRANSPORT`` as
-    :func:`publish_to_all`); returns whether this rank may go on."""
+    :func:`publish_to_all`); returns whether this rank may go on. ``COMBINE``: the words are
+    a combine's (the epoch above EPOCH_SHIFT), and program 0 compares their descriptors
+    (:func:`check_signal_words`)."""
     deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
     if FT:
         mask = local_ptr(local_base, mask_off, tl.int64, 8)
-        return wait_or_exclude_once(pid, signals, epoch, live, decided, deadline, timeout_ns,
-                                    errors, mask, me, peer_ptrs, mask_off, R, local_base,
-                                    BLOCK_R, NUM_THREADS, TRANSPORT)
-    return wait_all_at_least(signals, 1, R, epoch, 0, deadline, errors, signals, BLOCK_R,
-                             NUM_THREADS, False)
+        ok = wait_or_exclude_once(pid, signals, epoch, live, decided, deadline, timeout_ns,
+                                  errors, mask, me, peer_ptrs, mask_off, R, local_base,
+                                  BLOCK_R, NUM_THREADS, TRANSPORT,
+                                  EPOCH_SHIFT if COMBINE else 0)
+    else:
+        ok = wait_all_at_least(signals, 1, R, epoch, EPOCH_SHIFT if COMBINE else 0, deadline,
+                               errors, signals, BLOCK_R, NUM_THREADS, False)
+    if COMBINE:
+        if ok & (pid == 0):  # gate: cold
+            src = tl.arange(0, BLOCK_R)
+            check_signal_words(tl.load(signals + src, mask=src < R, other=0), src, src < R, me,
+                               epoch, errors)
+    return ok
 
 
 def check_round_words(fault_tolerant: bool, live, decided, rounds: int, world_size: int,
@@ -463,15 +505,23 @@ def wait_epochs_kernel(
     signals,  # [R] int64 local signal words of one channel
     epochs,  # [1] int64 local: the channel's epoch (this rank's send of the call is done)
     errors_addr: tl.int64,  # address of the error record (host-mapped memory on GPUs)
-    timeout_ns: tl.int64, R: tl.int32,
+    timeout_ns: tl.int64, R: tl.int32, me: tl.int32,
     BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr,
+    COMBINE: tl.constexpr,  # a combine's words: the epoch above EPOCH_SHIFT, descriptors below
 ):
     """One program waits for ``signals[s] >= epochs[0]`` for every source at once (normal
-    mode, kernel waits; :func:`wait_all_at_least`)."""
+    mode, kernel waits; :func:`wait_all_at_least`); a combine's then compares the sources'
+    descriptors (:func:`check_signal_words`)."""
     deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
-    wait_all_at_least(signals, 1, R, tl.load(epochs), 0, deadline,
-                      errors_addr.to(tl.pointer_type(tl.int64)), signals, BLOCK_R, NUM_THREADS,
-                      False)
+    epoch = tl.load(epochs)
+    ok = wait_all_at_least(signals, 1, R, epoch, EPOCH_SHIFT if COMBINE else 0, deadline,
+                           errors_addr.to(tl.pointer_type(tl.int64)), signals, BLOCK_R,
+                           NUM_THREADS, False)
+    if COMBINE:
+        if ok:  # gate: cold
+            src = tl.arange(0, BLOCK_R)
+            check_signal_words(tl.load(signals + src, mask=src < R, other=0), src, src < R, me,
+                               epoch, errors_addr)
 
 
 @triton.jit(do_not_specialize=["errors_addr", "timeout_ns", "first_rank"])
@@ -481,22 +531,23 @@ def wait_relayed_epochs_kernel(
     errors_addr: tl.int64, timeout_ns: tl.int64, n: tl.int32,
     first_rank: tl.int32, rank_step: tl.int32,  # word i is published for this rank
     BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr,
+    SHIFT: tl.constexpr,  # the epoch's place in the words (a combine's: EPOCH_SHIFT)
 ):
     """One program waits for ``words[i] >= epochs[0]`` for every ``i < n`` at once, and a
     timeout names rank ``first_rank + i * rank_step`` (a forwarder's node messages, ``node``
     ``a``'s from rank ``a * N + l``; its node's partials, rank ``b * N + i``)."""
     deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
     wait_relayed(words, n, tl.load(epochs), deadline, errors_addr.to(tl.pointer_type(tl.int64)),
-                 first_rank, rank_step, BLOCK_R, NUM_THREADS)
+                 first_rank, rank_step, BLOCK_R, NUM_THREADS, SHIFT)
 
 
 @triton.jit
 def wait_relayed(words, n, expected, deadline_ns, errors, first_rank, rank_step,
-                 BLOCK: tl.constexpr, NUM_THREADS: tl.constexpr):
+                 BLOCK: tl.constexpr, NUM_THREADS: tl.constexpr, SHIFT: tl.constexpr = 0):
     """:func:`wait_all_at_least` of ``n`` local words where word ``i`` is published for rank
     ``first_rank + i * rank_step`` (the rank a timeout names; :func:`wait_relayed_epochs_kernel`
     and the forwarder's pass of a combine in one launch, ``kernels.internode.forward_round``)."""
-    return _wait_named(words, 1, n, expected, 0, deadline_ns, errors, words, first_rank,
+    return _wait_named(words, 1, n, expected, SHIFT, deadline_ns, errors, words, first_rank,
                        rank_step, BLOCK, NUM_THREADS, False)
 
 
@@ -510,6 +561,7 @@ def ft_wait_epochs_kernel(
     local_base: tl.int64, errors_addr: tl.int64, timeout_ns: tl.int64,
     R: tl.int32, me: tl.int32,
     TRANSPORT: tl.constexpr, BLOCK_R: tl.constexpr, NUM_THREADS: tl.constexpr,
+    COMBINE: tl.constexpr,  # a combine's words (as wait_epochs_kernel)
 ):
     """Fault-tolerant form of :func:`wait_epochs_kernel`: waits for every source not excluded
     (all at once; :func:`wait_all_or_exclude`) and says which arrived (a dispatch's received
@@ -517,11 +569,16 @@ def ft_wait_epochs_kernel(
     errors = errors_addr.to(tl.pointer_type(tl.int64))
     mask = local_ptr(local_base, mask_off, tl.int64, 8)
     deadline = uniform_now_ns(NUM_THREADS) + timeout_ns
-    arrived, ok = wait_all_or_exclude(signals, 1, R, tl.load(epochs), 0, deadline, errors,
-                                      signals, mask, me, peer_ptrs, mask_off, R, local_base,
-                                      BLOCK_R, NUM_THREADS, TRANSPORT, False)
+    epoch = tl.load(epochs)
+    arrived, ok = wait_all_or_exclude(signals, 1, R, epoch, EPOCH_SHIFT if COMBINE else 0,
+                                      deadline, errors, signals, mask, me, peer_ptrs, mask_off,
+                                      R, local_base, BLOCK_R, NUM_THREADS, TRANSPORT, False)
     s = tl.arange(0, BLOCK_R)
     tl.store(live + s, arrived.to(tl.int32), mask=s < R)
+    if COMBINE:
+        if ok:  # gate: cold
+            check_signal_words(tl.load(signals + s, mask=s < R, other=0), s, arrived, me,
+                               epoch, errors_addr)
 
 
 # ------------------------------------------------------------------------------- host side

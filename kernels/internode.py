@@ -37,12 +37,20 @@ import triton
 import triton.language as tl
 
 from .comm import (
+    CALL_DIFFERS,
+    EPOCH_SHIFT,
+    INPUT_RECORD,
+    MIXED,
+    REFUSED_BIT,
+    SLOT_BITS,
     Flavour,
     draw_last_of,
     local_ptr,
     one_thread,
     peer_ptr,
     publish_epoch,
+    record_error,
+    signal_word,
     slots_in,
     timed_out,
     uniform_now_ns,
@@ -580,7 +588,7 @@ def forward_combine_kernel(
     post_node_sums(summed, True, tickets, tl.num_programs(0) * tl.num_programs(1), plan, fwd_n,
                    xstats, box_rows, epoch, parity, H, R, N, me, K, KMAX, HAS_PAIR, FP8,
                    ring_addr, RING_SLOTS, errors_addr.to(tl.pointer_type(tl.int64)), timeout_ns,
-                   NUM_THREADS)
+                   local_base, NUM_THREADS)
 
 
 @triton.jit
@@ -653,28 +661,62 @@ def forward_node_sums(a, p, P, parity, hc_rows, hc_meta, box_rows, box_meta, fwd
 
 
 @triton.jit
+def relayed_descriptor(plan, local_base, epoch, me, N, errors):
+    """What a hierarchical forwarder passes on to the homes of other nodes, from the signal
+    words of its node's partials of ``epoch`` (``hc_signals``, ``epoch << 32 | descriptor <<
+    SLOT_BITS``): its own descriptor where every rank of its node sent the same; else the first
+    refusal among them, or failing one the first descriptor that differs from its own with
+    MIXED_BIT set, which no rank's own descriptor has (so every home raises). The first that
+    differs from its own is recorded too (as ``kernels.comm.check_descriptors``). Call from one
+    thread."""
+    words = local_ptr(local_base, _at(plan, HC_SIGNALS), tl.int64, 8)
+    mine = (tl.load(words + me % N, volatile=True) & 0xFFFFFFFF) >> SLOT_BITS
+    first = mine
+    refused = mine
+    for j in range(N):
+        word = tl.load(words + j, volatile=True)
+        theirs = (word & 0xFFFFFFFF) >> SLOT_BITS
+        current = (word >> EPOCH_SHIFT) == epoch
+        if current & (theirs != mine) & (first == mine):  # gate: cold
+            record_error(errors, INPUT_RECORD, CALL_DIFFERS, (me // N) * N + j,
+                         theirs | (mine << 16) | (epoch.to(tl.int64) << 32))
+            first = theirs
+        if current & (((theirs >> REFUSED_BIT) & 1) == 1) & (((refused >> REFUSED_BIT) & 1)
+                                                             == 0):
+            refused = theirs
+    relay = mine
+    if ((refused >> REFUSED_BIT) & 1) == 1:
+        relay = refused
+    elif first != mine:
+        relay = first | MIXED
+    return relay
+
+
+@triton.jit
 def post_node_sums(summed, ok, tickets, programs, plan, fwd_n, xstats, box_rows, epoch, parity,
                    H, R, N, me, K, KMAX: tl.constexpr, HAS_PAIR: tl.constexpr,
-                   FP8: tl.constexpr, ring_addr, RING_SLOTS, errors, timeout_ns,
+                   FP8: tl.constexpr, ring_addr, RING_SLOTS, errors, timeout_ns, local_base,
                    NUM_THREADS: tl.constexpr):
     """After a program's :func:`forward_node_sums` (``summed`` rows): counts their bytes in
     ``xstats``; the last of ``programs`` to draw from ``tickets`` (every program's sums are in
     the outbox of ``parity``), if ``ok`` and no wait timed out, posts to the home with this
     rank's local index on every other node ``a2`` one transfer of its ``fwd_n[a2]`` node sums
     (:func:`node_sum_bytes` each, and their pair values), after which the proxy raises the
-    combine signal there to ``epoch``."""
+    combine signal there to ``epoch`` and the :func:`relayed_descriptor`."""
     row_bytes, row_stride = node_sum_bytes(box_rows, H, FP8)
     tl.atomic_add(xstats + 1 + tl.arange(0, 1), summed * (row_bytes + HAS_PAIR * 4 * K),
                   sem="relaxed")
     if draw_last_of(tickets, programs):
         if ok and not timed_out(errors, NUM_THREADS):
             if one_thread():
+                word = signal_word(epoch, relayed_descriptor(plan, local_base, epoch, me, N,
+                                                             errors))
                 for a2 in range(R // N):
                     if a2 != me // N:
                         n2 = tl.load(fwd_n + a2).to(tl.int64)
                         post_transfer(
                             ring_addr, RING_SLOTS, a2 * N + me % N, _at(plan, COMB_SIGNAL),
-                            epoch, 1 + HAS_PAIR,
+                            word, 1 + HAS_PAIR,
                             _off(plan, PXC_ROWS, parity, a2),
                             _at(plan, HCOMB_ROWS) + parity * _at(plan, HCOMB_ROWS_PAR),
                             row_bytes, row_stride, n2,
@@ -702,7 +744,7 @@ def forward_round(pid, programs, epoch, parity, plan, hc_rows, hc_meta, box_rows
     my_node = me // N
     words = local_ptr(local_base, _at(plan, HC_SIGNALS), tl.int64, 8)
     ok = wait_relayed(words, N, epoch, uniform_now_ns(NUM_THREADS) + timeout_ns, errors,
-                      my_node * N, 1, BLOCK_R, NUM_THREADS)
+                      my_node * N, 1, BLOCK_R, NUM_THREADS, EPOCH_SHIFT)
     summed = tl.zeros([1], tl.int64)
     if ok:
         for a in range(R // N):
@@ -714,23 +756,24 @@ def forward_round(pid, programs, epoch, parity, plan, hc_rows, hc_meta, box_rows
                                             FP8, BLOCK_T, BLOCK_H, BLOCK_K)
     post_node_sums(summed, ok, tickets, programs, plan, fwd_n, xstats, box_rows, epoch, parity,
                    H, R, N, me, K, KMAX, HAS_PAIR, FP8, ring_addr, RING_SLOTS, errors,
-                   timeout_ns, NUM_THREADS)
+                   timeout_ns, local_base, NUM_THREADS)
     return ok
 
 
 @triton.jit
-def post_combine_flat(plan, slot_offsets, R, N, me, epoch, parity, row_bytes, row_stride, K,
+def post_combine_flat(plan, slot_offsets, R, N, me, word, parity, row_bytes, row_stride, K,
                       KMAX: tl.constexpr, HAS_PAIR: tl.constexpr, ring_addr, RING_SLOTS,
                       errors_addr, timeout_ns):
     """Flat combine: one transfer per home rank on another node, from the outbox slice the
     combine send filled (call from one thread of the last program): ``row_bytes`` of each
     partial row (FP8 partials fill part of theirs), rows ``row_stride`` bytes apart;
-    ``slot_offsets`` [R + 1] int64: the slots of each home rank (the diff)."""
+    ``slot_offsets`` [R + 1] int64: the slots of each home rank (the diff); ``word``: the
+    signal word the proxy raises there after them (``kernels.comm.signal_word``)."""
     for s in range(R):
         if s // N != me // N:
             n = tl.load(slot_offsets + s + 1) - tl.load(slot_offsets + s)
             post_transfer(
-                ring_addr, RING_SLOTS, s, _at(plan, COMB_SIGNAL), epoch, 1 + HAS_PAIR,
+                ring_addr, RING_SLOTS, s, _at(plan, COMB_SIGNAL), word, 1 + HAS_PAIR,
                 _off(plan, PXC_ROWS, parity, s),
                 _at(plan, COMB_ROWS) + parity * _at(plan, COMB_ROWS_PAR), row_bytes, row_stride,
                 n,

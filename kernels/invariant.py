@@ -49,6 +49,7 @@ from .comm import (
     one_thread,
     peer_ptr,
     publish_epoch_to,
+    signal_word,
     timed_out,
 )
 from .numerics import cast_rne, channel_tile, column
@@ -157,7 +158,7 @@ def send_pairs(pid, programs, y, weights, pair_values, slot_rows, slot_offsets, 
     tl.atomic_add(stats + 3 + tl.arange(0, 1), to_self, sem="relaxed")
 
 
-@triton.jit(do_not_specialize=["signal_off", "local_base", "errors_addr", "me"])
+@triton.jit(do_not_specialize=["signal_off", "local_base", "errors_addr", "me", "descriptor"])
 def invariant_send_kernel(
     y,  # [rows, H] expert outputs
     weights,  # [rows] float32 (HAS_WEIGHTS)
@@ -177,6 +178,7 @@ def invariant_send_kernel(
     box_rows_parity: tl.int64, box_meta_parity: tl.int64,
     ring_addr: tl.int64, RING_SLOTS: tl.int64, timeout_ns: tl.int64,  # TRANSPORT 2: the proxy
     H: tl.int32, K: tl.int32, R: tl.int32, me: tl.int32, W: tl.int32,
+    descriptor: tl.int32,  # the call's (moe_comm.call_descriptor), in its signal word
     KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr,
     TRANSPORT: tl.constexpr,  # 0: stores through peer pointers; 2: the proxy where none (flat)
     ALIGN: tl.constexpr, EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -196,24 +198,26 @@ def invariant_send_kernel(
                ALIGN, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R, True, COPY_STAGES)
     if draw_last_of(tickets, tl.num_programs(0)):
         if not timed_out(errors, NUM_THREADS):
-            publish_pairs(peer_ptrs, signal_off, epoch, stats, local_base, ring_addr,
-                          RING_SLOTS, errors, timeout_ns, R, me, TRANSPORT)
+            publish_pairs(peer_ptrs, signal_off, signal_word(epoch, descriptor), stats,
+                          local_base, ring_addr, RING_SLOTS, errors, timeout_ns, R, me,
+                          TRANSPORT)
         tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
 
 
 @triton.jit
-def publish_pairs(peer_ptrs, signal_off, epoch, stats, local_base, ring_addr, RING_SLOTS,
+def publish_pairs(peer_ptrs, signal_off, word, stats, local_base, ring_addr, RING_SLOTS,
                   errors, timeout_ns, R, me, TRANSPORT: tl.constexpr):
-    """The end of an invariant send of ``epoch`` (its last program, after every program's
-    pairs): the epoch to every rank it reaches by stores; through the proxy (``TRANSPORT`` 2)
-    one signal per rank on another node, posted after this rank's descriptors to it (the
-    proxy keeps their order). 8 bytes a rank reached by stores, in ``stats``."""
+    """The end of an invariant send (its last program, after every program's pairs): its
+    signal word (``kernels.comm.signal_word``) to every rank it reaches by stores; through the
+    proxy (``TRANSPORT`` 2) one signal per rank on another node, posted after this rank's
+    descriptors to it (the proxy keeps their order). 8 bytes a rank reached by stores, in
+    ``stats``."""
     for d in range(R):
-        publish_epoch_to(peer_ptrs, d, signal_off, epoch, local_base, TRANSPORT)
+        publish_epoch_to(peer_ptrs, d, signal_off, word, local_base, TRANSPORT)
     reached = R
     if TRANSPORT == 2:
         if one_thread():
-            post_signal_to_remote(peer_ptrs, signal_off - me * 8, me, epoch, R, ring_addr,
+            post_signal_to_remote(peer_ptrs, signal_off - me * 8, me, word, R, ring_addr,
                                   RING_SLOTS, errors, timeout_ns)
         reached = 0
         for d in range(R):
@@ -322,12 +326,13 @@ def invariant_send(y, weights, pair_values, slot_rows, slot_offsets, src_token, 
                    stats, tickets, epochs, *, offsets: dict, rank: int, topk: int,
                    max_topk: int, ring_slots: int, num_sms: int | None = None,
                    flavour: Flavour = CPU_RANKS, bound: BoundLaunches | None = None,
-                   xstats=None) -> bool:
+                   xstats=None, descriptor: int = 0) -> bool:
     """Launches the :func:`send_grid` programs (every rank is signalled). ``offsets``: rows /
     meta -> (byte offset of parity 0 of ``inv_rows`` / ``inv_meta``, bytes per parity),
     signal -> byte offset of this rank's combine signal word, and through the proxy box_rows /
     box_meta -> the outboxes' (``inv_box_rows`` / ``inv_box_meta``); ``slot_offsets`` [R + 1]
-    int64 (a round's); ``ring_slots``: ``W``; ``xstats``: the outbox byte counters (proxy)."""
+    int64 (a round's); ``ring_slots``: ``W``; ``xstats``: the outbox byte counters (proxy);
+    ``descriptor``: the call's, in its signal word (``moe_comm.call_descriptor``)."""
     H = y.shape[1]
     dummy = slot_offsets
     values = (y, weights if weights is not None else dummy,
@@ -335,7 +340,7 @@ def invariant_send(y, weights, pair_values, slot_rows, slot_offsets, src_token, 
               src_token)
     key = ("invariant_send", H, topk, specs(values), weights is None, pair_values is None,
            id(peer_ptrs), id(stats), id(tickets), id(epochs), id(offsets), rank, max_topk,
-           ring_slots, num_sms, id(flavour))
+           ring_slots, num_sms, id(flavour), descriptor)
     if call_bound(bound, key, values):
         return True
     R = peer_ptrs.numel()
@@ -346,7 +351,7 @@ def invariant_send(y, weights, pair_values, slot_rows, slot_offsets, src_token, 
             offsets["signal"], offsets["rows"][1], offsets["meta"][1], flavour.local_base,
             flavour.errors_addr, stats if xstats is None else xstats, box_rows[0], box_meta[0],
             box_rows[1], box_meta[1], flavour.ring_addr, flavour.ring_slots, flavour.timeout_ns,
-            H, topk, R, rank, ring_slots)
+            H, topk, R, rank, ring_slots, descriptor)
     kwargs = dict(
         KMAX=max_topk, HAS_WEIGHTS=weights is not None, HAS_PAIR=pair_values is not None,
         TRANSPORT=flavour.transport,

@@ -50,13 +50,21 @@ import triton.language as tl
 
 from .bound import BoundLaunches, call_bound, launch, specs
 from .combine_rounds import rounds_grid
-from .comm import CPU_RANKS, Flavour, check_round_words, draw_last_of, timed_out, wait_round
+from .comm import (
+    CPU_RANKS,
+    Flavour,
+    check_round_words,
+    draw_last_of,
+    signal_word,
+    timed_out,
+    wait_round,
+)
 from .invariant import COPY_STAGES, publish_pairs, reduce_tokens, send_pairs
 from .tiles import MAX_TRIPS, combine_round_trips, even, tiles
 
 ROUNDS_TICKET = 7  # the word of ``tickets`` this kernel draws from (combine_rounds: 6)
 _PER_CALL = ["rows_off", "meta_off", "signal_off", "local_base", "errors_addr", "timeout_ns",
-             "T", "me", "mask_off", "ring_addr"]
+             "T", "me", "mask_off", "ring_addr", "descriptor"]
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
@@ -93,6 +101,7 @@ def invariant_rounds_kernel(
     T: tl.int32, H: tl.int32, K: tl.int32, R: tl.int32, E: tl.int32, me: tl.int32,
     W: tl.int32,  # ring slots per source: the tokens of a round
     ROUNDS: tl.int32, OFFSETS_STRIDE: tl.int32,
+    descriptor: tl.int32,  # the call's (moe_comm.call_descriptor), in every round's signal word
     KMAX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_PAIR: tl.constexpr,
     FT: tl.constexpr,  # fault tolerance: each round sums the sources program 0 heard
     TRANSPORT: tl.constexpr,  # 0: every peer by stores; 2: the proxy where no pointer
@@ -122,12 +131,13 @@ def invariant_rounds_kernel(
                        TRANSPORT, ALIGN, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R,
                        not FT, 1 if FT else COPY_STAGES)  # (with FT: 8-16 bytes spilled)
             if draw_last_of(tickets, programs):  # the round's epoch to every rank
-                publish_pairs(peer_ptrs, signal_off, epoch, stats, local_base, ring_addr,
-                              RING_SLOTS, errors, timeout_ns, R, me, TRANSPORT)
+                publish_pairs(peer_ptrs, signal_off, signal_word(epoch, descriptor), stats,
+                              local_base, ring_addr, RING_SLOTS, errors, timeout_ns, R, me,
+                              TRANSPORT)
                 tl.store(epochs + tl.arange(0, 1), epoch + tl.zeros([1], tl.int64))
             ok = wait_round(pid, epoch, signals, errors, timeout_ns, live + i * R, decided,
                             mask_off, local_base, peer_ptrs, R, me, FT, TRANSPORT, BLOCK_R,
-                            NUM_THREADS)
+                            NUM_THREADS, True)
             if ok:  # the tokens of window i, each in choice order
                 first = tl.cast(i, tl.int64) * W
                 n = tl.minimum(T - first, W).to(tl.int32)
@@ -161,7 +171,7 @@ def invariant_rounds(y, weights, pair_values, slot_rows, slot_offsets, src_token
                      ring_slots: int, rounds: int, offsets_stride: int,
                      num_sms: int | None = None, flavour: Flavour = CPU_RANKS,
                      bound: BoundLaunches | None = None, live=None, decided=None,
-                     xstats=None) -> bool:
+                     xstats=None, descriptor: int = 0) -> bool:
     """Launches :func:`invariant_rounds_kernel` (module docstring): the whole EP-invariant
     combine of ``rounds`` rounds. ``offsets``: ``invariant_send``'s (one node: rows / meta /
     signal); ``stage`` / ``meta`` the whole inv_rows / inv_meta regions; ``slot_offsets``
@@ -170,7 +180,8 @@ def invariant_rounds(y, weights, pair_values, slot_rows, slot_offsets, src_token
     written. ``flavour.fault_tolerant``: ``live`` [rounds, R] int32 gets who each round
     heard, ``decided`` is the Buffer's word of the decisions (``kernels.combine_rounds``).
     Through the proxy (``flavour.transport`` 2): ``offsets`` has the outboxes' (box_rows /
-    box_meta) and ``xstats`` counts their bytes."""
+    box_meta) and ``xstats`` counts their bytes. ``descriptor``: the call's, in every round's
+    signal word (``moe_comm.call_descriptor``; each round's wait compares them)."""
     if flavour.transport == 1 or (flavour.transport == 2 and (
             xstats is None or "box_rows" not in offsets)):
         raise ValueError("an EP-invariant combine in one launch reaches its peers by stores, "
@@ -186,7 +197,8 @@ def invariant_rounds(y, weights, pair_values, slot_rows, slot_offsets, src_token
     key = ("invariant_rounds", H, K, specs(values[:11]), weights is None, pair_values is None,
            has_pair, id(peer_ptrs), id(stats), id(tickets), id(epochs), id(signals), id(stage),
            id(meta), id(offsets), rank, num_experts, max_topk, ring_slots, rounds,
-           offsets_stride, num_sms, id(flavour), id(decided) if ft else None, id(xstats))
+           offsets_stride, num_sms, id(flavour), id(decided) if ft else None, id(xstats),
+           descriptor)
     if call_bound(bound, key, values):
         return True
     R = peer_ptrs.numel()
@@ -202,7 +214,7 @@ def invariant_rounds(y, weights, pair_values, slot_rows, slot_offsets, src_token
         offsets["meta"][0], offsets["signal"], offsets["rows"][1], offsets["meta"][1],
         stage.stride(0), meta.stride(0), flavour.local_base,
         flavour.errors_addr, flavour.timeout_ns, T, H, K, R, num_experts, rank, ring_slots,
-        rounds, offsets_stride)
+        rounds, offsets_stride, descriptor)
     kwargs = dict(
         KMAX=max_topk, HAS_WEIGHTS=weights is not None, HAS_PAIR=pair_values is not None,
         FT=ft, TRANSPORT=flavour.transport, ALIGN=flavour.row_align,

@@ -32,6 +32,7 @@ from .kernels import emulated_puts
 from .kernels.bound import BoundLaunches, call_bound, launch, specs
 from .kernels.combine_rounds import fits_one_launch as fits_combine_rounds
 from .kernels.comm import (
+    EPOCH_SHIFT,
     SLOT_BITS,
     Flavour,
     PeerTimeoutError,
@@ -78,6 +79,14 @@ from .workspace import COMBINE, DISPATCH, WorkspaceLayout
 # to that Buffer alone, never to another process's Buffer of other sizes.
 _ids = (f"{secrets.token_hex(6)}-{n}" for n in itertools.count(1))
 _CHANNEL_NAMES = {DISPATCH: "dispatch", COMBINE: "combine"}
+
+
+def _epochs_of(words, combine: bool):
+    """``observe`` for a host wait on signal words (a numpy view): the epochs they hold, above
+    EPOCH_SHIFT in a combine's (``kernels.comm.signal_word``)."""
+    if not combine:
+        return words.tolist
+    return lambda: (words >> EPOCH_SHIFT.value).tolist()
 _CONFIG_FIELDS = ("hidden", "num_experts", "max_tokens_per_rank", "dtype", "max_topk",
                   "dispatch_dtype", "low_latency", "backend", "device_type", "kernel_impl",
                   "ranks_per_node", "transport", "hierarchical", "nixl_backend",
@@ -396,6 +405,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         self._ll_queue = ([], [])  # hooks of each channel whose receive has not run, in order
         self._ll_op_pending = {}  # the same through moe_comm.ll_ops: (channel, serial) -> entry
         self._ll_outputs = [None, None]  # per parity: a dispatch's outputs to reuse, see there
+        self._combine_refusal = 0  # a refused combine's descriptor while it takes part (else 0)
+        self._last_handle = None  # the latest dispatch's handle (a refused combine's)
         self._ll_state = layout.view(heap, "ll_state") if layout.low_latency else None
         if layout.low_latency and layout.proxy:  # the proxy copies pair meta words from here
             T, K = layout.max_tokens, layout.max_topk
@@ -684,6 +695,29 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         except PeerInputError:
             pass
 
+    def _refuse_combine(self, error: BaseException) -> None:
+        """This rank's combine input is bad (``error``, which the caller raises next): it still
+        takes part in the call, a combine of zeros over its latest dispatch's handle with a
+        refusal for its call descriptor in every signal word (``moe_comm.call_descriptor``),
+        so every peer's combine completes and raises PeerInputError naming this rank and the
+        argument, where it would otherwise wait out the timeout. Equivalent to::
+
+            self.combine(zeros_like(y), latest_handle)   # the signal words say 'refused'
+
+        Nothing to take part in before a first dispatch (no peer can combine either)."""
+        handle = self._last_handle
+        if refusal_inputs(self) is None or handle is None:
+            return
+        y = torch.zeros((handle.num_rows, self.hidden), dtype=self.dtype, device=self.device)
+        self._combine_refusal = refusal(error, combine=True)
+        try:
+            with torch.no_grad():
+                combine_autograd(self, y, handle, None, False)
+        except PeerInputError:  # (its own record: every peer differs)
+            pass
+        finally:
+            self._combine_refusal = 0
+
     def _dispatch_inputs(self, x, topk_idx, topk_weights, expert_alignment, fp8, ue8m0: int,
                          col_major_scales, max_recv_rows=None, global_scale=None) -> tuple:
         """``(rows, scales, mode)`` of a dispatch's ``x`` (``validation.resolve_fp8``), the
@@ -795,14 +829,19 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         """
         self._ready()
         self._invariant_normal_mode()
-        fp8 = combine_is_fp8(combine_dtype, dtype=self.dtype, hidden=self.hidden,
-                             ep_invariant=self.ep_invariant)
-        self._combine_inputs(y, handle, weights)
+        try:  # (inline: the host path counts every Python call)
+            fp8 = combine_is_fp8(combine_dtype, dtype=self.dtype, hidden=self.hidden,
+                                 ep_invariant=self.ep_invariant)
+            self._combine_inputs(y, handle, weights)
+            if renormalize:
+                self._ft_require("renormalize=True")
+                if handle.topk_weights is None:
+                    raise ValueError("renormalize=True needs the dispatch's topk_weights")
+        except (TypeError, ValueError) as error:
+            self._refuse_combine(error)
+            raise
         out = combine_autograd(self, y, handle, weights, fp8)
         if renormalize:
-            self._ft_require("renormalize=True")
-            if handle.topk_weights is None:
-                raise ValueError("renormalize=True needs the dispatch's topk_weights")
             idx = handle.topk_idx
             owner = (idx.clamp(min=0) // self.num_local_experts).clamp(max=self.world_size - 1)
             live = (torch.ones(self.world_size, dtype=torch.bool, device=self.device)
@@ -974,18 +1013,21 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         ``wait_all_or_exclude`` for a fault-tolerant Buffer): where the wait would be a kernel
         nothing is launched here and True is returned."""
         channel = _CHANNEL_NAMES[pending.channel]
+        combine = pending.channel == COMBINE  # (its words: epoch << 32 | descriptor << 18)
         if fusable and self.flavour.device_wait:
             return True
         if not self.flavour.device_wait:
+            words = self._signal_words[pending.channel]
             if self.fault_tolerant:  # sources that stay silent are excluded, the call goes on
-                seconds = self._ft_wait(self._signal_words[pending.channel].tolist,
-                                        pending.epoch, channel)
+                seconds = self._ft_wait(_epochs_of(words, combine), pending.epoch, channel)
                 if None in seconds:
                     pending.live = torch.tensor([t is not None for t in seconds],
                                                 dtype=torch.int32, device=self.device)
-                return False
-            self._wait_words(self._signal_words[pending.channel], pending.epoch,
-                             list(range(self.world_size)), channel)
+            else:
+                self._wait_words(words, pending.epoch, list(range(self.world_size)), channel,
+                                 combine)
+            if combine:  # a source with another descriptor (the kernels' check, on the host)
+                self.errors.check_signal_words(words, pending.epoch, self.rank)
             return False
         if self.fault_tolerant:
             self._ft_wait_kernel(pending)
@@ -997,9 +1039,10 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
             launch(self._bound, key, wait_epochs_kernel, (1,),
                    (signals, self._channel_words(pending.channel)[1], self.flavour.errors_addr,
-                    self.flavour.timeout_ns, self.world_size),
+                    self.flavour.timeout_ns, self.world_size, self.rank),
                    dict(BLOCK_R=triton.next_power_of_2(self.world_size),
-                        NUM_THREADS=tile.num_threads, **tile.launch_options()), ("signals",))
+                        NUM_THREADS=tile.num_threads, COMBINE=combine,
+                        **tile.launch_options()), ("signals",))
         self.launches["wait"] += 1
         self._check_usable(channel)
         return False
@@ -1018,7 +1061,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                     self.heap.peer_ptrs, self.flavour.mask_off, *self.flavour.args(), R,
                     self.rank),
                    dict(TRANSPORT=self.flavour.transport, BLOCK_R=triton.next_power_of_2(R),
-                        NUM_THREADS=tile.num_threads, **tile.launch_options()),
+                        NUM_THREADS=tile.num_threads, COMBINE=pending.channel == COMBINE,
+                        **tile.launch_options()),
                    ("signals", "live"))
         self.launches["wait"] += 1
 
@@ -1034,15 +1078,17 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
 
         return checked
 
-    def _wait_words(self, words, expected: int, peers: list[int], channel: str) -> None:
+    def _wait_words(self, words, expected: int, peers: list[int], channel: str,
+                    combine: bool = False) -> None:
         """Host wait until ``words[i] >= expected`` for all i (``words``: local signal words, a
-        tensor or a numpy view; word i is published for rank ``peers[i]``). Through the proxy a
-        transport failure raises at once; a timeout names the rank, and in hierarchical mode
-        the rank of this node that forwards it."""
+        tensor or a numpy view; word i is published for rank ``peers[i]``; ``combine``: a
+        combine's, the epoch above EPOCH_SHIFT). Through the proxy a transport failure raises
+        at once; a timeout names the rank, and in hierarchical mode the rank of this node that
+        forwards it."""
         if isinstance(words, torch.Tensor):
             words = words.numpy()
         try:
-            wait_for_epochs(self._checking_transport(words.tolist), expected,
+            wait_for_epochs(self._checking_transport(_epochs_of(words, combine)), expected,
                             timeout_s=self.timeout_s, rank=self.rank, channel=channel)
         except PeerTimeoutError as exc:
             if isinstance(exc, TransportError) or peers == list(range(len(peers))) \
@@ -1061,7 +1107,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         timeout names the rank)."""
         name = _CHANNEL_NAMES[channel]
         if not self.flavour.device_wait:
-            self._wait_words(words, epoch, peers, name)
+            self._wait_words(words, epoch, peers, name, channel == COMBINE)
             return
         key = ("wait_relayed", channel, specs((words,)))
         if not call_bound(self._bound, key, (words,)):
@@ -1071,7 +1117,9 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                    (words, self._channel_words(channel)[1], self.flavour.errors_addr,
                     self.flavour.timeout_ns, len(peers), peers[0], step),
                    dict(BLOCK_R=triton.next_power_of_2(len(peers)),
-                        NUM_THREADS=tile.num_threads, **tile.launch_options()), ("words",))
+                        NUM_THREADS=tile.num_threads,
+                        SHIFT=EPOCH_SHIFT.value if channel == COMBINE else 0,
+                        **tile.launch_options()), ("words",))
         self.launches["wait"] += 1
         self._check_usable(name)
 

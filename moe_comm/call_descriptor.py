@@ -23,7 +23,9 @@ bit 3      weights given (a rank without them would send weight 0 for its rows)
 bits 4-10  top-k (the receiver reads that many choices of each source's metadata)
 bit 11     a refusal: bits 0-10 say which argument was bad (``REFUSAL_REASONS``); the rank
            takes part in the call's protocol with no rows and raises its own error
-bit 12     a low-latency combine's descriptor (bit 0 its rows' format), not a dispatch's
+bit 12     a combine's descriptor (bit 0 its rows' format), not a dispatch's
+bit 13     set by a hierarchical combine's forwarder: the ranks of its node sent other
+           descriptors (it passes on the first that differs from its own)
 =========  ===================================================================================
 
 Options that shape only the receiver's own output (expert alignment, the scales' memory
@@ -34,10 +36,13 @@ A low-latency dispatch does the same with the signal word of each (expert, sourc
 (:func:`low_latency_descriptor`); every receive program of an expert's first source block
 compares them (the Triton and the csrc/ receive alike), and the hook raises.
 
-A low-latency combine sends its descriptor (:func:`combine_descriptor`: bit 12 set, bit 0 the
-rows' format: the Buffer's dtype or FP8 per 128 channels; or a refusal with bit 12 set) in the
-word each expert rank publishes to every home rank, ``epoch << 32 | descriptor << SLOT_BITS``;
-one receive program compares them and the hook raises. The normal combine sends none yet.
+A combine sends its descriptor (:func:`combine_descriptor`: bit 12 set, bit 0 the rows'
+format: the Buffer's dtype or FP8 per 128 channels; or a refusal with bit 12 set) in the signal
+word each expert rank publishes to every home rank, ``epoch << 32 | descriptor << SLOT_BITS``
+(``kernels.comm.signal_word``); the home's wait compares them (a wait kernel's one program, a
+round's program 0, the host after its wait; the low-latency receive's first program), and the
+call (the hook) raises. A hierarchical forwarder passes on the first refusal of its node's
+ranks, or the first descriptor that differs from its own with bit 13 set.
 """
 from __future__ import annotations
 
@@ -49,12 +54,13 @@ from .kernels import comm
 
 FORMAT_MASK, WEIGHTS_BIT, TOPK_SHIFT, TOPK_BITS, COMBINE_BIT = 7, 3, 4, 7, 12
 REFUSED_BIT = comm.REFUSED_BIT.value  # (the kernels read it: a refused call sends no rows)
+MIXED_BIT = comm.MIXED_BIT.value  # (a hierarchical forwarder's: its node's ranks differ)
 MAX_TOPK = (1 << TOPK_BITS) - 1
 # the argument a refusal names, by the first word of the refusing rank's error message
 REFUSAL_REASONS = ("an input", "x", "x_scales", "topk_idx", "topk_weights", "expert_alignment",
                    "max_recv_rows", "dispatch_dtype", "scale_layout", "global_scale", "top-k",
                    "ue8m0", "fp8", "y", "handle", "combine_dtype", "renormalize=True",
-                   "out")
+                   "out", "weights")
 _FORMATS = ("rows in the Buffer's dtype", "FP8 rows with float32 scales",
             "FP8 rows with UE8M0 scales", "MXFP8 rows", "NVFP4 rows")
 
@@ -124,6 +130,10 @@ def describe(theirs: int, mine: int) -> str:
     if mine >> REFUSED_BIT & 1:
         return "this rank's input was bad"
     fields = []
+    if theirs >> MIXED_BIT & 1:
+        fields.append("the ranks of its node (whose sums it forwards) made it with other "
+                      "options")
+        theirs &= ~(1 << MIXED_BIT)
     fmt = (theirs & FORMAT_MASK, mine & FORMAT_MASK)
     if fmt[0] != fmt[1]:
         name = [_FORMATS[f] if f < len(_FORMATS) else f"format {f}" for f in fmt]

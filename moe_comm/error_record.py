@@ -21,6 +21,7 @@ from .kernels.comm import ERRORS_WORDS, PeerTimeoutError
 TIMEOUT_RECORD, INPUT_RECORD = comm.TIMEOUT_RECORD.value, comm.INPUT_RECORD.value
 BAD_EXPERT_ID, REPEATED_EXPERT = comm.BAD_EXPERT_ID.value, comm.REPEATED_EXPERT.value
 TOO_MANY_ROWS, CALL_DIFFERS = comm.TOO_MANY_ROWS.value, comm.CALL_DIFFERS.value
+SLOT_BITS, EPOCH_SHIFT = comm.SLOT_BITS.value, comm.EPOCH_SHIFT.value
 
 
 class ErrorRecord:
@@ -55,6 +56,23 @@ class ErrorRecord:
                                                                       TIMEOUT_RECORD + 4])
         if flag == 1:
             raise PeerTimeoutError(rank, peer, channel, expected, observed, timeout_s)
+
+    def check_signal_words(self, words, epoch: int, me: int, ranks=None) -> None:
+        """The host's ``kernels.comm.check_signal_words``: of a combine's signal words
+        ``words`` (word i published for rank ``ranks[i]``, default i; ``epoch << 32 |
+        descriptor << 18``), those of ``epoch``, the first whose descriptor is not this
+        rank's (``ranks.index(me)``'s) is recorded in the input part (unless it holds an error)."""
+        ranks = list(range(len(words))) if ranks is None else ranks
+        values = [int(w) for w in words]
+        mine = (values[ranks.index(me)] & 0xFFFFFFFF) >> SLOT_BITS
+        for rank, word in zip(ranks, values):
+            theirs = (word & 0xFFFFFFFF) >> SLOT_BITS
+            if word >> EPOCH_SHIFT == epoch and theirs != mine:
+                part = self._words[INPUT_RECORD:INPUT_RECORD + 4]
+                if int(part[0]) == 0:
+                    part[1:] = (CALL_DIFFERS, rank, theirs | mine << 16 | epoch << 32)
+                    part[0] = 1
+                return
 
     def take_self_exclusion(self, rank: int) -> bool:
         """True, and the timeout part cleared, if the recorded timeout names ``rank`` itself:

@@ -120,7 +120,7 @@ from dataclasses import dataclass
 import torch
 
 from ._guard import poisons_buffer_on_error, run_steps
-from .call_descriptor import dispatch_descriptor
+from .call_descriptor import combine_descriptor, dispatch_descriptor
 from .host_sync import read_int
 from .kernels import combine as combine_kernels
 from .kernels import combine_rounds as combine_rounds_kernels
@@ -857,7 +857,8 @@ class NormalMode:
             offsets=self._invariant_offsets(), rank=self.rank, topk=slot_rows.shape[1],
             max_topk=self.max_topk, ring_slots=self.layout.ring_slots, num_sms=self.num_sms,
             flavour=self.flavour, bound=self._bound,
-            xstats=self._xstats if self.proxy is not None else None)
+            xstats=self._xstats if self.proxy is not None else None,
+            descriptor=self._combine_refusal or combine_descriptor(fp8))
 
     def _invariant_offsets(self) -> dict:
         """``kernels.invariant.invariant_send``'s offsets, made once."""
@@ -886,7 +887,8 @@ class NormalMode:
             self.heap.peer_ptrs, self._stats, *words, offsets=offsets, rank=self.rank,
             topk=slot_rows.shape[1], max_topk=self.max_topk, max_tokens=self.layout.ring_slots,
             num_sms=self.num_sms, flavour=self.flavour, box_offsets=boxes, xstats=self._xstats,
-            plan=self._plan, fp8=fp8, bound=self._bound, scratch=self._scratch)
+            plan=self._plan, fp8=fp8, bound=self._bound, scratch=self._scratch,
+            descriptor=self._combine_refusal or combine_descriptor(fp8))
         if self.hierarchical:
             self._forward_combine(self._epochs[COMBINE], *self._round_nodes(fwd_slots, fwd_n, i),
                                   slot_rows.shape[1], pair_values is not None, fp8)
@@ -919,7 +921,8 @@ class NormalMode:
             scratch=self._scratch, live=live, decided=self._ft_decided,
             xstats=self._xstats if self.proxy is not None else None, plan=self._plan,
             box_offsets=boxes, node=self._forwarder_tensors(node_slot_of, fwd_slots, fwd_n)
-            if self.hierarchical else None)
+            if self.hierarchical else None,
+            descriptor=self._combine_refusal or combine_descriptor(fp8))
         return live
 
     def _forwarder_tensors(self, node_slot_of, fwd_slots, fwd_n) -> tuple:
@@ -965,7 +968,8 @@ class NormalMode:
             ring_slots=self.layout.ring_slots, rounds=self.layout.rounds,
             offsets_stride=self._round_stride(), num_sms=self.num_sms, flavour=self.flavour,
             bound=self._bound, live=live, decided=self._ft_decided,
-            xstats=self._xstats if self.proxy is not None else None)
+            xstats=self._xstats if self.proxy is not None else None,
+            descriptor=self._combine_refusal or combine_descriptor(False))
         return live
 
     def combine_recv(self, pending: PendingSend, slot_of, want_pair: bool, node_slot_of=None,

@@ -143,8 +143,10 @@ def combine_op(buffer_id: str, y: Tensor, weights: Optional[Tensor],
                          "src_token (its handle carries them)")
     pending = buf.combine_send(y, weights, pair_values, slot_rows, recv_slot_offsets, fwd_slots,
                                fwd_n, fp8, src_token)
-    return buf.combine_recv(pending, slot_of, want_pair=pair_values is not None,
-                            node_slot_of=node_slot_of, topk_idx=topk_idx)
+    out = buf.combine_recv(pending, slot_of, want_pair=pair_values is not None,
+                           node_slot_of=node_slot_of, topk_idx=topk_idx)
+    buf._raise_input_errors("combine")  # (a peer that refused or sent another format)
+    return out
 
 
 @combine_op.register_fake
@@ -284,6 +286,7 @@ def wrap_dispatch_outputs(buf, outs, topk: int, has_weights: bool, fp8: int, ue8
                             o.expert_offsets, o.node_slot_of, o.fwd_slots, o.fwd_n,
                             topk_idx=topk_idx if invariant else None,
                             src_token=o.src_token if invariant else None)
+    buf._last_handle = handle  # (a combine this rank refuses takes part with it)
     return DispatchResult(o.x, o.scales if fp8 else None, o.weights if has_weights else None,
                           o.src_rank, o.src_token, o.tokens_per_expert, o.expert_offsets, handle,
                           o.global_scale if fp8 and ue8m0 == NVFP4 else None)

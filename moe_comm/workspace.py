@@ -13,7 +13,9 @@ region                  shape, dtype                 contents, on rank ``d``
 ======================  ===========================  ============================================
 ``signals``             [2 channels, R] int64        ``[c, s]``: latest epoch of channel ``c``
                                                      (0 dispatch, 1 combine) at which rank ``s``
-                                                     finished its puts into ``d``. Never reset.
+                                                     finished its puts into ``d`` (combine:
+                                                     ``epoch << 32 | descriptor << 18``). Never
+                                                     reset.
 ``tickets``             [10] int64                   local: programs finished so far of the
                                                      dispatch and combine sends, then of the
                                                      internode kernels (``kernels.internode``),
@@ -135,8 +137,9 @@ Hierarchical mode only, on the forwarder (the rank of each node with the source'
 ``fwd_rows``            [P, M, W, ROW] uint8         rows from node ``a``'s rank with my local
 ``fwd_meta``            [P, M, W, MN] int32          index, their node metadata and counts
 ``fwd_counts``          [P, M, C] int32
-``hc_signals``          [N] int64                    combine: epoch of local rank ``l``'s
-                                                     partials for remote tokens
+``hc_signals``          [N] int64                    combine: ``epoch << 32 | descriptor << 18``
+                                                     of local rank ``l``'s partials for remote
+                                                     tokens
 ``hc_rows``             [P, M, N, W, H] dtype        partial of local rank ``l`` for slot ``j``
 ``hc_meta``             [P, M, N, W, K] float32      of source (``a``, my local index)
 ``hcomb_rows``          [P, M, W, H] dtype           on the home rank: node ``b``'s sum per

@@ -11,6 +11,7 @@ import torch
 import moe_comm
 from cases import Case, make_inputs
 from ll_jobs import _all_ys, check_out, check_recv
+from rank_jobs import kernel_waits
 from moe_comm import reference
 
 CASE = Case(2, 8, 128, 2, (5, 3), seed=83)  # H = 128: the FP8 formats apply
@@ -61,12 +62,47 @@ def mismatches(rank: int, x, idx, w, big: int):
     ]
 
 
+COMBINE_ROWS = ("combine y float32", "combine y fewer rows", "combine weights fewer",
+                "combine older handle", "combine fp8 on rank 0 only",
+                "combine y float32 on rank 1 only", "combine fp8 on rank 1 only")
+
+
+def combine_arguments(rank: int, what: str, res, old_handle) -> tuple:
+    """``(y, handle, weights, kwargs)`` of this rank's normal combine of row ``what`` of
+    ``COMBINE_ROWS`` after the correct dispatch ``res``: the odd ranks differ, or rank 1 alone
+    (a bad input there, refused; or the partials' format)."""
+    y, handle, w, kwargs = res.x, res.handle, res.weights, {}
+    if what.endswith("rank 1 only"):
+        if rank != 1:
+            return y, handle, w, kwargs
+        if "fp8" in what:
+            return y, handle, w, dict(combine_dtype="fp8")
+        return y.float(), handle, w, kwargs
+    if rank % 2 == 0:
+        return y, handle, w, dict(combine_dtype="fp8") if "fp8" in what else {}
+    if what == "combine y float32":
+        y = y.float()
+    elif what == "combine y fewer rows":
+        y = y[:-1]
+    elif what == "combine weights fewer":
+        w = w[:-1]
+    elif what == "combine older handle":
+        handle = old_handle
+    return y, handle, w, kwargs
+
+
 def disagreeing_calls(rank: int, world_size: int, ring_slots: int | None = None,
-                      **buffer_kwargs) -> dict:
-    """Each row of :func:`mismatches` on this rank's Buffer (``ring_slots``: staging for that
-    many slots per source, a call in rounds; ``buffer_kwargs``: the transport): ``{what:
-    (error type, message, seconds)}``; then ``"rounds"`` and ``"after"``: a correct dispatch
-    and combine equal the reference."""
+                      in_kernels: bool = False, **buffer_kwargs) -> dict:
+    """Each row of :func:`mismatches`, then each of ``COMBINE_ROWS`` after a correct dispatch,
+    on this rank's Buffer (``ring_slots``: staging for that many slots per source, a call in
+    rounds; ``in_kernels``: the waits in the kernels, as on GPUs; ``buffer_kwargs``: the
+    transport): ``{what: (error type, message, seconds)}``; then ``"rounds"`` and
+    ``"after"``: a correct dispatch and combine equal the reference."""
+    with kernel_waits(in_kernels):
+        return _disagreeing_calls(rank, world_size, ring_slots, **buffer_kwargs)
+
+
+def _disagreeing_calls(rank: int, world_size: int, ring_slots, **buffer_kwargs) -> dict:
     import torch.distributed as dist
 
     from moe_comm.workspace import staging_slot_bytes
@@ -90,6 +126,11 @@ def disagreeing_calls(rank: int, world_size: int, ring_slots: int | None = None,
             kwargs = {k: v for k, v in args.items() if k not in ("x", "idx", "w")}
             found[what] = _timed(buf.dispatch, args.get("x", x), args.get("idx", idx),
                                  args.get("w", w), **kwargs)
+        old = buf.dispatch(x, idx, w).handle
+        for what in COMBINE_ROWS:
+            y, handle, weights, kwargs = combine_arguments(rank, what, buf.dispatch(x, idx, w),
+                                                           old)
+            found[what] = _timed(buf.combine, y, handle, weights, **kwargs)
         got = buf.dispatch(x, idx, w)
         want = reference.dispatch_all(xs, idxs, ws, num_experts=case.num_experts)
         out = buf.combine(got.x, got.handle, got.weights)

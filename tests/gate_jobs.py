@@ -193,8 +193,9 @@ def record_wait(pkg):
     signals = torch.empty(RANKS, dtype=torch.int64, device="meta")
     epochs = torch.empty(1, dtype=torch.int64, device="meta")
     with recording.recording(90) as launches:
-        comm.wait_epochs_kernel[(1,)](signals, epochs, 1 << 40, 10 ** 9, RANKS, BLOCK_R=RANKS,
-                                      NUM_THREADS=128, num_warps=4)
+        comm.wait_epochs_kernel[(1,)](signals, epochs, 1 << 40, 10 ** 9, RANKS, 0,
+                                      BLOCK_R=RANKS, NUM_THREADS=128, COMBINE=False,
+                                      num_warps=4)
     return launches[0]
 
 

@@ -355,6 +355,36 @@ MUTANTS = (
            "sys.getrefcount(t) < 0",
            ("tests/test_low_latency.py::"
             "test_outputs_are_reused_only_when_nothing_refers_to_them",)),
+    Mutant("combine_ignores_call_descriptors",
+           "a normal combine whose ranks pass other formats or refuse raises on every rank",
+           "moe_comm/error_record.py",
+           "if word >> EPOCH_SHIFT == epoch and theirs != mine:",
+           "if word >> EPOCH_SHIFT == epoch and theirs != theirs:",
+           ("tests/test_call_agreement.py::"
+            "test_a_rank_that_refuses_or_disagrees_is_named_on_every_rank_within_the_call"
+            "[one-node]",)),
+    Mutant("combine_kernel_wait_ignores_call_descriptors",
+           "with the waits in the kernels, a combine whose ranks differ raises on every rank",
+           "kernels/comm.py", "    keep = valid & ((words >> EPOCH_SHIFT) == epoch)",
+           "    keep = valid & ((words >> EPOCH_SHIFT) < 0)",
+           ("tests/test_call_agreement.py::"
+            "test_a_rank_that_refuses_or_disagrees_is_named_on_every_rank_within_the_call"
+            "[one-node-kernel-waits]",)),
+    Mutant("bad_combine_input_is_not_refused",
+           "a rank whose combine input is bad takes part in the call: its peers raise within it",
+           "moe_comm/buffer.py",
+           "        if refusal_inputs(self) is None or handle is None:",
+           "        if True:",
+           ("tests/test_call_agreement.py::"
+            "test_a_rank_that_refuses_or_disagrees_is_named_on_every_rank_within_the_call"
+            "[one-node]",)),
+    Mutant("forwarder_passes_on_its_own_descriptor",
+           "hierarchical: a home on another node hears that a rank of the forwarder's node "
+           "differs",
+           "kernels/internode.py", "        relay = first | MIXED", "        relay = mine",
+           ("tests/test_call_agreement.py::"
+            "test_a_rank_that_refuses_or_disagrees_is_named_on_every_rank_within_the_call"
+            "[proxy-hierarchical-rounds]",)),
     Mutant("low_latency_combine_ignores_call_descriptors",
            "a low-latency combine whose ranks pass other formats raises in every hook",
            "kernels/low_latency.py",

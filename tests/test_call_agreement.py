@@ -8,7 +8,12 @@ PeerInputError naming the first rank whose call differs and what differs, each w
 under WITHIN_S, where a rank left waiting would wait MOE_COMM_TIMEOUT_S (120 s), and a
 correct call afterwards matches the reference bit for bit on every rank."""
 import pytest
-from call_agreement_jobs import disagreeing_calls, facade_refusals, low_latency_disagreements
+from call_agreement_jobs import (
+    COMBINE_ROWS,
+    disagreeing_calls,
+    facade_refusals,
+    low_latency_disagreements,
+)
 
 # s: a call that ends by itself takes 0.05-0.15 s on two ranks here, up to a few seconds on a
 # loaded machine with four ranks on two cores; one that waited for a peer would take 120 s
@@ -22,6 +27,12 @@ CONFIGS = {  # (ranks, Buffer arguments)
     "proxy-flat-fault-tolerant-rounds": (4, dict(ranks_per_node=2, transport="nixl",
                                                  hierarchical=False, fault_tolerant=True,
                                                  ring_slots=2)),
+    # the GPU protocol, interpreted: the waits (and the combine's checks) in the kernels; in
+    # rounds a call's later rounds in one launch
+    "one-node-kernel-waits": (2, dict(in_kernels=True)),
+    "proxy-hierarchical-rounds-kernel-waits": (4, dict(ranks_per_node=2, transport="nixl",
+                                                       hierarchical=True, ring_slots=2,
+                                                       in_kernels=True)),
 }
 # the odd ranks' own error (type, text) for each refusal, and what their peers' message names
 REFUSED = {"x int32": ("TypeError", "x must be torch.bfloat16", "its x was bad"),
@@ -51,6 +62,8 @@ def test_a_rank_that_refuses_or_disagrees_is_named_on_every_rank_within_the_call
     for rank, calls in enumerate(found):
         assert calls.pop("after") is True, rank  # the Buffer goes on, bit for bit
         assert calls.pop("rounds") == (3 if "ring_slots" in kwargs else 1), rank
+        combines = {what: calls.pop(what) for what in COMBINE_ROWS}
+        _check_combines(rank, combines, world_size, kwargs)
         assert set(calls) == set(REFUSED) | set(DIFFERS), (rank, sorted(calls))
         for what, (kind, text, seconds) in calls.items():
             assert seconds < WITHIN_S, (rank, what, seconds)  # within the call, not the timeout
@@ -65,6 +78,49 @@ def test_a_rank_that_refuses_or_disagrees_is_named_on_every_rank_within_the_call
             else:
                 want = (f"rank {peer} made the dispatch", DIFFERS[what][rank % 2])
             assert all(w in text for w in want), (rank, what, text)
+
+
+# a normal combine's rows: the odd ranks' own error, and what their peers' message names
+COMBINE_REFUSED = {"combine y float32": ("TypeError", "y must be torch.bfloat16", "its y was bad"),
+                   "combine y float32 on rank 1 only": ("TypeError", "y must be torch.bfloat16",
+                                                        "its y was bad"),
+                   "combine y fewer rows": ("ValueError", "y has shape", "its y was bad"),
+                   "combine weights fewer": ("ValueError", "weights has", "its weights was bad"),
+                   "combine older handle": ("ValueError", "handle comes from an older",
+                                            "its handle was bad")}
+COMBINE_FORMATS = ("it sent rows in the Buffer's dtype, this rank FP8 rows with float32 scales "
+                   "(combine_dtype must agree)",
+                   "it sent FP8 rows with float32 scales, this rank rows in the Buffer's dtype "
+                   "(combine_dtype must agree)")
+
+
+def _check_combines(rank, combines, world_size, kwargs):
+    """Every combine row: the own error of a rank with a bad input, else PeerInputError within
+    the call naming a rank whose call differs from this one's, or in hierarchical mode the
+    rank that forwards such a rank's sums to this one (its node's rank with this rank's local
+    index: it is named in its place, "the ranks of its node" where it passes on a format)."""
+    N = kwargs.get("ranks_per_node", 0) if kwargs.get("hierarchical", False) else 0
+    for what, (kind, text, seconds) in combines.items():
+        assert seconds < WITHIN_S, (rank, what, seconds)
+        alone = what.endswith("rank 1 only")
+        odd = [p == 1 if alone else p % 2 == 1 for p in range(world_size)]
+        if what in COMBINE_REFUSED and odd[rank]:
+            want = COMBINE_REFUSED[what]
+            assert (kind, want[1] in text) == (want[0], True), (rank, what, kind, text)
+            continue
+        assert kind == "PeerInputError", (rank, what, kind, text)
+        differ = {p for p in range(world_size) if odd[p] != odd[rank]}
+        relays = {(p // N) * N + rank % N for p in differ if p // N != rank // N} if N else set()
+        did = "refused the combine" if what in COMBINE_REFUSED else "made the combine"
+        named = [p for p in differ | relays if f"rank {p} {did}" in text]
+        assert named, (rank, what, text)
+        if what in COMBINE_REFUSED:
+            assert COMBINE_REFUSED[what][2] in text, (rank, what, text)
+        else:  # (the ranks that pass combine_dtype="fp8": rank 1 alone, or the even ones)
+            fp8 = odd[rank] if alone else not odd[rank]
+            mixed = "the ranks of its node (whose sums it forwards)" in text
+            assert COMBINE_FORMATS[0 if fp8 else 1] in text or mixed and named[0] in relays, \
+                (rank, what, text)  # (a forwarder passes on that its node's ranks differ)
 
 
 def test_the_deep_ep_facade_refuses_a_bad_input_on_one_rank_in_both_modes(ranks):

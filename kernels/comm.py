@@ -175,16 +175,9 @@ def check_signal_words(words, src, valid, me, epoch, errors_addr):
     """:func:`check_descriptors` of a combine's signal words ``words`` [BLOCK] (published for
     the ranks ``src``, ``valid`` lanes): those of this call's ``epoch`` only (a word set
     above every epoch, one no source publishes, or an excluded source's old one is left out);
-    this rank's own is the one of ``src == me``. Returns the descriptor to pass on: the first
-    that differs from this rank's, else this rank's (a hierarchical forwarder relays it)."""
+    this rank's own is the one of ``src == me``."""
     keep = valid & ((words >> EPOCH_SHIFT) == epoch)
-    low = words & 0xFFFFFFFF
-    check_descriptors(low, keep, src, me, epoch, errors_addr)
-    desc = low >> SLOT_BITS
-    mine = tl.sum(tl.where(src == me, desc, 0), axis=0)
-    none = 1 << 30
-    first = tl.min(tl.where(keep & (desc != mine), src, none), axis=0)
-    return tl.where(first < none, tl.sum(tl.where(src == first, desc, 0), axis=0), mine)
+    check_descriptors(words & 0xFFFFFFFF, keep, src, me, epoch, errors_addr)
 
 
 @triton.jit
@@ -500,7 +493,7 @@ def set_word_on_all_kernel(peer_ptrs, word_off: tl.int64, index, value: tl.int64
     publish_to_all(peer_ptrs, word_off, index, value, R, local_base, BLOCK_R, TRANSPORT)
 
 
-@triton.jit(do_not_specialize=["errors_addr", "timeout_ns"])
+@triton.jit(do_not_specialize=["errors_addr", "timeout_ns", "me"])
 def wait_epochs_kernel(
     signals,  # [R] int64 local signal words of one channel
     epochs,  # [1] int64 local: the channel's epoch (this rank's send of the call is done)

@@ -56,11 +56,13 @@ MUTATIONS = {
         "    return 1 if not compiled else max(1, triton.cdiv(GPU_PROGRAMS, world_size))",
         "    return 1", 0),
     "host_load_in_spin": (  # the error record (host memory on GPUs) read on every poll
-        "comm.py", "    wait_all_at_least(signals, 1, R, tl.load(epochs), 0, deadline,",
+        "comm.py",  # (wait_epochs_kernel's wait: its epoch read just before)
+        "    epoch = tl.load(epochs)\n    ok = wait_all_at_least(",
+        "    epoch = tl.load(epochs)\n"
         "    while timed_out(errors_addr.to(tl.pointer_type(tl.int64)), NUM_THREADS) \\\n"
         "            & (uniform_now_ns(NUM_THREADS) < deadline):\n"
         "        deadline -= 1\n"
-        "    wait_all_at_least(signals, 1, R, tl.load(epochs), 0, deadline,", 0),
+        "    ok = wait_all_at_least(", 0),
     "dropped_acquire": (  # the waits' acquire on a path the compiler drops: no instruction
         "comm.py",
         '    return tl.atomic_add(word, 0, mask=mask, sem="acquire", scope="sys")'

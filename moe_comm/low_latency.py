@@ -470,7 +470,6 @@ class LowLatencyMode:
         descriptor = refusal or low_latency_descriptor(fp8, ue8m0)
         L, R, T, H, dev = (self.num_local_experts, self.world_size, self.max_tokens_per_rank,
                            self.hidden, self.device)
-        rows = R * T
         nvfp4 = fp8 and ue8m0 == NVFP4
         stream = _stream_of(dev)
         key = (fp8, ue8m0, col_major, stream)

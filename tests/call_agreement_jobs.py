@@ -11,8 +11,8 @@ import torch
 import moe_comm
 from cases import Case, make_inputs
 from ll_jobs import _all_ys, check_out, check_recv
-from rank_jobs import kernel_waits
 from moe_comm import reference
+from rank_jobs import kernel_waits
 
 CASE = Case(2, 8, 128, 2, (5, 3), seed=83)  # H = 128: the FP8 formats apply
 

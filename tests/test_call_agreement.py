@@ -42,6 +42,12 @@ REFUSED = {"x int32": ("TypeError", "x must be torch.bfloat16", "its x was bad")
            "topk_idx fewer rows": ("ValueError", "topk_idx has 1 rows", "its topk_idx was bad"),
            "expert_alignment 0": ("ValueError", "expert_alignment must be",
                                   "its expert_alignment was bad")}
+# what a combine's message names where the formats differ: as a rank with combine_dtype="fp8"
+# sees one without, and the other way round
+COMBINE_FORMATS = ("it sent rows in the Buffer's dtype, this rank FP8 rows with float32 scales "
+                   "(combine_dtype must agree)",
+                   "it sent FP8 rows with float32 scales, this rank rows in the Buffer's dtype "
+                   "(combine_dtype must agree)")
 # what the message of each disagreement names, as an even rank sees rank 1 and an odd one rank 0
 DIFFERS = {"fp8 on rank 0 only": ("it sent rows in the Buffer's dtype, this rank FP8 rows",
                                   "it sent FP8 rows with float32 scales, this rank rows in"),
@@ -88,10 +94,6 @@ COMBINE_REFUSED = {"combine y float32": ("TypeError", "y must be torch.bfloat16"
                    "combine weights fewer": ("ValueError", "weights has", "its weights was bad"),
                    "combine older handle": ("ValueError", "handle comes from an older",
                                             "its handle was bad")}
-COMBINE_FORMATS = ("it sent rows in the Buffer's dtype, this rank FP8 rows with float32 scales "
-                   "(combine_dtype must agree)",
-                   "it sent FP8 rows with float32 scales, this rank rows in the Buffer's dtype "
-                   "(combine_dtype must agree)")
 
 
 def _check_combines(rank, combines, world_size, kwargs):
@@ -161,12 +163,8 @@ LL_COMBINE_REFUSED = {"combine y float32": ("TypeError", "y must be torch.bfloat
                       "combine y other hidden": ("ValueError", "y has shape", "its y"),
                       "combine topk_idx fewer rows": ("ValueError", "topk_idx has shape",
                                                       "its topk_idx")}
-_COMBINE_FORMATS = ("it sent rows in the Buffer's dtype, this rank FP8 rows with float32 scales "
-                    "(combine_dtype must agree)",
-                    "it sent FP8 rows with float32 scales, this rank rows in the Buffer's dtype "
-                    "(combine_dtype must agree)")
-LL_COMBINE_DIFFERS = {"combine fp8 on rank 0 only": _COMBINE_FORMATS,
-                      "combine fp8 on rank 0 only, hooks": _COMBINE_FORMATS}
+LL_COMBINE_DIFFERS = {"combine fp8 on rank 0 only": COMBINE_FORMATS,
+                      "combine fp8 on rank 0 only, hooks": COMBINE_FORMATS}
 
 
 @pytest.mark.parametrize("config", LOW_LATENCY)

@@ -79,14 +79,6 @@ from .workspace import COMBINE, DISPATCH, WorkspaceLayout
 # to that Buffer alone, never to another process's Buffer of other sizes.
 _ids = (f"{secrets.token_hex(6)}-{n}" for n in itertools.count(1))
 _CHANNEL_NAMES = {DISPATCH: "dispatch", COMBINE: "combine"}
-
-
-def _epochs_of(words, combine: bool):
-    """``observe`` for a host wait on signal words (a numpy view): the epochs they hold, above
-    EPOCH_SHIFT in a combine's (``kernels.comm.signal_word``)."""
-    if not combine:
-        return words.tolist
-    return lambda: (words >> EPOCH_SHIFT.value).tolist()
 _CONFIG_FIELDS = ("hidden", "num_experts", "max_tokens_per_rank", "dtype", "max_topk",
                   "dispatch_dtype", "low_latency", "backend", "device_type", "kernel_impl",
                   "ranks_per_node", "transport", "hierarchical", "nixl_backend",
@@ -172,6 +164,14 @@ def _check_same_config(configs: list[dict]) -> None:
                 raise ValueError(f"Buffer arguments differ across ranks: rank {rank} passed "
                                  f"{field}={cfg[field]}, rank 0 passed {field}="
                                  f"{configs[0][field]}; every rank must pass the same values")
+
+
+def _epochs_of(words, combine: bool):
+    """``observe`` for a host wait on signal words (a numpy view): the epochs they hold, above
+    EPOCH_SHIFT in a combine's (``kernels.comm.signal_word``)."""
+    if not combine:
+        return words.tolist
+    return lambda: (words >> EPOCH_SHIFT.value).tolist()
 
 
 class Buffer(NormalMode, LowLatencyMode, FaultTolerance):

@@ -628,6 +628,15 @@ def wait_for_live_epochs(observe, expected: int, excluded, *, timeout_s: float
         sleep_s = min(sleep_s * 2, 2e-3)
 
 
+def epochs_of(words: np.ndarray, shift: int = 0):
+    """``observe`` for a host wait on local signal words (a numpy view: polling it reads no
+    tensor): the epochs they hold, above ``shift`` in a combine's (EPOCH_SHIFT,
+    :func:`signal_word`)."""
+    if not shift:
+        return words.tolist
+    return lambda: (words >> shift).tolist()
+
+
 def wait_epochs(signals: np.ndarray, expected: int, *, timeout_s: float, rank: int,
                 channel: str) -> list[float]:
     """:func:`wait_for_epochs` on local signal words ``signals`` [R] int64 in host memory (a

@@ -61,6 +61,7 @@ import triton.language as tl
 from .bound import BoundLaunches, call_bound, launch, specs
 from .comm import (
     CPU_RANKS,
+    EPOCH_SHIFT,
     REFUSED_BIT,
     SLOT_BITS,
     Flavour,
@@ -68,11 +69,13 @@ from .comm import (
     aligned_ptr,
     by_stores,
     check_descriptors,
+    check_signal_words,
     draw_last_of,
     local_ptr,
     one_thread,
     peer_ptr,
     publish_to_all,
+    signal_word,
     slots_in,
     timed_out,
     uniform_load,
@@ -644,7 +647,7 @@ def ll_combine_send_kernel(
     tl.atomic_add(stats + 3 + tl.arange(0, 1), to_self, sem="relaxed")
     if draw_last_of(state + 6, tl.num_programs(0)):  # every row is out: tell every rank
         if not timed_out(errors, NUM_THREADS):
-            word = (epoch << 32) | (descriptor.to(tl.int64) << SLOT_BITS)
+            word = signal_word(epoch, descriptor)
             publish_to_all(peer_ptrs, signals_off + parity * signals_parity_stride, me, word, R,
                            local_base, BLOCK_R, TRANSPORT)
             if TRANSPORT == 2:  # after this rank's row transfers to each (fenced)
@@ -699,22 +702,21 @@ def ll_combine_recv_kernel(
     errors = errors_addr.to(tl.pointer_type(tl.int64))
     ok = True
     if DEVICE_WAIT:  # every expert rank has put its rows
-        ok = _wait_parity(signals, R, parity, 1, epoch, 32, R, errors_addr, timeout_ns, state,
-                          peer_ptrs, mask_off, local_base, me, BLOCK_R, NUM_THREADS, TRANSPORT,
-                          FT)
+        ok = _wait_parity(signals, R, parity, 1, epoch, EPOCH_SHIFT, R, errors_addr, timeout_ns,
+                          state, peer_ptrs, mask_off, local_base, me, BLOCK_R, NUM_THREADS,
+                          TRANSPORT, FT)
     if ok:  # after a failed wait nothing is read and nothing acknowledged
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):  # gate: cold
             # an expert rank with another call descriptor (one that arrived) is recorded
             sources = tl.arange(0, BLOCK_R)
-            words = tl.load(signals + parity * R + sources, mask=sources < R, other=0)
-            check_descriptors(words & 0xFFFFFFFF, (sources < R) & ((words >> 32) >= epoch),
-                              sources, me, epoch, errors_addr)
+            check_signal_words(tl.load(signals + parity * R + sources, mask=sources < R,
+                                       other=0), sources, sources < R, me, epoch, errors_addr)
         ids = check_ids(raw, E, BLOCK_K)[0]
         valid = tm[:, None] & (ids >= 0)
         if FT:  # a choice counts only if its expert rank's rows of this call arrived
             d = tl.where(valid, ids // (E // R), 0)
-            valid = valid & ((tl.load(signals + parity * R + d, mask=valid, other=0) >> 32)
-                             >= epoch)
+            valid = valid & ((tl.load(signals + parity * R + d, mask=valid, other=0)
+                              >> EPOCH_SHIFT) >= epoch)
         h0 = tl.program_id(1) * BLOCK_H
         h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
         acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)

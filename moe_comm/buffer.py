@@ -36,6 +36,7 @@ from .kernels.comm import (
     SLOT_BITS,
     Flavour,
     PeerTimeoutError,
+    epochs_of,
     ft_wait_epochs_kernel,
     wait_epochs_kernel,
     wait_for_epochs,
@@ -164,14 +165,6 @@ def _check_same_config(configs: list[dict]) -> None:
                 raise ValueError(f"Buffer arguments differ across ranks: rank {rank} passed "
                                  f"{field}={cfg[field]}, rank 0 passed {field}="
                                  f"{configs[0][field]}; every rank must pass the same values")
-
-
-def _epochs_of(words, combine: bool):
-    """``observe`` for a host wait on signal words (a numpy view): the epochs they hold, above
-    EPOCH_SHIFT in a combine's (``kernels.comm.signal_word``)."""
-    if not combine:
-        return words.tolist
-    return lambda: (words >> EPOCH_SHIFT.value).tolist()
 
 
 class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
@@ -1014,18 +1007,19 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         nothing is launched here and True is returned."""
         channel = _CHANNEL_NAMES[pending.channel]
         combine = pending.channel == COMBINE  # (its words: epoch << 32 | descriptor << 18)
+        shift = EPOCH_SHIFT.value if combine else 0
         if fusable and self.flavour.device_wait:
             return True
         if not self.flavour.device_wait:
             words = self._signal_words[pending.channel]
             if self.fault_tolerant:  # sources that stay silent are excluded, the call goes on
-                seconds = self._ft_wait(_epochs_of(words, combine), pending.epoch, channel)
+                seconds = self._ft_wait(epochs_of(words, shift), pending.epoch, channel)
                 if None in seconds:
                     pending.live = torch.tensor([t is not None for t in seconds],
                                                 dtype=torch.int32, device=self.device)
             else:
                 self._wait_words(words, pending.epoch, list(range(self.world_size)), channel,
-                                 combine)
+                                 shift)
             if combine:  # a source with another descriptor (the kernels' check, on the host)
                 self.errors.check_signal_words(words, pending.epoch, self.rank)
             return False
@@ -1079,16 +1073,16 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         return checked
 
     def _wait_words(self, words, expected: int, peers: list[int], channel: str,
-                    combine: bool = False) -> None:
+                    shift: int = 0) -> None:
         """Host wait until ``words[i] >= expected`` for all i (``words``: local signal words, a
-        tensor or a numpy view; word i is published for rank ``peers[i]``; ``combine``: a
-        combine's, the epoch above EPOCH_SHIFT). Through the proxy a transport failure raises
+        tensor or a numpy view; word i is published for rank ``peers[i]``; ``shift``: the
+        epoch's place, EPOCH_SHIFT in a combine's). Through the proxy a transport failure raises
         at once; a timeout names the rank, and in hierarchical mode the rank of this node that
         forwards it."""
         if isinstance(words, torch.Tensor):
             words = words.numpy()
         try:
-            wait_for_epochs(self._checking_transport(_epochs_of(words, combine)), expected,
+            wait_for_epochs(self._checking_transport(epochs_of(words, shift)), expected,
                             timeout_s=self.timeout_s, rank=self.rank, channel=channel)
         except PeerTimeoutError as exc:
             if isinstance(exc, TransportError) or peers == list(range(len(peers))) \
@@ -1107,7 +1101,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         timeout names the rank)."""
         name = _CHANNEL_NAMES[channel]
         if not self.flavour.device_wait:
-            self._wait_words(words, epoch, peers, name, channel == COMBINE)
+            self._wait_words(words, epoch, peers, name,
+                             EPOCH_SHIFT.value if channel == COMBINE else 0)
             return
         key = ("wait_relayed", channel, specs((words,)))
         if not call_bound(self._bound, key, (words,)):

@@ -57,15 +57,14 @@ class ErrorRecord:
         if flag == 1:
             raise PeerTimeoutError(rank, peer, channel, expected, observed, timeout_s)
 
-    def check_signal_words(self, words, epoch: int, me: int, ranks=None) -> None:
+    def check_signal_words(self, words, epoch: int, me: int) -> None:
         """The host's ``kernels.comm.check_signal_words``: of a combine's signal words
-        ``words`` (word i published for rank ``ranks[i]``, default i; ``epoch << 32 |
-        descriptor << 18``), those of ``epoch``, the first whose descriptor is not this
-        rank's (``ranks.index(me)``'s) is recorded in the input part (unless it holds an error)."""
-        ranks = list(range(len(words))) if ranks is None else ranks
+        ``words`` (word i published for rank i; ``epoch << 32 | descriptor << 18``), those of
+        ``epoch``, the first whose descriptor is not this rank's is recorded in the input part
+        (unless it holds an error)."""
         values = [int(w) for w in words]
-        mine = (values[ranks.index(me)] & 0xFFFFFFFF) >> SLOT_BITS
-        for rank, word in zip(ranks, values):
+        mine = (values[me] & 0xFFFFFFFF) >> SLOT_BITS
+        for rank, word in enumerate(values):
             theirs = (word & 0xFFFFFFFF) >> SLOT_BITS
             if word >> EPOCH_SHIFT == epoch and theirs != mine:
                 part = self._words[INPUT_RECORD:INPUT_RECORD + 4]

@@ -40,7 +40,7 @@ from .call_descriptor import (
     refusal_inputs,
 )
 from .fault import renormalized
-from .kernels.comm import wait_for_epochs
+from .kernels.comm import EPOCH_SHIFT, epochs_of, wait_for_epochs
 from .kernels.layout import checked_topk_idx
 from .kernels.low_latency import (
     ll_combine_recv,
@@ -667,7 +667,7 @@ class LowLatencyMode:
             self._ll_combine_recv(epoch, topk_idx, topk_weights, out, fp8, impl)
             if renormalize:  # the expert ranks whose rows of this call arrived
                 signals = self._region("ll_combine_signals")[epoch % 2]
-                reached = self._reached(topk_idx, (signals >> 32) >= epoch)
+                reached = self._reached(topk_idx, (signals >> EPOCH_SHIFT.value) >= epoch)
                 out.copy_(renormalized(out, topk_idx, topk_weights, reached))
             return out
 
@@ -676,11 +676,9 @@ class LowLatencyMode:
     @poisons_buffer_on_error("low-latency combine")
     def _ll_combine_recv(self, epoch, topk_idx, topk_weights, out, fp8=False, impl="triton"):
         if not self.flavour.device_wait:  # GPUs wait in the receive kernel itself
-            words = self._region("ll_combine_signals")[epoch % 2].numpy()
-
-            def observed():  # [R] words: each expert rank's epoch (its descriptor below)
-                return (words >> 32).tolist()
-
+            # [R] words: each expert rank's epoch (its descriptor below)
+            observed = epochs_of(self._region("ll_combine_signals")[epoch % 2].numpy(),
+                                 EPOCH_SHIFT.value)
             if self.fault_tolerant:  # an expert rank that stays silent is excluded
                 self._ft_wait(observed, epoch, "low-latency combine")
             else:

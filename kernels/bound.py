@@ -56,8 +56,12 @@ def spec(t: torch.Tensor) -> tuple:
 
 
 def specs(tensors) -> tuple:
-    """``tuple(spec(t) for t in tensors)`` (one call: this runs on every op)."""
-    return tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+    """``tuple(spec(t) for t in tensors)`` (one call: this runs on every op, so a loop and no
+    comprehension, which Python 3.11 calls as a function of its own)."""
+    out = []
+    for t in tensors:
+        out.append((t.dtype, t.data_ptr() % 16 == 0))
+    return tuple(out)
 
 
 def _compiled(result) -> bool:
@@ -115,7 +119,9 @@ class BoundLaunch:
         return args
 
     def __call__(self, *values) -> None:
-        args = self.arguments(values)
+        args = self.args.copy()  # (self.arguments inline: this runs on every launch)
+        for slot, value in zip(self.slots, values):
+            args[slot] = value
         device = driver.active.get_current_device()
         if device != self.device:  # another current device: Triton's path, its own kernel
             self.kernel[self.grid](*args, **self.options)
@@ -123,17 +129,11 @@ class BoundLaunch:
         stream = driver.active.get_current_stream(device)
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         kernel = self.compiled
-        metadata = (kernel.launch_metadata(self.grid, stream, *args) if _hooked(enter)
-                    else None)
+        hooked = enter is not None and (not isinstance(enter, HookChain) or bool(enter.calls))
+        metadata = kernel.launch_metadata(self.grid, stream, *args) if hooked else None
         g0, g1, g2 = self.grid
         kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, metadata, enter,
                    leave, *args)
-
-
-def _hooked(chain) -> bool:
-    """Whether a launch hook is installed (a profiler's): only then is the launch metadata
-    built (Triton builds it on every launch; with no hook nothing reads it)."""
-    return chain is not None and (not isinstance(chain, HookChain) or bool(chain.calls))
 
 
 def _same(a, b) -> bool:
@@ -204,17 +204,26 @@ def call_bound(launches: BoundLaunches | None, key, values: tuple, *more) -> boo
     nothing was launched)."""
     if launches is None or not ENABLED:
         return False
-    pairs = ((key, values),) + more
     if VERIFY:
-        launches._offered.update(pairs)
+        launches._offered.update(((key, values),) + more)
         return False
     table = launches._bound
-    bound = [table.get(k) for k, _ in pairs]
-    if None in bound:
+    first = table.get(key)
+    if first is None:
         return False
-    for b, (_, v) in zip(bound, pairs):
-        b(*v)
-    launches.bound_calls += len(bound)
+    if more:  # every one bound, or none launched
+        bound = []
+        for k, _ in more:
+            bound.append(table.get(k))
+        if None in bound:
+            return False
+        first(*values)
+        for b, (_, v) in zip(bound, more):
+            b(*v)
+        launches.bound_calls += 1 + len(bound)
+        return True
+    first(*values)
+    launches.bound_calls += 1
     return True
 
 

@@ -26,7 +26,7 @@ import triton
 
 from . import _registry, env
 from .call_descriptor import MAX_TOPK, PeerInputError, refusal, refusal_inputs
-from .error_record import ErrorRecord
+from .error_record import INPUT_RECORD, TIMEOUT_RECORD, ErrorRecord
 from .fault import FaultTolerance, RankExcludedError, renormalized
 from .kernels import emulated_puts
 from .kernels.bound import BoundLaunches, call_bound, launch, specs
@@ -48,7 +48,7 @@ from .kernels.layout import layout_scratch
 from .kernels.low_latency import TIMED_OUT
 from .kernels.nvshmem import device_bitcode, install_module_init_hook
 from .kernels.tiles import tiles
-from .low_latency import LowLatencyMode
+from .low_latency import LL_REGIONS, LowLatencyMode
 from .microscale import swizzle_128x4
 from .nodes import NEVER, Nodes, internode_peers, never_signalled, plan_values, signal_labels
 from .normal_mode import NormalMode, PendingSend
@@ -346,6 +346,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         same time (``kernels.combine_rounds``, ``kernels.invariant_rounds``,
         ``kernels.dispatch_rounds``)."""
         self.heap, self.layout, self.proxy = heap, layout, proxy
+        self.device: torch.device = heap.device  # (read on every op: an attribute)
         self._regions: dict[str, torch.Tensor] = {}  # views of the workspace (``_region``)
         self._offsets: dict = {}  # per-channel launch offsets and word views, made once
         self._scratch: dict = {}  # kernels' scratch tensors, made once (kernels.combine)
@@ -370,6 +371,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             or self.ep_invariant, proxy is not None)
         self._kernel_impl_auto = kernel_impl == "auto"  # csrc/ leaves what it lacks to Triton
         self.errors = ErrorRecord(heap.device)
+        self._error_words = self.errors.words
         self._ft_setup(fault_tolerant or (flavour is not None and flavour.fault_tolerant))
         self.flavour = flavour or self._default_flavour(on_gpu)
         self._layout_scratch = layout_scratch(layout.max_tokens, heap.world_size, num_experts,
@@ -401,6 +403,10 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         self._combine_refusal = 0  # a refused combine's descriptor while it takes part (else 0)
         self._last_handle = None  # the latest dispatch's handle (a refused combine's)
         self._ll_state = layout.view(heap, "ll_state") if layout.low_latency else None
+        if layout.low_latency:
+            for name in LL_REGIONS:
+                if name in layout.regions:  # (the combine outboxes: across nodes only)
+                    self._region(name)
         if layout.low_latency and layout.proxy:  # the proxy copies pair meta words from here
             T, K = layout.max_tokens, layout.max_topk
             table = (torch.arange(T, device=heap.device)[:, None] * 32
@@ -484,10 +490,6 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                        **common)
 
     # ----------------------------------------------------------------- public API
-    @property
-    def device(self) -> torch.device:
-        return self.heap.device
-
     @property
     def dispatch_serial(self) -> int:
         """Number of forward dispatches completed; a handle is valid for combine while current."""
@@ -736,7 +738,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         ``MOE_COMM_CHECK_INPUTS=0`` only what keeps the kernels inside their buffers."""
         if env.check_inputs():
             check_combine_inputs(y, handle, weights, buffer_id=self.id,
-                                 latest_serial=self.dispatch_serial, hidden=self.hidden,
+                                 latest_serial=self._dispatch_serial, hidden=self.hidden,
                                  dtype=self.dtype, device=self.device)
         else:
             check_combine_bounds(y, handle, weights, buffer_id=self.id, hidden=self.hidden,
@@ -912,14 +914,24 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         it; the custom ops check it themselves when they run (``moe_comm.ops``)."""
         if torch.compiler.is_compiling():
             return
-        self._check_usable()
-        self._raise_input_errors("an earlier call")
+        self._checked("an earlier call")
+
+    def _checked(self, what: str, channel: str = "device") -> None:
+        """``_check_usable(channel)`` then ``_raise_input_errors(what)``: every op's first
+        check, one read of the record's two flags while it is clean."""
+        words = self._error_words
+        if self._failure is None and words[TIMEOUT_RECORD] != 1 and words[INPUT_RECORD] != 1:
+            return
+        self._check_usable(channel)
+        self._raise_input_errors(what)
 
     def _check_usable(self, channel: str = "device") -> None:
         """Raises if the Buffer failed, or a kernel's wait recorded a timeout (which makes it
         unusable; with fault tolerance a kernel records one only when it found this rank
         excluded: RankExcludedError, and the Buffer stays usable). Reads the error record only:
         no synchronisation."""
+        if self._failure is None and self._error_words[TIMEOUT_RECORD] != 1:
+            return
         if self.fault_tolerant and self.errors.timed_out():
             if self.errors.take_self_exclusion(self.rank):
                 if self._ll_state is not None:  # the low-latency kernels' device flag too
@@ -948,10 +960,12 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         once the call is complete on this rank, so every rank stays in step and the Buffer
         stays usable. Runs after each call and at the start of the next (a GPU may record it
         after the call returned)."""
-        self.errors.raise_input_error(rank=self.rank, what=what)
+        if self._error_words[INPUT_RECORD] == 1:
+            self.errors.raise_input_error(rank=self.rank, what=what)
 
     def _start(self, channel: int) -> int:
-        self._ft_check_self()
+        if self.fault_tolerant:
+            self._ft_check_self()
         self._check_usable()
         self._epochs[channel] += 1
         return self._epochs[channel]

@@ -30,7 +30,8 @@ class ErrorRecord:
     def __init__(self, device: torch.device):
         pinned = device.type == "cuda"
         self.tensor = torch.zeros(ERRORS_WORDS, dtype=torch.int64, pin_memory=pinned)
-        self._words: np.ndarray = self.tensor.numpy()
+        # the host's view: every op reads its flags (words[TIMEOUT_RECORD], words[INPUT_RECORD])
+        self.words: np.ndarray = self.tensor.numpy()
 
     @property
     def address(self) -> int:
@@ -47,13 +48,12 @@ class ErrorRecord:
         return self.tensor[INPUT_RECORD:INPUT_RECORD + 4]
 
     def timed_out(self) -> bool:
-        return int(self._words[TIMEOUT_RECORD]) == 1
+        return self.words[TIMEOUT_RECORD] == 1
 
     def raise_timeout(self, *, rank: int, channel: str, timeout_s: float) -> None:
         """PeerTimeoutError if a wait recorded a timeout (the record stays: the Buffer is
         unusable from then on)."""
-        flag, peer, expected, observed = (int(v) for v in self._words[TIMEOUT_RECORD:
-                                                                      TIMEOUT_RECORD + 4])
+        flag, peer, expected, observed = self.words[TIMEOUT_RECORD:TIMEOUT_RECORD + 4].tolist()
         if flag == 1:
             raise PeerTimeoutError(rank, peer, channel, expected, observed, timeout_s)
 
@@ -67,7 +67,7 @@ class ErrorRecord:
         for rank, word in enumerate(values):
             theirs = (word & 0xFFFFFFFF) >> SLOT_BITS
             if word >> EPOCH_SHIFT == epoch and theirs != mine:
-                part = self._words[INPUT_RECORD:INPUT_RECORD + 4]
+                part = self.words[INPUT_RECORD:INPUT_RECORD + 4]
                 if int(part[0]) == 0:
                     part[1:] = (CALL_DIFFERS, rank, theirs | mine << 16 | epoch << 32)
                     part[0] = 1
@@ -76,7 +76,7 @@ class ErrorRecord:
     def take_self_exclusion(self, rank: int) -> bool:
         """True, and the timeout part cleared, if the recorded timeout names ``rank`` itself:
         a fault-tolerant kernel's way of saying this rank found itself excluded."""
-        part = self._words[TIMEOUT_RECORD:TIMEOUT_RECORD + 4]
+        part = self.words[TIMEOUT_RECORD:TIMEOUT_RECORD + 4]
         if int(part[0]) != 1 or int(part[1]) != rank:
             return False
         part[:] = 0
@@ -87,10 +87,10 @@ class ErrorRecord:
         call or sent another call descriptor) or RuntimeError (too many rows) if a
         kernel recorded one; the part is cleared first, so the Buffer stays usable (every rank
         completed the call)."""
-        part = self._words[INPUT_RECORD:INPUT_RECORD + 4]
-        flag, code, a, b = (int(v) for v in part)
-        if flag != 1:
+        if self.words[INPUT_RECORD] != 1:
             return
+        part = self.words[INPUT_RECORD:INPUT_RECORD + 4]
+        flag, code, a, b = part.tolist()
         part[:] = 0
         if code == BAD_EXPERT_ID:
             raise ValueError(f"moe_comm rank {rank}: {what}: topk_idx row {a} holds expert id "

@@ -62,6 +62,11 @@ from .validation import (
 )
 from .workspace import COMBINE, DISPATCH
 
+# the workspace regions low-latency ops read, viewed once when the Buffer is set up (those
+# its layout has)
+LL_REGIONS = ("ll_dispatch_rows", "ll_dispatch_meta", "ll_dispatch_signals", "ll_combine_rows",
+              "ll_combine_signals", "ll_combine_outbox")
+
 IN_FLIGHT = 2  # staging parities per channel
 
 
@@ -128,8 +133,7 @@ class _Hook:
         while not self.received:
             _receive_oldest(queue)
         what = f"low-latency {CHANNEL_NAMES[self._channel]}"
-        self._buffer._check_usable(what)
-        self._buffer._raise_input_errors(what)
+        self._buffer._checked(what, what)
         return self._result
 
 
@@ -392,8 +396,7 @@ class LowLatencyMode:
         reference, no view of their memory: ``_reusable``), else new ones: what the caller
         holds is never written again.
         """
-        self._check_usable()
-        self._raise_input_errors("an earlier call")
+        self._checked("an earlier call")
         self._ll_require()
         self._ll_check_in_flight(DISPATCH, "dispatch")
         try:  # (inline: the host path counts every Python call)
@@ -522,11 +525,12 @@ class LowLatencyMode:
                 recv.source_wait_s = wait_for_epochs(
                     self._checking_transport(observed), epoch, timeout_s=self.timeout_s,
                     rank=self.rank, channel="low-latency dispatch")
-        staging = self._region("ll_dispatch_rows")
+        regions = self._regions  # (made at set-up: LL_REGIONS)
+        staging = regions["ll_dispatch_rows"]
         if scale_memory is None:  # rows as they are
             staging = staging.view(self.dtype)
-        args = (staging, self._region("ll_dispatch_meta"),
-                self._region("ll_dispatch_signals"), self.heap.peer_ptrs,
+        args = (staging, regions["ll_dispatch_meta"],
+                regions["ll_dispatch_signals"], self.heap.peer_ptrs,
                 self._ll_state, recv.x, scale_memory, recv.count, recv.src_info,
                 recv.handle.src_k, recv.handle.layout, stats)
         common = dict(acks=self._ll_acks(DISPATCH), rank=self.rank, scale_strides=scale_strides,
@@ -557,8 +561,7 @@ class LowLatencyMode:
         (``out[t] = sum_k w[t, k] * dequantize_fp8(*quantize_fp8(y_row(t, k)))``; error bound
         as in ``Buffer.combine``), Triton kernels only.
         """
-        self._check_usable()
-        self._raise_input_errors("an earlier call")
+        self._checked("an earlier call")
         self._ll_require()
         self._ll_check_in_flight(COMBINE, "combine")
         try:  # (inline: the host path counts every Python call)
@@ -610,7 +613,7 @@ class LowLatencyMode:
         CUDA graph that captured the call replays it right), else None."""
         if not self.layout.ll_outboxes:
             return None
-        outboxes = self._region("ll_combine_outbox")
+        outboxes = self._regions["ll_combine_outbox"]  # (made at set-up: LL_REGIONS)
         for p in range(outboxes.shape[0]):
             if y.data_ptr() == outboxes[p].data_ptr():
                 return y.data_ptr() - self.heap.local.data_ptr()
@@ -685,8 +688,8 @@ class LowLatencyMode:
                 wait_for_epochs(self._checking_transport(observed), epoch,
                                 timeout_s=self.timeout_s, rank=self.rank,
                                 channel="low-latency combine")
-        staging = self._region("ll_combine_rows")
-        signals = self._region("ll_combine_signals")
+        staging = self._regions["ll_combine_rows"]  # (made at set-up: LL_REGIONS)
+        signals = self._regions["ll_combine_signals"]
         common = dict(acks=self._ll_acks(COMBINE), rank=self.rank)
         if impl == "cuda":
             self.launches["ll_combine_recv"] += self._csrc().ll_combine_recv(

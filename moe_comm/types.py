@@ -53,9 +53,13 @@ class DispatchHandle:
 
     def node_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(node_slot_of, fwd_slots, fwd_n), empty int32 tensors where unset."""
-        empty = self.slot_of.new_empty((0,))
-        return tuple(empty if t is None else t
-                     for t in (self.node_slot_of, self.fwd_slots, self.fwd_n))
+        node_slot_of, fwd_slots, fwd_n = self.node_slot_of, self.fwd_slots, self.fwd_n
+        if node_slot_of is None or fwd_slots is None or fwd_n is None:  # (no generator: per op)
+            empty = self.slot_of.new_empty((0,))
+            node_slot_of = empty if node_slot_of is None else node_slot_of
+            fwd_slots = empty if fwd_slots is None else fwd_slots
+            fwd_n = empty if fwd_n is None else fwd_n
+        return node_slot_of, fwd_slots, fwd_n
 
 
 @dataclass(frozen=True, eq=False)

@@ -47,8 +47,7 @@ def dispatch(buffers, xs, topk_idxs, topk_weights=None, expert_alignment: int = 
     ue8m0 = scale_code(dispatch_dtype, ue8m0)
     prepared = []
     for buf, x, idx, w in zip(buffers, xs, topk_idxs, topk_weights, strict=True):
-        buf._check_usable()
-        buf._raise_input_errors("an earlier call")
+        buf._checked("an earlier call")
         prepared.append(buf._dispatch_inputs(x, idx, w, expert_alignment, fp8, ue8m0,
                                              col_major_scales, max_recv_rows, global_scale))
     pending = [buf.dispatch_send(rows, idx, w, scales, mode, ue8m0, expert_alignment)
@@ -77,8 +76,7 @@ def combine(buffers, ys, handles, weights=None, *, combine_dtype=None) -> list[t
     fp8 = combine_is_fp8(combine_dtype, dtype=buffers[0].dtype, hidden=buffers[0].hidden,
                          ep_invariant=buffers[0].ep_invariant)
     for buf, y, h, w in zip(buffers, ys, handles, weights, strict=True):
-        buf._check_usable()
-        buf._raise_input_errors("an earlier call")
+        buf._checked("an earlier call")
         buf._combine_inputs(y, h, w)
     pending = [buf.combine_send(y, w, None, h.slot_rows, h.recv_slot_offsets,
                                 *h.node_tensors()[1:], fp8=fp8, src_token=h.src_token)

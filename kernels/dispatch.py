@@ -385,7 +385,11 @@ def expand_rows(s, first_slot, n, p, P, staging, staging_f32, meta, row_base, sl
             if HAS_WEIGHTS:
                 w = tl.load(mrow[:, None] + 1 + 2 * KMAX + kk[None, :], mask=valid, other=0)
                 tl.store(out_weights + row, w.to(tl.float32, bitcast=True), mask=valid)
-        row = row.to(tl.int64)
+        dsts = ()  # each choice's output rows (-1: none; int32 as in slot_rows), taken out of
+        if not SLOT_MAJOR:  # the tile once, here: the channel loop's stores then wait on no
+            row = row.to(tl.int32)  # reduction across warps
+            for k in tl.static_range(BLOCK_K):  # (columns from K on are -1)
+                dsts = dsts + (column(row, k),)
         for h0 in range(0, H, BLOCK_H):
             h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
             tile = tl.load(staging + staged[:, None] * ROW_ELEMS + h[None, :],
@@ -394,8 +398,8 @@ def expand_rows(s, first_slot, n, p, P, staging, staging_f32, meta, row_base, sl
                 tl.store(out + first_row[:, None] * H + h[None, :], tile,  # gate: row
                          mask=jm[:, None] & hm[None, :])
             else:
-                for k in range(K):  # each choice's output row from registers: no load to wait on
-                    dst_row = column(row, k)
+                for k in tl.static_range(BLOCK_K):  # each choice's rows from registers
+                    dst_row = dsts[k].to(tl.int64)
                     tl.store(out + dst_row[:, None] * H + h[None, :], tile,  # gate: row
                              mask=(dst_row >= 0)[:, None] & hm[None, :])
         if FP8:  # the scales follow the H code bytes of each staging row (kernels.rows)
@@ -415,8 +419,8 @@ def expand_rows(s, first_slot, n, p, P, staging, staging_f32, meta, row_base, sl
                 _store_scales(out_scales, first_row, g, sc, gm, SCALE_ROW_STRIDE,
                               SCALE_GROUP_STRIDE, UE8M0)
             else:
-                for k in range(K):
-                    dst_row = column(row, k)
+                for k in tl.static_range(BLOCK_K):
+                    dst_row = dsts[k].to(tl.int64)
                     if GLOBAL:
                         tl.store(out_global + dst_row, glob, mask=dst_row >= 0)
                     _store_scales(out_scales, dst_row, g, sc, gm & (dst_row >= 0)[:, None],

@@ -87,7 +87,9 @@ _GPU = {
     # layout: 64 bytes spilled at 128 registers under Triton 3.6 in tiles of 16 tokens, none
     # in tiles of 8
     "dispatch_send_nvshmem_quantizing": (8, 1024, 16, 1),
-    "dispatch_expand": (8, 1024, 8, 2),
+    # one program an SM: each choice's output rows held in registers across the channel loop
+    # (kernels.dispatch.expand_rows) spilled 8 to 24 bytes at 128 registers (150 to 188 now)
+    "dispatch_expand": (8, 1024, 8, 1),
     # a dispatch's rounds after its first send as one launch (kernels.dispatch_rounds): the
     # send's and the expand's tiles with 8 warps, one program per SM
     "dispatch_rounds_send": (16, 1024, 8, 1),

@@ -98,6 +98,19 @@ LL_MUTATIONS = {
     "ll_slower_step": (  # a dependent step ten times as long: the ops' times over target
         "critical_path.py", "LATENCY_US = 0.32", "LATENCY_US = 3.2"),
 }
+# The normal dispatch's row movers' rule (no wait inside a row loop): name -> (file, text,
+# replacement); the broken copy's dispatch launchers run under the real Buffer (one node, bf16,
+# DeepSeek-V3 prefill sizes).
+ROW_LOOP_MUTATIONS = {
+    "none": ("dispatch.py", "", ""),
+    "expand_column_in_row_loop": (  # the choices in a run-time loop again, each one's rows
+        # taken out of the tile per channel tile (a reduction across warps before its stores)
+        "dispatch.py",
+        "                for k in tl.static_range(BLOCK_K):  # each choice's rows from registers\n"
+        "                    dst_row = dsts[k].to(tl.int64)\n",
+        "                for c in range(K):\n"
+        "                    dst_row = column(row, c).to(tl.int64)\n"),
+}
 RANKS = 8
 
 
@@ -270,6 +283,36 @@ def ll_main(name: str, workdir: str) -> dict:
                       f.paths[cfg.name]["steps"] for v, (_, f) in zip(variants, done)}}
 
 
+def row_loop_main(name: str, workdir: str) -> dict:
+    """The held row-loop rule on the normal bf16 dispatch's row movers of the broken copy (its
+    dispatch launchers under the Buffer's own calls, the gate's driver): each variant compiled
+    and its busiest program walked at DeepSeek-V3 prefill sizes."""
+    import torch
+
+    from moe_comm import normal_mode
+    from moe_comm.kernels import compiled
+    from moe_comm.testing import gate
+
+    pkg = broken_copy(name, workdir, ROW_LOOP_MUTATIONS)
+    normal_mode.dispatch_kernels = importlib.import_module(pkg.__name__ + ".dispatch")
+    cfg = next(c for c in gate.CONFIGS if c.name == "dsv3-prefill")
+    runs = gate.gate_runs
+    gate.gate_runs = lambda c: [r for r in runs(c) if r[:4] == ("bfloat16", torch.bfloat16, 0,
+                                                                 False) and len(r) == 5]
+    flags = {"HAS_WEIGHTS=1", "FP8=0"}
+    variants = [v for k, v in gate.record_config(cfg, 90).items() if not k.startswith("problem:")
+                and v.launch.name in gate.HELD_ROW_LOOPS
+                and flags <= set(gate._variant_text(v.launch, v.dtype).split())]
+    problems, kernels = [], set()
+    for v in variants:
+        text = gate._variant_text(v.launch, v.dtype)
+        facts = compiled.inspect_launch(v.launch, 90, cfg.name, text, v.analysis())
+        problems += [f"{v.launch.name}: {p}" for p in v.path_problems(facts)[0]
+                     + compiled.violations(facts, True)]
+        kernels.add(v.launch.name)
+    return {"problems": problems, "kernels": sorted(kernels)}
+
+
 def main(name: str, workdir: str) -> dict:
     from moe_comm.kernels.compiled import inspect_launch, unemitted_markers, violations
     from moe_comm.testing.gate import _specialisation_problems
@@ -297,5 +340,7 @@ if __name__ == "__main__":
         print(json.dumps(slim_library_report()))
     elif sys.argv[1].startswith("ll:"):
         print(json.dumps(ll_main(sys.argv[1][3:], sys.argv[2])))
+    elif sys.argv[1].startswith("rows:"):
+        print(json.dumps(row_loop_main(sys.argv[1][5:], sys.argv[2])))
     else:
         print(json.dumps(main(sys.argv[1], sys.argv[2])))

@@ -227,6 +227,25 @@ def test_each_low_latency_speed_rule_fails_on_its_mutation(name, expect, tmp_pat
         assert any(expect in p for p in report["problems"]), report
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name, expect", [
+    ("none", None),
+    ("expand_column_in_row_loop", "dispatch_expand_kernel: rows wait inside a loop that stores "
+                                  "them for: dispatch.py"),
+])
+def test_the_normal_dispatch_row_loop_rule_fails_on_its_mutation(name, expect, tmp_path):
+    """The normal bf16 dispatch's row movers of one node (the send and the expand, DeepSeek-V3
+    prefill sizes) store their rows without waiting inside the row loop on a barrier across
+    warps, a reduction or an index gather: the expand's choices taken out of the tile in a
+    run-time loop again (a reduction per choice and channel tile) fails the gate."""
+    report = _mutation(f"rows:{name}", tmp_path)
+    assert report["kernels"] == ["dispatch_expand_kernel", "dispatch_send_kernel"], report
+    if expect is None:
+        assert report["problems"] == [], report
+    else:
+        assert any(expect in p for p in report["problems"]), report
+
+
 def test_the_slim_nvshmem_library_compiles_to_the_same_code():
     """The gate links ``kernels.nvshmem_slim``'s library instead of the whole NVSHMEM device
     bitcode: the NVSHMEM send compiles to the same PTX against both (its puts, fence and

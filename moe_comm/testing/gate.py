@@ -83,6 +83,10 @@ CONFIGS = (
 GATE_NUM_SMS = 20  # the num_sms of the gate's Buffers (the GPU default)
 MAX_LL_STEPS = 20  # dependent steps of a low-latency program (about 0.5 us each)
 MIN_INFLIGHT_KB = 32  # row loads in flight per wait of a normal-mode row mover
+# normal-mode row movers of one node whose rows wait on nothing inside their row loops (no
+# barrier across warps, reduction, layout conversion or index gather there): held, as the
+# low-latency kernels' are
+HELD_ROW_LOOPS = ("dispatch_send_kernel", "dispatch_expand_kernel")
 DSV3 = ("dsv3-prefill", "dsv3-decode", "dsv3-prefill-rounds")
 SPEED_DTYPES = ("bfloat16", "float16")  # what the speed rules read (DeepSeek-V3 runs in bf16)
 
@@ -169,14 +173,17 @@ class Variant:
         at the configs of :meth:`rule_paths`. Problems: a low-latency kernel of one node (its
         stores through peer pointers) with a loop whose trips the bounds do not give, more than
         ``MAX_LL_STEPS`` dependent steps, or a barrier across warps, reduction or index gather
-        that its rows wait for inside a loop that stores them. Notes, the same facts of the
-        normal mode (and of the transports' low-latency kernels) and less than
+        that its rows wait for inside a loop that stores them; the last also for the normal
+        dispatch's row movers of one node (``HELD_ROW_LOOPS``). Notes, the same facts of the
+        rest of the normal mode (and of the transports' low-latency kernels) and less than
         ``MIN_INFLIGHT_KB`` of row loads in flight at a normal-mode row mover's wait: what its
         rework has to reach, not yet held."""
         from ..kernels.tiles import PERSISTENT, SCHEDULES, WAVE, WHOLE_GPU
 
         kind = SCHEDULES[self.launch.name].kind
-        held = kind == WHOLE_GPU and self.launch.flags().get("TRANSPORT", 0) == 0
+        one_node = self.launch.flags().get("TRANSPORT", 0) == 0
+        held = kind == WHOLE_GPU and one_node
+        held_row_loops = held or (one_node and self.launch.name in HELD_ROW_LOOPS)
         problems, notes = [], []
         for cfg_name, path in sorted(self.rule_paths(facts).items()):
             where = f" [{cfg_name}]"
@@ -189,8 +196,9 @@ class Variant:
                 found.append(f"{path['steps']:g} dependent steps in a program (a low-latency "
                              f"kernel takes at most {MAX_LL_STEPS})" + where)
             if path["in_row_loops"]:
-                found.append("rows wait inside a loop that stores them for: "
-                             + ", ".join(path["in_row_loops"]) + where)
+                (problems if held_row_loops else found).append(
+                    "rows wait inside a loop that stores them for: "
+                    + ", ".join(path["in_row_loops"]) + where)
             if (kind in (PERSISTENT, WAVE) and path["inflight_kb"] is not None
                     and path["inflight_kb"] < MIN_INFLIGHT_KB):
                 found.append(f"{path['inflight_kb']:.1f} KB of row loads in flight at a wait "

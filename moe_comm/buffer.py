@@ -30,7 +30,6 @@ from .error_record import INPUT_RECORD, TIMEOUT_RECORD, ErrorRecord
 from .fault import FaultTolerance, RankExcludedError, renormalized
 from .kernels import emulated_puts
 from .kernels.bound import BoundLaunches, call_bound, launch, specs
-from .kernels.combine_rounds import fits_one_launch as fits_combine_rounds
 from .kernels.comm import (
     EPOCH_SHIFT,
     SLOT_BITS,
@@ -42,8 +41,6 @@ from .kernels.comm import (
     wait_for_epochs,
     wait_relayed_epochs_kernel,
 )
-from .kernels.dispatch_rounds import fits_one_launch as fits_dispatch_rounds
-from .kernels.invariant_rounds import fits_one_launch as fits_invariant_rounds
 from .kernels.layout import layout_scratch
 from .kernels.low_latency import TIMED_OUT
 from .kernels.nvshmem import device_bitcode, install_module_init_hook
@@ -53,7 +50,15 @@ from .microscale import swizzle_128x4
 from .nodes import NEVER, Nodes, internode_peers, never_signalled, plan_values, signal_labels
 from .normal_mode import NormalMode, PendingSend
 from .ops import combine_autograd, dispatch_autograd, wrap_dispatch_outputs
-from .rings import DEFAULT_GPU_SMS, checked_num_sms, one_launch_sms, staging_ring_slots
+from .rings import (
+    COMBINE_FORMATS,
+    DEFAULT_GPU_SMS,
+    checked_num_sms,
+    dispatch_formats,
+    one_launch_fits,
+    one_launch_sms,
+    staging_ring_slots,
+)
 from .symm import SymmetricHeap, create_loopback_heaps
 from .symm.select import choose_backend, create_heap, default_device
 from .transport import NixlProxy, TransportError, choose_transport
@@ -438,26 +443,19 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                                   if ft else None)
         self._ft_dispatch_live0 = (None if self._ft_dispatch_live is None
                                    else self._ft_dispatch_live[0])
+        # the combine's table, (FP8 partials, values per row) ->, and a dispatch's rounds after
+        # its first send as one launch (kernels.dispatch_rounds), by the send's format (fp8,
+        # ue8m0, the rows' element bytes): the same conditions, fault tolerance too (the
+        # EP-invariant combine changes no dispatch; through the proxy hierarchical too: each
+        # round's node messages and forwarder pass in the launch); rings.one_launch_fits
         elem = self._row_bytes // self.hidden
-        self._combine_in_one_launch = {  # (FP8 partials, values per row) ->
-            (fp8, pair): (combine_launch or proxy_combine) and (
-                not fp8 and fits_invariant_rounds(
-                    self.world_size, layout.ring_slots, self.hidden, self.max_topk,
-                    self.num_sms, f, elem) if self.ep_invariant
-                else fits_combine_rounds(self.world_size, layout.ring_slots, self.hidden,
-                                         self.max_topk, self.num_sms, f, elem, fp8, pair))
-            for fp8 in (False, True) for pair in (False, True)}
-        # a dispatch's rounds after its first send as one launch (kernels.dispatch_rounds), by
-        # the send's format (fp8, ue8m0, the rows' element bytes): the same conditions, fault
-        # tolerance too (the EP-invariant combine changes no dispatch; through the proxy
-        # hierarchical too: each round's node messages and forwarder pass in the launch)
-        dispatch_launch = combine_launch or (rounds_in_kernels and proxy is not None)
-        self._dispatch_in_one_launch = {
-            (fp8, ue8m0, elem): dispatch_launch and fits_dispatch_rounds(
-                self.world_size, layout.ring_slots, self.hidden, self.max_topk, self.num_sms, f,
-                fp8, ue8m0, elem)
-            for fp8 in (0, 1, 2) for ue8m0 in (0, 1, 2, 3)
-            for elem in {self._row_bytes // self.hidden, 1}}
+        if combine_launch or proxy_combine:
+            self._dispatch_in_one_launch, self._combine_in_one_launch = one_launch_fits(
+                layout.ring_slots, self.world_size, self.hidden, self.max_topk, elem,
+                self.num_sms, f, self.ep_invariant)
+        else:
+            self._dispatch_in_one_launch = dict.fromkeys(dispatch_formats(elem), False)
+            self._combine_in_one_launch = dict.fromkeys(COMBINE_FORMATS, False)
         _registry.register(self)
 
     def _default_flavour(self, on_gpu: bool) -> Flavour:

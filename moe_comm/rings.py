@@ -59,22 +59,49 @@ def one_launch_sms(device_type: str, proxy: bool, num_sms: int | None) -> int | 
     return DEFAULT_GPU_SMS if num_sms is None else num_sms
 
 
+def one_launch_fits(ring_slots: int, world_size: int, hidden: int, max_topk: int,
+                    elem_bytes: int, num_sms: int, flavour: Flavour,
+                    invariant: bool = False) -> tuple[dict, dict]:
+    """``(dispatch, combine)``: whether rounds of ``ring_slots`` slots run in one launch on
+    ``num_sms`` programs of ``flavour``, per format the Buffer may call (the one table of them):
+    ``dispatch[fp8, ue8m0, elem]`` for the dispatch's (its rows or bytes, FP8, MXFP8 and NVFP4,
+    quantized by the send or given quantized), ``combine[fp8, pair]`` for the combine's (exact
+    or FP8 partials, with values per row or without; with ``invariant`` the EP-invariant
+    combine's, which has no FP8 partials)."""
+    args = (world_size, ring_slots, hidden, max_topk, num_sms, flavour)
+    dispatch = {(fp8, ue8m0, elem): fits_dispatch_rounds(*args, fp8, ue8m0, elem)
+                for fp8, ue8m0, elem in dispatch_formats(elem_bytes)}
+    combine = {(fp8, pair): (not fp8 and fits_invariant_rounds(*args, elem_bytes)) if invariant
+               else fits_combine_rounds(*args, elem_bytes, fp8, pair)
+               for fp8, pair in COMBINE_FORMATS}
+    return dispatch, combine
+
+
+def dispatch_formats(elem_bytes: int) -> list[tuple[int, int, int]]:
+    """A dispatch's formats as the one-launch table keys them: ``(fp8, ue8m0, the rows'
+    element bytes)`` (fp8 0: rows as they are, 1: quantized by the send, 2: given quantized)."""
+    return [(fp8, ue8m0, elem) for fp8 in (0, 1, 2) for ue8m0 in range(NVFP4 + 1)
+            for elem in sorted({elem_bytes, 1})]
+
+
+COMBINE_FORMATS = ((False, False), (False, True), (True, False), (True, True))  # (FP8
+# partials, values per row)
+
+
 def fits_every_format(ring_slots: int, world_size: int, hidden: int, max_topk: int,
                       elem_bytes: int, num_sms: int, invariant: bool,
                       nvshmem: bool = False) -> bool:
     """Whether rounds of ``ring_slots`` slots run in one launch on ``num_sms`` programs of a GPU
-    in every format the Buffer may call: the dispatch's (its rows, FP8, MXFP8 and NVFP4,
-    quantized by the send or given quantized), the combine's exact and FP8 partials, with
-    values per row or without, and with ``invariant`` the EP-invariant combine; ``nvshmem``:
-    the launches across hosts over NVSHMEM (some of their tiles are their own)."""
-    args = (world_size, ring_slots, hidden, max_topk, num_sms,
-            _COMPILED_NVSHMEM if nvshmem else _COMPILED)
-    sends = [(fp8, ue8m0, elem) for fp8 in (0, 1, 2) for ue8m0 in range(NVFP4 + 1)
-             for elem in {elem_bytes, 1}]  # (the Buffer's table)
-    return (all(fits_dispatch_rounds(*args, *send) for send in sends)
-            and all(fits_combine_rounds(*args, elem_bytes, fp8, pair)
-                    for fp8 in (False, True) for pair in (False, True))
-            and (not invariant or fits_invariant_rounds(*args, elem_bytes)))
+    in every format of :func:`one_launch_fits`, the combine's exact and FP8 partials both, and
+    with ``invariant`` the EP-invariant combine too; ``nvshmem``: the launches across hosts over
+    NVSHMEM (some of their tiles are their own)."""
+    flavour = _COMPILED_NVSHMEM if nvshmem else _COMPILED
+    dispatch, combine = one_launch_fits(ring_slots, world_size, hidden, max_topk, elem_bytes,
+                                        num_sms, flavour)
+    return (all(dispatch.values()) and all(combine.values())
+            and (not invariant or fits_invariant_rounds(world_size, ring_slots, hidden,
+                                                        max_topk, num_sms, flavour,
+                                                        elem_bytes)))
 
 
 def one_launch_ring_slots(ring_slots: int, world_size: int, hidden: int, max_topk: int,

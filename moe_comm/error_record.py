@@ -48,7 +48,7 @@ class ErrorRecord:
         return self.tensor[INPUT_RECORD:INPUT_RECORD + 4]
 
     def timed_out(self) -> bool:
-        return self.words[TIMEOUT_RECORD] == 1
+        return bool(self.words[TIMEOUT_RECORD] == 1)
 
     def raise_timeout(self, *, rank: int, channel: str, timeout_s: float) -> None:
         """PeerTimeoutError if a wait recorded a timeout (the record stays: the Buffer is

@@ -84,8 +84,8 @@ def dispatch_formats(elem_bytes: int) -> list[tuple[int, int, int]]:
             for elem in sorted({elem_bytes, 1})]
 
 
-COMBINE_FORMATS = ((False, False), (False, True), (True, False), (True, True))  # (FP8
-# partials, values per row)
+# a combine's formats as the one-launch table keys them: (FP8 partials, values per row)
+COMBINE_FORMATS = ((False, False), (False, True), (True, False), (True, True))
 
 
 def fits_every_format(ring_slots: int, world_size: int, hidden: int, max_topk: int,

@@ -834,9 +834,9 @@ def outbox_dispatch(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, node
 
 
 def forward_tiles(flavour: Flavour):
-    """``(tile, bytes a row tile spans)`` of :func:`forward_rows`: the expand's row tiles, 16
+    """``(tile, bytes a row tile spans)`` of :func:`forward_rows`: row tiles of 8 rows, 16
     bytes of a row tile per thread on a GPU."""
-    tile = tiles("dispatch_expand", flavour.compiled, 1024, 1)
+    tile = tiles("forward_dispatch", flavour.compiled, 1024, 1)
     return tile, (max(16, 16 * tile.num_threads // tile.block_t) if flavour.compiled else 2048)
 
 

@@ -88,8 +88,12 @@ _GPU = {
     # in tiles of 8
     "dispatch_send_nvshmem_quantizing": (8, 1024, 16, 1),
     # one program an SM: each choice's output rows held in registers across the channel loop
-    # (kernels.dispatch.expand_rows) spilled 8 to 24 bytes at 128 registers (150 to 188 now)
-    "dispatch_expand": (8, 1024, 8, 1),
+    # (kernels.dispatch.expand_rows) spilled 8 to 24 bytes at 128 registers in tiles of 8
+    # slots; 16 slots a tile (32 KB of bf16 rows in flight) take 242-248, no spill
+    "dispatch_expand": (16, 1024, 8, 1),
+    # the hierarchical forwarders' passes over a node's rows (kernels.internode.forward_tiles):
+    # the expand's tiles before it held its choices' rows
+    "forward_dispatch": (8, 1024, 8, 2),
     # a dispatch's rounds after its first send as one launch (kernels.dispatch_rounds): the
     # send's and the expand's tiles with 8 warps, one program per SM
     "dispatch_rounds_send": (16, 1024, 8, 1),
@@ -144,6 +148,7 @@ _GPU = {
 }
 _INTERPRETER_ROWS = {"ll_dispatch_recv": 16, "ll_combine_send": 16}
 _TILE_BYTES = {"combine_send": 2 * TILE_BYTES_PER_THREAD,  # bytes of a row tile a thread holds
+               "dispatch_expand": 2 * TILE_BYTES_PER_THREAD,
                "combine_rounds_reduce": 4 * TILE_BYTES_PER_THREAD,
                "combine_rounds_reduce_hier": 2 * TILE_BYTES_PER_THREAD,
                "invariant_rounds_reduce": 2 * TILE_BYTES_PER_THREAD}

@@ -110,6 +110,8 @@ ROW_LOOP_MUTATIONS = {
         "                    dst_row = dsts[k].to(tl.int64)\n",
         "                for c in range(K):\n"
         "                    dst_row = column(row, c).to(tl.int64)\n"),
+    "expand_thin_tile": (  # the expand's tile of 8 slots again: 16 KB of bf16 rows in flight
+        "tiles.py", '               "dispatch_expand": 2 * TILE_BYTES_PER_THREAD,\n', ""),
 }
 RANKS = 8
 

@@ -232,12 +232,15 @@ def test_each_low_latency_speed_rule_fails_on_its_mutation(name, expect, tmp_pat
     ("none", None),
     ("expand_column_in_row_loop", "dispatch_expand_kernel: rows wait inside a loop that stores "
                                   "them for: dispatch.py"),
+    ("expand_thin_tile", "dispatch_expand_kernel: 16.0 KB of row loads in flight at a wait "
+                         "(at least 32)"),
 ])
 def test_the_normal_dispatch_row_loop_rule_fails_on_its_mutation(name, expect, tmp_path):
     """The normal bf16 dispatch's row movers of one node (the send and the expand, DeepSeek-V3
     prefill sizes) store their rows without waiting inside the row loop on a barrier across
-    warps, a reduction or an index gather: the expand's choices taken out of the tile in a
-    run-time loop again (a reduction per choice and channel tile) fails the gate."""
+    warps, a reduction or an index gather, with at least 32 KB of rows in flight at a wait: the
+    expand's choices taken out of the tile in a run-time loop again (a reduction per choice and
+    channel tile), or its tile of 8 slots again (16 KB), fails the gate."""
     report = _mutation(f"rows:{name}", tmp_path)
     assert report["kernels"] == ["dispatch_expand_kernel", "dispatch_send_kernel"], report
     if expect is None:

@@ -84,8 +84,9 @@ GATE_NUM_SMS = 20  # the num_sms of the gate's Buffers (the GPU default)
 MAX_LL_STEPS = 20  # dependent steps of a low-latency program (about 0.5 us each)
 MIN_INFLIGHT_KB = 32  # row loads in flight per wait of a normal-mode row mover
 # normal-mode row movers of one node whose rows wait on nothing inside their row loops (no
-# barrier across warps, reduction, layout conversion or index gather there): held, as the
-# low-latency kernels' are
+# barrier across warps, reduction, layout conversion or index gather there), held as the
+# low-latency kernels' are; their variants that move rows as they are (FP8=0) are held to
+# MIN_INFLIGHT_KB too
 HELD_ROW_LOOPS = ("dispatch_send_kernel", "dispatch_expand_kernel")
 DSV3 = ("dsv3-prefill", "dsv3-decode", "dsv3-prefill-rounds")
 SPEED_DTYPES = ("bfloat16", "float16")  # what the speed rules read (DeepSeek-V3 runs in bf16)
@@ -174,16 +175,17 @@ class Variant:
         stores through peer pointers) with a loop whose trips the bounds do not give, more than
         ``MAX_LL_STEPS`` dependent steps, or a barrier across warps, reduction or index gather
         that its rows wait for inside a loop that stores them; the last also for the normal
-        dispatch's row movers of one node (``HELD_ROW_LOOPS``). Notes, the same facts of the
-        rest of the normal mode (and of the transports' low-latency kernels) and less than
-        ``MIN_INFLIGHT_KB`` of row loads in flight at a normal-mode row mover's wait: what its
-        rework has to reach, not yet held."""
+        dispatch's row movers of one node (``HELD_ROW_LOOPS``), and for those that move rows
+        as they are less than ``MIN_INFLIGHT_KB`` of row loads in flight at a wait. Notes, the
+        same facts of the rest of the normal mode (and of the transports' low-latency kernels):
+        what its rework has to reach, not yet held."""
         from ..kernels.tiles import PERSISTENT, SCHEDULES, WAVE, WHOLE_GPU
 
         kind = SCHEDULES[self.launch.name].kind
         one_node = self.launch.flags().get("TRANSPORT", 0) == 0
         held = kind == WHOLE_GPU and one_node
         held_row_loops = held or (one_node and self.launch.name in HELD_ROW_LOOPS)
+        held_inflight = held_row_loops and not held and self.launch.flags().get("FP8", 0) == 0
         problems, notes = [], []
         for cfg_name, path in sorted(self.rule_paths(facts).items()):
             where = f" [{cfg_name}]"
@@ -201,8 +203,9 @@ class Variant:
                     + ", ".join(path["in_row_loops"]) + where)
             if (kind in (PERSISTENT, WAVE) and path["inflight_kb"] is not None
                     and path["inflight_kb"] < MIN_INFLIGHT_KB):
-                found.append(f"{path['inflight_kb']:.1f} KB of row loads in flight at a wait "
-                             f"(at least {MIN_INFLIGHT_KB})" + where)
+                (problems if held_inflight else found).append(
+                    f"{path['inflight_kb']:.1f} KB of row loads in flight at a wait "
+                    f"(at least {MIN_INFLIGHT_KB})" + where)
             (problems if held else notes).extend(found)
         return problems, notes
 

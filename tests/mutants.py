@@ -10,7 +10,7 @@ then applies each mutation alone, runs its tests (``pytest -x``) and puts the fi
 mutation is caught when its tests fail (pytest's exit status 1) or hang past ``--timeout``. It
 prints one row per mutation and exits 1 if any is not caught, or if the control fails. The
 copy imports its own ``moe_comm`` (``PYTHONPATH``, checked before anything runs); nothing in
-the checkout changes. About 25 minutes on 2 cores.
+the checkout changes. About 50 minutes on 2 cores (102 mutations, 2026-12-07).
 """
 from __future__ import annotations
 

@@ -211,19 +211,16 @@ def call_bound(launches: BoundLaunches | None, key, values: tuple, *more) -> boo
     first = table.get(key)
     if first is None:
         return False
-    if more:  # every one bound, or none launched
-        bound = []
-        for k, _ in more:
-            bound.append(table.get(k))
-        if None in bound:
+    rest = []  # every one bound, or none launched (a loop: no comprehension's frame per op)
+    for k, v in more:
+        bound = table.get(k)
+        if bound is None:
             return False
-        first(*values)
-        for b, (_, v) in zip(bound, more):
-            b(*v)
-        launches.bound_calls += 1 + len(bound)
-        return True
+        rest.append((bound, v))
     first(*values)
-    launches.bound_calls += 1
+    for bound, v in rest:
+        bound(*v)
+    launches.bound_calls += 1 + len(rest)
     return True
 
 

@@ -245,14 +245,40 @@ def slim_library_report() -> dict:
     return report
 
 
+def _inspected(cfg_name: str, low_latency: bool, keep) -> tuple[list, list, list]:
+    """``(variants, problems, done)`` at ``cfg_name`` of the gate's one-node bf16 Buffer (the
+    low-latency one or the normal one) for the recorded variants ``keep(variant, text)``
+    selects: each compiled for sm_90 and its busiest program walked; ``problems`` its
+    schedule's, the held rules' of its path and the compiled code's; ``done`` the (job,
+    facts) pairs ``gate.op_predictions`` reads."""
+    import torch
+
+    from moe_comm.kernels import compiled
+    from moe_comm.testing import gate
+
+    cfg = next(c for c in gate.CONFIGS if c.name == cfg_name)
+    runs = gate.gate_runs
+    gate.gate_runs = lambda c: [r for r in runs(c) if r[:4] == ("bfloat16", torch.bfloat16, 0,
+                                                                 low_latency) and len(r) == 5]
+    variants = [v for k, v in gate.record_config(cfg, 90).items() if not k.startswith("problem:")
+                and keep(v, gate._variant_text(v.launch, v.dtype))]
+    problems, done = [], []
+    for v in variants:
+        text = gate._variant_text(v.launch, v.dtype)
+        facts = compiled.inspect_launch(v.launch, 90, cfg.name, text, v.analysis())
+        problems += [f"{v.launch.name}: {p}" for p in v.schedule_problems()
+                     + v.path_problems(facts)[0] + compiled.violations(facts, True)]
+        done.append(((None, v.launch.name, None, None, None, None, None, 90, cfg.name, text),
+                     facts))
+    return variants, problems, done
+
+
 def ll_main(name: str, workdir: str) -> dict:
     """The gate's speed rules on the low-latency pair of the broken copy: its launchers under the
     Buffer's own low-latency calls (the gate's driver), each launch compiled and its busiest
     program walked; the schedules and the critical path's constants are the broken copy's."""
-    import torch
-
     from moe_comm import low_latency as ll_mode
-    from moe_comm.kernels import compiled, critical_path
+    from moe_comm.kernels import critical_path
     from moe_comm.testing import gate
 
     pkg = broken_copy(name, workdir, LL_MUTATIONS)
@@ -262,57 +288,32 @@ def ll_main(name: str, workdir: str) -> dict:
         setattr(ll_mode, launcher, getattr(launchers, launcher))
     mutated = importlib.import_module(pkg.__name__ + ".critical_path")
     critical_path.LATENCY_US = mutated.LATENCY_US
-    cfg = next(c for c in gate.CONFIGS if c.name == "dsv3-decode")
-    runs = gate.gate_runs
-    gate.gate_runs = lambda c: [r for r in runs(c) if r[:4] == ("bfloat16", torch.bfloat16, 0,
-                                                                 True) and len(r) == 5]
+    cfg_name = "dsv3-decode"
     targets = [(kernel, set(flags.split())) for _, c, _, held, kernels in gate.OP_TARGETS
-               if held and c == cfg.name for kernel, flags in kernels]
-    variants = [v for k, v in gate.record_config(cfg, 90).items() if not k.startswith("problem:")
-                and any(v.launch.name == kernel and flags <= set(gate._variant_text(
-                    v.launch, v.dtype).split()) for kernel, flags in targets)]
-    problems, done = [], []
-    for v in variants:
-        text = gate._variant_text(v.launch, v.dtype)
-        facts = compiled.inspect_launch(v.launch, 90, cfg.name, text, v.analysis())
-        problems += [f"{v.launch.name}: {p}" for p in v.schedule_problems()
-                     + v.path_problems(facts)[0] + compiled.violations(facts, True)]
-        done.append(((None, v.launch.name, None, None, None, None, None, 90, cfg.name, text),
-                     facts))
+               if held and c == cfg_name for kernel, flags in kernels]
+    variants, problems, done = _inspected(
+        cfg_name, True, lambda v, text: any(v.launch.name == kernel and flags <= set(text.split())
+                                            for kernel, flags in targets))
     lines, op_problems = gate.op_predictions(done)
     return {"problems": problems + op_problems, "ops": lines,
             "steps": {f"{v.launch.name} {gate._variant_flags(v.launch, v.dtype)}":
-                      f.paths[cfg.name]["steps"] for v, (_, f) in zip(variants, done)}}
+                      f.paths[cfg_name]["steps"] for v, (_, f) in zip(variants, done)}}
 
 
 def row_loop_main(name: str, workdir: str) -> dict:
-    """The held row-loop rule on the normal bf16 dispatch's row movers of the broken copy (its
+    """The held row-loop rules on the normal bf16 dispatch's row movers of the broken copy (its
     dispatch launchers under the Buffer's own calls, the gate's driver): each variant compiled
     and its busiest program walked at DeepSeek-V3 prefill sizes."""
-    import torch
-
     from moe_comm import normal_mode
-    from moe_comm.kernels import compiled
     from moe_comm.testing import gate
 
     pkg = broken_copy(name, workdir, ROW_LOOP_MUTATIONS)
     normal_mode.dispatch_kernels = importlib.import_module(pkg.__name__ + ".dispatch")
-    cfg = next(c for c in gate.CONFIGS if c.name == "dsv3-prefill")
-    runs = gate.gate_runs
-    gate.gate_runs = lambda c: [r for r in runs(c) if r[:4] == ("bfloat16", torch.bfloat16, 0,
-                                                                 False) and len(r) == 5]
     flags = {"HAS_WEIGHTS=1", "FP8=0"}
-    variants = [v for k, v in gate.record_config(cfg, 90).items() if not k.startswith("problem:")
-                and v.launch.name in gate.HELD_ROW_LOOPS
-                and flags <= set(gate._variant_text(v.launch, v.dtype).split())]
-    problems, kernels = [], set()
-    for v in variants:
-        text = gate._variant_text(v.launch, v.dtype)
-        facts = compiled.inspect_launch(v.launch, 90, cfg.name, text, v.analysis())
-        problems += [f"{v.launch.name}: {p}" for p in v.path_problems(facts)[0]
-                     + compiled.violations(facts, True)]
-        kernels.add(v.launch.name)
-    return {"problems": problems, "kernels": sorted(kernels)}
+    variants, problems, _ = _inspected(
+        "dsv3-prefill", False, lambda v, text: v.launch.name in gate.HELD_ROW_LOOPS
+        and flags <= set(text.split()))
+    return {"problems": problems, "kernels": sorted({v.launch.name for v in variants})}
 
 
 def main(name: str, workdir: str) -> dict:

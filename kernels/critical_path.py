@@ -60,6 +60,7 @@ _DTYPE_BYTES = {"i1": 1, "i8": 1, "i16": 2, "i32": 4, "i64": 8, "f16": 2, "bf16"
 _OP = re.compile(r'^(?:(%[\w.$-]+)(?::(\d+))?(?:\s*,\s*%[\w.$-]+)*\s*=\s*)?"?([\w.]+)"?')
 _SSA = re.compile(r"%[\w.$-]+(?:#\d+)?")
 _LOC = re.compile(r"loc\((#loc\d*)\)\s*$")
+_ITER_ARG = re.compile(r"(%[\w.$-]+)\s*=")  # the names an ``iter_args(%a = %b, ...)`` binds
 
 
 @dataclass
@@ -571,6 +572,12 @@ class _Walk:
         self.values[var] = last if last is not None else lo
         row_loop = in_row_loop or (self._contains_row_store(op.regions[0]) if op.regions
                                    else False)
+        # the loop's iter_args are its own values: a sibling region may have printed the same
+        # names (MLIR numbers them per region), whose times they must not take
+        for arg in _ITER_ARG.findall(op.text.split("iter_args(", 1)[1] if "iter_args(" in op.text
+                                     else ""):
+            for table in (self.ready, self.loaded, self.marks):
+                table.pop(arg, None)
         start = now
         body = op.regions[0] if op.regions else []
         self.pipelines.append((

@@ -131,14 +131,19 @@ def _partial_destination(peer_ptrs, s, me, N, parity, plan, local_base, rows_off
 
 
 @triton.jit
+def _weight(weights, row, HAS_WEIGHTS: tl.constexpr):
+    """``weights[row]`` where ``row >= 0``, else 0 (0 everywhere without weights)."""
+    if HAS_WEIGHTS:
+        return tl.load(weights + row, mask=row >= 0, other=0.0)
+    return row.to(tl.float32) * 0.0
+
+
+@triton.jit
 def _choice(slots, c, jm, weights, HAS_WEIGHTS: tl.constexpr):
     """Row ``c`` of every slot of the tile (``slots`` points at each slot's compacted rows: -1
     past its count) and its weight: ``(rows [BLOCK_T] int32, weights [BLOCK_T])``."""
     row = tl.load(slots + c, mask=jm, other=-1)
-    wk = row.to(tl.float32) * 0.0
-    if HAS_WEIGHTS:
-        wk = tl.load(weights + row, mask=row >= 0, other=0.0)
-    return row, wk
+    return row, _weight(weights, row, HAS_WEIGHTS)
 
 
 @triton.jit
@@ -154,48 +159,109 @@ def _add_row(acc, y, row, wk, h, hm, H, HAS_WEIGHTS: tl.constexpr):
 
 
 @triton.jit
-def _partial_rows(y, weights, slots, jm, kmax, r0, w0, r1, w1, r2, w2, r3, w3, dst, box, j64,
-                  staged, via_stores, fp8_rows, stride, H, HAS_WEIGHTS: tl.constexpr,
-                  ACC_FP64: tl.constexpr, FP8: tl.constexpr, TRANSPORT: tl.constexpr,
-                  EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_K: tl.constexpr, IN_FLIGHT: tl.constexpr, STAGES: tl.constexpr):
-    """The tile's partial rows, channel tile by channel tile: the first ``IN_FLIGHT`` rows of
-    every slot (``r0..r3`` and their weights, held) gathered together, then, in a tile whose
-    fullest slot has more (``kmax``), the next ``IN_FLIGHT`` of each slot at a time (their
-    indices loaded there; one at a time where ``STAGES`` is 1), summed in choice order and
-    stored as :func:`send_partials` says. ``STAGES`` > 1: the loop is software pipelined, the
-    held rows' gathers of the next ``STAGES - 1`` channel tiles in flight (through shared
-    memory) while one is summed."""
-    for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
-        h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
-        acc = acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64)
-        acc = _add_row(acc, y, r0, w0, h, hm, H, HAS_WEIGHTS)
-        if IN_FLIGHT > 1:
-            acc = _add_row(acc, y, r1, w1, h, hm, H, HAS_WEIGHTS)
-        if IN_FLIGHT > 2:
-            acc = _add_row(acc, y, r2, w2, h, hm, H, HAS_WEIGHTS)
-            acc = _add_row(acc, y, r3, w3, h, hm, H, HAS_WEIGHTS)
-        if STAGES > 1:  # (a loop inside would keep this one from being pipelined)
-            for g in tl.static_range(1, BLOCK_K // IN_FLIGHT):  # a fuller tile's further rows
-                if kmax > g * IN_FLIGHT:  # gate: rare
-                    for i in tl.static_range(IN_FLIGHT):
-                        rc, wc = _choice(slots, g * IN_FLIGHT + i, jm, weights, HAS_WEIGHTS)
-                        acc = _add_row(acc, y, rc, wc, h, hm, H, HAS_WEIGHTS)
-        else:  # one at a time: fewer registers
-            for c in range(IN_FLIGHT, kmax):
-                rc, wc = _choice(slots, c, jm, weights, HAS_WEIGHTS)
-                acc = _add_row(acc, y, rc, wc, h, hm, H, HAS_WEIGHTS)
-        if FP8:  # (fp8_rows: a runtime flag with HIER)
-            if fp8_rows:
-                store_fp8_partials(acc, dst.to(tl.pointer_type(tl.uint8), bitcast=True)
-                                   + j64 * stride, via_stores,
-                                   box.to(tl.pointer_type(tl.uint8), bitcast=True)
-                                   + staged * stride, jm & ~via_stores, h0, h, hm, H,
-                                   TRANSPORT == 1, EVEN_H, BLOCK_T, BLOCK_H)
-            else:
-                _store_partials(dst, box, acc, j64, staged, jm, via_stores, h, hm, H, TRANSPORT)
+def _store_tile(acc, dst, box, j64, staged, jm, via_stores, fp8_rows, stride, h0, h, hm, H,
+                FP8: tl.constexpr, TRANSPORT: tl.constexpr, EVEN_H: tl.constexpr,
+                BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Channel tile ``h`` of the tile's partial rows ``acc`` stored as :func:`send_partials`
+    says (FP8 codes and scales where ``fp8_rows``)."""
+    if FP8:  # (fp8_rows: a runtime flag with HIER)
+        if fp8_rows:
+            store_fp8_partials(acc, dst.to(tl.pointer_type(tl.uint8), bitcast=True)
+                               + j64 * stride, via_stores,
+                               box.to(tl.pointer_type(tl.uint8), bitcast=True)
+                               + staged * stride, jm & ~via_stores, h0, h, hm, H,
+                               TRANSPORT == 1, EVEN_H, BLOCK_T, BLOCK_H)
         else:
             _store_partials(dst, box, acc, j64, staged, jm, via_stores, h, hm, H, TRANSPORT)
+    else:
+        _store_partials(dst, box, acc, j64, staged, jm, via_stores, h, hm, H, TRANSPORT)
+
+
+@triton.jit
+def _first_rows(y, rs, ws, h, hm, H, HAS_WEIGHTS: tl.constexpr, ACC_FP64: tl.constexpr,
+                BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, IN_FLIGHT: tl.constexpr):
+    """``sum(ws[i] * y[rs[i]] for i < IN_FLIGHT)`` over channels ``h`` (the rows gathered
+    together, added in order), in the accumulator's dtype."""
+    acc = acc_zeros(BLOCK_T, BLOCK_H, ACC_FP64)
+    for i in tl.static_range(IN_FLIGHT):
+        acc = _add_row(acc, y, rs[i], ws[i], h, hm, H, HAS_WEIGHTS)
+    return acc
+
+
+@triton.jit
+def _rows_in_turn(y, weights, slots, jm, kmax, rs, ws, dst, box, j64, staged, via_stores,
+                  fp8_rows, stride, H, HAS_WEIGHTS: tl.constexpr, ACC_FP64: tl.constexpr,
+                  FP8: tl.constexpr, TRANSPORT: tl.constexpr, EVEN_H: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, IN_FLIGHT: tl.constexpr):
+    """:func:`_partial_rows` in one loop, not pipelined: the held first rows, then each further
+    row of every slot in turn, its index and weight loaded in the loop (fewer registers)."""
+    for h0 in range(0, H, BLOCK_H):
+        h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
+        acc = _first_rows(y, rs, ws, h, hm, H, HAS_WEIGHTS, ACC_FP64, BLOCK_T, BLOCK_H,
+                          IN_FLIGHT)
+        for c in range(IN_FLIGHT, kmax):
+            rc, wc = _choice(slots, c, jm, weights, HAS_WEIGHTS)
+            acc = _add_row(acc, y, rc, wc, h, hm, H, HAS_WEIGHTS)
+        _store_tile(acc, dst, box, j64, staged, jm, via_stores, fp8_rows, stride, h0, h, hm, H,
+                    FP8, TRANSPORT, EVEN_H, BLOCK_T, BLOCK_H)
+
+
+@triton.jit
+def _partial_rows(y, weights, slots, jm, kmax, dst, box, j64, staged, via_stores, fp8_rows,
+                  stride, H, HAS_WEIGHTS: tl.constexpr, ACC_FP64: tl.constexpr,
+                  FP8: tl.constexpr, TRANSPORT: tl.constexpr, EVEN_H: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                  IN_FLIGHT: tl.constexpr, STAGES: tl.constexpr, HOLD: tl.constexpr):
+    """The tile's partial rows, channel tile by channel tile: the first ``IN_FLIGHT`` rows of
+    every slot gathered together, then, in a tile whose fullest slot has more (``kmax``), the
+    next ``IN_FLIGHT`` of each slot at a time, summed in choice order and stored as
+    :func:`send_partials` says. The first rows of every slot and their weights are read from
+    ``slots`` once, before the channel loop, and held in registers. ``STAGES`` > 1: a tile
+    whose slots hold at most ``IN_FLIGHT`` rows (about 9 in 10 at DeepSeek-V3 sizes) runs a
+    software-pipelined loop, the gathers of the next ``STAGES - 1`` channel tiles in flight
+    while one is summed; a fuller tile runs a loop of its own, not pipelined, which with
+    ``HOLD`` holds all ``BLOCK_K`` rows of every slot (neither loop then waits on an index),
+    else loads each further row's index in turn (:func:`_rows_in_turn`, as every tile does
+    where ``STAGES`` is 1: fewer registers)."""
+    rs = ()  # rows of every slot by choice (-1: none) and their weights, the first IN_FLIGHT
+    ws = ()
+    for k in tl.static_range(IN_FLIGHT):
+        rk, wk = _choice(slots, k, jm, weights, HAS_WEIGHTS)
+        rs = rs + (rk,)
+        ws = ws + (wk,)
+    if STAGES > 1:
+        if kmax > IN_FLIGHT:  # gate: rare
+            if HOLD:
+                further = rs  # every row of every slot, in registers
+                for k in tl.static_range(IN_FLIGHT, BLOCK_K):
+                    further = further + (tl.load(slots + k, mask=jm, other=-1),)
+                for h0 in range(0, H, BLOCK_H):
+                    h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
+                    acc = _first_rows(y, rs, ws, h, hm, H, HAS_WEIGHTS, ACC_FP64, BLOCK_T,
+                                      BLOCK_H, IN_FLIGHT)
+                    for g in tl.static_range(1, BLOCK_K // IN_FLIGHT):  # IN_FLIGHT at a time
+                        if kmax > g * IN_FLIGHT:
+                            for k in tl.static_range(g * IN_FLIGHT, (g + 1) * IN_FLIGHT):
+                                acc = _add_row(acc, y, further[k],
+                                               _weight(weights, further[k], HAS_WEIGHTS), h,
+                                               hm, H, HAS_WEIGHTS)
+                    _store_tile(acc, dst, box, j64, staged, jm, via_stores, fp8_rows, stride,
+                                h0, h, hm, H, FP8, TRANSPORT, EVEN_H, BLOCK_T, BLOCK_H)
+            else:
+                _rows_in_turn(y, weights, slots, jm, kmax, rs, ws, dst, box, j64, staged,
+                              via_stores, fp8_rows, stride, H, HAS_WEIGHTS, ACC_FP64, FP8,
+                              TRANSPORT, EVEN_H, BLOCK_T, BLOCK_H, IN_FLIGHT)
+        else:
+            for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
+                h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
+                acc = _first_rows(y, rs, ws, h, hm, H, HAS_WEIGHTS, ACC_FP64, BLOCK_T, BLOCK_H,
+                                  IN_FLIGHT)
+                _store_tile(acc, dst, box, j64, staged, jm, via_stores, fp8_rows, stride, h0, h,
+                            hm, H, FP8, TRANSPORT, EVEN_H, BLOCK_T, BLOCK_H)
+    else:
+        _rows_in_turn(y, weights, slots, jm, kmax, rs, ws, dst, box, j64, staged, via_stores,
+                      fp8_rows, stride, H, HAS_WEIGHTS, ACC_FP64, FP8, TRANSPORT, EVEN_H,
+                      BLOCK_T, BLOCK_H, IN_FLIGHT)
 
 
 @triton.jit
@@ -231,10 +297,11 @@ def send_partials(pid, programs, parity, y, weights, pair_values, slot_rows, slo
                   FP8: tl.constexpr, TRANSPORT: tl.constexpr, HIER: tl.constexpr,
                   ALIGN: tl.constexpr, EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                  IN_FLIGHT: tl.constexpr, STAGES: tl.constexpr):
+                  IN_FLIGHT: tl.constexpr, STAGES: tl.constexpr, HOLD: tl.constexpr):
     """Program ``pid`` of ``programs``: its tiles of the send (the slots of ``slot_offsets``,
     dealt round-robin) reduced and stored into parity ``parity`` (the offsets are that
-    parity's), and its bytes added to ``stats`` (``combine_send_kernel``'s arguments)."""
+    parity's), and its bytes added to ``stats`` (``combine_send_kernel``'s arguments;
+    ``HOLD``: a fuller tile holds all its rows, :func:`_partial_rows`)."""
     stride = H * y.dtype.element_ty.primitive_bitwidth // 8  # bytes between partial rows
     box = local_ptr(local_base, box_rows_off, y.dtype.element_ty, ALIGN)  # (TRANSPORT 1)
     # the work: tiles of BLOCK_T slots of every source in turn, dealt round-robin
@@ -287,22 +354,13 @@ def send_partials(pid, programs, parity, y, weights, pair_values, slot_rows, slo
         tl.debug_barrier()  # the tile is visible to every thread of the program
         slots = mine + tl.arange(0, BLOCK_T) * BLOCK_K
         kmax = tl.max(count, axis=0)  # the most rows of any slot of the tile
-        # the first IN_FLIGHT (up to 4) rows of every slot and their weights, once a tile, kept
-        # in registers: each channel tile issues all their gathers, then adds them in order
-        r0, w0 = _choice(slots, 0, jm, weights, HAS_WEIGHTS)
-        r1, w1, r2, w2, r3, w3 = r0, w0, r0, w0, r0, w0
-        if IN_FLIGHT > 1:
-            r1, w1 = _choice(slots, 1, jm, weights, HAS_WEIGHTS)
-        if IN_FLIGHT > 2:
-            r2, w2 = _choice(slots, 2, jm, weights, HAS_WEIGHTS)
-            r3, w3 = _choice(slots, 3, jm, weights, HAS_WEIGHTS)
         # the channel loop is software pipelined (the next tile's gathers in flight while one
         # is summed and stored), but not over NVSHMEM, nor where FP8 rows and plain ones share
         # the loop: 8 to 16 bytes spilled at 248 registers under Triton 3.6 or 3.9
-        _partial_rows(y, weights, slots, jm, kmax, r0, w0, r1, w1, r2, w2, r3, w3, dst, box, j64,
-                      staged, via_stores, fp8_rows, stride, H, HAS_WEIGHTS, ACC_FP64, FP8,
-                      TRANSPORT, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K, IN_FLIGHT,
-                      1 if TRANSPORT == 1 or (FP8 and HIER) else STAGES)
+        _partial_rows(y, weights, slots, jm, kmax, dst, box, j64, staged, via_stores, fp8_rows,
+                      stride, H, HAS_WEIGHTS, ACC_FP64, FP8, TRANSPORT, EVEN_H, BLOCK_T, BLOCK_H,
+                      BLOCK_K, IN_FLIGHT, 1 if TRANSPORT == 1 or (FP8 and HIER) else STAGES,
+                      HOLD)
         if TRANSPORT == 1:
             if remote:  # one block put per partial row (and its pair values)
                 tl.debug_barrier()
@@ -380,7 +438,10 @@ def combine_send_kernel(
                   slot_rows, slot_offsets, compact, peer_ptrs, stats, xstats, rows_off,
                   meta_off, box_rows_off, box_meta_off, local_base, plan, H, K, R, me, TMAX, N,
                   KMAX, HAS_WEIGHTS, HAS_PAIR, ACC_FP64, FP8, TRANSPORT, HIER, ALIGN, EVEN_H,
-                  BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R, IN_FLIGHT, STAGES)
+                  BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R, IN_FLIGHT, STAGES,
+                  # all rows held: bf16 rows (fp16 ones spill 8 to 16 bytes under Triton 3.6,
+                  # 32- and 64-bit ones 120 to 616 bytes)
+                  IN_FLIGHT == 4 and y.dtype.element_ty == tl.bfloat16)
     if draw_last_of(tickets, tl.num_programs(0)):
         if not timed_out(errors_addr.to(tl.pointer_type(tl.int64)), NUM_THREADS):
             publish_partials(peer_ptrs, signal_off, signal_word(epoch, descriptor), parity,

@@ -202,7 +202,8 @@ def combine_rounds_kernel(
                           local_base, plan, H, K, R,
                           me, W, N, KMAX, HAS_WEIGHTS, HAS_PAIR, ACC_FP64, FP8, TRANSPORT, HIER,
                           ALIGN, EVEN_H, BLOCK_T, BLOCK_H, BLOCK_K, BLOCK_R, IN_FLIGHT,
-                          1 if FT and TRANSPORT == 2 else SEND_STAGES)  # (8 bytes spilled)
+                          1 if FT and TRANSPORT == 2 else SEND_STAGES,  # (8 bytes spilled)
+                          False)  # a fuller tile's rows not all held (8 to 24 bytes spilled)
             if draw_last_of(tickets, programs):  # the round's epoch, as combine_send_kernel's
                 publish_partials(peer_ptrs, signal_off, signal_word(epoch, descriptor), parity,
                                  stats, plan, offsets, local_base, ring_addr, RING_SLOTS,

@@ -112,6 +112,12 @@ ROW_LOOP_MUTATIONS = {
         "                    dst_row = column(row, c).to(tl.int64)\n"),
     "expand_thin_tile": (  # the expand's tile of 8 slots again: 16 KB of bf16 rows in flight
         "tiles.py", '               "dispatch_expand": 2 * TILE_BYTES_PER_THREAD,\n', ""),
+    "combine_choice_in_row_loop": (  # a fuller tile's further rows: their indices loaded in
+        # its channel loop again (an index gather before the rows it gathers)
+        "combine.py",
+        "acc = _add_row(acc, y, further[k],\n",
+        "rc, wc = _choice(slots, k, jm, weights, HAS_WEIGHTS)\n"
+        "                            acc = _add_row(acc, y, rc,\n"),
 }
 RANKS = 8
 
@@ -301,14 +307,15 @@ def ll_main(name: str, workdir: str) -> dict:
 
 
 def row_loop_main(name: str, workdir: str) -> dict:
-    """The held row-loop rules on the normal bf16 dispatch's row movers of the broken copy (its
-    dispatch launchers under the Buffer's own calls, the gate's driver): each variant compiled
-    and its busiest program walked at DeepSeek-V3 prefill sizes."""
+    """The held row-loop rules on the normal bf16 mode's row movers of the broken copy (its
+    dispatch and combine launchers under the Buffer's own calls, the gate's driver): each
+    variant compiled and its busiest program walked at DeepSeek-V3 prefill sizes."""
     from moe_comm import normal_mode
     from moe_comm.testing import gate
 
     pkg = broken_copy(name, workdir, ROW_LOOP_MUTATIONS)
     normal_mode.dispatch_kernels = importlib.import_module(pkg.__name__ + ".dispatch")
+    normal_mode.combine_kernels = importlib.import_module(pkg.__name__ + ".combine")
     flags = {"HAS_WEIGHTS=1", "FP8=0"}
     variants, problems, _ = _inspected(
         "dsv3-prefill", False, lambda v, text: v.launch.name in gate.HELD_ROW_LOOPS

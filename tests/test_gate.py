@@ -234,15 +234,20 @@ def test_each_low_latency_speed_rule_fails_on_its_mutation(name, expect, tmp_pat
                                   "them for: dispatch.py"),
     ("expand_thin_tile", "dispatch_expand_kernel: 16.0 KB of row loads in flight at a wait "
                          "(at least 32)"),
+    ("combine_choice_in_row_loop", "combine_send_kernel: rows wait inside a loop that stores "
+                                   "them for: combine.py"),
 ])
-def test_the_normal_dispatch_row_loop_rule_fails_on_its_mutation(name, expect, tmp_path):
-    """The normal bf16 dispatch's row movers of one node (the send and the expand, DeepSeek-V3
-    prefill sizes) store their rows without waiting inside the row loop on a barrier across
-    warps, a reduction or an index gather, with at least 32 KB of rows in flight at a wait: the
-    expand's choices taken out of the tile in a run-time loop again (a reduction per choice and
-    channel tile), or its tile of 8 slots again (16 KB), fails the gate."""
+def test_the_normal_row_loop_rules_fail_on_their_mutations(name, expect, tmp_path):
+    """The normal bf16 mode's row movers of one node (the dispatch's send and expand, the
+    combine's send; DeepSeek-V3 prefill sizes) store their rows without waiting inside the row
+    loop on a barrier across warps, a reduction or an index gather, the dispatch's with at least
+    32 KB of rows in flight at a wait: the expand's choices taken out of the tile in a run-time
+    loop again (a reduction per choice and channel tile), its tile of 8 slots again (16 KB), or
+    the combine send's further rows' indices loaded in its channel loop again, fails the
+    gate."""
     report = _mutation(f"rows:{name}", tmp_path)
-    assert report["kernels"] == ["dispatch_expand_kernel", "dispatch_send_kernel"], report
+    assert report["kernels"] == ["combine_send_kernel", "dispatch_expand_kernel",
+                                 "dispatch_send_kernel"], report
     if expect is None:
         assert report["problems"] == [], report
     else:

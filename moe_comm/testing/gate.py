@@ -85,11 +85,14 @@ MAX_LL_STEPS = 20  # dependent steps of a low-latency program (about 0.5 us each
 MIN_INFLIGHT_KB = 32  # row loads in flight per wait of a normal-mode row mover
 # normal-mode row movers of one node whose rows wait on nothing inside their row loops (no
 # barrier across warps, reduction, layout conversion or index gather there), held as the
-# low-latency kernels' are; their variants that move rows as they are (FP8=0) are held to
-# MIN_INFLIGHT_KB too
-HELD_ROW_LOOPS = ("dispatch_send_kernel", "dispatch_expand_kernel")
-DSV3 = ("dsv3-prefill", "dsv3-decode", "dsv3-prefill-rounds")
+# low-latency kernels' are, in the dtypes named; their variants that move rows as they are
+# (FP8=0) are held to MIN_INFLIGHT_KB too
 SPEED_DTYPES = ("bfloat16", "float16")  # what the speed rules read (DeepSeek-V3 runs in bf16)
+HELD_ROW_LOOPS = {"dispatch_send_kernel": SPEED_DTYPES, "dispatch_expand_kernel": SPEED_DTYPES,
+                  # fp16 rows: a fuller tile loads its further rows' indices in its loop (holding
+                  # every row spills 8 to 16 bytes under Triton 3.6)
+                  "combine_send_kernel": ("bfloat16",)}
+DSV3 = ("dsv3-prefill", "dsv3-decode", "dsv3-prefill-rounds")
 
 
 @dataclass
@@ -175,16 +178,17 @@ class Variant:
         stores through peer pointers) with a loop whose trips the bounds do not give, more than
         ``MAX_LL_STEPS`` dependent steps, or a barrier across warps, reduction or index gather
         that its rows wait for inside a loop that stores them; the last also for the normal
-        dispatch's row movers of one node (``HELD_ROW_LOOPS``), and for those that move rows
-        as they are less than ``MIN_INFLIGHT_KB`` of row loads in flight at a wait. Notes, the
-        same facts of the rest of the normal mode (and of the transports' low-latency kernels):
-        what its rework has to reach, not yet held."""
+        mode's row movers of one node (``HELD_ROW_LOOPS``), and for those that move rows as
+        they are less than ``MIN_INFLIGHT_KB`` of row loads in flight at a wait. Notes, the
+        same facts of the rest of the normal mode (and of the transports' low-latency
+        kernels): what its rework has to reach, not yet held."""
         from ..kernels.tiles import PERSISTENT, SCHEDULES, WAVE, WHOLE_GPU
 
         kind = SCHEDULES[self.launch.name].kind
         one_node = self.launch.flags().get("TRANSPORT", 0) == 0
         held = kind == WHOLE_GPU and one_node
-        held_row_loops = held or (one_node and self.launch.name in HELD_ROW_LOOPS)
+        held_row_loops = held or (one_node
+                                  and self.dtype in HELD_ROW_LOOPS.get(self.launch.name, ()))
         held_inflight = held_row_loops and not held and self.launch.flags().get("FP8", 0) == 0
         problems, notes = [], []
         for cfg_name, path in sorted(self.rule_paths(facts).items()):

@@ -79,6 +79,7 @@ host-cost: $(STAMP)  ## launches, aten calls, allocations, Python calls per op (
 # gates compile beside it at lower priority: first the DeepSeek-V3 variants under Triton 3.9
 # (the gate test, which pytest runs last, then finds them in the cache), then the Triton 3.6
 # gate. make test fails if pytest or either gate fails; the gates' output follows pytest's.
+# (the arguments of tests/test_gate.py's gate test: the same, or it finds nothing cached)
 GATE_ARGS := --arch 90 --brief-arch 100 --config dsv3-prefill dsv3-decode dsv3-prefill-rounds
 test:  ## the whole suite (CI), the static gates under Triton 3.9 and 3.6 beside it
 	$(MAKE) -j2 $(STAMP) $(STAMP36)  # the two environments side by side: a minute less

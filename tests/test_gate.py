@@ -113,7 +113,8 @@ def test_gate_passes_at_the_runtime_configurations():
     out = os.path.join(ROOT, "bench", "results", "gpu_gate.tsv")
     # every variant of the DeepSeek-V3 sizes for sm_90; for sm_100 one bf16 variant of those
     # sizes without NVSHMEM per kernel (gate.brief_variants); make gpu-gate builds everything
-    # for both, the small config too (the CPU tests' sizes: no GPU runs them)
+    # for both, the small config too (the CPU tests' sizes: no GPU runs them). The Makefile's
+    # GATE_ARGS are these: make test compiles them beside the suite, so this finds them cached
     proc = subprocess.run([sys.executable, "-m", "moe_comm.testing.gate", "--arch", "90",
                            "--brief-arch", "100", "--config", *DSV3_CONFIGS, "--out", out],
                           capture_output=True, text=True, env=COMPILED_ENV, cwd=ROOT,
@@ -240,8 +241,8 @@ def test_each_low_latency_speed_rule_fails_on_its_mutation(name, expect, tmp_pat
 def test_the_normal_row_loop_rules_fail_on_their_mutations(name, expect, tmp_path):
     """The normal bf16 mode's row movers of one node (the dispatch's send and expand, the
     combine's send; DeepSeek-V3 prefill sizes) store their rows without waiting inside the row
-    loop on a barrier across warps, a reduction or an index gather, the dispatch's with at least
-    32 KB of rows in flight at a wait: the expand's choices taken out of the tile in a run-time
+    loop on a barrier across warps, a reduction or an index gather, each with at least 32 KB of
+    rows in flight at a wait: the expand's choices taken out of the tile in a run-time
     loop again (a reduction per choice and channel tile), its tile of 8 slots again (16 KB), or
     the combine send's further rows' indices loaded in its channel loop again, fails the
     gate."""

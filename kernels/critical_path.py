@@ -60,6 +60,7 @@ _DTYPE_BYTES = {"i1": 1, "i8": 1, "i16": 2, "i32": 4, "i64": 8, "f16": 2, "bf16"
 _OP = re.compile(r'^(?:(%[\w.$-]+)(?::(\d+))?(?:\s*,\s*%[\w.$-]+)*\s*=\s*)?"?([\w.]+)"?')
 _SSA = re.compile(r"%[\w.$-]+(?:#\d+)?")
 _LOC = re.compile(r"loc\((#loc\d*)\)\s*$")
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _ITER_ARG = re.compile(r"(%[\w.$-]+)\s*=")  # the names an ``iter_args(%a = %b, ...)`` binds
 
 
@@ -386,12 +387,16 @@ class _Walk:
         return m.group(1) if m else re.sub(r"_\d+$", "", var.lstrip("%"))
 
     def source_line(self, op: Op) -> str:
+        """The op's source line; where a cached binary names a checkout that is not here, the
+        file of the same name in this package (as ``compiled._resolve`` reads the PTX's)."""
         path, line = source_of(self.m, op.loc)
-        try:
-            with open(path) as f:
-                return f.read().splitlines()[line - 1]
-        except (OSError, IndexError):
-            return ""
+        for candidate in (path, os.path.join(_PACKAGE_DIR, os.path.basename(path))):
+            try:
+                with open(candidate) as f:
+                    return f.read().splitlines()[line - 1]
+            except (OSError, IndexError):
+                continue
+        return ""
 
     def marked(self, op: Op, tag: str) -> bool:
         """An op whose source line ends in ``# gate: <tag>``."""

@@ -25,14 +25,13 @@ import torch.distributed as dist
 import triton
 
 from . import _registry, env
-from .call_descriptor import MAX_TOPK, PeerInputError, refusal, refusal_inputs
+from .call_descriptor import PeerInputError, refusal, refusal_inputs
 from .error_record import INPUT_RECORD, TIMEOUT_RECORD, ErrorRecord
 from .fault import FaultTolerance, RankExcludedError, renormalized
 from .kernels import emulated_puts
 from .kernels.bound import BoundLaunches, call_bound, launch, specs
 from .kernels.comm import (
     EPOCH_SHIFT,
-    SLOT_BITS,
     Flavour,
     PeerTimeoutError,
     epochs_of,
@@ -50,22 +49,13 @@ from .microscale import swizzle_128x4
 from .nodes import NEVER, Nodes, internode_peers, never_signalled, plan_values, signal_labels
 from .normal_mode import NormalMode, PendingSend
 from .ops import combine_autograd, dispatch_autograd, wrap_dispatch_outputs
-from .rings import (
-    COMBINE_FORMATS,
-    DEFAULT_GPU_SMS,
-    checked_num_sms,
-    dispatch_formats,
-    one_launch_fits,
-    one_launch_sms,
-    staging_ring_slots,
-)
+from .plan import BufferPlan, check_config, resolve
 from .symm import SymmetricHeap, create_loopback_heaps
 from .symm.select import choose_backend, create_heap, default_device
 from .transport import NixlProxy, TransportError, choose_transport
 from .transport.select import nixl_backend as nixl_backend_name
 from .types import DispatchHandle, DispatchResult
 from .validation import (
-    FLOAT_DTYPES,
     check_combine_bounds,
     check_combine_inputs,
     check_dispatch_bounds,
@@ -76,7 +66,7 @@ from .validation import (
     scale_code,
     sent_rows_check,
 )
-from .workspace import COMBINE, DISPATCH, WorkspaceLayout
+from .workspace import COMBINE, DISPATCH
 
 # Buffer ids: strings unique across processes and runs, not only within one process. The
 # custom ops take the id, and their fake implementations take their shapes from its Buffer
@@ -116,51 +106,6 @@ def check_kernel_impl(kernel_impl: str, device: torch.device, low_latency: bool,
         raise ValueError("kernel_impl='cuda' runs the low-latency kernels of csrc/ on GPUs: "
                          "it needs a CUDA device and low_latency=True")
     return kernel_impl
-
-
-def _check_config(world_size: int, hidden, num_experts, max_tokens_per_rank, dtype, max_topk,
-                  dispatch_dtype=None):
-    for name, v in (("world_size", world_size), ("hidden", hidden), ("num_experts", num_experts),
-                    ("max_tokens_per_rank", max_tokens_per_rank), ("max_topk", max_topk)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
-    if num_experts % world_size:
-        raise ValueError(f"num_experts={num_experts} is not divisible by the world size "
-                         f"{world_size}; expert e lives on rank e // (num_experts // world_size)")
-    if max_topk > num_experts:
-        raise ValueError(f"max_topk={max_topk} exceeds num_experts={num_experts}")
-    if max_tokens_per_rank >= 1 << SLOT_BITS.value or max_topk > MAX_TOPK:  # (call_descriptor)
-        raise ValueError(f"max_tokens_per_rank must be < {1 << SLOT_BITS.value} and max_topk <= "
-                         f"{MAX_TOPK} (a dispatch's counts word holds the slots and its call "
-                         f"descriptor), got {max_tokens_per_rank} and {max_topk}")
-    if dispatch_dtype not in (None, dtype, torch.float8_e4m3fn):
-        raise TypeError(f"dispatch_dtype must be None, {dtype} or torch.float8_e4m3fn, "
-                        f"got {dispatch_dtype}")
-    if dispatch_dtype == torch.float8_e4m3fn and (hidden % 128 or dtype == torch.float64):
-        raise ValueError("FP8 dispatch needs hidden % 128 == 0 and a 16- or 32-bit dtype, got "
-                         f"hidden={hidden}, dtype={dtype}")
-
-
-def check_ep_invariant(ep_invariant, num_nodes: int, kernel_impl: str,
-                       low_latency: bool = False, via: str | None = "nixl",
-                       hierarchical: bool = False) -> None:
-    """``ep_invariant=True`` runs on the Triton kernels; across nodes the normal mode's
-    invariant combine runs through the proxy (each (token, choice) row goes to its home by a
-    descriptor of its own, flat or hierarchical: the dispatch keeps its forwarders, the combine
-    none), and the low-latency mode's over every transport."""
-    if not isinstance(ep_invariant, bool):
-        raise ValueError(f"ep_invariant must be a bool, got {ep_invariant!r}")
-    if ep_invariant and num_nodes > 1 and not low_latency:
-        if via != "nixl":
-            raise ValueError("ep_invariant=True across nodes runs the normal mode through the "
-                             "proxy (transport='nixl') so far, or the low-latency mode "
-                             "(low_latency=True) over any transport: no NVSHMEM put moves the "
-                             f"invariant combine's rows yet ({num_nodes} nodes asked for)")
-    if ep_invariant and kernel_impl == "cuda":
-        raise ValueError("ep_invariant=True runs the Triton kernels: kernel_impl='cuda' "
-                         "(csrc/) sums with fused multiply-adds")
 
 
 def _check_same_config(configs: list[dict]) -> None:
@@ -235,9 +180,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         configs: list = [None] * world_size
         dist.all_gather_object(configs, config, group=group)
         _check_same_config(configs)
-        _check_config(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk,
-                      dispatch_dtype)
-        checked_num_sms(num_sms)  # (on GPUs the ring depends on it: moe_comm.rings)
+        check_config(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk,
+                     dispatch_dtype)
         nodes = Nodes.of(world_size, ranks_per_node, [c["host"] for c in configs], device,
                          split_hosts=backend == "nvshmem" or transport == "nixl"
                          or (transport == "nvshmem" and device.type == "cpu"))
@@ -245,37 +189,18 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         # IBGDA is not probed: GPUs keep NVSHMEM across nodes unless "nixl" is asked for
         via = choose_transport(transport, device, nodes.count, ibgda=device.type == "cuda")
         nixl_backend = nixl_backend_name(nixl_backend) if via == "nixl" else None
-        if hierarchical is None:  # fault tolerance, ep_invariant across nodes: flat
-            hierarchical = nodes.count > 1 and not fault_tolerant and not ep_invariant
-        hierarchical = bool(hierarchical)
-        if fault_tolerant and nodes.count > 1 and (via != "nixl" or hierarchical):
-            raise ValueError("fault_tolerant=True across nodes runs through the proxy "
-                             "(transport='nixl') in flat mode (hierarchical=False: a dead "
-                             "forwarder would cut off its whole node) so far")
-        check_ep_invariant(ep_invariant, nodes.count, kernel_impl, bool(low_latency), via,
-                           hierarchical)
-        # the normal mode's invariant regions: one node, or through the proxy
-        one_node_invariant = bool(ep_invariant) and (nodes.count == 1 or via == "nixl")
         if fault_tolerant and kernel_impl == "cuda":
             raise ValueError("fault_tolerant=True runs the Triton kernels: the csrc/ kernels "
                              "(kernel_impl='cuda') do not exclude silent peers")
-        # NVSHMEM puts to the ranks of other nodes (through the proxy, its outboxes instead;
-        # on CPU ranks the interpreter's copies into mappings no kernel has a pointer to)
-        rdma = nodes.count > 1 and via == "nvshmem"
-        forwarders = via == "nixl" and hierarchical and nodes.count > 1
-        ring_slots = staging_ring_slots(
-            staging_bytes, world_size, max_tokens_per_rank, hidden, max_topk, dtype,
-            outboxes=via == "nixl",
-            ranks_per_node=nodes.ranks_per_node if forwarders else None, rdma=rdma,
-            invariant=one_node_invariant, one_launch_sms=one_launch_sms(
-                device.type, via == "nixl", num_sms))
-        layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
-                                 num_experts // world_size, max_topk, dtype, low_latency,
-                                 rdma=rdma, ranks_per_node=nodes.ranks_per_node,
-                                 proxy=via == "nixl", hierarchical=hierarchical,
-                                 ring_slots=ring_slots, invariant=one_node_invariant)
+        plan = resolve(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk,
+                       low_latency=bool(low_latency), ranks_per_node=nodes.ranks_per_node,
+                       transport=via, hierarchical=hierarchical,
+                       fault_tolerant=bool(fault_tolerant), ep_invariant=ep_invariant,
+                       kernel_impl=kernel_impl, staging_bytes=staging_bytes,
+                       device_type=device.type, num_sms=num_sms)
+        layout = plan.layout
         heap = create_heap(chosen, group, layout.nbytes, device, nodes.ranks_per_node,
-                           puts=rdma and chosen == "shm")
+                           puts=layout.rdma and chosen == "shm")
         proxy = None
         try:
             if heap.put_bases:
@@ -292,9 +217,9 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                                   else float(timeout_s), backend=nixl_backend, slots=max(8, slots),
                                   labels=signal_labels(layout, heap.rank),
                                   tolerant=bool(fault_tolerant))
-            self._setup(heap, layout, num_experts, timeout_s, dispatch_dtype, num_sms,
-                        kernel_impl, proxy=proxy, fault_tolerant=fault_tolerant,
-                        ep_invariant=bool(ep_invariant), own_process=True)
+            self._setup(heap, plan, timeout_s, dispatch_dtype, kernel_impl, proxy=proxy,
+                        fault_tolerant=fault_tolerant, ep_invariant=ep_invariant,
+                        own_process=True)
         except BaseException:
             if proxy is not None:
                 proxy.close()
@@ -322,34 +247,33 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         every rank at once, which one thread cannot give)."""
         if max_topk is None and isinstance(num_experts, int):
             max_topk = min(16, num_experts)
-        _check_config(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk,
-                      dispatch_dtype)
-        check_ep_invariant(ep_invariant, 1, kernel_impl)
-        ring_slots = staging_ring_slots(staging_bytes, world_size, max_tokens_per_rank, hidden,
-                                        max_topk, dtype, invariant=bool(ep_invariant))
-        layout = WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
-                                 num_experts // world_size, max_topk, dtype, low_latency,
-                                 ring_slots=ring_slots, invariant=bool(ep_invariant))
-        heaps = create_loopback_heaps(world_size, layout.nbytes, device)
+        check_config(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk,
+                     dispatch_dtype)
+        plan = resolve(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk,
+                       low_latency=bool(low_latency), ep_invariant=ep_invariant,
+                       kernel_impl=kernel_impl, staging_bytes=staging_bytes,
+                       device_type=torch.device(device).type, num_sms=num_sms,
+                       own_process=False)
+        heaps = create_loopback_heaps(world_size, plan.layout.nbytes, device)
         buffers = []
         for heap in heaps:
             buf = cls.__new__(cls)
-            buf._setup(heap, layout, num_experts, timeout_s, dispatch_dtype, num_sms,
-                       kernel_impl, fault_tolerant=fault_tolerant,
-                       ep_invariant=bool(ep_invariant))
+            buf._setup(heap, plan, timeout_s, dispatch_dtype, kernel_impl,
+                       fault_tolerant=fault_tolerant, ep_invariant=ep_invariant)
             buf.backend, buf.transport = "loopback", None
             buffers.append(buf)
         return buffers
 
-    def _setup(self, heap: SymmetricHeap, layout: WorkspaceLayout, num_experts: int,
-               timeout_s: float | None, dispatch_dtype: torch.dtype | None,
-               num_sms: int | None = None, kernel_impl: str = "auto",
+    def _setup(self, heap: SymmetricHeap, plan: BufferPlan, timeout_s: float | None,
+               dispatch_dtype: torch.dtype | None, kernel_impl: str = "auto",
                flavour: Flavour | None = None, proxy=None, fault_tolerant: bool = False,
                ep_invariant: bool | None = None, own_process: bool = False) -> None:
-        """``own_process``: every rank drives its Buffer from a process of its own (not
-        virtual ranks of one process), so a rank's launch may wait for peers that run at the
-        same time (``kernels.combine_rounds``, ``kernels.invariant_rounds``,
+        """This rank's Buffer over ``heap`` as ``plan`` (``moe_comm.plan``) decided it.
+        ``own_process``: every rank drives its Buffer from a process of its own (not virtual
+        ranks of one process), so a rank's launch may wait for peers that run at the same time
+        (``kernels.combine_rounds``, ``kernels.invariant_rounds``,
         ``kernels.dispatch_rounds``)."""
+        layout, num_experts = plan.layout, plan.num_experts
         self.heap, self.layout, self.proxy = heap, layout, proxy
         self.device: torch.device = heap.device  # (read on every op: an attribute)
         self._regions: dict[str, torch.Tensor] = {}  # views of the workspace (``_region``)
@@ -368,8 +292,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         on_gpu = heap.device.type == "cuda"
-        num_sms = checked_num_sms(num_sms)
-        self.num_sms = num_sms if num_sms is not None else (DEFAULT_GPU_SMS if on_gpu else None)
+        self.num_sms = plan.num_sms
         self.kernel_impl = check_kernel_impl(  # (csrc/ neither excludes peers nor sums unfused)
             kernel_impl, heap.device, layout.low_latency,
             fault_tolerant or (flavour is not None and flavour.fault_tolerant)
@@ -417,20 +340,10 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             table = (torch.arange(T, device=heap.device)[:, None] * 32
                      + torch.arange(K, device=heap.device)[None, :])
             layout.view(heap, "ll_meta_table").copy_(table.to(torch.int32))
-        # a combine in rounds as one launch (kernels.combine_rounds; EP-invariant:
-        # kernels.invariant_rounds), [exact, FP8 partials]: ranks in processes of their own,
-        # waits in the kernels, every peer reached by stores (fault tolerance too: one program
-        # decides each round's sources, kernels.comm.wait_or_exclude_once), or with other
-        # nodes through the proxy, flat (fault tolerance too: an exclusion reaches the ranks of
-        # this node) or hierarchical (each round's forwarder pass in the launch; the
-        # EP-invariant combine has none); and on GPUs a ring small enough for the launch's
-        # programs. Across hosts over NVSHMEM: every combine and dispatch (no fault tolerance,
-        # no EP-invariant combine there)
-        f = self.flavour
         self.own_process = own_process
-        rounds_in_kernels = own_process and layout.rounds > 1 and f.device_wait
-        combine_launch = rounds_in_kernels and f.transport in (0, 1) and proxy is None
-        proxy_combine = rounds_in_kernels and proxy is not None
+        # per format, whether a call's rounds run in one launch per op (decided once)
+        self.plan = plan.with_one_launch(self.flavour, own_process, proxy is not None,
+                                         self.ep_invariant)
         # fault tolerance: the word in which that program publishes each round's decision;
         # a dispatch's one launch: its own two (its decisions, the epoch whose outputs it
         # filled) and the [rounds, R] sources of its rounds (row 0: round 0's send writes it)
@@ -443,19 +356,6 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                                   if ft else None)
         self._ft_dispatch_live0 = (None if self._ft_dispatch_live is None
                                    else self._ft_dispatch_live[0])
-        # the combine's table, (FP8 partials, values per row) ->, and a dispatch's rounds after
-        # its first send as one launch (kernels.dispatch_rounds), by the send's format (fp8,
-        # ue8m0, the rows' element bytes): the same conditions, fault tolerance too (the
-        # EP-invariant combine changes no dispatch; through the proxy hierarchical too: each
-        # round's node messages and forwarder pass in the launch); rings.one_launch_fits
-        elem = self._row_bytes // self.hidden
-        if combine_launch or proxy_combine:
-            self._dispatch_in_one_launch, self._combine_in_one_launch = one_launch_fits(
-                layout.ring_slots, self.world_size, self.hidden, self.max_topk, elem,
-                self.num_sms, f, self.ep_invariant)
-        else:
-            self._dispatch_in_one_launch = dict.fromkeys(dispatch_formats(elem), False)
-            self._combine_in_one_launch = dict.fromkeys(COMBINE_FORMATS, False)
         _registry.register(self)
 
     def _default_flavour(self, on_gpu: bool) -> Flavour:
@@ -567,7 +467,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         several rounds is cut to the largest that every format's rounds in one launch fit
         (``moe_comm.rings``)."""
         max_topk = min(16, num_experts) if max_topk is None else max_topk
-        _check_config(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk)
+        check_config(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk)
         N = world_size if ranks_per_node is None else ranks_per_node
         if isinstance(N, bool) or not isinstance(N, int) or N < 1 or world_size % N:
             raise ValueError(f"ranks_per_node must be a positive divisor of world_size="
@@ -575,28 +475,11 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         if transport not in ("nixl", "nvshmem"):
             raise ValueError("transport must be 'nixl' (the proxy) or 'nvshmem' (puts across "
                              f"hosts), got {transport!r}")
-        one_launch_sms = checked_num_sms(one_launch_sms)
-        across = N < world_size
-        rdma = across and transport == "nvshmem"
-        hier = across and not rdma and (bool(hierarchical) if hierarchical is not None
-                                        else not ep_invariant)
-        check_ep_invariant(ep_invariant, world_size // N, "auto", via=transport,
-                           hierarchical=hier)
-        ring_slots = staging_ring_slots(staging_bytes, world_size, max_tokens_per_rank, hidden,
-                                        max_topk, dtype, outboxes=across and not rdma,
-                                        ranks_per_node=N if hier else None, rdma=rdma,
-                                        invariant=bool(ep_invariant),
-                                        one_launch_sms=None if across and not rdma
-                                        else one_launch_sms)
-        if rdma:  # no proxy: a peer on another host has no pointer, NVSHMEM puts reach it
-            return WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
-                                   num_experts // world_size, max_topk, dtype, rdma=True,
-                                   ring_slots=ring_slots).nbytes
-        return WorkspaceLayout(world_size, max_tokens_per_rank, hidden,
-                               num_experts // world_size, max_topk, dtype,
-                               ranks_per_node=N if across else None, proxy=across,
-                               hierarchical=hier, ring_slots=ring_slots,
-                               invariant=bool(ep_invariant)).nbytes
+        return resolve(world_size, hidden, num_experts, max_tokens_per_rank, dtype, max_topk,
+                       ranks_per_node=N, transport=transport, hierarchical=hierarchical,
+                       ep_invariant=ep_invariant, staging_bytes=staging_bytes,
+                       device_type="cpu" if one_launch_sms is None else "cuda",
+                       num_sms=one_launch_sms).layout.nbytes
 
     def dispatch(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                  topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None,

@@ -267,7 +267,7 @@ class NormalMode:
                                   K, fp8, ue8m0)
             later = functools.partial(self._send_round, stream)
             if expert_alignment is not None and not self.hierarchical and \
-                    self._dispatch_in_one_launch[fp8, ue8m0, x.element_size()]:
+                    self.plan.dispatch_in_one_launch[fp8, ue8m0, x.element_size()]:
                 received = (*dispatch_kernels.received_layout_outputs(
                     self.world_size, self.num_local_experts, self.device,
                     torch.empty(self.slot_offsets_size(), dtype=torch.int64,
@@ -542,9 +542,9 @@ class NormalMode:
         stream = pending.stream  # later rounds in one launch: every round's offsets in one
         received = pending.received
         laid_out = received is not None and received[-1] == expert_alignment  # by round 0's
-        one_launch = stream is not None and self._dispatch_in_one_launch[  # send; every round's
-            stream.fp8, stream.ue8m0, stream.x.element_size()] and (  # offsets in one tensor
-                laid_out or not self.fault_tolerant)  # (fault tolerance: who arrived, too)
+        one_launch = stream is not None and self.plan.dispatch_in_one_launch[  # send; every
+            stream.fp8, stream.ue8m0, stream.x.element_size()] and (  # round's offsets in one
+                laid_out or not self.fault_tolerant)  # tensor (fault tolerance: who arrived too)
         if laid_out:
             row_base, tokens_per_expert, expert_offsets, every_round, _ = received
             slot_offsets = self._round_view(every_round, 0)
@@ -736,7 +736,7 @@ class NormalMode:
         x = x.contiguous()
         later = None
         counts = self._cached_target_counts(slot_of)
-        if self.layout.rounds > 1 and self._dispatch_in_one_launch.get(
+        if self.layout.rounds > 1 and self.plan.dispatch_in_one_launch.get(
                 (0, 0, x.element_size()), False):  # the launch in the receive (slot_of: the
             self._start_later_rounds(DISPATCH)  # ring positions)
             return PendingSend(DISPATCH, epoch, all_rounds=functools.partial(
@@ -830,7 +830,7 @@ class NormalMode:
         epoch = self._start(COMBINE)
         topk = slot_rows.shape[1]
         y = y.contiguous()
-        if self._combine_in_one_launch[fp8, pair_values is not None]:  # in the receive
+        if self.plan.combine_in_one_launch[fp8, pair_values is not None]:  # in the receive
             self._start_later_rounds(COMBINE)
             all_rounds = (functools.partial(self._invariant_rounds, src_token)
                           if self.ep_invariant else

@@ -37,21 +37,19 @@ class RingStandIn:
         pass
 
 
-def twins(buffer_class, layout, num_experts: int, flavour, num_sms: int | None, *,
-          proxy: bool = False, dispatch_dtype: torch.dtype | None = None,
-          own_process: bool = False) -> list:
+def twins(buffer_class, plan, flavour, *, proxy: bool = False,
+          dispatch_dtype: torch.dtype | None = None, own_process: bool = False) -> list:
     """Virtual ranks (``moe_comm.Buffer``, passed in: this module lies below it) on the meta
-    device with ``layout`` and ``flavour`` (the GPU's: every wait, the proxy's forwarders' too,
-    is a kernel), whose ops launch nothing but can be recorded; ``own_process``: they launch
-    what ranks in processes of their own launch."""
+    device with ``plan`` (``moe_comm.plan``) and ``flavour`` (the GPU's: every wait, the
+    proxy's forwarders' too, is a kernel), whose ops launch nothing but can be recorded;
+    ``own_process``: they launch what ranks in processes of their own launch."""
     from .symm import create_loopback_heaps
 
     buffers = []
-    for heap in create_loopback_heaps(layout.world_size, layout.nbytes, "meta"):
+    for heap in create_loopback_heaps(plan.world_size, plan.layout.nbytes, "meta"):
         buf = buffer_class.__new__(buffer_class)
-        buf._setup(heap, layout, num_experts, None, dispatch_dtype, num_sms=num_sms,
-                   kernel_impl="triton", flavour=flavour, proxy=RingStandIn() if proxy else None,
-                   own_process=own_process)
+        buf._setup(heap, plan, None, dispatch_dtype, kernel_impl="triton", flavour=flavour,
+                   proxy=RingStandIn() if proxy else None, own_process=own_process)
         buf.backend = "twin"
         buffers.append(buf)
     return buffers
@@ -92,9 +90,8 @@ def launches(buf, topk: int, fp8: bool, backward: bool, arch: int) -> list:
     compiled for ``sm_<arch>``."""
     from .kernels.recording import recording
 
-    bufs = twins(type(buf), buf.layout, buf.num_experts, buf.flavour, buf.num_sms,
-                 proxy=buf.proxy is not None, dispatch_dtype=buf.dispatch_dtype,
-                 own_process=buf.own_process)
+    bufs = twins(type(buf), buf.plan, buf.flavour, proxy=buf.proxy is not None,
+                 dispatch_dtype=buf.dispatch_dtype, own_process=buf.own_process)
     with recording(arch) as recorded:
         drive(bufs, topk, fp8, backward)
     return list({launch.key: launch for launch in recorded}.values())

@@ -534,8 +534,8 @@ MUTANTS = (
                  "round",)),
     Mutant("nvshmem_combine_per_round",
            "across hosts over NVSHMEM a combine's rounds run in one launch",
-           "moe_comm/buffer.py", "f.transport in (0, 1) and proxy is None",
-           "f.transport == 0 and proxy is None",
+           "moe_comm/plan.py", "flavour.transport in (0, 1) and not proxy",
+           "flavour.transport == 0 and not proxy",
            (EP + "test_nvshmem_rounds_in_one_launch_give_the_bits_and_puts_of_launches_per_"
                  "round",)),
     Mutant("nvshmem_quantizing_send_in_the_plain_tiles",
@@ -562,8 +562,9 @@ MUTANTS = (
            (ST + "test_gpu_rings_are_cut_to_what_one_launch_runs_a_round_of",)),
     Mutant("gpu_ring_cut_left_to_the_budget",
            "on GPUs a ring of several rounds is cut to what one launch runs a round of",
-           "moe_comm/buffer.py", "one_launch_sms=None if across and not rdma",
-           "one_launch_sms=None if True",
+           "moe_comm/plan.py",
+           "cut = one_launch_sms(device_type, proxy, num_sms) if own_process else None",
+           "cut = None",
            (ST + "test_gpu_rings_are_cut_to_what_one_launch_runs_a_round_of",)),
     Mutant("round_0_send_lays_out_without_waiting",
            "a dispatch in rounds whose round 0's send lays out what arrived waits for every "

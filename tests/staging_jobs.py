@@ -2,6 +2,7 @@
 runs in rounds through rings of a few slots per source."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 import time
@@ -65,10 +66,9 @@ def _die_in_round(buf, phase: str) -> None:
     (SIGKILL) where round 1 would be sent (this rank's call launches per round to do so; its
     peers' may run their rounds in one launch: the rounds are the same on the link)."""
     send = getattr(buf, f"{phase}_send")
-    if phase == "combine":
-        buf._combine_in_one_launch = dict.fromkeys(buf._combine_in_one_launch, False)
-    else:
-        buf._dispatch_in_one_launch = dict.fromkeys(buf._dispatch_in_one_launch, False)
+    table = f"{phase}_in_one_launch"
+    buf.plan = dataclasses.replace(buf.plan, **{table: dict.fromkeys(getattr(buf.plan, table),
+                                                                     False)})
 
     def send_then_die_in_round_1(*args, **kwargs):
         pending = send(*args, **kwargs)

@@ -382,6 +382,7 @@ def test_gpu_rings_are_cut_to_what_one_launch_runs_a_round_of():
     proxy keep the budget's. Across hosts over NVSHMEM the same, over the formats that run in
     one launch there."""
     from moe_comm.kernels.comm import Flavour
+    from moe_comm.plan import BufferPlan
     from moe_comm.rings import fits_every_format, one_launch_sms, staging_ring_slots
     from moe_comm.warmup import twins
     from moe_comm.workspace import WorkspaceLayout
@@ -425,19 +426,19 @@ def test_gpu_rings_are_cut_to_what_one_launch_runs_a_round_of():
             == WorkspaceLayout(R, T, H, 256 // R, K, dtype, rdma=True, ring_slots=cut).nbytes, R
     for ring in (560, 576):  # every format, the quantizing sends the first to drop out
         layout = WorkspaceLayout(16, T, H, 16, K, dtype, rdma=True, ring_slots=ring)
-        buf = twins(moe_comm.Buffer, layout, 256,
-                    Flavour(transport=1, device_wait=True, compiled=True), 20,
-                    own_process=True)[0]
-        assert all(buf._combine_in_one_launch.values()), ring
-        assert {key for key, one in buf._dispatch_in_one_launch.items() if not one} == (
+        buf = twins(moe_comm.Buffer, BufferPlan(layout, 256, "nvshmem", 20),
+                    Flavour(transport=1, device_wait=True, compiled=True), own_process=True)[0]
+        assert all(buf.plan.combine_in_one_launch.values()), ring
+        assert {key for key, one in buf.plan.dispatch_in_one_launch.items() if not one} == (
             set() if ring == 560 else {(1, ue8m0, elem) for ue8m0 in (0, 1, 2) for elem in (1, 2)})
     # the Buffer's own tables (GPU flavour, processes of their own): all at the cut ring, not
     # all a multiple above (EP 16: the FP8 combine and the NVFP4-quantizing send fit 640)
     for ring in (640, 656):
         layout = WorkspaceLayout(16, T, H, 16, K, dtype, ring_slots=ring)
-        buf = twins(moe_comm.Buffer, layout, 256, Flavour(device_wait=True, compiled=True), 20,
-                    own_process=True)[0]
-        tables = [*buf._combine_in_one_launch.values(), *buf._dispatch_in_one_launch.values()]
+        buf = twins(moe_comm.Buffer, BufferPlan(layout, 256, num_sms=20),
+                    Flavour(device_wait=True, compiled=True), own_process=True)[0]
+        tables = [*buf.plan.combine_in_one_launch.values(),
+                  *buf.plan.dispatch_in_one_launch.values()]
         assert len(tables) == 4 + 3 * 4 * 2 and any(tables), ring
         assert all(tables) == fits_every_format(ring, 16, H, K, 2, 20, False) == (ring == 640)
 

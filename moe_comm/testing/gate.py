@@ -234,6 +234,7 @@ def _buffers(cfg: GateConfig, dtype, low_latency: bool, transport: int, arch: in
     from ..buffer import Buffer
     from ..kernels.comm import Flavour
     from ..kernels.nvshmem import device_bitcode
+    from ..plan import BufferPlan
     from ..warmup import RingStandIn, twins
     from ..workspace import WorkspaceLayout
 
@@ -251,7 +252,9 @@ def _buffers(cfg: GateConfig, dtype, low_latency: bool, transport: int, arch: in
                       ring_slots=RingStandIn.slots if proxy else 0, ranks_per_node=N or 0,
                       hierarchical=layout.hierarchical, fault_tolerant=fault_tolerant,
                       mask_off=layout["ft_mask"].offset)
-    buffers = twins(Buffer, layout, cfg.num_experts, flavour, GATE_NUM_SMS, proxy=proxy,
+    plan = BufferPlan(layout, cfg.num_experts, (None, "nvshmem", "nixl")[transport],
+                      GATE_NUM_SMS)
+    buffers = twins(Buffer, plan, flavour, proxy=proxy,
                     own_process=True)  # as one process per GPU launches
     for buf in buffers:
         buf.backend = "gate"

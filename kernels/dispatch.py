@@ -876,23 +876,26 @@ def received_layout_kernel(
 
 
 def received_layout_outputs(world_size: int, num_local_experts: int, device,
-                            slot_offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                            slot_offsets: torch.Tensor | None = None,
+                            row_base: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Uninitialised ``(row_base [R, L], tokens_per_expert [L], expert_offsets [L + 1],
-    slot_offsets [R + 1])`` int64 for :func:`received_layout` (``slot_offsets`` given: it)."""
-    R, L = world_size, num_local_experts
-    outs = tuple([torch.empty(shape, dtype=torch.int64, device=device)
-                  for shape in ((R, L), (L,), (L + 1,))])
-    return outs + (torch.empty(R + 1, dtype=torch.int64, device=device) if slot_offsets is None
-                   else slot_offsets,)
+    slot_offsets [R + 1])`` int64 for :func:`received_layout` (``slot_offsets``, ``row_base``
+    given: they)."""
+    R, L, i64 = world_size, num_local_experts, torch.int64
+    return (torch.empty((R, L), dtype=i64, device=device) if row_base is None else row_base,
+            torch.empty(L, dtype=i64, device=device), torch.empty(L + 1, dtype=i64, device=device),
+            torch.empty(R + 1, dtype=i64, device=device) if slot_offsets is None
+            else slot_offsets)
 
 
 def received_layout(counts, signals, epochs, live, *, world_size: int, num_local_experts: int,
                     alignment: int, wait: bool, flavour: Flavour = CPU_RANKS, peer_ptrs=None,
                     rank: int = 0, bound: BoundLaunches | None = None,
-                    slot_offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                    slot_offsets: torch.Tensor | None = None,
+                    row_base: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Launches :func:`received_layout_kernel`; returns fresh int64 tensors
     ``(row_base [R, L], tokens_per_expert [L], expert_offsets [L + 1], slot_offsets [R + 1])``
-    (``slot_offsets`` given: written there, a view of the caller's).
+    (``slot_offsets``, ``row_base`` given: written there, the caller's memory).
     Equivalent PyTorch (``counts`` [R, L + 1] of this call's parity, zero for the sources not
     ``live``)::
 
@@ -912,7 +915,7 @@ def received_layout(counts, signals, epochs, live, *, world_size: int, num_local
     ``flavour.fault_tolerant`` it excludes the silent ones, reaching every rank through
     ``peer_ptrs``, and ``rank`` is this rank); ``bound``: the owner's bound launches."""
     R, L = world_size, num_local_experts
-    outs = received_layout_outputs(R, L, epochs.device, slot_offsets)
+    outs = received_layout_outputs(R, L, epochs.device, slot_offsets, row_base)
     values = (signals, epochs, epochs if live is None else live, *outs)
     key = ("received_layout", specs(values), id(counts), id(peer_ptrs), R, L,
            alignment, wait, live is None, rank, id(flavour))

@@ -235,12 +235,17 @@ def layout_chunks(max_tokens: int, flavour: Flavour) -> int:
 
 
 def layout_scratch(max_tokens: int, world_size: int, num_experts: int, flavour: Flavour,
-                   device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(chunk_counts [C, E + R] int32, chunk_bad [C, 3] int64)`` for :func:`routing_layout`
-    of up to ``max_tokens`` tokens (a Buffer keeps one: its launches are stream-ordered)."""
+                   device, max_topk: int) -> tuple[torch.Tensor, ...]:
+    """``(chunk_counts [C, E + R] int32, chunk_bad [C, 3] int64, pair_pos [max_tokens *
+    max_topk] int32, counts [R, L + 1] int32)`` for :func:`routing_layout` of up to
+    ``max_tokens`` tokens of up to ``max_topk`` choices (a Buffer keeps one: its launches are
+    stream-ordered, and what a call's layout writes is read by that call's sends alone)."""
     C = layout_chunks(max_tokens, flavour)
+    L = num_experts // world_size
     return (torch.empty((C, num_experts + world_size), dtype=torch.int32, device=device),
-            torch.empty((C, 3), dtype=torch.int64, device=device))
+            torch.empty((C, 3), dtype=torch.int64, device=device),
+            torch.empty(max_tokens * max_topk, dtype=torch.int32, device=device),
+            torch.empty((world_size, L + 1), dtype=torch.int32, device=device))
 
 
 def routing_layout(topk_idx: torch.Tensor, world_size: int, num_local_experts: int,
@@ -253,7 +258,8 @@ def routing_layout(topk_idx: torch.Tensor, world_size: int, num_local_experts: i
     in the mask words (read on the device: as if its experts' ids were -1), nor anywhere once
     ``rank`` itself is excluded (the fence against its late writes on GPUs, where the host
     does not read the mask). ``scratch``: :func:`layout_scratch` for at least T tokens (made
-    here if None). ``bound``: the owner's bound launches (``kernels.bound``). ``descriptor``
+    here if None); ``pair_pos`` and ``counts`` are its memory, rewritten by the next layout
+    on it. ``bound``: the owner's bound launches (``kernels.bound``). ``descriptor``
     (< 2**13): the call's, in ``counts[:, L]`` above the slots (``counts[d, L] = slots |
     descriptor << SLOT_BITS``)."""
     T, K = topk_idx.shape
@@ -261,13 +267,11 @@ def routing_layout(topk_idx: torch.Tensor, world_size: int, num_local_experts: i
     E = R * L
     tile = tiles("routing_layout", flavour.compiled, 0)
     chunks = max(1, triton.cdiv(T, tile.block_t))
-    if scratch is None or scratch[0].shape[0] < chunks:
-        scratch = layout_scratch(T, R, E, flavour, topk_idx.device)
-    chunk_counts, chunk_bad = scratch
-    dev = topk_idx.device
-    slot_of = torch.empty((T, R), dtype=torch.int32, device=dev)
-    pair_pos = torch.empty((T, K), dtype=torch.int32, device=dev)
-    counts = torch.empty((R, L + 1), dtype=torch.int32, device=dev)
+    if scratch is None or scratch[0].shape[0] < chunks or scratch[2].numel() < T * K:
+        scratch = layout_scratch(T, R, E, flavour, topk_idx.device, K)
+    chunk_counts, chunk_bad, pair_memory, counts = scratch
+    slot_of = torch.empty((T, R), dtype=torch.int32, device=topk_idx.device)
+    pair_pos = pair_memory[:T * K].view(T, K)
     key = ("layout", chunks, K, specs((topk_idx, slot_of, pair_pos, counts)), id(chunk_counts),
            id(chunk_bad), R, L, rank, id(flavour), descriptor)
     count_values = (topk_idx, pair_pos, T)

@@ -62,6 +62,7 @@ from .validation import (
     check_dispatch_inputs,
     check_scale_layout,
     combine_is_fp8,
+    dispatch_signature,
     resolve_fp8,
     scale_code,
     sent_rows_check,
@@ -80,6 +81,7 @@ _CONFIG_FIELDS = ("hidden", "num_experts", "max_tokens_per_rank", "dtype", "max_
                   "ranks_per_node", "transport", "hierarchical", "nixl_backend",
                   "fault_tolerant", "staging_bytes", "ep_invariant", "num_sms")
 KERNEL_IMPLS = ("auto", "triton", "cuda")
+_SIGNATURES_KEPT = 64  # dispatch input signatures a Buffer remembers as checked
 # kernel_impl="auto" on GPUs: the faster implementation per mode on the last measured GPU run
 # (docs/PERF.md, 2026-12-04 evening, H200, 8 virtual ranks, device us per rank: the
 # low-latency FP8 dispatch 226 on Triton against 242 on csrc/, the bf16 combine 163 against
@@ -280,6 +282,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         self._offsets: dict = {}  # per-channel launch offsets and word views, made once
         self._scratch: dict = {}  # kernels' scratch tensors, made once (kernels.combine)
         self._bound = BoundLaunches()  # launches with their fixed arguments bound once
+        self._passed_signatures: set = set()  # dispatch inputs' (validation.dispatch_signature)
         self.rank, self.world_size = heap.rank, heap.world_size
         self.hidden, self.dtype = layout.hidden, layout.dtype
         # (None: the layout's, as the meta-device twins of moe_comm.warmup build it)
@@ -303,7 +306,15 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         self._ft_setup(fault_tolerant or (flavour is not None and flavour.fault_tolerant))
         self.flavour = flavour or self._default_flavour(on_gpu)
         self._layout_scratch = layout_scratch(layout.max_tokens, heap.world_size, num_experts,
-                                              self.flavour, heap.device)
+                                              self.flavour, heap.device, layout.max_topk)
+        # a dispatch's row_base (round 0's: read by that call's expands alone), and its empty
+        # outputs (no scales, global scales or node tensors), one each: never written
+        self._row_base = torch.empty((heap.world_size, layout.num_local_experts),
+                                     dtype=torch.int64, device=heap.device)
+        self._no_scales, self._no_global_scale = (
+            torch.empty(0, dtype=torch.float32, device=heap.device) for _ in range(2))
+        self._no_node_tensors = tuple(torch.empty(0, dtype=torch.int32, device=heap.device)
+                                      for _ in range(3))
         self.id = next(_ids)
         self.launches: collections.Counter[str] = collections.Counter()
         self.host_syncs: collections.Counter[str] = collections.Counter()
@@ -597,17 +608,25 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
     def _dispatch_inputs(self, x, topk_idx, topk_weights, expert_alignment, fp8, ue8m0: int,
                          col_major_scales, max_recv_rows=None, global_scale=None) -> tuple:
         """``(rows, scales, mode)`` of a dispatch's ``x`` (``validation.resolve_fp8``), the
-        inputs checked (with ``MOE_COMM_CHECK_INPUTS=0`` only what keeps the kernels inside
-        their buffers: ``validation.check_dispatch_bounds``)."""
+        inputs checked once per distinct signature (``validation.dispatch_signature``: what
+        the checks read; with ``MOE_COMM_CHECK_INPUTS=0`` only what keeps the kernels inside
+        their buffers, every call: ``validation.check_dispatch_bounds``)."""
         rows, scales, mode = resolve_fp8(
             x, fp8, ue8m0, col_major_scales, default_fp8=self.dispatch_dtype != self.dtype,
             hidden=self.hidden, device=self.device, global_scale=global_scale)
         dtype, width = sent_rows_check(mode, ue8m0, self.hidden, self.dtype)
         if env.check_inputs():
-            check_dispatch_inputs(rows, topk_idx, topk_weights, expert_alignment,
-                                  hidden=width, max_tokens=self.max_tokens_per_rank,
-                                  max_topk=self.max_topk, dtype=dtype,
-                                  device=self.device, max_recv_rows=max_recv_rows)
+            signature = None if torch.compiler.is_compiling() else dispatch_signature(
+                rows, topk_idx, topk_weights, expert_alignment, max_recv_rows, width, dtype)
+            if signature is None or signature not in self._passed_signatures:
+                check_dispatch_inputs(rows, topk_idx, topk_weights, expert_alignment,
+                                      hidden=width, max_tokens=self.max_tokens_per_rank,
+                                      max_topk=self.max_topk, dtype=dtype,
+                                      device=self.device, max_recv_rows=max_recv_rows)
+                if signature is not None:
+                    if len(self._passed_signatures) >= _SIGNATURES_KEPT:
+                        self._passed_signatures.clear()
+                    self._passed_signatures.add(signature)
         else:
             check_dispatch_bounds(rows, topk_idx, topk_weights, hidden=width,
                                   max_tokens=self.max_tokens_per_rank, max_topk=self.max_topk,

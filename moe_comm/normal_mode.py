@@ -271,9 +271,10 @@ class NormalMode:
                 received = (*dispatch_kernels.received_layout_outputs(
                     self.world_size, self.num_local_experts, self.device,
                     torch.empty(self.slot_offsets_size(), dtype=torch.int64,
-                                device=self.device)), expert_alignment)
+                                device=self.device), self._row_base), expert_alignment)
             later(0, received)
-            node_slot_of = self._empty_int() if stream.node_ring is None else stream.node_ring
+            node_slot_of = (self._no_node_tensors[0] if stream.node_ring is None
+                            else stream.node_ring)
             positions = stream.ring  # the handle's slot_of: the combine reads the rings by it
         return PendingSend(DISPATCH, epoch, positions, K, topk_weights is not None, fp8, ue8m0,
                            node_slot_of, send_round=later, stream=stream, received=received)
@@ -384,9 +385,6 @@ class NormalMode:
         start = i * self._round_stride()
         return slot_offsets[start:start + self.world_size + 1]
 
-    def _empty_int(self) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.int32, device=self.device)
-
     def _send_other_nodes(self, x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts,
                           fp8: int = 0, ue8m0: int = 0, node_slot_of=None, t_base: int = 0,
                           node_counts=None) -> torch.Tensor:
@@ -398,7 +396,7 @@ class NormalMode:
         unless given, with ``node_counts`` [M] its rows per node where known), else an empty
         tensor. No host read."""
         if not self.hierarchical:
-            return self._empty_int()
+            return self._no_node_tensors[0]
         T, R, N, M = slot_of.shape[0], self.world_size, self.ranks_per_node, self.num_nodes
         target_counts = node_counts
         if node_slot_of is None:
@@ -482,7 +480,7 @@ class NormalMode:
             flavour=self.flavour, fp8=fp8)
 
     def _received_layout(self, expert_alignment: int, pending: PendingSend,
-                         within: torch.Tensor | None = None, slot_offsets=None):
+                         within: torch.Tensor | None = None, slot_offsets=None, row_base=None):
         """Waits for every source (in the kernel on GPUs, fault-tolerant ones too, else on the
         host before it) and turns the counts every source published into ``(row_base [R, L],
         tokens_per_expert [L], expert_offsets [L + 1], slot_offsets [R + 1])`` int64
@@ -492,7 +490,8 @@ class NormalMode:
         several rounds waits apart from the layout, so that ``pending.live`` holds who arrived,
         and ``within`` ([R] int32, round 0's ``live``; None: every source) leaves out the
         sources that did not arrive in round 0 (a later round places rows by round 0's
-        layout). ``slot_offsets``: where to write them ([R + 1] int64 view)."""
+        layout). ``slot_offsets``, ``row_base``: where to write them ([R + 1] int64 view; round
+        0's row_base: the Buffer's, which every round of the call reads)."""
         fused = self._wait(pending, fusable=not self._ft_rounds)
         if within is not None:
             pending.live = within if pending.live is None else pending.live * within
@@ -503,7 +502,7 @@ class NormalMode:
             world_size=self.world_size, num_local_experts=self.num_local_experts,
             alignment=expert_alignment, wait=fused, flavour=self.flavour,
             peer_ptrs=self.heap.peer_ptrs, rank=self.rank, bound=self._bound,
-            slot_offsets=slot_offsets)
+            slot_offsets=slot_offsets, row_base=row_base)
         if fused:
             self._check_usable("dispatch")  # a timeout (or this rank excluded) shows here
         return layout
@@ -531,7 +530,7 @@ class NormalMode:
         sizes the output without reading the count back: the one host synchronisation of a
         dispatch goes away (CUDA-graph capturable); rows past the count are zero padding.
         Every output is written by the expand kernel (padding included): no fill launches."""
-        fwd_slots, fwd_n = self._empty_int(), self._empty_int()
+        _, fwd_slots, fwd_n = self._no_node_tensors
         if self.hierarchical:
             payload = (payload_bytes(self.hidden, 1, pending.fp8, pending.ue8m0)
                        if pending.fp8 else self._row_bytes)
@@ -553,7 +552,8 @@ class NormalMode:
                            if one_launch else None)
             row_base, tokens_per_expert, expert_offsets, slot_offsets = self._received_layout(
                 expert_alignment, pending,
-                slot_offsets=None if every_round is None else self._round_view(every_round, 0))
+                slot_offsets=None if every_round is None else self._round_view(every_round, 0),
+                row_base=self._row_base)
         data_rows = None  # rows of the data outputs, where not `rows` (slot_major: the slots)
         if slot_major and self.layout.rounds > 1:
             raise ValueError("slot_major needs one round")
@@ -581,8 +581,9 @@ class NormalMode:
         out = (alloc((data_rows, self.hidden // 2), device=dev, dtype=torch.uint8) if nvfp4
                else alloc((data_rows, self.hidden), device=dev,
                           dtype=torch.float8_e4m3fn if fp8 else self.dtype))
-        global_scale = alloc(data_rows if nvfp4 else 0, dtype=torch.float32, device=dev)
-        scales, scale_memory, scale_strides = (torch.empty(0, device=dev), None, (0, 0))
+        global_scale = (alloc(data_rows, dtype=torch.float32, device=dev) if nvfp4
+                        else self._no_global_scale)
+        scales, scale_memory, scale_strides = (self._no_scales, None, (0, 0))
         if fp8:
             scales, scale_memory, scale_strides = fp8_scales_out(
                 data_rows, self.hidden // scale_group(pending.ue8m0), pending.ue8m0,
@@ -644,7 +645,7 @@ class NormalMode:
             scales = scales.contiguous()
         self._dispatch_serial += 1
         node_slot_of = pending.node_slot_of if pending.node_slot_of is not None \
-            else self._empty_int()
+            else self._no_node_tensors[0]
         return DispatchOutputs(
             x=out, scales=scales, weights=out_weights, src_rank=src_rank, src_token=src_token,
             tokens_per_expert=tokens_per_expert, expert_offsets=expert_offsets,

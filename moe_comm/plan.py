@@ -38,6 +38,7 @@ from .rings import (
 from .validation import FLOAT_DTYPES
 from .workspace import WorkspaceLayout
 
+
 @dataclasses.dataclass(frozen=True)
 class BufferPlan:
     """``layout``: the workspace, its rings and nodes; ``num_experts``; ``transport`` between

@@ -109,6 +109,23 @@ def check_dispatch_inputs(x, topk_idx, topk_weights, expert_alignment, *, hidden
         raise ValueError(f"max_recv_rows must be None or an int >= 0, got {max_recv_rows!r}")
 
 
+def dispatch_signature(x, topk_idx, topk_weights, expert_alignment, max_recv_rows,
+                       hidden: int, dtype: torch.dtype) -> tuple | None:
+    """Everything :func:`check_dispatch_inputs` reads of these arguments (the tensors' types,
+    dtypes, shapes and devices, the ints; no data), a key under which inputs that passed pass
+    again; None where one is not a plain tensor or int (those are checked on every call)."""
+    tensor = torch.Tensor
+    if type(x) is not tensor or type(topk_idx) is not tensor or not (
+            topk_weights is None or type(topk_weights) is tensor) or type(
+            expert_alignment) is not int or not (
+            max_recv_rows is None or type(max_recv_rows) is int):
+        return None
+    weights = None if topk_weights is None else (topk_weights.dtype, topk_weights.shape,
+                                                 topk_weights.device)
+    return (x.dtype, x.shape, x.device, topk_idx.dtype, topk_idx.shape, topk_idx.device,
+            weights, expert_alignment, max_recv_rows, hidden, dtype)
+
+
 def check_cached_rows(x, slot_of: torch.Tensor, *, hidden: int, dtype) -> None:
     """A cached dispatch moves the rows of the dispatch that made its layout (``slot_of``
     [T, R]): ``x`` [T, hidden] of the Buffer's dtype, else ValueError before anything is

@@ -26,6 +26,7 @@ import triton
 
 from . import _registry, env
 from .call_descriptor import PeerInputError, refusal, refusal_inputs
+from .channels import CHANNEL_NAMES, Channels
 from .error_record import INPUT_RECORD, TIMEOUT_RECORD, ErrorRecord
 from .fault import FaultTolerance, RankExcludedError, renormalized
 from .kernels import emulated_puts
@@ -67,7 +68,7 @@ from .validation import (
     scale_code,
     sent_rows_check,
 )
-from .workspace import COMBINE, DISPATCH
+from .workspace import COMBINE
 
 # Buffer ids: strings unique across processes and runs, not only within one process. The
 # custom ops take the id, and their fake implementations take their shapes from its Buffer
@@ -75,7 +76,6 @@ from .workspace import COMBINE, DISPATCH
 # would become a symbolic input), so a compiled graph kept on disk (inductor's cache) belongs
 # to that Buffer alone, never to another process's Buffer of other sizes.
 _ids = (f"{secrets.token_hex(6)}-{n}" for n in itertools.count(1))
-_CHANNEL_NAMES = {DISPATCH: "dispatch", COMBINE: "combine"}
 _CONFIG_FIELDS = ("hidden", "num_experts", "max_tokens_per_rank", "dtype", "max_topk",
                   "dispatch_dtype", "low_latency", "backend", "device_type", "kernel_impl",
                   "ranks_per_node", "transport", "hierarchical", "nixl_backend",
@@ -278,8 +278,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         layout, num_experts = plan.layout, plan.num_experts
         self.heap, self.layout, self.proxy = heap, layout, proxy
         self.device: torch.device = heap.device  # (read on every op: an attribute)
-        self._regions: dict[str, torch.Tensor] = {}  # views of the workspace (``_region``)
-        self._offsets: dict = {}  # per-channel launch offsets and word views, made once
+        self.channels = Channels(heap, layout)  # regions, epochs, words, send offsets
+        self._offsets: dict = {}  # the modes' per-channel launch offsets, made once
         self._scratch: dict = {}  # kernels' scratch tensors, made once (kernels.combine)
         self._bound = BoundLaunches()  # launches with their fixed arguments bound once
         self._passed_signatures: set = set()  # dispatch inputs' (validation.dispatch_signature)
@@ -318,13 +318,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         self.id = next(_ids)
         self.launches: collections.Counter[str] = collections.Counter()
         self.host_syncs: collections.Counter[str] = collections.Counter()
-        self._epochs = [0, 0]  # last epoch issued per channel (host mirror of `epochs`)
         self._dispatch_serial = 0
         self._failure: str | None = None
-        self._signals = layout.view(heap, "signals")
-        self._signal_words = self._signals.numpy() if heap.device.type == "cpu" else None
-        self._ticket_words = layout.view(heap, "tickets")
-        self._epoch_words = layout.view(heap, "epochs")
         self._stats = layout.view(heap, "stats")
         self._xstats = layout.view(heap, "xstats")
         self.ranks_per_node, self.num_nodes = layout.ranks_per_node, layout.num_nodes
@@ -335,7 +330,6 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                                       device=heap.device)
             for region, index in never_signalled(layout, heap.rank):
                 layout.view(heap, region)[index] = NEVER  # waits see them arrived
-        self._ll_epochs = [0, 0]  # host mirrors of the device epochs (CPU waits need them)
         self._ll_queue = ([], [])  # hooks of each channel whose receive has not run, in order
         self._ll_op_pending = {}  # the same through moe_comm.ll_ops: (channel, serial) -> entry
         self._ll_outputs = [None, None]  # per parity: a dispatch's outputs to reuse, see there
@@ -345,7 +339,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         if layout.low_latency:
             for name in LL_REGIONS:
                 if name in layout.regions:  # (the combine outboxes: across nodes only)
-                    self._region(name)
+                    self.channels.region(name)
         if layout.low_latency and layout.proxy:  # the proxy copies pair meta words from here
             T, K = layout.max_tokens, layout.max_topk
             table = (torch.arange(T, device=heap.device)[:, None] * 32
@@ -779,7 +773,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         if healthy:
             self._failure = "the Buffer was closed"
         _registry.unregister(self)
-        self._signal_words = None
+        self.channels.signal_words = None
         if self.proxy is not None:  # a healthy rank waits (bounded) for its peers to close too
             excluded = [] if self._mask_words is None else \
                 np.flatnonzero(self._mask_words).tolist()
@@ -845,7 +839,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                 self.errors.raise_timeout(rank=self.rank, channel=channel,
                                           timeout_s=self.timeout_s)
             except PeerTimeoutError as exc:  # (a normal-mode wait records the source rank)
-                via = (self._relay_of(exc.peer, channel) if channel in _CHANNEL_NAMES.values()
+                via = (self._relay_of(exc.peer, channel) if channel in CHANNEL_NAMES.values()
                        else None)
                 if via is None:
                     raise
@@ -867,49 +861,9 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         if self.fault_tolerant:
             self._ft_check_self()
         self._check_usable()
-        self._epochs[channel] += 1
-        return self._epochs[channel]
-
-    def _region(self, name: str) -> torch.Tensor:
-        """The workspace region ``name`` as a tensor over this rank's segment, made once (the
-        segment never moves: the views are the same on every call)."""
-        view = self._regions.get(name)
-        if view is None:
-            view = self._regions[name] = self.layout.view(self.heap, name)
-        return view
-
-    def _channel_words(self, channel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ticket word, epoch word) of ``channel``: [1] int64 views the kernels update (made
-        once: the same tensors on every call)."""
-        words = self._offsets.get(("words", channel))
-        if words is None:
-            words = self._offsets[("words", channel)] = (
-                self._ticket_words[channel:channel + 1], self._epoch_words[channel:channel + 1])
-        return words
-
-    def _channel_signals(self, channel: int) -> torch.Tensor:
-        """``channel``'s [R] int64 signal words on this rank, the view made once (a bound
-        launch finds it by its id)."""
-        signals = self._offsets.get(("signals", channel))
-        if signals is None:
-            signals = self._offsets[("signals", channel)] = self._signals[channel]
-        return signals
-
-    def _send_offsets(self, channel: int) -> dict:
-        """Where this rank's sends of ``channel`` write on every peer: name -> (byte offset of
-        this rank's slice in parity 0, bytes per parity); ``signal`` -> byte offset. The
-        kernels add the parity of the epoch they read on the device."""
-        offsets = self._offsets.get(("send", channel))
-        if offsets is None:
-            lay, me = self.layout, self.rank
-            name = _CHANNEL_NAMES[channel]
-            regions = [f"{name}_rows", f"{name}_meta"] + (["dispatch_counts"]
-                                                           if channel == DISPATCH else [])
-            offsets = {r.split("_", 1)[1]: (lay.offset(r, 0, me), lay.parity_stride(r))
-                       for r in regions}
-            offsets["signal"] = lay.offset("signals", channel, me)
-            self._offsets[("send", channel)] = offsets
-        return offsets
+        epochs = self.channels.epochs  # (inline: every phase of every op starts here)
+        epochs[channel] += 1
+        return epochs[channel]
 
     def _wait(self, pending: PendingSend, fusable: bool = False) -> bool:
         """Every source published ``pending.epoch`` on its channel (bounded). CPU ranks poll
@@ -919,13 +873,13 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         the caller's next kernel can wait itself (``kernels.comm.wait_all_at_least``, or
         ``wait_all_or_exclude`` for a fault-tolerant Buffer): where the wait would be a kernel
         nothing is launched here and True is returned."""
-        channel = _CHANNEL_NAMES[pending.channel]
+        channel = CHANNEL_NAMES[pending.channel]
         combine = pending.channel == COMBINE  # (its words: epoch << 32 | descriptor << 18)
         shift = EPOCH_SHIFT.value if combine else 0
         if fusable and self.flavour.device_wait:
             return True
         if not self.flavour.device_wait:
-            words = self._signal_words[pending.channel]
+            words = self.channels.signal_words[pending.channel]
             if self.fault_tolerant:  # sources that stay silent are excluded, the call goes on
                 seconds = self._ft_wait(epochs_of(words, shift), pending.epoch, channel)
                 if None in seconds:
@@ -941,12 +895,12 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             self._ft_wait_kernel(pending)
             self._check_usable(channel)
             return False
-        signals = self._signals[pending.channel]
+        signals = self.channels.signals[pending.channel]
         key = ("wait_epochs", pending.channel, specs((signals,)))
         if not call_bound(self._bound, key, (signals,)):
             tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
             launch(self._bound, key, wait_epochs_kernel, (1,),
-                   (signals, self._channel_words(pending.channel)[1], self.flavour.errors_addr,
+                   (signals, self.channels.words(pending.channel)[1], self.flavour.errors_addr,
                     self.flavour.timeout_ns, self.world_size, self.rank),
                    dict(BLOCK_R=triton.next_power_of_2(self.world_size),
                         NUM_THREADS=tile.num_threads, COMBINE=combine,
@@ -960,12 +914,12 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         the source arrived), written on the device (no synchronisation)."""
         R = self.world_size
         pending.live = torch.empty(R, dtype=torch.int32, device=self.device)
-        signals = self._signals[pending.channel]
+        signals = self.channels.signals[pending.channel]
         key = ("ft_wait_epochs", pending.channel, specs((signals, pending.live)))
         if not call_bound(self._bound, key, (signals, pending.live)):
             tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
             launch(self._bound, key, ft_wait_epochs_kernel, (1,),
-                   (signals, self._channel_words(pending.channel)[1], pending.live,
+                   (signals, self.channels.words(pending.channel)[1], pending.live,
                     self.heap.peer_ptrs, self.flavour.mask_off, *self.flavour.args(), R,
                     self.rank),
                    dict(TRANSPORT=self.flavour.transport, BLOCK_R=triton.next_power_of_2(R),
@@ -1013,7 +967,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         with the waits in the kernels a one-program wait kernel ahead of the forwarder's launch
         (``kernels.comm.wait_relayed_epochs_kernel``: it reads the epoch on the device, and a
         timeout names the rank)."""
-        name = _CHANNEL_NAMES[channel]
+        name = CHANNEL_NAMES[channel]
         if not self.flavour.device_wait:
             self._wait_words(words, epoch, peers, name,
                              EPOCH_SHIFT.value if channel == COMBINE else 0)
@@ -1023,7 +977,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
             step = peers[1] - peers[0] if len(peers) > 1 else 1
             launch(self._bound, key, wait_relayed_epochs_kernel, (1,),
-                   (words, self._channel_words(channel)[1], self.flavour.errors_addr,
+                   (words, self.channels.words(channel)[1], self.flavour.errors_addr,
                     self.flavour.timeout_ns, len(peers), peers[0], step),
                    dict(BLOCK_R=triton.next_power_of_2(len(peers)),
                         NUM_THREADS=tile.num_threads,
@@ -1041,10 +995,3 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             return None
         via = (self.rank // N) * N + peer % N if channel == "dispatch" else peer
         return None if via == self.rank else via
-
-    def _staging(self, channel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The channel's whole staging regions (rows, meta) [P, R, T_max, ...]: the receive
-        kernels pick the parity from the epoch on the device."""
-        name = _CHANNEL_NAMES[channel]
-        return (self._region(f"{name}_rows"),
-                self._region(f"{name}_meta"))

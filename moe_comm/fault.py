@@ -121,7 +121,7 @@ class RankExcludedError(RuntimeError):
 class FaultTolerance:
     def _ft_setup(self, fault_tolerant: bool) -> None:
         self.fault_tolerant = bool(fault_tolerant)
-        self._mask = self._region("ft_mask")
+        self._mask = self.channels.region("ft_mask")
         self._mask_words = self._mask.numpy() if self.heap.device.type == "cpu" else None
         self._clean_serial = 0
         self._combine_live = None  # the last normal combine's arrived sources (None: all)
@@ -172,12 +172,12 @@ class FaultTolerance:
             torch.cuda.synchronize(self.device)  # every earlier kernel (and store) is done
         # the serial every participant agrees on: one past the last clean any rank finished
         # (its second round's words reach every rank, excluded ones too)
-        done = self._region("ft_clean")[1]
+        done = self.channels.region("ft_clean")[1]
         self._clean_serial = max(self._clean_serial, int(done.max())) + 1
         serial, me, R = self._clean_serial, self.rank, self.world_size
         if readmit:
             self._mask.zero_()  # this rank's view; the rounds exclude who does not come
-        for j, epoch in enumerate([*self._epochs, *self._ll_epochs]):
+        for j, epoch in enumerate([*self.channels.epochs, *self.channels.ll_epochs]):
             self._set_on_all(self.layout.offset("ft_epochs", me, j), 0, epoch)
         joined = self._clean_round(0, serial, list(range(R)) if readmit else None)
         joined = self._clean_round(1, serial, [s for s in range(R) if joined[s]])
@@ -185,7 +185,7 @@ class FaultTolerance:
             for s in range(R):  # after this one began: every rank that came is taken back
                 if joined[s]:
                     self._mask[s] = 0
-        table = self._region("ft_epochs").cpu()
+        table = self.channels.region("ft_epochs").cpu()
         active = (self._mask == 0).cpu()
         agreed = table[torch.tensor(joined) & active].amax(0).tolist()
         self._resync_epochs(agreed)
@@ -276,7 +276,7 @@ class FaultTolerance:
         self._set_on_all(self.layout.offset("ft_clean", i), self.rank, serial)
         if waited is None:
             waited = [s for s in range(R) if int(self._mask[s]) == 0]
-        words = self._region("ft_clean")[i]
+        words = self.channels.region("ft_clean")[i]
         seconds, behind = wait_for_live_epochs(
             lambda: words[waited].tolist(), serial, None,
             timeout_s=self.timeout_s)
@@ -291,11 +291,11 @@ class FaultTolerance:
     def _resync_epochs(self, agreed: list[int]) -> None:
         """Every channel's epoch := the agreed one (host mirrors and device words), and the
         low-latency acknowledgements as if every destination consumed every call so far."""
-        self._epochs[:] = agreed[:2]
-        self._epoch_words.copy_(torch.tensor(agreed[:2], dtype=torch.int64))
+        self.channels.epochs[:] = agreed[:2]
+        self.channels.epoch_words.copy_(torch.tensor(agreed[:2], dtype=torch.int64))
         if self.layout.low_latency:
-            self._ll_epochs[:] = agreed[2:]
-            acks = self._region("ll_acks")
+            self.channels.ll_epochs[:] = agreed[2:]
+            acks = self.channels.region("ll_acks")
             for channel, first in ((DISPATCH, 0), (COMBINE, 2)):
                 self._ll_state[first:first + 2] = agreed[2 + channel]
                 acks[channel].fill_(agreed[2 + channel])

@@ -184,7 +184,7 @@ def ll_combine_send_op(buffer_id: str, y: Tensor, topk_idx: Tensor, topk_weights
     out, hook = buf.low_latency_combine(y, topk_idx, topk_weights, handle, return_hook=True,
                                         renormalize=renormalize,
                                         combine_dtype="fp8" if fp8 else None)
-    serial = buf._ll_epochs[COMBINE]
+    serial = buf.channels.ll_epochs[COMBINE]
     buf._ll_op_pending[(COMBINE, serial)] = (out, hook, (topk_idx.shape[0],))
     return _ticket(COMBINE, serial)
 

@@ -322,10 +322,10 @@ class LowLatencyMode:
         """Epoch of a new send; waits until every destination consumed this parity's last call."""
         if self.fault_tolerant:
             self._ft_check_self()
-        self._ll_epochs[channel] += 1
-        epoch = self._ll_epochs[channel]
+        self.channels.ll_epochs[channel] += 1
+        epoch = self.channels.ll_epochs[channel]
         if not self.flavour.device_wait:  # GPUs wait in the send kernel itself
-            acks = self._region("ll_acks")[channel, epoch % 2].numpy()
+            acks = self.channels.region("ll_acks")[channel, epoch % 2].numpy()
             if self.fault_tolerant:
                 self._ft_wait(acks.tolist, epoch - IN_FLIGHT, f"low-latency {what} (staging "
                               "reuse)")
@@ -358,8 +358,8 @@ class LowLatencyMode:
         shape = (self.num_local_experts, self.world_size * self.max_tokens_per_rank,
                  self.hidden)
         if self.layout.ll_outboxes:
-            parity = (self._ll_epochs[COMBINE] + 1) % 2
-            return self._region("ll_combine_outbox")[parity]
+            parity = (self.channels.ll_epochs[COMBINE] + 1) % 2
+            return self.channels.region("ll_combine_outbox")[parity]
         return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     def _csrc_ids(self, topk_idx: torch.Tensor, record: bool) -> torch.Tensor:
@@ -515,7 +515,7 @@ class LowLatencyMode:
     def _ll_dispatch_recv(self, epoch, recv, scale_memory, scale_strides, ue8m0, stats,
                           impl="triton"):
         if not self.flavour.device_wait:  # GPUs wait in the receive kernel itself
-            words = self._region("ll_dispatch_signals")[epoch % 2].numpy()
+            words = self.channels.region("ll_dispatch_signals")[epoch % 2].numpy()
 
             def observed():  # [L, R] words: the oldest epoch each source published
                 return (words >> 32).min(axis=0).tolist()
@@ -526,7 +526,7 @@ class LowLatencyMode:
                 recv.source_wait_s = wait_for_epochs(
                     self._checking_transport(observed), epoch, timeout_s=self.timeout_s,
                     rank=self.rank, channel="low-latency dispatch")
-        regions = self._regions  # (made at set-up: LL_REGIONS)
+        regions = self.channels.regions  # (made at set-up: LL_REGIONS)
         staging = regions["ll_dispatch_rows"]
         if scale_memory is None:  # rows as they are
             staging = staging.view(self.dtype)
@@ -614,7 +614,7 @@ class LowLatencyMode:
         CUDA graph that captured the call replays it right), else None."""
         if not self.layout.ll_outboxes:
             return None
-        outboxes = self._regions["ll_combine_outbox"]  # (made at set-up: LL_REGIONS)
+        outboxes = self.channels.regions["ll_combine_outbox"]  # (made at set-up: LL_REGIONS)
         for p in range(outboxes.shape[0]):
             if y.data_ptr() == outboxes[p].data_ptr():
                 return y.data_ptr() - self.heap.local.data_ptr()
@@ -670,7 +670,7 @@ class LowLatencyMode:
         def receive():
             self._ll_combine_recv(epoch, topk_idx, topk_weights, out, fp8, impl)
             if renormalize:  # the expert ranks whose rows of this call arrived
-                signals = self._region("ll_combine_signals")[epoch % 2]
+                signals = self.channels.region("ll_combine_signals")[epoch % 2]
                 reached = self._reached(topk_idx, (signals >> EPOCH_SHIFT.value) >= epoch)
                 out.copy_(renormalized(out, topk_idx, topk_weights, reached))
             return out
@@ -681,7 +681,7 @@ class LowLatencyMode:
     def _ll_combine_recv(self, epoch, topk_idx, topk_weights, out, fp8=False, impl="triton"):
         if not self.flavour.device_wait:  # GPUs wait in the receive kernel itself
             # [R] words: each expert rank's epoch (its descriptor below)
-            observed = epochs_of(self._region("ll_combine_signals")[epoch % 2].numpy(),
+            observed = epochs_of(self.channels.region("ll_combine_signals")[epoch % 2].numpy(),
                                  EPOCH_SHIFT.value)
             if self.fault_tolerant:  # an expert rank that stays silent is excluded
                 self._ft_wait(observed, epoch, "low-latency combine")
@@ -689,8 +689,8 @@ class LowLatencyMode:
                 wait_for_epochs(self._checking_transport(observed), epoch,
                                 timeout_s=self.timeout_s, rank=self.rank,
                                 channel="low-latency combine")
-        staging = self._regions["ll_combine_rows"]  # (made at set-up: LL_REGIONS)
-        signals = self._regions["ll_combine_signals"]
+        staging = self.channels.regions["ll_combine_rows"]  # (made at set-up: LL_REGIONS)
+        signals = self.channels.regions["ll_combine_signals"]
         common = dict(acks=self._ll_acks(COMBINE), rank=self.rank)
         if impl == "cuda":
             self.launches["ll_combine_recv"] += self._csrc().ll_combine_recv(

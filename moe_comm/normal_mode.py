@@ -325,7 +325,8 @@ class NormalMode:
         lay_out = None
         if received is not None:  # the last program waits for every source and lays them out
             *outs, every_round, alignment = received
-            lay_out = (self._region("dispatch_counts"), self._channel_signals(DISPATCH), *outs,
+            channels = self.channels
+            lay_out = (channels.region("dispatch_counts"), channels.signals_of(DISPATCH), *outs,
                        self._round_view(every_round, 0), alignment)
         self._send_window(x, scales, idx, weights, pos, ring, counts, stream.topk, stream.fp8,
                           stream.ue8m0, t_base, lay_out)
@@ -342,9 +343,11 @@ class NormalMode:
         (``kernels.dispatch``; ``lay_out``: its)."""
         words, offsets, boxes = (self._offsets.get(("fixed", DISPATCH))
                                  or self._send_fixed(DISPATCH))
-        grid = dispatch_kernels.send_grid(self.layout.ring_slots, self.hidden, self.num_sms,
-                                          self.flavour,
-                                          sent_elem_bytes(fp8, ue8m0, x.element_size()))
+        grid = self._offsets.get(("send_grid", fp8, ue8m0, x.dtype))  # per format, made once
+        if grid is None:
+            grid = self._offsets[("send_grid", fp8, ue8m0, x.dtype)] = dispatch_kernels.send_grid(
+                self.layout.ring_slots, self.hidden, self.num_sms, self.flavour,
+                sent_elem_bytes(fp8, ue8m0, x.element_size()))
         self.launches["dispatch_send"] += dispatch_kernels.dispatch_send(
             x, topk_idx, topk_weights, ring, pair_pos, counts, self.heap.peer_ptrs,
             self._stats, *words, offsets=offsets, rank=self.rank,
@@ -358,7 +361,7 @@ class NormalMode:
         """(ticket and epoch words, send offsets, outbox offsets) of ``channel``'s send, made
         once (one lookup per send)."""
         fixed = self._offsets[("fixed", channel)] = (
-            self._channel_words(channel), self._send_offsets(channel),
+            self.channels.words(channel), self.channels.send_offsets(channel),
             self._rdma_offsets(channel))
         return fixed
 
@@ -412,8 +415,8 @@ class NormalMode:
         self.launches["dispatch_outbox"] += internode.outbox_dispatch(
             x, None if x_scales is None else x_scales.contiguous(), topk_idx, topk_weights,
             pair_pos, slot_of, node_slot_of, counts, target_counts, self._plan, self._xstats,
-            self._ticket_words[internode.OUTBOX_TICKET:internode.OUTBOX_TICKET + 1],
-            self._channel_words(DISPATCH)[1], rank=self.rank, world_size=R,
+            self.channels.tickets[internode.OUTBOX_TICKET:internode.OUTBOX_TICKET + 1],
+            self.channels.words(DISPATCH)[1], rank=self.rank, world_size=R,
             num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
             node_meta_stride=self.layout.node_meta_stride, max_topk=self.max_topk, grid=grid,
             topk=1 if topk_idx is None else topk_idx.shape[1], row_bytes=self._row_bytes,
@@ -449,13 +452,13 @@ class NormalMode:
         rank of this node, or with ``cached`` read (rows only, placed as that dispatch placed
         them)."""
         N, M = self.ranks_per_node, self.num_nodes
-        self._wait_relayed(self._region("node_signals")[0], epoch,
+        self._wait_relayed(self.channels.region("node_signals")[0], epoch,
                            [a * N + self.rank % N for a in range(M)], DISPATCH)
         self.launches["dispatch_forward"] += internode.forward_dispatch(
             self._plan, self.heap.peer_ptrs, fwd_slots, fwd_n, self._xstats,
-            self._ticket_words[internode.FORWARD_DISPATCH_TICKET:
+            self.channels.tickets[internode.FORWARD_DISPATCH_TICKET:
                                internode.FORWARD_DISPATCH_TICKET + 1],
-            self._channel_words(DISPATCH)[1], rank=self.rank,
+            self.channels.words(DISPATCH)[1], rank=self.rank,
             num_local_experts=self.num_local_experts, max_tokens=self.layout.ring_slots,
             row_bytes=self._row_bytes, payload=payload, meta_stride=self.layout.meta_stride,
             node_meta_stride=self.layout.node_meta_stride, cached=cached, num_sms=self.num_sms,
@@ -467,15 +470,15 @@ class NormalMode:
         node row and sends one row per token home (``kernels.internode``; ``fp8``: as FP8)."""
         N = self.ranks_per_node
         node = self.rank // N
-        self._wait_relayed(self._region("hc_signals"), epoch,
+        self._wait_relayed(self.channels.region("hc_signals"), epoch,
                            [node * N + j for j in range(N)], COMBINE)
-        view = self._region
+        view = self.channels.region
         self.launches["combine_forward"] += internode.forward_combine(
             view("hc_rows"), view("hc_meta"), view("px_combine_rows"), view("px_combine_meta"),
             fwd_slots, fwd_n, self._plan, self._xstats,
-            self._ticket_words[internode.FORWARD_COMBINE_TICKET:
+            self.channels.tickets[internode.FORWARD_COMBINE_TICKET:
                                internode.FORWARD_COMBINE_TICKET + 1],
-            self._channel_words(COMBINE)[1], rank=self.rank, world_size=self.world_size,
+            self.channels.words(COMBINE)[1], rank=self.rank, world_size=self.world_size,
             topk=topk, max_topk=self.max_topk, has_pair=has_pair, num_sms=self.num_sms,
             flavour=self.flavour, fp8=fp8)
 
@@ -497,8 +500,8 @@ class NormalMode:
             pending.live = within if pending.live is None else pending.live * within
         self.launches["received_layout"] += 1
         layout = dispatch_kernels.received_layout(
-            self._region("dispatch_counts"), self._signals[DISPATCH],
-            self._channel_words(DISPATCH)[1], pending.live,
+            self.channels.region("dispatch_counts"), self.channels.signals[DISPATCH],
+            self.channels.words(DISPATCH)[1], pending.live,
             world_size=self.world_size, num_local_experts=self.num_local_experts,
             alignment=expert_alignment, wait=fused, flavour=self.flavour,
             peer_ptrs=self.heap.peer_ptrs, rank=self.rank, bound=self._bound,
@@ -606,10 +609,10 @@ class NormalMode:
                                   global_scale, fwd_slots, fwd_n)
             self._check_usable("dispatch")  # its waits ran in the kernel: a timeout shows now
         else:
-            staging, meta = self._staging(DISPATCH)
+            staging, meta = self.channels.staging(DISPATCH)
             expand = functools.partial(
                 dispatch_kernels.dispatch_expand, staging.view(torch.uint8) if fp8 else staging,
-                meta, self._channel_words(DISPATCH)[1])
+                meta, self.channels.words(DISPATCH)[1])
             options = dict(
                 rank=self.rank, topk=pending.topk, num_local_experts=L,
                 meta_stride=self.layout.meta_stride, max_topk=self.max_topk,
@@ -679,8 +682,8 @@ class NormalMode:
         if not self.hierarchical:
             return None
         ticket = dispatch_rounds_kernels.FORWARD_TICKET
-        return (node_ring, node_counts, fwd_slots, fwd_n, self._region("node_signals")[0],
-                self._ticket_words[ticket:ticket + 1])
+        return (node_ring, node_counts, fwd_slots, fwd_n, self.channels.region("node_signals")[0],
+                self.channels.tickets[ticket:ticket + 1])
 
     def _rounds_fixed(self) -> tuple:
         """The Buffer's tensors ``kernels.dispatch_rounds.dispatch_rounds`` takes, made once
@@ -689,9 +692,9 @@ class NormalMode:
         if fixed is None:
             ticket = dispatch_rounds_kernels.ROUNDS_TICKET  # its own: not the send grid
             fixed = self._offsets[("rounds", DISPATCH)] = (
-                *self._staging(DISPATCH), self._region("dispatch_counts"),
-                self.heap.peer_ptrs, self._stats, self._ticket_words[ticket:ticket + 1],
-                self._channel_words(DISPATCH)[1], self._channel_signals(DISPATCH))
+                *self.channels.staging(DISPATCH), self.channels.region("dispatch_counts"),
+                self.heap.peer_ptrs, self._stats, self.channels.tickets[ticket:ticket + 1],
+                self.channels.words(DISPATCH)[1], self.channels.signals_of(DISPATCH))
         return fixed
 
     def _rounds_options(self) -> dict:
@@ -699,7 +702,7 @@ class NormalMode:
         options = self._offsets.get(("rounds options", DISPATCH))
         if options is None:
             options = self._offsets[("rounds options", DISPATCH)] = dict(
-                offsets=self._send_offsets(DISPATCH), rank=self.rank,
+                offsets=self.channels.send_offsets(DISPATCH), rank=self.rank,
                 num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
                 max_topk=self.max_topk, ring_slots=self.layout.ring_slots,
                 rounds=self.layout.rounds, offsets_stride=self._round_stride(),
@@ -798,7 +801,7 @@ class NormalMode:
         alloc = torch.empty if pending.live is None and not self._ft_rounds else torch.zeros
         live = pending.live
         out = alloc((num_rows, self.hidden), dtype=self.dtype, device=self.device)
-        staging, _ = self._staging(DISPATCH)
+        staging, _ = self.channels.staging(DISPATCH)
         for i in range(self.layout.rounds):
             if i:
                 epoch = self._start(DISPATCH)
@@ -811,7 +814,7 @@ class NormalMode:
                 self._wait(round_pending)
                 live = round_pending.live
             self.launches["dispatch_expand"] += dispatch_kernels.dispatch_expand(
-                staging, None, self._channel_words(DISPATCH)[1],
+                staging, None, self.channels.words(DISPATCH)[1],
                 slot_offsets if self.layout.rounds == 1 else self._round_view(slot_offsets, i),
                 None, tokens_per_expert, expert_offsets,
                 slot_rows, out, None, None, None, rank=self.rank, topk=slot_rows.shape[1],
@@ -854,7 +857,7 @@ class NormalMode:
         self.launches["combine_send"] += invariant_kernels.invariant_send(
             y, weights, pair_values, slot_rows,
             slot_offsets if self.layout.rounds == 1 else self._round_view(slot_offsets, i),
-            src_token, self.heap.peer_ptrs, self._stats, *self._channel_words(COMBINE),
+            src_token, self.heap.peer_ptrs, self._stats, *self.channels.words(COMBINE),
             offsets=self._invariant_offsets(), rank=self.rank, topk=slot_rows.shape[1],
             max_topk=self.max_topk, ring_slots=self.layout.ring_slots, num_sms=self.num_sms,
             flavour=self.flavour, bound=self._bound,
@@ -891,7 +894,8 @@ class NormalMode:
             plan=self._plan, fp8=fp8, bound=self._bound, scratch=self._scratch,
             descriptor=self._combine_refusal or combine_descriptor(fp8))
         if self.hierarchical:
-            self._forward_combine(self._epochs[COMBINE], *self._round_nodes(fwd_slots, fwd_n, i),
+            self._forward_combine(self.channels.epochs[COMBINE],
+                                  *self._round_nodes(fwd_slots, fwd_n, i),
                                   slot_rows.shape[1], pair_values is not None, fp8)
 
     def _combine_rounds(self, fp8: bool, fwd_slots, fwd_n, y, weights, pair_values, slot_rows,
@@ -909,8 +913,8 @@ class NormalMode:
             (_, epochs), offsets, _ = self._send_fixed(COMBINE)
             ticket = combine_rounds_kernels.ROUNDS_TICKET  # its own: not the send grid
             fixed = self._offsets[("rounds", COMBINE)] = (
-                *self._staging(COMBINE), self._ticket_words[ticket:ticket + 1], epochs,
-                self._channel_signals(COMBINE), offsets, self._rdma_offsets(COMBINE))
+                *self.channels.staging(COMBINE), self.channels.tickets[ticket:ticket + 1], epochs,
+                self.channels.signals_of(COMBINE), offsets, self._rdma_offsets(COMBINE))
         staging, meta, tickets, epochs, signals, offsets, boxes = fixed
         live = self._rounds_live_words()
         self.launches["combine_rounds"] += combine_rounds_kernels.combine_rounds(
@@ -932,11 +936,11 @@ class NormalMode:
         pass's ticket word)."""
         fixed = self._offsets.get(("forwarder", COMBINE))
         if fixed is None:  # made once: the bound launch is found by these tensors' ids
-            view, ticket = self._region, combine_rounds_kernels.FORWARD_TICKET
+            view, ticket = self.channels.region, combine_rounds_kernels.FORWARD_TICKET
             fixed = self._offsets[("forwarder", COMBINE)] = (
                 view("hcomb_rows"), view("hcomb_meta"), view("hc_rows"), view("hc_meta"),
                 view("px_combine_rows"), view("px_combine_meta"),
-                self._ticket_words[ticket:ticket + 1])
+                self.channels.tickets[ticket:ticket + 1])
         node_rows, node_meta, hc_rows, hc_meta, box_rows, box_meta, tickets = fixed
         return (node_rows, node_meta, node_slot_of, hc_rows, hc_meta, box_rows, box_meta,
                 fwd_slots, fwd_n, tickets)
@@ -958,9 +962,9 @@ class NormalMode:
         if fixed is None:  # made once: the bound launch is found by these tensors' ids
             ticket = invariant_rounds_kernels.ROUNDS_TICKET  # its own: not the send grid
             fixed = self._offsets[("rounds", "inv")] = (
-                self._region("inv_rows"), self._region("inv_meta"), self.heap.peer_ptrs,
-                self._stats, self._ticket_words[ticket:ticket + 1],
-                self._channel_words(COMBINE)[1], self._channel_signals(COMBINE))
+                self.channels.region("inv_rows"), self.channels.region("inv_meta"),
+                self.heap.peer_ptrs, self._stats, self.channels.tickets[ticket:ticket + 1],
+                self.channels.words(COMBINE)[1], self.channels.signals_of(COMBINE))
         live = self._rounds_live_words()
         self.launches["combine_rounds"] += invariant_rounds_kernels.invariant_rounds(
             y, weights, pair_values, slot_rows, slot_offsets, src_token, topk_idx, ring, out,
@@ -998,7 +1002,7 @@ class NormalMode:
         self._wait(pending)
         # partials of ranks that did not arrive are left out, each round by its own wait
         live, lives = pending.live, [pending.live]
-        staging, meta = self._staging(COMBINE)
+        staging, meta = self.channels.staging(COMBINE)
         rounds, W = self.layout.rounds, self.layout.ring_slots
         ring = slot_of  # with several rounds the dispatch's ring positions (the handle's)
         for i in range(rounds):
@@ -1018,18 +1022,18 @@ class NormalMode:
                 ids = None if topk_idx is None else topk_idx[window]
             if self.ep_invariant:
                 self.launches["combine_reduce"] += invariant_kernels.invariant_reduce(
-                    self._region("inv_rows"), self._region("inv_meta"),
-                    self._channel_words(COMBINE)[1], ids, slots, sums,
+                    self.channels.region("inv_rows"), self.channels.region("inv_meta"),
+                    self.channels.words(COMBINE)[1], ids, slots, sums,
                     pair_sums if want_pair else None, num_experts=self.num_experts,
                     max_topk=self.max_topk, has_weights=pending.has_weights, live=live,
                     flavour=self.flavour, bound=self._bound)
                 continue
             self.launches["combine_reduce"] += combine_kernels.combine_reduce(
-                staging, meta, self._channel_words(COMBINE)[1], slots, sums,
+                staging, meta, self.channels.words(COMBINE)[1], slots, sums,
                 pair_sums if want_pair else None, topk=pending.topk, max_topk=self.max_topk,
                 flavour=self.flavour, rank=self.rank,
-                node_rows=self._region("hcomb_rows") if self.hierarchical else None,
-                node_meta=self._region("hcomb_meta") if self.hierarchical else None,
+                node_rows=self.channels.region("hcomb_rows") if self.hierarchical else None,
+                node_meta=self.channels.region("hcomb_meta") if self.hierarchical else None,
                 node_slot_of=node_slots, live=live, fp8=pending.fp8 != 0, bound=self._bound)
         self._combine_live = live if rounds == 1 else self._rounds_live(lives)
         return out, pair_out

@@ -114,7 +114,7 @@ def rounds_with_failures(rank, world_size, case: Case, kills: dict, calls: int, 
         for r, point in stops.items():  # the parity of round 1 (of the phase it stops in):
             if r != rank:                 # its other parity may already hold its round 0
                 phase = point.split("_")[0]
-                parity = (buf._epochs[DISPATCH if phase == "dispatch" else COMBINE] + 2) % 2
+                parity = (buf.channels.epochs[DISPATCH if phase == "dispatch" else COMBINE] + 2) % 2
                 view = buf.layout.view(buf.heap, f"{phase}_rows")
                 view[parity, r].view(torch.uint8).fill_(0xFF)
         no_expert = gone | {r for r, p in stops.items() if p == "dispatch_round"}

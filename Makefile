@@ -77,17 +77,24 @@ host-cost: $(STAMP)  ## launches, aten calls, allocations, Python calls per op (
 
 # The suite leaves about one of the two cores idle (its ranks wait on each other), so the two
 # gates compile beside it at lower priority: first the DeepSeek-V3 variants under Triton 3.9
-# (the gate test, which pytest runs last, then finds them in the cache), then the Triton 3.6
+# (the gate test, which pytest runs last, reads that run's result: MOE_COMM_GATE_BESIDE, the
+# stem of its .rc, .log and .tsv; it compiled the same variants a second time before), then
+# the Triton 3.6
 # gate. make test fails if pytest or either gate fails; the gates' output follows pytest's.
 # (the arguments of tests/test_gate.py's gate test: the same, or it finds nothing cached)
 GATE_ARGS := --arch 90 --brief-arch 100 --config dsv3-prefill dsv3-decode dsv3-prefill-rounds
 test:  ## the whole suite (CI), the static gates under Triton 3.9 and 3.6 beside it
 	$(MAKE) -j2 $(STAMP) $(STAMP36)  # the two environments side by side: a minute less
-	@mkdir -p bench/results
+	@mkdir -p bench/results && rm -f bench/results/gpu_gate_beside.rc
 	@( TRITON_INTERPRET=0 nice -n 10 $(BIN)/python -m moe_comm.testing.gate $(GATE_ARGS) \
-	    --out bench/results/gpu_gate_beside.tsv && nice -n 10 $(MAKE) gpu-gate-triton36 ) \
+	    --out bench/results/gpu_gate_beside.tsv > bench/results/gpu_gate_beside.log 2>&1; \
+	  rc=$$?; echo $$rc > bench/results/gpu_gate_beside.rc.new; \
+	  mv bench/results/gpu_gate_beside.rc.new bench/results/gpu_gate_beside.rc; \
+	  cat bench/results/gpu_gate_beside.log; \
+	  [ $$rc -eq 0 ] && nice -n 10 $(MAKE) gpu-gate-triton36 ) \
 	  > bench/results/gates_beside.log 2>&1 & gates=$$!; \
-	$(BIN)/python -m pytest -q --durations=25; tests=$$?; \
+	MOE_COMM_GATE_BESIDE=bench/results/gpu_gate_beside \
+	  $(BIN)/python -m pytest -q --durations=25; tests=$$?; \
 	wait $$gates; gated=$$?; cat bench/results/gates_beside.log; \
 	echo "make test: pytest exit $$tests, gates exit $$gated"; \
 	[ $$tests -eq 0 ] && [ $$gated -eq 0 ]

@@ -457,7 +457,7 @@ class NormalMode:
         self.launches["dispatch_forward"] += internode.forward_dispatch(
             self._plan, self.heap.peer_ptrs, fwd_slots, fwd_n, self._xstats,
             self.channels.tickets[internode.FORWARD_DISPATCH_TICKET:
-                               internode.FORWARD_DISPATCH_TICKET + 1],
+                                  internode.FORWARD_DISPATCH_TICKET + 1],
             self.channels.words(DISPATCH)[1], rank=self.rank,
             num_local_experts=self.num_local_experts, max_tokens=self.layout.ring_slots,
             row_bytes=self._row_bytes, payload=payload, meta_stride=self.layout.meta_stride,
@@ -477,7 +477,7 @@ class NormalMode:
             view("hc_rows"), view("hc_meta"), view("px_combine_rows"), view("px_combine_meta"),
             fwd_slots, fwd_n, self._plan, self._xstats,
             self.channels.tickets[internode.FORWARD_COMBINE_TICKET:
-                               internode.FORWARD_COMBINE_TICKET + 1],
+                                  internode.FORWARD_COMBINE_TICKET + 1],
             self.channels.words(COMBINE)[1], rank=self.rank, world_size=self.world_size,
             topk=topk, max_topk=self.max_topk, has_pair=has_pair, num_sms=self.num_sms,
             flavour=self.flavour, fp8=fp8)

@@ -78,10 +78,10 @@ host-cost: $(STAMP)  ## launches, aten calls, allocations, Python calls per op (
 # The suite leaves about one of the two cores idle (its ranks wait on each other), so the two
 # gates compile beside it at lower priority: first the DeepSeek-V3 variants under Triton 3.9
 # (the gate test, which pytest runs last, reads that run's result: MOE_COMM_GATE_BESIDE, the
-# stem of its .rc, .log and .tsv; it compiled the same variants a second time before), then
-# the Triton 3.6
-# gate. make test fails if pytest or either gate fails; the gates' output follows pytest's.
-# (the arguments of tests/test_gate.py's gate test: the same, or it finds nothing cached)
+# stem of its .rc, .log and .tsv), then the Triton 3.6 gate. make test fails if pytest or
+# either gate fails; the gates' output follows pytest's.
+# (the arguments of tests/test_gate.py's gate test: the same, or that test fails on the
+# configurations and variants it finds)
 GATE_ARGS := --arch 90 --brief-arch 100 --config dsv3-prefill dsv3-decode dsv3-prefill-rounds
 test:  ## the whole suite (CI), the static gates under Triton 3.9 and 3.6 beside it
 	$(MAKE) -j2 $(STAMP) $(STAMP36)  # the two environments side by side: a minute less

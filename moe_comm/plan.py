@@ -14,7 +14,7 @@ Equivalent to what ``Buffer(...)`` decides::
 
     plan = resolve(R, H, E, T, dtype, K, ranks_per_node=N, transport="nixl")
     plan.layout.nbytes                    # Buffer.required_workspace_bytes
-    plan.hierarchical, plan.ring_slots, plan.rounds, plan.num_sms
+    plan.layout.hierarchical, plan.layout.ring_slots, plan.layout.rounds, plan.num_sms
 """
 from __future__ import annotations
 
@@ -54,31 +54,6 @@ class BufferPlan:
     num_sms: int | None = None
     dispatch_in_one_launch: Mapping = dataclasses.field(default_factory=dict)
     combine_in_one_launch: Mapping = dataclasses.field(default_factory=dict)
-
-    @property
-    def world_size(self) -> int:
-        return self.layout.world_size
-
-    @property
-    def ranks_per_node(self) -> int:
-        return self.layout.ranks_per_node
-
-    @property
-    def num_nodes(self) -> int:
-        return self.layout.num_nodes
-
-    @property
-    def hierarchical(self) -> bool:
-        """Tokens cross to another node once, through its forwarders (the proxy only)."""
-        return self.layout.hierarchical
-
-    @property
-    def ring_slots(self) -> int:
-        return self.layout.ring_slots
-
-    @property
-    def rounds(self) -> int:
-        return self.layout.rounds
 
     def with_one_launch(self, flavour: Flavour, own_process: bool, proxy: bool,
                         ep_invariant: bool) -> BufferPlan:

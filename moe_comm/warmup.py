@@ -46,7 +46,7 @@ def twins(buffer_class, plan, flavour, *, proxy: bool = False,
     from .symm import create_loopback_heaps
 
     buffers = []
-    for heap in create_loopback_heaps(plan.world_size, plan.layout.nbytes, "meta"):
+    for heap in create_loopback_heaps(plan.layout.world_size, plan.layout.nbytes, "meta"):
         buf = buffer_class.__new__(buffer_class)
         buf._setup(heap, plan, None, dispatch_dtype, kernel_impl="triton", flavour=flavour,
                    proxy=RingStandIn() if proxy else None, own_process=own_process)

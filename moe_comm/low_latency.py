@@ -550,7 +550,8 @@ class LowLatencyMode:
     def low_latency_combine(self, y: torch.Tensor, topk_idx: torch.Tensor,
                             topk_weights: torch.Tensor | None, handle: LowLatencyHandle, *,
                             return_hook: bool = False, renormalize: bool = False,
-                            combine_dtype: str | torch.dtype | None = None):
+                            combine_dtype: str | torch.dtype | None = None,
+                            out: torch.Tensor | None = None):
         """Sends each expert row home and sums ``w[t, k] * row`` there; returns ``(out, hook)``.
 
         ``y`` [L, R * T_max, H] of the Buffer's dtype, rows as in the dispatch's ``recv.x``;
@@ -560,7 +561,9 @@ class LowLatencyMode:
         ``Buffer.combine`` (needs ``topk_weights``). ``combine_dtype="fp8"``: each row travels
         quantized per 128 channels and is dequantized at home before it is weighted
         (``out[t] = sum_k w[t, k] * dequantize_fp8(*quantize_fp8(y_row(t, k)))``; error bound
-        as in ``Buffer.combine``), Triton kernels only.
+        as in ``Buffer.combine``), Triton kernels only. ``out`` [T, H] contiguous, of the
+        Buffer's dtype and device: the sums are written there (and ``out`` is returned) instead
+        of into a new tensor; it must not be read or written until the hook has run.
         """
         self._checked("an earlier call")
         self._ll_require()
@@ -598,11 +601,17 @@ class LowLatencyMode:
                 if topk_weights.shape != topk_idx.shape:
                     raise ValueError("topk_weights and topk_idx shapes differ")
                 topk_weights = topk_weights.contiguous()
+            if out is not None:
+                check_tensor("out", out, dtype=self.dtype, ndim=2, device=self.device)
+                if out.shape != (handle.num_tokens, self.hidden) or not out.is_contiguous():
+                    raise ValueError(f"out must be a contiguous [{handle.num_tokens}, "
+                                     f"{self.hidden}] tensor, got shape {tuple(out.shape)}"
+                                     + ("" if out.is_contiguous() else " (not contiguous)"))
         except (TypeError, ValueError, RuntimeError) as error:
             self._refuse_low_latency_combine(error)
             raise
         out, hook = self._ll_combine_send(y.contiguous(), topk_idx.contiguous(), topk_weights,
-                                          handle, renormalize, fp8, impl)
+                                          handle, renormalize, fp8, impl, out=out)
         if return_hook:
             return out, hook
         hook()
@@ -644,15 +653,17 @@ class LowLatencyMode:
 
     @poisons_buffer_on_error("low-latency combine")
     def _ll_combine_send(self, y, topk_idx, topk_weights, handle, renormalize=False, fp8=False,
-                         impl="triton", refusal: int = 0):
-        """The send of a low-latency combine; returns ``(out, hook)``. The word it publishes to
-        every rank carries the call's descriptor, or ``refusal`` (``moe_comm.call_descriptor``;
-        a refusal sends no rows)."""
+                         impl="triton", refusal: int = 0, out=None):
+        """The send of a low-latency combine; returns ``(out, hook)`` (``out``: the caller's,
+        or a new tensor). The word it publishes to every rank carries the call's descriptor, or
+        ``refusal`` (``moe_comm.call_descriptor``; a refusal sends no rows)."""
         if fp8 and self._combine_outbox_offset(y) is not None:
             y = y.clone()  # FP8 rows are quantized into the outbox that y lies in
         epoch = self._ll_begin(COMBINE, "combine")
         descriptor = refusal or combine_descriptor(fp8)
-        out = torch.empty((topk_idx.shape[0], self.hidden), dtype=self.dtype, device=self.device)
+        if out is None:
+            out = torch.empty((topk_idx.shape[0], self.hidden), dtype=self.dtype,
+                              device=self.device)
         args = (y, handle.layout, handle.src_info, handle.src_k, self.heap.peer_ptrs,
                 self._ll_state, self._stats)
         offsets = self._ll_send_offsets("ll_combine_", ("rows", "signals"), COMBINE)

@@ -137,6 +137,38 @@ def test_outputs_are_reused_only_when_nothing_refers_to_them():
     assert with_fp8[0].x.dtype == torch.float8_e4m3fn
 
 
+def test_combine_writes_into_the_callers_out():
+    """``out=``: the receive writes the sums into the caller's tensor, which the call returns
+    (no new output), bit for bit the reference's; an ``out`` of the wrong shape, dtype or
+    layout is refused before anything is sent, naming it."""
+    case = Case(2, 8, 128, 2, (5, 3), seed=41)
+    R, T = case.world_size, case.max_tokens
+    bufs = moe_comm.Buffer.loopback(R, case.hidden, case.num_experts, T, low_latency=True)
+    xs, idxs, ws = make_inputs(case)
+    got = lockstep.low_latency_dispatch(bufs, xs, idxs)
+    want = reference.low_latency_dispatch_all(xs, idxs, num_experts=case.num_experts,
+                                              max_tokens=T, fp8=False)
+    ys = [torch.randn(g.x.shape).to(torch.bfloat16) for g in got]
+    outs = [torch.full((idx.shape[0], case.hidden), float("nan"), dtype=torch.bfloat16)
+            for idx in idxs]
+    sent = [buf.low_latency_combine(y, idx, w, g.handle, return_hook=True, out=o)
+            for buf, y, idx, w, g, o in zip(bufs, ys, idxs, ws, got, outs)]
+    for _, hook in sent:
+        hook()
+    ref = reference.low_latency_combine_all(ys, idxs, ws, want, T)
+    for r in range(R):
+        assert sent[r][0] is outs[r]
+        assert torch.equal(outs[r], ref[r]), r
+    tokens = idxs[0].shape[0]
+    for bad, error, words in (
+            (torch.empty(tokens + 1, case.hidden, dtype=torch.bfloat16), ValueError, "out must"),
+            (torch.empty(case.hidden, tokens, dtype=torch.bfloat16).t(), ValueError,
+             "not contiguous"),
+            (torch.empty(tokens, case.hidden, dtype=torch.float32), TypeError, "out")):
+        with pytest.raises(error, match=words):
+            bufs[0].low_latency_combine(ys[0], idxs[0], ws[0], got[0].handle, out=bad)
+
+
 def test_loopback_of_no_ranks_raises_value_error():
     with pytest.raises(ValueError, match="world_size must be a positive int, got 0"):
         moe_comm.Buffer.loopback(0, 64, 4, 3)

@@ -571,12 +571,15 @@ class Buffer:
             if self._low_latency is not None:  # the peers go on into the call: take part
                 self._low_latency._refuse_low_latency_combine(error)
             raise
+        # a contiguous out is written by the receive itself; another gets a copy of the sums
+        copied = out is not None and not out.is_contiguous()
         result, hook = handle.buffer.low_latency_combine(
-            x, topk_idx, topk_weights, handle.moe, return_hook=True)
+            x, topk_idx, topk_weights, handle.moe, return_hook=True,
+            out=None if copied else out)
 
         def receive():
             hook()
-            if out is not None:
+            if copied:
                 out.copy_(result)
 
         if not return_recv_hook:

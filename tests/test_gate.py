@@ -478,3 +478,39 @@ def test_rules():
     assert violations(Facts("k", 90, "c", "v", row_store_bits={"row": 16}),
                       rows_aligned=False) == []
     assert "does not compile" in violations(Facts("k", 90, "c", "v", error="boom"), True)[0]
+
+
+class _FakeLaunch:
+    def __init__(self, name, **flags):
+        self.name, self._flags, self.options = name, flags, {"num_warps": 4}
+
+    def flags(self):
+        return dict(self._flags)
+
+
+def test_the_pairwise_cover_holds_every_pair_a_kernel_runs_and_the_op_targets():
+    """make test's Triton 3.6 gate compiles ``pairwise_cover`` of the variants: every pair of
+    one kernel's specialisation values that some variant holds together is held by a chosen
+    one, the variants the op predictions read are chosen, and a full product of flags is not
+    compiled whole."""
+    from moe_comm.testing.gate import Variant, _tokens, pairwise_cover
+
+    def variant(name, dtype="bfloat16", **flags):
+        return Variant(_FakeLaunch(name, **flags), ["dsv3-prefill"], dtype, True, [])
+
+    product = [variant("combine_send_kernel", dtype, A=a, B=b, C=c)
+               for dtype in ("bfloat16", "float16") for a in range(3) for b in range(3)
+               for c in range(2)]
+    target = variant("dispatch_send_kernel", HAS_WEIGHTS=1, FP8=0, TRANSPORT=0)
+    others = [variant("dispatch_send_kernel", HAS_WEIGHTS=1, FP8=f, TRANSPORT=t)
+              for f in (1, 2) for t in (0, 1)]
+    chosen = pairwise_cover([*product, *others, target])
+    assert target in chosen
+    assert len([v for v in chosen if v.launch.name == "combine_send_kernel"]) < len(product)
+    for group in (product, [*others, target]):
+        kept = [v for v in chosen if v in group]
+        for v in group:
+            words = sorted(_tokens(v))
+            for i, a in enumerate(words):
+                for b in words[i:]:
+                    assert any({a, b} <= _tokens(k) for k in kept), (a, b)

@@ -895,12 +895,12 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             self._ft_wait_kernel(pending)
             self._check_usable(channel)
             return False
-        signals = self.channels.signals[pending.channel]
+        signals = self.channels.signals_of[pending.channel]
         key = ("wait_epochs", pending.channel, specs((signals,)))
         if not call_bound(self._bound, key, (signals,)):
             tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
             launch(self._bound, key, wait_epochs_kernel, (1,),
-                   (signals, self.channels.words(pending.channel)[1], self.flavour.errors_addr,
+                   (signals, self.channels.words[pending.channel][1], self.flavour.errors_addr,
                     self.flavour.timeout_ns, self.world_size, self.rank),
                    dict(BLOCK_R=triton.next_power_of_2(self.world_size),
                         NUM_THREADS=tile.num_threads, COMBINE=combine,
@@ -914,12 +914,12 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         the source arrived), written on the device (no synchronisation)."""
         R = self.world_size
         pending.live = torch.empty(R, dtype=torch.int32, device=self.device)
-        signals = self.channels.signals[pending.channel]
+        signals = self.channels.signals_of[pending.channel]
         key = ("ft_wait_epochs", pending.channel, specs((signals, pending.live)))
         if not call_bound(self._bound, key, (signals, pending.live)):
             tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
             launch(self._bound, key, ft_wait_epochs_kernel, (1,),
-                   (signals, self.channels.words(pending.channel)[1], pending.live,
+                   (signals, self.channels.words[pending.channel][1], pending.live,
                     self.heap.peer_ptrs, self.flavour.mask_off, *self.flavour.args(), R,
                     self.rank),
                    dict(TRANSPORT=self.flavour.transport, BLOCK_R=triton.next_power_of_2(R),
@@ -977,7 +977,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
             step = peers[1] - peers[0] if len(peers) > 1 else 1
             launch(self._bound, key, wait_relayed_epochs_kernel, (1,),
-                   (words, self.channels.words(channel)[1], self.flavour.errors_addr,
+                   (words, self.channels.words[channel][1], self.flavour.errors_addr,
                     self.flavour.timeout_ns, len(peers), peers[0], step),
                    dict(BLOCK_R=triton.next_power_of_2(len(peers)),
                         NUM_THREADS=tile.num_threads,

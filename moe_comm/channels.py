@@ -7,8 +7,8 @@ Equivalent to, for a channel ``c`` (``workspace.DISPATCH`` or ``COMBINE``) of ra
 
     region(name)      = layout.view(heap, name)           # [P, R, ...] over this rank's segment
     epochs[c] += 1                                          # a call's epoch; parity = epoch % 2
-    words(c)          = (tickets[c:c+1], epoch_words[c:c+1])
-    signals_of(c)     = signals[c]                          # [R] int64, one word per source
+    words[c]          = (tickets[c:c+1], epoch_words[c:c+1])
+    signals_of[c]     = signals[c]                          # [R] int64, one word per source
     staging(c)        = (region(f"{name}_rows"), region(f"{name}_meta"))
     send_offsets(c)   = {"rows": (offset of me's slice in parity 0, bytes per parity), ...}
 """
@@ -36,6 +36,11 @@ class Channels:
         self.signal_words = self.signals.numpy() if heap.device.type == "cpu" else None
         self.tickets = layout.view(heap, "tickets")
         self.epoch_words = layout.view(heap, "epochs")
+        # per channel, made once (a bound launch finds a view by its id): its (ticket word,
+        # epoch word) [1] int64 views the kernels update, and its [R] int64 signal words
+        self.words = tuple((self.tickets[c:c + 1], self.epoch_words[c:c + 1])
+                           for c in (DISPATCH, COMBINE))
+        self.signals_of = tuple(self.signals[c] for c in (DISPATCH, COMBINE))
         self.regions: dict[str, torch.Tensor] = {}
         self._views: dict = {}
 
@@ -45,22 +50,6 @@ class Channels:
         if view is None:
             view = self.regions[name] = self.layout.view(self.heap, name)
         return view
-
-    def words(self, channel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ticket word, epoch word) of ``channel``: [1] int64 views the kernels update."""
-        words = self._views.get(("words", channel))
-        if words is None:
-            words = self._views[("words", channel)] = (
-                self.tickets[channel:channel + 1], self.epoch_words[channel:channel + 1])
-        return words
-
-    def signals_of(self, channel: int) -> torch.Tensor:
-        """``channel``'s [R] int64 signal words on this rank (a bound launch finds the view by
-        its id)."""
-        signals = self._views.get(("signals", channel))
-        if signals is None:
-            signals = self._views[("signals", channel)] = self.signals[channel]
-        return signals
 
     def staging(self, channel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The channel's whole staging regions (rows, meta) [P, R, T_max, ...]: the receive

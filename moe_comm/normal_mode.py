@@ -326,7 +326,7 @@ class NormalMode:
         if received is not None:  # the last program waits for every source and lays them out
             *outs, every_round, alignment = received
             channels = self.channels
-            lay_out = (channels.region("dispatch_counts"), channels.signals_of(DISPATCH), *outs,
+            lay_out = (channels.region("dispatch_counts"), channels.signals_of[DISPATCH], *outs,
                        self._round_view(every_round, 0), alignment)
         self._send_window(x, scales, idx, weights, pos, ring, counts, stream.topk, stream.fp8,
                           stream.ue8m0, t_base, lay_out)
@@ -361,7 +361,7 @@ class NormalMode:
         """(ticket and epoch words, send offsets, outbox offsets) of ``channel``'s send, made
         once (one lookup per send)."""
         fixed = self._offsets[("fixed", channel)] = (
-            self.channels.words(channel), self.channels.send_offsets(channel),
+            self.channels.words[channel], self.channels.send_offsets(channel),
             self._rdma_offsets(channel))
         return fixed
 
@@ -416,7 +416,7 @@ class NormalMode:
             x, None if x_scales is None else x_scales.contiguous(), topk_idx, topk_weights,
             pair_pos, slot_of, node_slot_of, counts, target_counts, self._plan, self._xstats,
             self.channels.tickets[internode.OUTBOX_TICKET:internode.OUTBOX_TICKET + 1],
-            self.channels.words(DISPATCH)[1], rank=self.rank, world_size=R,
+            self.channels.words[DISPATCH][1], rank=self.rank, world_size=R,
             num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
             node_meta_stride=self.layout.node_meta_stride, max_topk=self.max_topk, grid=grid,
             topk=1 if topk_idx is None else topk_idx.shape[1], row_bytes=self._row_bytes,
@@ -458,7 +458,7 @@ class NormalMode:
             self._plan, self.heap.peer_ptrs, fwd_slots, fwd_n, self._xstats,
             self.channels.tickets[internode.FORWARD_DISPATCH_TICKET:
                                   internode.FORWARD_DISPATCH_TICKET + 1],
-            self.channels.words(DISPATCH)[1], rank=self.rank,
+            self.channels.words[DISPATCH][1], rank=self.rank,
             num_local_experts=self.num_local_experts, max_tokens=self.layout.ring_slots,
             row_bytes=self._row_bytes, payload=payload, meta_stride=self.layout.meta_stride,
             node_meta_stride=self.layout.node_meta_stride, cached=cached, num_sms=self.num_sms,
@@ -478,7 +478,7 @@ class NormalMode:
             fwd_slots, fwd_n, self._plan, self._xstats,
             self.channels.tickets[internode.FORWARD_COMBINE_TICKET:
                                   internode.FORWARD_COMBINE_TICKET + 1],
-            self.channels.words(COMBINE)[1], rank=self.rank, world_size=self.world_size,
+            self.channels.words[COMBINE][1], rank=self.rank, world_size=self.world_size,
             topk=topk, max_topk=self.max_topk, has_pair=has_pair, num_sms=self.num_sms,
             flavour=self.flavour, fp8=fp8)
 
@@ -500,8 +500,8 @@ class NormalMode:
             pending.live = within if pending.live is None else pending.live * within
         self.launches["received_layout"] += 1
         layout = dispatch_kernels.received_layout(
-            self.channels.region("dispatch_counts"), self.channels.signals[DISPATCH],
-            self.channels.words(DISPATCH)[1], pending.live,
+            self.channels.region("dispatch_counts"), self.channels.signals_of[DISPATCH],
+            self.channels.words[DISPATCH][1], pending.live,
             world_size=self.world_size, num_local_experts=self.num_local_experts,
             alignment=expert_alignment, wait=fused, flavour=self.flavour,
             peer_ptrs=self.heap.peer_ptrs, rank=self.rank, bound=self._bound,
@@ -612,7 +612,7 @@ class NormalMode:
             staging, meta = self.channels.staging(DISPATCH)
             expand = functools.partial(
                 dispatch_kernels.dispatch_expand, staging.view(torch.uint8) if fp8 else staging,
-                meta, self.channels.words(DISPATCH)[1])
+                meta, self.channels.words[DISPATCH][1])
             options = dict(
                 rank=self.rank, topk=pending.topk, num_local_experts=L,
                 meta_stride=self.layout.meta_stride, max_topk=self.max_topk,
@@ -694,7 +694,7 @@ class NormalMode:
             fixed = self._offsets[("rounds", DISPATCH)] = (
                 *self.channels.staging(DISPATCH), self.channels.region("dispatch_counts"),
                 self.heap.peer_ptrs, self._stats, self.channels.tickets[ticket:ticket + 1],
-                self.channels.words(DISPATCH)[1], self.channels.signals_of(DISPATCH))
+                self.channels.words[DISPATCH][1], self.channels.signals_of[DISPATCH])
         return fixed
 
     def _rounds_options(self) -> dict:
@@ -814,7 +814,7 @@ class NormalMode:
                 self._wait(round_pending)
                 live = round_pending.live
             self.launches["dispatch_expand"] += dispatch_kernels.dispatch_expand(
-                staging, None, self.channels.words(DISPATCH)[1],
+                staging, None, self.channels.words[DISPATCH][1],
                 slot_offsets if self.layout.rounds == 1 else self._round_view(slot_offsets, i),
                 None, tokens_per_expert, expert_offsets,
                 slot_rows, out, None, None, None, rank=self.rank, topk=slot_rows.shape[1],
@@ -857,7 +857,7 @@ class NormalMode:
         self.launches["combine_send"] += invariant_kernels.invariant_send(
             y, weights, pair_values, slot_rows,
             slot_offsets if self.layout.rounds == 1 else self._round_view(slot_offsets, i),
-            src_token, self.heap.peer_ptrs, self._stats, *self.channels.words(COMBINE),
+            src_token, self.heap.peer_ptrs, self._stats, *self.channels.words[COMBINE],
             offsets=self._invariant_offsets(), rank=self.rank, topk=slot_rows.shape[1],
             max_topk=self.max_topk, ring_slots=self.layout.ring_slots, num_sms=self.num_sms,
             flavour=self.flavour, bound=self._bound,
@@ -914,7 +914,7 @@ class NormalMode:
             ticket = combine_rounds_kernels.ROUNDS_TICKET  # its own: not the send grid
             fixed = self._offsets[("rounds", COMBINE)] = (
                 *self.channels.staging(COMBINE), self.channels.tickets[ticket:ticket + 1], epochs,
-                self.channels.signals_of(COMBINE), offsets, self._rdma_offsets(COMBINE))
+                self.channels.signals_of[COMBINE], offsets, self._rdma_offsets(COMBINE))
         staging, meta, tickets, epochs, signals, offsets, boxes = fixed
         live = self._rounds_live_words()
         self.launches["combine_rounds"] += combine_rounds_kernels.combine_rounds(
@@ -964,7 +964,7 @@ class NormalMode:
             fixed = self._offsets[("rounds", "inv")] = (
                 self.channels.region("inv_rows"), self.channels.region("inv_meta"),
                 self.heap.peer_ptrs, self._stats, self.channels.tickets[ticket:ticket + 1],
-                self.channels.words(COMBINE)[1], self.channels.signals_of(COMBINE))
+                self.channels.words[COMBINE][1], self.channels.signals_of[COMBINE])
         live = self._rounds_live_words()
         self.launches["combine_rounds"] += invariant_rounds_kernels.invariant_rounds(
             y, weights, pair_values, slot_rows, slot_offsets, src_token, topk_idx, ring, out,
@@ -1023,13 +1023,13 @@ class NormalMode:
             if self.ep_invariant:
                 self.launches["combine_reduce"] += invariant_kernels.invariant_reduce(
                     self.channels.region("inv_rows"), self.channels.region("inv_meta"),
-                    self.channels.words(COMBINE)[1], ids, slots, sums,
+                    self.channels.words[COMBINE][1], ids, slots, sums,
                     pair_sums if want_pair else None, num_experts=self.num_experts,
                     max_topk=self.max_topk, has_weights=pending.has_weights, live=live,
                     flavour=self.flavour, bound=self._bound)
                 continue
             self.launches["combine_reduce"] += combine_kernels.combine_reduce(
-                staging, meta, self.channels.words(COMBINE)[1], slots, sums,
+                staging, meta, self.channels.words[COMBINE][1], slots, sums,
                 pair_sums if want_pair else None, topk=pending.topk, max_topk=self.max_topk,
                 flavour=self.flavour, rank=self.rank,
                 node_rows=self.channels.region("hcomb_rows") if self.hierarchical else None,

@@ -75,16 +75,15 @@ bench: $(STAMP)  ## the dispatch/combine benchmark on 4 CPU ranks, one table
 host-cost: $(STAMP)  ## launches, aten calls, allocations, Python calls per op (GPU flavour, meta)
 	$(BIN)/python bench/host_cost.py
 
-# The gates compile beside the suite at lower priority: the DeepSeek-V3 variants under Triton 3.9
-# (the gate test, which pytest runs last, reads that run's result: MOE_COMM_GATE_BESIDE, the
-# stem of its .rc, .log and .tsv) and, lower still, the Triton 3.6 gate. make test fails if
-# pytest or either gate fails; the gates' output follows pytest's.
+# The suite keeps about one and a third of the two cores busy (its ranks wait on each other),
+# so the two gates compile beside it at lower priority: first the DeepSeek-V3 variants under
+# Triton 3.9 (the gate test, which pytest runs last, reads that run's result:
+# MOE_COMM_GATE_BESIDE, the stem of its .rc, .log and .tsv), then a pairwise cover of them
+# under Triton 3.6. make test fails if pytest or either gate fails; the gates' output follows
+# pytest's.
 # (the arguments of tests/test_gate.py's gate test: the same, or that test fails on the
 # configurations and variants it finds)
 GATE_ARGS := --arch 90 --brief-arch 100 --config dsv3-prefill dsv3-decode dsv3-prefill-rounds
-# The suite itself runs as two pytest processes side by side (tests/shard1.txt says which files
-# the first runs): alone it keeps about one and a third of the cores busy, as two about both
-SHARD1 := $(shell grep -v '^\#' tests/shard1.txt)
 test:  ## the whole suite (CI), the static gates under Triton 3.9 and 3.6 beside it
 	$(MAKE) -j2 $(STAMP) $(STAMP36)  # the two environments side by side: a minute less
 	@mkdir -p bench/results && rm -f bench/results/gpu_gate_beside.rc
@@ -92,20 +91,39 @@ test:  ## the whole suite (CI), the static gates under Triton 3.9 and 3.6 beside
 	    --out bench/results/gpu_gate_beside.tsv > bench/results/gpu_gate_beside.log 2>&1; \
 	  rc=$$?; echo $$rc > bench/results/gpu_gate_beside.rc.new; \
 	  mv bench/results/gpu_gate_beside.rc.new bench/results/gpu_gate_beside.rc; \
-	  cat bench/results/gpu_gate_beside.log; exit $$rc ) \
-	  > bench/results/gates_beside.log 2>&1 & gate39=$$!; \
-	nice -n 15 $(MAKE) -s gpu-gate-triton36 GATE36_COVER=pairs \
-	  > bench/results/gate36_beside.log 2>&1 & gate36=$$!; \
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=10 $(SHARD1) \
-	  > bench/results/pytest_shard1.log 2>&1 & shard1=$$!; \
+	  cat bench/results/gpu_gate_beside.log; \
+	  [ $$rc -eq 0 ] && nice -n 10 $(MAKE) gpu-gate-triton36 GATE36_COVER=pairs ) \
+	  > bench/results/gates_beside.log 2>&1 & gates=$$!; \
 	MOE_COMM_GATE_BESIDE=bench/results/gpu_gate_beside \
-	  $(BIN)/python -m pytest -q --durations=25 $(addprefix --ignore=,$(SHARD1)); tests=$$?; \
-	wait $$shard1; tests1=$$?; cat bench/results/pytest_shard1.log; \
-	wait $$gate39; gated39=$$?; wait $$gate36; gated36=$$?; \
-	cat bench/results/gates_beside.log bench/results/gate36_beside.log; \
-	echo "make test: pytest exit $$tests1 (tests/shard1.txt) and $$tests (the other files)," \
-	  "Triton 3.9 gate exit $$gated39, Triton 3.6 gate exit $$gated36"; \
-	[ $$tests1 -eq 0 ] && [ $$tests -eq 0 ] && [ $$gated39 -eq 0 ] && [ $$gated36 -eq 0 ]
+	  $(BIN)/python -m pytest -q --durations=25; tests=$$?; \
+	wait $$gates; gated=$$?; cat bench/results/gates_beside.log; \
+	echo "make test: pytest exit $$tests, gates exit $$gated"; \
+	[ $$tests -eq 0 ] && [ $$gated -eq 0 ]
+
+$(STAMP_VLLM): setup.py pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV_VLLM)
+	$(VENV_VLLM)/bin/pip install -q "$(VLLM_TORCH_SPEC)" "$(VLLM_TRITON_SPEC)" numpy "pytest==9.2.0"
+	$(VENV_VLLM)/bin/pip install -q --no-deps "$(VLLM_SPEC)"
+	$(VENV_VLLM)/bin/pip install -q $(VLLM_IMPORT_DEPS)
+	$(VENV_VLLM)/bin/pip install -q --no-deps -e .
+	touch $(STAMP_VLLM)
+
+$(STAMP_SGLANG): setup.py pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV_SGLANG)
+	$(VENV_SGLANG)/bin/pip install -q "$(TORCH_SPEC)" "$(TRITON_SPEC)"
+	$(VENV_SGLANG)/bin/pip install -q -e ".[test,megatron,deepspeed]"
+	$(VENV_SGLANG)/bin/pip install -q --no-deps "$(SGLANG_SPEC)" $(SGLANG_IMPORT_DEPS)
+	touch $(STAMP_SGLANG)
+
+test-sglang: $(STAMP_SGLANG)  ## SGLang 0.5.21's DeepEP token dispatcher over moe_comm.deep_ep
+	$(VENV_SGLANG)/bin/python -m pytest -q tests/test_sglang.py
+
+test-vllm: $(STAMP_VLLM)  ## vLLM 0.33's DeepEP prepare/finalize over moe_comm.deep_ep (own venv)
+	$(VENV_VLLM)/bin/python -m pytest -q tests/test_vllm.py
+
+test-quick: $(STAMP)  ## the suite without the cases marked slow
+	$(BIN)/python -m pytest -q -m "not slow"
+
 mutants: $(STAMP)  ## one-line mutations of the product, each caught by its tests (not in test)
 	$(BIN)/python tests/mutants.py
 

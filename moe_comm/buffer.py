@@ -28,7 +28,7 @@ from . import _registry, env
 from .call_descriptor import PeerInputError, refusal, refusal_inputs
 from .channels import CHANNEL_NAMES, Channels
 from .error_record import INPUT_RECORD, TIMEOUT_RECORD, ErrorRecord
-from .fault import FaultTolerance, RankExcludedError, renormalized
+from .fault import FaultPolicy, RankExcludedError, reached, renormalized
 from .kernels import emulated_puts
 from .kernels.bound import BoundLaunches, call_bound, launch, specs
 from .kernels.comm import (
@@ -68,7 +68,7 @@ from .validation import (
     scale_code,
     sent_rows_check,
 )
-from .workspace import COMBINE
+from .workspace import COMBINE, DISPATCH
 
 # Buffer ids: strings unique across processes and runs, not only within one process. The
 # custom ops take the id, and their fake implementations take their shapes from its Buffer
@@ -119,7 +119,7 @@ def _check_same_config(configs: list[dict]) -> None:
                                  f"{configs[0][field]}; every rank must pass the same values")
 
 
-class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
+class Buffer(NormalMode, LowLatencyMode):
     """Expert-parallel dispatch/combine for one rank of ``group``.
 
     Collective constructor: every rank passes the same ``hidden``, ``num_experts``,
@@ -231,10 +231,10 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         self.backend = chosen
         self.transport = via
         if self.fault_tolerant:  # processes of this node: a dead one is excluded at once
-            self._peer_pids = {r: c["pid"] for r, c in enumerate(configs)
-                               if r != self.rank and r // nodes.ranks_per_node
-                               == self.rank // nodes.ranks_per_node
-                               and c["host"] == config["host"]}
+            self.fault.peer_pids = {r: c["pid"] for r, c in enumerate(configs)
+                                    if r != self.rank and r // nodes.ranks_per_node
+                                    == self.rank // nodes.ranks_per_node
+                                    and c["host"] == config["host"]}
 
     @classmethod
     def loopback(cls, world_size: int, hidden: int, num_experts: int, max_tokens_per_rank: int,
@@ -303,7 +303,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         self._kernel_impl_auto = kernel_impl == "auto"  # csrc/ leaves what it lacks to Triton
         self.errors = ErrorRecord(heap.device)
         self._error_words = self.errors.words
-        self._ft_setup(fault_tolerant or (flavour is not None and flavour.fault_tolerant))
+        self.fault_tolerant = bool(fault_tolerant or (flavour is not None
+                                                      and flavour.fault_tolerant))
         self.flavour = flavour or self._default_flavour(on_gpu)
         self._layout_scratch = layout_scratch(layout.max_tokens, heap.world_size, num_experts,
                                               self.flavour, heap.device, layout.max_topk)
@@ -353,6 +354,12 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         # a dispatch's one launch: its own two (its decisions, the epoch whose outputs it
         # filled) and the [rounds, R] sources of its rounds (row 0: round 0's send writes it)
         ft = self.fault_tolerant
+        self.fault = FaultPolicy(self.channels, self.flavour, proxy, enabled=ft,
+                                 timeout_s=self.timeout_s, launches=self.launches,
+                                 observe_through=self._checking_transport)
+        self._combine_live = None  # the last normal combine's arrived sources (None: all)
+        # calls in rounds: each round waits apart and knows its sources (moe_comm.normal_mode)
+        self._ft_rounds = ft and layout.rounds > 1
         self._ft_decided = torch.zeros(1, dtype=torch.int64, device=heap.device) if ft else None
         self._ft_dispatch_words = (torch.zeros(2, dtype=torch.int64, device=heap.device)
                                    if ft else None)
@@ -393,6 +400,61 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                        **common)
 
     # ----------------------------------------------------------------- public API
+    def active_ranks(self) -> torch.Tensor:
+        """bool [R] on the Buffer's device: True where the rank is active in this rank's view
+        (no synchronisation; on GPUs a device tensor). ``~active_ranks()`` is DeepEP's polarity."""
+        return self.fault.active_ranks()
+
+    @property
+    def exclusions(self) -> list[tuple[int, str, float]]:
+        """The ranks this rank excluded: ``(rank, channel, seconds waited)`` each."""
+        return self.fault.exclusions
+
+    def mask_rank(self, rank: int) -> None:
+        """Excludes ``rank`` on purpose (maintenance, a rank known to be bad), on every rank:
+        no call waits for it, sends to it or reads from it until ``clean_mask(readmit=True)``.
+        On ``rank`` itself calls then raise :class:`RankExcludedError`."""
+        self.fault.require("mask_rank")
+        if isinstance(rank, bool) or not isinstance(rank, int) \
+                or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")
+        self.fault.exclude(rank)
+
+    def clean_mask(self, readmit: bool = False) -> torch.Tensor:
+        """Collective over the live ranks; returns the agreed ``active_ranks()``.
+
+        Every participant announces itself on every rank and waits (bounded by the timeout)
+        for the ranks active in its view, or with ``readmit`` for every rank; a rank that does
+        not announce is excluded on every rank. ``readmit`` also takes back the ranks that
+        announce (excluded on purpose, or for being slow); a dead rank stays excluded. Two
+        rounds: a rank one participant excludes in the first is excluded on every participant
+        by the end of the second. Each participant's epochs move to the largest any reached, and
+        staging acknowledgements count as given, so all start the next call together. No call
+        may be in flight. (A rank that dies, or arrives at the very edge of the timeout, during
+        clean_mask itself can leave the views different: call it again.)"""
+        self.fault.require("clean_mask")
+        self._check_usable()
+        if any(self._ll_queue):
+            raise RuntimeError("clean_mask with a low-latency hook not yet called; call the "
+                               "hooks first")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # every earlier kernel (and store) is done
+        self._resync_epochs(self.fault.agree(readmit))
+        return self.active_ranks()
+
+    def _resync_epochs(self, agreed: list[int]) -> None:
+        """Every channel's epoch := the agreed one (host mirrors and device words), and the
+        low-latency acknowledgements as if every destination consumed every call so far."""
+        self.channels.epochs[:] = agreed[:2]
+        self.channels.epoch_words.copy_(torch.tensor(agreed[:2], dtype=torch.int64))
+        if self.layout.low_latency:
+            self.channels.ll_epochs[:] = agreed[2:]
+            acks = self.channels.region("ll_acks")
+            for channel, first in ((DISPATCH, 0), (COMBINE, 2)):
+                self._ll_state[first:first + 2] = agreed[2 + channel]
+                acks[channel].fill_(agreed[2 + channel])
+            self._ll_state[TIMED_OUT] = 0  # a readmitted rank's waits start afresh
+
     @property
     def dispatch_serial(self) -> int:
         """Number of forward dispatches completed; a handle is valid for combine while current."""
@@ -723,7 +785,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
                                  ep_invariant=self.ep_invariant)
             self._combine_inputs(y, handle, weights)
             if renormalize:
-                self._ft_require("renormalize=True")
+                self.fault.require("renormalize=True")
                 if handle.topk_weights is None:
                     raise ValueError("renormalize=True needs the dispatch's topk_weights")
         except (TypeError, ValueError) as error:
@@ -738,8 +800,9 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             if live.dim() == 2:  # rounds: token t summed in round t // ring_slots
                 window = torch.arange(idx.shape[0], device=self.device) // self.ring_slots
                 live = live[window]
-            reached = self._reached(idx, live) & (handle.slot_of.gather(1, owner) >= 0)
-            out = renormalized(out, idx, handle.topk_weights, reached)
+            arrived = (reached(idx, live, self.num_local_experts, self.num_experts)
+                       & (handle.slot_of.gather(1, owner) >= 0))
+            out = renormalized(out, idx, handle.topk_weights, arrived)
         return out
 
     def stats(self) -> dict[str, int]:
@@ -775,8 +838,8 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         _registry.unregister(self)
         self.channels.signal_words = None
         if self.proxy is not None:  # a healthy rank waits (bounded) for its peers to close too
-            excluded = [] if self._mask_words is None else \
-                np.flatnonzero(self._mask_words).tolist()
+            excluded = [] if self.fault.mask_words is None else \
+                np.flatnonzero(self.fault.mask_words).tolist()
             self.proxy.close(wait_for_peers=healthy, gone=excluded)
         emulated_puts.forget(self.heap.local.data_ptr())
         self.heap.close()
@@ -830,7 +893,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
             if self.errors.take_self_exclusion(self.rank):
                 if self._ll_state is not None:  # the low-latency kernels' device flag too
                     self._ll_state[TIMED_OUT] = 0
-                raise RankExcludedError(self.rank, int(self._mask[self.rank]) - 1)
+                raise RankExcludedError(self.rank, int(self.fault.mask[self.rank]) - 1)
         if self._failure is None and self.errors.timed_out():
             self._failure = f"a kernel's bounded wait timed out on the {channel} channel"
             if self.proxy is not None:  # a transport that failed is the cause: say so
@@ -859,7 +922,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
 
     def _start(self, channel: int) -> int:
         if self.fault_tolerant:
-            self._ft_check_self()
+            self.fault.check_self()
         self._check_usable()
         epochs = self.channels.epochs  # (inline: every phase of every op starts here)
         epochs[channel] += 1
@@ -881,7 +944,7 @@ class Buffer(NormalMode, LowLatencyMode, FaultTolerance):
         if not self.flavour.device_wait:
             words = self.channels.signal_words[pending.channel]
             if self.fault_tolerant:  # sources that stay silent are excluded, the call goes on
-                seconds = self._ft_wait(epochs_of(words, shift), pending.epoch, channel)
+                seconds = self.fault.wait(epochs_of(words, shift), pending.epoch, channel)
                 if None in seconds:
                     pending.live = torch.tensor([t is not None for t in seconds],
                                                 dtype=torch.int32, device=self.device)

@@ -1,6 +1,6 @@
 """Fault tolerance: the active-rank mask, and calls that complete on the survivors.
 
-A mixin of ``Buffer`` (built with ``fault_tolerant=True``)::
+``Buffer.fault`` (a :class:`FaultPolicy`; built with ``fault_tolerant=True``)::
 
     buf = moe_comm.Buffer(group, ..., fault_tolerant=True)
     res = buf.dispatch(x, topk_idx, w)     # a rank silent for timeout_s is excluded, the
@@ -87,9 +87,7 @@ import torch
 import triton
 
 from .kernels.comm import set_word_on_all_kernel, wait_for_live_epochs
-from .kernels.low_latency import TIMED_OUT
 from .symm.shm import pid_alive
-from .workspace import COMBINE, DISPATCH
 
 
 def renormalized(out: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -118,81 +116,50 @@ class RankExcludedError(RuntimeError):
             "its calls are refused until every live rank calls clean_mask(readmit=True)")
 
 
-class FaultTolerance:
-    def _ft_setup(self, fault_tolerant: bool) -> None:
-        self.fault_tolerant = bool(fault_tolerant)
-        self._mask = self.channels.region("ft_mask")
-        self._mask_words = self._mask.numpy() if self.heap.device.type == "cpu" else None
-        self._clean_serial = 0
-        self._combine_live = None  # the last normal combine's arrived sources (None: all)
-        # calls in rounds: each round waits apart and knows its sources (moe_comm.normal_mode)
-        self._ft_rounds = self.fault_tolerant and self.layout.rounds > 1
-        self._peer_pids: dict[int, int] = {}  # peers on this node: rank -> process id
+def reached(topk_idx: torch.Tensor, rank_contributed: torch.Tensor, num_local_experts: int,
+            num_experts: int) -> torch.Tensor:
+    """[T, K] bool: the choice is used and its expert's rank contributed (``rank_contributed``
+    [R] bool, or [T, R] bool: per token)."""
+    owner = (topk_idx.clamp(min=0) // num_local_experts).clamp(
+        max=rank_contributed.shape[-1] - 1)
+    contributed = (rank_contributed[owner] if rank_contributed.dim() == 1
+                   else rank_contributed.gather(1, owner))
+    return (topk_idx >= 0) & (topk_idx < num_experts) & contributed
+
+
+class FaultPolicy:
+    """What a Buffer does about silent ranks: the exclusion mask in its workspace (``mask``
+    [R] int64 over ``ft_mask``; ``mask_words`` the same as numpy on CPU ranks, None on GPUs),
+    host waits that exclude a peer silent for the timeout (:meth:`wait`), and the two rounds by
+    which the live ranks agree on the mask and the epochs (:meth:`agree`, ``clean_mask``'s).
+    ``enabled``: the Buffer was built with ``fault_tolerant=True`` (else only :meth:`require`
+    and :meth:`active_ranks` are called). ``observe_through(observe)``: ``observe`` as a host
+    wait calls it (through the proxy: a transport failure raises first). ``launches``: the
+    Buffer's launch counts (an exclusion is one launch)."""
+
+    def __init__(self, channels, flavour, proxy, *, enabled: bool, timeout_s: float,
+                 launches, observe_through):
+        self.channels, self.flavour, self.proxy = channels, flavour, proxy
+        self.heap, self.layout = channels.heap, channels.layout
+        self.rank, self.world_size = channels.heap.rank, channels.heap.world_size
+        self.enabled, self.timeout_s = bool(enabled), timeout_s
+        self.launches, self._observe_through = launches, observe_through
+        self.mask = channels.region("ft_mask")
+        self.mask_words = self.mask.numpy() if self.heap.device.type == "cpu" else None
+        self.clean_serial = 0
+        self.peer_pids: dict[int, int] = {}  # peers on this node: rank -> process id
         self._pids_checked = 0.0
         self.exclusions: list[tuple[int, str, float]] = []  # (rank, channel, seconds waited)
 
-    def _ft_require(self, what: str) -> None:
-        if not self.fault_tolerant:
+    def require(self, what: str) -> None:
+        if not self.enabled:
             raise RuntimeError(f"{what} needs a Buffer built with fault_tolerant=True")
 
-    # ----------------------------------------------------------------- public API
     def active_ranks(self) -> torch.Tensor:
-        """bool [R] on the Buffer's device: True where the rank is active in this rank's view
-        (no synchronisation; on GPUs a device tensor). ``~active_ranks()`` is DeepEP's polarity."""
-        return self._mask == 0
+        """bool [R]: True where the rank is active in this rank's view."""
+        return self.mask == 0
 
-    def mask_rank(self, rank: int) -> None:
-        """Excludes ``rank`` on purpose (maintenance, a rank known to be bad), on every rank:
-        no call waits for it, sends to it or reads from it until ``clean_mask(readmit=True)``.
-        On ``rank`` itself calls then raise :class:`RankExcludedError`."""
-        self._ft_require("mask_rank")
-        if isinstance(rank, bool) or not isinstance(rank, int) \
-                or not 0 <= rank < self.world_size:
-            raise ValueError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")
-        self._exclude(rank)
-
-    def clean_mask(self, readmit: bool = False) -> torch.Tensor:
-        """Collective over the live ranks; returns the agreed ``active_ranks()``.
-
-        Every participant announces itself on every rank and waits (bounded by the timeout)
-        for the ranks active in its view, or with ``readmit`` for every rank; a rank that does
-        not announce is excluded on every rank. ``readmit`` also takes back the ranks that
-        announce (excluded on purpose, or for being slow); a dead rank stays excluded. Two
-        rounds: a rank one participant excludes in the first is excluded on every participant
-        by the end of the second. Each participant's epochs move to the largest any reached, and
-        staging acknowledgements count as given, so all start the next call together. No call
-        may be in flight. (A rank that dies, or arrives at the very edge of the timeout, during
-        clean_mask itself can leave the views different: call it again.)"""
-        self._ft_require("clean_mask")
-        self._check_usable()
-        if any(self._ll_queue):
-            raise RuntimeError("clean_mask with a low-latency hook not yet called; call the "
-                               "hooks first")
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # every earlier kernel (and store) is done
-        # the serial every participant agrees on: one past the last clean any rank finished
-        # (its second round's words reach every rank, excluded ones too)
-        done = self.channels.region("ft_clean")[1]
-        self._clean_serial = max(self._clean_serial, int(done.max())) + 1
-        serial, me, R = self._clean_serial, self.rank, self.world_size
-        if readmit:
-            self._mask.zero_()  # this rank's view; the rounds exclude who does not come
-        for j, epoch in enumerate([*self.channels.epochs, *self.channels.ll_epochs]):
-            self._set_on_all(self.layout.offset("ft_epochs", me, j), 0, epoch)
-        joined = self._clean_round(0, serial, list(range(R)) if readmit else None)
-        joined = self._clean_round(1, serial, [s for s in range(R) if joined[s]])
-        if readmit:  # a mark another rank set before its own clean_mask may have landed here
-            for s in range(R):  # after this one began: every rank that came is taken back
-                if joined[s]:
-                    self._mask[s] = 0
-        table = self.channels.region("ft_epochs").cpu()
-        active = (self._mask == 0).cpu()
-        agreed = table[torch.tensor(joined) & active].amax(0).tolist()
-        self._resync_epochs(agreed)
-        return self.active_ranks()
-
-    # ----------------------------------------------------------------- protocol helpers
-    def _set_on_all(self, word_off: int, index: int, value: int) -> None:
+    def set_on_all(self, word_off: int, index: int, value: int) -> None:
         """Word ``index`` of the int64 array at ``word_off`` := ``value`` on every rank (through
         the proxy on other nodes: raised to at least ``value``)."""
         set_word_on_all_kernel[(1,)](self.heap.peer_ptrs, word_off, index, value,
@@ -202,21 +169,21 @@ class FaultTolerance:
         if self.proxy is not None:
             self.proxy.notify(self.proxy.peers, word_off + 8 * index, value)
 
-    def _exclude(self, peer: int) -> None:
+    def exclude(self, peer: int) -> None:
         """Word ``peer`` of every rank's mask := this rank + 1 (one small launch)."""
-        self._set_on_all(self.layout["ft_mask"].offset, peer, self.rank + 1)
+        self.set_on_all(self.layout["ft_mask"].offset, peer, self.rank + 1)
         self.launches["exclude"] += 1
 
-    def _ft_check_self(self) -> None:
+    def check_self(self) -> None:
         """Raises RankExcludedError if this rank is excluded (CPU ranks read the word from
         host memory; on GPUs the kernels check it and write nothing)."""
-        if self.fault_tolerant and self._mask_words is not None:
-            by = int(self._mask_words[self.rank])
+        if self.enabled and self.mask_words is not None:
+            by = int(self.mask_words[self.rank])
             if by:
                 raise RankExcludedError(self.rank, by - 1)
 
-    def _ft_wait(self, observe, expected: int, channel: str,
-                 peers: list[int] | None = None) -> list[float | None]:
+    def wait(self, observe, expected: int, channel: str,
+             peers: list[int] | None = None) -> list[float | None]:
         """Host wait of a fault-tolerant Buffer: ``observe()[i]`` (published for rank
         ``peers[i]``, default i) reaches ``expected`` or that rank is excluded; ranks silent
         for the timeout are excluded on every rank. Returns the seconds each took, None for
@@ -225,22 +192,22 @@ class FaultTolerance:
         may belong to calls the others made without it)."""
         peers = list(range(self.world_size)) if peers is None else peers
         index = np.asarray(peers)
-        words = self._mask_words
+        words = self.mask_words
 
         def excluded():
             self._exclude_dead_processes(channel)
             return words[index] != 0
 
         seconds, behind = wait_for_live_epochs(
-            self._checking_transport(observe), expected, excluded, timeout_s=self.timeout_s)
-        self._ft_check_self()  # excluded meanwhile: what arrived may be a later call's
+            self._observe_through(observe), expected, excluded, timeout_s=self.timeout_s)
+        self.check_self()  # excluded meanwhile: what arrived may be a later call's
         if behind:
             for i in behind:
                 warnings.warn(f"moe_comm rank {self.rank}: rank {peers[i]} was silent for "
                               f"{self.timeout_s:g} s on the {channel} channel (expected epoch "
                               f">= {expected}); it is excluded and the call goes on without it",
                               RuntimeWarning, stacklevel=3)
-                self._exclude(peers[i])
+                self.exclude(peers[i])
                 self.exclusions.append((peers[i], channel, self.timeout_s))
         return seconds
 
@@ -249,54 +216,58 @@ class FaultTolerance:
         without waiting for the timeout (checked at most every 20 ms; a live but silent peer
         still takes the timeout)."""
         now = time.monotonic()
-        if not self._peer_pids or now - self._pids_checked < 0.02:
+        if not self.peer_pids or now - self._pids_checked < 0.02:
             return
         self._pids_checked = now
-        for peer, pid in self._peer_pids.items():
-            if self._mask_words[peer] == 0 and not pid_alive(pid):
+        for peer, pid in self.peer_pids.items():
+            if self.mask_words[peer] == 0 and not pid_alive(pid):
                 warnings.warn(f"moe_comm rank {self.rank}: the process of rank {peer} (pid "
                               f"{pid}) has ended; it is excluded and the call goes on without "
                               "it", RuntimeWarning, stacklevel=4)
-                self._exclude(peer)
+                self.exclude(peer)
                 self.exclusions.append((peer, channel, 0.0))
 
-    def _reached(self, topk_idx: torch.Tensor, rank_contributed: torch.Tensor) -> torch.Tensor:
-        """[T, K] bool: the choice is used and its expert rank contributed
-        (``rank_contributed`` [R] bool, or [T, R] bool: per token)."""
-        owner = (topk_idx.clamp(min=0) // self.num_local_experts).clamp(max=self.world_size - 1)
-        contributed = (rank_contributed[owner] if rank_contributed.dim() == 1
-                       else rank_contributed.gather(1, owner))
-        return (topk_idx >= 0) & (topk_idx < self.num_experts) & contributed
+    def agree(self, readmit: bool) -> list[int]:
+        """``clean_mask``'s collective (no call in flight, every earlier kernel done): every
+        participant announces itself and its epochs on every rank, two bounded rounds decide
+        who came (``readmit``: every rank is waited for and those that come are taken back);
+        returns the largest epoch of each channel (normal dispatch, combine, then the
+        low-latency ones) over the ranks that came and are active."""
+        # the serial every participant agrees on: one past the last clean any rank finished
+        # (its second round's words reach every rank, excluded ones too)
+        done = self.channels.region("ft_clean")[1]
+        self.clean_serial = max(self.clean_serial, int(done.max())) + 1
+        serial, me, R = self.clean_serial, self.rank, self.world_size
+        if readmit:
+            self.mask.zero_()  # this rank's view; the rounds exclude who does not come
+        for j, epoch in enumerate([*self.channels.epochs, *self.channels.ll_epochs]):
+            self.set_on_all(self.layout.offset("ft_epochs", me, j), 0, epoch)
+        joined = self._clean_round(0, serial, list(range(R)) if readmit else None)
+        joined = self._clean_round(1, serial, [s for s in range(R) if joined[s]])
+        if readmit:  # a mark another rank set before its own clean_mask may have landed here
+            for s in range(R):  # after this one began: every rank that came is taken back
+                if joined[s]:
+                    self.mask[s] = 0
+        table = self.channels.region("ft_epochs").cpu()
+        active = (self.mask == 0).cpu()
+        return table[torch.tensor(joined) & active].amax(0).tolist()
 
     def _clean_round(self, i: int, serial: int, waited: list[int] | None) -> list[bool]:
         """Announces ``serial`` in ``ft_clean[i]`` on every rank and waits (bounded) for
         ``waited`` (default: the ranks active in this rank's view); excludes on every rank
         those that do not come. Returns who came."""
         R = self.world_size
-        self._set_on_all(self.layout.offset("ft_clean", i), self.rank, serial)
+        self.set_on_all(self.layout.offset("ft_clean", i), self.rank, serial)
         if waited is None:
-            waited = [s for s in range(R) if int(self._mask[s]) == 0]
+            waited = [s for s in range(R) if int(self.mask[s]) == 0]
         words = self.channels.region("ft_clean")[i]
         seconds, behind = wait_for_live_epochs(
             lambda: words[waited].tolist(), serial, None,
             timeout_s=self.timeout_s)
         for j in behind:
-            self._exclude(waited[j])
+            self.exclude(waited[j])
         joined = [False] * R
         for s, t in zip(waited, seconds):
             joined[s] = t is not None
         joined[self.rank] = True
         return joined
-
-    def _resync_epochs(self, agreed: list[int]) -> None:
-        """Every channel's epoch := the agreed one (host mirrors and device words), and the
-        low-latency acknowledgements as if every destination consumed every call so far."""
-        self.channels.epochs[:] = agreed[:2]
-        self.channels.epoch_words.copy_(torch.tensor(agreed[:2], dtype=torch.int64))
-        if self.layout.low_latency:
-            self.channels.ll_epochs[:] = agreed[2:]
-            acks = self.channels.region("ll_acks")
-            for channel, first in ((DISPATCH, 0), (COMBINE, 2)):
-                self._ll_state[first:first + 2] = agreed[2 + channel]
-                acks[channel].fill_(agreed[2 + channel])
-            self._ll_state[TIMED_OUT] = 0  # a readmitted rank's waits start afresh

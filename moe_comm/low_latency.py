@@ -39,7 +39,7 @@ from .call_descriptor import (
     refusal,
     refusal_inputs,
 )
-from .fault import renormalized
+from .fault import reached, renormalized
 from .kernels.comm import EPOCH_SHIFT, epochs_of, wait_for_epochs
 from .kernels.layout import checked_topk_idx
 from .kernels.low_latency import (
@@ -321,13 +321,13 @@ class LowLatencyMode:
     def _ll_begin(self, channel: int, what: str) -> int:
         """Epoch of a new send; waits until every destination consumed this parity's last call."""
         if self.fault_tolerant:
-            self._ft_check_self()
+            self.fault.check_self()
         self.channels.ll_epochs[channel] += 1
         epoch = self.channels.ll_epochs[channel]
         if not self.flavour.device_wait:  # GPUs wait in the send kernel itself
             acks = self.channels.region("ll_acks")[channel, epoch % 2].numpy()
             if self.fault_tolerant:
-                self._ft_wait(acks.tolist, epoch - IN_FLIGHT, f"low-latency {what} (staging "
+                self.fault.wait(acks.tolist, epoch - IN_FLIGHT, f"low-latency {what} (staging "
                               "reuse)")
                 return epoch
             wait_for_epochs(self._checking_transport(acks.tolist), epoch - IN_FLIGHT,
@@ -521,7 +521,7 @@ class LowLatencyMode:
                 return (words >> 32).min(axis=0).tolist()
 
             if self.fault_tolerant:  # a source that stays silent is excluded (counts 0)
-                recv.source_wait_s = self._ft_wait(observed, epoch, "low-latency dispatch")
+                recv.source_wait_s = self.fault.wait(observed, epoch, "low-latency dispatch")
             else:
                 recv.source_wait_s = wait_for_epochs(
                     self._checking_transport(observed), epoch, timeout_s=self.timeout_s,
@@ -583,7 +583,7 @@ class LowLatencyMode:
                 raise ValueError("kernel_impl='cuda' combines in the Buffer's dtype only; an "
                                  "FP8 combine runs on the Triton kernels")
             if renormalize:
-                self._ft_require("renormalize=True")
+                self.fault.require("renormalize=True")
                 if topk_weights is None:
                     raise ValueError("renormalize=True needs topk_weights")
             L, rows = self.num_local_experts, self.world_size * self.max_tokens_per_rank
@@ -682,8 +682,9 @@ class LowLatencyMode:
             self._ll_combine_recv(epoch, topk_idx, topk_weights, out, fp8, impl)
             if renormalize:  # the expert ranks whose rows of this call arrived
                 signals = self.channels.region("ll_combine_signals")[epoch % 2]
-                reached = self._reached(topk_idx, (signals >> EPOCH_SHIFT.value) >= epoch)
-                out.copy_(renormalized(out, topk_idx, topk_weights, reached))
+                arrived = reached(topk_idx, (signals >> EPOCH_SHIFT.value) >= epoch,
+                                  self.num_local_experts, self.num_experts)
+                out.copy_(renormalized(out, topk_idx, topk_weights, arrived))
             return out
 
         return out, _Hook(self, COMBINE, epoch, receive)
@@ -695,7 +696,7 @@ class LowLatencyMode:
             observed = epochs_of(self.channels.region("ll_combine_signals")[epoch % 2].numpy(),
                                  EPOCH_SHIFT.value)
             if self.fault_tolerant:  # an expert rank that stays silent is excluded
-                self._ft_wait(observed, epoch, "low-latency combine")
+                self.fault.wait(observed, epoch, "low-latency combine")
             else:
                 wait_for_epochs(self._checking_transport(observed), epoch,
                                 timeout_s=self.timeout_s, rank=self.rank,

@@ -191,7 +191,7 @@ def low_latency_with_failures(rank, world_size, case: Case, kills: dict, calls: 
     with kernel_waits(in_kernels):
         buf = new_ll_buffer(case, fault_tolerant=True, timeout_s=timeout_s, **buffer_kwargs)
     if by_timeout:
-        buf._peer_pids = {}
+        buf.fault.peer_pids = {}
     return ll_calls(rank, case, buf, kills, calls, fp8, renormalize)
 
 

@@ -111,7 +111,7 @@ def test_layout_sends_nothing_to_or_from_an_excluded_rank(survivors_in_kernels):
     bufs[0].mask_rank(DEAD)
     dead = bufs[DEAD]   # as on a GPU: waits in the kernels, the host does not read the mask
     dead.flavour = dataclasses.replace(dead.flavour, device_wait=True)
-    dead._mask_words = None
+    dead.fault.mask_words = None
     live = [r for r in range(CASE.world_size) if r != DEAD]
     into_dead = [_fill(bufs[DEAD], "dispatch_rows", s) for s in live]
     from_dead = [_fill(bufs[r], "dispatch_rows", DEAD) for r in live]

@@ -464,7 +464,7 @@ def record_config(cfg: GateConfig, arch: int) -> dict[str, Variant]:
         with recording(arch) as launches:
             (drive_low_latency if low_latency else drive_normal)(bufs, cfg, dtype)
             if flags[1:] == [True] and not low_latency:  # what a host excludes a peer with
-                bufs[0]._exclude(1)
+                bufs[0].fault.exclude(1)
         if not low_latency and not transport:
             with recording(arch) as standalone:
                 drive_quantize(cfg, dtype)

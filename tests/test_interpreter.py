@@ -108,3 +108,29 @@ def test_the_dtype_memo_gives_the_interpreters_answers():
     for lookup in (real, memo):
         with pytest.raises(KeyError):
             lookup(tl.void)
+
+
+def test_block_types_are_made_once_per_value_in_a_launch():
+    """Inside a launch the builder's and ``with_element_ty``'s block types are one object per
+    (element type, shape), equal to what Triton makes; pointers differ by element, address
+    space and constness; outside a launch ``with_element_ty`` makes a new one as before."""
+    builder = _interp.InterpreterBuilder()
+    kinds = [tl.float32, tl.bfloat16, tl.int32, tl.pointer_type(tl.float32),
+             tl.pointer_type(tl.float32, 1), tl.pointer_type(tl.float32, const=True),
+             tl.pointer_type(tl.pointer_type(tl.int8))]
+    made = {}
+    for i, kind in enumerate(kinds):
+        for shape in ([4], [4, 8], [8, 4]):
+            ty = builder.get_block_ty(kind, shape)
+            assert ty == core.block_type(kind, shape) and ty is builder.get_block_ty(kind, shape)
+            made[(i, tuple(shape))] = ty
+    assert len({id(t) for t in made.values()}) == len(made)  # distinct values, distinct types
+    base = core.block_type(tl.int8, [4, 8])
+    interpreter._launch.langs = frozenset()
+    try:
+        for i, kind in enumerate(kinds):
+            assert base.with_element_ty(kind) is made[(i, (4, 8))]
+    finally:
+        interpreter._launch.langs = None
+    fresh = base.with_element_ty(tl.float32)
+    assert fresh == made[(0, (4, 8))] and fresh is not made[(0, (4, 8))]

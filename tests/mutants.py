@@ -614,6 +614,23 @@ MUTANTS = (
            "a helper call inside a launch does not patch triton.language again",
            "kernels/interpreter.py", "if langs is None or not needed <= langs:", "if True:",
            ("tests/test_interpreter.py::test_one_patch_per_launch_and_the_same_results",)),
+    Mutant("block_type_memo_ignores_pointer_kind",
+           "a launch's block types are one per value: pointers differ by space and constness",
+           "kernels/interpreter.py",
+           'return ("pointer", _type_key(ty.element_ty), ty.address_space, ty.const)',
+           'return ("pointer", _type_key(ty.element_ty))',
+           ("tests/test_interpreter.py::test_block_types_are_made_once_per_value_in_a_launch",)),
+    Mutant("low_latency_combine_ignores_out", "low_latency_combine(out=) writes the caller's out",
+           "moe_comm/low_latency.py", "handle, renormalize, fp8, impl, out=out)",
+           "handle, renormalize, fp8, impl, out=None)",
+           ("tests/test_low_latency.py::test_combine_writes_into_the_callers_out",)),
+    Mutant("pairwise_cover_holds_single_values_only",
+           "make test's Triton 3.6 gate compiles every pair of values that meet at run time",
+           "moe_comm/testing/gate.py",
+           "return {(a, b) for i, a in enumerate(words) for b in words[i:]}",
+           "return {(a, a) for a in words}",
+           ("tests/test_gate.py::test_the_pairwise_cover_holds_every_pair_a_kernel_runs_"
+            "and_the_op_targets",)),
 )
 
 

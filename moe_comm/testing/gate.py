@@ -576,6 +576,33 @@ def _compile_job(job):
     return inspect_launch(launch, arch, config, variant, analysis)
 
 
+def _source_file(v: Variant) -> str:
+    """The file name of the module ``v``'s kernel is defined in."""
+    return os.path.basename(inspect.getsourcefile(v.launch.kernel.fn))
+
+
+def _jobs(variants, archs, brief_archs, brief: set) -> list[tuple]:
+    """The compile jobs of ``variants``: each for every arch of ``archs``, and for
+    ``brief_archs`` too where its id is in ``brief``."""
+    work = []
+    for v in variants:
+        launch = v.launch
+        for arch in [*archs, *(brief_archs if id(v) in brief else ())]:
+            work.append((launch.kernel.fn.__module__, launch.name, launch.signature,
+                         launch.constexprs, launch.attrs, launch.options, launch.key, arch,
+                         "+".join(v.configs), _variant_text(launch, v.dtype), v.analysis()))
+    return work
+
+
+def _compile_jobs(work: list[tuple], jobs: int) -> list:
+    """:func:`_compile_job` of each job, on ``jobs`` processes."""
+    if jobs > 1 and len(work) > 1:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+            return list(pool.map(_compile_job, work))
+    return [_compile_job(job) for job in work]
+
+
 def _brief(v: Variant) -> bool:
     """Whether a ``--brief-arch`` may compile ``v``: a bf16 variant of the DeepSeek-V3 sizes
     that links no NVSHMEM (the other dtypes change only how rows are loaded and are read at
@@ -656,10 +683,10 @@ def run(archs, jobs: int, out: str, configs=CONFIGS, brief_archs=(), cover: str 
     recorded = time.perf_counter() - start
     problems = [v for k, v in variants.items() if k.startswith("problem:")]
     todo = [v for k, v in variants.items() if not k.startswith("problem:")]
-    recorded_count = len(todo)
+    recorded_all = todo
     if cover == "pairs":
         todo = pairwise_cover(todo)
-    print(f"gate: {recorded_count} variants recorded in {recorded:.1f} s; compiling "
+    print(f"gate: {len(recorded_all)} variants recorded in {recorded:.1f} s; compiling "
           + ("them" if cover == "all" else f"a pairwise cover of them, {len(todo)},")
           + " for "
           f"sm_{', sm_'.join(map(str, archs))}"
@@ -670,27 +697,35 @@ def run(archs, jobs: int, out: str, configs=CONFIGS, brief_archs=(), cover: str 
     sources = [os.path.join(kernel_dir, f) for f in sorted(os.listdir(kernel_dir))
                if f.endswith(".py")]
     marker_problems = [p for path in sources for p in check_markers(path)]
-    if any(v.launch.uses_nvshmem for v in todo):  # built once here, not in every worker
+    if any(v.launch.uses_nvshmem for v in recorded_all):  # built once, not in every worker
         from ..kernels.nvshmem_slim import slim_bitcode
 
         for arch in archs:
             slim_bitcode(arch)
-    work = []
     brief = brief_variants(todo)
-    for v in todo:
-        launch = v.launch
-        for arch in [*archs, *(brief_archs if id(v) in brief else ())]:
-            work.append((launch.kernel.fn.__module__, launch.name, launch.signature,
-                         launch.constexprs, launch.attrs, launch.options, launch.key, arch,
-                         "+".join(v.configs), _variant_text(launch, v.dtype), v.analysis()))
-    if jobs > 1:
-        ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-            facts = list(pool.map(_compile_job, work))
-    else:
-        facts = [_compile_job(job) for job in work]
-    marker_problems += unemitted_markers([m for f in facts if not f.error
-                                          for m in f.markers_emitted], sources)
+    work = _jobs(todo, archs, brief_archs, brief)
+    facts = _compile_jobs(work, jobs)
+
+    def unemitted():
+        return unemitted_markers([m for f in facts if not f.error
+                                  for m in f.markers_emitted], sources)
+
+    missing = unemitted()
+    if missing and len(todo) < len(recorded_all):
+        # a cover may leave out the one combination of flags that reaches a marked line: the
+        # other variants of the kernels of the markers' files, then every other variant
+        files = {m.split(":", 1)[0] for m in missing}
+        for wanted in (lambda v: _source_file(v) in files, lambda v: True):
+            chosen = {id(v) for v in todo}
+            rest = [v for v in recorded_all if id(v) not in chosen and wanted(v)]
+            if not missing or not rest:
+                continue
+            print(f"gate: {len(missing)} markers emitted by no variant of the cover; compiling "
+                  f"{len(rest)} more variants", flush=True)
+            more = _jobs(rest, archs, (), set())
+            work, facts, todo = work + more, facts + _compile_jobs(more, jobs), todo + rest
+            missing = unemitted()
+    marker_problems += missing
     by_key = {v.launch.key: v for v in todo}
     rows, failed = [], 0
     for job, f in zip(work, facts):

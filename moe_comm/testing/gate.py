@@ -1,7 +1,7 @@
 """The static gate: every kernel as the Buffer launches it on a GPU, compiled and read.
 
     python -m moe_comm.testing.gate [--arch 90 100] [--brief-arch 100] [--jobs N] [--out TSV]
-                                    [--list]
+                                    [--cover all|pairs] [--list]
                             [--schedules]
 
 Virtual ranks on the ``meta`` device (no memory, no GPU) drive the public ops with the GPU
@@ -664,9 +664,11 @@ def pairwise_cover(variants) -> list:
 
 
 def run(archs, jobs: int, out: str, configs=CONFIGS, brief_archs=(), cover: str = "all") -> int:
-    """Records, compiles every variant (``cover="pairs"``: the :func:`pairwise_cover`) for
-    each of ``archs`` and the :func:`brief_variants` for ``brief_archs``, reads, prints;
-    returns the exit status."""
+    """Records, compiles every variant (``cover="pairs"``: the :func:`pairwise_cover`, and
+    where a ``# gate:`` marker is then emitted by no compiled variant, the other variants of
+    the kernels of its file, then every other one while one is still missing) for each of
+    ``archs`` and the :func:`brief_variants` for ``brief_archs``, reads, prints; returns the
+    exit status."""
     from ..kernels.compiled import check_markers, unemitted_markers, violations
     from ..kernels.recording import post_compile_hook_finds_the_kernel
 

@@ -327,8 +327,8 @@ class LowLatencyMode:
         if not self.flavour.device_wait:  # GPUs wait in the send kernel itself
             acks = self.channels.region("ll_acks")[channel, epoch % 2].numpy()
             if self.fault_tolerant:
-                self.fault.wait(acks.tolist, epoch - IN_FLIGHT, f"low-latency {what} (staging "
-                              "reuse)")
+                self.fault.wait(acks.tolist, epoch - IN_FLIGHT,
+                                f"low-latency {what} (staging reuse)")
                 return epoch
             wait_for_epochs(self._checking_transport(acks.tolist), epoch - IN_FLIGHT,
                             timeout_s=self.timeout_s, rank=self.rank,

@@ -648,18 +648,19 @@ def pairwise_cover(variants) -> list:
     by_kernel: dict[str, list] = {}
     for v in variants:
         by_kernel.setdefault(v.launch.name, []).append(v)
+    held_by = {id(v): pairs(v) for v in variants}  # (each variant's pairs, made once)
     chosen = set()
     for group in by_kernel.values():
         held = set()
         for v in group:
             if op_target(v):
                 chosen.add(id(v))
-                held |= pairs(v)
-        wanted = set().union(*map(pairs, group)) - held
+                held |= held_by[id(v)]
+        wanted = set().union(*(held_by[id(v)] for v in group)) - held
         while wanted:
-            best = max(group, key=lambda v: len(pairs(v) & wanted))
+            best = max(group, key=lambda v: len(held_by[id(v)] & wanted))
             chosen.add(id(best))
-            wanted -= pairs(best)
+            wanted -= held_by[id(best)]
     return [v for v in variants if id(v) in chosen]
 
 

@@ -7,15 +7,16 @@ import inspect
 from .fault import RankExcludedError
 
 
-def _failed(buf, what: str, error: BaseException) -> None:
-    """Marks ``buf`` failed by ``error``, unless the rank was cut off (``clean_mask`` takes it
-    back)."""
+def _failed(owner, what: str, error: BaseException) -> None:
+    """Marks the Buffer of ``owner`` (the Buffer, or one of its engines) failed by ``error``,
+    unless the rank was cut off (``clean_mask`` takes it back)."""
     if not isinstance(error, RankExcludedError):
-        buf._failure = f"an earlier {what} failed ({error})"
+        owner._mark_failed(f"an earlier {what} failed ({error})")
 
 
 def poisons_buffer_on_error(what: str):
-    """Decorates a Buffer phase method: any exception marks the Buffer failed, then re-raises;
+    """Decorates a phase method of a Buffer or of its engines (``self._check_usable()`` and
+    ``self._mark_failed(reason)``): any exception marks the Buffer failed, then re-raises;
     except RankExcludedError. A phase written as a generator of steps (a normal-mode receive
     that runs its call's rounds: ``moe_comm.normal_mode``) is guarded over all its steps."""
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import os
 import secrets
@@ -42,10 +43,10 @@ from .kernels.comm import (
     wait_relayed_epochs_kernel,
 )
 from .kernels.layout import layout_scratch
-from .kernels.low_latency import TIMED_OUT
 from .kernels.nvshmem import device_bitcode, install_module_init_hook
 from .kernels.tiles import tiles
-from .low_latency import LL_REGIONS, LowLatencyMode
+from .low_latency import LowLatencyEngine
+from .low_latency import workspace_bytes as ll_workspace_bytes
 from .microscale import swizzle_128x4
 from .nodes import NEVER, Nodes, internode_peers, never_signalled, plan_values, signal_labels
 from .normal_mode import NormalMode, PendingSend
@@ -68,7 +69,7 @@ from .validation import (
     scale_code,
     sent_rows_check,
 )
-from .workspace import COMBINE, DISPATCH
+from .workspace import COMBINE
 
 # Buffer ids: strings unique across processes and runs, not only within one process. The
 # custom ops take the id, and their fake implementations take their shapes from its Buffer
@@ -119,7 +120,7 @@ def _check_same_config(configs: list[dict]) -> None:
                                  f"{configs[0][field]}; every rank must pass the same values")
 
 
-class Buffer(NormalMode, LowLatencyMode):
+class Buffer(NormalMode):
     """Expert-parallel dispatch/combine for one rank of ``group``.
 
     Collective constructor: every rank passes the same ``hidden``, ``num_experts``,
@@ -331,21 +332,8 @@ class Buffer(NormalMode, LowLatencyMode):
                                       device=heap.device)
             for region, index in never_signalled(layout, heap.rank):
                 layout.view(heap, region)[index] = NEVER  # waits see them arrived
-        self._ll_queue = ([], [])  # hooks of each channel whose receive has not run, in order
-        self._ll_op_pending = {}  # the same through moe_comm.ll_ops: (channel, serial) -> entry
-        self._ll_outputs = [None, None]  # per parity: a dispatch's outputs to reuse, see there
         self._combine_refusal = 0  # a refused combine's descriptor while it takes part (else 0)
         self._last_handle = None  # the latest dispatch's handle (a refused combine's)
-        self._ll_state = layout.view(heap, "ll_state") if layout.low_latency else None
-        if layout.low_latency:
-            for name in LL_REGIONS:
-                if name in layout.regions:  # (the combine outboxes: across nodes only)
-                    self.channels.region(name)
-        if layout.low_latency and layout.proxy:  # the proxy copies pair meta words from here
-            T, K = layout.max_tokens, layout.max_topk
-            table = (torch.arange(T, device=heap.device)[:, None] * 32
-                     + torch.arange(K, device=heap.device)[None, :])
-            layout.view(heap, "ll_meta_table").copy_(table.to(torch.int32))
         self.own_process = own_process
         # per format, whether a call's rounds run in one launch per op (decided once)
         self.plan = plan.with_one_launch(self.flavour, own_process, proxy is not None,
@@ -357,6 +345,11 @@ class Buffer(NormalMode, LowLatencyMode):
         self.fault = FaultPolicy(self.channels, self.flavour, proxy, enabled=ft,
                                  timeout_s=self.timeout_s, launches=self.launches,
                                  observe_through=self._checking_transport)
+        self.ll_engine = LowLatencyEngine(
+            self, stats=self._stats, bound=self._bound, kernel_impl_auto=self._kernel_impl_auto,
+            checked=self._checked, check_usable=self._check_usable,
+            checking_transport=self._checking_transport, mark_failed=self._mark_failed,
+            refusal_inputs=functools.partial(refusal_inputs, self))
         self._combine_live = None  # the last normal combine's arrived sources (None: all)
         # calls in rounds: each round waits apart and knows its sources (moe_comm.normal_mode)
         self._ft_rounds = ft and layout.rounds > 1
@@ -434,7 +427,7 @@ class Buffer(NormalMode, LowLatencyMode):
         clean_mask itself can leave the views different: call it again.)"""
         self.fault.require("clean_mask")
         self._check_usable()
-        if any(self._ll_queue):
+        if any(self.ll_engine.queue):
             raise RuntimeError("clean_mask with a low-latency hook not yet called; call the "
                                "hooks first")
         if self.device.type == "cuda":
@@ -447,13 +440,42 @@ class Buffer(NormalMode, LowLatencyMode):
         low-latency acknowledgements as if every destination consumed every call so far."""
         self.channels.epochs[:] = agreed[:2]
         self.channels.epoch_words.copy_(torch.tensor(agreed[:2], dtype=torch.int64))
-        if self.layout.low_latency:
-            self.channels.ll_epochs[:] = agreed[2:]
-            acks = self.channels.region("ll_acks")
-            for channel, first in ((DISPATCH, 0), (COMBINE, 2)):
-                self._ll_state[first:first + 2] = agreed[2 + channel]
-                acks[channel].fill_(agreed[2 + channel])
-            self._ll_state[TIMED_OUT] = 0  # a readmitted rank's waits start afresh
+        if self.layout.low_latency:  # (a readmitted rank's waits start afresh)
+            self.ll_engine.resync(agreed)
+
+    # ----------------------------------------------------------------- low-latency mode
+    def low_latency_dispatch(self, x, topk_idx: torch.Tensor, *, fp8: bool | None = None,
+                             ue8m0: bool = False, col_major_scales: bool = False,
+                             cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                             return_hook: bool = False, dispatch_dtype: str | None = None,
+                             global_scale: torch.Tensor | None = None,
+                             scale_layout: str = "row_major"):
+        return self.ll_engine.dispatch(
+            x, topk_idx, fp8=fp8, ue8m0=ue8m0, col_major_scales=col_major_scales,
+            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+            return_hook=return_hook, dispatch_dtype=dispatch_dtype, global_scale=global_scale,
+            scale_layout=scale_layout)
+
+    def low_latency_combine(self, y: torch.Tensor, topk_idx: torch.Tensor,
+                            topk_weights: torch.Tensor | None, handle, *,
+                            return_hook: bool = False, renormalize: bool = False,
+                            combine_dtype: str | torch.dtype | None = None,
+                            out: torch.Tensor | None = None):
+        return self.ll_engine.combine(y, topk_idx, topk_weights, handle,
+                                      return_hook=return_hook, renormalize=renormalize,
+                                      combine_dtype=combine_dtype, out=out)
+
+    def clean_low_latency_buffer(self) -> None:
+        self.ll_engine.clean()
+
+    def low_latency_combine_buffer(self) -> torch.Tensor:
+        return self.ll_engine.combine_buffer()
+
+    low_latency_dispatch.__doc__ = LowLatencyEngine.dispatch.__doc__
+    low_latency_combine.__doc__ = LowLatencyEngine.combine.__doc__
+    clean_low_latency_buffer.__doc__ = LowLatencyEngine.clean.__doc__
+    low_latency_combine_buffer.__doc__ = LowLatencyEngine.combine_buffer.__doc__
+    low_latency_workspace_bytes = staticmethod(ll_workspace_bytes)
 
     @property
     def dispatch_serial(self) -> int:
@@ -882,6 +904,10 @@ class Buffer(NormalMode, LowLatencyMode):
         self._check_usable(channel)
         self._raise_input_errors(what)
 
+    def _mark_failed(self, reason: str) -> None:
+        """The Buffer is unusable from now on (``moe_comm._guard``): ``reason`` says why."""
+        self._failure = reason
+
     def _check_usable(self, channel: str = "device") -> None:
         """Raises if the Buffer failed, or a kernel's wait recorded a timeout (which makes it
         unusable; with fault tolerance a kernel records one only when it found this rank
@@ -891,8 +917,7 @@ class Buffer(NormalMode, LowLatencyMode):
             return
         if self.fault_tolerant and self.errors.timed_out():
             if self.errors.take_self_exclusion(self.rank):
-                if self._ll_state is not None:  # the low-latency kernels' device flag too
-                    self._ll_state[TIMED_OUT] = 0
+                self.ll_engine.clear_timed_out()  # the low-latency kernels' flag too
                 raise RankExcludedError(self.rank, int(self.fault.mask[self.rank]) - 1)
         if self._failure is None and self.errors.timed_out():
             self._failure = f"a kernel's bounded wait timed out on the {channel} channel"

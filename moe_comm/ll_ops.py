@@ -85,7 +85,7 @@ def _take(buf, ticket: Tensor, channel: int, static: tuple):
     kind, serial = ticket.tolist()
     if kind != channel:
         raise ValueError(f"ll_{what}_recv got a ticket of ll_{CHANNEL_NAMES.get(kind, kind)}_send")
-    pending = buf._ll_op_pending
+    pending = buf.ll_engine.pending_ops
     entry = pending.get((channel, serial))
     if entry is None:
         raise RuntimeError(f"no low-latency {what} send with serial {serial} waits for its "
@@ -126,7 +126,7 @@ def ll_dispatch_send_op(buffer_id: str, x: Tensor, topk_idx: Tensor, fp8: bool,
                                           dispatch_dtype=dispatch_dtype,
                                           global_scale=global_scale, return_hook=True)
     serial = recv.handle.serial
-    buf._ll_op_pending[(DISPATCH, serial)] = (recv, hook, (fp8, ue8m0, col_major_scales,
+    buf.ll_engine.pending_ops[(DISPATCH, serial)] = (recv, hook, (fp8, ue8m0, col_major_scales,
                                                       dispatch_dtype))
     return _ticket(DISPATCH, serial)
 
@@ -185,7 +185,7 @@ def ll_combine_send_op(buffer_id: str, y: Tensor, topk_idx: Tensor, topk_weights
                                         renormalize=renormalize,
                                         combine_dtype="fp8" if fp8 else None)
     serial = buf.channels.ll_epochs[COMBINE]
-    buf._ll_op_pending[(COMBINE, serial)] = (out, hook, (topk_idx.shape[0],))
+    buf.ll_engine.pending_ops[(COMBINE, serial)] = (out, hook, (topk_idx.shape[0],))
     return _ticket(COMBINE, serial)
 
 

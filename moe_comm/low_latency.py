@@ -1,6 +1,6 @@
 """Low-latency mode (decode): fixed per-expert slots, one put per (token, expert) pair.
 
-A mixin of ``Buffer`` (built with ``low_latency=True``)::
+``LowLatencyEngine``, a component of ``Buffer`` (built with ``low_latency=True``)::
 
     recv, hook = buf.low_latency_dispatch(x, topk_idx, fp8=True, return_hook=True)
     hook()                                  # waits for arrival; until then no kernel runs
@@ -37,12 +37,12 @@ from .call_descriptor import (
     combine_descriptor,
     low_latency_descriptor,
     refusal,
-    refusal_inputs,
 )
 from .fault import reached, renormalized
 from .kernels.comm import EPOCH_SHIFT, epochs_of, wait_for_epochs
 from .kernels.layout import checked_topk_idx
 from .kernels.low_latency import (
+    TIMED_OUT,
     ll_combine_recv,
     ll_combine_send,
     ll_dispatch_recv,
@@ -116,24 +116,24 @@ class _Hook:
     channel whose hook has not run (each into its own call's outputs, kept for its hook):
     hooks called in any order, or never, each give their own call's rows."""
 
-    def __init__(self, buffer, channel: int, serial: int, receive):
-        self._buffer, self._channel, self._receive = buffer, channel, receive
+    def __init__(self, engine, channel: int, serial: int, receive):
+        self._engine, self._channel, self._receive = engine, channel, receive
         self.serial = serial  # the call's epoch on its channel
         self.done = False  # the hook was called
         self.received = False  # the receive ran (by this hook or by a later one)
         self._result = None
-        buffer._ll_queue[channel].append(self)
+        engine.queue[channel].append(self)
 
     def __call__(self):
         if self.done:
             raise RuntimeError(f"the hook of low-latency {CHANNEL_NAMES[self._channel]} call "
                                f"{self.serial} was already called")
         self.done = True
-        queue = self._buffer._ll_queue[self._channel]
+        queue = self._engine.queue[self._channel]
         while not self.received:
             _receive_oldest(queue)
         what = f"low-latency {CHANNEL_NAMES[self._channel]}"
-        self._buffer._checked(what, what)
+        self._engine._checked(what, what)
         return self._result
 
 
@@ -238,30 +238,90 @@ def _ll_scales_out(L: int, rows: int, groups: int, ue8m0: int, col_major: bool, 
     return memory, memory, (rows * width, width, 1)
 
 
-class LowLatencyMode:
-    @staticmethod
-    def low_latency_workspace_bytes(world_size: int, hidden: int, num_experts: int,
-                                    max_tokens_per_rank: int, dtype: torch.dtype = torch.bfloat16,
-                                    max_topk: int | None = None) -> int:
-        """Bytes the low-latency regions add to a Buffer with these arguments."""
-        from .workspace import WorkspaceLayout
+def workspace_bytes(world_size: int, hidden: int, num_experts: int, max_tokens_per_rank: int,
+                    dtype: torch.dtype = torch.bfloat16, max_topk: int | None = None) -> int:
+    """Bytes the low-latency regions add to a Buffer with these arguments."""
+    from .workspace import WorkspaceLayout
 
-        max_topk = min(16, num_experts) if max_topk is None else max_topk
-        args = (world_size, max_tokens_per_rank, hidden, num_experts // world_size, max_topk,
-                dtype)
-        return WorkspaceLayout(*args, low_latency=True).nbytes - WorkspaceLayout(*args).nbytes
+    max_topk = min(16, num_experts) if max_topk is None else max_topk
+    args = (world_size, max_tokens_per_rank, hidden, num_experts // world_size, max_topk, dtype)
+    return WorkspaceLayout(*args, low_latency=True).nbytes - WorkspaceLayout(*args).nbytes
 
-    def _ll_impl(self, csrc_can: bool) -> str:
+
+class LowLatencyEngine:
+    """The low-latency mode of one Buffer (``buf.ll_engine``; the Buffer's
+    ``low_latency_dispatch``, ``low_latency_combine``, ``clean_low_latency_buffer`` and
+    ``low_latency_combine_buffer`` call it): its hooks in flight, its pooled outputs, its
+    device state (``ll_state``) and its launches.
+
+    It reads the Buffer once, when the Buffer is set up: the configuration, the components it
+    shares (heap, layout, channels, error record, fault policy, launch counts, bound launches)
+    and four of the Buffer's checks, which it calls afterwards: ``checked`` and
+    ``check_usable`` (an earlier failure or recorded error raises), ``checking_transport`` (a
+    host wait sees the proxy fail) and ``mark_failed`` (a failed phase makes the Buffer
+    unusable, ``moe_comm._guard``). Nothing else of the Buffer is read or written here.
+    """
+
+    def __init__(self, buffer, *, stats: torch.Tensor, bound, kernel_impl_auto: bool,
+                 checked, check_usable, checking_transport, mark_failed, refusal_inputs):
+        self.id, self.rank, self.world_size = buffer.id, buffer.rank, buffer.world_size
+        self.hidden, self.dtype, self.device = buffer.hidden, buffer.dtype, buffer.device
+        self.num_experts, self.num_local_experts = buffer.num_experts, buffer.num_local_experts
+        self.max_tokens_per_rank, self.max_topk = buffer.max_tokens_per_rank, buffer.max_topk
+        self.num_sms, self.timeout_s = buffer.num_sms, buffer.timeout_s
+        self.kernel_impl, self.kernel_impl_auto = buffer.kernel_impl, kernel_impl_auto
+        self.flavour, self.fault_tolerant = buffer.flavour, buffer.fault_tolerant
+        self.heap, self.layout, self.channels = buffer.heap, buffer.layout, buffer.channels
+        self.errors, self.fault, self.launches = buffer.errors, buffer.fault, buffer.launches
+        self._stats, self._bound = stats, bound
+        self._checked, self._check_usable = checked, check_usable
+        self._checking_transport, self._mark_failed = checking_transport, mark_failed
+        self._refusal_inputs = refusal_inputs
+        self._offsets: dict = {}  # launch offsets per channel, made once
+        self._csrc_kernels = None
+        self.queue = ([], [])  # hooks of each channel whose receive has not run, in order
+        self.pending_ops = {}  # the same through moe_comm.ll_ops: (channel, serial) -> entry
+        self._outputs = [None, None]  # per parity: a dispatch's outputs to reuse, see there
+        layout, heap = buffer.layout, buffer.heap
+        self.state = None  # epochs, acknowledgements and the kernels' timed-out flag
+        if layout.low_latency:
+            self.state = layout.view(heap, "ll_state")
+            for name in LL_REGIONS:
+                if name in layout.regions:  # (the combine outboxes: across nodes only)
+                    self.channels.region(name)
+        if layout.low_latency and layout.proxy:  # the proxy copies pair meta words from here
+            T, K = layout.max_tokens, layout.max_topk
+            table = (torch.arange(T, device=heap.device)[:, None] * 32
+                     + torch.arange(K, device=heap.device)[None, :])
+            layout.view(heap, "ll_meta_table").copy_(table.to(torch.int32))
+
+    def resync(self, agreed: list[int]) -> None:
+        """``clean_mask``'s agreed epochs (``agreed[2:]``, per channel): the host mirrors, the
+        device state and the acknowledgements, as if every destination consumed every call so
+        far; the kernels' timed-out flag cleared."""
+        self.channels.ll_epochs[:] = agreed[2:]
+        acks = self.channels.region("ll_acks")
+        for channel, first in ((DISPATCH, 0), (COMBINE, 2)):
+            self.state[first:first + 2] = agreed[2 + channel]
+            acks[channel].fill_(agreed[2 + channel])
+        self.state[TIMED_OUT] = 0
+
+    def clear_timed_out(self) -> None:
+        """The low-latency kernels' device flag of a timeout, cleared (a rank taken back)."""
+        if self.state is not None:
+            self.state[TIMED_OUT] = 0
+
+    def _impl(self, csrc_can: bool) -> str:
         """The kernels of one low-latency call: the Buffer's, but where csrc/ was chosen
         automatically (``kernel_impl="auto"``) and cannot do the call (MXFP8, NVFP4, an FP8
         combine), Triton's (the two write the same slots and signals, call by call)."""
-        if self.kernel_impl == "cuda" and not csrc_can and self._kernel_impl_auto:
+        if self.kernel_impl == "cuda" and not csrc_can and self.kernel_impl_auto:
             return "triton"
         return self.kernel_impl
 
     def _csrc(self):
         """The csrc/ kernels for this Buffer's device (``kernel_impl="cuda"``), loaded once."""
-        if getattr(self, "_csrc_kernels", None) is None:
+        if self._csrc_kernels is None:
             from .csrc_kernels import CsrcLowLatencyKernels
 
             self._csrc_kernels = CsrcLowLatencyKernels(
@@ -272,15 +332,15 @@ class LowLatencyMode:
     def _outbox_offset(self, name: str) -> int:
         return self.layout[name].offset if self.layout.ll_outboxes else 0
 
-    def _ll_require(self) -> None:
+    def _require(self) -> None:
         if not self.layout.low_latency:
             raise RuntimeError("this Buffer has no low-latency workspace; build it with "
                                "Buffer(..., low_latency=True)")
 
-    def _ll_offsets(self, name: str) -> tuple[int, int]:
+    def _region_offsets(self, name: str) -> tuple[int, int]:
         return self.layout[name].offset, self.layout.parity_stride(name)
 
-    def _ll_acks(self, channel: int) -> tuple[int, int]:
+    def _acks(self, channel: int) -> tuple[int, int]:
         """(byte offset, parity stride) of ``ll_acks[channel]`` (computed once per channel)."""
         acks = self._offsets.get(("ll_acks", channel))
         if acks is None:
@@ -290,12 +350,12 @@ class LowLatencyMode:
                 first, lay.offset("ll_acks", channel, 1) - first)
         return acks
 
-    def _ll_check_in_flight(self, channel: int, what: str) -> None:
+    def _check_in_flight(self, channel: int, what: str) -> None:
         """A send finds a staging parity free: with ``IN_FLIGHT`` calls of the channel whose
         hooks have not run, the oldest one's hook was dropped (or is late): its receive runs now
         (into its own outputs, which its hook still returns) and the call raises naming it, so
         the parity is clean and the next call is right."""
-        queue = self._ll_queue[channel]
+        queue = self.queue[channel]
         if len(queue) < IN_FLIGHT:
             return
         oldest = queue[0]
@@ -308,17 +368,17 @@ class LowLatencyMode:
                            "its rows) and this call was not sent; call each hook before the "
                            f"send after next, or clean_low_latency_buffer() on every rank")
 
-    def clean_low_latency_buffer(self) -> None:
+    def clean(self) -> None:
         """Runs every low-latency receive whose hook has not run, oldest first (each into its
         own call's outputs, which its hook still returns), so that no call is left half done;
         call it on every rank (each receive waits for its peers' sends of that call). Equivalent
         to calling every outstanding hook in order and dropping the results."""
-        self._ll_require()
-        for queue in self._ll_queue:
+        self._require()
+        for queue in self.queue:
             while queue:
                 _receive_oldest(queue)
 
-    def _ll_begin(self, channel: int, what: str) -> int:
+    def _begin(self, channel: int, what: str) -> int:
         """Epoch of a new send; waits until every destination consumed this parity's last call."""
         if self.fault_tolerant:
             self.fault.check_self()
@@ -335,26 +395,26 @@ class LowLatencyMode:
                             channel=f"low-latency {what} (staging reuse)")
         return epoch
 
-    def _ll_send_offsets(self, prefix: str, names: tuple, channel: int) -> dict:
+    def _send_offsets(self, prefix: str, names: tuple, channel: int) -> dict:
         """The byte offsets a low-latency send launches with (computed once per channel)."""
         offsets = self._offsets.get(("ll", channel))
         if offsets is None:
-            offsets = {n: self._ll_offsets(f"{prefix}{n}") for n in names}
-            offsets["acks"] = self._ll_acks(channel)
+            offsets = {n: self._region_offsets(f"{prefix}{n}") for n in names}
+            offsets["acks"] = self._acks(channel)
             outbox = "ll_outbox" if channel == DISPATCH else "ll_combine_outbox"
             if self.layout.ll_outboxes:
-                offsets["outbox"] = self._ll_offsets(outbox)
+                offsets["outbox"] = self._region_offsets(outbox)
             if self.layout.proxy and channel == DISPATCH:
                 offsets["meta_table"] = self.layout["ll_meta_table"].offset
             self._offsets[("ll", channel)] = offsets
         return offsets
 
-    def low_latency_combine_buffer(self) -> torch.Tensor:
+    def combine_buffer(self) -> torch.Tensor:
         """Where the next ``low_latency_combine`` reads ``y`` from without a copy:
         [L, R * T_max, H] of the Buffer's dtype. Across nodes this is symmetric memory that
         NVSHMEM puts or the proxy read directly; on load/store transports the combine reads any
         ``y`` in place, so this is an ordinary tensor there."""
-        self._ll_require()
+        self._require()
         shape = (self.num_local_experts, self.world_size * self.max_tokens_per_rank,
                  self.hidden)
         if self.layout.ll_outboxes:
@@ -370,12 +430,11 @@ class LowLatencyMode:
         return checked_topk_idx(topk_idx, self.num_experts, self.flavour, record)
 
     # ----------------------------------------------------------------- dispatch
-    def low_latency_dispatch(self, x, topk_idx: torch.Tensor, *, fp8: bool | None = None,
-                             ue8m0: bool = False, col_major_scales: bool = False,
-                             cumulative_local_expert_recv_stats: torch.Tensor | None = None,
-                             return_hook: bool = False, dispatch_dtype: str | None = None,
-                             global_scale: torch.Tensor | None = None,
-                             scale_layout: str = "row_major"):
+    def dispatch(self, x, topk_idx: torch.Tensor, *, fp8: bool | None = None,
+                 ue8m0: bool = False, col_major_scales: bool = False,
+                 cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                 return_hook: bool = False, dispatch_dtype: str | None = None,
+                 global_scale: torch.Tensor | None = None, scale_layout: str = "row_major"):
         """Puts every (token, expert) pair into the expert's slot; returns ``(recv, hook)``.
 
         ``x`` [T, H] of the Buffer's dtype (T <= max_tokens_per_rank); ``topk_idx`` [T, K]
@@ -398,8 +457,9 @@ class LowLatencyMode:
         holds is never written again.
         """
         self._checked("an earlier call")
-        self._ll_require()
-        self._ll_check_in_flight(DISPATCH, "dispatch")
+        if self.state is None:  # (no call where it passes: the host path counts calls)
+            self._require()
+        self._check_in_flight(DISPATCH, "dispatch")
         try:  # (inline: the host path counts every Python call)
             if env.check_inputs():
                 check_dispatch_inputs(x, topk_idx, None, 1, hidden=self.hidden,
@@ -416,7 +476,7 @@ class LowLatencyMode:
             check_scale_layout(scale_layout, ue8m0)
             group = scale_group(ue8m0)
             name = {MXFP8: "MXFP8", NVFP4: "NVFP4"}.get(ue8m0, "FP8")
-            impl = self._ll_impl(ue8m0 < MXFP8)
+            impl = self._impl(ue8m0 < MXFP8)
             if ue8m0 >= MXFP8:
                 check_block_scaled_options(ue8m0, fp8, col_major_scales)
                 if impl == "cuda":
@@ -438,9 +498,9 @@ class LowLatencyMode:
                     raise ValueError(f"cumulative_local_expert_recv_stats must have shape "
                                      f"[{self.num_local_experts}] on {self.device}")
         except (TypeError, ValueError) as error:
-            self._refuse_low_latency_dispatch(error)
+            self.refuse_dispatch(error)
             raise
-        recv, hook = self._ll_dispatch_send(x.contiguous(), topk_idx.contiguous(), fp8, ue8m0,
+        recv, hook = self._dispatch_send(x.contiguous(), topk_idx.contiguous(), fp8, ue8m0,
                                             col_major_scales, stats, glob,
                                             scale_layout == "swizzled", impl)
         if return_hook:
@@ -448,39 +508,39 @@ class LowLatencyMode:
         hook()
         return recv, None
 
-    def _refuse_low_latency_dispatch(self, error: BaseException) -> None:
+    def refuse_dispatch(self, error: BaseException) -> None:
         """This rank's low-latency dispatch input is bad (``error``, which the caller raises
         next): it still sends, no pairs and a refusal for its descriptor in every expert's
         signal word (``moe_comm.call_descriptor``), and receives, so every peer's hook raises
         PeerInputError naming this rank instead of waiting out the timeout. Equivalent to::
 
-            self.low_latency_dispatch(x[:0], topk_idx[:0])   # the signals say 'refused'
+            self.dispatch(x[:0], topk_idx[:0])   # the signals say 'refused'
         """
-        empty = refusal_inputs(self)
+        empty = self._refusal_inputs()
         if empty is None:
             return
-        _, hook = self._ll_dispatch_send(*empty, False, 0, False, None, refusal=refusal(error))
+        _, hook = self._dispatch_send(*empty, False, 0, False, None, refusal=refusal(error))
         try:  # this rank's own record of the call (every peer differs from a refusal)
             hook()
         except PeerInputError:
             pass
 
     @poisons_buffer_on_error("low-latency dispatch")
-    def _ll_dispatch_send(self, x, topk_idx, fp8, ue8m0, col_major, stats, global_scale=None,
+    def _dispatch_send(self, x, topk_idx, fp8, ue8m0, col_major, stats, global_scale=None,
                           swizzle=False, impl="triton", refusal: int = 0):
         """The send of a low-latency dispatch; returns ``(recv, hook)``. Every expert's signal
         word carries the call's descriptor, or ``refusal`` (``moe_comm.call_descriptor``)."""
-        epoch = self._ll_begin(DISPATCH, "dispatch")
+        epoch = self._begin(DISPATCH, "dispatch")
         descriptor = refusal or low_latency_descriptor(fp8, ue8m0)
         L, R, T, H, dev = (self.num_local_experts, self.world_size, self.max_tokens_per_rank,
                            self.hidden, self.device)
         nvfp4 = fp8 and ue8m0 == NVFP4
         stream = _stream_of(dev)
         key = (fp8, ue8m0, col_major, stream)
-        outs = _reusable(self._ll_outputs[epoch % 2], key)
+        outs = _reusable(self._outputs[epoch % 2], key)
         if outs is None:  # (the parity's last outputs are still held by someone: new ones)
             outs = _dispatch_outputs(L, R, T, H, fp8, ue8m0, col_major, self.dtype, dev)
-            self._ll_outputs[epoch % 2] = None if stream is False else _pooled(key, outs)
+            self._outputs[epoch % 2] = None if stream is False else _pooled(key, outs)
         recv_x, out_global, scales, scale_memory, scale_strides, count, src_info, layout, \
             src_k = outs
         if nvfp4:
@@ -489,30 +549,30 @@ class LowLatencyMode:
             scale_memory.zero_()  # padding bytes of the packed words
         handle = LowLatencyHandle(self.id, epoch, layout, src_info, src_k, x.shape[0],
                                   topk_idx.shape[1])
-        offsets = self._ll_send_offsets("ll_dispatch_", ("rows", "meta", "signals"), DISPATCH)
+        offsets = self._send_offsets("ll_dispatch_", ("rows", "meta", "signals"), DISPATCH)
         common = dict(rank=self.rank, num_local_experts=L, num_experts=self.num_experts,
                       max_tokens=T, slot_bytes=self.layout.ll_slot_bytes, fp8=fp8, ue8m0=ue8m0)
         if impl == "cuda":
             self.launches["ll_dispatch_send"] += self._csrc().ll_dispatch_send(
-                x, self._csrc_ids(topk_idx, True), self.heap.peer_ptrs, self._ll_state, self._stats,
+                x, self._csrc_ids(topk_idx, True), self.heap.peer_ptrs, self.state, self._stats,
                 offsets=offsets, acks=offsets["acks"], error=self.errors.timeout_part,
                 outbox_offset=self._outbox_offset("ll_outbox"), descriptor=descriptor, **common)
         else:
             self.launches["ll_dispatch_send"] += ll_dispatch_send(
-                x, topk_idx, self.heap.peer_ptrs, self._ll_state, self._stats, offsets=offsets,
+                x, topk_idx, self.heap.peer_ptrs, self.state, self._stats, offsets=offsets,
                 num_sms=self.num_sms, flavour=self.flavour, max_topk=self.max_topk,
                 global_scale=global_scale, bound=self._bound, descriptor=descriptor, **common)
         recv = LowLatencyRecv(recv_x, scales, count, src_info, handle, x_global_scale=out_global)
 
         def receive():
-            self._ll_dispatch_recv(epoch, recv, scale_memory, scale_strides, ue8m0, stats, impl)
+            self._dispatch_recv(epoch, recv, scale_memory, scale_strides, ue8m0, stats, impl)
             if swizzle:
                 recv.x_scales = torch.stack([swizzle_128x4(s) for s in recv.x_scales])
 
         return recv, _Hook(self, DISPATCH, epoch, receive)
 
     @poisons_buffer_on_error("low-latency dispatch")
-    def _ll_dispatch_recv(self, epoch, recv, scale_memory, scale_strides, ue8m0, stats,
+    def _dispatch_recv(self, epoch, recv, scale_memory, scale_strides, ue8m0, stats,
                           impl="triton"):
         if not self.flavour.device_wait:  # GPUs wait in the receive kernel itself
             words = self.channels.region("ll_dispatch_signals")[epoch % 2].numpy()
@@ -532,9 +592,9 @@ class LowLatencyMode:
             staging = staging.view(self.dtype)
         args = (staging, regions["ll_dispatch_meta"],
                 regions["ll_dispatch_signals"], self.heap.peer_ptrs,
-                self._ll_state, recv.x, scale_memory, recv.count, recv.src_info,
+                self.state, recv.x, scale_memory, recv.count, recv.src_info,
                 recv.handle.src_k, recv.handle.layout, stats)
-        common = dict(acks=self._ll_acks(DISPATCH), rank=self.rank, scale_strides=scale_strides,
+        common = dict(acks=self._acks(DISPATCH), rank=self.rank, scale_strides=scale_strides,
                       ue8m0=ue8m0)
         if impl == "cuda":
             self.launches["ll_dispatch_recv"] += self._csrc().ll_dispatch_recv(
@@ -547,11 +607,10 @@ class LowLatencyMode:
         recv.handle.received = True
 
     # ----------------------------------------------------------------- combine
-    def low_latency_combine(self, y: torch.Tensor, topk_idx: torch.Tensor,
-                            topk_weights: torch.Tensor | None, handle: LowLatencyHandle, *,
-                            return_hook: bool = False, renormalize: bool = False,
-                            combine_dtype: str | torch.dtype | None = None,
-                            out: torch.Tensor | None = None):
+    def combine(self, y: torch.Tensor, topk_idx: torch.Tensor,
+                topk_weights: torch.Tensor | None, handle: LowLatencyHandle, *,
+                return_hook: bool = False, renormalize: bool = False,
+                combine_dtype: str | torch.dtype | None = None, out: torch.Tensor | None = None):
         """Sends each expert row home and sums ``w[t, k] * row`` there; returns ``(out, hook)``.
 
         ``y`` [L, R * T_max, H] of the Buffer's dtype, rows as in the dispatch's ``recv.x``;
@@ -566,8 +625,9 @@ class LowLatencyMode:
         of into a new tensor; it must not be read or written until the hook has run.
         """
         self._checked("an earlier call")
-        self._ll_require()
-        self._ll_check_in_flight(COMBINE, "combine")
+        if self.state is None:  # (no call where it passes: the host path counts calls)
+            self._require()
+        self._check_in_flight(COMBINE, "combine")
         try:  # (inline: the host path counts every Python call)
             if not isinstance(handle, LowLatencyHandle):
                 raise TypeError(f"handle must be recv.handle of a low_latency_dispatch, got "
@@ -578,7 +638,7 @@ class LowLatencyMode:
                 raise RuntimeError("the dispatch of this handle has not been received; call "
                                    "its hook first")
             fp8 = combine_is_fp8(combine_dtype, dtype=self.dtype, hidden=self.hidden)
-            impl = self._ll_impl(not fp8)
+            impl = self._impl(not fp8)
             if fp8 and impl == "cuda":
                 raise ValueError("kernel_impl='cuda' combines in the Buffer's dtype only; an "
                                  "FP8 combine runs on the Triton kernels")
@@ -608,9 +668,9 @@ class LowLatencyMode:
                                      f"{self.hidden}] tensor, got shape {tuple(out.shape)}"
                                      + ("" if out.is_contiguous() else " (not contiguous)"))
         except (TypeError, ValueError, RuntimeError) as error:
-            self._refuse_low_latency_combine(error)
+            self.refuse_combine(error)
             raise
-        out, hook = self._ll_combine_send(y.contiguous(), topk_idx.contiguous(), topk_weights,
+        out, hook = self._combine_send(y.contiguous(), topk_idx.contiguous(), topk_weights,
                                           handle, renormalize, fp8, impl, out=out)
         if return_hook:
             return out, hook
@@ -629,12 +689,12 @@ class LowLatencyMode:
                 return y.data_ptr() - self.heap.local.data_ptr()
         return None
 
-    def _refuse_low_latency_combine(self, error: BaseException) -> None:
+    def refuse_combine(self, error: BaseException) -> None:
         """This rank's low-latency combine input is bad (``error``, which the caller raises
         next): it still sends, no rows and a refusal for its descriptor in the word it
         publishes to every rank (``moe_comm.call_descriptor``), and receives, so every peer's
         hook raises PeerInputError naming this rank instead of waiting out the timeout."""
-        empty = refusal_inputs(self)
+        empty = self._refusal_inputs()
         if empty is None:
             return
         L, R, T = self.num_local_experts, self.world_size, self.max_tokens_per_rank
@@ -643,8 +703,8 @@ class LowLatencyMode:
                                    torch.empty((L, R * T), **ints),
                                    torch.empty((L, R * T), **ints), 0, 1)
         y = torch.empty((L, R * T, self.hidden), dtype=self.dtype, device=self.device)
-        impl = self._ll_impl(True)
-        _, hook = self._ll_combine_send(y, empty[1], None, nowhere, impl=impl,
+        impl = self._impl(True)
+        _, hook = self._combine_send(y, empty[1], None, nowhere, impl=impl,
                                         refusal=refusal(error, combine=True))
         try:  # this rank's own record of the call (every peer differs from a refusal)
             hook()
@@ -652,21 +712,21 @@ class LowLatencyMode:
             pass
 
     @poisons_buffer_on_error("low-latency combine")
-    def _ll_combine_send(self, y, topk_idx, topk_weights, handle, renormalize=False, fp8=False,
+    def _combine_send(self, y, topk_idx, topk_weights, handle, renormalize=False, fp8=False,
                          impl="triton", refusal: int = 0, out=None):
         """The send of a low-latency combine; returns ``(out, hook)`` (``out``: the caller's,
         or a new tensor). The word it publishes to every rank carries the call's descriptor, or
         ``refusal`` (``moe_comm.call_descriptor``; a refusal sends no rows)."""
         if fp8 and self._combine_outbox_offset(y) is not None:
             y = y.clone()  # FP8 rows are quantized into the outbox that y lies in
-        epoch = self._ll_begin(COMBINE, "combine")
+        epoch = self._begin(COMBINE, "combine")
         descriptor = refusal or combine_descriptor(fp8)
         if out is None:
             out = torch.empty((topk_idx.shape[0], self.hidden), dtype=self.dtype,
                               device=self.device)
         args = (y, handle.layout, handle.src_info, handle.src_k, self.heap.peer_ptrs,
-                self._ll_state, self._stats)
-        offsets = self._ll_send_offsets("ll_combine_", ("rows", "signals"), COMBINE)
+                self.state, self._stats)
+        offsets = self._send_offsets("ll_combine_", ("rows", "signals"), COMBINE)
         common = dict(offsets=offsets, rank=self.rank, max_tokens=self.max_tokens_per_rank,
                       max_topk=self.max_topk, descriptor=descriptor)
         if impl == "cuda":
@@ -679,7 +739,7 @@ class LowLatencyMode:
                 fp8=fp8, num_sms=self.num_sms, bound=self._bound, **common)
 
         def receive():
-            self._ll_combine_recv(epoch, topk_idx, topk_weights, out, fp8, impl)
+            self._combine_recv(epoch, topk_idx, topk_weights, out, fp8, impl)
             if renormalize:  # the expert ranks whose rows of this call arrived
                 signals = self.channels.region("ll_combine_signals")[epoch % 2]
                 arrived = reached(topk_idx, (signals >> EPOCH_SHIFT.value) >= epoch,
@@ -690,7 +750,7 @@ class LowLatencyMode:
         return out, _Hook(self, COMBINE, epoch, receive)
 
     @poisons_buffer_on_error("low-latency combine")
-    def _ll_combine_recv(self, epoch, topk_idx, topk_weights, out, fp8=False, impl="triton"):
+    def _combine_recv(self, epoch, topk_idx, topk_weights, out, fp8=False, impl="triton"):
         if not self.flavour.device_wait:  # GPUs wait in the receive kernel itself
             # [R] words: each expert rank's epoch (its descriptor below)
             observed = epochs_of(self.channels.region("ll_combine_signals")[epoch % 2].numpy(),
@@ -703,14 +763,14 @@ class LowLatencyMode:
                                 channel="low-latency combine")
         staging = self.channels.regions["ll_combine_rows"]  # (made at set-up: LL_REGIONS)
         signals = self.channels.regions["ll_combine_signals"]
-        common = dict(acks=self._ll_acks(COMBINE), rank=self.rank)
+        common = dict(acks=self._acks(COMBINE), rank=self.rank)
         if impl == "cuda":
             self.launches["ll_combine_recv"] += self._csrc().ll_combine_recv(
                 staging, self._csrc_ids(topk_idx, False), topk_weights, out, self.heap.peer_ptrs,
-                self._ll_state, signals=signals, error=self.errors.timeout_part,
+                self.state, signals=signals, error=self.errors.timeout_part,
                 input_error=self.errors.input_part, **common)
         else:
             self.launches["ll_combine_recv"] += ll_combine_recv(
-                staging, topk_idx, topk_weights, out, self.heap.peer_ptrs, self._ll_state,
+                staging, topk_idx, topk_weights, out, self.heap.peer_ptrs, self.state,
                 signals, num_experts=self.num_experts, flavour=self.flavour, fp8=fp8,
                 num_sms=self.num_sms, bound=self._bound, **common)

@@ -345,7 +345,7 @@ MUTANTS = (
     Mutant("bad_low_latency_input_is_not_refused",
            "a rank whose low-latency input is bad takes part: its peers' hooks raise",
            "moe_comm/low_latency.py",
-           "        empty = refusal_inputs(self)",
+           "        empty = self._refusal_inputs()",
            "        empty = None",
            ("tests/test_call_agreement.py::"
             "test_a_low_latency_rank_that_refuses_or_disagrees_is_named_by_every_hook"
@@ -397,7 +397,7 @@ MUTANTS = (
     Mutant("bad_low_latency_combine_input_is_not_refused",
            "a rank whose low-latency combine input is bad takes part: its peers' hooks raise",
            "moe_comm/low_latency.py",
-           "        empty = refusal_inputs(self)",
+           "        empty = self._refusal_inputs()",
            "        empty = None",
            ("tests/test_call_agreement.py::"
             "test_a_low_latency_rank_that_refuses_or_disagrees_is_named_by_every_hook"

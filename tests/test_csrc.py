@@ -451,7 +451,7 @@ def test_launcher_passes_what_the_buffer_would_pass():
 
     error = csrc_kernels.new_error_record("cpu")
     kernels.ll_dispatch_send(
-        xs[1], idxs[1], buf.heap.peer_ptrs, buf._ll_state, buf._stats,
+        xs[1], idxs[1], buf.heap.peer_ptrs, buf.ll_engine.state, buf._stats,
         offsets={n: offs(f"ll_dispatch_{n}") for n in ("rows", "meta", "signals")}, rank=1,
         num_local_experts=2, num_experts=E, max_tokens=T, slot_bytes=lay.ll_slot_bytes,
         fp8=True, ue8m0=True, acks=acks(DISPATCH), outbox_offset=12345, error=error,
@@ -476,7 +476,7 @@ def test_launcher_passes_what_the_buffer_would_pass():
     stats = torch.zeros(L, dtype=torch.int64)
     kernels.ll_dispatch_recv(
         lay.view(buf.heap, "ll_dispatch_rows"), lay.view(buf.heap, "ll_dispatch_meta"),
-        lay.view(buf.heap, "ll_dispatch_signals"), buf.heap.peer_ptrs, buf._ll_state, out,
+        lay.view(buf.heap, "ll_dispatch_signals"), buf.heap.peer_ptrs, buf.ll_engine.state, out,
         scales, count, src_info, src_k, layout, stats, acks=acks(DISPATCH), rank=1,
         scale_strides=(rows, 1, 1), ue8m0=True, input_error=buf.errors.input_part)
     name, grid, _, shared, a = _decode(fake.calls[-1])
@@ -490,7 +490,7 @@ def test_launcher_passes_what_the_buffer_would_pass():
 
     y = torch.zeros((L, rows, H), dtype=torch.bfloat16)
     kernels.ll_combine_send(
-        y, layout, src_info, src_k, buf.heap.peer_ptrs, buf._ll_state, buf._stats,
+        y, layout, src_info, src_k, buf.heap.peer_ptrs, buf.ll_engine.state, buf._stats,
         offsets={"rows": offs("ll_combine_rows"), "signals": offs("ll_combine_signals")},
         rank=1, max_tokens=T, max_topk=K, acks=acks(COMBINE), outbox_offset=777,
         descriptor=combine_descriptor(False))
@@ -503,7 +503,7 @@ def test_launcher_passes_what_the_buffer_would_pass():
     out2 = torch.empty((4, H), dtype=torch.bfloat16)
     kernels.ll_combine_recv(
         lay.view(buf.heap, "ll_combine_rows"), idxs[1], ws[1], out2, buf.heap.peer_ptrs,
-        buf._ll_state, acks=acks(COMBINE), rank=1,
+        buf.ll_engine.state, acks=acks(COMBINE), rank=1,
         signals=lay.view(buf.heap, "ll_combine_signals"), input_error=buf.errors.input_part)
     name, grid, _, _, a = _decode(fake.calls[-1])
     assert (name, grid, a["T"], a["K"], a["KMAX"], a["dtype"]) == ("ll_combine_recv", T, 4, K,
@@ -528,37 +528,37 @@ def test_launcher_rejects_bad_calls_before_launching():
     x = torch.zeros((T, H), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="K <= 32"):
         kernels.ll_dispatch_send(x, torch.zeros((T, 33), dtype=torch.int64), buf.heap.peer_ptrs,
-                                 buf._ll_state, buf._stats, **kw)
+                                 buf.ll_engine.state, buf._stats, **kw)
     with pytest.raises(TypeError, match="topk_idx must be"):
         kernels.ll_dispatch_send(x, torch.zeros((T, 2), dtype=torch.int32), buf.heap.peer_ptrs,
-                                 buf._ll_state, buf._stats, **kw)
+                                 buf.ll_engine.state, buf._stats, **kw)
     with pytest.raises(ValueError, match="FP8"):
         kernels.ll_dispatch_send(torch.zeros((T, 200), dtype=torch.bfloat16),
                                  torch.zeros((T, 2), dtype=torch.int64), buf.heap.peer_ptrs,
-                                 buf._ll_state, buf._stats, **{**kw, "fp8": True})
+                                 buf.ll_engine.state, buf._stats, **{**kw, "fp8": True})
     with pytest.raises(ValueError, match="rank 5"):
         kernels.ll_dispatch_send(x, torch.zeros((T, 2), dtype=torch.int64), buf.heap.peer_ptrs,
-                                 buf._ll_state, buf._stats, **{**kw, "rank": 5})
+                                 buf.ll_engine.state, buf._stats, **{**kw, "rank": 5})
     with pytest.raises(ValueError, match="error"):
         kernels.ll_dispatch_send(x, torch.zeros((T, 2), dtype=torch.int64), buf.heap.peer_ptrs,
-                                 buf._ll_state, buf._stats, **kw,
+                                 buf.ll_engine.state, buf._stats, **kw,
                                  error=torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="num_experts=6"):
         kernels.ll_dispatch_send(x, torch.zeros((T, 2), dtype=torch.int64), buf.heap.peer_ptrs,
-                                 buf._ll_state, buf._stats, **{**kw, "num_experts": 6})
+                                 buf.ll_engine.state, buf._stats, **{**kw, "num_experts": 6})
     with pytest.raises(ValueError, match="slot_bytes"):
         kernels.ll_dispatch_send(x, torch.zeros((T, 2), dtype=torch.int64), buf.heap.peer_ptrs,
-                                 buf._ll_state, buf._stats, **{**kw, "slot_bytes": 500})
+                                 buf.ll_engine.state, buf._stats, **{**kw, "slot_bytes": 500})
     with pytest.raises(ValueError, match="contiguous"):
         kernels.ll_dispatch_send(torch.zeros((H, T), dtype=torch.bfloat16).t(),
                                  torch.zeros((T, 2), dtype=torch.int64), buf.heap.peer_ptrs,
-                                 buf._ll_state, buf._stats, **kw)
+                                 buf.ll_engine.state, buf._stats, **kw)
     with pytest.raises(ValueError, match="state must have 9"):
         kernels.ll_dispatch_send(x, torch.zeros((T, 2), dtype=torch.int64), buf.heap.peer_ptrs,
                                  buf._stats, buf._stats, **kw)
     L, rows = 2, R * T
     recv_args = [lay.view(buf.heap, "ll_dispatch_rows"), lay.view(buf.heap, "ll_dispatch_meta"),
-                 lay.view(buf.heap, "ll_dispatch_signals"), buf.heap.peer_ptrs, buf._ll_state,
+                 lay.view(buf.heap, "ll_dispatch_signals"), buf.heap.peer_ptrs, buf.ll_engine.state,
                  torch.empty((L, rows, H), dtype=torch.float8_e4m3fn), None,
                  torch.empty(L, dtype=torch.int32),
                  *(torch.empty((L, rows), dtype=torch.int32) for _ in range(2)),
@@ -573,14 +573,14 @@ def test_launcher_rejects_bad_calls_before_launching():
         kernels.ll_dispatch_recv(recv_args[0][0], *recv_args[1:], **recv_kw)
     with pytest.raises(ValueError, match="y "):
         kernels.ll_combine_send(torch.zeros((L, rows + 1, H), dtype=torch.bfloat16),
-                                *recv_args[-4:-1], buf.heap.peer_ptrs, buf._ll_state,
+                                *recv_args[-4:-1], buf.heap.peer_ptrs, buf.ll_engine.state,
                                 buf._stats, offsets={}, rank=0, max_tokens=T, max_topk=2,
                                 acks=(0, 16), outbox_offset=0)
     with pytest.raises(ValueError, match="do not fit"):
         kernels.ll_combine_recv(lay.view(buf.heap, "ll_combine_rows"),
                                 torch.zeros((T + 1, 2), dtype=torch.int64), None,
                                 torch.empty((T + 1, H), dtype=torch.bfloat16),
-                                buf.heap.peer_ptrs, buf._ll_state, acks=(0, 16), rank=0,
+                                buf.heap.peer_ptrs, buf.ll_engine.state, acks=(0, 16), rank=0,
                                 signals=lay.view(buf.heap, "ll_combine_signals"))
     assert fake.calls == []
     with pytest.raises(RuntimeError, match="CUDA devices"):
@@ -639,7 +639,7 @@ def _csrc_round_trip(bufs, kernels, xs, idxs, ws, fp8, ue8m0, col_major):
     errors = [csrc_kernels.new_error_record(dev) for _ in bufs]
     for r, buf in enumerate(bufs):
         kernels.ll_dispatch_send(
-            xs[r], idxs[r], buf.heap.peer_ptrs, buf._ll_state, buf._stats,
+            xs[r], idxs[r], buf.heap.peer_ptrs, buf.ll_engine.state, buf._stats,
             offsets={n: offs(f"ll_dispatch_{n}") for n in ("rows", "meta", "signals")}, rank=r,
             num_local_experts=L, num_experts=buf.num_experts, max_tokens=T,
             slot_bytes=lay.ll_slot_bytes, fp8=fp8, ue8m0=ue8m0, acks=acks(DISPATCH),
@@ -661,7 +661,7 @@ def _csrc_round_trip(bufs, kernels, xs, idxs, ws, fp8, ue8m0, col_major):
         staging = lay.view(buf.heap, "ll_dispatch_rows")
         kernels.ll_dispatch_recv(
             staging if fp8 else staging.view(lay.dtype), lay.view(buf.heap, "ll_dispatch_meta"),
-            lay.view(buf.heap, "ll_dispatch_signals"), buf.heap.peer_ptrs, buf._ll_state, x,
+            lay.view(buf.heap, "ll_dispatch_signals"), buf.heap.peer_ptrs, buf.ll_engine.state, x,
             memory, count, src_info, src_k, layout, None, acks=acks(DISPATCH), rank=r,
             scale_strides=strides, ue8m0=ue8m0, error=errors[r])
         recvs.append((LowLatencyRecv(x, scales, count, src_info, None), layout, src_k))
@@ -669,7 +669,7 @@ def _csrc_round_trip(bufs, kernels, xs, idxs, ws, fp8, ue8m0, col_major):
     outs = [torch.empty((idx.shape[0], H), dtype=lay.dtype, device=dev) for idx in idxs]
     for r, (buf, (_, layout, src_k)) in enumerate(zip(bufs, recvs)):
         kernels.ll_combine_send(
-            ys[r], layout, recvs[r][0].src_info, src_k, buf.heap.peer_ptrs, buf._ll_state,
+            ys[r], layout, recvs[r][0].src_info, src_k, buf.heap.peer_ptrs, buf.ll_engine.state,
             buf._stats, offsets={"rows": offs("ll_combine_rows"),
                                  "signals": offs("ll_combine_signals")},
             rank=r, max_tokens=T, max_topk=lay.max_topk, acks=acks(COMBINE), outbox_offset=0,
@@ -677,7 +677,7 @@ def _csrc_round_trip(bufs, kernels, xs, idxs, ws, fp8, ue8m0, col_major):
     for r, buf in enumerate(bufs):
         kernels.ll_combine_recv(
             lay.view(buf.heap, "ll_combine_rows"), idxs[r], ws[r] if ws else None, outs[r],
-            buf.heap.peer_ptrs, buf._ll_state, acks=acks(COMBINE), rank=r,
+            buf.heap.peer_ptrs, buf.ll_engine.state, acks=acks(COMBINE), rank=r,
             signals=lay.view(buf.heap, "ll_combine_signals"), error=errors[r])
     torch.cuda.synchronize(dev)
     for r, err in enumerate(errors):
@@ -743,7 +743,7 @@ def test_gpu_csrc_kernels_match_reference(case, fp8, ue8m0, col_major):
             assert bufs[r]._stats.cpu().tolist() == stats[r], (it, r)
     for buf in bufs:  # epochs advanced once per call; ticket words back to 0; the Triton
         # waits' timed-out flag (kernels.low_latency.TIMED_OUT), which csrc/ leaves alone
-        assert buf._ll_state.cpu().tolist() == [iterations] * 4 + [0] * 4 + [0]
+        assert buf.ll_engine.state.cpu().tolist() == [iterations] * 4 + [0] * 4 + [0]
 
 
 @pytest.mark.gpu
@@ -759,7 +759,7 @@ def test_gpu_receive_without_sender_times_out_and_returns():
         lay.view(buf.heap, "ll_combine_rows"), torch.zeros((2, 2), dtype=torch.int64,
                                                            device="cuda"),
         None, torch.empty((2, 128), dtype=torch.bfloat16, device="cuda"), buf.heap.peer_ptrs,
-        buf._ll_state, acks=(first, lay.offset("ll_acks", COMBINE, 1) - first), rank=0,
+        buf.ll_engine.state, acks=(first, lay.offset("ll_acks", COMBINE, 1) - first), rank=0,
         signals=lay.view(buf.heap, "ll_combine_signals"), error=error)
     torch.cuda.synchronize()
     flag, peer, expected, observed = error.tolist()
@@ -768,7 +768,7 @@ def test_gpu_receive_without_sender_times_out_and_returns():
         csrc_kernels.raise_if_timed_out(error, rank=0, channel="low-latency combine",
                                         timeout_s=0.05)
     # nothing published, ticket restored; the Triton waits' timed-out flag is not csrc/'s
-    assert buf._ll_state.cpu().tolist() == [0] * 8 + [0]
+    assert buf.ll_engine.state.cpu().tolist() == [0] * 8 + [0]
 
 
 def _on_gpu_with_compiled_triton(test):
@@ -827,7 +827,7 @@ def test_gpu_triton_and_cuda_ranks_interoperate_call_by_call():
                                     low_latency=True, device="cuda", kernel_impl="cuda")
     for it in range(4):
         for r, buf in enumerate(bufs):
-            buf.kernel_impl = "cuda" if (r + it) % 2 else "triton"
+            buf.ll_engine.kernel_impl = "cuda" if (r + it) % 2 else "triton"
         xs, idxs, ws = make_inputs(case, it)
         got = lockstep.low_latency_dispatch(bufs, [x.cuda() for x in xs],
                                             [i.cuda() for i in idxs], fp8=True)
@@ -983,12 +983,12 @@ def test_an_automatic_csrc_leaves_what_it_lacks_to_triton():
     kernels; asked for by name it keeps them (and the call raises, naming Triton)."""
     from types import SimpleNamespace
 
-    from moe_comm.low_latency import LowLatencyMode
+    from moe_comm.low_latency import LowLatencyEngine
 
-    auto = SimpleNamespace(kernel_impl="cuda", _kernel_impl_auto=True)
-    named = SimpleNamespace(kernel_impl="cuda", _kernel_impl_auto=False)
-    triton_buf = SimpleNamespace(kernel_impl="triton", _kernel_impl_auto=True)
-    assert LowLatencyMode._ll_impl(auto, True) == "cuda"
-    assert LowLatencyMode._ll_impl(auto, False) == "triton"
-    assert LowLatencyMode._ll_impl(named, False) == "cuda"
-    assert LowLatencyMode._ll_impl(triton_buf, True) == "triton"
+    auto = SimpleNamespace(kernel_impl="cuda", kernel_impl_auto=True)
+    named = SimpleNamespace(kernel_impl="cuda", kernel_impl_auto=False)
+    triton_buf = SimpleNamespace(kernel_impl="triton", kernel_impl_auto=True)
+    assert LowLatencyEngine._impl(auto, True) == "cuda"
+    assert LowLatencyEngine._impl(auto, False) == "triton"
+    assert LowLatencyEngine._impl(named, False) == "cuda"
+    assert LowLatencyEngine._impl(triton_buf, True) == "triton"

@@ -533,7 +533,7 @@ class Buffer:
                                            num_experts, x.dtype, x.device)
         except (TypeError, ValueError) as error:
             if self._low_latency is not None:  # the peers go on into the call: take part
-                self._low_latency._refuse_low_latency_dispatch(error)
+                self._low_latency.ll_engine.refuse_dispatch(error)
             raise
         recv, hook = buf.low_latency_dispatch(
             x, topk_idx, fp8=use_fp8, ue8m0=use_ue8m0, col_major_scales=use_fp8,
@@ -569,7 +569,7 @@ class Buffer:
                             handle.buffer.device)
         except (TypeError, ValueError) as error:
             if self._low_latency is not None:  # the peers go on into the call: take part
-                self._low_latency._refuse_low_latency_combine(error)
+                self._low_latency.ll_engine.refuse_combine(error)
             raise
         # a contiguous out is written by the receive itself; another gets a copy of the sums
         copied = out is not None and not out.is_contiguous()

@@ -3,6 +3,9 @@
 Every op is two phases, *send* (local layout, puts into peers, publish an epoch) and *receive*
 (bounded wait for every peer's epoch, then local work). ``dispatch``/``combine`` run both; the
 loopback driver (``moe_comm.testing.lockstep``) runs each phase for all virtual ranks in turn.
+The phases and their waits belong to the Buffer's two engines, components it sets up and calls:
+``NormalEngine`` (``buf.normal_engine``, ``moe_comm.normal_mode``) and ``LowLatencyEngine``
+(``buf.ll_engine``, ``moe_comm.low_latency``); the fault policy is a third (``buf.fault``).
 
 Why two parities of staging are enough (no "consumed" signal): every rank publishes to every
 rank on every call, and every receive waits for all of them. Rank A writes call ``n + 2`` of a
@@ -23,7 +26,6 @@ import socket
 import numpy as np
 import torch
 import torch.distributed as dist
-import triton
 
 from . import _registry, env
 from .call_descriptor import PeerInputError, refusal, refusal_inputs
@@ -31,30 +33,19 @@ from .channels import CHANNEL_NAMES, Channels
 from .error_record import INPUT_RECORD, TIMEOUT_RECORD, ErrorRecord
 from .fault import FaultPolicy, RankExcludedError, reached, renormalized
 from .kernels import emulated_puts
-from .kernels.bound import BoundLaunches, call_bound, launch, specs
-from .kernels.comm import (
-    EPOCH_SHIFT,
-    Flavour,
-    PeerTimeoutError,
-    epochs_of,
-    ft_wait_epochs_kernel,
-    wait_epochs_kernel,
-    wait_for_epochs,
-    wait_relayed_epochs_kernel,
-)
-from .kernels.layout import layout_scratch
+from .kernels.bound import BoundLaunches
+from .kernels.comm import Flavour, PeerTimeoutError
 from .kernels.nvshmem import device_bitcode, install_module_init_hook
-from .kernels.tiles import tiles
 from .low_latency import LowLatencyEngine
 from .low_latency import workspace_bytes as ll_workspace_bytes
 from .microscale import swizzle_128x4
-from .nodes import NEVER, Nodes, internode_peers, never_signalled, plan_values, signal_labels
-from .normal_mode import NormalMode, PendingSend
+from .nodes import NEVER, Nodes, internode_peers, never_signalled, relay_of, signal_labels
+from .normal_mode import NormalEngine
 from .ops import combine_autograd, dispatch_autograd, wrap_dispatch_outputs
 from .plan import BufferPlan, check_config, resolve
 from .symm import SymmetricHeap, create_loopback_heaps
 from .symm.select import choose_backend, create_heap, default_device
-from .transport import NixlProxy, TransportError, choose_transport
+from .transport import NixlProxy, choose_transport
 from .transport.select import nixl_backend as nixl_backend_name
 from .types import DispatchHandle, DispatchResult
 from .validation import (
@@ -69,7 +60,6 @@ from .validation import (
     scale_code,
     sent_rows_check,
 )
-from .workspace import COMBINE
 
 # Buffer ids: strings unique across processes and runs, not only within one process. The
 # custom ops take the id, and their fake implementations take their shapes from its Buffer
@@ -120,7 +110,7 @@ def _check_same_config(configs: list[dict]) -> None:
                                  f"{configs[0][field]}; every rank must pass the same values")
 
 
-class Buffer(NormalMode):
+class Buffer:
     """Expert-parallel dispatch/combine for one rank of ``group``.
 
     Collective constructor: every rank passes the same ``hidden``, ``num_experts``,
@@ -280,8 +270,6 @@ class Buffer(NormalMode):
         self.heap, self.layout, self.proxy = heap, layout, proxy
         self.device: torch.device = heap.device  # (read on every op: an attribute)
         self.channels = Channels(heap, layout)  # regions, epochs, words, send offsets
-        self._offsets: dict = {}  # the modes' per-channel launch offsets, made once
-        self._scratch: dict = {}  # kernels' scratch tensors, made once (kernels.combine)
         self._bound = BoundLaunches()  # launches with their fixed arguments bound once
         self._passed_signatures: set = set()  # dispatch inputs' (validation.dispatch_signature)
         self.rank, self.world_size = heap.rank, heap.world_size
@@ -307,42 +295,23 @@ class Buffer(NormalMode):
         self.fault_tolerant = bool(fault_tolerant or (flavour is not None
                                                       and flavour.fault_tolerant))
         self.flavour = flavour or self._default_flavour(on_gpu)
-        self._layout_scratch = layout_scratch(layout.max_tokens, heap.world_size, num_experts,
-                                              self.flavour, heap.device, layout.max_topk)
-        # a dispatch's row_base (round 0's: read by that call's expands alone), and its empty
-        # outputs (no scales, global scales or node tensors), one each: never written
-        self._row_base = torch.empty((heap.world_size, layout.num_local_experts),
-                                     dtype=torch.int64, device=heap.device)
-        self._no_scales, self._no_global_scale = (
-            torch.empty(0, dtype=torch.float32, device=heap.device) for _ in range(2))
-        self._no_node_tensors = tuple(torch.empty(0, dtype=torch.int32, device=heap.device)
-                                      for _ in range(3))
         self.id = next(_ids)
         self.launches: collections.Counter[str] = collections.Counter()
         self.host_syncs: collections.Counter[str] = collections.Counter()
-        self._dispatch_serial = 0
         self._failure: str | None = None
         self._stats = layout.view(heap, "stats")
         self._xstats = layout.view(heap, "xstats")
         self.ranks_per_node, self.num_nodes = layout.ranks_per_node, layout.num_nodes
         self.hierarchical = layout.hierarchical
-        self._plan = None
         if proxy is not None:
-            self._plan = torch.tensor(plan_values(layout, heap.rank), dtype=torch.int64,
-                                      device=heap.device)
             for region, index in never_signalled(layout, heap.rank):
                 layout.view(heap, region)[index] = NEVER  # waits see them arrived
-        self._combine_refusal = 0  # a refused combine's descriptor while it takes part (else 0)
         self._last_handle = None  # the latest dispatch's handle (a refused combine's)
         self.own_process = own_process
         # per format, whether a call's rounds run in one launch per op (decided once)
         self.plan = plan.with_one_launch(self.flavour, own_process, proxy is not None,
                                          self.ep_invariant)
-        # fault tolerance: the word in which that program publishes each round's decision;
-        # a dispatch's one launch: its own two (its decisions, the epoch whose outputs it
-        # filled) and the [rounds, R] sources of its rounds (row 0: round 0's send writes it)
-        ft = self.fault_tolerant
-        self.fault = FaultPolicy(self.channels, self.flavour, proxy, enabled=ft,
+        self.fault = FaultPolicy(self.channels, self.flavour, proxy, enabled=self.fault_tolerant,
                                  timeout_s=self.timeout_s, launches=self.launches,
                                  observe_through=self._checking_transport)
         self.ll_engine = LowLatencyEngine(
@@ -350,17 +319,10 @@ class Buffer(NormalMode):
             checked=self._checked, check_usable=self._check_usable,
             checking_transport=self._checking_transport, mark_failed=self._mark_failed,
             refusal_inputs=functools.partial(refusal_inputs, self))
-        self._combine_live = None  # the last normal combine's arrived sources (None: all)
-        # calls in rounds: each round waits apart and knows its sources (moe_comm.normal_mode)
-        self._ft_rounds = ft and layout.rounds > 1
-        self._ft_decided = torch.zeros(1, dtype=torch.int64, device=heap.device) if ft else None
-        self._ft_dispatch_words = (torch.zeros(2, dtype=torch.int64, device=heap.device)
-                                   if ft else None)
-        self._ft_dispatch_live = (torch.zeros((layout.rounds, self.world_size),
-                                              dtype=torch.int32, device=heap.device)
-                                  if ft else None)
-        self._ft_dispatch_live0 = (None if self._ft_dispatch_live is None
-                                   else self._ft_dispatch_live[0])
+        self.normal_engine = NormalEngine(
+            self, stats=self._stats, xstats=self._xstats, bound=self._bound,
+            check_usable=self._check_usable, checking_transport=self._checking_transport,
+            mark_failed=self._mark_failed)
         _registry.register(self)
 
     def _default_flavour(self, on_gpu: bool) -> Flavour:
@@ -480,7 +442,7 @@ class Buffer(NormalMode):
     @property
     def dispatch_serial(self) -> int:
         """Number of forward dispatches completed; a handle is valid for combine while current."""
-        return self._dispatch_serial
+        return self.normal_engine.dispatch_serial
 
     @property
     def workspace_bytes(self) -> int:
@@ -654,7 +616,8 @@ class Buffer(NormalMode):
         if empty is None:
             return
         with torch.no_grad():
-            self.dispatch_recv(self.dispatch_send(*empty, None, refusal=refusal(error)), 1)
+            engine = self.normal_engine
+            engine.dispatch_recv(engine.dispatch_send(*empty, None, refusal=refusal(error)), 1)
         try:  # this rank's own record of the call (every peer differs from a refusal)
             self._raise_input_errors("dispatch")
         except PeerInputError:
@@ -674,14 +637,15 @@ class Buffer(NormalMode):
         if refusal_inputs(self) is None or handle is None:
             return
         y = torch.zeros((handle.num_rows, self.hidden), dtype=self.dtype, device=self.device)
-        self._combine_refusal = refusal(error, combine=True)
+        engine = self.normal_engine
+        engine.combine_refusal = refusal(error, combine=True)
         try:
             with torch.no_grad():
                 combine_autograd(self, y, handle, None, False)
         except PeerInputError:  # (its own record: every peer differs)
             pass
         finally:
-            self._combine_refusal = 0
+            engine.combine_refusal = 0
 
     def _dispatch_inputs(self, x, topk_idx, topk_weights, expert_alignment, fp8, ue8m0: int,
                          col_major_scales, max_recv_rows=None, global_scale=None) -> tuple:
@@ -716,8 +680,8 @@ class Buffer(NormalMode):
         ``MOE_COMM_CHECK_INPUTS=0`` only what keeps the kernels inside their buffers."""
         if env.check_inputs():
             check_combine_inputs(y, handle, weights, buffer_id=self.id,
-                                 latest_serial=self._dispatch_serial, hidden=self.hidden,
-                                 dtype=self.dtype, device=self.device)
+                                 latest_serial=self.normal_engine.dispatch_serial,
+                                 hidden=self.hidden, dtype=self.dtype, device=self.device)
         else:
             check_combine_bounds(y, handle, weights, buffer_id=self.id, hidden=self.hidden,
                                  itemsize=self.dtype.itemsize)
@@ -761,9 +725,10 @@ class Buffer(NormalMode):
             self._refuse_dispatch(error)
             raise
         with torch.no_grad():
-            pending = self.dispatch_send(rows, topk_idx, topk_weights, scales, mode, ue8m0)
-            outs = self.dispatch_recv(pending, expert_alignment, col_major_scales,
-                                      slot_major=True)
+            engine = self.normal_engine
+            pending = engine.dispatch_send(rows, topk_idx, topk_weights, scales, mode, ue8m0)
+            outs = engine.dispatch_recv(pending, expert_alignment, col_major_scales,
+                                        slot_major=True)
         self._raise_input_errors("dispatch")
         return self._with_routing(wrap_dispatch_outputs(
             self, outs, topk_idx.shape[1], topk_weights is not None, mode, int(ue8m0), topk_idx),
@@ -818,7 +783,8 @@ class Buffer(NormalMode):
             idx = handle.topk_idx
             owner = (idx.clamp(min=0) // self.num_local_experts).clamp(max=self.world_size - 1)
             live = (torch.ones(self.world_size, dtype=torch.bool, device=self.device)
-                    if self._combine_live is None else self._combine_live != 0)
+                    if self.normal_engine.combine_live is None
+                    else self.normal_engine.combine_live != 0)
             if live.dim() == 2:  # rounds: token t summed in round t // ring_slots
                 window = torch.arange(idx.shape[0], device=self.device) // self.ring_slots
                 live = live[window]
@@ -927,7 +893,8 @@ class Buffer(NormalMode):
                 self.errors.raise_timeout(rank=self.rank, channel=channel,
                                           timeout_s=self.timeout_s)
             except PeerTimeoutError as exc:  # (a normal-mode wait records the source rank)
-                via = (self._relay_of(exc.peer, channel) if channel in CHANNEL_NAMES.values()
+                via = (relay_of(self.rank, exc.peer, channel, self.ranks_per_node,
+                                     self.hierarchical) if channel in CHANNEL_NAMES.values()
                        else None)
                 if via is None:
                     raise
@@ -945,77 +912,6 @@ class Buffer(NormalMode):
         if self._error_words[INPUT_RECORD] == 1:
             self.errors.raise_input_error(rank=self.rank, what=what)
 
-    def _start(self, channel: int) -> int:
-        if self.fault_tolerant:
-            self.fault.check_self()
-        self._check_usable()
-        epochs = self.channels.epochs  # (inline: every phase of every op starts here)
-        epochs[channel] += 1
-        return epochs[channel]
-
-    def _wait(self, pending: PendingSend, fusable: bool = False) -> bool:
-        """Every source published ``pending.epoch`` on its channel (bounded). CPU ranks poll
-        from the host and raise naming the missing peer; otherwise a one-program wait kernel
-        runs ahead of the receive on the stream (no synchronisation) and records a timeout,
-        after which no kernel of this rank publishes and the next check raises. ``fusable``:
-        the caller's next kernel can wait itself (``kernels.comm.wait_all_at_least``, or
-        ``wait_all_or_exclude`` for a fault-tolerant Buffer): where the wait would be a kernel
-        nothing is launched here and True is returned."""
-        channel = CHANNEL_NAMES[pending.channel]
-        combine = pending.channel == COMBINE  # (its words: epoch << 32 | descriptor << 18)
-        shift = EPOCH_SHIFT.value if combine else 0
-        if fusable and self.flavour.device_wait:
-            return True
-        if not self.flavour.device_wait:
-            words = self.channels.signal_words[pending.channel]
-            if self.fault_tolerant:  # sources that stay silent are excluded, the call goes on
-                seconds = self.fault.wait(epochs_of(words, shift), pending.epoch, channel)
-                if None in seconds:
-                    pending.live = torch.tensor([t is not None for t in seconds],
-                                                dtype=torch.int32, device=self.device)
-            else:
-                self._wait_words(words, pending.epoch, list(range(self.world_size)), channel,
-                                 shift)
-            if combine:  # a source with another descriptor (the kernels' check, on the host)
-                self.errors.check_signal_words(words, pending.epoch, self.rank)
-            return False
-        if self.fault_tolerant:
-            self._ft_wait_kernel(pending)
-            self._check_usable(channel)
-            return False
-        signals = self.channels.signals_of[pending.channel]
-        key = ("wait_epochs", pending.channel, specs((signals,)))
-        if not call_bound(self._bound, key, (signals,)):
-            tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
-            launch(self._bound, key, wait_epochs_kernel, (1,),
-                   (signals, self.channels.words[pending.channel][1], self.flavour.errors_addr,
-                    self.flavour.timeout_ns, self.world_size, self.rank),
-                   dict(BLOCK_R=triton.next_power_of_2(self.world_size),
-                        NUM_THREADS=tile.num_threads, COMBINE=combine,
-                        **tile.launch_options()), ("signals",))
-        self.launches["wait"] += 1
-        self._check_usable(channel)
-        return False
-
-    def _ft_wait_kernel(self, pending: PendingSend) -> None:
-        """The in-kernel wait of a fault-tolerant Buffer: ``pending.live`` [R] int32 (1 where
-        the source arrived), written on the device (no synchronisation)."""
-        R = self.world_size
-        pending.live = torch.empty(R, dtype=torch.int32, device=self.device)
-        signals = self.channels.signals_of[pending.channel]
-        key = ("ft_wait_epochs", pending.channel, specs((signals, pending.live)))
-        if not call_bound(self._bound, key, (signals, pending.live)):
-            tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
-            launch(self._bound, key, ft_wait_epochs_kernel, (1,),
-                   (signals, self.channels.words[pending.channel][1], pending.live,
-                    self.heap.peer_ptrs, self.flavour.mask_off, *self.flavour.args(), R,
-                    self.rank),
-                   dict(TRANSPORT=self.flavour.transport, BLOCK_R=triton.next_power_of_2(R),
-                        NUM_THREADS=tile.num_threads, COMBINE=pending.channel == COMBINE,
-                        **tile.launch_options()),
-                   ("signals", "live"))
-        self.launches["wait"] += 1
-
     def _checking_transport(self, observe):
         """``observe`` for a host wait; through the proxy it raises a transport failure first."""
         if self.proxy is None:
@@ -1027,59 +923,3 @@ class Buffer(NormalMode):
             return observe()
 
         return checked
-
-    def _wait_words(self, words, expected: int, peers: list[int], channel: str,
-                    shift: int = 0) -> None:
-        """Host wait until ``words[i] >= expected`` for all i (``words``: local signal words, a
-        tensor or a numpy view; word i is published for rank ``peers[i]``; ``shift``: the
-        epoch's place, EPOCH_SHIFT in a combine's). Through the proxy a transport failure raises
-        at once; a timeout names the rank, and in hierarchical mode the rank of this node that
-        forwards it."""
-        if isinstance(words, torch.Tensor):
-            words = words.numpy()
-        try:
-            wait_for_epochs(self._checking_transport(epochs_of(words, shift)), expected,
-                            timeout_s=self.timeout_s, rank=self.rank, channel=channel)
-        except PeerTimeoutError as exc:
-            if isinstance(exc, TransportError) or peers == list(range(len(peers))) \
-                    and not self.hierarchical:
-                raise
-            peer = peers[exc.peer]
-            raise PeerTimeoutError(self.rank, peer, channel, exc.expected, exc.observed,
-                                   self.timeout_s, via=self._relay_of(peer, channel)) from None
-
-    def _wait_relayed(self, words: torch.Tensor, epoch: int, peers: list[int],
-                      channel: int) -> None:
-        """A hierarchical forwarder's inputs of ``channel``'s epoch ``epoch``: ``words[i] >=
-        epoch``, word i published for rank ``peers[i]`` (equally spaced ranks). A host wait, or
-        with the waits in the kernels a one-program wait kernel ahead of the forwarder's launch
-        (``kernels.comm.wait_relayed_epochs_kernel``: it reads the epoch on the device, and a
-        timeout names the rank)."""
-        name = CHANNEL_NAMES[channel]
-        if not self.flavour.device_wait:
-            self._wait_words(words, epoch, peers, name,
-                             EPOCH_SHIFT.value if channel == COMBINE else 0)
-            return
-        key = ("wait_relayed", channel, specs((words,)))
-        if not call_bound(self._bound, key, (words,)):
-            tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
-            step = peers[1] - peers[0] if len(peers) > 1 else 1
-            launch(self._bound, key, wait_relayed_epochs_kernel, (1,),
-                   (words, self.channels.words[channel][1], self.flavour.errors_addr,
-                    self.flavour.timeout_ns, len(peers), peers[0], step),
-                   dict(BLOCK_R=triton.next_power_of_2(len(peers)),
-                        NUM_THREADS=tile.num_threads,
-                        SHIFT=EPOCH_SHIFT.value if channel == COMBINE else 0,
-                        **tile.launch_options()), ("words",))
-        self.launches["wait"] += 1
-        self._check_usable(name)
-
-    def _relay_of(self, peer: int, channel: str) -> int | None:
-        """Hierarchical: the rank that forwards ``peer``'s epoch of ``channel`` to this rank
-        (dispatch: this node's rank with the peer's local index; combine: the peer itself sends
-        its node's sums), None where the peer's own words come straight here."""
-        N = self.ranks_per_node
-        if not self.hierarchical or peer // N == self.rank // N:
-            return None
-        via = (self.rank // N) * N + peer % N if channel == "dispatch" else peer
-        return None if via == self.rank else via

@@ -10,6 +10,8 @@ Equivalent to, for a channel ``c`` (``workspace.DISPATCH`` or ``COMBINE``) of ra
     words[c]          = (tickets[c:c+1], epoch_words[c:c+1])
     signals_of[c]     = signals[c]                          # [R] int64, one word per source
     staging(c)        = (region(f"{name}_rows"), region(f"{name}_meta"))
+    staging_of[c]     = staging(c)                          # made at set-up
+    dispatch_counts   = region("dispatch_counts")           # made at set-up
     send_offsets(c)   = {"rows": (offset of me's slice in parity 0, bytes per parity), ...}
 """
 from __future__ import annotations
@@ -43,6 +45,9 @@ class Channels:
         self.signals_of = tuple(self.signals[c] for c in (DISPATCH, COMBINE))
         self.regions: dict[str, torch.Tensor] = {}
         self._views: dict = {}
+        # what every normal-mode call reads, made once (attributes: no call per op)
+        self.staging_of = tuple(self.staging(c) for c in (DISPATCH, COMBINE))
+        self.dispatch_counts = self.region("dispatch_counts")
 
     def region(self, name: str) -> torch.Tensor:
         """The workspace region ``name`` over this rank's segment, made once."""

@@ -262,17 +262,16 @@ class LowLatencyEngine:
     unusable, ``moe_comm._guard``). Nothing else of the Buffer is read or written here.
     """
 
+    _READS = ("id", "rank", "world_size", "hidden", "dtype", "device", "num_experts",
+              "num_local_experts", "max_tokens_per_rank", "max_topk", "num_sms", "timeout_s",
+              "kernel_impl", "flavour", "fault_tolerant", "heap", "layout", "channels",
+              "errors", "fault", "launches")
+
     def __init__(self, buffer, *, stats: torch.Tensor, bound, kernel_impl_auto: bool,
                  checked, check_usable, checking_transport, mark_failed, refusal_inputs):
-        self.id, self.rank, self.world_size = buffer.id, buffer.rank, buffer.world_size
-        self.hidden, self.dtype, self.device = buffer.hidden, buffer.dtype, buffer.device
-        self.num_experts, self.num_local_experts = buffer.num_experts, buffer.num_local_experts
-        self.max_tokens_per_rank, self.max_topk = buffer.max_tokens_per_rank, buffer.max_topk
-        self.num_sms, self.timeout_s = buffer.num_sms, buffer.timeout_s
-        self.kernel_impl, self.kernel_impl_auto = buffer.kernel_impl, kernel_impl_auto
-        self.flavour, self.fault_tolerant = buffer.flavour, buffer.fault_tolerant
-        self.heap, self.layout, self.channels = buffer.heap, buffer.layout, buffer.channels
-        self.errors, self.fault, self.launches = buffer.errors, buffer.fault, buffer.launches
+        for name in self._READS:
+            setattr(self, name, getattr(buffer, name))
+        self.kernel_impl_auto = kernel_impl_auto
         self._stats, self._bound = stats, bound
         self._checked, self._check_usable = checked, check_usable
         self._checking_transport, self._mark_failed = checking_transport, mark_failed

@@ -98,3 +98,16 @@ def never_signalled(layout: WorkspaceLayout, rank: int) -> list[tuple[str, tuple
     words += [("signals", (1, p)) for p in range(R)
               if p // N != node and p % N != local and not layout.invariant]
     return words
+
+
+def relay_of(rank: int, peer: int, channel: str, ranks_per_node: int,
+             hierarchical: bool) -> int | None:
+    """Hierarchical: the rank that forwards ``peer``'s epoch of ``channel`` ("dispatch" or
+    "combine") to ``rank`` (dispatch: ``rank``'s node's rank with the peer's local index;
+    combine: the peer itself sends its node's sums), None where the peer's own words come
+    straight to ``rank``."""
+    N = ranks_per_node
+    if not hierarchical or peer // N == rank // N:
+        return None
+    via = (rank // N) * N + peer % N if channel == "dispatch" else peer
+    return None if via == rank else via

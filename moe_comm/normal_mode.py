@@ -1,7 +1,8 @@
 """Normal mode (training, prefill): the send and receive phases of dispatch and combine.
 
-A mixin of ``Buffer``: each phase is a method, called with validated inputs by the custom ops
-(``moe_comm.ops``) and by the loopback driver (``moe_comm.testing.lockstep``). Launch counts go to
+``NormalEngine``, a component of ``Buffer`` (``buf.normal_engine``): each phase is a method,
+called with validated inputs by the custom ops (``moe_comm.ops``) and by the loopback driver
+(``moe_comm.testing.lockstep``). Launch counts go to
 ``self.launches``: dispatch = layout (2: count, place) + send + received layout + expand,
 combine = send + reduce (reduce skipped for T = 0); the cached dispatch (combine's backward) is
 send + expand; with waits in kernels the received layout waits itself (no launch of its own)
@@ -118,9 +119,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from ._guard import poisons_buffer_on_error, run_steps
 from .call_descriptor import combine_descriptor, dispatch_descriptor
+from .channels import CHANNEL_NAMES
 from .host_sync import read_int
 from .kernels import combine as combine_kernels
 from .kernels import combine_rounds as combine_rounds_kernels
@@ -129,9 +132,22 @@ from .kernels import dispatch_rounds as dispatch_rounds_kernels
 from .kernels import internode
 from .kernels import invariant as invariant_kernels
 from .kernels import invariant_rounds as invariant_rounds_kernels
-from .kernels.layout import ring_positions, routing_layout
+from .kernels.bound import call_bound, launch, specs
+from .kernels.comm import (
+    EPOCH_SHIFT,
+    PeerTimeoutError,
+    epochs_of,
+    ft_wait_epochs_kernel,
+    wait_epochs_kernel,
+    wait_for_epochs,
+    wait_relayed_epochs_kernel,
+)
+from .kernels.layout import layout_scratch, ring_positions, routing_layout
 from .kernels.quant import MXFP8, NVFP4, scale_group
 from .kernels.rows import payload_bytes, sent_elem_bytes
+from .kernels.tiles import tiles
+from .nodes import plan_values, relay_of
+from .transport.errors import TransportError
 from .types import DispatchOutputs
 from .workspace import COMBINE, DISPATCH
 
@@ -214,7 +230,198 @@ def fp8_scales_out(rows: int, groups: int, ue8m0: int, col_major: bool, device,
     return memory, memory, (width, 1)
 
 
-class NormalMode:
+class NormalEngine:
+    """The normal mode of one Buffer (``buf.normal_engine``): its phases, its waits for the
+    peers' epochs, its per-channel launch offsets, its scratch and fault-tolerance words, and
+    the serial of the latest dispatch. The custom ops (``moe_comm.ops``) and the loopback
+    driver (``moe_comm.testing.lockstep``) call its phases.
+
+    It reads the Buffer once, when the Buffer is set up: the configuration, the components it
+    shares (heap, layout, plan, channels, error record, fault policy, launch and host-sync
+    counts, bound launches, the byte counters) and three of the Buffer's checks, which it calls
+    afterwards: ``check_usable`` (an earlier failure or a recorded timeout raises),
+    ``checking_transport`` (a host wait sees the proxy fail) and ``mark_failed`` (a failed
+    phase makes the Buffer unusable, ``moe_comm._guard``). Nothing else of the Buffer is read
+    or written here.
+    """
+
+    _READS = ("id", "rank", "world_size", "hidden", "dtype", "device", "num_experts",
+              "num_local_experts", "max_tokens_per_rank", "max_topk", "num_sms", "timeout_s",
+              "flavour", "fault_tolerant", "ep_invariant", "heap", "layout", "plan", "proxy",
+              "channels", "errors", "fault", "launches", "host_syncs", "hierarchical",
+              "ranks_per_node", "num_nodes")
+
+    def __init__(self, buffer, *, stats: torch.Tensor, xstats: torch.Tensor, bound,
+                 check_usable, checking_transport, mark_failed):
+        for name in self._READS:
+            setattr(self, name, getattr(buffer, name))
+        self._stats, self._xstats, self._bound = stats, xstats, bound
+        self._check_usable, self._checking_transport = check_usable, checking_transport
+        self._mark_failed = mark_failed
+        layout, device = self.layout, self.device
+        R, L = self.world_size, self.num_local_experts
+        self._row_bytes = self.hidden * self.dtype.itemsize
+        self._offsets: dict = {}  # per-channel launch offsets, made once
+        self._scratch: dict = {}  # kernels' scratch tensors, made once (kernels.combine)
+        self._layout_scratch = layout_scratch(layout.max_tokens, R, self.num_experts,
+                                              self.flavour, device, layout.max_topk)
+        # a dispatch's row_base (round 0's: read by that call's expands alone), and its empty
+        # outputs (no scales, global scales or node tensors), one each: never written
+        self._row_base = torch.empty((R, L), dtype=torch.int64, device=device)
+        self._no_scales, self._no_global_scale = (
+            torch.empty(0, dtype=torch.float32, device=device) for _ in range(2))
+        self._no_node_tensors = tuple(torch.empty(0, dtype=torch.int32, device=device)
+                                      for _ in range(3))
+        # the proxy's plan words (moe_comm.nodes.plan_values), read by the internode kernels
+        self._plan = (None if self.proxy is None else torch.tensor(
+            plan_values(layout, self.rank), dtype=torch.int64, device=device))
+        self.dispatch_serial = 0  # forward dispatches completed (a handle's validity)
+        self.combine_refusal = 0  # a refused combine's descriptor while it takes part (else 0)
+        self.combine_live = None  # the last combine's arrived sources (None: all)
+        # fault tolerance: the word in which that program publishes each round's decision;
+        # a dispatch's one launch: its own two (its decisions, the epoch whose outputs it
+        # filled) and the [rounds, R] sources of its rounds (row 0: round 0's send writes it);
+        # calls in rounds: each round waits apart and knows its sources
+        ft = self.fault_tolerant
+        self._ft_rounds = ft and layout.rounds > 1
+        self._ft_decided = torch.zeros(1, dtype=torch.int64, device=device) if ft else None
+        self._ft_dispatch_words = (torch.zeros(2, dtype=torch.int64, device=device)
+                                   if ft else None)
+        self._ft_dispatch_live = (torch.zeros((layout.rounds, R), dtype=torch.int32,
+                                              device=device) if ft else None)
+        self._ft_dispatch_live0 = (None if self._ft_dispatch_live is None
+                                   else self._ft_dispatch_live[0])
+
+    # ----------------------------------------------------------------- waits
+    def _open(self, channel: int) -> int:
+        """The epoch of a send phase's first round (its guard has just checked the Buffer)."""
+        if self.fault_tolerant:
+            self.fault.check_self()
+        epochs = self.channels.epochs  # (inline: every phase of every op starts here)
+        epochs[channel] += 1
+        return epochs[channel]
+
+    def _start(self, channel: int) -> int:
+        """The epoch of a later round: ``_open`` after the Buffer is checked again."""
+        if self.fault_tolerant:
+            self.fault.check_self()
+        self._check_usable()
+        epochs = self.channels.epochs  # (inline: every round starts here)
+        epochs[channel] += 1
+        return epochs[channel]
+
+    def _wait(self, pending: PendingSend, fusable: bool = False) -> bool:
+        """Every source published ``pending.epoch`` on its channel (bounded). CPU ranks poll
+        from the host and raise naming the missing peer; otherwise a one-program wait kernel
+        runs ahead of the receive on the stream (no synchronisation) and records a timeout,
+        after which no kernel of this rank publishes and the next check raises. ``fusable``:
+        the caller's next kernel can wait itself (``kernels.comm.wait_all_at_least``, or
+        ``wait_all_or_exclude`` for a fault-tolerant Buffer): where the wait would be a kernel
+        nothing is launched here and True is returned."""
+        channel = CHANNEL_NAMES[pending.channel]
+        combine = pending.channel == COMBINE  # (its words: epoch << 32 | descriptor << 18)
+        shift = EPOCH_SHIFT.value if combine else 0
+        if fusable and self.flavour.device_wait:
+            return True
+        if not self.flavour.device_wait:
+            words = self.channels.signal_words[pending.channel]
+            if self.fault_tolerant:  # sources that stay silent are excluded, the call goes on
+                seconds = self.fault.wait(epochs_of(words, shift), pending.epoch, channel)
+                if None in seconds:
+                    pending.live = torch.tensor([t is not None for t in seconds],
+                                                dtype=torch.int32, device=self.device)
+            else:
+                self._wait_words(words, pending.epoch, list(range(self.world_size)), channel,
+                                 shift)
+            if combine:  # a source with another descriptor (the kernels' check, on the host)
+                self.errors.check_signal_words(words, pending.epoch, self.rank)
+            return False
+        if self.fault_tolerant:
+            self._ft_wait_kernel(pending)
+            self._check_usable(channel)
+            return False
+        signals = self.channels.signals_of[pending.channel]
+        key = ("wait_epochs", pending.channel, specs((signals,)))
+        if not call_bound(self._bound, key, (signals,)):
+            tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
+            launch(self._bound, key, wait_epochs_kernel, (1,),
+                   (signals, self.channels.words[pending.channel][1], self.flavour.errors_addr,
+                    self.flavour.timeout_ns, self.world_size, self.rank),
+                   dict(BLOCK_R=triton.next_power_of_2(self.world_size),
+                        NUM_THREADS=tile.num_threads, COMBINE=combine,
+                        **tile.launch_options()), ("signals",))
+        self.launches["wait"] += 1
+        self._check_usable(channel)
+        return False
+
+    def _ft_wait_kernel(self, pending: PendingSend) -> None:
+        """The in-kernel wait of a fault-tolerant Buffer: ``pending.live`` [R] int32 (1 where
+        the source arrived), written on the device (no synchronisation)."""
+        R = self.world_size
+        pending.live = torch.empty(R, dtype=torch.int32, device=self.device)
+        signals = self.channels.signals_of[pending.channel]
+        key = ("ft_wait_epochs", pending.channel, specs((signals, pending.live)))
+        if not call_bound(self._bound, key, (signals, pending.live)):
+            tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
+            launch(self._bound, key, ft_wait_epochs_kernel, (1,),
+                   (signals, self.channels.words[pending.channel][1], pending.live,
+                    self.heap.peer_ptrs, self.flavour.mask_off, *self.flavour.args(), R,
+                    self.rank),
+                   dict(TRANSPORT=self.flavour.transport, BLOCK_R=triton.next_power_of_2(R),
+                        NUM_THREADS=tile.num_threads, COMBINE=pending.channel == COMBINE,
+                        **tile.launch_options()),
+                   ("signals", "live"))
+        self.launches["wait"] += 1
+
+    def _wait_words(self, words, expected: int, peers: list[int], channel: str,
+                    shift: int = 0) -> None:
+        """Host wait until ``words[i] >= expected`` for all i (``words``: local signal words, a
+        tensor or a numpy view; word i is published for rank ``peers[i]``; ``shift``: the
+        epoch's place, EPOCH_SHIFT in a combine's). Through the proxy a transport failure raises
+        at once; a timeout names the rank, and in hierarchical mode the rank of this node that
+        forwards it."""
+        if isinstance(words, torch.Tensor):
+            words = words.numpy()
+        try:
+            wait_for_epochs(self._checking_transport(epochs_of(words, shift)), expected,
+                            timeout_s=self.timeout_s, rank=self.rank, channel=channel)
+        except PeerTimeoutError as exc:
+            if isinstance(exc, TransportError) or peers == list(range(len(peers))) \
+                    and not self.hierarchical:
+                raise
+            peer = peers[exc.peer]
+            raise PeerTimeoutError(self.rank, peer, channel, exc.expected, exc.observed,
+                                   self.timeout_s, via=relay_of(
+                self.rank, peer, channel, self.ranks_per_node, self.hierarchical)) from None
+
+    def _wait_relayed(self, words: torch.Tensor, epoch: int, peers: list[int],
+                      channel: int) -> None:
+        """A hierarchical forwarder's inputs of ``channel``'s epoch ``epoch``: ``words[i] >=
+        epoch``, word i published for rank ``peers[i]`` (equally spaced ranks). A host wait, or
+        with the waits in the kernels a one-program wait kernel ahead of the forwarder's launch
+        (``kernels.comm.wait_relayed_epochs_kernel``: it reads the epoch on the device, and a
+        timeout names the rank)."""
+        name = CHANNEL_NAMES[channel]
+        if not self.flavour.device_wait:
+            self._wait_words(words, epoch, peers, name,
+                             EPOCH_SHIFT.value if channel == COMBINE else 0)
+            return
+        key = ("wait_relayed", channel, specs((words,)))
+        if not call_bound(self._bound, key, (words,)):
+            tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
+            step = peers[1] - peers[0] if len(peers) > 1 else 1
+            launch(self._bound, key, wait_relayed_epochs_kernel, (1,),
+                   (words, self.channels.words[channel][1], self.flavour.errors_addr,
+                    self.flavour.timeout_ns, len(peers), peers[0], step),
+                   dict(BLOCK_R=triton.next_power_of_2(len(peers)),
+                        NUM_THREADS=tile.num_threads,
+                        SHIFT=EPOCH_SHIFT.value if channel == COMBINE else 0,
+                        **tile.launch_options()), ("words",))
+        self.launches["wait"] += 1
+        self._check_usable(name)
+
+
+    # ----------------------------------------------------------------- phases
     def _rdma_offsets(self, channel: int) -> tuple:
         """(byte offset of parity 0, bytes per parity) of the outboxes NVSHMEM puts read, or
         through the proxy, flat, those a dispatch send fills (target 0's; zeros without
@@ -243,7 +450,7 @@ class NormalMode:
         source and lay them out (``kernels.dispatch.dispatch_send``, ``lay_out``): a launch
         less. The counts carry the call's descriptor (``moe_comm.call_descriptor``), or
         ``refusal`` (a refused call's: no rows)."""
-        epoch = self._start(DISPATCH)
+        epoch = self._open(DISPATCH)
         x = x.contiguous()
         topk_idx = topk_idx.contiguous()  # (the layout drops the choices of excluded ranks)
         topk_weights = None if topk_weights is None else topk_weights.contiguous()
@@ -326,7 +533,7 @@ class NormalMode:
         if received is not None:  # the last program waits for every source and lays them out
             *outs, every_round, alignment = received
             channels = self.channels
-            lay_out = (channels.region("dispatch_counts"), channels.signals_of[DISPATCH], *outs,
+            lay_out = (channels.dispatch_counts, channels.signals_of[DISPATCH], *outs,
                        self._round_view(every_round, 0), alignment)
         self._send_window(x, scales, idx, weights, pos, ring, counts, stream.topk, stream.fp8,
                           stream.ue8m0, t_base, lay_out)
@@ -500,7 +707,7 @@ class NormalMode:
             pending.live = within if pending.live is None else pending.live * within
         self.launches["received_layout"] += 1
         layout = dispatch_kernels.received_layout(
-            self.channels.region("dispatch_counts"), self.channels.signals_of[DISPATCH],
+            self.channels.dispatch_counts, self.channels.signals_of[DISPATCH],
             self.channels.words[DISPATCH][1], pending.live,
             world_size=self.world_size, num_local_experts=self.num_local_experts,
             alignment=expert_alignment, wait=fused, flavour=self.flavour,
@@ -609,7 +816,7 @@ class NormalMode:
                                   global_scale, fwd_slots, fwd_n)
             self._check_usable("dispatch")  # its waits ran in the kernel: a timeout shows now
         else:
-            staging, meta = self.channels.staging(DISPATCH)
+            staging, meta = self.channels.staging_of[DISPATCH]
             expand = functools.partial(
                 dispatch_kernels.dispatch_expand, staging.view(torch.uint8) if fp8 else staging,
                 meta, self.channels.words[DISPATCH][1])
@@ -646,7 +853,7 @@ class NormalMode:
                     view, row_base, tokens_per_expert, expert_offsets, *outputs, **options)
         if pending.ue8m0 >= MXFP8:  # rows of G bytes (contiguous unless G % 4)
             scales = scales.contiguous()
-        self._dispatch_serial += 1
+        self.dispatch_serial += 1
         node_slot_of = pending.node_slot_of if pending.node_slot_of is not None \
             else self._no_node_tensors[0]
         return DispatchOutputs(
@@ -692,7 +899,7 @@ class NormalMode:
         if fixed is None:
             ticket = dispatch_rounds_kernels.ROUNDS_TICKET  # its own: not the send grid
             fixed = self._offsets[("rounds", DISPATCH)] = (
-                *self.channels.staging(DISPATCH), self.channels.region("dispatch_counts"),
+                *self.channels.staging_of[DISPATCH], self.channels.dispatch_counts,
                 self.heap.peer_ptrs, self._stats, self.channels.tickets[ticket:ticket + 1],
                 self.channels.words[DISPATCH][1], self.channels.signals_of[DISPATCH])
         return fixed
@@ -736,7 +943,7 @@ class NormalMode:
         """Send phase of a dispatch that reuses an earlier layout (the backward of combine).
         Where its rounds run in one launch (``kernels.dispatch_rounds``, cached) nothing is
         sent here: the receive launches every round."""
-        epoch = self._start(DISPATCH)
+        epoch = self._open(DISPATCH)
         x = x.contiguous()
         later = None
         counts = self._cached_target_counts(slot_of)
@@ -801,7 +1008,7 @@ class NormalMode:
         alloc = torch.empty if pending.live is None and not self._ft_rounds else torch.zeros
         live = pending.live
         out = alloc((num_rows, self.hidden), dtype=self.dtype, device=self.device)
-        staging, _ = self.channels.staging(DISPATCH)
+        staging, _ = self.channels.staging_of[DISPATCH]
         for i in range(self.layout.rounds):
             if i:
                 epoch = self._start(DISPATCH)
@@ -831,7 +1038,7 @@ class NormalMode:
         per 128 channels (``kernels.combine``). An EP-invariant Buffer puts every (slot,
         choice) row home on its own instead (``kernels.invariant``; ``src_token``: the
         dispatch's, each row's token on its home rank)."""
-        epoch = self._start(COMBINE)
+        epoch = self._open(COMBINE)
         topk = slot_rows.shape[1]
         y = y.contiguous()
         if self.plan.combine_in_one_launch[fp8, pair_values is not None]:  # in the receive
@@ -862,7 +1069,7 @@ class NormalMode:
             max_topk=self.max_topk, ring_slots=self.layout.ring_slots, num_sms=self.num_sms,
             flavour=self.flavour, bound=self._bound,
             xstats=self._xstats if self.proxy is not None else None,
-            descriptor=self._combine_refusal or combine_descriptor(fp8))
+            descriptor=self.combine_refusal or combine_descriptor(fp8))
 
     def _invariant_offsets(self) -> dict:
         """``kernels.invariant.invariant_send``'s offsets, made once."""
@@ -892,7 +1099,7 @@ class NormalMode:
             topk=slot_rows.shape[1], max_topk=self.max_topk, max_tokens=self.layout.ring_slots,
             num_sms=self.num_sms, flavour=self.flavour, box_offsets=boxes, xstats=self._xstats,
             plan=self._plan, fp8=fp8, bound=self._bound, scratch=self._scratch,
-            descriptor=self._combine_refusal or combine_descriptor(fp8))
+            descriptor=self.combine_refusal or combine_descriptor(fp8))
         if self.hierarchical:
             self._forward_combine(self.channels.epochs[COMBINE],
                                   *self._round_nodes(fwd_slots, fwd_n, i),
@@ -913,8 +1120,8 @@ class NormalMode:
             (_, epochs), offsets, _ = self._send_fixed(COMBINE)
             ticket = combine_rounds_kernels.ROUNDS_TICKET  # its own: not the send grid
             fixed = self._offsets[("rounds", COMBINE)] = (
-                *self.channels.staging(COMBINE), self.channels.tickets[ticket:ticket + 1], epochs,
-                self.channels.signals_of[COMBINE], offsets, self._rdma_offsets(COMBINE))
+                *self.channels.staging_of[COMBINE], self.channels.tickets[ticket:ticket + 1],
+                epochs, self.channels.signals_of[COMBINE], offsets, self._rdma_offsets(COMBINE))
         staging, meta, tickets, epochs, signals, offsets, boxes = fixed
         live = self._rounds_live_words()
         self.launches["combine_rounds"] += combine_rounds_kernels.combine_rounds(
@@ -927,7 +1134,7 @@ class NormalMode:
             xstats=self._xstats if self.proxy is not None else None, plan=self._plan,
             box_offsets=boxes, node=self._forwarder_tensors(node_slot_of, fwd_slots, fwd_n)
             if self.hierarchical else None,
-            descriptor=self._combine_refusal or combine_descriptor(fp8))
+            descriptor=self.combine_refusal or combine_descriptor(fp8))
         return live
 
     def _forwarder_tensors(self, node_slot_of, fwd_slots, fwd_n) -> tuple:
@@ -974,7 +1181,7 @@ class NormalMode:
             offsets_stride=self._round_stride(), num_sms=self.num_sms, flavour=self.flavour,
             bound=self._bound, live=live, decided=self._ft_decided,
             xstats=self._xstats if self.proxy is not None else None,
-            descriptor=self._combine_refusal or combine_descriptor(False))
+            descriptor=self.combine_refusal or combine_descriptor(False))
         return live
 
     def combine_recv(self, pending: PendingSend, slot_of, want_pair: bool, node_slot_of=None,
@@ -995,14 +1202,14 @@ class NormalMode:
         pair_out = torch.empty((T, pending.topk) if want_pair else (0,), dtype=torch.float32,
                                device=dev)
         if pending.all_rounds is not None:  # (slot_of: the dispatch's ring positions)
-            self._combine_live = pending.all_rounds(slot_of, out, pair_out if want_pair else None,
+            self.combine_live = pending.all_rounds(slot_of, out, pair_out if want_pair else None,
                                                     topk_idx, node_slot_of)
             self._check_usable("combine")  # its waits ran in the kernel: a timeout shows now
             return out, pair_out
         self._wait(pending)
         # partials of ranks that did not arrive are left out, each round by its own wait
         live, lives = pending.live, [pending.live]
-        staging, meta = self.channels.staging(COMBINE)
+        staging, meta = self.channels.staging_of[COMBINE]
         rounds, W = self.layout.rounds, self.layout.ring_slots
         ring = slot_of  # with several rounds the dispatch's ring positions (the handle's)
         for i in range(rounds):
@@ -1035,7 +1242,7 @@ class NormalMode:
                 node_rows=self.channels.region("hcomb_rows") if self.hierarchical else None,
                 node_meta=self.channels.region("hcomb_meta") if self.hierarchical else None,
                 node_slot_of=node_slots, live=live, fp8=pending.fp8 != 0, bound=self._bound)
-        self._combine_live = live if rounds == 1 else self._rounds_live(lives)
+        self.combine_live = live if rounds == 1 else self._rounds_live(lives)
         return out, pair_out
 
     def _rounds_live(self, lives: list) -> torch.Tensor | None:

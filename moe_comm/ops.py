@@ -51,8 +51,10 @@ def dispatch_op(buffer_id: str, x: Tensor, x_scales: Optional[Tensor], topk_idx:
                            Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     buf = lookup(buffer_id)
     buf._ready()
-    pending = buf.dispatch_send(x, topk_idx, topk_weights, x_scales, fp8, ue8m0, expert_alignment)
-    outs = buf.dispatch_recv(pending, expert_alignment, col_major_scales, max_recv_rows)
+    engine = buf.normal_engine
+    pending = engine.dispatch_send(x, topk_idx, topk_weights, x_scales, fp8, ue8m0,
+                                   expert_alignment)
+    outs = engine.dispatch_recv(pending, expert_alignment, col_major_scales, max_recv_rows)
     buf._raise_input_errors("dispatch")
     return tuple(outs)
 
@@ -92,18 +94,18 @@ def _(buffer_id, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8, ue8
         tokens_per_expert=x.new_empty((L,), dtype=i64),
         expert_offsets=x.new_empty((L + 1,), dtype=i64),
         slot_of=x.new_empty((T, R), dtype=i32), slot_rows=x.new_empty((slots, K), dtype=i32),
-        slot_offsets=x.new_empty((buf.slot_offsets_size(),), dtype=i64),
+        slot_offsets=x.new_empty((buf.normal_engine.slot_offsets_size(),), dtype=i64),
         node_slot_of=node_slot_of, fwd_slots=fwd_slots, fwd_n=fwd_n,
         global_scale=x.new_empty((rows if nvfp4 else 0,), dtype=torch.float32)))
 
 
 def _node_fakes(buf, x, T):
     """node_slot_of [T, M], fwd_slots [rounds * M, W, N], fwd_n [rounds * S] (int32; empty
-    unless the Buffer is hierarchical; ``Buffer._forward_slot_shapes``)."""
+    unless the Buffer is hierarchical; ``NormalEngine._forward_slot_shapes``)."""
     i32 = torch.int32
     if not buf.hierarchical:
         return tuple(x.new_empty((0,), dtype=i32) for _ in range(3))
-    slots, counts = buf._forward_slot_shapes()
+    slots, counts = buf.normal_engine._forward_slot_shapes()
     return (x.new_empty((T, buf.num_nodes), dtype=i32), x.new_empty(slots, dtype=i32),
             x.new_empty(counts, dtype=i32))
 
@@ -117,9 +119,10 @@ def dispatch_cached_op(buffer_id: str, x: Tensor, slot_of: Tensor, slot_rows: Te
     buf = lookup(buffer_id)
     buf._ready()
     check_cached_rows(x, slot_of, hidden=buf.hidden, dtype=buf.dtype)
-    pending = buf.dispatch_cached_send(x, slot_of, node_slot_of)
-    return buf.dispatch_cached_recv(pending, slot_rows, recv_slot_offsets, tokens_per_expert,
-                                    expert_offsets, num_rows, fwd_slots, fwd_n)
+    engine = buf.normal_engine
+    pending = engine.dispatch_cached_send(x, slot_of, node_slot_of)
+    return engine.dispatch_cached_recv(pending, slot_rows, recv_slot_offsets, tokens_per_expert,
+                                       expert_offsets, num_rows, fwd_slots, fwd_n)
 
 
 @dispatch_cached_op.register_fake
@@ -141,10 +144,11 @@ def combine_op(buffer_id: str, y: Tensor, weights: Optional[Tensor],
     if buf.ep_invariant and (topk_idx is None or src_token is None):
         raise ValueError("an EP-invariant Buffer's combine needs the dispatch's topk_idx and "
                          "src_token (its handle carries them)")
-    pending = buf.combine_send(y, weights, pair_values, slot_rows, recv_slot_offsets, fwd_slots,
-                               fwd_n, fp8, src_token)
-    out = buf.combine_recv(pending, slot_of, want_pair=pair_values is not None,
-                           node_slot_of=node_slot_of, topk_idx=topk_idx)
+    engine = buf.normal_engine
+    pending = engine.combine_send(y, weights, pair_values, slot_rows, recv_slot_offsets,
+                                  fwd_slots, fwd_n, fp8, src_token)
+    out = engine.combine_recv(pending, slot_of, want_pair=pair_values is not None,
+                              node_slot_of=node_slot_of, topk_idx=topk_idx)
     buf._raise_input_errors("combine")  # (a peer that refused or sent another format)
     return out
 
@@ -281,7 +285,7 @@ def wrap_dispatch_outputs(buf, outs, topk: int, has_weights: bool, fp8: int, ue8
     ``src_rank``, which a slot-major dispatch's ``recv_x`` does not have)."""
     o = DispatchOutputs(*outs)
     invariant = buf.ep_invariant
-    handle = DispatchHandle(buf.id, buf.dispatch_serial, o.slot_of, o.slot_rows,
+    handle = DispatchHandle(buf.id, buf.normal_engine.dispatch_serial, o.slot_of, o.slot_rows,
                             o.slot_offsets, o.src_rank.shape[0], topk, o.tokens_per_expert,
                             o.expert_offsets, o.node_slot_of, o.fwd_slots, o.fwd_n,
                             topk_idx=topk_idx if invariant else None,

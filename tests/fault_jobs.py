@@ -83,16 +83,16 @@ def _doom(buf, kills: dict, rank: int, it: int) -> None:
     if point == "between":
         _die()
     if point == "after_dispatch_send":
-        send = buf.dispatch_send
+        send = buf.normal_engine.dispatch_send
 
         def send_then_die(*args, **kwargs):
             pending = send(*args, **kwargs)
             _die()
             return pending
 
-        buf.dispatch_send = send_then_die
+        buf.normal_engine.dispatch_send = send_then_die
     if point == "in_combine":
-        buf.combine_send = lambda *args, **kwargs: _die()
+        buf.normal_engine.combine_send = lambda *args, **kwargs: _die()
 
 
 def normal_mode_with_failures(rank, world_size, case: Case, kills: dict, calls: int,

@@ -65,10 +65,11 @@ def _die_in_round(buf, phase: str) -> None:
     """This rank's ``phase`` ("dispatch" or "combine") sends its round 0, then the process ends
     (SIGKILL) where round 1 would be sent (this rank's call launches per round to do so; its
     peers' may run their rounds in one launch: the rounds are the same on the link)."""
-    send = getattr(buf, f"{phase}_send")
+    engine = buf.normal_engine
+    send = getattr(engine, f"{phase}_send")
     table = f"{phase}_in_one_launch"
-    buf.plan = dataclasses.replace(buf.plan, **{table: dict.fromkeys(getattr(buf.plan, table),
-                                                                     False)})
+    engine.plan = dataclasses.replace(engine.plan, **{
+        table: dict.fromkeys(getattr(engine.plan, table), False)})
 
     def send_then_die_in_round_1(*args, **kwargs):
         pending = send(*args, **kwargs)
@@ -82,7 +83,7 @@ def _die_in_round(buf, phase: str) -> None:
         pending.send_round = round_or_die
         return pending
 
-    setattr(buf, f"{phase}_send", send_then_die_in_round_1)
+    setattr(engine, f"{phase}_send", send_then_die_in_round_1)
 
 
 def rounds_with_failures(rank, world_size, case: Case, kills: dict, calls: int, slots: int,
@@ -312,7 +313,7 @@ def dies_after_round_0(rank, world_size, case: Case, slots: int, victim: int,
     buf = _bounded_buffer(case, slots, timeout_s=wait_timeout_s, **buffer_kwargs)
     report = {"raised": None, "rounds": buf.rounds}
     if rank == victim:
-        buf._dispatch_rounds = lambda *args, **kwargs: _die()
+        buf.normal_engine._dispatch_rounds = lambda *args, **kwargs: _die()
     record_failure(report, lambda: buf.dispatch(xs[rank], idxs[rank], ws[rank]))
     report["launches"] = dict(buf.launches)
     return report

@@ -78,6 +78,7 @@ def test_combine_leaves_out_a_rank_excluded_after_its_rows_were_sent(in_kernels,
     excluded and sends no partials: the others' sums leave its stale, garbage-filled slice
     out."""
     bufs = _buffers(in_kernels)
+    engines = [buf.normal_engine for buf in bufs]
     for it in range(2):
         _full_call(bufs, it)
     it = 2
@@ -88,13 +89,13 @@ def test_combine_leaves_out_a_rank_excluded_after_its_rows_were_sent(in_kernels,
     live = [r for r in range(CASE.world_size) if r != DEAD]
     for r in live:
         _fill(bufs[r], "combine_rows", DEAD)
-    pending = {r: bufs[r].combine_send(expert_fn(got[r].x, got[r].expert_offsets),
-                                       got[r].weights, None, got[r].handle.slot_rows,
-                                       got[r].handle.recv_slot_offsets,
-                                       fp8=combine_dtype == "fp8") for r in live}
+    pending = {r: engines[r].combine_send(expert_fn(got[r].x, got[r].expert_offsets),
+                                          got[r].weights, None, got[r].handle.slot_rows,
+                                          got[r].handle.recv_slot_offsets,
+                                          fp8=combine_dtype == "fp8") for r in live}
     _, want = _reference(it, set(), {DEAD}, combine_dtype)
     for r in live:
-        out, _ = bufs[r].combine_recv(pending[r], got[r].handle.slot_of, want_pair=False)
+        out, _ = engines[r].combine_recv(pending[r], got[r].handle.slot_of, want_pair=False)
         assert not out.isnan().any(), f"rank {r}: the excluded rank's staging was summed"
         assert torch.equal(out, want[r]), f"rank {r}: combine differs"
 
@@ -107,25 +108,27 @@ def test_layout_sends_nothing_to_or_from_an_excluded_rank(survivors_in_kernels):
     no host read of the mask), so only the self-fence of its layout kernel stops its rows: the
     survivors' staging slice of source 3 stays as it was, and its call raises."""
     bufs = _buffers(survivors_in_kernels)
+    engines = [buf.normal_engine for buf in bufs]
     _full_call(bufs, 0)
     bufs[0].mask_rank(DEAD)
     dead = bufs[DEAD]   # as on a GPU: waits in the kernels, the host does not read the mask
-    dead.flavour = dataclasses.replace(dead.flavour, device_wait=True)
+    dead.normal_engine.flavour = dataclasses.replace(dead.flavour, device_wait=True)
     dead.fault.mask_words = None
     live = [r for r in range(CASE.world_size) if r != DEAD]
     into_dead = [_fill(bufs[DEAD], "dispatch_rows", s) for s in live]
     from_dead = [_fill(bufs[r], "dispatch_rows", DEAD) for r in live]
     it = 1
     xs, idxs, ws = make_inputs(CASE, it)
-    pending = {r: bufs[r].dispatch_send(xs[r], idxs[r], ws[r]) for r in range(CASE.world_size)}
+    pending = {r: engines[r].dispatch_send(xs[r], idxs[r], ws[r])
+               for r in range(CASE.world_size)}
     assert _untouched(torch.stack(into_dead)), "a survivor stored rows into the excluded rank"
     assert _untouched(torch.stack(from_dead)), "the excluded rank stored rows (no self-fence)"
     assert not (pending[DEAD].slot_of >= 0).any()
     assert not (pending[0].slot_of[:, DEAD] >= 0).any()
     with pytest.raises(RankExcludedError, match=f"rank {DEAD} was excluded"):
-        bufs[DEAD].dispatch_recv(pending[DEAD], 1)
+        engines[DEAD].dispatch_recv(pending[DEAD], 1)
     want, want_out = _reference(it, {DEAD}, {DEAD})
-    got = {r: wrap_dispatch_outputs(bufs[r], bufs[r].dispatch_recv(pending[r], 1), CASE.topk,
+    got = {r: wrap_dispatch_outputs(bufs[r], engines[r].dispatch_recv(pending[r], 1), CASE.topk,
                                     True, 0, 0) for r in live}
     for r in live:
         for field in FIELDS:

@@ -246,6 +246,7 @@ def test_a_rank_excluded_after_the_dispatch_is_left_out_of_the_sum(in_kernels):
     with kernel_waits(in_kernels):
         bufs = Buffer.loopback(R, H, E, N // R, torch.bfloat16, max_topk=K, ep_invariant=True,
                                fault_tolerant=True, timeout_s=30.0)
+    engines = [buf.normal_engine for buf in bufs]
     for it in range(2):
         run_calls(bufs, *data(300 + it))
     x, idx, w = data(302)
@@ -254,28 +255,28 @@ def test_a_rank_excluded_after_the_dispatch_is_left_out_of_the_sum(in_kernels):
     live = [r for r in range(R) if r != dead]
     for r in live:
         bufs[r].layout.view(bufs[r].heap, "inv_rows").view(torch.uint8).fill_(0xFF)
-    pending = {r: bufs[r].combine_send(expert(res[r].x, experts_of(res[r], r, E // R)),
-                                       res[r].weights, None, res[r].handle.slot_rows,
-                                       res[r].handle.recv_slot_offsets,
-                                       src_token=res[r].handle.src_token) for r in live}
+    pending = {r: engines[r].combine_send(expert(res[r].x, experts_of(res[r], r, E // R)),
+                                          res[r].weights, None, res[r].handle.slot_rows,
+                                          res[r].handle.recv_slot_offsets,
+                                          src_token=res[r].handle.src_token) for r in live}
     counts = (idx >= 0) & (idx // (E // R) != dead)
     rows = torch.stack([expert(x, idx[:, k].clamp(min=0)) for k in range(K)], 1)
     expected = invariant_combine(rows, idx, w, counts=counts).chunk(R)
     for r in live:
-        out, _ = bufs[r].combine_recv(pending[r], res[r].handle.slot_of, want_pair=False,
-                                      topk_idx=res[r].handle.topk_idx)
+        out, _ = engines[r].combine_recv(pending[r], res[r].handle.slot_of, want_pair=False,
+                                         topk_idx=res[r].handle.topk_idx)
         assert same_bits(out, expected[r]), r
     for r in live:
         bufs[r].layout.view(bufs[r].heap, "inv_rows").view(torch.uint8).fill_(0xFF)
-    pending = {r: bufs[r].combine_send(expert(res[r].x, experts_of(res[r], r, E // R)), None,
-                                       res[r].weights * 3 - 1, res[r].handle.slot_rows,
-                                       res[r].handle.recv_slot_offsets,
-                                       src_token=res[r].handle.src_token) for r in live}
+    pending = {r: engines[r].combine_send(expert(res[r].x, experts_of(res[r], r, E // R)), None,
+                                          res[r].weights * 3 - 1, res[r].handle.slot_rows,
+                                          res[r].handle.recv_slot_offsets,
+                                          src_token=res[r].handle.src_token) for r in live}
     sums = invariant_combine(rows, idx, None, counts=counts).chunk(R)
     values = torch.where(counts, w * 3 - 1, 0.0).chunk(R)
     for r in live:
-        out, pairs = bufs[r].combine_recv(pending[r], res[r].handle.slot_of, want_pair=True,
-                                          topk_idx=res[r].handle.topk_idx)
+        out, pairs = engines[r].combine_recv(pending[r], res[r].handle.slot_of, want_pair=True,
+                                             topk_idx=res[r].handle.topk_idx)
         assert same_bits(out, sums[r]) and torch.equal(pairs, values[r]), r
 
 

@@ -50,11 +50,13 @@ def dispatch(buffers, xs, topk_idxs, topk_weights=None, expert_alignment: int = 
         buf._checked("an earlier call")
         prepared.append(buf._dispatch_inputs(x, idx, w, expert_alignment, fp8, ue8m0,
                                              col_major_scales, max_recv_rows, global_scale))
-    pending = [buf.dispatch_send(rows, idx, w, scales, mode, ue8m0, expert_alignment)
+    pending = [buf.normal_engine.dispatch_send(rows, idx, w, scales, mode, ue8m0,
+                                               expert_alignment)
                for buf, (rows, scales, mode), idx, w
                in zip(buffers, prepared, topk_idxs, topk_weights)]
-    outs = in_lockstep([buf.dispatch_recv_steps(p, expert_alignment, col_major_scales,
-                                                max_recv_rows, by_slot)
+    outs = in_lockstep([buf.normal_engine.dispatch_recv_steps(p, expert_alignment,
+                                                              col_major_scales, max_recv_rows,
+                                                              by_slot)
                         for buf, p in zip(buffers, pending)])
     results = [wrap_dispatch_outputs(buf, out, idx.shape[1], w is not None, mode, ue8m0, idx)
                for buf, out, idx, w, (_, _, mode)
@@ -78,12 +80,14 @@ def combine(buffers, ys, handles, weights=None, *, combine_dtype=None) -> list[t
     for buf, y, h, w in zip(buffers, ys, handles, weights, strict=True):
         buf._checked("an earlier call")
         buf._combine_inputs(y, h, w)
-    pending = [buf.combine_send(y, w, None, h.slot_rows, h.recv_slot_offsets,
-                                *h.node_tensors()[1:], fp8=fp8, src_token=h.src_token)
+    pending = [buf.normal_engine.combine_send(y, w, None, h.slot_rows, h.recv_slot_offsets,
+                                              *h.node_tensors()[1:], fp8=fp8,
+                                              src_token=h.src_token)
                for buf, y, h, w in zip(buffers, ys, handles, weights)]
     return [out for out, _ in in_lockstep(
-        [buf.combine_recv_steps(p, h.slot_of, want_pair=False, node_slot_of=h.node_tensors()[0],
-                                topk_idx=h.topk_idx)
+        [buf.normal_engine.combine_recv_steps(p, h.slot_of, want_pair=False,
+                                              node_slot_of=h.node_tensors()[0],
+                                              topk_idx=h.topk_idx)
          for buf, p, h in zip(buffers, pending, handles)])]
 
 
@@ -92,9 +96,9 @@ def dispatch_cached(buffers, xs, handles) -> list[torch.Tensor]:
     combine): rows [num_rows, H] per rank."""
     for buf, x, h in zip(buffers, xs, handles, strict=True):
         check_cached_rows(x, h.slot_of, hidden=buf.hidden, dtype=buf.dtype)
-    pending = [buf.dispatch_cached_send(x, h.slot_of, h.node_tensors()[0])
+    pending = [buf.normal_engine.dispatch_cached_send(x, h.slot_of, h.node_tensors()[0])
                for buf, x, h in zip(buffers, xs, handles, strict=True)]
-    return in_lockstep([buf.dispatch_cached_recv_steps(
+    return in_lockstep([buf.normal_engine.dispatch_cached_recv_steps(
         p, h.slot_rows, h.recv_slot_offsets, h.tokens_per_expert, h.expert_offsets, h.num_rows,
         *h.node_tensors()[1:]) for buf, p, h in zip(buffers, pending, handles)])
 
@@ -102,12 +106,12 @@ def dispatch_cached(buffers, xs, handles) -> list[torch.Tensor]:
 def combine_with_pairs(buffers, ys, handles, pair_values) -> list[tuple]:
     """Every virtual rank's combine carrying per-row values home (the backward of dispatch:
     ``pair_values`` [rows] float32 per rank): ``(out [T, H], pair_out [T, K])`` per rank."""
-    pending = [buf.combine_send(y, None, v, h.slot_rows, h.recv_slot_offsets,
-                                *h.node_tensors()[1:], src_token=h.src_token)
+    pending = [buf.normal_engine.combine_send(y, None, v, h.slot_rows, h.recv_slot_offsets,
+                                              *h.node_tensors()[1:], src_token=h.src_token)
                for buf, y, h, v in zip(buffers, ys, handles, pair_values, strict=True)]
-    return in_lockstep([buf.combine_recv_steps(p, h.slot_of, want_pair=True,
-                                               node_slot_of=h.node_tensors()[0],
-                                               topk_idx=h.topk_idx)
+    return in_lockstep([buf.normal_engine.combine_recv_steps(p, h.slot_of, want_pair=True,
+                                                             node_slot_of=h.node_tensors()[0],
+                                                             topk_idx=h.topk_idx)
                         for buf, p, h in zip(buffers, pending, handles)])
 
 

@@ -262,6 +262,10 @@ class NormalEngine:
         R, L = self.world_size, self.num_local_experts
         self._row_bytes = self.hidden * self.dtype.itemsize
         self._offsets: dict = {}  # per-channel launch offsets, made once
+        # where round i's [R + 1] offsets start in recv_slot_offsets, divided by i: R + 1
+        # rounded up to an even count, so that every round's view has the first one's 16-byte
+        # alignment (one compiled variant)
+        self._round_stride = R + 1 + (R + 1) % 2
         self._scratch: dict = {}  # kernels' scratch tensors, made once (kernels.combine)
         self._layout_scratch = layout_scratch(layout.max_tokens, R, self.num_experts,
                                               self.flavour, device, layout.max_topk)
@@ -523,8 +527,10 @@ class NormalEngine:
         round 0's slot offsets at the front of every round's)."""
         t_base = i * self.layout.ring_slots
         window = slice(t_base, t_base + self.layout.ring_slots)
-        x, idx, weights, pos, ring = (None if t is None else t[window] for t in (
-            stream.x, stream.topk_idx, stream.topk_weights, stream.pair_pos, stream.ring))
+        x, ring = stream.x[window], stream.ring[window]  # (no generator: one call per item)
+        idx = None if stream.topk_idx is None else stream.topk_idx[window]
+        weights = None if stream.topk_weights is None else stream.topk_weights[window]
+        pos = None if stream.pair_pos is None else stream.pair_pos[window]
         scales = stream.x_scales  # none, one global scale, or per token (sent quantized)
         if stream.fp8 == 2:
             scales = scales[window]
@@ -572,27 +578,23 @@ class NormalEngine:
             self._rdma_offsets(channel))
         return fixed
 
-    def _round_stride(self) -> int:
-        """Where round i's ``[R + 1]`` offsets start in ``recv_slot_offsets``, divided by i:
-        R + 1 rounded up to an even count, so that every round's view has the first one's
-        16-byte alignment (one compiled variant)."""
-        return self.world_size + 1 + (self.world_size + 1) % 2
-
     def slot_offsets_size(self) -> int:
         """Length of a dispatch's ``recv_slot_offsets`` (every round's ``[R + 1]`` offsets)."""
-        return (self.layout.rounds - 1) * self._round_stride() + self.world_size + 1
+        return (self.layout.rounds - 1) * self._round_stride + self.world_size + 1
 
     def _start_later_rounds(self, channel: int) -> None:
         """Takes the epochs of rounds ``1..rounds - 1`` of the call just started on
         ``channel``, which one launch sends (``kernels.combine_rounds``,
         ``kernels.invariant_rounds``, ``kernels.dispatch_rounds``)."""
-        for _ in range(1, self.layout.rounds):
-            self._start(channel)
+        if self.fault_tolerant:  # (_start of every later round, at once: one check)
+            self.fault.check_self()
+        self._check_usable()
+        self.channels.epochs[channel] += self.layout.rounds - 1
 
     def _round_view(self, slot_offsets: torch.Tensor, i: int) -> torch.Tensor:
         """Round ``i``'s ``[R + 1]`` view of a dispatch's ``recv_slot_offsets`` (several
         rounds)."""
-        start = i * self._round_stride()
+        start = i * self._round_stride
         return slot_offsets[start:start + self.world_size + 1]
 
     def _send_other_nodes(self, x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts,
@@ -912,7 +914,7 @@ class NormalEngine:
                 offsets=self.channels.send_offsets(DISPATCH), rank=self.rank,
                 num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
                 max_topk=self.max_topk, ring_slots=self.layout.ring_slots,
-                rounds=self.layout.rounds, offsets_stride=self._round_stride(),
+                rounds=self.layout.rounds, offsets_stride=self._round_stride,
                 row_bytes=self._row_bytes, num_sms=self.num_sms, flavour=self.flavour,
                 bound=self._bound, live=self._ft_dispatch_live,
                 ft_words=self._ft_dispatch_words, box_offsets=self._rdma_offsets(DISPATCH),
@@ -1128,7 +1130,7 @@ class NormalEngine:
             y, weights, pair_values, slot_rows, slot_offsets, ring, out, pair_out, staging, meta,
             self.heap.peer_ptrs, self._stats, tickets, epochs, signals, offsets=offsets,
             rank=self.rank, topk=slot_rows.shape[1], max_topk=self.max_topk,
-            rounds=self.layout.rounds, offsets_stride=self._round_stride(),
+            rounds=self.layout.rounds, offsets_stride=self._round_stride,
             num_sms=self.num_sms, flavour=self.flavour, fp8=fp8, bound=self._bound,
             scratch=self._scratch, live=live, decided=self._ft_decided,
             xstats=self._xstats if self.proxy is not None else None, plan=self._plan,
@@ -1178,7 +1180,7 @@ class NormalEngine:
             pair_out, *fixed, offsets=self._invariant_offsets(), rank=self.rank,
             num_experts=self.num_experts, max_topk=self.max_topk,
             ring_slots=self.layout.ring_slots, rounds=self.layout.rounds,
-            offsets_stride=self._round_stride(), num_sms=self.num_sms, flavour=self.flavour,
+            offsets_stride=self._round_stride, num_sms=self.num_sms, flavour=self.flavour,
             bound=self._bound, live=live, decided=self._ft_decided,
             xstats=self._xstats if self.proxy is not None else None,
             descriptor=self.combine_refusal or combine_descriptor(False))

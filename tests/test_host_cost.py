@@ -34,11 +34,11 @@ LIMITS.update(dispatch_rounds=5, combine_rounds=1, dispatch_rounds_ft=5, combine
 # the layout's pair positions and counts, round 0's row bases and the empty outputs are the
 # Buffer's, a send's grid made once per format (17 allocations and 58 Python calls before)
 HOST_PATH = {"dispatch": (11, 9, 40), "combine": (2, 2, 31), "ll_dispatch": (4, 0, 38),
-             "ll_combine": (1, 1, 33), "dispatch_rounds": (23, 11, 65),
-             "combine_rounds": (2, 2, 31), "dispatch_rounds_ft": (23, 11, 69),
-             "combine_rounds_ft": (3, 3, 35), "dispatch_rounds_nvshmem": (23, 11, 65),
-             "combine_rounds_nvshmem": (2, 2, 31),
-             "dispatch_fp8_rounds_nvshmem": (26, 12, 67)}
+             "ll_combine": (1, 1, 33), "dispatch_rounds": (23, 11, 51),
+             "combine_rounds": (2, 2, 25), "dispatch_rounds_ft": (23, 11, 53),
+             "combine_rounds_ft": (3, 3, 27), "dispatch_rounds_nvshmem": (23, 11, 51),
+             "combine_rounds_nvshmem": (2, 2, 25),
+             "dispatch_fp8_rounds_nvshmem": (26, 12, 53)}
 
 
 def test_what_launches_a_kernel():

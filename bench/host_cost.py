@@ -26,6 +26,9 @@ and rank:
   a bound launch (all of them once the Buffer has made each launch once);
 * ``aten``: every aten call; ``allocs``: the new tensors they return (a caching allocator's
   work on a GPU);
+* ``args``: the run-time arguments of the op's Triton launches, summed (each compiled kernel's
+  parameters that are neither ``tl.constexpr`` nor specialised to a constant:
+  ``kernels.recording.runtime_args``): what the launcher packs on every launch;
 * ``python``: calls of moe_comm's own Python functions (``sys.setprofile``; torch's are not
   counted: on meta tensors torch runs Python reference kernels a GPU runs in C++; nor are the
   stand-in driver's and kernels', which on a GPU are Triton's driver);
@@ -253,12 +256,13 @@ def _median_us(op, calls: int, launched: list) -> float:
 
 
 def measure(calls: int = 200) -> dict:
-    """``{op: {launches, triton, torch, bound, aten, allocs, python, host_us, triton_path_us,
-    triton_kernels, torch_ops}}`` per rank; ``dispatch_rounds`` and ``combine_rounds``: the
-    normal mode with a bounded staging (``ROUNDS_CONFIG``: ``rounds`` calls' worth of launches
-    in one); ``dispatch_rounds_ft`` and ``combine_rounds_ft``: the same ops of a fault-tolerant
-    Buffer; ``*_rounds_nvshmem``: of a Buffer whose peers on other hosts get NVSHMEM puts
-    (``dispatch_fp8_rounds_nvshmem``: its dispatch quantizing to FP8 in the send)."""
+    """``{op: {launches, triton, torch, bound, aten, allocs, args, python, host_us,
+    triton_path_us, triton_kernels, torch_ops}}`` per rank; ``dispatch_rounds`` and
+    ``combine_rounds``: the normal mode with a bounded staging (``ROUNDS_CONFIG``: ``rounds``
+    calls' worth of launches in one); ``dispatch_rounds_ft`` and ``combine_rounds_ft``: the
+    same ops of a fault-tolerant Buffer; ``*_rounds_nvshmem``: of a Buffer whose peers on
+    other hosts get NVSHMEM puts (``dispatch_fp8_rounds_nvshmem``: its dispatch quantizing to
+    FP8 in the send)."""
     R = CONFIG.world_size
     out = {}
     with compiled_stand_ins() as launched:
@@ -283,6 +287,7 @@ def measure(calls: int = 200) -> dict:
                 with AtenCounter() as counter:
                     op()
                 triton_launches = len(launched)
+                args = sum(len(c.kernel.runtime_args) for c in launched)
                 bound = _bound_calls(bufs) - bound_before
                 kernels = collections.Counter(c.kernel.name for c in launched)
                 del launched[:]
@@ -300,6 +305,7 @@ def measure(calls: int = 200) -> dict:
                     "triton": triton_launches / R, "torch": counts["torch"] / R,
                     "bound": bound / R,
                     "aten": counts["aten"] / R, "allocs": counts["allocs"] / R,
+                    "args": args / R,
                     "python": python / R, "host_us": host_us, "triton_path_us": triton_path_us,
                     "triton_kernels": {k: v / R for k, v in sorted(kernels.items())},
                     "torch_ops": {k[3:]: v / R for k, v in sorted(counts.items())
@@ -456,8 +462,8 @@ def _drive_changing_inputs(bufs, cfg, dtype, low_latency: bool) -> None:
 
 
 def table(result: dict) -> str:
-    cols = ("launches", "triton", "torch", "bound", "aten", "allocs", "python", "host_us",
-            "triton_path_us")
+    cols = ("launches", "triton", "torch", "bound", "aten", "allocs", "args", "python",
+            "host_us", "triton_path_us")
     width = max(24, *(len(op) + 1 for op in result))
     lines = [f"{'op':<{width}}" + "".join(f"{c:>10}" if len(c) < 10 else f" {c}" for c in cols)]
     for op, row in result.items():

@@ -189,10 +189,11 @@ class StandInKernel:
     """What a compile returns inside :func:`compiled_stand_ins`: a compiled kernel whose
     launcher records its launches instead of running them."""
 
-    def __init__(self, name: str, key: str, log: list):
+    def __init__(self, name: str, key: str, log: list, runtime_args: tuple[str, ...] = ()):
         self.name, self.key = name, key
         self.function = id(self)  # a handle distinct per kernel
         self.packed_metadata = ()
+        self.runtime_args = runtime_args  # the compiled kernel's parameters a launch passes
         self._log = log
 
     def launch_metadata(self, grid, stream, *args):
@@ -203,6 +204,14 @@ class StandInKernel:
         if function != self.function:
             raise RuntimeError(f"{self.name}: launched with another kernel's handle")
         self._log.append(LaunchCall(self, (g0, g1, g2), stream, args))
+
+
+def runtime_args(signature: dict, constexprs: dict) -> tuple[str, ...]:
+    """The parameters a compiled kernel takes at run time, in order: those of ``signature``
+    (name -> type, as a compile gets it) neither declared ``tl.constexpr`` nor specialised to a
+    constant by the launch (an int equal to 1, a None: ``constexprs`` holds them by path)."""
+    return tuple(name for i, (name, ty) in enumerate(signature.items())
+                 if ty != "constexpr" and (i,) not in constexprs)
 
 
 @contextlib.contextmanager
@@ -219,7 +228,7 @@ def compiled_stand_ins(arch: int = 90):
     compile_ = JITFunction._do_compile
 
     def stand_in(self, key, signature, device, constexprs, options, attrs, warmup):
-        kernel = StandInKernel(self.fn.__name__, key, calls)
+        kernel = StandInKernel(self.fn.__name__, key, calls, runtime_args(signature, constexprs))
         self.device_caches[device][0][key] = kernel
         cached.append((self, device, key))
         return kernel

@@ -25,7 +25,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 
 import torch  # noqa: E402
 
-from moe_comm import normal_mode, ops  # noqa: E402
+from moe_comm import normal_dispatch, ops  # noqa: E402
 from moe_comm.kernels.recording import recording  # noqa: E402
 from moe_comm.testing import gate, lockstep  # noqa: E402
 
@@ -60,7 +60,7 @@ def main() -> dict:
         counter[what] += 1
         return bound
 
-    normal_mode.read_int = read_int
+    normal_dispatch.read_int = read_int  # (the dispatch's one host read)
     for op in (ops.dispatch_op, ops.combine_op, ops.dispatch_cached_op, ops.row_dot_op):
         op.register_kernel("meta")(op._init_fn)  # the real op, not its fake, on meta tensors
     dtype = torch.bfloat16

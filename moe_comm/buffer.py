@@ -894,7 +894,7 @@ class Buffer:
                                           timeout_s=self.timeout_s)
             except PeerTimeoutError as exc:  # (a normal-mode wait records the source rank)
                 via = (relay_of(self.rank, exc.peer, channel, self.ranks_per_node,
-                                     self.hierarchical) if channel in CHANNEL_NAMES.values()
+                                self.hierarchical) if channel in CHANNEL_NAMES.values()
                        else None)
                 if via is None:
                     raise

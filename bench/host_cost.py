@@ -408,7 +408,7 @@ def bound_call_is_tritons() -> None:
     """A small kernel launched through Triton's path (binding it), then with its varying
     arguments replaced through the bound launch: the stand-in launcher must receive exactly
     what Triton's own path gives it for the same arguments (the same objects, grid, stream and
-    handle); made while another device is current, it must take Triton's path (that device's
+    handle), and a call whose tensor lies at another alignment must launch nothing; made while another device is current, it must take Triton's path (that device's
     kernel); the bound launch must not keep the first call's varying tensor alive. Raises
     ``BoundLaunchMismatch`` otherwise."""
     launches = bound_launches.BoundLaunches()
@@ -420,6 +420,9 @@ def bound_call_is_tritons() -> None:
         if any(v is a for v in launches._bound["probe"].args):
             raise bound_launches.BoundLaunchMismatch("the bound launch keeps the first call's "
                                                      "varying tensor alive")
+        if bound_launches.call_bound(launches, "probe", (_misaligned(c), 9)):
+            raise bound_launches.BoundLaunchMismatch(  # Triton specialises it otherwise
+                "a bound launch took a tensor at another alignment than the one it was bound to")
         if not bound_launches.call_bound(launches, "probe", (c, 9)):
             raise bound_launches.BoundLaunchMismatch("the probe kernel was not bound")
         _probe_kernel[(2,)](c, b, 9, 0.5, **kwargs)  # Triton's path, the same arguments

@@ -16,8 +16,10 @@ Triton's ``JITFunction.run`` ends in), with only the arguments named *varying* r
 is ``kernel[grid](*args, **kwargs)`` with ``x, topk_idx, T`` in place of the first call's.
 ``key`` must hold everything the fixed arguments, the constexprs and the grid depend on (the
 owner's tensors by ``id``: a bound launch holds them, so no other tensor can take their id),
-and what Triton specialises the varying arguments on: each varying tensor's dtype and whether
-its address is 16-byte aligned (:func:`spec`), each varying int's value. The stream and device
+and each varying int's value that Triton specialises on. What Triton specialises the varying
+tensors on, each one's dtype and whether its address is 16-byte aligned (:func:`specs`), the
+bound launch keeps: a call whose tensors differ there takes Triton's path, which binds the key
+again. The stream and device
 are read per call, as Triton does (a CUDA-graph capture launches on its own stream), and so
 are the launch hooks (profilers; the launch metadata is built only while one is installed); a
 call made while another device is current takes Triton's path (its kernel for that device).
@@ -50,17 +52,12 @@ class BoundLaunchMismatch(AssertionError):
     """A bound launch would not have launched what Triton's path launched (``VERIFY``)."""
 
 
-def spec(t: torch.Tensor) -> tuple:
-    """What Triton specialises a tensor argument on: its dtype and 16-byte alignment."""
-    return t.dtype, t.data_ptr() % 16 == 0
-
-
-def specs(tensors) -> tuple:
-    """``tuple(spec(t) for t in tensors)`` (one call: this runs on every op, so a loop and no
-    comprehension, which Python 3.11 calls as a function of its own)."""
+def specs(values) -> tuple:
+    """What Triton specialises each of ``values`` on where it is a tensor: its dtype and
+    whether its address is 16-byte aligned; None for anything else."""
     out = []
-    for t in tensors:
-        out.append((t.dtype, t.data_ptr() % 16 == 0))
+    for v in values:
+        out.append((v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor) else None)
     return tuple(out)
 
 
@@ -93,7 +90,7 @@ class BoundLaunch:
     """One kernel launch with every argument but the varying ones fixed (module docstring)."""
 
     __slots__ = ("kernel", "compiled", "device", "options", "grid", "args", "slots", "name",
-                 "names")
+                 "names", "specs")
 
     def __init__(self, kernel, compiled, grid: tuple, args: list, varying: tuple[str, ...],
                  options: dict):
@@ -105,6 +102,7 @@ class BoundLaunch:
         self.device = driver.active.get_current_device()  # the compiled kernel's device
         self.grid = _grid3(grid)
         self.slots = tuple(names.index(v) for v in varying)
+        self.specs = specs([args[slot] for slot in self.slots])  # what a call must match
         # the first call's varying values are not kept: they may be large tensors that are
         # the caller's to free (outputs, inputs); every call brings its own
         self.args = [None if i in self.slots else a for i, a in enumerate(args)]
@@ -164,19 +162,20 @@ class BoundLaunches:
         compiled = kernel[grid](*args, **kwargs)
         if not ENABLED or not _compiled(compiled):
             return compiled
-        bound = self._bound.get(key)
-        if bound is not None and not VERIFY:  # a miss of another key of the caller's group
-            return compiled
         params = _signature_args(kernel, args, kwargs)
+        bound = self._bound.get(key)
+        if bound is not None and bound.specs != specs([params[s] for s in bound.slots]):
+            del self._bound[key]  # its tensors specialised otherwise: bound again
+            bound = None
         if bound is None:
             self._offered.pop(key, None)
             if len(self._bound) >= MAX_BOUND:
                 self._bound.pop(next(iter(self._bound)))
             options = {k: v for k, v in kwargs.items() if k not in kernel.arg_names}
             self._bound[key] = BoundLaunch(kernel, compiled, grid, params, varying, options)
-        else:
+        elif VERIFY:
             _verify(bound, compiled, grid, params, self._offered.pop(key, None))
-        return compiled
+        return compiled  # (bound, not VERIFY: a miss of another key of the caller's group)
 
 
 def _verify(bound: BoundLaunch, compiled, grid, params: list, offered: tuple | None) -> None:
@@ -208,19 +207,21 @@ def call_bound(launches: BoundLaunches | None, key, values: tuple, *more) -> boo
         launches._offered.update(((key, values),) + more)
         return False
     table = launches._bound
-    first = table.get(key)
-    if first is None:
-        return False
-    rest = []  # every one bound, or none launched (a loop: no comprehension's frame per op)
-    for k, v in more:
+    pairs = []  # every one bound and its tensors specialised alike, or none launched
+    for k, vs in ((key, values), *more):  # (loops: no function's frame per op)
         bound = table.get(k)
         if bound is None:
             return False
-        rest.append((bound, v))
-    first(*values)
-    for bound, v in rest:
-        bound(*v)
-    launches.bound_calls += 1 + len(rest)
+        got = []  # specs(vs), inline
+        for v in vs:
+            got.append((v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor)
+                       else None)
+        if tuple(got) != bound.specs:
+            return False
+        pairs.append((bound, vs))
+    for bound, vs in pairs:
+        bound(*vs)
+    launches.bound_calls += len(pairs)
     return True
 
 

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .bound import BoundLaunches, call_bound, launch, specs
+from .bound import BoundLaunches, call_bound, launch
 from .comm import (
     CPU_RANKS,
     Flavour,
@@ -660,7 +660,7 @@ def combine_send(y, weights, pair_values, slot_rows, slot_offsets, peer_ptrs, st
     values = (y, weights if weights is not None else dummy,
               pair_values if pair_values is not None else dummy, slot_rows, slot_offsets,
               dummy if xstats is None else xstats, dummy if plan is None else plan)
-    key = ("combine_send", H, topk, specs(values), weights is None,
+    key = ("combine_send", H, topk, weights is None,
            pair_values is None, xstats is None, plan is None, id(peer_ptrs), id(stats),
            id(tickets), id(epochs), id(offsets), rank, max_topk, max_tokens, num_sms,
            id(flavour), box_offsets, fp8, id(scratch), descriptor)
@@ -748,7 +748,7 @@ def combine_reduce(staging, meta, epochs, slot_of, out, pair_out, *, topk: int, 
               slot_of if live is None else live, T)
     key = ("combine_reduce", grid, staging.shape, staging.stride(0), meta.stride(0),
            node_rows.stride(0) if hier else 0, node_meta.stride(0) if hier else 0, row_bytes,
-           H, specs(values[:9]), has_pair, live is None, id(epochs), topk,
+           H, has_pair, live is None, id(epochs), topk,
            max_topk, id(flavour), rank, fp8)
     if call_bound(bound, key, values):
         return True

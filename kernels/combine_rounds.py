@@ -88,7 +88,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .bound import BoundLaunches, call_bound, launch, specs
+from .bound import BoundLaunches, call_bound, launch
 from .combine import (
     SEND_STAGES,
     _scratch,
@@ -326,7 +326,7 @@ def combine_rounds(y, weights, pair_values, slot_rows, slot_offsets, ring, out, 
               pair_values if pair_values is not None else y, slot_rows, slot_offsets, ring, out,
               pair_out if has_pair else out, ring if live is None else live, node_ring,
               fwd_slots, fwd_n, T)
-    key = ("combine_rounds", H, topk, specs(values[:12]), weights is None, pair_values is None,
+    key = ("combine_rounds", H, topk, weights is None, pair_values is None,
            has_pair, id(peer_ptrs), id(stats), id(tickets), id(epochs), id(signals),
            id(staging), id(meta), staging.shape, row_bytes, id(offsets), rank,
            max_topk, rounds, offsets_stride, num_sms, id(flavour), fp8, id(scratch), id(decided),

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -674,6 +674,13 @@ class Flavour:
     hierarchical: bool = False
     fault_tolerant: bool = False  # waits exclude silent peers (``moe_comm.fault``)
     mask_off: int = 0  # byte offset of the mask words in every segment
+    # derived: whether a dispatch send fills the proxy's outboxes itself and posts their
+    # descriptors (``kernels.dispatch.send_tokens``' ``PROXY_BOX``): through the proxy, flat;
+    # hierarchical, ``kernels.internode.outbox_dispatch`` follows the send
+    proxy_box: bool = field(init=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "proxy_box", self.transport == 2 and not self.hierarchical)
 
     def args(self) -> tuple[int, int, int]:
         return self.local_base, self.errors_addr, self.timeout_ns

@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .bound import BoundLaunches, call_bound, launch, specs
+from .bound import BoundLaunches, call_bound, launch
 from .comm import (
     CPU_RANKS,
     INPUT_RECORD,
@@ -601,7 +601,7 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
     ``row_bytes``: staging row stride.
     Across nodes (``flavour.transport == 1``) ``box_offsets`` are (offset, parity stride) of
     the rdma_rows / rdma_meta / rdma_counts outboxes; through the proxy, flat
-    (:func:`proxy_box`), those of px_rows / px_meta / px_counts (target 0), ``plan`` and
+    (``Flavour.proxy_box``), those of px_rows / px_meta / px_counts (target 0), ``plan`` and
     ``xstats`` ``kernels.internode``'s: the send fills them and posts one descriptor per rank
     on another node (no outbox launch; the cached form takes ``counts`` [R] int32, the rows
     it sends each rank). ``bound``: the owner's bound launches
@@ -630,13 +630,13 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
     ft = lay_out is not None and flavour.fault_tolerant
     if ft and live is None:
         raise ValueError("a fault-tolerant send that lays out what arrived writes it to live")
-    box = proxy_box(flavour)
+    box = flavour.proxy_box
     if box and (plan is None or xstats is None or counts is None):
         raise ValueError("a flat send through the proxy takes plan, xstats and counts")
     values = (x, dummy if x_scales is None else x_scales, topk_idx if send_meta else dummy,
               topk_weights if has_weights else dummy, slot_of, pair_pos if send_meta else dummy,
               counts if send_meta or box else dummy, T, t_base, *outs)
-    key = ("dispatch_send", H, topk, specs((*values[:7], *outs)), x_scales is None,
+    key = ("dispatch_send", H, topk, x_scales is None,
            send_meta, has_weights, id(peer_ptrs), id(stats), id(tickets), id(epochs),
            id(offsets), rank, num_local_experts, meta_stride, max_topk, grid, row_bytes, fp8,
            ue8m0, id(flavour), box_offsets, id(recv_counts), id(signals), alignment,
@@ -671,13 +671,6 @@ def dispatch_send(x, topk_idx, topk_weights, slot_of, pair_pos, counts, peer_ptr
            ("x", "x_scales", "topk_idx", "topk_weights", "slot_of", "pair_pos", "counts", "T",
             "t_base", "row_base", "tokens_per_expert", "expert_offsets", "slot_offsets"))
     return True
-
-
-def proxy_box(flavour: Flavour) -> bool:
-    """Whether a dispatch send fills the proxy's outboxes itself and posts their descriptors
-    (``send_tokens``' ``PROXY_BOX``): through the proxy, flat. Hierarchical,
-    ``kernels.internode.outbox_dispatch`` follows the send."""
-    return flavour.transport == 2 and not flavour.hierarchical
 
 
 def send_tiles(flavour: Flavour, hidden: int, fp8: int, ue8m0: int, x_elem_bytes: int,
@@ -762,7 +755,7 @@ def dispatch_expand(staging, meta, epochs, slot_offsets, row_base, tokens_per_ex
               dummy if cached else out_src_rank, dummy if cached else out_src_token,
               out.shape[0] if cached else out_src_rank.shape[0])
     key = ("dispatch_expand", staging.shape, staging.stride(), slot_rows.shape, H, elem_bytes,
-           specs(values[:15]), live is None, cached, has_weights,
+           live is None, cached, has_weights,
            None if cached else meta.stride(0), id(epochs), rank, topk, num_local_experts,
            meta_stride, max_topk, id(flavour), scale_strides, ue8m0, slot_major)
     if call_bound(bound, key, values):
@@ -917,7 +910,7 @@ def received_layout(counts, signals, epochs, live, *, world_size: int, num_local
     R, L = world_size, num_local_experts
     outs = received_layout_outputs(R, L, epochs.device, slot_offsets, row_base)
     values = (signals, epochs, epochs if live is None else live, *outs)
-    key = ("received_layout", specs(values), id(counts), id(peer_ptrs), R, L,
+    key = ("received_layout", id(counts), id(peer_ptrs), R, L,
            alignment, wait, live is None, rank, id(flavour))
     if call_bound(bound, key, values):
         return outs

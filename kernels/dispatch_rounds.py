@@ -123,7 +123,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .bound import BoundLaunches, call_bound, launch, specs
+from .bound import BoundLaunches, call_bound, launch
 from .comm import (
     CPU_RANKS,
     INPUT_RECORD,
@@ -139,7 +139,7 @@ from .comm import (
     wait_relayed,
     wait_round,
 )
-from .dispatch import expand_padding, expand_rows, proxy_box, publish_counts, send_tokens
+from .dispatch import expand_padding, expand_rows, publish_counts, send_tokens
 from .internode import (
     forward_messages,
     forward_tiles,
@@ -518,7 +518,7 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
         raise ValueError("a dispatch's rounds in one launch reach every peer by stores,"
                          " NVSHMEM puts (without fault tolerance), or the proxy's flat or"
                          " hierarchical transfers (hierarchical: without fault tolerance)")
-    box = proxy_box(flavour)
+    box = flavour.proxy_box
     if box and (plan is None or xstats is None or counts is None):
         raise ValueError("rounds through the proxy take plan, xstats and counts")
     if hier != (node is not None) or hier and (plan is None or xstats is None
@@ -550,15 +550,13 @@ def dispatch_rounds(x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
               scales8, out_global if nvfp4 else dummy, *sources, T,
               0 if counts is None else counts.stride(0), out.shape[0],
               *(node[:4] if hier else (dummy,) * 4))
-    key = ("dispatch_rounds", H, out.shape[1], slot_rows.shape[1], specs(values[:18]),
-           x_scales is None, has_weights, quantized, id(peer_ptrs), id(stats), id(tickets),
-           id(epochs), id(signals), id(staging), id(meta), id(dcounts), id(offsets), rank,
-           num_local_experts, meta_stride, max_topk, ring_slots, rounds, offsets_stride,
-           row_bytes, fp8, ue8m0, scale_strides, num_sms, id(flavour), cached,
-           id(live) if ft else None, id(ft_words) if ft else None, box_offsets,
+    key = ("dispatch_rounds", H, out.shape[1], slot_rows.shape[1], x_scales is None, has_weights,
+           quantized, id(peer_ptrs), id(stats), id(tickets), id(epochs), id(signals), id(staging),
+           id(meta), id(dcounts), id(offsets), rank, num_local_experts, meta_stride, max_topk,
+           ring_slots, rounds, offsets_stride, row_bytes, fp8, ue8m0, scale_strides, num_sms,
+           id(flavour), cached, id(live) if ft else None, id(ft_words) if ft else None, box_offsets,
            id(plan) if box or hier else None, id(xstats) if box or hier else None,
-           specs(node[:4]) if hier else None, id(node[4]) if hier else None,
-           id(node[5]) if hier else None, node_meta_stride)
+           id(node[4]) if hier else None, id(node[5]) if hier else None, node_meta_stride)
     if call_bound(bound, key, values):
         return True
     R, L, K = peer_ptrs.numel(), num_local_experts, slot_rows.shape[1]

@@ -39,7 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .bound import BoundLaunches, call_bound, launch, specs
+from .bound import BoundLaunches, call_bound, launch
 from .combine import source_tile, source_tiles
 from .comm import (
     CPU_RANKS,
@@ -338,7 +338,7 @@ def invariant_send(y, weights, pair_values, slot_rows, slot_offsets, src_token, 
     values = (y, weights if weights is not None else dummy,
               pair_values if pair_values is not None else dummy, slot_rows, slot_offsets,
               src_token)
-    key = ("invariant_send", H, topk, specs(values), weights is None, pair_values is None,
+    key = ("invariant_send", H, topk, weights is None, pair_values is None,
            id(peer_ptrs), id(stats), id(tickets), id(epochs), id(offsets), rank, max_topk,
            ring_slots, num_sms, id(flavour), descriptor)
     if call_bound(bound, key, values):
@@ -385,7 +385,7 @@ def invariant_reduce(stage, meta, epochs, topk_idx, slot_of, out, pair_out, *,
     grid = reduce_grid(T, H, flavour)
     values = (topk_idx, slot_of, out, pair_out if has_pair else out,
               slot_of if live is None else live, T)
-    key = ("invariant_reduce", grid, stage.shape, H, specs(values[:5]), has_weights, has_pair,
+    key = ("invariant_reduce", grid, stage.shape, H, has_weights, has_pair,
            live is None, id(epochs), num_experts, max_topk, id(flavour))
     if call_bound(bound, key, values):
         return True

@@ -48,7 +48,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .bound import BoundLaunches, call_bound, launch, specs
+from .bound import BoundLaunches, call_bound, launch
 from .combine_rounds import rounds_grid
 from .comm import (
     CPU_RANKS,
@@ -194,7 +194,7 @@ def invariant_rounds(y, weights, pair_values, slot_rows, slot_offsets, src_token
               pair_values if pair_values is not None else y, slot_rows, slot_offsets,
               src_token, topk_idx, ring, out, pair_out if has_pair else out,
               live if ft else ring, T)
-    key = ("invariant_rounds", H, K, specs(values[:11]), weights is None, pair_values is None,
+    key = ("invariant_rounds", H, K, weights is None, pair_values is None,
            has_pair, id(peer_ptrs), id(stats), id(tickets), id(epochs), id(signals), id(stage),
            id(meta), id(offsets), rank, num_experts, max_topk, ring_slots, rounds,
            offsets_stride, num_sms, id(flavour), id(decided) if ft else None, id(xstats),

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .bound import BoundLaunches, call_bound, launch, specs
+from .bound import BoundLaunches, call_bound, launch
 from .comm import BAD_EXPERT_ID, INPUT_RECORD, REPEATED_EXPERT, SLOT_BITS, Flavour, record_error
 from .numerics import column
 from .tiles import tiles
@@ -272,7 +272,7 @@ def routing_layout(topk_idx: torch.Tensor, world_size: int, num_local_experts: i
     chunk_counts, chunk_bad, pair_memory, counts = scratch
     slot_of = torch.empty((T, R), dtype=torch.int32, device=topk_idx.device)
     pair_pos = pair_memory[:T * K].view(T, K)
-    key = ("layout", chunks, K, specs((topk_idx, slot_of, pair_pos, counts)), id(chunk_counts),
+    key = ("layout", chunks, K, id(chunk_counts),
            id(chunk_bad), R, L, rank, id(flavour), descriptor)
     count_values = (topk_idx, pair_pos, T)
     place_values = (pair_pos, slot_of, counts, T)
@@ -432,7 +432,7 @@ def ring_positions(slot_of: torch.Tensor, counts: torch.Tensor, ring_slots: int,
     node_ring = torch.empty((T, M), dtype=torch.int32, device=dev) if nodes else ring
     node_counts = torch.empty((rounds, M), dtype=torch.int32, device=dev) if nodes else words
     key = ("ring_positions", R, C, ring_slots, rounds, N if nodes else None,
-           specs((slot_of, counts, ring, words, node_ring, node_counts)), id(flavour))
+           id(flavour))
     values = (slot_of, counts, ring, words, node_ring, node_counts, T)
     if not call_bound(bound, key, values):
         tile = tiles("ring_positions", flavour.compiled, 0)

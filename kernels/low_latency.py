@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .bound import BoundLaunches, call_bound, launch, specs
+from .bound import BoundLaunches, call_bound, launch
 from .comm import (
     CPU_RANKS,
     EPOCH_SHIFT,
@@ -769,9 +769,9 @@ def ll_dispatch_send(x, topk_idx, peer_ptrs, state, stats, *, offsets: dict, ran
     T, H = x.shape
     K = topk_idx.shape[1]
     scales = stats if global_scale is None else global_scale
-    key = ("ll_dispatch_send", H, K, specs((x, topk_idx, scales)),
-           id(peer_ptrs), id(state), id(stats), id(offsets), rank, num_local_experts,
-           num_experts, max_tokens, max_topk, slot_bytes, fp8, ue8m0, id(flavour), descriptor)
+    key = ("ll_dispatch_send", H, K, id(peer_ptrs), id(state), id(stats), id(offsets), rank,
+           num_local_experts, num_experts, max_tokens, max_topk, slot_bytes, fp8, ue8m0,
+           id(flavour), descriptor)
     if call_bound(bound, key, (x, scales, topk_idx, T)):
         return True
     R = peer_ptrs.numel()
@@ -825,9 +825,8 @@ def ll_dispatch_recv(staging, meta, signals, peer_ptrs, state, out, out_scales, 
     values = (staging, staging.view(torch.float32) if fp8 else dummy, out,
               out_scales if fp8 else dummy, out_global if nvfp4 else dummy, count, src_info,
               src_k, layout, recv_stats if recv_stats is not None else dummy)
-    key = ("ll_dispatch_recv", staging.shape, out.shape, specs(values),
-           recv_stats is None, id(meta), id(signals), id(peer_ptrs), id(state), acks, rank,
-           scale_strides, ue8m0, num_sms, id(flavour))
+    key = ("ll_dispatch_recv", staging.shape, out.shape, recv_stats is None, id(meta), id(signals),
+           id(peer_ptrs), id(state), acks, rank, scale_strides, ue8m0, num_sms, id(flavour))
     if call_bound(bound, key, values):
         return True
     groups = (2 * H if nvfp4 else H) // scale_group(ue8m0) if fp8 else 0
@@ -861,9 +860,8 @@ def ll_combine_send(y, layout, src_info, src_k, peer_ptrs, state, stats, *, offs
     (``signal = epoch << 32 | descriptor << SLOT_BITS``); a refusal sends no rows."""
     zero_copy = y_box_offset is not None and not fp8
     values = (y, layout, src_info, src_k, y_box_offset if zero_copy else 0)
-    key = ("ll_combine_send", y.shape, specs(values[:4]),
-           values[4], id(peer_ptrs), id(state), id(stats), id(offsets), rank, max_tokens,
-           max_topk, fp8, num_sms, id(flavour), descriptor)
+    key = ("ll_combine_send", y.shape, values[4], id(peer_ptrs), id(state), id(stats), id(offsets),
+           rank, max_tokens, max_topk, fp8, num_sms, id(flavour), descriptor)
     if call_bound(bound, key, values):
         return True
     L, _, H = y.shape
@@ -901,8 +899,7 @@ def ll_combine_recv(staging, topk_idx, topk_weights, out, peer_ptrs, state, sign
     T, K = topk_idx.shape
     weights = topk_weights if topk_weights is not None else topk_idx
     values = (staging, topk_idx, weights, out, T)
-    key = ("ll_combine_recv", staging.shape, K, out.shape[1], specs(values[:4]),
-           topk_weights is None, id(peer_ptrs),
+    key = ("ll_combine_recv", staging.shape, K, out.shape[1], topk_weights is None, id(peer_ptrs),
            id(state), id(signals), acks, rank, num_experts, fp8, num_sms, id(flavour))
     if call_bound(bound, key, values):
         return True

@@ -23,7 +23,7 @@ class Forwarders:
         """Through the proxy, hierarchical: rows for other nodes into the outboxes, one
         descriptor per node (``kernels.internode``; rounds: ``x`` and the per-token tensors are
         the window of tokens ``t_base + [0, len(x))``, ``slot_of`` their ring positions; flat,
-        the send did this itself, ``kernels.dispatch.proxy_box``). Returns ``node_slot_of`` [T,
+        the send did this itself, ``Flavour.proxy_box``). Returns ``node_slot_of`` [T,
         M] int32 (the row of each token in each node's message, -1 where none; computed here
         unless given, with ``node_counts`` [M] its rows per node where known), else an empty
         tensor. No host read."""

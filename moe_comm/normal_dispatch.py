@@ -65,7 +65,7 @@ class DispatchPhases:
                     self.plan.dispatch_in_one_launch[fp8, ue8m0, x.element_size()]:
                 received = (*dispatch_kernels.received_layout_outputs(
                     self.world_size, self.num_local_experts, self.device,
-                    torch.empty(self.slot_offsets_size(), dtype=torch.int64,
+                    torch.empty(self.slot_offsets_size, dtype=torch.int64,
                                 device=self.device), self._row_base), expert_alignment)
             later(0, received)
             node_slot_of = (self._no_node_tensors[0] if stream.node_ring is None
@@ -115,13 +115,14 @@ class DispatchPhases:
             *outs, every_round, alignment = received
             channels = self.channels
             lay_out = (channels.dispatch_counts, channels.signals_of[DISPATCH], *outs,
-                       self._round_view(every_round, 0), alignment)
+                       every_round[:self.world_size + 1], alignment)
         self._send_window(x, scales, idx, weights, pos, ring, counts, stream.topk, stream.fp8,
                           stream.ue8m0, t_base, lay_out)
-        node_ring = None if stream.node_ring is None else stream.node_ring[window]
-        self._send_other_nodes(x, scales, idx, weights, pos, ring, counts, stream.fp8,
-                               stream.ue8m0, node_ring, t_base,
-                               None if stream.node_counts is None else stream.node_counts[i])
+        if self.hierarchical:  # rows for other nodes (flat: the send did it)
+            node_ring = None if stream.node_ring is None else stream.node_ring[window]
+            self._send_other_nodes(x, scales, idx, weights, pos, ring, counts, stream.fp8,
+                                   stream.ue8m0, node_ring, t_base,
+                                   None if stream.node_counts is None else stream.node_counts[i])
 
     def _send_window(self, x, x_scales, topk_idx, topk_weights, pair_pos, ring, counts,
                      topk: int, fp8: int = 0, ue8m0: int = 0, t_base: int = 0,
@@ -212,13 +213,13 @@ class DispatchPhases:
                 laid_out or not self.fault_tolerant)  # tensor (fault tolerance: who arrived too)
         if laid_out:
             row_base, tokens_per_expert, expert_offsets, every_round, _ = received
-            slot_offsets = self._round_view(every_round, 0)
+            slot_offsets = every_round[:self.world_size + 1]
         else:
-            every_round = (torch.empty(self.slot_offsets_size(), dtype=torch.int64, device=dev)
+            every_round = (torch.empty(self.slot_offsets_size, dtype=torch.int64, device=dev)
                            if one_launch else None)
             row_base, tokens_per_expert, expert_offsets, slot_offsets = self._received_layout(
                 expert_alignment, pending,
-                slot_offsets=None if every_round is None else self._round_view(every_round, 0),
+                slot_offsets=None if every_round is None else every_round[:self.world_size + 1],
                 row_base=self._row_base)
         data_rows = None  # rows of the data outputs, where not `rows` (slot_major: the slots)
         if slot_major and self.layout.rounds > 1:
@@ -284,9 +285,9 @@ class DispatchPhases:
                 slot_major=slot_major)
             first = slot_offsets
             if self.layout.rounds > 1:  # every round's offsets, each after the earlier rounds'
-                slot_offsets = torch.zeros(self.slot_offsets_size(), dtype=torch.int64,
+                slot_offsets = torch.zeros(self.slot_offsets_size, dtype=torch.int64,
                                            device=dev)
-                first = self._round_view(slot_offsets, 0).copy_(first)
+                first = slot_offsets[:self.world_size + 1].copy_(first)
             self.launches["dispatch_expand"] += expand(
                 first, row_base, tokens_per_expert, expert_offsets, *outputs, **options)
             for i in range(1, self.layout.rounds):
@@ -329,52 +330,43 @@ class DispatchPhases:
         hierarchical, each later round's node messages and forwarder pass too, into
         ``fwd_slots`` / ``fwd_n`` (:meth:`_forward_slots`)."""
         slot_rows, out, out_weights, src_rank, src_token = outputs
+        fixed, options = self._offsets.get(("rounds", DISPATCH)) or self._rounds_arguments()
         self.launches["dispatch_rounds"] += dispatch_rounds_kernels.dispatch_rounds(
             stream.x, stream.x_scales, stream.topk_idx, stream.topk_weights, stream.pair_pos,
             stream.ring, stream.counts, row_base, tokens_per_expert, expert_offsets, slot_rows,
-            slot_offsets, out, out_weights, src_rank, src_token, *self._rounds_fixed(),
+            slot_offsets, out, out_weights, src_rank, src_token, *fixed,
             fp8=stream.fp8, ue8m0=stream.ue8m0, out_scales=scale_memory,
             scale_strides=scale_strides, out_global=global_scale,
-            node=self._rounds_node(stream.node_ring, stream.node_counts, fwd_slots, fwd_n),
-            **self._rounds_options())
+            node=self._rounds_node(stream.node_ring, stream.node_counts, fwd_slots, fwd_n)
+            if self.hierarchical else None, **options)
 
-    def _rounds_node(self, node_ring, node_counts, fwd_slots, fwd_n) -> tuple | None:
+    def _rounds_node(self, node_ring, node_counts, fwd_slots, fwd_n) -> tuple:
         """Hierarchical: ``kernels.dispatch_rounds.dispatch_rounds``' ``node`` (the call's node
         rows and each round's message rows, the dispatch's ``fwd_slots`` / ``fwd_n``, this
-        rank's node signals of the dispatch, the forwarder pass's ticket word); else None."""
-        if not self.hierarchical:
-            return None
+        rank's node signals of the dispatch, the forwarder pass's ticket word)."""
         ticket = dispatch_rounds_kernels.FORWARD_TICKET
         return (node_ring, node_counts, fwd_slots, fwd_n, self.channels.region("node_signals")[0],
                 self.channels.tickets[ticket:ticket + 1])
 
-    def _rounds_fixed(self) -> tuple:
-        """The Buffer's tensors ``kernels.dispatch_rounds.dispatch_rounds`` takes, made once
-        (the bound launch is found by their ids)."""
-        fixed = self._offsets.get(("rounds", DISPATCH))
-        if fixed is None:
-            ticket = dispatch_rounds_kernels.ROUNDS_TICKET  # its own: not the send grid
-            fixed = self._offsets[("rounds", DISPATCH)] = (
-                *self.channels.staging_of[DISPATCH], self.channels.dispatch_counts,
-                self.heap.peer_ptrs, self._stats, self.channels.tickets[ticket:ticket + 1],
-                self.channels.words[DISPATCH][1], self.channels.signals_of[DISPATCH])
-        return fixed
-
-    def _rounds_options(self) -> dict:
-        """The keywords of ``kernels.dispatch_rounds.dispatch_rounds`` fixed by the Buffer."""
-        options = self._offsets.get(("rounds options", DISPATCH))
-        if options is None:
-            options = self._offsets[("rounds options", DISPATCH)] = dict(
-                offsets=self.channels.send_offsets(DISPATCH), rank=self.rank,
-                num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
-                max_topk=self.max_topk, ring_slots=self.layout.ring_slots,
-                rounds=self.layout.rounds, offsets_stride=self._round_stride,
-                row_bytes=self._row_bytes, num_sms=self.num_sms, flavour=self.flavour,
-                bound=self._bound, live=self._ft_dispatch_live,
-                ft_words=self._ft_dispatch_words, box_offsets=self._rdma_offsets(DISPATCH),
-                plan=self._plan, xstats=self._xstats,
-                node_meta_stride=self.layout.node_meta_stride if self.hierarchical else 0)
-        return options
+    def _rounds_arguments(self) -> tuple[tuple, dict]:
+        """What ``kernels.dispatch_rounds.dispatch_rounds`` takes of the Buffer, made once (the
+        bound launch is found by the tensors' ids): the tensors, then the keywords."""
+        ticket = dispatch_rounds_kernels.ROUNDS_TICKET  # its own: not the send grid
+        fixed = (*self.channels.staging_of[DISPATCH], self.channels.dispatch_counts,
+                 self.heap.peer_ptrs, self._stats, self.channels.tickets[ticket:ticket + 1],
+                 self.channels.words[DISPATCH][1], self.channels.signals_of[DISPATCH])
+        options = dict(
+            offsets=self.channels.send_offsets(DISPATCH), rank=self.rank,
+            num_local_experts=self.num_local_experts, meta_stride=self.layout.meta_stride,
+            max_topk=self.max_topk, ring_slots=self.layout.ring_slots,
+            rounds=self.layout.rounds, offsets_stride=self._round_stride,
+            row_bytes=self._row_bytes, num_sms=self.num_sms, flavour=self.flavour,
+            bound=self._bound, live=self._ft_dispatch_live,
+            ft_words=self._ft_dispatch_words, box_offsets=self._rdma_offsets(DISPATCH),
+            plan=self._plan, xstats=self._xstats,
+            node_meta_stride=self.layout.node_meta_stride if self.hierarchical else 0)
+        arguments = self._offsets[("rounds", DISPATCH)] = (fixed, options)
+        return arguments
 
     def _cached_dispatch_rounds(self, x, ring, counts, node_ring, slot_rows, slot_offsets,
                                 tokens_per_expert, expert_offsets, out, fwd_slots,
@@ -389,10 +381,10 @@ class DispatchPhases:
         if self.hierarchical:  # the rows of each round's message to each node
             node = self._rounds_node(node_ring, self._rows_per_round(node_ring), fwd_slots,
                                      fwd_n)
+        fixed, options = self._offsets.get(("rounds", DISPATCH)) or self._rounds_arguments()
         self.launches["dispatch_rounds"] += dispatch_rounds_kernels.dispatch_rounds(
             x, None, None, None, None, ring, counts, None, tokens_per_expert, expert_offsets,
-            slot_rows, slot_offsets, out, None, None, None, *self._rounds_fixed(),
-            node=node, **self._rounds_options())
+            slot_rows, slot_offsets, out, None, None, None, *fixed, node=node, **options)
 
     @poisons_buffer_on_error("dispatch")
     def dispatch_cached_send(self, x, slot_of, node_slot_of=None) -> PendingSend:
@@ -421,12 +413,12 @@ class DispatchPhases:
 
     def _cached_target_counts(self, ring: torch.Tensor) -> torch.Tensor | None:
         """Through the proxy, flat: the rows a cached dispatch sends each rank, whose send posts
-        them (``kernels.dispatch.proxy_box``): [R] int32, or with rounds [rounds, R] (round i:
+        them (``Flavour.proxy_box``): [R] int32, or with rounds [rounds, R] (round i:
         the tokens of its window); else None. Equivalent::
 
             counts[i, d] = (ring[i * W:(i + 1) * W, d] >= 0).sum()
         """
-        if not dispatch_kernels.proxy_box(self.flavour):
+        if not self.flavour.proxy_box:
             return None
         if self.layout.rounds == 1:
             return (ring >= 0).sum(0, dtype=torch.int32)

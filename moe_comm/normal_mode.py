@@ -11,7 +11,7 @@ torch op launches a kernel on this path: outputs are allocated, never filled (th
 writes every row, padding included; a fault-tolerant dispatch in rounds fills them first, for
 the rows of a source that stops between rounds: torch fills where it launches per round, its
 one launch itself). Through the proxy across nodes a flat dispatch's send fills the
-outboxes and posts their descriptors itself (``kernels.dispatch.proxy_box``; a cached one
+outboxes and posts their descriptors itself (``Flavour.proxy_box``; a cached one
 counts the rows it sends each rank by torch ops); a hierarchical dispatch adds
 ``dispatch_outbox`` and ``dispatch_forward`` (with torch ops for the node slots), a
 hierarchical combine ``combine_forward``; the forwarders' waits for their
@@ -118,8 +118,7 @@ import triton
 
 from .channels import CHANNEL_NAMES
 from .forwarders import Forwarders
-from .kernels import dispatch as dispatch_kernels
-from .kernels.bound import call_bound, launch, specs
+from .kernels.bound import call_bound, launch
 from .kernels.comm import (
     EPOCH_SHIFT,
     PeerTimeoutError,
@@ -175,6 +174,8 @@ class NormalEngine(DispatchPhases, CombinePhases, Forwarders):
         # rounded up to an even count, so that every round's view has the first one's 16-byte
         # alignment (one compiled variant)
         self._round_stride = R + 1 + (R + 1) % 2
+        # the length of a dispatch's recv_slot_offsets: every round's [R + 1] offsets
+        self.slot_offsets_size = (layout.rounds - 1) * self._round_stride + R + 1
         self._scratch: dict = {}  # kernels' scratch tensors, made once (kernels.combine)
         self._layout_scratch = layout_scratch(layout.max_tokens, R, self.num_experts,
                                               self.flavour, device, layout.max_topk)
@@ -254,7 +255,7 @@ class NormalEngine(DispatchPhases, CombinePhases, Forwarders):
             self._check_usable(channel)
             return False
         signals = self.channels.signals_of[pending.channel]
-        key = ("wait_epochs", pending.channel, specs((signals,)))
+        key = ("wait_epochs", pending.channel)
         if not call_bound(self._bound, key, (signals,)):
             tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
             launch(self._bound, key, wait_epochs_kernel, (1,),
@@ -273,7 +274,7 @@ class NormalEngine(DispatchPhases, CombinePhases, Forwarders):
         R = self.world_size
         pending.live = torch.empty(R, dtype=torch.int32, device=self.device)
         signals = self.channels.signals_of[pending.channel]
-        key = ("ft_wait_epochs", pending.channel, specs((signals, pending.live)))
+        key = ("ft_wait_epochs", pending.channel)
         if not call_bound(self._bound, key, (signals, pending.live)):
             tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
             launch(self._bound, key, ft_wait_epochs_kernel, (1,),
@@ -319,7 +320,7 @@ class NormalEngine(DispatchPhases, CombinePhases, Forwarders):
             self._wait_words(words, epoch, peers, name,
                              EPOCH_SHIFT.value if channel == COMBINE else 0)
             return
-        key = ("wait_relayed", channel, specs((words,)))
+        key = ("wait_relayed", channel)
         if not call_bound(self._bound, key, (words,)):
             tile = tiles("wait_epochs", self.flavour.compiled, self.hidden)
             step = peers[1] - peers[0] if len(peers) > 1 else 1
@@ -342,7 +343,7 @@ class NormalEngine(DispatchPhases, CombinePhases, Forwarders):
         if offsets is None:
             names = (("rdma_rows", "rdma_meta", "rdma_counts") if channel == DISPATCH
                      else ("rdma_combine_rows", "rdma_combine_meta"))
-            boxes = channel == DISPATCH and dispatch_kernels.proxy_box(self.flavour)
+            boxes = channel == DISPATCH and self.flavour.proxy_box
             if boxes:
                 names = ("px_rows", "px_meta", "px_counts")
             offsets = (((0, 0),) * len(names) if not (self.layout.rdma or boxes) else
@@ -366,10 +367,6 @@ class NormalEngine(DispatchPhases, CombinePhases, Forwarders):
             self.channels.words[channel], self.channels.send_offsets(channel),
             self._rdma_offsets(channel))
         return fixed
-
-    def slot_offsets_size(self) -> int:
-        """Length of a dispatch's ``recv_slot_offsets`` (every round's ``[R + 1]`` offsets)."""
-        return (self.layout.rounds - 1) * self._round_stride + self.world_size + 1
 
     def _start_later_rounds(self, channel: int) -> None:
         """Takes the epochs of rounds ``1..rounds - 1`` of the call just started on

@@ -94,7 +94,7 @@ def _(buffer_id, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8, ue8
         tokens_per_expert=x.new_empty((L,), dtype=i64),
         expert_offsets=x.new_empty((L + 1,), dtype=i64),
         slot_of=x.new_empty((T, R), dtype=i32), slot_rows=x.new_empty((slots, K), dtype=i32),
-        slot_offsets=x.new_empty((buf.normal_engine.slot_offsets_size(),), dtype=i64),
+        slot_offsets=x.new_empty((buf.normal_engine.slot_offsets_size,), dtype=i64),
         node_slot_of=node_slot_of, fwd_slots=fwd_slots, fwd_n=fwd_n,
         global_scale=x.new_empty((rows if nvfp4 else 0,), dtype=torch.float32)))
 

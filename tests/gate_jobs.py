@@ -310,12 +310,12 @@ def row_loop_main(name: str, workdir: str) -> dict:
     """The held row-loop rules on the normal bf16 mode's row movers of the broken copy (its
     dispatch and combine launchers under the Buffer's own calls, the gate's driver): each
     variant compiled and its busiest program walked at DeepSeek-V3 prefill sizes."""
-    from moe_comm import normal_combine, normal_dispatch, normal_mode
+    from moe_comm import normal_combine, normal_dispatch
     from moe_comm.testing import gate
 
     pkg = broken_copy(name, workdir, ROW_LOOP_MUTATIONS)
     broken_dispatch = importlib.import_module(pkg.__name__ + ".dispatch")
-    normal_mode.dispatch_kernels = normal_dispatch.dispatch_kernels = broken_dispatch
+    normal_dispatch.dispatch_kernels = broken_dispatch
     normal_combine.combine_kernels = importlib.import_module(pkg.__name__ + ".combine")
     flags = {"HAS_WEIGHTS=1", "FP8=0"}
     variants, problems, _ = _inspected(

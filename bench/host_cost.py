@@ -40,6 +40,15 @@ and rank:
   between runs of this script only: they are not the eager host time on a GPU and never a GPU
   timing.
 
+The ops above run in lockstep through the engines' phases (``moe_comm.testing.lockstep``), as
+the tests drive them. ``user_path`` (printed after them) runs a user's calls instead,
+``Buffer.dispatch`` then ``Buffer.combine`` on each rank in turn (their waits are in the
+stand-in kernels, so no rank waits for another), with the input checks, the results and the
+handle: ``python``, ``host_us``, ``launches``, and ``through_op``, the calls that went through
+the custom op and its autograd Function (none: autograd records nothing of these calls, so they
+run the op's body, ``moe_comm.ops.direct``). No aten count there: a dispatch mode watching the
+call makes it take the op, whose meta kernel is its fake.
+
 ``--verify`` drives every launch of the gate's flavours (both modes, every format, the
 backward ops, fault tolerance, NVSHMEM and the proxy; the small and DeepSeek-V3 decode sizes;
 then token counts that change and a misaligned input) with ``kernels.bound.VERIFY`` on: each
@@ -185,6 +194,60 @@ class LaunchCounter:
 
 
 OPS = {"normal": ("dispatch", "combine"), "low_latency": ("ll_dispatch", "ll_combine")}
+
+
+def user_path(calls: int = 200) -> dict:
+    """``{"Buffer.dispatch": row, "Buffer.combine": row}``, each row ``{python, host_us,
+    launches, through_op}`` per call and rank (module docstring)."""
+    from moe_comm import ops as torch_ops
+
+    R = CONFIG.world_size
+    through_op = collections.Counter()
+    functions = (torch_ops._Dispatch, torch_ops._Combine)  # (their apply: torch's, inherited)
+
+    def counting(function):
+        apply = function.apply
+
+        def counted(*args):
+            through_op[function.__name__] += 1
+            return apply(*args)
+        return counted
+
+    out = {}
+    with compiled_stand_ins() as launched:
+        bufs = gate._buffers(CONFIG, DTYPE, False, 0, 90)
+        xs, idxs, ws = gate._inputs(CONFIG, DTYPE)
+        rows = gate.max_recv_rows(CONFIG)
+        state = {}
+
+        def dispatch():
+            state["res"] = [buf.dispatch(x, idx, w, max_recv_rows=rows)
+                            for buf, x, idx, w in zip(bufs, xs, idxs, ws)]
+
+        def combine():
+            res = state["res"]
+            if "ys" not in state:  # (made once, outside what is counted)
+                state["ys"] = [torch.empty(r.x.shape, dtype=DTYPE, device="meta") for r in res]
+            for buf, y, r in zip(bufs, state["ys"], res):
+                buf.combine(y, r.handle, r.weights)
+
+        for function in functions:
+            function.apply = counting(function)
+        try:
+            for op, run in (("Buffer.dispatch", dispatch), ("Buffer.combine", combine)):
+                for _ in range(2):
+                    run()
+                del launched[:]
+                through_op.clear()
+                run()
+                out[op] = {"launches": len(launched) / R, "python": _python_calls(run) / R,
+                           "host_us": _median_us(run, calls, launched),
+                           "through_op": sum(through_op.values())}
+                del launched[:]
+        finally:
+            for function in functions:
+                del function.apply
+    return out
 
 
 def _bound_calls(bufs) -> int:
@@ -405,12 +468,12 @@ def _probe_kernel(a, b, n, scale: tl.float32, BLOCK: tl.constexpr):
 
 
 def bound_call_is_tritons() -> None:
-    """A small kernel launched through Triton's path (binding it), then with its varying
-    arguments replaced through the bound launch: the stand-in launcher must receive exactly
-    what Triton's own path gives it for the same arguments (the same objects, grid, stream and
-    handle), and a call whose tensor lies at another alignment must launch nothing; made while another device is current, it must take Triton's path (that device's
-    kernel); the bound launch must not keep the first call's varying tensor alive. Raises
-    ``BoundLaunchMismatch`` otherwise."""
+    """A small kernel launched through Triton's path (binding it), then with its varying arguments
+    replaced through the bound launch: the stand-in launcher must receive exactly what Triton's
+    own path gives it for the same arguments (the same objects, grid, stream and handle), and a
+    call whose tensor lies at another alignment must launch nothing; made while another device
+    is current, it must take Triton's path (that device's kernel); the bound launch must not
+    keep the first call's varying tensor alive. Raises ``BoundLaunchMismatch`` otherwise."""
     launches = bound_launches.BoundLaunches()
     a, b, c = (torch.empty(64, device="meta") for _ in range(3))
     kwargs = dict(BLOCK=64, num_warps=1)
@@ -503,10 +566,15 @@ def main(argv=None) -> int:
     for op, row in result.items():
         print(f"{op}: " + ", ".join(f"{k} {v:g}" for k, v in
                                     {**row["triton_kernels"], **row["torch_ops"]}.items()))
+    user = user_path(args.calls)
+    print("\nthrough the Buffer's own calls, per call and rank (user_path):")
+    for op, row in user.items():
+        print(f"{op:<24}" + "".join(f" {k} {v:g}" if not k.endswith("_us") else f" {k} {v:.1f}"
+                                    for k, v in row.items()))
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump({**result, "user_path": user}, f, indent=1)
     return 0
 
 

@@ -53,7 +53,6 @@ from .validation import (
     check_combine_inputs,
     check_dispatch_bounds,
     check_dispatch_inputs,
-    check_scale_layout,
     combine_is_fp8,
     dispatch_signature,
     resolve_fp8,
@@ -587,10 +586,10 @@ class Buffer:
         gradient to ``x``; the router weights' gradient flows as with any dispatch.
         """
         self._ready()
-        self._invariant_normal_mode()
+        if self.ep_invariant:  # (a call only where it may refuse: the host path counts them)
+            self._invariant_normal_mode()
         try:
-            ue8m0 = scale_code(dispatch_dtype, ue8m0)
-            check_scale_layout(scale_layout, ue8m0)
+            ue8m0 = scale_code(dispatch_dtype, ue8m0, scale_layout)
             rows, scales, mode = self._dispatch_inputs(
                 x, topk_idx, topk_weights, expert_alignment, fp8, ue8m0, col_major_scales,
                 max_recv_rows, global_scale)
@@ -601,7 +600,7 @@ class Buffer:
                                 mode, ue8m0, col_major_scales, max_recv_rows)
         if scale_layout == "swizzled":
             res = dataclasses.replace(res, x_scales=swizzle_128x4(res.x_scales))
-        return self._with_routing(res, topk_idx, topk_weights)
+        return self._with_routing(res, topk_idx, topk_weights) if self.fault_tolerant else res
 
     def _refuse_dispatch(self, error: BaseException) -> None:
         """This rank's dispatch input is bad (``error``, which the caller raises next): it still
@@ -687,10 +686,8 @@ class Buffer:
                                  itemsize=self.dtype.itemsize)
 
     def _with_routing(self, res: DispatchResult, topk_idx, topk_weights) -> DispatchResult:
-        """A fault-tolerant Buffer's handle keeps the routing (for ``combine(...,
-        renormalize=True)``); ``res`` as it is otherwise."""
-        if not self.fault_tolerant:
-            return res
+        """``res`` whose handle keeps the routing: a fault-tolerant Buffer's (for
+        ``combine(..., renormalize=True)``)."""
         return dataclasses.replace(res, handle=dataclasses.replace(
             res.handle, topk_idx=topk_idx, topk_weights=topk_weights))
 
@@ -712,7 +709,8 @@ class Buffer:
         differentiable; one round (a staging budget that holds the whole batch); one host
         synchronisation, as :meth:`dispatch` without ``max_recv_rows``."""
         self._ready()
-        self._invariant_normal_mode()
+        if self.ep_invariant:  # (a call only where it may refuse: the host path counts them)
+            self._invariant_normal_mode()
         if self.layout.rounds > 1:
             raise ValueError(f"dispatch_by_slot needs one round; this Buffer runs a call in "
                              f"{self.layout.rounds} (staging_bytes={self.staging_bytes})")
@@ -730,9 +728,9 @@ class Buffer:
             outs = engine.dispatch_recv(pending, expert_alignment, col_major_scales,
                                         slot_major=True)
         self._raise_input_errors("dispatch")
-        return self._with_routing(wrap_dispatch_outputs(
-            self, outs, topk_idx.shape[1], topk_weights is not None, mode, int(ue8m0), topk_idx),
-            topk_idx, topk_weights)
+        res = wrap_dispatch_outputs(self, outs, topk_idx.shape[1], topk_weights is not None,
+                                    mode, int(ue8m0), topk_idx)
+        return self._with_routing(res, topk_idx, topk_weights) if self.fault_tolerant else res
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle,
                 weights: torch.Tensor | None = None, *, renormalize: bool = False,
@@ -766,7 +764,8 @@ class Buffer:
         rounded output (no change without a failure, up to that rounding).
         """
         self._ready()
-        self._invariant_normal_mode()
+        if self.ep_invariant:  # (a call only where it may refuse: the host path counts them)
+            self._invariant_normal_mode()
         try:  # (inline: the host path counts every Python call)
             fp8 = combine_is_fp8(combine_dtype, dtype=self.dtype, hidden=self.hidden,
                                  ep_invariant=self.ep_invariant)

@@ -52,7 +52,7 @@ class Forwarders:
             fp8=fp8, ue8m0=ue8m0, flavour=self.flavour, t_base=t_base)
         return node_slot_of
 
-    def _forward_slot_shapes(self) -> tuple[tuple[int, int, int], tuple[int]]:
+    def forward_slot_shapes(self) -> tuple[tuple[int, int, int], tuple[int]]:
         """Hierarchical: the shapes of :meth:`_forward_slots`, ``([rounds * M, W, N],
         [rounds * S])`` with ``S`` = ``M`` rounded up to a multiple of 4, so that every round's
         ``fwd_n`` starts 16-byte aligned (the forwarders' kernels specialise once)."""
@@ -60,10 +60,10 @@ class Forwarders:
         return (n * M, self.layout.ring_slots, self.ranks_per_node), (n * -(-M // 4) * 4,)
 
     def _forward_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hierarchical: ``(fwd_slots, fwd_n)`` int32 (:meth:`_forward_slot_shapes`) for a
+        """Hierarchical: ``(fwd_slots, fwd_n)`` int32 (:meth:`forward_slot_shapes`) for a
         dispatch to fill, round ``i``'s at rows ``[i * M, (i + 1) * M)`` and
         ``[i * S, i * S + M)`` (:meth:`_round_nodes`)."""
-        slots, counts = self._forward_slot_shapes()
+        slots, counts = self.forward_slot_shapes()
         return (torch.full(slots, -1, dtype=torch.int32, device=self.device),
                 torch.zeros(counts, dtype=torch.int32, device=self.device))
 

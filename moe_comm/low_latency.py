@@ -54,7 +54,6 @@ from .validation import (
     check_block_scaled_options,
     check_dispatch_bounds,
     check_dispatch_inputs,
-    check_scale_layout,
     check_tensor,
     combine_is_fp8,
     nvfp4_send_global,
@@ -471,8 +470,7 @@ class LowLatencyEngine:
                                       max_topk=self.max_topk, itemsize=self.dtype.itemsize)
             if fp8 is None:
                 fp8 = bool(dispatch_dtype is not None or ue8m0 or col_major_scales)
-            ue8m0 = scale_code(dispatch_dtype, ue8m0)
-            check_scale_layout(scale_layout, ue8m0)
+            ue8m0 = scale_code(dispatch_dtype, ue8m0, scale_layout)
             group = scale_group(ue8m0)
             name = {MXFP8: "MXFP8", NVFP4: "NVFP4"}.get(ue8m0, "FP8")
             impl = self._impl(ue8m0 < MXFP8)

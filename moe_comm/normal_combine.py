@@ -32,11 +32,11 @@ class CombinePhases:
         per 128 channels (``kernels.combine``). An EP-invariant Buffer puts every (slot,
         choice) row home on its own instead (``kernels.invariant``; ``src_token``: the
         dispatch's, each row's token on its home rank)."""
-        epoch = self._open(COMBINE)
+        epoch = self._start(COMBINE, checked=True)
         topk = slot_rows.shape[1]
         y = y.contiguous()
         if self.plan.combine_in_one_launch[fp8, pair_values is not None]:  # in the receive
-            self._start_later_rounds(COMBINE)
+            self._start(COMBINE, self.layout.rounds - 1)
             all_rounds = (functools.partial(self._invariant_rounds, src_token)
                           if self.ep_invariant else
                           functools.partial(self._combine_rounds, fp8, fwd_slots, fwd_n))

@@ -38,7 +38,7 @@ class DispatchPhases:
         source and lay them out (``kernels.dispatch.dispatch_send``, ``lay_out``): a launch
         less. The counts carry the call's descriptor (``moe_comm.call_descriptor``), or
         ``refusal`` (a refused call's: no rows)."""
-        epoch = self._open(DISPATCH)
+        epoch = self._start(DISPATCH, checked=True)
         x = x.contiguous()
         topk_idx = topk_idx.contiguous()  # (the layout drops the choices of excluded ranks)
         topk_weights = None if topk_weights is None else topk_weights.contiguous()
@@ -55,8 +55,10 @@ class DispatchPhases:
         if self.layout.rounds == 1:
             self._send_window(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts, K,
                               fp8, ue8m0)
-            node_slot_of = self._send_other_nodes(x, x_scales, topk_idx, topk_weights, pair_pos,
-                                                  slot_of, counts, fp8, ue8m0)
+            node_slot_of = self._no_node_tensors[0]  # (flat: the send did it)
+            if self.hierarchical:
+                node_slot_of = self._send_other_nodes(x, x_scales, topk_idx, topk_weights,
+                                                      pair_pos, slot_of, counts, fp8, ue8m0)
         else:  # (across nodes each round sends its window's outboxes)
             stream = self._stream(x, x_scales, topk_idx, topk_weights, pair_pos, slot_of, counts,
                                   K, fp8, ue8m0)
@@ -266,7 +268,7 @@ class DispatchPhases:
         outputs = (slot_rows, out, out_weights if pending.has_weights else None, src_rank,
                    src_token)
         if one_launch:  # round 0's expand, then the later rounds' sends, waits and expands
-            self._start_later_rounds(DISPATCH)
+            self._start(DISPATCH, self.layout.rounds - 1)
             slot_offsets = every_round  # (the launch writes the later rounds' and the gaps)
             self._dispatch_rounds(stream, row_base, tokens_per_expert, expert_offsets,
                                   slot_offsets, outputs, scale_memory, scale_strides,
@@ -391,13 +393,13 @@ class DispatchPhases:
         """Send phase of a dispatch that reuses an earlier layout (the backward of combine).
         Where its rounds run in one launch (``kernels.dispatch_rounds``, cached) nothing is
         sent here: the receive launches every round."""
-        epoch = self._open(DISPATCH)
+        epoch = self._start(DISPATCH, checked=True)
         x = x.contiguous()
         later = None
         counts = self._cached_target_counts(slot_of)
         if self.layout.rounds > 1 and self.plan.dispatch_in_one_launch.get(
                 (0, 0, x.element_size()), False):  # the launch in the receive (slot_of: the
-            self._start_later_rounds(DISPATCH)  # ring positions)
+            self._start(DISPATCH, self.layout.rounds - 1)  # ring positions)
             return PendingSend(DISPATCH, epoch, all_rounds=functools.partial(
                 self._cached_dispatch_rounds, x, slot_of, counts, node_slot_of))
         if self.layout.rounds == 1:

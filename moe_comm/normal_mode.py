@@ -207,21 +207,17 @@ class NormalEngine(DispatchPhases, CombinePhases, Forwarders):
                                    else self._ft_dispatch_live[0])
 
     # ----------------------------------------------------------------- waits
-    def _open(self, channel: int) -> int:
-        """The epoch of a send phase's first round (its guard has just checked the Buffer)."""
+    def _start(self, channel: int, rounds: int = 1, checked: bool = False) -> int:
+        """Takes the next ``rounds`` epochs of ``channel`` and returns the last: a round's
+        (a send phase's first round: its guard has just checked the Buffer, ``checked``), or
+        at once those of the later rounds of a call that one launch sends. The Buffer is
+        checked first unless ``checked``; a fault-tolerant one, whether this rank is cut off."""
         if self.fault_tolerant:
             self.fault.check_self()
+        if not checked:
+            self._check_usable()
         epochs = self.channels.epochs  # (inline: every phase of every op starts here)
-        epochs[channel] += 1
-        return epochs[channel]
-
-    def _start(self, channel: int) -> int:
-        """The epoch of a later round: ``_open`` after the Buffer is checked again."""
-        if self.fault_tolerant:
-            self.fault.check_self()
-        self._check_usable()
-        epochs = self.channels.epochs  # (inline: every round starts here)
-        epochs[channel] += 1
+        epochs[channel] += rounds
         return epochs[channel]
 
     def _wait(self, pending: PendingSend, fusable: bool = False) -> bool:
@@ -367,15 +363,6 @@ class NormalEngine(DispatchPhases, CombinePhases, Forwarders):
             self.channels.words[channel], self.channels.send_offsets(channel),
             self._rdma_offsets(channel))
         return fixed
-
-    def _start_later_rounds(self, channel: int) -> None:
-        """Takes the epochs of rounds ``1..rounds - 1`` of the call just started on
-        ``channel``, which one launch sends (``kernels.combine_rounds``,
-        ``kernels.invariant_rounds``, ``kernels.dispatch_rounds``)."""
-        if self.fault_tolerant:  # (_start of every later round, at once: one check)
-            self.fault.check_self()
-        self._check_usable()
-        self.channels.epochs[channel] += self.layout.rounds - 1
 
     def _round_view(self, slot_offsets: torch.Tensor, i: int) -> torch.Tensor:
         """Round ``i``'s ``[R + 1]`` view of a dispatch's ``recv_slot_offsets`` (several

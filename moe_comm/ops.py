@@ -50,13 +50,21 @@ def dispatch_op(buffer_id: str, x: Tensor, x_scales: Optional[Tensor], topk_idx:
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                            Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     buf = lookup(buffer_id)
-    buf._ready()
+    buf._ready()  # (a compiled graph's call: nothing checked the Buffer before)
+    return tuple(run_dispatch(buf, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8,
+                              ue8m0, col_major_scales, max_recv_rows))
+
+
+def run_dispatch(buf, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8, ue8m0,
+                 col_major_scales, max_recv_rows) -> DispatchOutputs:
+    """What ``moe_comm::dispatch`` runs on the Buffer ``buf`` once it is checked
+    (``Buffer._ready``): its send, then its receive."""
     engine = buf.normal_engine
     pending = engine.dispatch_send(x, topk_idx, topk_weights, x_scales, fp8, ue8m0,
                                    expert_alignment)
     outs = engine.dispatch_recv(pending, expert_alignment, col_major_scales, max_recv_rows)
     buf._raise_input_errors("dispatch")
-    return tuple(outs)
+    return outs
 
 
 @dispatch_op.register_fake
@@ -101,11 +109,11 @@ def _(buffer_id, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8, ue8
 
 def _node_fakes(buf, x, T):
     """node_slot_of [T, M], fwd_slots [rounds * M, W, N], fwd_n [rounds * S] (int32; empty
-    unless the Buffer is hierarchical; ``NormalEngine._forward_slot_shapes``)."""
+    unless the Buffer is hierarchical; ``NormalEngine.forward_slot_shapes``)."""
     i32 = torch.int32
     if not buf.hierarchical:
         return tuple(x.new_empty((0,), dtype=i32) for _ in range(3))
-    slots, counts = buf.normal_engine._forward_slot_shapes()
+    slots, counts = buf.normal_engine.forward_slot_shapes()
     return (x.new_empty((T, buf.num_nodes), dtype=i32), x.new_empty(slots, dtype=i32),
             x.new_empty(counts, dtype=i32))
 
@@ -139,8 +147,16 @@ def combine_op(buffer_id: str, y: Tensor, weights: Optional[Tensor],
                fp8: bool = False, topk_idx: Optional[Tensor] = None,
                src_token: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     buf = lookup(buffer_id)
-    buf._ready()
+    buf._ready()  # (a compiled graph's call: nothing checked the Buffer before)
     buf._invariant_normal_mode()
+    return run_combine(buf, y, weights, pair_values, slot_of, slot_rows, recv_slot_offsets,
+                       node_slot_of, fwd_slots, fwd_n, fp8, topk_idx, src_token)
+
+
+def run_combine(buf, y, weights, pair_values, slot_of, slot_rows, recv_slot_offsets,
+                node_slot_of, fwd_slots, fwd_n, fp8, topk_idx, src_token) -> tuple:
+    """What ``moe_comm::combine`` runs on the Buffer ``buf`` once it is checked
+    (``Buffer._ready``, ``Buffer._invariant_normal_mode``): its send, then its receive."""
     if buf.ep_invariant and (topk_idx is None or src_token is None):
         raise ValueError("an EP-invariant Buffer's combine needs the dispatch's topk_idx and "
                          "src_token (its handle carries them)")
@@ -269,11 +285,31 @@ class _Combine(torch.autograd.Function):
                 None)
 
 
+def direct(buf, x: Tensor, differentiable: Optional[Tensor]) -> bool:
+    """Whether an op may run its body on ``buf`` directly (:func:`run_dispatch`,
+    :func:`run_combine`) rather than through its custom op and autograd Function, which then
+    add only their host time: nothing traces the call (torch.compile), ``x`` is a plain
+    tensor on the Buffer's device (no fake or meta tensor, which take the op's fake), no
+    dispatch or function mode is active, and autograd records nothing (grad mode off, or
+    neither ``x`` nor ``differentiable`` requires grad)."""
+    return (not torch.compiler.is_compiling()
+            and type(x) is Tensor and x.device == buf.device
+            and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._is_torch_function_mode_enabled()
+            and not (torch.is_grad_enabled() and (x.requires_grad or (
+                differentiable is not None and differentiable.requires_grad))))
+
+
 def dispatch_autograd(buf, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8=0,
                       ue8m0=0, col_major_scales=False, max_recv_rows=None) -> DispatchResult:
-    """Runs ``moe_comm::dispatch`` under autograd and wraps the outputs."""
-    outs = _Dispatch.apply(buf.id, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8,
-                           int(ue8m0), col_major_scales, max_recv_rows)
+    """Runs ``moe_comm::dispatch`` under autograd (where nothing needs the op:
+    :func:`direct`, its body) and wraps the outputs."""
+    if direct(buf, x, topk_weights):
+        outs = run_dispatch(buf, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8,
+                            int(ue8m0), col_major_scales, max_recv_rows)
+    else:
+        outs = _Dispatch.apply(buf.id, x, x_scales, topk_idx, topk_weights, expert_alignment,
+                               fp8, int(ue8m0), col_major_scales, max_recv_rows)
     return wrap_dispatch_outputs(buf, outs, topk_idx.shape[1], topk_weights is not None, fp8,
                                  int(ue8m0), topk_idx)
 
@@ -300,6 +336,10 @@ def combine_autograd(buf, y, handle: DispatchHandle, weights, fp8: bool = False)
     """Runs ``moe_comm::combine`` under autograd with the tensors of ``handle``; the backward
     of an FP8 combine is that of the exact one (straight through the quantization)."""
     invariant = (handle.topk_idx, handle.src_token) if buf.ep_invariant else (None, None)
+    if direct(buf, y, weights):  # (the op's body: :func:`direct`)
+        return run_combine(buf, y, weights, None, handle.slot_of, handle.slot_rows,
+                           handle.recv_slot_offsets, *handle.node_tensors(), fp8,
+                           *invariant)[0]
     return _Combine.apply(buf.id, y, weights, handle.slot_of, handle.slot_rows,
                           handle.recv_slot_offsets, handle.tokens_per_expert,
                           handle.expert_offsets, *handle.node_tensors(), fp8, *invariant)

@@ -185,10 +185,11 @@ _BLOCK_SCALED = {MXFP8: ("MXFP8", 32, "E8M0", torch.float8_e8m0fnu),
                  NVFP4: ("NVFP4", 16, "e4m3", torch.float8_e4m3fn)}
 
 
-def scale_code(dispatch_dtype: str | None, ue8m0: bool) -> int:
+def scale_code(dispatch_dtype: str | None, ue8m0: bool, scale_layout: str = "row_major") -> int:
     """The kernels' scale code of a dispatch: 0 float32 per 128 channels, 1 power-of-two per
     128 (``ue8m0``), 2 MXFP8 (``dispatch_dtype="mxfp8"``: E8M0 per 32), 3 NVFP4 (e4m3 per 16
-    and a float32 global scale)."""
+    and a float32 global scale); then ``scale_layout`` checked against it
+    (:func:`check_scale_layout`)."""
     if dispatch_dtype is not None and dispatch_dtype not in SCALE_FORMATS:
         raise ValueError(f"dispatch_dtype must be one of {tuple(SCALE_FORMATS)} or None, got "
                          f"{dispatch_dtype!r}")
@@ -197,8 +198,11 @@ def scale_code(dispatch_dtype: str | None, ue8m0: bool) -> int:
         name, _, scale, _ = _BLOCK_SCALED[code]
         if ue8m0:
             raise ValueError(f"{name} scales are {scale} by definition; drop ue8m0=True")
-        return code
-    return int(bool(ue8m0))
+    else:
+        code = int(bool(ue8m0))
+    if scale_layout != "row_major":  # (the default needs no check: no call on every op)
+        check_scale_layout(scale_layout, code)
+    return code
 
 
 def check_block_scaled_options(code: int, quantizes: bool, col_major_scales: bool) -> None:

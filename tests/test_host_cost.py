@@ -33,12 +33,16 @@ LIMITS.update(dispatch_rounds=5, combine_rounds=1, dispatch_rounds_ft=5, combine
 # data (a custom op's outputs may not share storage: torch.library checks it on every call);
 # the layout's pair positions and counts, round 0's row bases and the empty outputs are the
 # Buffer's, a send's grid made once per format (17 allocations and 58 Python calls before)
-HOST_PATH = {"dispatch": (11, 9, 35), "combine": (2, 2, 28), "ll_dispatch": (4, 0, 36),
+HOST_PATH = {"dispatch": (11, 9, 34), "combine": (2, 2, 28), "ll_dispatch": (4, 0, 35),
              "ll_combine": (1, 1, 31), "dispatch_rounds": (23, 11, 38),
              "combine_rounds": (2, 2, 24), "dispatch_rounds_ft": (23, 11, 40),
              "combine_rounds_ft": (3, 3, 26), "dispatch_rounds_nvshmem": (23, 11, 38),
              "combine_rounds_nvshmem": (2, 2, 24),
              "dispatch_fp8_rounds_nvshmem": (26, 12, 40)}
+# moe_comm's Python calls per call and rank through the Buffer's own calls today (the input
+# checks, the results and the handle on top of the engine's; the custom op and its autograd
+# Function are taken only where autograd records the call)
+USER_PATH = {"Buffer.dispatch": 41, "Buffer.combine": 35}
 # the run-time arguments of an op's launches today (each compiled kernel's parameters that are
 # neither constexpr nor specialised to a constant, summed over the op's launches); a regression
 # fails. The target is 30 for a normal dispatch: not met (a descriptor table in device memory
@@ -73,7 +77,14 @@ def test_launches_per_op_are_counted_and_bounded(tmp_path):
                           env=env, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
+    user = result.pop("user_path")
     assert set(result) == set(LIMITS)
+    # a user's calls (Buffer.dispatch, Buffer.combine) that autograd records nothing of run
+    # the custom op's body: the engines' launches, no op, the input checks and results on top
+    for op, engine_op in (("Buffer.dispatch", "dispatch"), ("Buffer.combine", "combine")):
+        row = user[op]
+        assert row["through_op"] == 0 and row["launches"] == result[engine_op]["launches"], row
+        assert result[engine_op]["python"] < row["python"] <= USER_PATH[op], (op, row)
     for op, row in result.items():
         assert row["launches"] == row["triton"] + row["torch"], (op, row)
         assert row["bound"] == row["triton"], (op, row)  # every warm launch skips binding

@@ -3,6 +3,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_comm
 from cases import Case, expert_fn, make_inputs
@@ -80,6 +81,57 @@ def test_autograd_one_rank_against_reference():
     torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
     torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-12, atol=1e-12)
+
+
+class _PassThrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_calls_autograd_would_not_record_run_the_ops_body_with_its_results(monkeypatch):
+    """A dispatch and combine that autograd records nothing of (grad mode off, or no input
+    requiring grad) run the op's body directly: no custom op, no autograd Function, and the
+    bits of the op's path; a call that needs the op (inputs requiring grad, a dispatch mode
+    watching) takes it."""
+    from moe_comm import ops
+
+    applied = []
+
+    def counted(name):
+        apply = getattr(ops, name).apply
+
+        def counting(*args):
+            applied.append(name)
+            return apply(*args)
+
+        monkeypatch.setattr(getattr(ops, name), "apply", counting)
+
+    counted("_Dispatch")
+    counted("_Combine")
+    buf, x, idx, w = _one_rank(dtype=torch.float64)
+
+    def moe(x, w):
+        res = buf.dispatch(x, idx, w)
+        y = expert_fn(res.x, res.expert_offsets)
+        return res, buf.combine(y.detach() if not y.requires_grad else y, res.handle,
+                                res.weights)
+
+    through_op, out_op = moe(x.clone().requires_grad_(), w.clone().requires_grad_())
+    assert applied == ["_Dispatch", "_Combine"]
+    for grad in (False, True):
+        applied.clear()
+        with torch.set_grad_enabled(grad):
+            res, out = moe(x, w)
+        assert applied == [], grad  # nothing for autograd to record: the op's body
+        assert res.x.grad_fn is None and out.grad_fn is None
+        for field in ("x", "weights", "src_rank", "src_token", "tokens_per_expert",
+                      "expert_offsets"):
+            assert torch.equal(getattr(res, field), getattr(through_op, field).detach()), field
+        assert torch.equal(out, out_op.detach())
+    applied.clear()
+    with _PassThrough():  # a mode watches the call: it sees the op
+        moe(x, w)
+    assert applied == ["_Dispatch", "_Combine"]
 
 
 @pytest.mark.slow

@@ -46,8 +46,10 @@ the tests drive them. ``user_path`` (printed after them) runs a user's calls ins
 stand-in kernels, so no rank waits for another), with the input checks, the results and the
 handle: ``python``, ``host_us``, ``launches``, and ``through_op``, the calls that went through
 the custom op and its autograd Function (none: autograd records nothing of these calls, so they
-run the op's body, ``moe_comm.ops.direct``). No aten count there: a dispatch mode watching the
-call makes it take the op, whose meta kernel is its fake.
+run the op's body, ``moe_comm.ops.path``). No aten count there: a dispatch mode watching the
+call makes it take the op, whose meta kernel is its fake. ``custom_op_host_us`` times what a
+custom op of the dispatch's schema adds to a call on this CPU (the body alone, through the op,
+through the op under an autograd Function).
 
 ``--verify`` drives every launch of the gate's flavours (both modes, every format, the
 backward ops, fault tolerance, NVSHMEM and the proxy; the small and DeepSeek-V3 decode sizes;
@@ -247,6 +249,46 @@ def user_path(calls: int = 200) -> dict:
         finally:
             for function in functions:
                 del function.apply
+    return out
+
+
+def custom_op_host_us(calls: int = 2000) -> dict:
+    """What a custom op adds to a call's host time on this CPU: a probe op of
+    ``moe_comm::dispatch``'s schema whose body makes its 14 small outputs, timed as the body
+    alone, through the op, and through the op under an autograd Function (medians of
+    ``calls``, microseconds per call): ``{"body", "op", "op_and_function"}``."""
+    import moe_comm.ops  # noqa: F401  (registers moe_comm::dispatch)
+
+    def body():
+        return tuple(torch.empty(4) for _ in range(14))
+
+    schema = str(torch.ops.moe_comm.dispatch.default._schema)
+    probe = torch.library.custom_op("moe_comm_host_cost::probe", mutates_args=(),
+                                    schema=schema[schema.index("("):])(
+        lambda *args: body())
+
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            outs = probe(*args)
+            ctx.mark_non_differentiable(*outs[1:])
+            return outs
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return (None,) * 10
+
+    x, idx, w = torch.randn(4, 4), torch.zeros(4, 2, dtype=torch.int64), torch.rand(4, 2)
+    args = ("probe", x, None, idx, w, 1, 0, 0, False, 8)
+    out = {}
+    for name, run in (("body", body), ("op", lambda: probe(*args)),
+                      ("op_and_function", lambda: Function.apply(*args))):
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        out[name] = statistics.median(times) * 1e6
     return out
 
 
@@ -571,10 +613,13 @@ def main(argv=None) -> int:
     for op, row in user.items():
         print(f"{op:<24}" + "".join(f" {k} {v:g}" if not k.endswith("_us") else f" {k} {v:.1f}"
                                     for k, v in row.items()))
+    op_us = custom_op_host_us()
+    print("a custom op of the dispatch's schema on this CPU, us per call: " + ", ".join(
+        f"{k} {v:.1f}" for k, v in op_us.items()) + " (eager calls run the op's body)")
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({**result, "user_path": user}, f, indent=1)
+            json.dump({**result, "user_path": user, "custom_op_us": op_us}, f, indent=1)
     return 0
 
 

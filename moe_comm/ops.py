@@ -26,6 +26,11 @@ it exactly); combine's is ``dispatch_cached(grad_out)``, then ``grad_y = w * gra
 ``grad_w = <grad_rows, y>`` on the expert's rank. Backward calls are collective too: every rank
 must run the backward of every op (as they do when all ranks train the same model).
 
+Eager calls run each op's body (``run_dispatch``, ``run_combine``, ``run_dispatch_cached``)
+in place of the op, under the autograd Function where autograd records them and alone where
+it does not: the op adds host time only. The op runs where something needs it (``path``):
+torch.compile's traces, fake or meta tensors (its fake), a dispatch or function mode watching.
+
 EP-invariant Buffers (``Buffer(..., ep_invariant=True)``): both combines (the forward one and
 the dispatch's backward) sum each token's choices in choice order (``kernels.invariant``), and
 ``grad_w`` is ``row_dot(..., fixed_order=True)``: so ``grad_x``, ``grad_y``, ``grad_w`` and the
@@ -126,6 +131,15 @@ def dispatch_cached_op(buffer_id: str, x: Tensor, slot_of: Tensor, slot_rows: Te
                        fwd_n: Optional[Tensor] = None) -> Tensor:
     buf = lookup(buffer_id)
     buf._ready()
+    return run_dispatch_cached(buf, x, slot_of, slot_rows, recv_slot_offsets, tokens_per_expert,
+                               expert_offsets, num_rows, node_slot_of, fwd_slots, fwd_n)
+
+
+def run_dispatch_cached(buf, x, slot_of, slot_rows, recv_slot_offsets, tokens_per_expert,
+                        expert_offsets, num_rows, node_slot_of=None, fwd_slots=None,
+                        fwd_n=None) -> Tensor:
+    """What ``moe_comm::dispatch_cached`` runs on the Buffer ``buf`` once it is checked
+    (``Buffer._ready``): the rows checked, its send, then its receive."""
     check_cached_rows(x, slot_of, hidden=buf.hidden, dtype=buf.dtype)
     engine = buf.normal_engine
     pending = engine.dispatch_cached_send(x, slot_of, node_slot_of)
@@ -213,11 +227,12 @@ def _(a, b, fixed_order=False):
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, buffer_id, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8,
-                ue8m0, col_major_scales, max_recv_rows):
-        outs = torch.ops.moe_comm.dispatch(buffer_id, x, x_scales, topk_idx, topk_weights,
-                                           expert_alignment, fp8, ue8m0, col_major_scales,
-                                           max_recv_rows)
+    def forward(ctx, body, buffer_id, x, x_scales, topk_idx, topk_weights, expert_alignment,
+                fp8, ue8m0, col_major_scales, max_recv_rows):
+        args = (x, x_scales, topk_idx, topk_weights, expert_alignment, fp8, ue8m0,
+                col_major_scales, max_recv_rows)  # (body: the op's, in place of the op)
+        outs = tuple(run_dispatch(lookup(buffer_id), *args)) if body else \
+            torch.ops.moe_comm.dispatch(buffer_id, *args)
         o = DispatchOutputs(*outs)
         nodes = (o.node_slot_of, o.fwd_slots, o.fwd_n)
         ctx.buffer_id, ctx.num_rows = buffer_id, o.x.shape[0]
@@ -245,20 +260,28 @@ class _Dispatch(torch.autograd.Function):
         if grad_w is None or grad_w.numel() != ctx.num_rows:
             grad_w = slot_of.new_zeros((ctx.num_rows,), dtype=torch.float32)
         invariant = (topk_idx, src_token) if buf.ep_invariant else (None, None)
-        dx, dtopk_w = torch.ops.moe_comm.combine(ctx.buffer_id, grad_x.contiguous(), None,
-                                                 grad_w.contiguous(), slot_of, slot_rows,
-                                                 slot_off, *nodes, False, *invariant)
-        return (None, dx if ctx.needs_input_grad[1] else None, None, None,
-                dtopk_w if ctx.needs_input_grad[4] else None, None, None, None, None, None)
+        grad_x = grad_x.contiguous()
+        args = (grad_x, None, grad_w.contiguous(), slot_of, slot_rows, slot_off, *nodes, False,
+                *invariant)
+        if path(buf, grad_x, None) == "op":
+            dx, dtopk_w = torch.ops.moe_comm.combine(ctx.buffer_id, *args)
+        else:  # (the op's body)
+            buf._ready()
+            buf._invariant_normal_mode()
+            dx, dtopk_w = run_combine(buf, *args)
+        return (None, None, dx if ctx.needs_input_grad[2] else None, None, None,
+                dtopk_w if ctx.needs_input_grad[5] else None, None, None, None, None, None)
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, buffer_id, y, weights, slot_of, slot_rows, slot_off, tokens_per_expert,
-                expert_offsets, node_slot_of, fwd_slots, fwd_n, fp8, topk_idx, src_token):
-        out, _ = torch.ops.moe_comm.combine(buffer_id, y, weights, None, slot_of, slot_rows,
-                                            slot_off, node_slot_of, fwd_slots, fwd_n, fp8,
-                                            topk_idx, src_token)
+    def forward(ctx, body, buffer_id, y, weights, slot_of, slot_rows, slot_off,
+                tokens_per_expert, expert_offsets, node_slot_of, fwd_slots, fwd_n, fp8,
+                topk_idx, src_token):
+        args = (y, weights, None, slot_of, slot_rows, slot_off, node_slot_of, fwd_slots, fwd_n,
+                fp8, topk_idx, src_token)  # (body: the op's, in place of the op)
+        out, _ = run_combine(lookup(buffer_id), *args) if body else \
+            torch.ops.moe_comm.combine(buffer_id, *args)
         ctx.buffer_id, ctx.fixed_order = buffer_id, topk_idx is not None
         ctx.save_for_backward(y, weights, slot_of, slot_rows, slot_off, tokens_per_expert,
                               expert_offsets, node_slot_of, fwd_slots, fwd_n)
@@ -269,47 +292,57 @@ class _Combine(torch.autograd.Function):
     def backward(ctx, grad_out):
         y, weights, slot_of, slot_rows, slot_off, tokens_per_expert, expert_offsets, \
             *nodes = ctx.saved_tensors
-        grad_rows = torch.ops.moe_comm.dispatch_cached(ctx.buffer_id, grad_out.contiguous(),
-                                                       slot_of, slot_rows, slot_off,
-                                                       tokens_per_expert, expert_offsets,
-                                                       y.shape[0], *nodes)
+        grad_out = grad_out.contiguous()
+        args = (grad_out, slot_of, slot_rows, slot_off, tokens_per_expert, expert_offsets,
+                y.shape[0], *nodes)
+        buf = lookup(ctx.buffer_id)
+        if path(buf, grad_out, None) == "op":
+            grad_rows = torch.ops.moe_comm.dispatch_cached(ctx.buffer_id, *args)
+        else:  # (the op's body)
+            buf._ready()
+            grad_rows = run_dispatch_cached(buf, *args)
         acc = _acc_dtype(y.dtype)
         if weights is None:
             grad_y, grad_w = grad_rows, None
         else:
             grad_y = (grad_rows.to(acc) * weights.to(acc)[:, None]).to(y.dtype)
             grad_w = None
-            if ctx.needs_input_grad[2]:
+            if ctx.needs_input_grad[3]:
                 grad_w = torch.ops.moe_comm.row_dot(grad_rows, y, ctx.fixed_order)
-        return (None, grad_y, grad_w, None, None, None, None, None, None, None, None, None, None,
-                None)
+        return (None, None, grad_y, grad_w, None, None, None, None, None, None, None, None, None,
+                None, None)
 
 
-def direct(buf, x: Tensor, differentiable: Optional[Tensor]) -> bool:
-    """Whether an op may run its body on ``buf`` directly (:func:`run_dispatch`,
-    :func:`run_combine`) rather than through its custom op and autograd Function, which then
-    add only their host time: nothing traces the call (torch.compile), ``x`` is a plain
-    tensor on the Buffer's device (no fake or meta tensor, which take the op's fake), no
-    dispatch or function mode is active, and autograd records nothing (grad mode off, or
-    neither ``x`` nor ``differentiable`` requires grad)."""
-    return (not torch.compiler.is_compiling()
-            and type(x) is Tensor and x.device == buf.device
-            and not torch._C._len_torch_dispatch_stack()
-            and not torch._C._is_torch_function_mode_enabled()
-            and not (torch.is_grad_enabled() and (x.requires_grad or (
-                differentiable is not None and differentiable.requires_grad))))
+def path(buf, x: Tensor, differentiable: Optional[Tensor]) -> str:
+    """How a dispatch or combine of ``x`` on ``buf`` runs: ``"op"``, through its custom op
+    (under its autograd Function), where something traces the call (torch.compile), ``x`` is
+    no plain tensor on the Buffer's device (a fake or meta tensor: the op's fake) or a dispatch
+    or function mode watches it; else its body (:func:`run_dispatch`, :func:`run_combine`)
+    in place of the op, which would add only its host time: ``"autograd"`` under the autograd
+    Function where autograd records the call (grad mode on and ``x`` or ``differentiable``
+    requiring grad), ``"body"`` alone otherwise."""
+    if (torch.compiler.is_compiling() or type(x) is not Tensor or x.device != buf.device
+            or torch._C._len_torch_dispatch_stack()
+            or torch._C._is_torch_function_mode_enabled()):
+        return "op"
+    if torch.is_grad_enabled() and (x.requires_grad or (
+            differentiable is not None and differentiable.requires_grad)):
+        return "autograd"
+    return "body"
 
 
 def dispatch_autograd(buf, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8=0,
                       ue8m0=0, col_major_scales=False, max_recv_rows=None) -> DispatchResult:
-    """Runs ``moe_comm::dispatch`` under autograd (where nothing needs the op:
-    :func:`direct`, its body) and wraps the outputs."""
-    if direct(buf, x, topk_weights):
+    """Runs ``moe_comm::dispatch`` (or its body: :func:`path`) under autograd where it records
+    the call, and wraps the outputs."""
+    how = path(buf, x, topk_weights)
+    if how == "body":
         outs = run_dispatch(buf, x, x_scales, topk_idx, topk_weights, expert_alignment, fp8,
                             int(ue8m0), col_major_scales, max_recv_rows)
     else:
-        outs = _Dispatch.apply(buf.id, x, x_scales, topk_idx, topk_weights, expert_alignment,
-                               fp8, int(ue8m0), col_major_scales, max_recv_rows)
+        outs = _Dispatch.apply(how == "autograd", buf.id, x, x_scales, topk_idx, topk_weights,
+                               expert_alignment, fp8, int(ue8m0), col_major_scales,
+                               max_recv_rows)
     return wrap_dispatch_outputs(buf, outs, topk_idx.shape[1], topk_weights is not None, fp8,
                                  int(ue8m0), topk_idx)
 
@@ -336,10 +369,12 @@ def combine_autograd(buf, y, handle: DispatchHandle, weights, fp8: bool = False)
     """Runs ``moe_comm::combine`` under autograd with the tensors of ``handle``; the backward
     of an FP8 combine is that of the exact one (straight through the quantization)."""
     invariant = (handle.topk_idx, handle.src_token) if buf.ep_invariant else (None, None)
-    if direct(buf, y, weights):  # (the op's body: :func:`direct`)
+    how = path(buf, y, weights)
+    if how == "body":
         return run_combine(buf, y, weights, None, handle.slot_of, handle.slot_rows,
                            handle.recv_slot_offsets, *handle.node_tensors(), fp8,
                            *invariant)[0]
-    return _Combine.apply(buf.id, y, weights, handle.slot_of, handle.slot_rows,
+    return _Combine.apply(how == "autograd", buf.id, y, weights, handle.slot_of,
+                          handle.slot_rows,
                           handle.recv_slot_offsets, handle.tokens_per_expert,
                           handle.expert_offsets, *handle.node_tensors(), fp8, *invariant)

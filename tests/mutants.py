@@ -146,17 +146,15 @@ MUTANTS = (
            "self.args = list(args)",
            ("tests/test_host_cost.py::test_every_bound_launch_is_the_launch_tritons_path_makes",)),
     # ---- the user's calls: the custom op where autograd or a watcher needs it
-    Mutant("direct_ignores_autograd",
-           "a call autograd records goes through the op and its autograd Function",
-           "moe_comm/ops.py", "and not (torch.is_grad_enabled() and (x.requires_grad or (",
-           "and not (False and (x.requires_grad or (",
-           ("tests/test_ops.py::test_calls_autograd_would_not_record_run_the_ops_body_with_its"
-            "_results",)),
-    Mutant("direct_ignores_dispatch_modes",
+    Mutant("eager_ignores_autograd",
+           "a call autograd records runs under the op's autograd Function",
+           "moe_comm/ops.py", "if torch.is_grad_enabled() and (x.requires_grad or (",
+           "if False and (x.requires_grad or (",
+           ("tests/test_ops.py::test_eager_calls_run_the_ops_body_with_its_results",)),
+    Mutant("eager_ignores_dispatch_modes",
            "a call a dispatch mode watches goes through the op",
-           "moe_comm/ops.py", "and not torch._C._len_torch_dispatch_stack()", "",
-           ("tests/test_ops.py::test_calls_autograd_would_not_record_run_the_ops_body_with_its"
-            "_results",)),
+           "moe_comm/ops.py", "            or torch._C._len_torch_dispatch_stack()\n", "",
+           ("tests/test_ops.py::test_eager_calls_run_the_ops_body_with_its_results",)),
     # ---- the static gate
     Mutant("gate_drops_mxfp8", "the gate compiles every dispatch format",
            "moe_comm/testing/gate.py", 'for fmt in ("mxfp8", "nvfp4"):', 'for fmt in ("nvfp4",):',

@@ -78,6 +78,8 @@ def test_launches_per_op_are_counted_and_bounded(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     user = result.pop("user_path")
+    op_us = result.pop("custom_op_us")  # what eager calls no longer pay: more than the body
+    assert op_us["op_and_function"] > op_us["op"] > op_us["body"] > 0, op_us
     assert set(result) == set(LIMITS)
     # a user's calls (Buffer.dispatch, Buffer.combine) that autograd records nothing of run
     # the custom op's body: the engines' launches, no op, the input checks and results on top

@@ -88,11 +88,18 @@ class _PassThrough(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_calls_autograd_would_not_record_run_the_ops_body_with_its_results(monkeypatch):
-    """A dispatch and combine that autograd records nothing of (grad mode off, or no input
-    requiring grad) run the op's body directly: no custom op, no autograd Function, and the
-    bits of the op's path; a call that needs the op (inputs requiring grad, a dispatch mode
-    watching) takes it."""
+def _ops_run(fn) -> list:
+    """The names of moe_comm's custom ops that ``fn()`` ran (the profiler's events)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sorted({e.name for e in prof.events() if e.name.startswith("moe_comm::")})
+
+
+def test_eager_calls_run_the_ops_body_with_its_results(monkeypatch):
+    """Eager calls run each op's body in place of the custom op, with the op's bits: under the
+    autograd Function where autograd records them (forward and backward: the gradients of the
+    op's path), alone where it does not (grad mode off, or no input requiring grad); a call a
+    dispatch mode watches takes the op."""
     from moe_comm import ops
 
     applied = []
@@ -112,26 +119,41 @@ def test_calls_autograd_would_not_record_run_the_ops_body_with_its_results(monke
 
     def moe(x, w):
         res = buf.dispatch(x, idx, w)
-        y = expert_fn(res.x, res.expert_offsets)
-        return res, buf.combine(y.detach() if not y.requires_grad else y, res.handle,
-                                res.weights)
+        out = buf.combine(expert_fn(res.x, res.expert_offsets), res.handle, res.weights)
+        if out.requires_grad:
+            out.square().sum().backward()
+        return res, out
 
-    through_op, out_op = moe(x.clone().requires_grad_(), w.clone().requires_grad_())
-    assert applied == ["_Dispatch", "_Combine"]
+    def grads(watch):
+        x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
+        applied.clear()
+        if watch:
+            with _PassThrough():
+                names = _ops_run(lambda: moe(x1, w1))
+        else:
+            names = _ops_run(lambda: moe(x1, w1))
+        assert applied == ["_Dispatch", "_Combine"], (watch, applied)
+        return x1.grad, w1.grad, names
+
+    gx_op, gw_op, names = grads(watch=True)  # a mode watches: every op, its backward's too
+    assert names == ["moe_comm::combine", "moe_comm::dispatch", "moe_comm::dispatch_cached",
+                     "moe_comm::row_dot"], names
+    gx, gw, names = grads(watch=False)
+    assert names == ["moe_comm::row_dot"], names  # (an op of torch's math: its own)
+    assert torch.equal(gx, gx_op) and torch.equal(gw, gw_op)
+    with _PassThrough():
+        through_op, out_op = moe(x, w)
     for grad in (False, True):
         applied.clear()
         with torch.set_grad_enabled(grad):
+            names = _ops_run(lambda: moe(x, w))
             res, out = moe(x, w)
-        assert applied == [], grad  # nothing for autograd to record: the op's body
+        assert applied == [] and names == [], (grad, applied, names)
         assert res.x.grad_fn is None and out.grad_fn is None
         for field in ("x", "weights", "src_rank", "src_token", "tokens_per_expert",
                       "expert_offsets"):
-            assert torch.equal(getattr(res, field), getattr(through_op, field).detach()), field
-        assert torch.equal(out, out_op.detach())
-    applied.clear()
-    with _PassThrough():  # a mode watches the call: it sees the op
-        moe(x, w)
-    assert applied == ["_Dispatch", "_Combine"]
+            assert torch.equal(getattr(res, field), getattr(through_op, field)), field
+        assert torch.equal(out, out_op)
 
 
 @pytest.mark.slow

@@ -195,11 +195,9 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-@torch.library.custom_op("moe_comm::row_dot", mutates_args=())
-def row_dot_op(a: Tensor, b: Tensor, fixed_order: bool = False) -> Tensor:
+def row_dot(a: Tensor, b: Tensor, fixed_order: bool = False) -> Tensor:
     """``(a * b).sum(-1)`` in fp32 (fp64 for fp64 rows), as float32: the router-weight
-    gradient of combine. An op of its own so that a compiler cannot reorder its sums: compiled
-    and eager steps give the same bits.
+    gradient of combine (``moe_comm::row_dot`` where a compiler could reorder its sums).
 
     ``fixed_order`` (EP-invariant Buffers): fp32 products summed by halving, whatever the
     device or the number of rows (a reduction kernel's order may follow the row count)::
@@ -218,6 +216,13 @@ def row_dot_op(a: Tensor, b: Tensor, fixed_order: bool = False) -> Tensor:
         half = p.shape[-1] // 2
         p = p[..., :half] + p[..., half:]
     return p[..., 0].clone()
+
+
+@torch.library.custom_op("moe_comm::row_dot", mutates_args=())
+def row_dot_op(a: Tensor, b: Tensor, fixed_order: bool = False) -> Tensor:
+    """:func:`row_dot` as an op of its own, so that a compiler cannot reorder its sums:
+    compiled and eager steps give the same bits."""
+    return row_dot(a, b, fixed_order)
 
 
 @row_dot_op.register_fake
@@ -308,7 +313,8 @@ class _Combine(torch.autograd.Function):
             grad_y = (grad_rows.to(acc) * weights.to(acc)[:, None]).to(y.dtype)
             grad_w = None
             if ctx.needs_input_grad[3]:
-                grad_w = torch.ops.moe_comm.row_dot(grad_rows, y, ctx.fixed_order)
+                grad_w = (torch.ops.moe_comm.row_dot if path(buf, y, None) == "op"
+                          else row_dot)(grad_rows, y, ctx.fixed_order)
         return (None, None, grad_y, grad_w, None, None, None, None, None, None, None, None, None,
                 None, None)
 

@@ -117,7 +117,7 @@ class DispatchPhases:
             *outs, every_round, alignment = received
             channels = self.channels
             lay_out = (channels.dispatch_counts, channels.signals_of[DISPATCH], *outs,
-                       every_round[:self.world_size + 1], alignment)
+                       every_round[self._round0], alignment)
         self._send_window(x, scales, idx, weights, pos, ring, counts, stream.topk, stream.fp8,
                           stream.ue8m0, t_base, lay_out)
         if self.hierarchical:  # rows for other nodes (flat: the send did it)
@@ -215,13 +215,13 @@ class DispatchPhases:
                 laid_out or not self.fault_tolerant)  # tensor (fault tolerance: who arrived too)
         if laid_out:
             row_base, tokens_per_expert, expert_offsets, every_round, _ = received
-            slot_offsets = every_round[:self.world_size + 1]
+            slot_offsets = every_round[self._round0]
         else:
             every_round = (torch.empty(self.slot_offsets_size, dtype=torch.int64, device=dev)
                            if one_launch else None)
             row_base, tokens_per_expert, expert_offsets, slot_offsets = self._received_layout(
                 expert_alignment, pending,
-                slot_offsets=None if every_round is None else every_round[:self.world_size + 1],
+                slot_offsets=None if every_round is None else every_round[self._round0],
                 row_base=self._row_base)
         data_rows = None  # rows of the data outputs, where not `rows` (slot_major: the slots)
         if slot_major and self.layout.rounds > 1:
@@ -289,7 +289,7 @@ class DispatchPhases:
             if self.layout.rounds > 1:  # every round's offsets, each after the earlier rounds'
                 slot_offsets = torch.zeros(self.slot_offsets_size, dtype=torch.int64,
                                            device=dev)
-                first = slot_offsets[:self.world_size + 1].copy_(first)
+                first = slot_offsets[self._round0].copy_(first)
             self.launches["dispatch_expand"] += expand(
                 first, row_base, tokens_per_expert, expert_offsets, *outputs, **options)
             for i in range(1, self.layout.rounds):

@@ -174,6 +174,7 @@ class NormalEngine(DispatchPhases, CombinePhases, Forwarders):
         # rounded up to an even count, so that every round's view has the first one's 16-byte
         # alignment (one compiled variant)
         self._round_stride = R + 1 + (R + 1) % 2
+        self._round0 = slice(0, R + 1)  # round 0's offsets: _round_view(x, 0), as a slice
         # the length of a dispatch's recv_slot_offsets: every round's [R + 1] offsets
         self.slot_offsets_size = (layout.rounds - 1) * self._round_stride + R + 1
         self._scratch: dict = {}  # kernels' scratch tensors, made once (kernels.combine)

@@ -26,9 +26,10 @@ it exactly); combine's is ``dispatch_cached(grad_out)``, then ``grad_y = w * gra
 ``grad_w = <grad_rows, y>`` on the expert's rank. Backward calls are collective too: every rank
 must run the backward of every op (as they do when all ranks train the same model).
 
-Eager calls run each op's body (``run_dispatch``, ``run_combine``, ``run_dispatch_cached``)
-in place of the op, under the autograd Function where autograd records them and alone where
-it does not: the op adds host time only. The op runs where something needs it (``path``):
+Eager calls run each op's body (``run_dispatch``, ``run_combine``, ``run_dispatch_cached``;
+an eager backward, the ops' implementations ``combine_impl``, ``dispatch_cached_impl``) in
+place of the op, under the autograd Function where autograd records them and alone where it
+does not: the op adds host time only. The op runs where something needs it (``path``):
 torch.compile's traces, fake or meta tensors (its fake), a dispatch or function mode watching.
 
 EP-invariant Buffers (``Buffer(..., ep_invariant=True)``): both combines (the forward one and
@@ -123,16 +124,22 @@ def _node_fakes(buf, x, T):
             x.new_empty(counts, dtype=i32))
 
 
-@torch.library.custom_op("moe_comm::dispatch_cached", mutates_args=())
-def dispatch_cached_op(buffer_id: str, x: Tensor, slot_of: Tensor, slot_rows: Tensor,
-                       recv_slot_offsets: Tensor, tokens_per_expert: Tensor,
-                       expert_offsets: Tensor, num_rows: int,
-                       node_slot_of: Optional[Tensor] = None, fwd_slots: Optional[Tensor] = None,
-                       fwd_n: Optional[Tensor] = None) -> Tensor:
+def dispatch_cached_impl(buffer_id: str, x: Tensor, slot_of: Tensor, slot_rows: Tensor,
+                         recv_slot_offsets: Tensor, tokens_per_expert: Tensor,
+                         expert_offsets: Tensor, num_rows: int,
+                         node_slot_of: Optional[Tensor] = None,
+                         fwd_slots: Optional[Tensor] = None,
+                         fwd_n: Optional[Tensor] = None) -> Tensor:
+    """``moe_comm::dispatch_cached``'s implementation (an eager backward calls it in place of
+    the op): the Buffer checked, then :func:`run_dispatch_cached`."""
     buf = lookup(buffer_id)
     buf._ready()
     return run_dispatch_cached(buf, x, slot_of, slot_rows, recv_slot_offsets, tokens_per_expert,
                                expert_offsets, num_rows, node_slot_of, fwd_slots, fwd_n)
+
+
+dispatch_cached_op = torch.library.custom_op("moe_comm::dispatch_cached", dispatch_cached_impl,
+                                             mutates_args=())
 
 
 def run_dispatch_cached(buf, x, slot_of, slot_rows, recv_slot_offsets, tokens_per_expert,
@@ -153,18 +160,22 @@ def _(buffer_id, x, slot_of, slot_rows, recv_slot_offsets, tokens_per_expert, ex
     return x.new_empty((num_rows, x.shape[1]))
 
 
-@torch.library.custom_op("moe_comm::combine", mutates_args=())
-def combine_op(buffer_id: str, y: Tensor, weights: Optional[Tensor],
-               pair_values: Optional[Tensor], slot_of: Tensor, slot_rows: Tensor,
-               recv_slot_offsets: Tensor, node_slot_of: Optional[Tensor] = None,
-               fwd_slots: Optional[Tensor] = None, fwd_n: Optional[Tensor] = None,
-               fp8: bool = False, topk_idx: Optional[Tensor] = None,
-               src_token: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def combine_impl(buffer_id: str, y: Tensor, weights: Optional[Tensor],
+                 pair_values: Optional[Tensor], slot_of: Tensor, slot_rows: Tensor,
+                 recv_slot_offsets: Tensor, node_slot_of: Optional[Tensor] = None,
+                 fwd_slots: Optional[Tensor] = None, fwd_n: Optional[Tensor] = None,
+                 fp8: bool = False, topk_idx: Optional[Tensor] = None,
+                 src_token: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """``moe_comm::combine``'s implementation (an eager backward calls it in place of the op):
+    the Buffer checked, then :func:`run_combine`."""
     buf = lookup(buffer_id)
     buf._ready()  # (a compiled graph's call: nothing checked the Buffer before)
     buf._invariant_normal_mode()
     return run_combine(buf, y, weights, pair_values, slot_of, slot_rows, recv_slot_offsets,
                        node_slot_of, fwd_slots, fwd_n, fp8, topk_idx, src_token)
+
+
+combine_op = torch.library.custom_op("moe_comm::combine", combine_impl, mutates_args=())
 
 
 def run_combine(buf, y, weights, pair_values, slot_of, slot_rows, recv_slot_offsets,
@@ -218,11 +229,9 @@ def row_dot(a: Tensor, b: Tensor, fixed_order: bool = False) -> Tensor:
     return p[..., 0].clone()
 
 
-@torch.library.custom_op("moe_comm::row_dot", mutates_args=())
-def row_dot_op(a: Tensor, b: Tensor, fixed_order: bool = False) -> Tensor:
-    """:func:`row_dot` as an op of its own, so that a compiler cannot reorder its sums:
-    compiled and eager steps give the same bits."""
-    return row_dot(a, b, fixed_order)
+# an op of its own, so that a compiler cannot reorder its sums: compiled and eager steps give
+# the same bits
+row_dot_op = torch.library.custom_op("moe_comm::row_dot", row_dot, mutates_args=())
 
 
 @row_dot_op.register_fake
@@ -268,12 +277,8 @@ class _Dispatch(torch.autograd.Function):
         grad_x = grad_x.contiguous()
         args = (grad_x, None, grad_w.contiguous(), slot_of, slot_rows, slot_off, *nodes, False,
                 *invariant)
-        if path(buf, grad_x, None) == "op":
-            dx, dtopk_w = torch.ops.moe_comm.combine(ctx.buffer_id, *args)
-        else:  # (the op's body)
-            buf._ready()
-            buf._invariant_normal_mode()
-            dx, dtopk_w = run_combine(buf, *args)
+        dx, dtopk_w = (torch.ops.moe_comm.combine if path(buf, grad_x, None) == "op"
+                       else combine_impl)(ctx.buffer_id, *args)
         return (None, None, dx if ctx.needs_input_grad[2] else None, None, None,
                 dtopk_w if ctx.needs_input_grad[5] else None, None, None, None, None, None)
 
@@ -301,11 +306,8 @@ class _Combine(torch.autograd.Function):
         args = (grad_out, slot_of, slot_rows, slot_off, tokens_per_expert, expert_offsets,
                 y.shape[0], *nodes)
         buf = lookup(ctx.buffer_id)
-        if path(buf, grad_out, None) == "op":
-            grad_rows = torch.ops.moe_comm.dispatch_cached(ctx.buffer_id, *args)
-        else:  # (the op's body)
-            buf._ready()
-            grad_rows = run_dispatch_cached(buf, *args)
+        grad_rows = (torch.ops.moe_comm.dispatch_cached if path(buf, grad_out, None) == "op"
+                     else dispatch_cached_impl)(ctx.buffer_id, *args)
         acc = _acc_dtype(y.dtype)
         if weights is None:
             grad_y, grad_w = grad_rows, None

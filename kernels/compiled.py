@@ -36,7 +36,9 @@ GATE_TAGS = ("row", "scales", "exponents", "scalebytes", "tail", "publish", "acq
 # its schedule's ``rare`` says (kernels.critical_path weighs its arms)
 BRANCH_TAGS = ("cold", "rare")
 # on a ``tl.load``: a gather whose lanes the routing masks; kernels.critical_path counts the
-# share of its lanes that load at uniform routing (a schedule's ``live``), not the whole tile
+# share of its lanes that load at uniform routing (a schedule's ``live``), not the whole tile.
+# A store's tag followed by ``live`` (``# gate: row live``) is a store the routing masks the
+# same way: the share of its lanes that store counts
 LOAD_TAGS = ("live",)
 # Narrowest store (bits) each kind of row data may use where rows are 16-byte aligned. FP8
 # scales are one float (UE8M0: one byte) per 128 channels: a tile of BLOCK_H channels of a token
@@ -45,7 +47,7 @@ LOAD_TAGS = ("live",)
 # "scalebytes": NVFP4's e4m3 scale per 16 channels (one byte per 8 bytes of packed values).
 # "tail": the last (payload % 16) bytes of a row copied as raw bytes (UE8M0 exponents).
 MIN_STORE_BITS = {"row": 128, "scales": 32, "exponents": 8, "scalebytes": 8, "tail": 8}
-_MARKER = re.compile(r"#\s*gate:\s*([a-z]+)\s*$")
+_MARKER = re.compile(r"#\s*gate:\s*([a-z]+)(\s+live)?\s*$")
 _STORE = re.compile(r"\b(st|atom|red)\.((?:[a-zA-Z0-9_:]+\.)*[a-zA-Z0-9_:]+)")
 # Ordering loads: Triton compiles an acquire fetch-and-add of 0 whose value is used to an
 # acquire load (``ld.global.sys.acquire``).
@@ -135,24 +137,28 @@ def resource_usage(cubin: bytes) -> tuple[int, int, int]:
     return int(m.group(1)), int(m.group(2)), int(m.group(3))
 
 
-def _source_markers(path: str) -> dict[int, str]:
+def _source_markers(path: str, live_stores: bool = False) -> dict[int, str]:
+    """Line -> the tag of its ``# gate:`` marker; ``live_stores``: only the lines whose tag is
+    followed by ``live`` (stores the routing masks), each tagged ``live``."""
     try:
         lines = open(path).read().splitlines()
     except OSError:
         return {}
-    return {i + 1: m.group(1) for i, line in enumerate(lines) if (m := _MARKER.search(line))}
+    return {i + 1: "live" if live_stores else m.group(1) for i, line in enumerate(lines)
+            if (m := _MARKER.search(line)) and (m.group(2) or not live_stores)}
 
 
-def _marked_spans(path: str) -> dict[int, tuple[str, int]]:
-    """Every line of a marked call -> ``(tag, line of the marker)``. A call written over several
-    lines is one statement; Triton 3.9 locates its instruction on the line the call starts on,
-    Triton 3.6 on a later one (the line of its value), so the marker covers them all."""
+def _marked_spans(path: str, live_stores: bool = False) -> dict[int, tuple[str, int]]:
+    """Every line of a marked call -> ``(tag, line of the marker)`` (``live_stores``: of the
+    stores marked ``live``). A call written over several lines is one statement; Triton 3.9
+    locates its instruction on the line the call starts on, Triton 3.6 on a later one (the line
+    of its value), so the marker covers them all."""
     try:
         lines = open(path).read().splitlines()
     except OSError:
         return {}
     spans = {}
-    for start, tag in _source_markers(path).items():
+    for start, tag in _source_markers(path, live_stores).items():
         depth, end = 0, start
         for end in range(start, len(lines) + 1):
             code = lines[end - 1].split("#", 1)[0]
@@ -208,10 +214,14 @@ def check_markers(path: str) -> list[str]:
     """Markers that cannot be read: a ``# gate:`` comment on a line where no ``tl.store`` or
     ``tl.atomic_*`` call starts (the PTX locates a call by the line it starts on)."""
     bad = []
+    live_stores = _source_markers(path, live_stores=True)
     for line_no, tag in _source_markers(path).items():
         text = open(path).read().splitlines()[line_no - 1]
         if tag not in GATE_TAGS:
             bad.append(f"{path}:{line_no}: unknown gate tag {tag!r}")
+        elif line_no in live_stores and tag not in MIN_STORE_BITS:
+            bad.append(f"{path}:{line_no}: '# gate: {tag} live': only a store of row data "
+                       f"takes 'live'")
         elif tag in BRANCH_TAGS:
             if not text.lstrip().startswith("if "):
                 bad.append(f"{path}:{line_no}: '# gate: {tag}' on a line where no if starts")
@@ -338,13 +348,16 @@ def host_loads(ttir: str, names=HOST_POINTERS) -> tuple[int, int]:
 def marked_lines(package_dir: str, wanted: str) -> set:
     """``(file name, line)`` of every line of a call marked ``# gate: <wanted>`` in the
     kernels' sources: the row stores (``row``, what ``kernels.critical_path`` measures the
-    bytes in flight at), the gathers the routing masks (``live``)."""
+    bytes in flight at), the gathers and stores the routing masks (``live``: ``# gate: live``
+    loads and stores marked ``# gate: <tag> live``)."""
     lines = set()
     for name in sorted(os.listdir(package_dir)):
         if name.endswith(".py"):
-            for line, (tag, _) in _marked_spans(os.path.join(package_dir, name)).items():
-                if tag == wanted:
-                    lines.add((name, line))
+            path = os.path.join(package_dir, name)
+            spans = list(_marked_spans(path).items())
+            if wanted == "live":
+                spans += _marked_spans(path, live_stores=True).items()
+            lines |= {(name, line) for line, (tag, _) in spans if tag == wanted}
     return lines
 
 

@@ -29,13 +29,14 @@ H200 under load, :data:`LATENCY_US`):
 Stores cost no step. *Bytes* are the tiles' sizes (masked lanes included: an upper bound of the
 useful bytes), loads plus stores, times the trips; a load marked ``# gate: live`` (a gather whose
 lanes the routing masks) counts the share of its lanes that load at uniform routing (the hint
-:data:`LIVE`). *In flight* (``inflight_kb``) is, for each
-store marked ``# gate: row``, the bytes of the loads issued in the step whose value it stores;
-the least over a kernel's row stores. The predicted time of a launch (:func:`predicted_us`) is
-the slower of its busiest program's steps (times the waves of programs the GPU holds at once)
-and its bytes over the SMs it runs on at :data:`SM_GBPS` each. Both constants are fitted to
-the kernels measured on an H200 (docs/PERF.md, "The gate's predictions against the
-measurements").
+:data:`LIVE`), and a store marked ``# gate: row live`` (a row per routed choice or
+destination, masked where the routing sends none) the share that stores. *In flight*
+(``inflight_kb``) is, for each store marked ``# gate: row``, the bytes of the loads issued in
+the step whose value it stores; the least over a kernel's row stores. The predicted time of a
+launch (:func:`predicted_us`) is the slower of its busiest program's steps (times the waves of
+programs the GPU holds at once) and its bytes over the SMs it runs on at :data:`SM_GBPS` each.
+Both constants are fitted to the kernels measured on an H200 (docs/PERF.md, "The gate's
+predictions against the measurements").
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ from dataclasses import dataclass, field
 LATENCY_US = 0.32  # one dependent step under load
 SM_GBPS = 62.0  # bytes (loads plus stores) one SM moves per microsecond, in kB, when not waiting
 BARRIER_STEPS = 1.0  # a barrier across warps, in steps
-LIVE = "@live"  # hint: the share of a ``# gate: live`` load's lanes that load (no loop's name)
+LIVE = "@live"  # hint: the share of a marked load's or store's lanes that move (no loop's name)
 RARE = "@rare"  # hint: how often an ``if`` marked ``# gate: rare`` is taken
 GPU_SMS = 132  # SMs of an H100 / H200
 REGISTERS_PER_SM = 65536
@@ -366,7 +367,7 @@ class _Walk:
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.hints = hints
         self.row_lines = row_lines  # (basename, line) of the row stores
-        self.live_lines = live_lines  # (basename, line) of the loads the routing masks
+        self.live_lines = live_lines  # (basename, line) of the loads and stores the routing masks
         self.loads_at: dict = {}  # issue step -> bytes
         self.loaded: dict = {}  # value -> the issue step of the latest load it is made from
         self.marks: dict = {}  # value -> the cross-warp ops and gathers of a row loop it needs
@@ -415,7 +416,8 @@ class _Walk:
         return (os.path.basename(f), line) in self.row_lines
 
     def live_share(self, op: Op) -> float:
-        """The share of a load's lanes that load: :data:`LIVE`'s hint where it is marked."""
+        """The share of a load's or store's lanes that move: :data:`LIVE`'s hint where it is
+        marked."""
         f, line = source_of(self.m, op.loc)
         marked = (os.path.basename(f), line) in self.live_lines
         return self.hints.get(LIVE, 1.0) if marked else 1.0
@@ -487,7 +489,7 @@ class _Walk:
             elif name == "tt.store":
                 at = max(at, floor_mem)
                 floor_mem = at
-                moved += _bytes(op)
+                moved += _bytes(op) * self.live_share(op)
                 ready = at
                 if self.is_row_store(op):  # the loads issued with those of its rows
                     self.path.barriers_in_row_loops += sorted(marks)
@@ -612,7 +614,7 @@ def analyse(ttgir: str, scalars: dict, grid: tuple, hints: dict | None = None,
     """The busiest program's :class:`Path` through a compiled kernel launched with ``grid``
     and scalar arguments ``scalars`` (by name); ``hints``: trips of loops bounded by loaded
     data, by induction variable (and :data:`LIVE`); ``row_lines`` / ``live_lines``: ``(file
-    basename, line)`` of the row stores / of the loads marked ``# gate: live``."""
+    basename, line)`` of the row stores / of the loads and stores the routing masks (``live``)."""
     return walk(parse(ttgir), scalars, grid, hints, row_lines, live_lines)
 
 

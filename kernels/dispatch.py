@@ -153,7 +153,7 @@ def send_tokens(pid, programs, x, x_scales, topk_idx, topk_weights, slot_of, pai
                     + slot * ROW_BYTES
                 if FP8 == 0:
                     rowx = row8.to(tl.pointer_type(x.dtype.element_ty), bitcast=True)
-                    tl.store(rowx[:, None] + h[None, :], tile,  # gate: row
+                    tl.store(rowx[:, None] + h[None, :], tile,  # gate: row live
                              mask=sm[:, None] & hm[None, :])
                 else:
                     store_rows(row8, h0, h, g, H, codes, scales, exps, sm, hm, UE8M0, GS,
@@ -400,7 +400,7 @@ def expand_rows(s, first_slot, n, p, P, staging, staging_f32, meta, row_base, sl
             else:
                 for k in tl.static_range(BLOCK_K):  # each choice's rows from registers
                     dst_row = dsts[k].to(tl.int64)
-                    tl.store(out + dst_row[:, None] * H + h[None, :], tile,  # gate: row
+                    tl.store(out + dst_row[:, None] * H + h[None, :], tile,  # gate: row live
                              mask=(dst_row >= 0)[:, None] & hm[None, :])
         if FP8:  # the scales follow the H code bytes of each staging row (kernels.rows)
             g = tl.arange(0, BLOCK_G)

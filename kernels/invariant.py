@@ -128,7 +128,7 @@ def send_pairs(pid, programs, y, weights, pair_values, slot_rows, slot_offsets, 
                 h, hm = channel_tile(h0, H, BLOCK_H, EVEN_H)
                 m = rm[:, None] & hm[None, :]
                 v = tl.load(y + row[:, None] * H + h[None, :], mask=m)  # gate: live
-                tl.store(dst + at[:, None] * H + h[None, :], v, mask=m)  # gate: row
+                tl.store(dst + at[:, None] * H + h[None, :], v, mask=m)  # gate: row live
             wv = tl.zeros([BLOCK_T], tl.float32)
             pv = tl.zeros([BLOCK_T], tl.float32)
             if HAS_WEIGHTS:

@@ -310,6 +310,13 @@ def _slot_rows(world_size: int, num_experts: int, topk: int) -> list:
     return [0.0] + [q / (1 - p[0]) for q in p[1:]]
 
 
+def reaches_rank(world_size: int, num_experts: int, topk: int) -> float:
+    """P(a token has a choice among one rank's experts) at uniform routing: the share of a
+    send's per-destination row stores that store."""
+    local = num_experts // world_size
+    return 1 - math.comb(num_experts - local, topk) / math.comb(num_experts, topk)
+
+
 def fuller_tiles(world_size: int, num_experts: int, topk: int, slots: int,
                  in_flight: int) -> float:
     """The share of a combine send's tiles of ``slots`` slots that hold a slot of more than
@@ -440,6 +447,17 @@ def _per_token_tiles(a: dict) -> int:
     return _cdiv(a["T"], a["BLOCK_T"] * a["programs"])
 
 
+def _send_live(a: dict) -> float:
+    """The share of the send's per-destination row stores that store (``# gate: row live``)."""
+    return reaches_rank(a["R"], a["ROUTED_EXPERTS"], a["K"])
+
+
+def _expand_live(a: dict) -> float:
+    """The share of the expand's per-choice row stores that store (``# gate: row live``): a
+    received token's choices on this rank over the ``BLOCK_K`` columns (grid (R, P))."""
+    return slot_rows_mean(a["grid0"], a["ROUTED_EXPERTS"], a["K"]) / a["BLOCK_K"]
+
+
 SCHEDULES = {
     "layout_count_kernel": Schedule(CONTROL, lambda a: 1),
     "layout_place_kernel": Schedule(CONTROL, _layout_place_trips),
@@ -452,10 +470,10 @@ SCHEDULES = {
     "ft_wait_epochs_kernel": Schedule(CONTROL, lambda a: 1),
     "set_word_on_all_kernel": Schedule(CONTROL, lambda a: 1),
     "quantize_kernel": Schedule(WAVE, lambda a: 1),
-    "dispatch_send_kernel": Schedule(PERSISTENT, _per_token_tiles),
+    "dispatch_send_kernel": Schedule(PERSISTENT, _per_token_tiles, live=_send_live),
     "dispatch_expand_kernel": Schedule(WAVE, _expand_trips, loops={
         "j0": _expand_slot_tiles, "pad0": lambda a: 1, "tail0": _expand_tail_tiles,
-        "slot0": _expand_slot_row_tiles}),
+        "slot0": _expand_slot_row_tiles}, live=_expand_live),
     "combine_send_kernel": Schedule(PERSISTENT, _combine_send_trips, loops={
         "w": _combine_send_trips, "c": _combine_further_rows},
         live=_combine_live, rare=_combine_fuller),

@@ -229,6 +229,22 @@ def test_a_gather_the_routing_masks_counts_its_live_lanes_only(source):
     assert walk(body.format(line="#loc1"), source, hints={cp.LIVE: 0.25}).bytes == 3 * 128 * 4
 
 
+def test_a_store_the_routing_masks_counts_its_live_lanes_only(source):
+    """A row store on a line the routing masks (``# gate: row live``: one of a token's
+    destinations or choices, stored where the routing sends it there) moves the hint's share
+    of its bytes; the loads it stores stay whole."""
+    body = """\
+    %p = tt.splat %a : !tt.ptr<i32> -> tensor<128x!tt.ptr<i32>, #blocked> loc(#loc1)
+    %x = tt.load %p : tensor<128x!tt.ptr<i32>, #blocked> loc(#loc1)
+    tt.store %p, %x : tensor<128x!tt.ptr<i32>, #blocked> loc({line})
+"""
+    marked = walk(body.format(line="#loc4"), source, hints={cp.LIVE: 0.25})
+    assert marked.bytes == (1 + 0.25) * 128 * 4
+    assert marked.steps == 1
+    assert walk(body.format(line="#loc4"), source).bytes == 2 * 128 * 4
+    assert walk(body.format(line="#loc2"), source, hints={cp.LIVE: 0.25}).bytes == 2 * 128 * 4
+
+
 def test_predicted_time_is_the_slower_of_steps_and_bytes():
     path = cp.Path(steps=10, bytes=0)
     assert cp.predicted_us(path, programs=132, regs=64, num_warps=8) == \
@@ -241,9 +257,9 @@ def test_predicted_time_is_the_slower_of_steps_and_bytes():
 
 
 def test_the_combine_sends_routing_hints_match_a_uniform_draw():
-    """tiles.live_choices, fuller_tiles, further_rows, fullest_slot and slot_rows_mean against
-    tokens routed at random: rank 0 of 8 holds 32 of 256 experts, top-8; its slots are the
-    tokens with a choice there, in tiles of 64."""
+    """tiles.live_choices, fuller_tiles, further_rows, fullest_slot, slot_rows_mean and
+    reaches_rank against tokens routed at random: rank 0 of 8 holds 32 of 256 experts, top-8;
+    its slots are the tokens with a choice there, in tiles of 64."""
     import numpy as np
 
     from moe_comm.kernels.tiles import (
@@ -251,6 +267,7 @@ def test_the_combine_sends_routing_hints_match_a_uniform_draw():
         fullest_slot,
         further_rows,
         live_choices,
+        reaches_rank,
         slot_rows_mean,
     )
 
@@ -269,3 +286,5 @@ def test_the_combine_sends_routing_hints_match_a_uniform_draw():
             np.maximum(tiles - in_flight, 0).mean(), abs=0.05)
     assert fullest_slot(8, 256, 8, 64) == pytest.approx(tiles.mean(), abs=0.05)
     assert slot_rows_mean(8, 256, 8) == pytest.approx(rows.mean(), abs=0.01)
+    # a token reaches rank 0 where one of its choices is there (the send's live share)
+    assert reaches_rank(8, 256, 8) == pytest.approx((chosen < 32).any(axis=1).mean(), abs=0.01)

@@ -347,6 +347,26 @@ def test_markers_must_sit_on_the_line_where_the_store_starts(tmp_path):
     assert ":7:" in problems[1] and "unknown gate tag" in problems[1]
 
 
+def test_a_store_the_routing_masks_is_a_row_store_and_a_live_line(tmp_path):
+    """``# gate: row live``: a row store (its widths, the bytes in flight at it) whose lanes the
+    routing masks (kernels.critical_path counts the schedule's live share of its bytes), every
+    line of its call; only a store of row data takes ``live``."""
+    from moe_comm.kernels.compiled import marked_lines
+
+    (tmp_path / "k.py").write_text("x = 1\n"
+                                   "tl.store(p, v,  # gate: row live\n"
+                                   "         mask=m)\n"
+                                   "v = tl.load(q, mask=m)  # gate: live\n"
+                                   "tl.store(r, v)  # gate: row\n")
+    assert marked_lines(str(tmp_path), "row") == {("k.py", 2), ("k.py", 3), ("k.py", 5)}
+    assert marked_lines(str(tmp_path), "live") == {("k.py", 2), ("k.py", 3), ("k.py", 4)}
+    assert check_markers(str(tmp_path / "k.py")) == []
+    (tmp_path / "k.py").write_text("if bad:  # gate: cold live\n")
+    problems = check_markers(str(tmp_path / "k.py"))
+    assert len(problems) == 1 and ":1:" in problems[0] and "only a store" in problems[0], \
+        problems
+
+
 def test_store_widths_are_read_per_marked_line(tmp_path):
     src = tmp_path / "kern.py"
     src.write_text("a\n"

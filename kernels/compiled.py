@@ -159,15 +159,21 @@ def _marked_spans(path: str, live_stores: bool = False) -> dict[int, tuple[str, 
         return {}
     spans = {}
     for start, tag in _source_markers(path, live_stores).items():
-        depth, end = 0, start
-        for end in range(start, len(lines) + 1):
-            code = lines[end - 1].split("#", 1)[0]
-            depth += code.count("(") - code.count(")")
-            if depth <= 0:
-                break
-        for line in range(start, end + 1):
+        for line in call_span(lines, start):
             spans.setdefault(line, (tag, start))
     return spans
+
+
+def call_span(lines: list, start: int) -> range:
+    """The lines (1-based) of ``lines`` of the call that starts on line ``start``: to the line
+    where its parentheses close."""
+    depth, end = 0, start
+    for end in range(start, len(lines) + 1):
+        code = lines[end - 1].split("#", 1)[0]
+        depth += code.count("(") - code.count(")")
+        if depth <= 0:
+            break
+    return range(start, end + 1)
 
 
 def _resolve(path: str, package_dir: str) -> str:

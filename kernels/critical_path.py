@@ -46,9 +46,10 @@ import os
 import re
 from dataclasses import dataclass, field
 
-# Fitted to the kernels measured on an H200 on 2026-12-04 (docs/PERF.md)
-LATENCY_US = 0.32  # one dependent step under load
-SM_GBPS = 62.0  # bytes (loads plus stores) one SM moves per microsecond, in kB, when not waiting
+# Fitted to the kernels measured on an H200 on 2026-12-04, as this analysis reads them
+# (bench/measured/gate-paths-320afca.tsv, bench/fit_model.py; docs/PERF.md)
+LATENCY_US = 0.35  # one dependent step under load
+SM_GBPS = 39.0  # bytes (loads plus stores) one SM moves per microsecond, in kB, when not waiting
 BARRIER_STEPS = 1.0  # a barrier across warps, in steps
 LIVE = "@live"  # hint: the share of a marked load's or store's lanes that move (no loop's name)
 RARE = "@rare"  # hint: how often an ``if`` marked ``# gate: rare`` is taken

@@ -478,17 +478,22 @@ def test_implementations_keep_their_own_formats_and_costs():
 def test_moe_comm_normal_constants_are_this_package_s_measurements():
     """The moe_comm normal mode's layout cost, per-SM copy rate and SMs come from this
     package (docs/PERFMODEL.md section 6); moe_comm.perfmodel itself stays free of the kernels."""
-    from moe_comm.kernels.critical_path import SM_GBPS
     from moe_comm.rings import DEFAULT_GPU_SMS
     alg = IMPLEMENTATIONS["moe_comm"].modes["normal"]
-    assert alg.sm_copy_GBps == SM_GBPS / 2      # SM_GBPS counts loads plus stores: a copy is both
     assert alg.num_sms == DEFAULT_GPU_SMS
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "bench", "measured", "h200-2026-12-04-kernels.tsv")) as fh:
         rows = [line.rstrip("\n").split("\t") for line in fh if not line.startswith("#")]
-    layout = sum(float(r[3]) for r in rows[1:] if r[1].startswith("normal EP8 T=4096 bf16 dispatch")
-                 and r[2] in ("layout_count_kernel", "layout_place_kernel"))
+    dispatch = [r for r in rows[1:] if r[1].startswith("normal EP8 T=4096 bf16 dispatch")]
+    layout = sum(float(r[3]) for r in dispatch
+                 if r[2] in ("layout_count_kernel", "layout_place_kernel"))
     assert alg.per_token_us == (pytest.approx(layout / 8 / 4096), 0.0) and layout == 30 + 98
+    # the send's copy rate: each token to the ranks its top-8 of 256 experts live on (8 ranks),
+    # a bf16 row of 7168 channels each, in the send's device time a rank, on num_sms SMs
+    send_us = sum(float(r[3]) for r in dispatch if r[2] == "dispatch_send_kernel") / 8
+    destinations = 8 * (1 - math.comb(256 - 32, 8) / math.comb(256, 8))
+    rate = 4096 * destinations * 7168 * 2 / (send_us * 1e-6) / DEFAULT_GPU_SMS / 1e9
+    assert alg.sm_copy_GBps == pytest.approx(rate, abs=0.05) and send_us == 2565 / 8
     pkg = os.path.dirname(os.path.abspath(calibration.__file__))
     for name in sorted(os.listdir(pkg)):
         if name.endswith(".py"):

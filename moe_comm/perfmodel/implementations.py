@@ -104,12 +104,12 @@ def with_algorithm(impl: Implementation, mode: str, **changes) -> Implementation
 # Normal dispatch's routing layout: layout_count_kernel 30 us + layout_place_kernel 98 us per
 # call for 8 ranks of 4096 tokens each, per token of the rank (it scales with the rank's tokens).
 MOE_COMM_LAYOUT_US = (30 + 98) / 8 / 4096
-# Normal mode's per-SM copy rate: kernels/critical_path.py's SM_GBPS = 62 (bytes loaded plus
-# stored per SM, GB/s), fitted by bench/fit_model.py to the 14 Triton kernels of that run
-# (docs/PERF.md, "The gate's predictions against the measurements"). A copy loads and stores
-# each byte, so one SM copies SM_GBPS / 2 (tests/test_perfmodel.py checks it against SM_GBPS;
-# moe_comm.perfmodel does not import the kernels).
-MOE_COMM_SM_COPY_GBPS = 62.0 / 2
+# Normal mode's per-SM copy rate: what that run's bf16 dispatch send copied, 4096 tokens x
+# 5.29 destinations (uniform top-8 of 256 experts on 8 ranks) x 14,336 bytes in 320.6 us a rank
+# on 20 SMs: 48.5 GB/s an SM (tests/test_perfmodel.py computes it from the data file;
+# moe_comm.perfmodel does not import the kernels). That run's combine send, which gathers the
+# rows it sums at random, copied about 7.
+MOE_COMM_SM_COPY_GBPS = 48.5
 # Normal mode's SMs: the Buffer's default num_sms on GPUs (moe_comm/rings.py DEFAULT_GPU_SMS).
 MOE_COMM_NUM_SMS = 20
 
@@ -134,9 +134,9 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                "2026-12-04 evening on commit 320afca, bench/measured/h200-2026-12-04-kernels.tsv"
                "): the normal dispatch's routing layout, 0.0039 us per token of the rank "
                "(layout_count_kernel 30 us + layout_place_kernel 98 us per call over 8 ranks of "
-               "4096 tokens), and the normal mode's per-SM copy rate, 31 GB/s copied (the gate's "
-               "SM_GBPS, 62 GB/s loaded plus stored, fitted to that run's 14 Triton kernels, "
-               "halved)",
+               "4096 tokens), and the normal mode's per-SM copy rate, 48.5 GB/s copied (that "
+               "run's bf16 dispatch send: 4096 x 5.29 rows of 14,336 bytes in 320.6 us a rank "
+               "on 20 SMs; its combine send, gathering at random, copied about 7)",
                "normal mode on 20 SMs: the Buffer's default num_sms on GPUs "
                "(moe_comm/rings.py DEFAULT_GPU_SMS)",
                "DeepEP V1's fitted values, not measured for this package: the NVLink copy "

@@ -589,7 +589,8 @@ class Buffer:
         if self.ep_invariant:  # (a call only where it may refuse: the host path counts them)
             self._invariant_normal_mode()
         try:
-            ue8m0 = scale_code(dispatch_dtype, ue8m0, scale_layout)
+            ue8m0 = (int(bool(ue8m0)) if dispatch_dtype is None and scale_layout == "row_major"
+                     else scale_code(dispatch_dtype, ue8m0, scale_layout))  # (plain: no call)
             rows, scales, mode = self._dispatch_inputs(
                 x, topk_idx, topk_weights, expert_alignment, fp8, ue8m0, col_major_scales,
                 max_recv_rows, global_scale)

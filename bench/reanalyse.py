@@ -436,11 +436,10 @@ def parse_live(options: list, package_dir: str) -> dict:
     return live
 
 
-def analyse_rows(args, commit: Commit, recorded: list) -> list[dict]:
+def analyse_rows(args, cp, commit: Commit, recorded: list) -> list[dict]:
     """The TSV's rows, each with what ``--verbose`` prints (keys starting with ``_``)."""
     from moe_comm.kernels.compiled import marked_lines  # (this tree's reading of markers)
 
-    cp = load_analyser(args.analyser)
     package_dir = os.path.join(args.src, "kernels")
     marked = marked_lines(package_dir, "row"), marked_lines(package_dir, "live")
     extra_live = parse_live(list(commit.live) + args.live, package_dir)
@@ -643,9 +642,10 @@ def main(argv=None) -> int:
             print(f"worker failed ({rc})", file=sys.stderr)
             return rc
         recorded = load_recording(argparse.Namespace(cache=args.cache, refresh=False), commit)
-    rows = analyse_rows(args, commit, recorded)
+    cp = load_analyser(args.analyser)
+    rows = analyse_rows(args, cp, commit, recorded)
     write_tsv(out, args.commit, rows, analyser_note(
-        args.analyser, list(commit.live) + args.live, load_analyser(args.analyser)))
+        args.analyser, list(commit.live) + args.live, cp))
     if args.verbose:
         for r in rows:
             rec = r["_rec"]
